@@ -1,0 +1,178 @@
+"""Fused flash attention (differential or standard): `custom_vjp` and per-platform dispatch.
+
+`flash_attention(..., num_components=2)` is the differential operator
+`softmax(s·Q1K1ᵀ+M)·V − λ·softmax(s·Q2K2ᵀ+M)·V`; `num_components=1` is standard attention. The
+backward pass uses the identities of the design note (no division by λ):
+  dP1 = dO·Vᵀ, dP2 = −λ·dP1, r2 = rowsum(dO∘O2), δ1 = rowsum(dO∘O) + λ·r2, δ2 = −λ·r2,
+  dλ = −Σ r2, dSc = Pc∘(dPc − δc)·s.
+Residuals: O, O2 (input dtype) and the logsumexps (B, H, nc, T) float32.
+
+The kernel is picked per lowering platform with `lax.platform_dependent`: Triton on cuda/rocm,
+Mosaic on tpu, and the Triton-style kernel under the Pallas interpreter elsewhere (CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels import flash_gpu, flash_tpu
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes and Triton launch parameters; None takes the backend's default."""
+
+    block_q: int | None = None
+    block_k: int | None = None
+    block_q_bwd: int | None = None
+    block_k_bwd: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+GPU_DEFAULTS = BlockSizes(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=4,
+                          num_stages=2)
+TPU_DEFAULTS = BlockSizes(block_q=512, block_k=512, block_q_bwd=256, block_k_bwd=256)
+
+
+def _fill(bs: BlockSizes | None, defaults: BlockSizes) -> dict[str, int]:
+    bs = bs or BlockSizes()
+    return {f.name: getattr(bs, f.name) if getattr(bs, f.name) is not None
+            else getattr(defaults, f.name) for f in dataclasses.fields(BlockSizes)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    nc: int
+    causal: bool
+    block_sizes: BlockSizes | None
+    interpret: Any  # None | bool | pltpu.InterpretParams
+    backend: str | None  # None: by platform; "gpu" / "tpu": that kernel (interpreted off-device)
+
+
+def _gpu_kwargs(cfg: _Config, bwd: bool) -> dict[str, int]:
+    kw = _fill(cfg.block_sizes, GPU_DEFAULTS)
+    if not bwd:
+        kw.pop("block_q_bwd"), kw.pop("block_k_bwd")
+    return kw
+
+
+def _tpu_kwargs(cfg: _Config, bwd: bool) -> dict[str, int]:
+    kw = _fill(cfg.block_sizes, TPU_DEFAULTS)
+    kw.pop("num_warps"), kw.pop("num_stages")
+    if not bwd:
+        kw.pop("block_q_bwd"), kw.pop("block_k_bwd")
+    return kw
+
+
+def _tpu_interpret(interpret):
+    if interpret is True:
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.InterpretParams()
+    return interpret
+
+
+def _dispatch(cfg: _Config, gpu_fn, tpu_fn, *args, bwd: bool):
+    """Run the kernel that fits the lowering platform (or `cfg.backend`)."""
+    nc, causal = cfg.nc, cfg.causal
+
+    def gpu(interpret):
+        return gpu_fn(*args, nc=nc, causal=causal, interpret=bool(interpret),
+                      **_gpu_kwargs(cfg, bwd))
+
+    def tpu(interpret):
+        return tpu_fn(*args, nc=nc, causal=causal, interpret=_tpu_interpret(interpret),
+                      **_tpu_kwargs(cfg, bwd))
+
+    on_device = False if cfg.interpret is None else cfg.interpret
+    off_device = True if cfg.interpret is None else cfg.interpret
+    branches = {}
+    if cfg.backend in (None, "gpu"):
+        branches["cuda"] = branches["rocm"] = lambda: gpu(on_device)
+    if cfg.backend in (None, "tpu"):
+        branches["tpu"] = lambda: tpu(on_device)
+    default = (lambda: tpu(off_device)) if cfg.backend == "tpu" else (lambda: gpu(off_device))
+    return lax.platform_dependent(**branches, default=default)
+
+
+def _forward(cfg, q, k, v, lam, q_seg, kv_seg):
+    return _dispatch(cfg, flash_gpu.fwd, flash_tpu.fwd, q, k, v, lam, q_seg, kv_seg, bwd=False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg, q, k, v, lam, q_seg, kv_seg):
+    return _forward(cfg, q, k, v, lam, q_seg, kv_seg)[0]
+
+
+def _flash_fwd(cfg, q, k, v, lam, q_seg, kv_seg):
+    o, o2, lse = _forward(cfg, q, k, v, lam, q_seg, kv_seg)
+    return o, (q, k, v, lam, q_seg, kv_seg, o, o2, lse)
+
+
+def _flash_bwd(cfg, res, do):
+    q, k, v, lam, q_seg, kv_seg, o, o2, lse = res
+    do32 = do.astype(jnp.float32)
+    r1 = jnp.einsum("bthe,bthe->bht", do32, o.astype(jnp.float32))  # (B, H, T)
+    if cfg.nc == 2:
+        r2 = jnp.einsum("bthe,bthe->bht", do32, o2.astype(jnp.float32))
+        delta = jnp.stack([r1 + lam * r2, -lam * r2], axis=2)  # (B, H, 2, T)
+        dlam = -jnp.sum(r2)
+    else:
+        delta, dlam = r1[:, :, None], jnp.zeros((), jnp.float32)
+    dq, dk, dv = _dispatch(cfg, flash_gpu.bwd, flash_tpu.bwd, q, k, v, lam, q_seg, kv_seg, do,
+                           lse, delta, bwd=True)
+    return dq, dk, dv, dlam.reshape(lam.shape).astype(lam.dtype), None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lam: jax.Array | float | None = None,
+    *,
+    num_components: int,
+    segment_ids: jax.Array | None = None,
+    causal: bool = True,
+    block_sizes: BlockSizes | None = None,
+    interpret: Any = None,
+    backend: str | None = None,
+) -> jax.Array:
+    """Fused attention with `num_components` softmaxes (2: differential, 1: standard).
+
+    q (B, T, H·nc, d), k (B, S, Hkv·nc, d), v (B, S, Hkv, dv) -> (B, T, H, dv). `lam` (scalar,
+    nc = 2 only) is differentiable. `segment_ids` (B, T) requires S == T. `interpret=None`
+    interprets on platforms without a kernel (CPU); `backend` forces the "gpu" or "tpu" kernel.
+    """
+    nc = num_components
+    b, t, hq, d = q.shape
+    s = k.shape[1]
+    if nc not in (1, 2):
+        raise ValueError(f"num_components must be 1 or 2, got {nc}")
+    if hq % nc or k.shape[2] % nc:
+        raise ValueError(f"q and k head counts must be multiples of {nc}: {q.shape}, {k.shape}")
+    h, hkv = hq // nc, k.shape[2] // nc
+    if k.shape != (b, s, hkv * nc, d) or v.shape[:3] != (b, s, hkv) or h % hkv:
+        raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    if backend not in (None, "gpu", "tpu"):
+        raise ValueError(f"backend must be None, 'gpu' or 'tpu', got {backend!r}")
+    for n, name in ((d, "d"), (v.shape[3], "dv")):
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"the pallas kernels need {name} to be a power of two >= 16, got {n}")
+    q_seg = kv_seg = None
+    if segment_ids is not None:
+        if s != t:
+            raise ValueError("segment_ids need S == T")
+        q_seg = kv_seg = segment_ids.astype(jnp.int32)
+    lam = jnp.asarray(0.0 if lam is None else lam, jnp.float32)
+    cfg = _Config(nc, bool(causal), block_sizes, interpret, backend)
+    return _flash(cfg, q, k, v, lam, q_seg, kv_seg)

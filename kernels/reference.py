@@ -1,0 +1,130 @@
+"""Pure-jnp attention: the oracle every fused kernel must match.
+
+Layouts (no copies needed between the model and the kernels):
+  differential: q (B, T, 2H, d) with Q1 = sub-head 2h and Q2 = 2h+1; k (B, S, 2Hkv, d) paired the
+  same way; v (B, S, Hkv, 2d). DIFF head h reads kv group h // (H // Hkv) (the `flash` pairing).
+  standard: q (B, T, Hq, d), k and v (B, S, Hkv, d); query head j reads kv head j // (Hq // Hkv).
+
+Masks: `causal` keeps key j for query i when j <= i (top-left aligned, as
+`jax.nn.dot_product_attention`); `segment_ids` (B, T) keeps pairs in the same segment, and a query
+or key with segment 0 (padding) sees nothing / is seen by nothing. A fully masked query row
+outputs zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -1e30
+
+
+def attention_mask(
+    t: int,
+    s: int,
+    *,
+    causal: bool,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+) -> jax.Array | None:
+    """Boolean mask broadcastable to (B, 1, T, S); None when nothing is masked."""
+    mask = None
+    if causal:
+        mask = (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None, None]
+    if q_segment_ids is not None:
+        if kv_segment_ids is None:
+            kv_segment_ids = q_segment_ids
+        same = q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :]
+        seg = same & (q_segment_ids[:, None, :, None] != 0)
+        mask = seg if mask is None else mask & seg
+    return mask
+
+
+def _softmax(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """float32 softmax over the last axis; masked entries get probability 0 (all-masked rows: 0)."""
+    scores = scores.astype(jnp.float32)
+    if mask is None:
+        return jax.nn.softmax(scores, axis=-1)
+    scores = jnp.where(mask, scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.where(mask, probs, 0.0)
+
+
+def _grouped(q: jax.Array, num_kv: int) -> jax.Array:
+    """(B, T, Hq, d) -> (B, T, Hkv, Hq // Hkv, d): query heads grouped by the kv head they read."""
+    b, t, hq, d = q.shape
+    if hq % num_kv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({num_kv})")
+    return q.reshape(b, t, num_kv, hq // num_kv, d)
+
+
+def diff_attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lam: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    causal: bool = True,
+    return_maps: bool = False,
+):
+    """softmax(s·Q1K1ᵀ+M)·V − λ·softmax(s·Q2K2ᵀ+M)·V per DIFF head, s = d^-1/2; (B, T, H, 2d).
+
+    With `return_maps` also returns (A1, A2), each (B, H, T, S) float32.
+    """
+    b, t, two_h, d = q.shape
+    _, s, two_hkv, _ = k.shape
+    hkv = two_hkv // 2
+    if v.shape != (b, s, hkv, 2 * d):
+        raise ValueError(f"v must have shape {(b, s, hkv, 2 * d)}, got {v.shape}")
+    h = two_h // 2
+    n_rep = h // hkv
+    scale = d**-0.5
+    # (B, T, Hkv, n_rep, 2, d) and (B, S, Hkv, 2, d): component c of head (g, r) meets K_c of group g.
+    qg = q.reshape(b, t, hkv, n_rep, 2, d)
+    kg = k.reshape(b, s, hkv, 2, d)
+    scores = jnp.einsum(
+        "btgrcd,bsgcd->bgrcts", qg, kg, preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision.HIGHEST,
+    ) * scale
+    mask = attention_mask(t, s, causal=causal, q_segment_ids=segment_ids)
+    if mask is not None:
+        mask = mask[:, :, None, None]  # (B, 1, 1, 1, T, S)
+    probs = _softmax(scores, mask)  # (B, Hkv, n_rep, 2, T, S)
+    lam = jnp.asarray(lam, jnp.float32)
+    diff = probs[:, :, :, 0] - lam * probs[:, :, :, 1]  # (B, Hkv, n_rep, T, S)
+    out = jnp.einsum(
+        "bgrts,bsge->btgre", diff, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
+    out = out.reshape(b, t, h, 2 * d).astype(q.dtype)
+    if return_maps:
+        a1 = probs[:, :, :, 0].reshape(b, h, t, s)
+        a2 = probs[:, :, :, 1].reshape(b, h, t, s)
+        return out, (a1, a2)
+    return out
+
+
+def attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    causal: bool = True,
+) -> jax.Array:
+    """Standard (GQA) softmax attention, s = d^-1/2, float32 softmax; (B, T, Hq, dv)."""
+    b, t, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    qg = _grouped(q, hkv)  # (B, T, Hkv, R, d)
+    scores = jnp.einsum(
+        "btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision.HIGHEST,
+    ) * (d**-0.5)
+    mask = attention_mask(t, s, causal=causal, q_segment_ids=segment_ids)
+    if mask is not None:
+        mask = mask[:, :, None]  # (B, 1, 1, T, S)
+    probs = _softmax(scores, mask)
+    out = jnp.einsum(
+        "bgrts,bsge->btgre", probs, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
+    return out.reshape(b, t, hq, v.shape[-1]).astype(q.dtype)

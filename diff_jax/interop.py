@@ -1,0 +1,181 @@
+"""Conversion between the PyTorch reference's attention state_dict and diff-jax parameters.
+
+The layouts agree (adjacent Q1/Q2 sub-heads, heads concatenated in order), so a projection's
+Flax kernel (in, out) is the transpose of the reference `Linear.weight` (out, in); the λ vectors
+and the per-head norm weight are copied as they are. λ_init is not stored: it follows from the
+layer index (`depth`).
+
+    python -m diff_jax.interop run-reference IN.npz OUT.npz
+
+runs this project's attention module on a reference state_dict and input (see `run_reference`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diff_jax.attention import ATTENTION_MODULES
+from diff_jax.config import ConfigError, ModelConfig
+
+# reference key -> (path in our attention parameter tree, is a Linear weight to transpose)
+_PROJ_V1 = ("q_proj", "k_proj", "v_proj", "out_proj")
+_PROJ_V2 = ("q_proj", "k_proj", "v_proj", "o_proj", "lambda_proj")
+_PROJ_BASE = ("q_proj", "k_proj", "v_proj", "out_proj")
+_VECTORS_V1 = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
+
+def _layout(variant: str) -> dict[str, tuple[tuple[str, ...], bool]]:
+    proj = {"diff": _PROJ_V1, "diff_v2": _PROJ_V2, "transformer": _PROJ_BASE}[variant]
+    table = {f"{p}.weight": ((p, "kernel"), True) for p in proj}
+    if variant == "diff":
+        table.update({n: ((n,), False) for n in _VECTORS_V1})
+        table["subln.weight"] = (("subln", "scale"), False)
+    return table
+
+
+def reference_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The reference state_dict shapes of one attention module of `config`."""
+    e, h, kv, d = config.embed_dim, config.num_heads, config.kv_heads, config.resolved_head_dim
+    if config.variant == "diff":
+        return {
+            "q_proj.weight": (2 * h * d, e), "k_proj.weight": (2 * kv * d, e),
+            "v_proj.weight": (2 * kv * d, e), "out_proj.weight": (e, 2 * h * d),
+            **{n: (d,) for n in _VECTORS_V1}, "subln.weight": (2 * d,),
+        }
+    if config.variant == "diff_v2":
+        return {
+            "q_proj.weight": (2 * h * d, e), "k_proj.weight": (kv * d, e),
+            "v_proj.weight": (kv * d, e), "o_proj.weight": (e, h * d), "lambda_proj.weight": (h, e),
+        }
+    return {
+        "q_proj.weight": (h * d, e), "k_proj.weight": (kv * d, e),
+        "v_proj.weight": (kv * d, e), "out_proj.weight": (e, h * d),
+    }
+
+
+def from_reference(state_dict: Mapping[str, np.ndarray], config: ModelConfig) -> dict:
+    """Reference attention state_dict (numpy, reference names) -> our attention parameter tree."""
+    expected = reference_shapes(config)
+    params: dict = {}
+    for key, ((*parents, leaf), transpose) in _layout(config.variant).items():
+        if key not in state_dict:
+            raise KeyError(f"reference state_dict is missing {key!r} (expected shape {expected[key]})")
+        value = np.asarray(state_dict[key], np.float32)
+        if value.shape != expected[key]:
+            raise ValueError(f"{key}: expected shape {expected[key]}, got {value.shape}")
+        node = params
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value.T if transpose else value
+    extra = sorted(set(state_dict) - set(expected))
+    if extra:
+        raise KeyError(f"unexpected keys in the reference state_dict for {config.variant}: {extra}")
+    return params
+
+
+def to_reference(params: Mapping, config: ModelConfig) -> dict[str, np.ndarray]:
+    """Our attention parameter tree -> reference state_dict (numpy, (out, in) weights)."""
+    out = {}
+    for key, (path, transpose) in _layout(config.variant).items():
+        node = params
+        for p in path:
+            node = node[p]
+        value = np.asarray(node)
+        out[key] = np.ascontiguousarray(value.T) if transpose else value
+    return out
+
+
+def attention_output(
+    state_dict: Mapping[str, np.ndarray],
+    x: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    config: ModelConfig,
+    depth: int,
+) -> np.ndarray:
+    """Run our attention module (float32) with reference weights and explicit RoPE tables."""
+    params = from_reference(state_dict, config)
+    module = ATTENTION_MODULES[config.variant](config, depth=depth)
+    fn = jax.jit(lambda p, x, c, s: module.apply({"params": p}, x, rope=(c, s)))
+    out = fn(params, jnp.asarray(x, jnp.float32), jnp.asarray(cos, jnp.float32),
+             jnp.asarray(sin, jnp.float32))
+    return np.asarray(out)
+
+
+def _scalar(data: Mapping, key: str, kind: type):
+    if key not in data:
+        raise KeyError(f"IN.npz is missing the scalar {key!r}")
+    value = np.asarray(data[key])
+    if value.shape != ():
+        raise ValueError(f"{key}: expected a scalar, got shape {value.shape}")
+    return kind(value.item())
+
+
+def _array(data: Mapping, key: str, shape: tuple[int, ...]) -> np.ndarray:
+    if key not in data:
+        raise KeyError(f"IN.npz is missing {key!r} (expected shape {shape})")
+    value = np.asarray(data[key])
+    if value.shape != shape:
+        raise ValueError(f"{key}: expected shape {shape}, got {value.shape}")
+    return value.astype(np.float32)
+
+
+def run_reference(in_path: str, out_path: str) -> None:
+    """IN.npz (reference tensors, x, rope_cos, rope_sin, scalars) -> OUT.npz with `output` (B,T,E)."""
+    with np.load(in_path, allow_pickle=False) as f:
+        data = {k: f[k] for k in f.files}
+    variant = _scalar(data, "variant", str)
+    if variant not in ("v1", "v2"):
+        raise ValueError(f"variant: expected 'v1' or 'v2', got {variant!r}")
+    e = _scalar(data, "embed_dim", int)
+    h = _scalar(data, "num_heads", int)
+    kv = _scalar(data, "num_kv_heads", int)
+    if variant == "v1":
+        depth = _scalar(data, "depth", int)
+        pairing = _scalar(data, "gqa_pairing", str)
+        if pairing not in ("flash", "naive"):
+            raise ValueError(f"gqa_pairing: expected 'flash' or 'naive', got {pairing!r}")
+        config = ModelConfig(variant="diff", embed_dim=e, num_heads=h, num_kv_heads=kv,
+                             num_layers=depth + 1, gqa_pairing=pairing)
+    else:
+        depth = 0
+        config = ModelConfig(variant="diff_v2", embed_dim=e, num_heads=h, num_kv_heads=kv,
+                             head_dim=_scalar(data, "head_dim", int))
+    if "x" not in data:
+        raise KeyError("IN.npz is missing 'x' (expected shape (B, T, embed_dim))")
+    x = np.asarray(data["x"])
+    if x.ndim != 3 or x.shape[-1] != e:
+        raise ValueError(f"x: expected shape (B, T, {e}), got {x.shape}")
+    half = config.resolved_head_dim // 2
+    cos = _array(data, "rope_cos", (x.shape[1], half))
+    sin = _array(data, "rope_sin", (x.shape[1], half))
+    names = set(reference_shapes(config))
+    state_dict = {k: v for k, v in data.items() if k in names}
+    missing = sorted(names - set(state_dict))
+    if missing:
+        raise KeyError(f"IN.npz is missing reference tensor(s) {missing}")
+    out = attention_output(state_dict, x, cos, sin, config, depth)
+    np.savez(out_path, output=out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 3 or argv[0] != "run-reference":
+        print("usage: python -m diff_jax.interop run-reference IN.npz OUT.npz", file=sys.stderr)
+        return 2
+    try:
+        run_reference(argv[1], argv[2])
+    except (KeyError, ValueError, ConfigError, OSError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"error: {msg}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Model size and cost from a config, without allocating anything.
+
+    python -m diff_jax.summary CONFIG [key=value ...]
+
+prints one JSON object. Parameter counts come from `jax.eval_shape` of the real `init`.
+
+`flops_per_token` counts training model FLOPs (forward + backward = 3 × forward, one multiply-add
+= 2 FLOPs) at `train.seq_len` = T:
+  6 · N_matmul                          every projection and the LM head (E·V, tied or not)
+  + 6 · L · T_eff · (W_qk + W_v)        attention scores and the value product
+with T_eff = (T + 1) / 2 (the mean number of keys a causal query reads), W_qk = the summed width
+of all query·key dot products of a token (DIFF: 2H·d = E; V2: 2h·d; Transformer: H·d_head) and
+W_v = the summed width of the value products (DIFF: H·2d, one product with (A1 − λA2) per
+head; V2: 2h·d; Transformer: H·d_head). A DIFF model and its Transformer twin therefore have
+equal model FLOPs, as the paper's matched comparison intends; the fused kernel's extra work
+(two value products per DIFF head, see `kernels`) is hardware cost, not model FLOPs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from diff_jax.attention import lambda_init
+from diff_jax.config import Config, ConfigError, ModelConfig, load_config
+from diff_jax.transformer import DecoderLM
+
+
+def abstract_params(config: ModelConfig) -> dict:
+    """The parameter tree as ShapeDtypeStructs (logical-partitioning boxes removed)."""
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    variables = jax.eval_shape(DecoderLM(config).init, jax.random.key(0), tokens)
+    return nn.meta.unbox(variables)["params"]
+
+
+def attention_widths(config: ModelConfig) -> tuple[int, int]:
+    """(W_qk, W_v): summed widths of one token's query·key and value products in one layer."""
+    h, d = config.num_heads, config.resolved_head_dim
+    if config.variant == "diff":
+        return 2 * h * d, h * 2 * d
+    if config.variant == "diff_v2":
+        return 2 * h * d, 2 * h * d
+    return h * d, h * d
+
+
+def flops_per_token(config: ModelConfig, seq_len: int, params: dict | None = None) -> float:
+    """Training model FLOPs per token at sequence length `seq_len` (see the module docstring)."""
+    params = abstract_params(config) if params is None else params
+    n_matmul = sum(
+        leaf.size for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+        if getattr(path[-1], "key", None) in ("kernel", "lm_head")
+    )
+    if config.tie_embeddings:
+        n_matmul += config.vocab_size * config.embed_dim
+    w_qk, w_v = attention_widths(config)
+    t_eff = (seq_len + 1) / 2
+    return 6.0 * n_matmul + 6.0 * config.num_layers * t_eff * (w_qk + w_v)
+
+
+def summarize(config: Config) -> dict:
+    m = config.model
+    params = abstract_params(m)
+    total = sum(leaf.size for leaf in jax.tree.leaves(params))
+    embedding = params["embed"].size + (0 if m.tie_embeddings else params["lm_head"].size)
+    return {
+        "variant": m.variant,
+        "params": int(total),
+        "params_embedding": int(embedding),
+        "params_non_embedding": int(total - embedding),
+        "layers": m.num_layers,
+        "embed_dim": m.embed_dim,
+        "heads": m.num_heads,
+        "kv_heads": m.kv_heads,
+        "head_dim": m.resolved_head_dim,
+        "mlp_dim": m.resolved_mlp_dim,
+        "seq_len": config.train.seq_len,
+        "flops_per_token": flops_per_token(m, config.train.seq_len, params),
+        "tokens_per_step": config.train.batch_size * config.train.seq_len,
+        "lambda_init": [lambda_init(i) for i in range(m.num_layers)] if m.variant == "diff" else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip().splitlines()[0] + "\n\nusage: python -m diff_jax.summary CONFIG [key=value ...]")
+        return 0 if argv else 2
+    try:
+        config = load_config(argv[0], argv[1:])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summarize(config), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

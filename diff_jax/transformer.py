@@ -1,0 +1,99 @@
+"""The decoder LM: token embedding, pre-RMSNorm layers (attention + SwiGLU), final norm, LM head."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from diff_jax.attention import ATTENTION_MODULES, Rope, diff_lambda
+from diff_jax.config import ModelConfig
+from diff_jax.layers import RMSNorm, SwiGLU
+from diff_jax.rope import rope_tables
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class DecoderLayer(nn.Module):
+    """Y = X + Attn(RMSNorm(X)); X' = Y + SwiGLU(RMSNorm(Y))."""
+
+    config: ModelConfig
+    depth: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, rope: Rope, segment_ids: jax.Array | None) -> jax.Array:
+        cfg = self.config
+        dtype = jnp.dtype(cfg.dtype)
+        attn = ATTENTION_MODULES[cfg.variant](cfg, depth=self.depth, name="attn")
+        y = x + attn(RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x), rope=rope,
+                     segment_ids=segment_ids)
+        y = nn.with_logical_constraint(y, ("batch", "length", "act_embed"))
+        ffn = SwiGLU(cfg.resolved_mlp_dim, dtype, cfg.init_std,
+                     cfg.init_std / (2 * cfg.num_layers) ** 0.5, name="ffn")
+        out = y + ffn(RMSNorm(cfg.norm_eps, dtype, name="ffn_norm")(y))
+        return nn.with_logical_constraint(out, ("batch", "length", "act_embed"))
+
+
+class DecoderLM(nn.Module):
+    """tokens (B, T) int32 -> logits (B, T, vocab) float32.
+
+    `positions` (B, T) restart per packed segment (default 0..T-1); `segment_ids` (B, T) confine
+    attention to a segment, causally, with 0 marking padding.
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        cfg = self.config
+        dtype = jnp.dtype(cfg.dtype)
+        b, t = tokens.shape
+        embedding = self.param(
+            "embed",
+            nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ("vocab", "embed")),
+            (cfg.vocab_size, cfg.embed_dim), jnp.float32,
+        )
+        x = jnp.take(embedding, tokens, axis=0).astype(dtype)
+        x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        rope = rope_tables(positions, cfg.resolved_head_dim, cfg.rope_theta)  # (B, T, d/2)
+
+        layer_cls = DecoderLayer
+        if cfg.remat != "none":
+            layer_cls = nn.remat(DecoderLayer, policy=_REMAT_POLICIES[cfg.remat])
+        for i in range(cfg.num_layers):
+            x = layer_cls(cfg, depth=i, name=f"layers_{i}")(x, rope, segment_ids)
+        x = RMSNorm(cfg.norm_eps, dtype, name="norm")(x)
+
+        if cfg.tie_embeddings:
+            head = embedding.T
+        else:
+            head = self.param(
+                "lm_head",
+                nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ("embed", "vocab")),
+                (cfg.embed_dim, cfg.vocab_size), jnp.float32,
+            )
+        logits = jnp.einsum("bte,ev->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
+        return nn.with_logical_constraint(logits, ("batch", "length", "act_vocab"))
+
+
+def layer_lambdas(params: dict, config: ModelConfig) -> jax.Array:
+    """λ of every DIFF V1 layer (num_layers,) float32, from an (unboxed) parameter tree."""
+    if config.variant != "diff":
+        raise ValueError(f"per-layer λ exists for variant diff only, not {config.variant!r}")
+    params = params.get("params", params)
+    return jnp.stack([
+        diff_lambda(*(params[f"layers_{i}"]["attn"][n]
+                      for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")), i)
+        for i in range(config.num_layers)
+    ])

@@ -1,0 +1,129 @@
+"""Attention modules against the float64 NumPy reference, plus causality and segment isolation.
+
+Tolerance: the modules run in float32; against float64 the relative error ‖out−ref‖/‖ref‖ is
+a few 1e-7, so 2e-6 leaves room for summation order without hiding a layout bug (those are O(1)).
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import numpy_reference as npr
+from diff_jax.attention import ATTENTION_MODULES, lambda_init
+from diff_jax.config import ModelConfig
+from diff_jax.interop import from_reference, reference_shapes
+
+B, T, E = 2, 12, 64
+F32_TOL = 2e-6
+
+
+def _run(cfg: ModelConfig, depth: int, sd, x, cos, sin, segment_ids=None):
+    module = ATTENTION_MODULES[cfg.variant](cfg, depth=depth)
+    fn = jax.jit(lambda p, x, c, s, seg: module.apply({"params": p}, x, rope=(c, s), segment_ids=seg))
+    return np.asarray(fn(from_reference(sd, cfg), jnp.asarray(x), jnp.asarray(cos, jnp.float32),
+                         jnp.asarray(sin, jnp.float32), segment_ids))
+
+
+def _inputs(d: int, seed: int = 0):
+    x = np.random.default_rng(seed).normal(size=(B, T, E)).astype(np.float32)
+    cos, sin = npr.rope_tables(T, d)
+    return x, cos, sin
+
+
+SEGMENTS = np.array([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12], np.int32)
+
+
+@pytest.mark.parametrize("heads,kv,pairing,depth", [
+    (4, 4, "flash", 0), (4, 2, "flash", 3), (4, 2, "naive", 3), (4, 1, "flash", 7), (2, 1, "naive", 1),
+])
+@pytest.mark.parametrize("segmented", [False, True])
+def test_diff_v1_matches_numpy(heads, kv, pairing, depth, segmented):
+    cfg = ModelConfig(variant="diff", embed_dim=E, num_heads=heads, num_kv_heads=kv, gqa_pairing=pairing)
+    d = cfg.resolved_head_dim
+    sd = npr.random_state_dict(reference_shapes(cfg), seed=heads * 10 + kv)
+    x, cos, sin = _inputs(d)
+    seg = SEGMENTS if segmented else None
+    ours = _run(cfg, depth, sd, x, cos, sin, None if seg is None else jnp.asarray(seg))
+    ref, *_ = npr.diff_v1(sd, x, cos, sin, num_heads=heads, num_kv_heads=kv, depth=depth,
+                          pairing=pairing, segment_ids=seg)
+    if segmented:  # padding rows attend to nothing: their output is exactly 0 in both
+        chex.assert_trees_all_close(ours[0, 9:], np.zeros_like(ours[0, 9:]), atol=0)
+    assert npr.rel_err(ours, ref) < F32_TOL
+
+
+def test_gqa_pairings_differ_when_grouped():
+    """flash and naive agree for MHA and disagree (by O(1)) when Hkv < H, as the design note says."""
+    outs = {}
+    for kv in (4, 2):
+        for pairing in ("flash", "naive"):
+            cfg = ModelConfig(variant="diff", embed_dim=E, num_heads=4, num_kv_heads=kv, gqa_pairing=pairing)
+            sd = npr.random_state_dict(reference_shapes(cfg), seed=kv)
+            x, cos, sin = _inputs(cfg.resolved_head_dim)
+            outs[kv, pairing] = _run(cfg, 2, sd, x, cos, sin)
+    assert npr.rel_err(outs[4, "naive"], outs[4, "flash"]) < 1e-6
+    assert npr.rel_err(outs[2, "naive"], outs[2, "flash"]) > 0.05
+
+
+@pytest.mark.parametrize("heads,kv,head_dim", [(4, 2, 8), (4, 4, 8), (2, 1, 16)])
+def test_diff_v2_matches_numpy(heads, kv, head_dim):
+    cfg = ModelConfig(variant="diff_v2", embed_dim=E, num_heads=heads, num_kv_heads=kv, head_dim=head_dim)
+    sd = npr.random_state_dict(reference_shapes(cfg), seed=heads + kv)
+    x, cos, sin = _inputs(head_dim, seed=1)
+    ours = _run(cfg, 0, sd, x, cos, sin, jnp.asarray(SEGMENTS))
+    ref = npr.diff_v2(sd, x, cos, sin, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+                      segment_ids=SEGMENTS)
+    assert npr.rel_err(ours, ref) < F32_TOL
+
+
+@pytest.mark.parametrize("heads,kv", [(8, 8), (8, 2)])
+def test_baseline_matches_numpy(heads, kv):
+    cfg = ModelConfig(variant="transformer", embed_dim=E, num_heads=heads, num_kv_heads=kv)
+    sd = npr.random_state_dict(reference_shapes(cfg), seed=heads + kv)
+    x, cos, sin = _inputs(cfg.resolved_head_dim, seed=2)
+    ours = _run(cfg, 0, sd, x, cos, sin, jnp.asarray(SEGMENTS))
+    ref = npr.standard(sd, x, cos, sin, num_heads=heads, num_kv_heads=kv, segment_ids=SEGMENTS)
+    assert npr.rel_err(ours, ref) < F32_TOL
+
+
+def test_lambda_init_and_lambda_values():
+    assert lambda_init(0) == pytest.approx(0.2)
+    for depth in range(12):
+        assert lambda_init(depth) == pytest.approx(0.8 - 0.6 * np.exp(-0.3 * depth), abs=1e-15)
+    np.testing.assert_allclose(float(lambda_init(jnp.asarray(5.0))), lambda_init(5), rtol=1e-6)
+    # λ from the parameters: exp(q1·k1) − exp(q2·k2) + λ_init, checked on a module's own init.
+    cfg = ModelConfig(variant="diff", embed_dim=E, num_heads=4)
+    module = ATTENTION_MODULES["diff"](cfg, depth=3)
+    params = jax.tree.map(np.asarray, jax.jit(module.init)(jax.random.key(1), jnp.zeros((1, 4, E)))["params"])
+    params = {k: getattr(v, "value", v) for k, v in params.items()}
+    d = cfg.resolved_head_dim
+    for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        assert params[n].shape == (d,) and params[n].dtype == np.float32
+        assert 0.03 < params[n].std() < 0.3  # drawn from N(0, 0.1²)
+    from diff_jax.attention import diff_lambda
+    want = (np.exp(params["lambda_q1"] @ params["lambda_k1"])
+            - np.exp(params["lambda_q2"] @ params["lambda_k2"]) + lambda_init(3))
+    got = diff_lambda(*(params[n] for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")), 3)
+    np.testing.assert_allclose(float(got), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("variant,heads", [("diff", 4), ("diff_v2", 4), ("transformer", 8)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shapes_dtypes_causality(variant, heads, dtype):
+    """Output (B, T, E) in the compute dtype, float32 params; future tokens never change the past."""
+    cfg = ModelConfig(variant=variant, embed_dim=E, num_heads=heads, num_kv_heads=2, dtype=dtype)
+    module = ATTENTION_MODULES[variant](cfg, depth=1)
+    x = jax.random.normal(jax.random.key(0), (B, T, E), jnp.dtype(dtype))
+    variables = module.init(jax.random.key(1), x)
+    for leaf in jax.tree.leaves(variables):
+        assert leaf.dtype == jnp.float32
+    fn = jax.jit(module.apply)
+    out = fn(variables, x)
+    chex.assert_shape(out, (B, T, E))
+    chex.assert_type(out, jnp.dtype(dtype))
+    chex.assert_tree_all_finite(out)
+    x2 = x.at[:, 7:].set(jax.random.normal(jax.random.key(2), (B, T - 7, E), jnp.dtype(dtype)))
+    out2 = fn(variables, x2)
+    np.testing.assert_array_equal(np.asarray(out[:, :7], np.float32), np.asarray(out2[:, :7], np.float32))
+    assert not np.allclose(np.asarray(out[:, 7:], np.float32), np.asarray(out2[:, 7:], np.float32))

@@ -1,0 +1,83 @@
+"""Config loading, `base:` inheritance, overrides, and errors that name the key and the rule."""
+
+from pathlib import Path
+
+import pytest
+
+from diff_jax.config import ConfigError, ModelConfig, dump_config, load_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+SIZES = ["830m", "1.4b", "2.8b", "6.8b", "13.1b", "3b"]
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_loads_and_round_trips(path, tmp_path):
+    cfg = load_config(path)
+    dumped = tmp_path / "resolved.yaml"
+    dumped.write_text(dump_config(cfg))
+    assert load_config(dumped) == cfg
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_transformer_twins_double_heads_and_match_otherwise(size):
+    diff = load_config(CONFIGS / f"diff-{size}.yaml")
+    twin = load_config(CONFIGS / f"transformer-{size}.yaml")
+    assert diff.model.variant == "diff" and twin.model.variant == "transformer"
+    assert twin.model.num_heads == 2 * diff.model.num_heads
+    assert twin.model.resolved_head_dim == diff.model.resolved_head_dim
+    assert diff.model.vocab_size == twin.model.vocab_size == 100_288
+    for section in ("train", "optim", "mesh", "data", "checkpoint"):
+        a, b = getattr(diff, section).__dict__, getattr(twin, section).__dict__
+        assert {k: v for k, v in a.items() if k != "run_dir"} == {k: v for k, v in b.items() if k != "run_dir"}
+
+
+def test_overrides_parse_yaml_values():
+    cfg = load_config(CONFIGS / "tiny.yaml", ["model.dtype=bfloat16", "train.steps=7",
+                                               "optim.lr=5e-3", "model.num_kv_heads=2"])
+    assert cfg.model.dtype == "bfloat16" and cfg.train.steps == 7
+    assert cfg.optim.lr == pytest.approx(5e-3) and cfg.model.kv_heads == 2
+    assert load_config(None, ["mesh.rules=[[batch, [data, fsdp]], [embed, null]]"]).mesh.rules == (
+        ("batch", ("data", "fsdp")), ("embed", None))
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["model.num_haeds=4"], r"model\.num_haeds: unknown key"),
+    (["modle.x=1"], r"modle: unknown key"),
+    (["model.embed_dim=100", "model.num_heads=4"], r"model\.embed_dim: .*divisible by 2·num_heads"),
+    (["model.num_heads=4", "model.num_kv_heads=3"], r"model\.num_kv_heads: .*divisible"),
+    (["model.variant=diff_v2", "model.num_heads=4", "model.num_kv_heads=3"], r"model\.num_kv_heads"),
+    (["model.variant=gpt"], r"model\.variant: must be one of"),
+    (["model.embed_dim=1.5"], r"model\.embed_dim: expected an integer"),
+    (["model.tie_embeddings=3"], r"model\.tie_embeddings: expected true/false"),
+    (["model.head_dim=6", "model.embed_dim=64", "model.num_heads=4"], r"model\.head_dim"),
+    (["model.variant=transformer", "model.gqa_pairing=naive"], r"model\.gqa_pairing"),
+    (["train.seq_len=4096"], r"train\.seq_len: must be <= model\.max_seq_len"),
+    (["train.batch_size=6", "train.grad_accum=4"], r"train\.grad_accum: must divide"),
+    (["mesh.data=-1", "mesh.fsdp=-1"], r"mesh: at most one axis may be -1"),
+    (["mesh.rules=[[embed, model]]"], r"mesh\.rules\[embed\]: mesh axis must be one of"),
+    (["optim.min_lr=1.0"], r"optim\.min_lr"),
+    (["train.steps"], r"expected section\.key=value"),
+])
+def test_errors_name_the_key(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(CONFIGS / "tiny.yaml", overrides)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(loop)
+
+
+def test_derived_sizes():
+    m = ModelConfig(embed_dim=3072, num_heads=12)
+    assert m.resolved_head_dim == 128 and m.resolved_mlp_dim == 8192
+    assert ModelConfig(variant="transformer", embed_dim=3072, num_heads=24).resolved_head_dim == 128
+    assert ModelConfig(variant="diff_v2", embed_dim=256, num_heads=4, head_dim=48).resolved_head_dim == 48

@@ -1,0 +1,100 @@
+"""Reference state_dict <-> diff-jax parameters, and the run-reference command."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import numpy_reference as npr
+from diff_jax.config import ModelConfig
+from diff_jax.interop import from_reference, reference_shapes, to_reference
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("cfg", [
+    ModelConfig(variant="diff", embed_dim=64, num_heads=4, num_kv_heads=2),
+    ModelConfig(variant="diff_v2", embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=8),
+    ModelConfig(variant="transformer", embed_dim=64, num_heads=8, num_kv_heads=4),
+], ids=["v1", "v2", "baseline"])
+def test_round_trip_is_identity(cfg):
+    sd = npr.random_state_dict(reference_shapes(cfg), seed=0)
+    back = to_reference(from_reference(sd, cfg), cfg)
+    assert set(back) == set(sd)
+    for k in sd:
+        np.testing.assert_array_equal(back[k], sd[k])
+    params = from_reference(sd, cfg)
+    np.testing.assert_array_equal(params["q_proj"]["kernel"], sd["q_proj.weight"].T)
+
+
+def test_bad_state_dict_names_the_key():
+    cfg = ModelConfig(variant="diff", embed_dim=64, num_heads=4)
+    sd = npr.random_state_dict(reference_shapes(cfg), seed=0)
+    with pytest.raises(KeyError, match="subln.weight"):
+        from_reference({k: v for k, v in sd.items() if k != "subln.weight"}, cfg)
+    with pytest.raises(ValueError, match=r"k_proj.weight: expected shape \(64, 64\)"):
+        from_reference({**sd, "k_proj.weight": sd["k_proj.weight"][:8]}, cfg)
+
+
+def _npz(path, **arrays):
+    np.savez(path, **arrays)
+    return str(path)
+
+
+def _run(in_path, out_path):
+    return subprocess.run([sys.executable, "-m", "diff_jax.interop", "run-reference", in_path,
+                           str(out_path)], cwd=ROOT, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("variant,pairing", [("v1", "flash"), ("v1", "naive"), ("v2", None)])
+def test_run_reference_reproduces_numpy(tmp_path, variant, pairing):
+    e, h, kv, t = 64, 4, 2, 10
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(2, t, e)).astype(np.float32)
+    if variant == "v1":
+        cfg = ModelConfig(variant="diff", embed_dim=e, num_heads=h, num_kv_heads=kv)
+        d = cfg.resolved_head_dim
+        extra = dict(depth=np.array(5), gqa_pairing=np.array(pairing))
+    else:
+        d = 12
+        cfg = ModelConfig(variant="diff_v2", embed_dim=e, num_heads=h, num_kv_heads=kv, head_dim=d)
+        extra = dict(head_dim=np.array(d))
+    sd = npr.random_state_dict(reference_shapes(cfg), seed=7)
+    # Tables from arbitrary angles: the command must use exactly the tables it is given.
+    angles = rng.uniform(-3, 3, size=(t, d // 2))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    in_path = _npz(tmp_path / "in.npz", x=x, rope_cos=cos, rope_sin=sin, variant=np.array(variant),
+                   embed_dim=np.array(e), num_heads=np.array(h), num_kv_heads=np.array(kv), **extra, **sd)
+    proc = _run(in_path, tmp_path / "out.npz")
+    assert proc.returncode == 0, proc.stderr
+    out = np.load(tmp_path / "out.npz")["output"]
+    if variant == "v1":
+        ref, *_ = npr.diff_v1(sd, x, cos.astype(np.float64), sin.astype(np.float64), num_heads=h,
+                              num_kv_heads=kv, depth=5, pairing=pairing)
+    else:
+        ref = npr.diff_v2(sd, x, cos.astype(np.float64), sin.astype(np.float64), num_heads=h,
+                          num_kv_heads=kv, head_dim=d)
+    assert out.shape == (2, t, e) and out.dtype == np.float32
+    assert npr.rel_err(out, ref) < 2e-6
+
+
+def test_run_reference_malformed_input(tmp_path):
+    cfg = ModelConfig(variant="diff", embed_dim=64, num_heads=4)
+    sd = npr.random_state_dict(reference_shapes(cfg), seed=0)
+    base = dict(x=np.zeros((1, 4, 64), np.float32), rope_cos=np.ones((4, 4), np.float32),
+                rope_sin=np.zeros((4, 4), np.float32), variant=np.array("v1"), embed_dim=np.array(64),
+                num_heads=np.array(4), num_kv_heads=np.array(4), depth=np.array(0),
+                gqa_pairing=np.array("flash"), **sd)
+    cases = [
+        ({k: v for k, v in base.items() if k != "lambda_q2"}, "lambda_q2"),
+        ({k: v for k, v in base.items() if k != "depth"}, "'depth'"),
+        ({**base, "rope_cos": np.ones((4, 3), np.float32)}, "rope_cos: expected shape (4, 4)"),
+        ({**base, "v_proj.weight": np.zeros((3, 64), np.float32)}, "v_proj.weight: expected shape (64, 64)"),
+        ({**base, "variant": np.array("v3")}, "variant"),
+    ]
+    for i, (arrays, needle) in enumerate(cases):
+        proc = _run(_npz(tmp_path / f"bad{i}.npz", **arrays), tmp_path / f"out{i}.npz")
+        assert proc.returncode != 0 and needle in proc.stderr, (needle, proc.stderr)
+        assert not (tmp_path / f"out{i}.npz").exists()

@@ -1,0 +1,50 @@
+"""Parameter counts of the paper's configs and the FLOPs formula, checked by hand."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diff_jax.config import ModelConfig, load_config
+from diff_jax.summary import flops_per_token, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMED = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9}
+
+
+@pytest.mark.parametrize("size", list(NAMED) + ["3b"])
+def test_paper_sizes(size):
+    diff = summarize(load_config(ROOT / f"configs/diff-{size}.yaml"))
+    twin = summarize(load_config(ROOT / f"configs/transformer-{size}.yaml"))
+    if size in NAMED:
+        assert abs(diff["params"] / NAMED[size] - 1) < 0.03
+    assert abs(diff["params"] / twin["params"] - 1) < 0.001
+    assert diff["flops_per_token"] == twin["flops_per_token"]
+    m = load_config(ROOT / f"configs/diff-{size}.yaml").model
+    e, f, L = m.embed_dim, m.resolved_mlp_dim, m.num_layers
+    # By hand: 4E² attention (MHA) + 3EF SwiGLU + 2E norms per layer, + 2 d-vectors·2 + 2d norm for DIFF.
+    d = m.resolved_head_dim
+    per_layer = 4 * e * e + 3 * e * f + 2 * e + 4 * d + 2 * d
+    assert diff["params"] == L * per_layer + e + m.vocab_size * e
+    assert diff["params_embedding"] == m.vocab_size * e
+
+
+def test_flops_formula_by_hand():
+    m = ModelConfig(vocab_size=1000, embed_dim=64, num_layers=2, num_heads=2, mlp_dim=128)
+    t = 32
+    n_matmul = 2 * (4 * 64 * 64 + 3 * 64 * 128) + 1000 * 64
+    attn = 6 * 2 * (t + 1) / 2 * (64 + 64)
+    assert flops_per_token(m, t) == pytest.approx(6 * n_matmul + attn)
+
+
+def test_cli_prints_json():
+    out = subprocess.run([sys.executable, "-m", "diff_jax.summary", "configs/diff-1.4b.yaml"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    data = json.loads(out)
+    assert {"params", "params_embedding", "flops_per_token", "lambda_init"} <= set(data)
+    assert len(data["lambda_init"]) == 24 and data["lambda_init"][0] == pytest.approx(0.2)
+    bad = subprocess.run([sys.executable, "-m", "diff_jax.summary", "configs/diff-1.4b.yaml",
+                          "model.num_heads=7"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "model.embed_dim" in bad.stderr

@@ -1,0 +1,80 @@
+"""Ahead-of-time compilation of the sharded train step, for local devices or a TPU slice.
+
+`train.compile_only=true train.compile_topology=v5p:4x4x4` compiles on a CPU machine for a slice
+you do not have (needs libtpu: `pip install "jax[tpu]"`) and reports per-chip memory against HBM.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from diff_jax.config import Config, ConfigError
+from diff_jax.optim import make_optimizer, schedule
+from diff_jax.sharding import batch_sharding, check_batch, make_mesh
+from diff_jax.step import state_shardings, train_step
+from diff_jax.transformer import DecoderLM
+
+HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
+GiB = 2**30
+
+
+def topology_devices(topology: str) -> list[Any]:
+    """The devices of a TPU slice description such as `v5p:4x4x4` (no TPU needed, libtpu is)."""
+    from jax.experimental import topologies
+
+    try:
+        return list(topologies.get_topology_desc(topology, platform="tpu").devices)
+    except Exception as e:  # libtpu missing or an unknown topology name
+        raise ConfigError(f"train.compile_topology={topology!r}: cannot describe this TPU slice "
+                          f"({type(e).__name__}: {e}); it needs libtpu (pip install 'jax[tpu]') "
+                          "and a name like v5p:2x2x2") from e
+
+
+def compile_train_step(config: Config, devices: list[Any] | None = None) -> dict[str, Any]:
+    """Compile the sharded train step for `devices` (default: local) and return memory figures."""
+    t = config.train
+    mesh = make_mesh(config.mesh, devices)
+    rules = config.mesh.rules
+    check_batch(t.batch_size, t.grad_accum, mesh, rules)
+    model = DecoderLM(config.model)
+    tx = make_optimizer(config.optim, t.steps)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        abstract, shardings = state_shardings(model, tx, mesh, rules)
+        bsh = batch_sharding(mesh, rules)
+        batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=bsh)
+                 for k in ("tokens", "targets", "segment_ids", "positions")}
+        fn = jax.jit(functools.partial(train_step, model=model, tx=tx,
+                                       lr_schedule=schedule(config.optim, t.steps),
+                                       grad_accum=t.grad_accum),
+                     in_shardings=(shardings, bsh),
+                     out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+        compiled = fn.lower(abstract, batch).compile()
+    mem = compiled.memory_analysis()
+    args, temp = mem.argument_size_in_bytes, mem.temp_size_in_bytes
+    out, alias = mem.output_size_in_bytes, mem.alias_size_in_bytes
+    return {
+        "devices": len(mesh.devices.flat), "device_kind": mesh.devices.flat[0].device_kind,
+        "mesh": dict(mesh.shape), "argument_gib": args / GiB, "temp_gib": temp / GiB,
+        "peak_gib": (args + temp + out - alias) / GiB,
+    }
+
+
+def report(config: Config) -> dict[str, Any]:
+    """Print (and return) the compile report of `config` as JSON."""
+    topology = config.train.compile_topology
+    devices = topology_devices(topology) if topology else None
+    result = compile_train_step(config, devices)
+    if topology:
+        hbm = HBM_BYTES.get(topology.split(":")[0])
+        result["topology"] = topology
+        result["hbm_gib"] = hbm / GiB if hbm else None
+        result["fits"] = None if hbm is None else result["peak_gib"] * GiB <= hbm
+    print(json.dumps(result, indent=1))
+    return result

@@ -1,0 +1,55 @@
+"""Training data: text sources -> tiktoken -> packed rows -> per-process grain batches.
+
+    python -m diff_jax.data prepare SRC... OUT_DIR   # tokenize once, train with data.source=tokens
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grain
+
+from diff_jax.config import DataConfig
+from diff_jax.data.corpus import TokenCorpus, encoding, load, prepare, tokenize
+from diff_jax.data.pipeline import Batch, PackedRows, train_iterator, validation_batches
+from diff_jax.data.sources import DataError, Documents, file_documents, stdlib_documents
+
+__all__ = [
+    "Batch", "DataError", "Documents", "InputData", "PackedRows", "TokenCorpus", "build",
+    "encoding", "file_documents", "load", "load_corpus", "prepare", "stdlib_documents",
+    "tokenize", "train_iterator", "validation_batches",
+]
+
+
+def load_corpus(cfg: DataConfig) -> TokenCorpus:
+    """The whole corpus named by `data.source` / `data.paths`."""
+    if cfg.source == "stdlib":
+        return tokenize(stdlib_documents(), cfg.tokenizer, threads=cfg.read_threads)
+    if cfg.source == "files":
+        return tokenize(file_documents(cfg.paths, cfg.text_field), cfg.tokenizer,
+                        threads=cfg.read_threads)
+    if len(cfg.paths) != 1:
+        raise DataError(f"data.paths: data.source=tokens takes exactly one prepared directory, "
+                        f"got {list(cfg.paths)}")
+    return load(cfg.paths[0])
+
+
+@dataclasses.dataclass
+class InputData:
+    train: grain.DatasetIterator  # this process's (b, L) slices, checkpointable
+    validation: list[Batch]  # fixed; empty when data.validation_fraction = 0
+    corpus: TokenCorpus  # the training split
+
+
+def build(cfg: DataConfig, seq_len: int, global_batch: int, eval_batches: int, seed: int,
+          process_index: int, process_count: int) -> InputData:
+    """Load, split and wrap the corpus for this process."""
+    train, val = load_corpus(cfg).split(cfg.validation_fraction)
+    rows = PackedRows(train, seq_len, seed)
+    it = train_iterator(rows, global_batch, process_index, process_count,
+                        cfg.read_threads, cfg.prefetch)
+    batches = []
+    if val is not None and eval_batches > 0:
+        batches = validation_batches(PackedRows(val, seq_len, seed, shuffle=False), global_batch,
+                                     eval_batches, process_index, process_count)
+    return InputData(it, batches, train)

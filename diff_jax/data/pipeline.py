@@ -1,0 +1,105 @@
+"""The grain input pipeline: packed rows of a token stream, shuffled, sharded per process, batched.
+
+Packing: the corpus is one stream of documents separated by end-of-text; row j is the window
+`stream[j·L : j·L + L + 1]` (inputs = the first L tokens, targets = the last L). `segment_ids`
+(from 1) number the documents inside a row and `positions` restart at 0 for each of them, so the
+model attends only within a document. No token is padded or truncated away. (grain's
+`FirstFitPackIterDataset` truncates documents longer than L, which would drop most of a source
+file at L = 128, and packs per process, which would make the global batch depend on the number
+of processes; a window over the stream has neither problem.)
+
+Order: every epoch visits all rows in a fresh seeded permutation (`index_shuffle`, O(1) memory).
+Global batch k holds the rows k·B … k·B + B − 1 of that order; process p reads its slice
+p·b … p·b + b − 1 (b = B / processes), so the global batch is the same for any process count,
+and the processes' rows are disjoint. The iterator state is grain's (the next batch index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grain
+import numpy as np
+
+from diff_jax.data.corpus import TokenCorpus
+from diff_jax.data.sources import DataError
+
+Batch = dict[str, np.ndarray]  # tokens, targets, segment_ids, positions: (b, L) int32
+_UNBOUNDED = 2**62
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedRows:
+    """Random access to row g ≥ 0 of the endless row stream (epoch = g // rows per epoch)."""
+
+    corpus: TokenCorpus
+    seq_len: int
+    seed: int
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        if len(self) == 0:
+            raise DataError(f"the corpus has {len(self.corpus.tokens)} tokens, fewer than one row "
+                            f"of train.seq_len + 1 = {self.seq_len + 1}")
+
+    def __len__(self) -> int:
+        return (len(self.corpus.tokens) - 1) // self.seq_len
+
+    def __repr__(self) -> str:  # stable, for grain's checkpoint validation
+        return f"PackedRows(tokens={len(self.corpus.tokens)}, seq_len={self.seq_len}, seed={self.seed})"
+
+    def __getitem__(self, g: int) -> Batch:
+        n, length = len(self), self.seq_len
+        epoch, j = divmod(int(g), n)
+        if self.shuffle and n > 1:
+            j = grain.experimental.index_shuffle(j, max_index=n - 1,
+                                                 seed=(self.seed * 7919 + epoch) % 2**31, rounds=4)
+        start = j * length
+        window = np.asarray(self.corpus.tokens[start: start + length + 1], dtype=np.int32)
+        doc = np.searchsorted(self.corpus.doc_starts, np.arange(start, start + length), side="right")
+        seg = (doc - doc[0] + 1).astype(np.int32)
+        idx = np.arange(length, dtype=np.int32)
+        first = np.maximum.accumulate(np.where(np.r_[True, seg[1:] != seg[:-1]], idx, 0))
+        return {"tokens": window[:-1], "targets": window[1:], "segment_ids": seg,
+                "positions": idx - first}
+
+
+@dataclasses.dataclass(frozen=True)
+class _ProcessRow:
+    """Local row i -> the global row it stands for, for process p of P (b local rows a batch)."""
+
+    rows: PackedRows
+    global_batch: int
+    local_batch: int
+    process_index: int
+
+    def __call__(self, i: int) -> Batch:
+        b = self.local_batch
+        return self.rows[(i // b) * self.global_batch + self.process_index * b + i % b]
+
+
+def local_batch_size(global_batch: int, process_count: int) -> int:
+    if global_batch % process_count:
+        raise DataError(f"train.batch_size ({global_batch}) must be divisible by the number of "
+                        f"processes ({process_count})")
+    return global_batch // process_count
+
+
+def train_iterator(rows: PackedRows, global_batch: int, process_index: int, process_count: int,
+                   read_threads: int = 2, prefetch: int = 4) -> grain.DatasetIterator:
+    """An endless, checkpointable iterator of this process's (b, L) slices of the global batches."""
+    b = local_batch_size(global_batch, process_count)
+    ds = (grain.MapDataset.range(_UNBOUNDED)
+          .map(_ProcessRow(rows, global_batch, b, process_index))
+          .batch(b, drop_remainder=True))
+    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads,
+                                                     prefetch_buffer_size=prefetch)))
+
+
+def validation_batches(rows: PackedRows, global_batch: int, num_batches: int,
+                       process_index: int, process_count: int) -> list[Batch]:
+    """A fixed list of this process's slices of the first `num_batches` validation batches."""
+    b = local_batch_size(global_batch, process_count)
+    row = _ProcessRow(rows, global_batch, b, process_index)
+    return [{k: np.stack([r[k] for r in (row(n * b + i) for i in range(b))]) for k in rows[0]}
+            for n in range(num_batches)]

@@ -1,0 +1,53 @@
+"""The optimizer: AdamW with warmup + linear/cosine decay, global-norm clipping, decay masks.
+
+Weight decay applies to matrices (projections, LM head); norms, λ vectors and the embedding are
+exempt unless `optim.decay_norms_and_lambdas` / `optim.decay_embeddings` say otherwise.
+Gradient accumulation is done inside the train step (`train_loop`), not here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+from diff_jax.config import OptimConfig
+
+
+def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup 0 -> lr over `warmup_steps`, then linear/cosine decay to `min_lr` or constant."""
+    warmup = optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
+    decay_steps = max(total_steps - cfg.warmup_steps, 1)
+    if cfg.schedule == "linear":
+        decay = optax.linear_schedule(cfg.lr, cfg.min_lr, decay_steps)
+    elif cfg.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.min_lr / cfg.lr)
+    else:
+        decay = optax.constant_schedule(cfg.lr)
+    if cfg.warmup_steps == 0:
+        return decay
+    return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
+
+
+def decay_mask(params: Any, cfg: OptimConfig) -> Any:
+    """True for leaves that get weight decay."""
+
+    def decays(path: tuple, leaf: Any) -> bool:
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name == "embed":
+            return cfg.decay_embeddings
+        if name.startswith("lambda") or name in ("scale", "weight") or leaf.ndim < 2:
+            return cfg.decay_norms_and_lambdas
+        return True
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """clip_by_global_norm (when clip_norm > 0) then AdamW; build it once per run."""
+    adamw = optax.adamw(schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, mask=lambda p: decay_mask(p, cfg))
+    if cfg.clip_norm > 0:
+        return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+    return adamw

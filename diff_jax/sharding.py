@@ -1,0 +1,94 @@
+"""Device mesh and logical-axis sharding: one rule table maps module axis names to mesh axes.
+
+Every sharding is derived from an abstract (`jax.eval_shape`) tree whose leaves are boxed with
+logical axis names, so the jit signatures and the checkpoint restore target agree by
+construction. Divisibility is checked on that abstract tree, before anything compiles.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from diff_jax.config import MeshConfig
+
+AXES = ("data", "fsdp", "tensor")
+
+
+class ShardingError(ValueError):
+    """A mesh does not fit the devices, or a dimension is not divisible by its mesh axes."""
+
+
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
+    """Resolve -1 (the remaining devices) and check the product equals the device count."""
+    sizes = {a: getattr(cfg, a) for a in AXES}
+    known = math.prod(v for v in sizes.values() if v != -1)
+    for axis, size in sizes.items():
+        if size == -1:
+            if num_devices % known:
+                raise ShardingError(f"mesh.{axis}=-1: {num_devices} devices are not divisible by "
+                                    f"the other axes' product {known}")
+            sizes[axis] = num_devices // known
+    if math.prod(sizes.values()) != num_devices:
+        raise ShardingError(f"mesh {sizes} needs {math.prod(sizes.values())} devices, "
+                            f"but {num_devices} are present; set one of mesh.data/fsdp/tensor to -1")
+    return sizes
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh with Auto axis types over `devices` (default: all)."""
+    types = (AxisType.Auto,) * len(AXES)
+    if devices is None:  # let jax order the devices for the physical topology
+        shape = tuple(mesh_shape(cfg, jax.device_count())[a] for a in AXES)
+        return jax.make_mesh(shape, AXES, axis_types=types)
+    shape = tuple(mesh_shape(cfg, len(devices))[a] for a in AXES)
+    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=types)
+
+
+def _axis_size(mesh: Mesh, axes: Any) -> int:
+    if axes is None:
+        return 1
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def check_divisible(boxed: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]], what: str) -> None:
+    """Raise `ShardingError` naming the leaf, dimension and mesh axes that do not divide."""
+    rule = dict(rules)
+    leaves = jax.tree_util.tree_flatten_with_path(
+        boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[0]
+    for path, leaf in leaves:
+        if not isinstance(leaf, nn.LogicallyPartitioned):
+            continue
+        for dim, (size, name) in enumerate(zip(leaf.value.shape, leaf.names)):
+            axes = rule.get(name)
+            n = _axis_size(mesh, axes)
+            if size % n:
+                raise ShardingError(
+                    f"{what} {jax.tree_util.keystr(path)}: dimension {dim} ({name!r}, size {size}) "
+                    f"is not divisible by mesh axes {axes!r} (size {n}); change mesh.* or mesh.rules")
+
+
+def tree_shardings(boxed: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> Any:
+    """NamedShardings for a tree of logically boxed leaves (unboxed leaves are replicated)."""
+    specs = nn.get_partition_spec(boxed)
+    return nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def batch_sharding(mesh: Mesh, rules: Sequence[tuple[str, Any]], extra_leading: int = 0) -> NamedSharding:
+    """(…, batch, length) arrays: batch over the rule for `batch`, length replicated."""
+    return NamedSharding(mesh, P(*([None] * extra_leading), dict(rules).get("batch"), None))
+
+
+def check_batch(global_batch: int, grad_accum: int, mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> None:
+    axes = dict(rules).get("batch")
+    n = _axis_size(mesh, axes)
+    micro = global_batch // grad_accum
+    if micro % n:
+        raise ShardingError(f"train.batch_size / train.grad_accum = {micro} sequences a micro-batch "
+                            f"is not divisible by the batch mesh axes {axes!r} (size {n})")

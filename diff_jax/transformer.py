@@ -22,18 +22,21 @@ class DecoderLayer(nn.Module):
 
     config: ModelConfig
     depth: int
+    decode: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, rope: Rope, segment_ids: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, rope: Rope, segment_ids: jax.Array | None,
+                 positions: jax.Array | None = None) -> jax.Array:
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        attn = ATTENTION_MODULES[cfg.variant](cfg, depth=self.depth, name="attn")
+        attn = ATTENTION_MODULES[cfg.variant](cfg, depth=self.depth, decode=self.decode, name="attn")
         y = x + attn(RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x), rope=rope,
-                     segment_ids=segment_ids)
+                     positions=positions, segment_ids=segment_ids)
         y = nn.with_logical_constraint(y, ("batch", "length", "act_embed"))
         ffn = SwiGLU(cfg.resolved_mlp_dim, dtype, cfg.init_std,
                      cfg.init_std / (2 * cfg.num_layers) ** 0.5, name="ffn")
         out = y + ffn(RMSNorm(cfg.norm_eps, dtype, name="ffn_norm")(y))
+        self.sow("intermediates", "hidden", out)
         return nn.with_logical_constraint(out, ("batch", "length", "act_embed"))
 
 
@@ -41,10 +44,12 @@ class DecoderLM(nn.Module):
     """tokens (B, T) int32 -> logits (B, T, vocab) float32.
 
     `positions` (B, T) restart per packed segment (default 0..T-1); `segment_ids` (B, T) confine
-    attention to a segment, causally, with 0 marking padding.
+    attention to a segment, causally, with 0 marking padding. With `decode=True` every attention
+    layer keeps a KV cache in the `cache` collection (see `diff_jax.generate`).
     """
 
     config: ModelConfig
+    decode: bool = False
 
     @nn.compact
     def __call__(
@@ -72,7 +77,8 @@ class DecoderLM(nn.Module):
         if cfg.remat != "none":
             layer_cls = nn.remat(DecoderLayer, policy=_REMAT_POLICIES[cfg.remat])
         for i in range(cfg.num_layers):
-            x = layer_cls(cfg, depth=i, name=f"layers_{i}")(x, rope, segment_ids)
+            x = layer_cls(cfg, depth=i, decode=self.decode, name=f"layers_{i}")(
+                x, rope, segment_ids, positions)
         x = RMSNorm(cfg.norm_eps, dtype, name="norm")(x)
 
         if cfg.tie_embeddings:

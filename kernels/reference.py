@@ -50,6 +50,21 @@ def _softmax(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
     return jnp.where(mask, probs, 0.0)
 
 
+def quantize_logits(scores: jax.Array, mask: jax.Array | None, bits: int) -> jax.Array:
+    """Absmax fake-quantization to signed `bits`-bit integers, one scale per (batch, score map).
+
+    scale = max|s| / (2^(bits−1) − 1) over the unmasked entries of each (T, S) map; s -> round(s /
+    scale)·scale. This is the dynamic post-training quantization of the paper's Figure 8.
+    """
+    if bits < 2:
+        raise ValueError(f"logit_bits must be >= 2, got {bits}")
+    absval = jnp.abs(scores) if mask is None else jnp.where(mask, jnp.abs(scores), 0.0)
+    levels = 2.0 ** (bits - 1) - 1
+    scale = jnp.max(absval, axis=(-2, -1), keepdims=True) / levels
+    scale = jnp.where(scale > 0, scale, 1.0)
+    return jnp.round(scores / scale) * scale
+
+
 def _grouped(q: jax.Array, num_kv: int) -> jax.Array:
     """(B, T, Hq, d) -> (B, T, Hkv, Hq // Hkv, d): query heads grouped by the kv head they read."""
     b, t, hq, d = q.shape
@@ -65,12 +80,17 @@ def diff_attention_reference(
     lam: jax.Array,
     *,
     segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     causal: bool = True,
+    logit_bits: int | None = None,
     return_maps: bool = False,
 ):
     """softmax(s·Q1K1ᵀ+M)·V − λ·softmax(s·Q2K2ᵀ+M)·V per DIFF head, s = d^-1/2; (B, T, H, 2d).
 
-    With `return_maps` also returns (A1, A2), each (B, H, T, S) float32.
+    `kv_segment_ids` (B, S) gives the keys their own segments (default: `segment_ids`);
+    `logit_bits` fake-quantizes the scaled logits (`quantize_logits`). With `return_maps` also
+    returns {"logits", "probs"}: (B, 2H, T, S) float32 in sub-head order (map 2h is A1 of head h,
+    2h+1 its A2), and "mask" (broadcastable to (B, 1, T, S), or None).
     """
     b, t, two_h, d = q.shape
     _, s, two_hkv, _ = k.shape
@@ -87,9 +107,12 @@ def diff_attention_reference(
         "btgrcd,bsgcd->bgrcts", qg, kg, preferred_element_type=jnp.float32,
         precision=jax.lax.Precision.HIGHEST,
     ) * scale
-    mask = attention_mask(t, s, causal=causal, q_segment_ids=segment_ids)
+    mask = attention_mask(t, s, causal=causal, q_segment_ids=segment_ids,
+                          kv_segment_ids=kv_segment_ids)
     if mask is not None:
         mask = mask[:, :, None, None]  # (B, 1, 1, 1, T, S)
+    if logit_bits is not None:
+        scores = quantize_logits(scores, mask, logit_bits)
     probs = _softmax(scores, mask)  # (B, Hkv, n_rep, 2, T, S)
     lam = jnp.asarray(lam, jnp.float32)
     diff = probs[:, :, :, 0] - lam * probs[:, :, :, 1]  # (B, Hkv, n_rep, T, S)
@@ -98,9 +121,9 @@ def diff_attention_reference(
     )
     out = out.reshape(b, t, h, 2 * d).astype(q.dtype)
     if return_maps:
-        a1 = probs[:, :, :, 0].reshape(b, h, t, s)
-        a2 = probs[:, :, :, 1].reshape(b, h, t, s)
-        return out, (a1, a2)
+        maps = {"logits": scores.reshape(b, two_h, t, s), "probs": probs.reshape(b, two_h, t, s),
+                "mask": None if mask is None else mask[:, :, 0, 0]}
+        return out, maps
     return out
 
 
@@ -110,9 +133,16 @@ def attention_reference(
     v: jax.Array,
     *,
     segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     causal: bool = True,
-) -> jax.Array:
-    """Standard (GQA) softmax attention, s = d^-1/2, float32 softmax; (B, T, Hq, dv)."""
+    logit_bits: int | None = None,
+    return_maps: bool = False,
+):
+    """Standard (GQA) softmax attention, s = d^-1/2, float32 softmax; (B, T, Hq, dv).
+
+    `kv_segment_ids`, `logit_bits` and `return_maps` as in `diff_attention_reference` (maps are
+    (B, Hq, T, S)).
+    """
     b, t, hq, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
     qg = _grouped(q, hkv)  # (B, T, Hkv, R, d)
@@ -120,11 +150,19 @@ def attention_reference(
         "btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32,
         precision=jax.lax.Precision.HIGHEST,
     ) * (d**-0.5)
-    mask = attention_mask(t, s, causal=causal, q_segment_ids=segment_ids)
+    mask = attention_mask(t, s, causal=causal, q_segment_ids=segment_ids,
+                          kv_segment_ids=kv_segment_ids)
     if mask is not None:
         mask = mask[:, :, None]  # (B, 1, 1, T, S)
+    if logit_bits is not None:
+        scores = quantize_logits(scores, mask, logit_bits)
     probs = _softmax(scores, mask)
     out = jnp.einsum(
         "bgrts,bsge->btgre", probs, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
-    return out.reshape(b, t, hq, v.shape[-1]).astype(q.dtype)
+    out = out.reshape(b, t, hq, v.shape[-1]).astype(q.dtype)
+    if return_maps:
+        maps = {"logits": scores.reshape(b, hq, t, s), "probs": probs.reshape(b, hq, t, s),
+                "mask": None if mask is None else mask[:, :, 0]}
+        return out, maps
+    return out

@@ -127,3 +127,38 @@ def test_shapes_dtypes_causality(variant, heads, dtype):
     out2 = fn(variables, x2)
     np.testing.assert_array_equal(np.asarray(out[:, :7], np.float32), np.asarray(out2[:, :7], np.float32))
     assert not np.allclose(np.asarray(out[:, 7:], np.float32), np.asarray(out2[:, 7:], np.float32))
+
+
+def test_sown_maps_and_logit_quantization():
+    """Sown logits/probs match the NumPy maps; 16-bit logits ≈ float; 3-bit visibly differs."""
+    cfg = ModelConfig(variant="diff", embed_dim=E, num_heads=4, num_kv_heads=2)
+    sd = npr.random_state_dict(reference_shapes(cfg), seed=11)
+    x, cos, sin = _inputs(cfg.resolved_head_dim, seed=4)
+    module = ATTENTION_MODULES["diff"](cfg, depth=2)
+    params = from_reference(sd, cfg)
+    out, state = module.apply({"params": params}, jnp.asarray(x), rope=(cos, sin),
+                              mutable=["intermediates"])
+    (maps,) = state["intermediates"]["attention"]
+    _, a1, a2, lam = npr.diff_v1(sd, x, cos, sin, num_heads=4, num_kv_heads=2, depth=2)
+    chex.assert_shape(maps["probs"], (B, 8, T, T))
+    assert npr.rel_err(maps["probs"][:, 0::2], a1) < 2e-6 and npr.rel_err(maps["probs"][:, 1::2], a2) < 2e-6
+    np.testing.assert_allclose(float(maps["lambda"]), lam, rtol=1e-6)
+    plain = _run(cfg, 2, sd, x, cos, sin)
+    np.testing.assert_allclose(np.asarray(out), plain, rtol=1e-5, atol=1e-6)
+
+    def quantized(bits):
+        return _run(ModelConfig(**{**cfg.__dict__, "attn_logit_bits": bits}), 2, sd, x, cos, sin)
+
+    assert npr.rel_err(quantized(16), plain) < 1e-3
+    assert npr.rel_err(quantized(3), plain) > 1e-2
+
+
+def test_quantize_logits_levels():
+    from kernels.reference import quantize_logits
+    s = jnp.asarray([[[[-2.0, 0.1, 0.9, 2.0]]]])
+    q = np.asarray(quantize_logits(s, None, 3))  # 3 levels each side: step 2/3
+    np.testing.assert_allclose(q, [[[[-2.0, 0.0, 2 / 3 * 1, 2.0]]]], atol=1e-6)
+    # the masked 5.0 does not set the scale: absmax 0.9 over the visible entries
+    s2 = jnp.asarray([[[[-0.9, 0.1, 0.9, 5.0]]]])
+    masked = np.asarray(quantize_logits(s2, jnp.asarray([[[[True, True, True, False]]]]), 2))
+    np.testing.assert_allclose(masked[..., :3], [[[[-0.9, 0.0, 0.9]]]], atol=1e-6)

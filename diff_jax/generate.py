@@ -1,0 +1,126 @@
+"""Batched autoregressive decoding with a KV cache, for DIFF V1, V2 and the baseline alike.
+
+Prompts of different lengths share one batch: they are right-padded, prefilled together (each row
+reads its first new token at its own last prompt position), and then every row writes its cache
+and reads RoPE at its own position, one token per step under one jitted step function. Cache
+entries past a row's position are never attended to, so padding written during the prefill is
+overwritten before it becomes visible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diff_jax.config import ModelConfig
+from diff_jax.transformer import DecoderLM
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def sample(logits: jax.Array, key: jax.Array, sampling: SamplingConfig) -> jax.Array:
+    """Next tokens (B,) from float32 logits (B, V)."""
+    if sampling.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_k:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampling.top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        drop_sorted = jnp.cumsum(probs, axis=-1) - probs >= sampling.top_p
+        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+        logits = jnp.where(drop, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _prefill(model: DecoderLM, params, cache, tokens: jax.Array, lengths: jax.Array):
+    logits, state = model.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # (B, V)
+    return last, state["cache"]
+
+
+@functools.partial(jax.jit, static_argnames=("model", "sampling"), donate_argnums=(2,))
+def _decode_step(model: DecoderLM, params, cache, tokens: jax.Array, positions: jax.Array,
+                 key: jax.Array, sampling: SamplingConfig):
+    """Feed tokens (B,) at positions (B,); returns (next tokens, their logits, cache)."""
+    logits, state = model.apply({"params": params, "cache": cache}, tokens[:, None],
+                                positions=positions[:, None], mutable=["cache"])
+    logits = logits[:, 0]
+    return sample(logits, key, sampling), logits, state["cache"]
+
+
+def generate(
+    config: ModelConfig,
+    params: dict,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    eos_id: int | None = None,
+) -> list[list[int]]:
+    """New tokens for each prompt (the prompt excluded; stops after `eos_id`, which is kept)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    total = int(lengths.max()) + max_new_tokens
+    if total > config.max_seq_len:
+        raise ValueError(
+            f"longest prompt ({lengths.max()} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
+            f"exceeds model.max_seq_len ({config.max_seq_len})"
+        )
+    b, width = len(prompts), int(lengths.max())
+    tokens = np.zeros((b, width), np.int32)
+    for i, p in enumerate(prompts):
+        if min(p) < 0 or max(p) >= config.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size})")
+        tokens[i, : len(p)] = p
+
+    model = DecoderLM(config, decode=True)
+    cache_shape = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((b, total), jnp.int32))["cache"]
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shape)
+    logits, cache = _prefill(model, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
+
+    key = jax.random.key(seed)
+    next_tok = sample(logits, jax.random.fold_in(key, 0), sampling)
+    positions = jnp.asarray(lengths)
+    out: list[list[int]] = [[] for _ in range(b)]
+    done = np.zeros(b, bool)
+    for step in range(max_new_tokens):
+        host = np.asarray(next_tok)
+        for i in np.flatnonzero(~done):
+            out[i].append(int(host[i]))
+            done[i] = eos_id is not None and host[i] == eos_id
+        if done.all() or step == max_new_tokens - 1:
+            break
+        next_tok, _, cache = _decode_step(model, params, cache, next_tok, positions,
+                                          jax.random.fold_in(key, step + 1), sampling)
+        positions = positions + 1
+    return out

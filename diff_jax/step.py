@@ -97,7 +97,7 @@ def train_step(state: TrainState, batch: Batch, *, model: DecoderLM, tx: optax.G
     """One optimizer update. Metrics: loss, grad_norm (before clipping), lr, and λ per layer (diff)."""
     loss, grads = loss_and_grads(state.params, batch, model, grad_accum)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr_schedule(state.step)}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_schedule(state.step)}
     if model.config.variant == "diff":
         metrics["lambda"] = layer_lambdas(state.params, model.config)
     new = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),

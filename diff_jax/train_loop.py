@@ -54,6 +54,9 @@ def initialize_distributed(cfg: DistributedConfig) -> None:
     except ValueError as e:  # no cluster detected: a single process
         if "coordinator_address" not in str(e):
             raise
+    except RuntimeError as e:  # JAX already in use in this process (a library caller): keep it
+        if "must be called before" not in str(e):
+            raise
 
 
 @contextlib.contextmanager

@@ -1,0 +1,129 @@
+"""The training loop: exact resume (SIGTERM and crash), other mesh, refusals, NaN stop, train.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diff_jax import train_loop
+from diff_jax.checkpoint import CheckpointError
+from tests.training_fixtures import tiny_config, write_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPARED = ("loss", "grad_norm", "lr", "lambda")
+
+
+def _metrics(run_dir: Path) -> dict[int, dict]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {x["step"]: x for x in lines if "loss" in x}
+
+
+def _ckpt_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def _interrupt_at(monkeypatch, step: int, how: str) -> None:
+    """Make the loop's `step`-th batch of this invocation send SIGTERM or crash."""
+    real, calls = train_loop._global, []
+
+    def fake(local, sharding):
+        calls.append(1)
+        if len(calls) == step:
+            if how == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+            else:
+                raise RuntimeError("simulated crash")
+        return real(local, sharding)
+
+    monkeypatch.setattr(train_loop, "_global", fake)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory) -> dict[int, dict]:
+    run = tmp_path_factory.mktemp("full")
+    result = train_loop.run(tiny_config(corpus, run))
+    assert result.status == "done" and result.step == 30
+    assert _ckpt_steps(run) == [10, 20, 30]
+    return _metrics(run)
+
+
+def test_sigterm_at_20_then_resume_to_30_equals_uninterrupted(corpus, tmp_path, monkeypatch, uninterrupted):
+    _interrupt_at(monkeypatch, 20, "sigterm")
+    config = tiny_config(corpus, tmp_path, "checkpoint.every_steps=100")
+    result = train_loop.run(config)
+    assert (result.status, result.step) == ("interrupted", 20)
+    assert _ckpt_steps(tmp_path) == [20]
+    monkeypatch.undo()
+    assert train_loop.run(config).step == 30
+    resumed = _metrics(tmp_path)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    for step in (20, 21, 30):
+        for key in COMPARED:
+            np.testing.assert_array_equal(resumed[step][key], uninterrupted[step][key], err_msg=f"{key}@{step}")
+
+
+def test_crash_at_25_resumes_from_20_to_the_same_step_30(corpus, tmp_path, monkeypatch, uninterrupted):
+    _interrupt_at(monkeypatch, 25, "crash")
+    config = tiny_config(corpus, tmp_path)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train_loop.run(config)
+    assert _ckpt_steps(tmp_path) == [10, 20]
+    monkeypatch.undo()
+    train_loop.run(config)
+    resumed = _metrics(tmp_path)
+    for key in COMPARED:
+        np.testing.assert_array_equal(resumed[30][key], uninterrupted[30][key], err_msg=key)
+
+
+def test_restore_onto_another_mesh_and_refuse_other_shapes(corpus, tmp_path, monkeypatch, uninterrupted):
+    _interrupt_at(monkeypatch, 20, "sigterm")
+    train_loop.run(tiny_config(corpus, tmp_path))  # mesh data=8
+    monkeypatch.undo()
+    train_loop.run(tiny_config(corpus, tmp_path, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"))
+    other = _metrics(tmp_path)
+    for key in ("loss", "grad_norm", "lambda"):  # same numbers up to float32 reduction order
+        np.testing.assert_allclose(other[30][key], uninterrupted[30][key], rtol=1e-3)
+    with pytest.raises(CheckpointError, match=r"checkpoint params\['embed'\] has shape \(64, 32\) "
+                                              r"but the config gives \(64, 48\)"):
+        train_loop.run(tiny_config(corpus, tmp_path, "train.steps=40", "model.embed_dim=48"))
+
+
+def test_non_finite_loss_stops_without_saving(corpus, tmp_path):
+    config = tiny_config(corpus, tmp_path, "optim.lr=1e30", "optim.warmup_steps=0",
+                         "checkpoint.every_steps=1", "optim.clip_norm=0")
+    with pytest.raises(train_loop.NonFiniteLossError, match=r"at step (\d+).*last good checkpoint is step") as e:
+        train_loop.run(config)
+    bad = int(e.value.args[0].split("at step ")[1].split(";")[0])
+    assert _ckpt_steps(tmp_path) == list(range(1, bad))
+
+
+def test_train_py_smoke_falling_loss_and_valid_metrics(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "train.py", "train.steps=12", "train.log_every=1", "train.eval_every=12",
+         "train.eval_batches=1", "optim.warmup_steps=2", f"train.run_dir={run}", "mesh.data=-1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 12/12" in proc.stderr and "ETA" in proc.stderr and "tok/s" in proc.stderr
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in lines if "loss" in x]
+    assert [x["step"] for x in train] == list(range(1, 13))
+    assert set(train[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s",
+                             "data_wait_s", "mfu", "lambda"}
+    assert all(x["mfu"] is None and x["tokens_per_sec"] > 0 and len(x["lambda"]) == 4 for x in train)
+    assert train[0]["loss"] > 10.5 and train[-1]["loss"] < train[0]["loss"] - 1.0
+    val = [x for x in lines if "val_loss" in x]
+    assert len(val) == 1 and val[0]["step"] == 12 and np.isfinite(val[0]["val_loss"])
+    assert (run / "config.yaml").exists() and _ckpt_steps(run) == [12]

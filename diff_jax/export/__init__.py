@@ -1,0 +1,36 @@
+"""Export a trained diff-jax model, and load exports (and training checkpoints) back.
+
+    python -m diff_jax.export RUN_OR_CHECKPOINT --format safetensors|orbax-params|hf-diffllama \\
+        --out DIR [--dtype bfloat16] [--overwrite]
+
+- `safetensors`: `model.safetensors` with PyTorch-layout (out, in) tensors under the names of
+  `diff_jax.export.state_dict` (the V1 attention tensors are the reference module's state dict),
+  the model config as JSON in its metadata (`model_config`) and in `config.json`.
+- `orbax-params`: a parameters-only orbax checkpoint (`params/`) and `config.json`, for inference.
+- `hf-diffllama`: a `transformers` `DiffLlamaForCausalLM` directory (DIFF V1 only; see
+  `diff_jax.export.hf` for the mapping and what is refused).
+
+Every export also holds `export.json` (format, dtype, source, step). `load(PATH)` reads a
+safetensors or orbax-params export, a run directory (its latest checkpoint), its `checkpoints/`
+directory, or one checkpoint step, and returns (model config, float32 parameters).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from diff_jax.config import ModelConfig
+from diff_jax.export.errors import ExportError
+from diff_jax.export.sources import read_source
+from diff_jax.export.state_dict import from_state_dict, state_dict_shapes, to_state_dict
+from diff_jax.export.writer import DTYPES, FORMATS, export
+
+__all__ = ["DTYPES", "FORMATS", "ExportError", "export", "from_state_dict", "load",
+           "state_dict_shapes", "to_state_dict"]
+
+
+def load(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """(model config, float32 parameter tree for `DecoderLM.apply({"params": ...})`) from `path`."""
+    source = read_source(path)
+    return source.config, source.params

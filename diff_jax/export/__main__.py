@@ -1,0 +1,37 @@
+"""python -m diff_jax.export RUN_OR_CHECKPOINT --format FORMAT --out DIR [--dtype D] [--overwrite]"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from diff_jax.export import DTYPES, FORMATS, ExportError, export
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m diff_jax.export",
+        description="Export a diff-jax run, checkpoint or export to safetensors, a params-only "
+                    "orbax checkpoint, or a Hugging Face DiffLlama directory.")
+    parser.add_argument("source", help="run directory, its checkpoints/ directory, one checkpoint "
+                                       "step, or an export directory")
+    parser.add_argument("--format", choices=FORMATS, default="safetensors")
+    parser.add_argument("--out", required=True, help="the export directory to write")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                        help="storage dtype of every tensor")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing export at --out")
+    args = parser.parse_args(argv)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only managers
+    try:
+        out = export(args.source, args.out, args.format, dtype=args.dtype, overwrite=args.overwrite)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.format} ({args.dtype}) export of {args.source} to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

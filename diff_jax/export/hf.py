@@ -1,0 +1,106 @@
+"""DIFF V1 -> Hugging Face `transformers` DiffLlama (`DiffLlamaForCausalLM`), exactly.
+
+DiffLlama counts 2H query heads of width d (our H differential heads, component width d): query
+head j < H is Q1 of our head j, query head H + j is its Q2. Its 2·Hkv kv heads are likewise
+[all K1 | all K2] and [first V halves | second V halves]; DiffLlama's head j reads kv group
+j // n_rep for both maps, which is our `flash` GQA pairing. Its RoPE rotates half-split pairs
+(r, r + d/2) where ours rotates interleaved pairs (2r, 2r + 1), so q/k rows are permuted within
+each sub-head; q·k is unchanged. λ (its four vectors, λ_init from the 0-based layer index) is
+copied. Its per-head RMSNorm has no weight, so our `subln.weight` (shared by all heads) is folded
+into the columns of o_proj. Everything else is Llama: embed_tokens, input/post_attention
+layernorms, SwiGLU mlp (gate/up/down), final norm, lm_head (absent when tied).
+
+Refused (no exact DiffLlama equivalent): `diff_v2` (per-token sigmoid λ), `transformer` (no
+differential map, no per-head norm), and `gqa_pairing: naive` with num_kv_heads < num_heads
+(Q1 and Q2 of one head may meet the same K component).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from diff_jax.config import ModelConfig
+from diff_jax.export.errors import ExportError
+
+
+def check_mappable(config: ModelConfig) -> None:
+    """Raise `ExportError` with the reason when `config` cannot be exported exactly."""
+    if config.variant == "diff_v2":
+        raise ExportError(
+            "variant diff_v2 cannot be exported to DiffLlama: its λ is a per-token sigmoid of "
+            "lambda_proj and it has no per-head norm; DiffLlama implements DIFF V1 only")
+    if config.variant == "transformer":
+        raise ExportError(
+            "variant transformer cannot be exported to DiffLlama: DiffLlama always subtracts a "
+            "second attention map and RMS-normalises each head; use --format safetensors")
+    if config.gqa_pairing == "naive" and config.kv_heads < config.num_heads:
+        raise ExportError(
+            "gqa_pairing naive with num_kv_heads < num_heads cannot be exported to DiffLlama: "
+            "DiffLlama pairs Q1/Q2 of a head with K1/K2 of one kv group (the flash pairing)")
+
+
+def hf_config(config: ModelConfig, dtype: str) -> dict[str, Any]:
+    """The `config.json` of a DiffLlamaForCausalLM equivalent to `config` (weights in `dtype`)."""
+    check_mappable(config)
+    theta = config.rope_theta
+    return {
+        "architectures": ["DiffLlamaForCausalLM"],
+        "model_type": "diffllama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.embed_dim,
+        "intermediate_size": config.resolved_mlp_dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": 2 * config.num_heads,
+        "num_key_value_heads": 2 * config.kv_heads,
+        "head_dim": config.resolved_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "initializer_range": config.init_std,
+        "rms_norm_eps": config.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_theta": theta,  # the key transformers < 5 reads
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "lambda_std_dev": 0.1,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "dtype": dtype,
+    }
+
+
+def _component_major(w: np.ndarray, groups: int, d: int, permute: bool) -> np.ndarray:
+    """Rows (groups, 2, d) of a reference projection -> (2, groups, d), RoPE rows half-split."""
+    rows = w.reshape(groups, 2, d, w.shape[-1]).transpose(1, 0, 2, 3)
+    if permute:  # half-split row r is interleaved row 2r (r < d/2) or 2(r - d/2) + 1
+        rows = rows[:, :, np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])]
+    return np.ascontiguousarray(rows.reshape(-1, w.shape[-1]))
+
+
+def hf_state_dict(state_dict: Mapping[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+    """Our export state dict (`diff_jax.export.state_dict` names) -> DiffLlama's state dict."""
+    check_mappable(config)
+    h, hkv, d = config.num_heads, config.kv_heads, config.resolved_head_dim
+    out = {"model.embed_tokens.weight": state_dict["embed.weight"]}
+    for i in range(config.num_layers):
+        src, dst = f"layers.{i}", f"model.layers.{i}"
+        attn = f"{src}.attn"
+        out[f"{dst}.input_layernorm.weight"] = state_dict[f"{src}.attn_norm.weight"]
+        out[f"{dst}.self_attn.q_proj.weight"] = _component_major(state_dict[f"{attn}.q_proj.weight"], h, d, True)
+        out[f"{dst}.self_attn.k_proj.weight"] = _component_major(state_dict[f"{attn}.k_proj.weight"], hkv, d, True)
+        out[f"{dst}.self_attn.v_proj.weight"] = _component_major(state_dict[f"{attn}.v_proj.weight"], hkv, d, False)
+        w_out, subln = state_dict[f"{attn}.out_proj.weight"], state_dict[f"{attn}.subln.weight"]
+        out[f"{dst}.self_attn.o_proj.weight"] = w_out * np.tile(subln, h)[None, :]
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            out[f"{dst}.self_attn.{name}"] = state_dict[f"{attn}.{name}"]
+        out[f"{dst}.post_attention_layernorm.weight"] = state_dict[f"{src}.ffn_norm.weight"]
+        for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+            out[f"{dst}.mlp.{theirs}.weight"] = state_dict[f"{src}.ffn.{ours}.weight"]
+    out["model.norm.weight"] = state_dict["norm.weight"]
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = state_dict["lm_head.weight"]
+    return out

@@ -1,0 +1,100 @@
+"""Our parameter tree <-> a flat PyTorch-layout state dict under the export's tensor names.
+
+Names: `embed.weight`, `layers.{i}.attn_norm.weight`, `layers.{i}.attn.<reference names>`,
+`layers.{i}.ffn_norm.weight`, `layers.{i}.ffn.{w_gate,w_up,w_down}.weight`, `norm.weight`, and
+`lm_head.weight` only when the embeddings are untied. Linear weights are (out, in), the transpose of
+a Flax kernel; the embedding and the LM head are (vocab, embed). The attention tensors are
+exactly the reference module's state dict (`diff_jax.interop`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from diff_jax.config import ModelConfig
+from diff_jax.export.errors import ExportError
+from diff_jax.interop import from_reference, reference_shapes, to_reference
+
+_FFN = ("w_gate", "w_up", "w_down")
+
+
+def state_dict_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every exported tensor name of `config` with its (PyTorch-layout) shape."""
+    e, v, f = config.embed_dim, config.vocab_size, config.resolved_mlp_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, e)}
+    attn = reference_shapes(config)
+    for i in range(config.num_layers):
+        shapes[f"layers.{i}.attn_norm.weight"] = (e,)
+        shapes.update({f"layers.{i}.attn.{k}": s for k, s in attn.items()})
+        shapes[f"layers.{i}.ffn_norm.weight"] = (e,)
+        shapes[f"layers.{i}.ffn.w_gate.weight"] = (f, e)
+        shapes[f"layers.{i}.ffn.w_up.weight"] = (f, e)
+        shapes[f"layers.{i}.ffn.w_down.weight"] = (e, f)
+    shapes["norm.weight"] = (e,)
+    if not config.tie_embeddings:
+        shapes["lm_head.weight"] = (v, e)
+    return shapes
+
+
+def to_state_dict(params: Mapping[str, Any], config: ModelConfig) -> dict[str, np.ndarray]:
+    """Our (unboxed) parameter tree -> {export name: numpy array in PyTorch layout}."""
+    out = {"embed.weight": np.asarray(params["embed"])}
+    for i in range(config.num_layers):
+        layer = params[f"layers_{i}"]
+        out[f"layers.{i}.attn_norm.weight"] = np.asarray(layer["attn_norm"]["scale"])
+        out.update({f"layers.{i}.attn.{k}": w for k, w in to_reference(layer["attn"], config).items()})
+        out[f"layers.{i}.ffn_norm.weight"] = np.asarray(layer["ffn_norm"]["scale"])
+        for name in _FFN:
+            out[f"layers.{i}.ffn.{name}.weight"] = np.ascontiguousarray(
+                np.asarray(layer["ffn"][name]["kernel"]).T)
+    out["norm.weight"] = np.asarray(params["norm"]["scale"])
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)
+    return out
+
+
+def check_shapes(found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]],
+                 where: str) -> None:
+    """Raise `ExportError` naming the first entry of `where` missing, unexpected or mis-shaped."""
+    missing = [k for k in expected if k not in found]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ExportError(f"{where}: missing {missing[0]!r} (expected shape {expected[missing[0]]})"
+                          f"{more}; the checkpoint is incomplete or the config does not match it")
+    extra = sorted(set(found) - set(expected))
+    if extra:
+        raise ExportError(f"{where}: {extra[0]!r} is not part of the model the config describes "
+                          f"({len(extra)} unexpected in all); the config does not match the checkpoint")
+    for k, shape in expected.items():
+        if tuple(found[k]) != tuple(shape):
+            raise ExportError(f"{where}: {k!r} has shape {tuple(found[k])} but the config gives "
+                              f"{tuple(shape)}; the config does not match the checkpoint")
+
+
+def from_state_dict(tensors: Mapping[str, np.ndarray], config: ModelConfig, where: str) -> dict:
+    """{export name: array} -> our parameter tree, float32 (the model's parameter dtype).
+
+    `where` names the source in error messages.
+    """
+    check_shapes({k: np.shape(t) for k, t in tensors.items()}, state_dict_shapes(config), where)
+
+    def get(name: str, transpose: bool = False) -> np.ndarray:
+        value = np.asarray(tensors[name], np.float32)
+        return np.ascontiguousarray(value.T) if transpose else value
+
+    params: dict[str, Any] = {"embed": get("embed.weight")}
+    attn_keys = reference_shapes(config)
+    for i in range(config.num_layers):
+        params[f"layers_{i}"] = {
+            "attn_norm": {"scale": get(f"layers.{i}.attn_norm.weight")},
+            "attn": from_reference({k: tensors[f"layers.{i}.attn.{k}"] for k in attn_keys}, config),
+            "ffn_norm": {"scale": get(f"layers.{i}.ffn_norm.weight")},
+            "ffn": {n: {"kernel": get(f"layers.{i}.ffn.{n}.weight", True)} for n in _FFN},
+        }
+    params["norm"] = {"scale": get("norm.weight")}
+    if not config.tie_embeddings:
+        params["lm_head"] = get("lm_head.weight", True)
+    return params

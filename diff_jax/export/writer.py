@@ -1,0 +1,123 @@
+"""Write an export directory: safetensors, a params-only orbax checkpoint, or Hugging Face DiffLlama.
+
+The export is written into a hidden sibling directory and renamed into place when complete, so an
+interrupted export leaves no half-written `--out`. An existing non-empty `--out` is replaced only
+with `overwrite=True`, and only when it holds a previous export (its `export.json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+
+from diff_jax.config import ModelConfig
+from diff_jax.export import hf
+from diff_jax.export.errors import ExportError
+from diff_jax.export.safetensors_file import write_safetensors
+from diff_jax.export.sources import (CONFIG_FILE, EXPORT_MARKER, PARAMS_DIR, SAFETENSORS_FILE,
+                                     Source, read_source)
+from diff_jax.export.state_dict import to_state_dict
+
+FORMATS = ("safetensors", "orbax-params", "hf-diffllama")
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def _cast(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v).astype(DTYPES[dtype]) for k, v in tensors.items()}
+
+
+def _config_json(config: ModelConfig) -> str:
+    return json.dumps(dataclasses.asdict(config), indent=2)
+
+
+def _write_safetensors(out: Path, source: Source, dtype: str) -> None:
+    tensors = _cast(to_state_dict(source.params, source.config), dtype)
+    write_safetensors(out / SAFETENSORS_FILE, tensors,
+                      {"format": "pt", "model_config": json.dumps(dataclasses.asdict(source.config))})
+    (out / CONFIG_FILE).write_text(_config_json(source.config))
+
+
+def _write_orbax_params(out: Path, source: Source, dtype: str) -> None:
+    params = jax.tree.map(lambda x: np.asarray(x).astype(DTYPES[dtype]), source.params)
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        checkpointer.save((out / PARAMS_DIR).resolve(), params)
+    (out / CONFIG_FILE).write_text(_config_json(source.config))
+
+
+def _write_hf_diffllama(out: Path, source: Source, dtype: str) -> None:
+    state_dict = to_state_dict(source.params, source.config)
+    tensors = _cast(hf.hf_state_dict(state_dict, source.config), dtype)
+    write_safetensors(out / SAFETENSORS_FILE, tensors,
+                      {"format": "pt", "model_config": json.dumps(dataclasses.asdict(source.config))})
+    (out / CONFIG_FILE).write_text(json.dumps(hf.hf_config(source.config, dtype), indent=2))
+
+
+_WRITERS: dict[str, Callable[[Path, Source, str], None]] = {
+    "safetensors": _write_safetensors,
+    "orbax-params": _write_orbax_params,
+    "hf-diffllama": _write_hf_diffllama,
+}
+
+
+def _check_destination(out: Path, source: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out}: exists and is not a directory")
+    resolved = out.resolve()
+    if resolved == source.resolve() or resolved in source.resolve().parents:
+        raise ExportError(f"--out {out}: contains the source {source}; choose another directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ExportError(f"--out {out}: already exists and is not empty; pass --overwrite to "
+                              "replace a previous export")
+        if not (out / EXPORT_MARKER).is_file():
+            raise ExportError(f"--out {out}: is not a diff_jax export (no {EXPORT_MARKER}); "
+                              "refusing to replace it even with --overwrite")
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished export `tmp` to `out`, removing what `out` held only afterwards."""
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.is_dir():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def export(source: str | Path, out: str | Path, fmt: str = "safetensors", *,
+           dtype: str = "float32", overwrite: bool = False) -> Path:
+    """Export the model at `source` (run, checkpoint or export directory) to `out` in `fmt`.
+
+    `dtype` is the storage dtype of every tensor (`float32` or `bfloat16`). Returns `out`.
+    """
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt!r}: must be one of {list(FORMATS)}")
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: must be one of {list(DTYPES)}")
+    source, out = Path(source), Path(out)
+    _check_destination(out, source, overwrite)
+    loaded = read_source(source)
+    if fmt == "hf-diffllama":
+        hf.check_mappable(loaded.config)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        _WRITERS[fmt](tmp, loaded, dtype)
+        info: dict[str, Any] = {"format": fmt, "dtype": dtype, "source": loaded.origin,
+                                "step": loaded.step}
+        (tmp / EXPORT_MARKER).write_text(json.dumps(info, indent=2))
+        _replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,279 @@
+"""Export: tensor names and layout, safetensors / orbax-params round trips, overwrite and errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import linen as nn
+
+from diff_jax import export as ex
+from diff_jax.config import Config, ModelConfig, TrainConfig
+from diff_jax.export.__main__ import main
+from diff_jax.export.safetensors_file import read_safetensors
+from diff_jax.interop import to_reference
+from diff_jax.transformer import DecoderLM
+
+SMALL = dict(vocab_size=128, embed_dim=64, num_layers=2, max_seq_len=64)
+CONFIGS = {
+    "diff": ModelConfig(variant="diff", num_heads=2, num_kv_heads=1, tie_embeddings=False, **SMALL),
+    "diff_v2": ModelConfig(variant="diff_v2", num_heads=2, num_kv_heads=1, **SMALL),
+    "transformer": ModelConfig(variant="transformer", num_heads=4, num_kv_heads=2, **SMALL),
+}
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 24)), jnp.int32)
+
+
+def random_params(config: ModelConfig, seed: int = 0) -> dict:
+    """Initial parameters with every leaf perturbed, so that norms and λ are not their defaults."""
+    params = nn.meta.unbox(DecoderLM(config).init(jax.random.PRNGKey(seed), TOKENS[:, :1]))["params"]
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
+    return jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+
+
+def logits(config: ModelConfig, params: dict) -> np.ndarray:
+    return np.asarray(DecoderLM(config).apply({"params": params}, TOKENS))
+
+
+def write_run(run_dir: Path, config: ModelConfig, params: dict, step: int = 5,
+              saved_model: dict | None = None) -> Path:
+    """A training checkpoint in the layout of diff_jax.checkpoint (train state + config JSON)."""
+    state = {"step": np.int32(step), "params": params,
+             "opt_state": jax.tree.map(jnp.zeros_like, params), "rng": np.zeros(2, np.uint32)}
+    saved = Config(model=config, train=TrainConfig(seq_len=16)).to_dict()
+    if saved_model is not None:
+        saved["model"].update(saved_model)
+    with ocp.CheckpointManager((run_dir / "checkpoints").resolve(), item_names=("state", "config")) as m:
+        m.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                             config=ocp.args.JsonSave(saved)))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def diff_run(tmp_path_factory) -> tuple[Path, ModelConfig, dict]:
+    config = CONFIGS["diff"]
+    params = random_params(config)
+    return write_run(tmp_path_factory.mktemp("run"), config, params), config, params
+
+
+def test_state_dict_names_shapes_and_pytorch_layout():
+    config = CONFIGS["diff"]  # H=2 DIFF heads, Hkv=1, d=16, untied
+    params = random_params(config)
+    sd = ex.to_state_dict(params, config)
+    attn = {"q_proj.weight": (64, 64), "k_proj.weight": (32, 64), "v_proj.weight": (32, 64),
+            "out_proj.weight": (64, 64), "lambda_q1": (16,), "lambda_k1": (16,),
+            "lambda_q2": (16,), "lambda_k2": (16,), "subln.weight": (32,)}
+    expected = {"embed.weight": (128, 64), "norm.weight": (64,), "lm_head.weight": (128, 64)}
+    for i in range(2):
+        expected |= {f"layers.{i}.attn.{k}": s for k, s in attn.items()}
+        expected |= {f"layers.{i}.attn_norm.weight": (64,), f"layers.{i}.ffn_norm.weight": (64,),
+                     f"layers.{i}.ffn.w_gate.weight": (256, 64), f"layers.{i}.ffn.w_up.weight": (256, 64),
+                     f"layers.{i}.ffn.w_down.weight": (64, 256)}
+    assert {k: v.shape for k, v in sd.items()} == expected
+    assert ex.state_dict_shapes(config) == expected
+    for i in range(2):
+        layer = params[f"layers_{i}"]
+        reference = to_reference(layer["attn"], config)  # what the PyTorch module would load
+        for k, v in reference.items():
+            np.testing.assert_array_equal(sd[f"layers.{i}.attn.{k}"], v)
+        x = np.random.default_rng(i).normal(size=(3, 64)).astype(np.float32)
+        for name in ("w_gate", "w_up"):  # torch Linear: y = x Wᵀ with W (out, in)
+            np.testing.assert_allclose(x @ sd[f"layers.{i}.ffn.{name}.weight"].T,
+                                       x @ np.asarray(layer["ffn"][name]["kernel"]), atol=1e-6)
+        np.testing.assert_array_equal(sd[f"layers.{i}.attn_norm.weight"], layer["attn_norm"]["scale"])
+    np.testing.assert_array_equal(sd["embed.weight"], params["embed"])
+    np.testing.assert_array_equal(sd["lm_head.weight"], np.asarray(params["lm_head"]).T)
+    back = ex.from_state_dict(sd, config, "test")
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+
+
+@pytest.mark.parametrize("variant, attn_names", [
+    ("diff_v2", {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "lambda_proj.weight"}),
+    ("transformer", {"q_proj.weight", "k_proj.weight", "v_proj.weight", "out_proj.weight"}),
+])
+def test_attention_names_of_v2_and_baseline_and_tied_head_absent(variant, attn_names):
+    config = CONFIGS[variant]
+    sd = ex.to_state_dict(random_params(config), config)
+    assert {k.removeprefix("layers.1.attn.") for k in sd if k.startswith("layers.1.attn.")} == attn_names
+    assert "lm_head.weight" not in sd and "embed.weight" in sd
+
+
+@pytest.mark.parametrize("variant", list(CONFIGS))
+def test_safetensors_round_trip_gives_identical_logits(variant, tmp_path):
+    config = CONFIGS[variant]
+    params = random_params(config)
+    run = write_run(tmp_path / "run", config, params)
+    out = ex.export(run, tmp_path / "export", "safetensors")
+    tensors, metadata = read_safetensors(out / "model.safetensors")
+    assert json.loads(metadata["model_config"]) == dataclasses.asdict(config)
+    assert json.loads((out / "config.json").read_text()) == dataclasses.asdict(config)
+    assert json.loads((out / "export.json").read_text())["step"] == 5
+    assert {k: v.dtype for k, v in tensors.items()} == {k: np.float32 for k in ex.state_dict_shapes(config)}
+    for k, v in ex.to_state_dict(params, config).items():
+        np.testing.assert_array_equal(tensors[k], v)
+    loaded_config, loaded = ex.load(out)
+    assert loaded_config == config
+    np.testing.assert_array_equal(logits(loaded_config, loaded), logits(config, params))
+
+
+def test_safetensors_file_reads_with_the_safetensors_package(diff_run, tmp_path):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    out = ex.export(diff_run[0], tmp_path / "export", "safetensors")
+    theirs = safetensors_numpy.load_file(out / "model.safetensors")
+    ours, _ = read_safetensors(out / "model.safetensors")
+    assert theirs.keys() == ours.keys()
+    for k in ours:
+        np.testing.assert_array_equal(theirs[k], ours[k])
+
+
+def test_orbax_params_round_trip_from_a_step_directory(diff_run, tmp_path):
+    run, config, params = diff_run
+    out = ex.export(run / "checkpoints" / "5", tmp_path / "export", "orbax-params")
+    assert (out / "params").is_dir()
+    loaded_config, loaded = ex.load(out)
+    assert loaded_config == config
+    np.testing.assert_array_equal(logits(loaded_config, loaded), logits(config, params))
+    # an export is itself a source: orbax-params -> safetensors keeps the numbers
+    again = ex.export(out, tmp_path / "again", "safetensors")
+    np.testing.assert_array_equal(logits(*ex.load(again)), logits(config, params))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "orbax-params"])
+def test_bfloat16_export_stores_bf16_and_stays_within_bf16_tolerance(fmt, diff_run, tmp_path):
+    run, config, params = diff_run
+    out = ex.export(run, tmp_path / "export", fmt, dtype="bfloat16")
+    if fmt == "safetensors":
+        tensors, _ = read_safetensors(out / "model.safetensors")
+        assert {v.dtype for v in tensors.values()} == {np.dtype(ml_dtypes.bfloat16)}
+    else:
+        saved = ocp.PyTreeCheckpointer().metadata(out / "params").item_metadata
+        assert {np.dtype(m.dtype) for m in jax.tree.leaves(saved)} == {np.dtype(jnp.bfloat16)}
+    _, loaded = ex.load(out)
+    rounded = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32), params)
+    jax.tree.map(np.testing.assert_array_equal, loaded, rounded)
+    ours, reference = logits(config, loaded), logits(config, params)
+    assert not np.array_equal(ours, reference)
+    assert np.abs(ours - reference).max() < 2e-2 * np.abs(reference).max()
+
+
+def test_existing_export_is_kept_without_overwrite_and_replaced_with_it(diff_run, tmp_path):
+    run = diff_run[0]
+    out = ex.export(run, tmp_path / "export", "safetensors")
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(ex.ExportError, match="--overwrite"):
+        ex.export(run, out, "safetensors", dtype="bfloat16")
+    assert (out / "model.safetensors").read_bytes() == before
+    ex.export(run, out, "orbax-params", dtype="bfloat16", overwrite=True)
+    assert json.loads((out / "export.json").read_text())["format"] == "orbax-params"
+    assert not (out / "model.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temporary left behind
+
+
+def test_overwrite_refuses_a_directory_that_is_not_an_export(diff_run, tmp_path):
+    run = diff_run[0]
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("precious")
+    with pytest.raises(ex.ExportError, match="not a diff_jax export"):
+        ex.export(run, keep, "safetensors", overwrite=True)
+    assert (keep / "notes.txt").read_text() == "precious"
+    with pytest.raises(ex.ExportError, match="contains the source"):
+        ex.export(run, run.parent, "safetensors", overwrite=True)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (ex.export(run, empty, "safetensors") / "model.safetensors").is_file()
+
+
+def test_missing_empty_and_partial_checkpoints_name_what_and_where(diff_run, tmp_path):
+    with pytest.raises(ex.ExportError, match="no such file"):
+        ex.load(tmp_path / "nowhere")
+    empty = tmp_path / "empty_run"
+    (empty / "checkpoints" / "3.orbax-checkpoint-tmp-42").mkdir(parents=True)
+    with pytest.raises(ex.ExportError, match=r"no complete checkpoint.*3\.orbax-checkpoint-tmp-42"):
+        ex.load(empty)
+    partial = tmp_path / "partial"
+    shutil.copytree(diff_run[0], partial)
+    shutil.rmtree(partial / "checkpoints" / "5" / "state")
+    with pytest.raises(ex.ExportError, match=r"checkpoints/5: the checkpoint has no 'state' item"):
+        ex.load(partial)
+    unfinished = partial / "checkpoints" / "9.orbax-checkpoint-tmp-7"
+    (unfinished / "state").mkdir(parents=True)
+    with pytest.raises(ex.ExportError, match=r"no complete checkpoint in .*9\.orbax-checkpoint-tmp-7"):
+        ex.load(unfinished)
+
+
+def test_config_that_does_not_match_the_checkpoint_is_refused(tmp_path):
+    config = CONFIGS["diff"]
+    params = random_params(config)
+    deeper = write_run(tmp_path / "deeper", config, params, saved_model={"num_layers": 3})
+    with pytest.raises(ex.ExportError, match=r"state params: missing 'layers_2/.*config does not match"):
+        ex.load(deeper)
+    wider = write_run(tmp_path / "wider", config, params, saved_model={"mlp_dim": 128})
+    with pytest.raises(ex.ExportError, match=r"'layers_0/ffn/w_down/kernel' has shape \(256, 64\) "
+                                             r"but the config gives \(128, 64\)"):
+        ex.load(wider)
+    out = ex.export(write_run(tmp_path / "run", config, params), tmp_path / "export", "safetensors")
+    edited = dataclasses.asdict(config) | {"num_layers": 1}
+    (out / "config.json").write_text(json.dumps(edited))
+    with pytest.raises(ex.ExportError, match=r"model.safetensors: 'layers.1.attn.k_proj.weight' is "
+                                             r"not part of the model"):
+        ex.load(out)
+    (out / "config.json").write_text(json.dumps(edited | {"num_heads": 3}))
+    with pytest.raises(ex.ExportError, match=r"config.json: invalid model config: model.embed_dim"):
+        ex.load(out)
+
+
+def test_damaged_exports_are_refused(diff_run, tmp_path):
+    run = diff_run[0]
+    st = ex.export(run, tmp_path / "st", "safetensors")
+    data = (st / "model.safetensors").read_bytes()
+    (st / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ex.ExportError, match=r"model.safetensors: tensor .* the file is truncated"):
+        ex.load(st)
+    (st / "model.safetensors").unlink()
+    with pytest.raises(ex.ExportError, match=r"model.safetensors: missing"):
+        ex.load(st)
+    op = ex.export(run, tmp_path / "op", "orbax-params")
+    (op / "config.json").unlink()
+    with pytest.raises(ex.ExportError, match=r"op/config.json: missing"):
+        ex.load(op)
+
+
+def test_cli_writes_an_export_and_reports_errors(diff_run, tmp_path, capsys):
+    run = str(diff_run[0])
+    out = str(tmp_path / "export")
+    assert main([run, "--format", "safetensors", "--out", out]) == 0
+    assert "wrote safetensors (float32)" in capsys.readouterr().out
+    assert main([run, "--format", "safetensors", "--out", out, "--dtype", "bfloat16"]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert main([run, "--format", "safetensors", "--out", out, "--dtype", "bfloat16", "--overwrite"]) == 0
+    assert json.loads(Path(out, "export.json").read_text())["dtype"] == "bfloat16"
+    with pytest.raises(SystemExit):
+        main([run, "--format", "onnx", "--out", out])
+
+
+@pytest.mark.parametrize("variant, reason", [
+    ("diff_v2", "per-token sigmoid"),
+    ("transformer", "always subtracts a second attention map"),
+])
+def test_hf_export_refuses_what_diffllama_cannot_express(variant, reason, tmp_path):
+    config = CONFIGS[variant]
+    run = write_run(tmp_path / "run", config, random_params(config))
+    with pytest.raises(ex.ExportError, match=reason):
+        ex.export(run, tmp_path / "hf", "hf-diffllama")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_hf_export_refuses_naive_gqa_pairing(tmp_path):
+    naive = dataclasses.replace(CONFIGS["diff"], gqa_pairing="naive")
+    run = write_run(tmp_path / "naive", naive, random_params(naive))
+    with pytest.raises(ex.ExportError, match="gqa_pairing naive with num_kv_heads < num_heads"):
+        ex.export(run, tmp_path / "hf", "hf-diffllama")

@@ -34,10 +34,13 @@ class BlockSizes:
     block_k_bwd: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    num_warps_bwd: int | None = None
+    num_stages_bwd: int | None = None
 
 
-GPU_DEFAULTS = BlockSizes(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=4,
-                          num_stages=2)
+# Tuned on an H100 (bf16, d = 64, causal; benchmarks/results/attention_nvidia_h100*.md).
+GPU_DEFAULTS = BlockSizes(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=8,
+                          num_stages=3, num_warps_bwd=4, num_stages_bwd=2)
 TPU_DEFAULTS = BlockSizes(block_q=512, block_k=512, block_q_bwd=256, block_k_bwd=256)
 
 
@@ -58,14 +61,18 @@ class _Config:
 
 def _gpu_kwargs(cfg: _Config, bwd: bool) -> dict[str, int]:
     kw = _fill(cfg.block_sizes, GPU_DEFAULTS)
-    if not bwd:
+    warps, stages = kw.pop("num_warps_bwd"), kw.pop("num_stages_bwd")
+    if bwd:
+        kw["num_warps"], kw["num_stages"] = warps, stages
+    else:
         kw.pop("block_q_bwd"), kw.pop("block_k_bwd")
     return kw
 
 
 def _tpu_kwargs(cfg: _Config, bwd: bool) -> dict[str, int]:
     kw = _fill(cfg.block_sizes, TPU_DEFAULTS)
-    kw.pop("num_warps"), kw.pop("num_stages")
+    for name in ("num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd"):
+        kw.pop(name)
     if not bwd:
         kw.pop("block_q_bwd"), kw.pop("block_k_bwd")
     return kw

@@ -84,6 +84,16 @@ def _valid(rows, cols, qs, ks, *, causal, t, s):
     return mask
 
 
+def _kv_range(i, *, causal, has_seg, bq, bk, s):
+    """kv tiles [0, lo) need no mask, [lo, hi) do (diagonal, segments, ragged tail)."""
+    n_kv = pl.cdiv(s, bk)
+    hi = jnp.minimum(n_kv, pl.cdiv((i + 1) * bq, bk)) if causal else n_kv
+    if has_seg:
+        return 0, hi
+    lo = jnp.minimum(s // bk, (i * bq + 1) // bk) if causal else s // bk
+    return jnp.minimum(lo, hi), hi
+
+
 def _fwd_kernel(*refs, nc, causal, has_seg, scale, bq, bk, t, s):
     q_ref, k_ref, v_ref, lam_ref, *refs = refs
     qs_ref, ks_ref, *refs = refs if has_seg else (None, None, *refs)
@@ -97,14 +107,15 @@ def _fwd_kernel(*refs, nc, causal, has_seg, scale, bq, bk, t, s):
     qs = _load(qs_ref, (slice(None),), rmask[:, 0] if rmask is not None else None) if has_seg else None
     dv = v_ref.shape[-1]
 
-    def body(j, carry):
+    def body(j, carry, masked):
         accs, ms, ls = carry
         cols = j * bk + lax.iota(jnp.int32, bk)
-        cmask = (cols < s)[:, None] if smask_needed else None
+        cmask = (cols < s)[:, None] if smask_needed and masked else None
         win = pl.ds(j * bk, bk)
         v = _load(v_ref, (win, slice(None)), cmask)  # (bk, dv)
         ks = _load(ks_ref, (win,), cmask[:, 0] if cmask is not None else None) if has_seg else None
-        mask = _valid(rows, cols, qs, ks, causal=causal, t=None, s=s if smask_needed else None)
+        mask = _valid(rows, cols, qs, ks, causal=causal, t=None,
+                      s=s if smask_needed else None) if masked else None
         new = ([], [], [])
         for c in range(nc):
             kc = _load(k_ref, (win, c, slice(None)), cmask)  # (bk, d)
@@ -121,14 +132,14 @@ def _fwd_kernel(*refs, nc, causal, has_seg, scale, bq, bk, t, s):
             new[2].append(ls[c] * alpha + jnp.sum(p, axis=1))
         return tuple(map(tuple, new))
 
-    n_kv = pl.cdiv(s, bk)
-    hi = jnp.minimum(n_kv, pl.cdiv((i + 1) * bq, bk)) if causal else n_kv
+    lo, hi = _kv_range(i, causal=causal, has_seg=has_seg, bq=bq, bk=bk, s=s)
     init = (
         tuple(jnp.zeros((bq, dv), jnp.float32) for _ in range(nc)),
         tuple(jnp.full((bq,), NEG_INF, jnp.float32) for _ in range(nc)),
         tuple(jnp.zeros((bq,), jnp.float32) for _ in range(nc)),
     )
-    accs, ms, ls = lax.fori_loop(0, hi, body, init)
+    carry = lax.fori_loop(0, lo, functools.partial(body, masked=False), init)
+    accs, ms, ls = lax.fori_loop(lo, hi, functools.partial(body, masked=True), carry)
     outs = []
     for c in range(nc):
         seen = ls[c] > 0.0  # False on fully masked rows: output 0
@@ -202,15 +213,16 @@ def _dkdv_kernel(*refs, nc, causal, has_seg, scale, bq, bk, t, s, n_rep):
     lam = lam_ref[0] if nc == 2 else None
     d, dv = kc[0].shape[1], v.shape[1]
 
-    def body(i, carry, r):
+    def body(i, carry, r, masked):
         dks, dvacc = carry
         rows = i * bq + lax.iota(jnp.int32, bq)
         rmask = (rows < t) if rag_t else None
         rm2 = rmask[:, None] if rag_t else None
         win = pl.ds(i * bq, bq)
         qs = _load(qs_ref, (win,), rmask) if has_seg else None
-        mask = _valid(rows, cols, qs, ks, causal=causal, t=t if rag_t else None,
-                      s=s if cmask is not None else None)
+        # No bound masks: padded query rows load q = dO = lse = δ = 0 and contribute exactly 0,
+        # and padded key rows only feed dK/dV rows that are never stored.
+        mask = _valid(rows, cols, qs, ks, causal=causal, t=None, s=None) if masked else None
         do = _load(do_ref, (win, r, slice(None)), rm2)  # (bq, dv)
         dp = _dot(do, v, tb=True)  # (bq, bk): dP1 (= −dP2 / λ)
         qcs, ps = [], []
@@ -234,10 +246,20 @@ def _dkdv_kernel(*refs, nc, causal, has_seg, scale, bq, bk, t, s, n_rep):
 
     n_q = pl.cdiv(t, bq)
     lo = (j * bk) // bq if causal else 0
+    if has_seg:
+        mid = n_q
+    elif causal:  # q tiles from `mid` on lie wholly on or below the diagonal
+        mid = jnp.minimum(n_q, pl.cdiv((j + 1) * bk - 1, bq))
+    else:
+        mid = lo
+
+    def per_head(r, cr):
+        cr = lax.fori_loop(lo, mid, functools.partial(body, r=r, masked=True), cr)
+        return lax.fori_loop(mid, n_q, functools.partial(body, r=r, masked=False), cr)
+
     carry = (tuple(jnp.zeros((bk, d), jnp.float32) for _ in range(nc)),
              jnp.zeros((bk, dv), jnp.float32))
-    dks, dvacc = lax.fori_loop(  # over the group's query heads r, then their q tiles
-        0, n_rep, lambda r, cr: lax.fori_loop(lo, n_q, functools.partial(body, r=r), cr), carry)
+    dks, dvacc = lax.fori_loop(0, n_rep, per_head, carry)  # the group's query heads, q tiles
     for c in range(nc):
         _store(dk_ref, (slice(None), c, slice(None)), (dks[c] * scale).astype(dk_ref.dtype), cmask)
     _store(dv_ref, (slice(None), slice(None)), dvacc.astype(dv_ref.dtype), cmask)
@@ -260,13 +282,14 @@ def _dq_kernel(*refs, nc, causal, has_seg, scale, bq, bk, t, s):
     smask_needed = s % bk != 0
     d = qc[0].shape[1]
 
-    def body(j, dqs):
+    def body(j, dqs, masked):
         cols = j * bk + lax.iota(jnp.int32, bk)
-        cmask = (cols < s)[:, None] if smask_needed else None
+        cmask = (cols < s)[:, None] if smask_needed and masked else None
         win = pl.ds(j * bk, bk)
         v = _load(v_ref, (win, slice(None)), cmask)
         ks = _load(ks_ref, (win,), cmask[:, 0] if cmask is not None else None) if has_seg else None
-        mask = _valid(rows, cols, qs, ks, causal=causal, t=None, s=s if smask_needed else None)
+        mask = _valid(rows, cols, qs, ks, causal=causal, t=None,
+                      s=s if smask_needed else None) if masked else None
         dp = _dot(do, v, tb=True)  # (bq, bk)
         new = []
         for c in range(nc):
@@ -279,9 +302,10 @@ def _dq_kernel(*refs, nc, causal, has_seg, scale, bq, bk, t, s):
             new.append(dqs[c] + _dot(ds.astype(kc.dtype), kc))  # (bq, d)
         return tuple(new)
 
-    n_kv = pl.cdiv(s, bk)
-    hi = jnp.minimum(n_kv, pl.cdiv((i + 1) * bq, bk)) if causal else n_kv
-    dqs = lax.fori_loop(0, hi, body, tuple(jnp.zeros((bq, d), jnp.float32) for _ in range(nc)))
+    lo, hi = _kv_range(i, causal=causal, has_seg=has_seg, bq=bq, bk=bk, s=s)
+    dqs = tuple(jnp.zeros((bq, d), jnp.float32) for _ in range(nc))
+    dqs = lax.fori_loop(0, lo, functools.partial(body, masked=False), dqs)
+    dqs = lax.fori_loop(lo, hi, functools.partial(body, masked=True), dqs)
     for c in range(nc):
         _store(dq_ref, (slice(None), c, slice(None)), (dqs[c] * scale).astype(dq_ref.dtype), rm2)
 

@@ -35,9 +35,8 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _tile(requested: int, n: int) -> int:
-    if requested % LANES:
-        raise ValueError(f"TPU block sizes must be multiples of {LANES}, got {requested}")
-    return min(requested, _round_up(n, LANES))
+    """The request rounded up to a multiple of 128 lanes, no larger than n rounded up."""
+    return min(_round_up(requested, LANES), _round_up(n, LANES))
 
 
 def _div(a, n: int):

@@ -1,0 +1,56 @@
+"""The hf-diffllama export loads in transformers' DiffLlamaForCausalLM with our logits (float32)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from diff_jax import export as ex
+from diff_jax.config import ModelConfig
+from test_export import TOKENS, logits, random_params, write_run
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def diff_config(num_kv_heads: int | None, tie: bool) -> ModelConfig:
+    # 3 layers so that λ_init differs per layer; H=4 DIFF heads of component width d=8
+    return ModelConfig(variant="diff", vocab_size=128, embed_dim=64, num_layers=3, num_heads=4,
+                       num_kv_heads=num_kv_heads, tie_embeddings=tie, max_seq_len=64)
+
+
+def hf_logits(directory, **kwargs) -> np.ndarray:
+    model, info = transformers.DiffLlamaForCausalLM.from_pretrained(
+        directory, output_loading_info=True, **kwargs)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    with torch.no_grad():
+        out = model(torch.tensor(np.asarray(TOKENS), dtype=torch.long)).logits
+    return out.float().numpy()
+
+
+@pytest.mark.parametrize("num_kv_heads, tie", [(None, True), (2, False), (1, True)],
+                         ids=["mha-tied", "gqa2-untied", "gqa1-tied"])
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_diffllama_logits_equal_ours_in_float32(num_kv_heads, tie, attn_implementation, tmp_path):
+    config = diff_config(num_kv_heads, tie)
+    params = random_params(config, seed=3)
+    out = ex.export(write_run(tmp_path / "run", config, params), tmp_path / "hf", "hf-diffllama")
+    hf_config = json.loads((out / "config.json").read_text())
+    assert (hf_config["num_attention_heads"], hf_config["num_key_value_heads"], hf_config["head_dim"]) == (
+        8, 2 * config.kv_heads, 8)
+    theirs = hf_logits(out, dtype=torch.float32, attn_implementation=attn_implementation)
+    ours = logits(config, params)
+    assert np.abs(theirs - ours).max() / np.abs(ours).max() < 1e-5
+
+
+def test_diffllama_bfloat16_export_is_close(tmp_path):
+    config = diff_config(2, False)
+    params = random_params(config, seed=4)
+    out = ex.export(write_run(tmp_path / "run", config, params), tmp_path / "hf", "hf-diffllama",
+                    dtype="bfloat16")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    theirs = hf_logits(out, dtype=torch.bfloat16, attn_implementation="eager")
+    ours = logits(config, params)
+    assert np.abs(theirs - ours).max() / np.abs(ours).max() < 5e-2

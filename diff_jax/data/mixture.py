@@ -1,0 +1,58 @@
+"""The synthetic retrieval source (`data.source=niah`) and weighted mixtures of sources.
+
+A mixture `data.mixture=stdlib:0.5,niah:0.5` gives each source a share of the corpus's tokens.
+Finite sources (stdlib, files, tokens) contribute their first documents (in their seeded shuffled
+order) up to their share of the largest total that no finite source is too small for; niah
+generates its share. The documents of all sources are then interleaved in a seeded order, so the
+trailing validation split holds every source in proportion. With niah alone the corpus has
+`data.niah_tokens` tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from diff_jax import niah
+from diff_jax.config import DataConfig
+from diff_jax.data.corpus import TokenCorpus, encoding
+
+
+def niah_corpus(encoding_name: str, seed: int, num_tokens: int, doc_tokens: int) -> TokenCorpus:
+    """Needle/haystack documents (`diff_jax.niah.training_documents`), each + end-of-text."""
+    enc = encoding(encoding_name)
+    docs = niah.training_documents(niah.train_rng(seed), enc, num_tokens=num_tokens,
+                                   doc_tokens=doc_tokens)
+    return _concat([np.append(d, enc.eot_token) for d in docs], enc.n_vocab)
+
+
+def _concat(docs: list[np.ndarray], vocab_size: int, skipped: tuple[str, ...] = ()) -> TokenCorpus:
+    starts = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
+    return TokenCorpus(np.concatenate(docs).astype(np.uint32), starts, vocab_size, skipped)
+
+
+def _documents(corpus: TokenCorpus, budget: float) -> list[np.ndarray]:
+    """The leading documents of `corpus` holding about `budget` tokens (at least one)."""
+    n = max(1, int(np.searchsorted(corpus.doc_starts[1:], budget, side="right")))
+    return [np.asarray(corpus.tokens[corpus.doc_starts[i]: corpus.doc_starts[i + 1]])
+            for i in range(n)]
+
+
+def mixed_corpus(cfg: DataConfig, seed: int, finite: dict[str, TokenCorpus]) -> TokenCorpus:
+    """The corpus of `cfg.mixture_weights`, given the loaded finite sources by name."""
+    weights = dict(cfg.mixture_weights)
+    if finite:
+        total = min(len(c.tokens) / weights[name] for name, c in finite.items())
+    else:
+        total = cfg.niah_tokens / weights["niah"]
+    docs = [d for name, c in finite.items() for d in _documents(c, weights[name] * total)]
+    vocab = max([c.vocab_size for c in finite.values()] or [0])
+    skipped = tuple(s for c in finite.values() for s in c.skipped)
+    if "niah" in weights:
+        synthetic = niah_corpus(cfg.tokenizer, seed, max(1, int(weights["niah"] * total)),
+                                cfg.niah_doc_tokens)
+        docs += _documents(synthetic, len(synthetic.tokens))
+        vocab = max(vocab, synthetic.vocab_size)
+    order = np.random.default_rng(seed).permutation(len(docs))
+    return dataclasses.replace(_concat([docs[i] for i in order], vocab), skipped=skipped)

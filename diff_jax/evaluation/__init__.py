@@ -1,0 +1,49 @@
+"""eval.py's tasks on a checkpoint: ppl, score, niah, attention, outliers, quant, generate.
+
+`run(argv)` parses `task=NAME [key=value ...] [section.key=value ...]`, loads the checkpoint,
+runs the task, prints a table and writes `<RUN>/eval/<task>.json` (the README lists each task's
+keys and fields).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from diff_jax.evaluation import analysis, generation, retrieval, scoring
+from diff_jax.evaluation.loading import Loaded, load
+from diff_jax.evaluation.options import TASKS, EvalError, EvalOptions, parse_args
+from diff_jax.evaluation.report import Report, format_table, write
+
+TASK_FUNCTIONS: dict[str, Callable[[Loaded, EvalOptions], Report]] = {
+    "ppl": scoring.ppl,
+    "score": scoring.score,
+    "niah": retrieval.niah,
+    "attention": analysis.attention,
+    "outliers": analysis.outliers,
+    "quant": analysis.quant,
+    "generate": generation.run,
+}
+assert tuple(TASK_FUNCTIONS) == TASKS
+
+__all__ = ["EvalError", "EvalOptions", "Loaded", "Report", "load", "parse_args", "run", "run_task"]
+
+
+def run_task(options: EvalOptions, overrides: Sequence[str]) -> tuple[Report, Path]:
+    """Load, run `options.task`, write its JSON; (report, JSON path)."""
+    loaded = load(options, overrides)
+    loaded.out_dir.mkdir(parents=True, exist_ok=True)
+    report = TASK_FUNCTIONS[options.task](loaded, options)
+    header = {"task": options.task, "checkpoint": loaded.source, "step": loaded.step,
+              "variant": loaded.config.model.variant}
+    return report, write(report, loaded.out_dir, options.task, header)
+
+
+def run(argv: Sequence[str]) -> Path:
+    """The command line: run the task, print its table, return the JSON path."""
+    options, overrides = parse_args(argv)
+    report, path = run_task(options, overrides)
+    print(format_table([("task", options.task), *report.table, ("json", str(path))]))
+    for note in report.notes:
+        print(f"note: {note}")
+    return path

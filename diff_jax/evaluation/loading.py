@@ -1,0 +1,98 @@
+"""Find and load what eval.py evaluates: a training checkpoint (with its saved config) or an
+exported parameters-only directory, with the command line's config overrides applied."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from diff_jax import checkpoint, export
+from diff_jax.checkpoint import CheckpointError
+from diff_jax.config import Config, apply_overrides, from_dict, parse_override
+from diff_jax.evaluation.options import EvalError, EvalOptions
+from diff_jax.export import ExportError
+from diff_jax.transformer import DecoderLM
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    config: Config  # the saved config with the overrides applied
+    params: Any  # float32 parameters on the default device
+    source: str  # what was loaded (for the report)
+    step: int | None  # the training step (None for an export)
+    out_dir: Path  # where the task writes its outputs
+
+
+def abstract_params(model_cfg: Any) -> Any:
+    """ShapeDtypeStructs (on the first local device) of the parameters `model_cfg` describes."""
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    shapes = jax.eval_shape(lambda: nn.meta.unbox(
+        DecoderLM(model_cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"]))
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
+
+
+def _override_value(overrides: Sequence[str], dotted: str) -> Any:
+    found = None
+    for text in overrides:
+        keys, value = parse_override(text)
+        if ".".join(keys) == dotted:
+            found = value
+    return found
+
+
+def _is_step_dir(path: Path) -> bool:
+    return path.name.isdigit() and path.parent.name == "checkpoints"
+
+
+def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
+    """Load `checkpoint=PATH` (else `train.run_dir=RUN`), step `options.step` or the latest."""
+    location = options.checkpoint or _override_value(overrides, "train.run_dir")
+    if location is None:
+        raise EvalError("name what to evaluate: train.run_dir=RUN or checkpoint=PATH")
+    path = Path(str(location)).expanduser().resolve()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    step = options.step
+    if _is_step_dir(path):
+        if step is not None and step != int(path.name):
+            raise EvalError(f"step={step} contradicts checkpoint={path}")
+        run_dir, step = path.parent.parent, int(path.name)
+    elif (path / "checkpoints").exists() or (path / "config.yaml").exists():
+        run_dir = path  # `restore_inference` names what is missing
+    else:
+        return _load_export(path, options, overrides)
+    # A relative run_dir saved in the config would resolve against the current directory.
+    overrides = [*overrides, f"train.run_dir={run_dir}"]
+    config: list[Config] = []
+
+    def target(saved: dict) -> Any:
+        config.append(from_dict(apply_overrides(saved, overrides)))
+        return abstract_params(config[0].model)
+
+    step, _, params = checkpoint.restore_inference(run_dir, step, target)
+    out_dir = Path(options.out_dir) if options.out_dir else run_dir / "eval"
+    return Loaded(config[0], params, f"{run_dir}/checkpoints/{step}", step, out_dir)
+
+
+def _load_export(path: Path, options: EvalOptions, overrides: Sequence[str]) -> Loaded:
+    """An export directory (`diff_jax.export.load`): its model config and parameters; the other
+    config sections are the defaults plus the overrides."""
+    try:
+        model_cfg, params = export.load(path)
+    except (OSError, ExportError) as e:
+        raise CheckpointError(f"checkpoint={path} is not a run directory (no checkpoints/ or "
+                              f"config.yaml), not a step directory RUN/checkpoints/N, and not an "
+                              f"export: {e}") from e
+    saved = Config(model=model_cfg).to_dict()
+    config = from_dict(apply_overrides(saved, overrides))
+    target = abstract_params(config.model)
+    checkpoint.check_shapes(params, target)
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    out_dir = Path(options.out_dir) if options.out_dir else path / "eval"
+    return Loaded(config, params, str(path), None, out_dir)

@@ -1,0 +1,112 @@
+"""The eval.py command line: `task=NAME` and the other undotted keys are `EvalOptions`; dotted
+`section.key=value` arguments override the checkpoint's saved config."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Sequence
+
+from diff_jax.config import parse_override
+
+TASKS = ("ppl", "score", "niah", "attention", "outliers", "quant", "generate")
+
+
+class EvalError(ValueError):
+    """A bad eval.py argument or input; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+    """Keys of `python eval.py task=NAME [key=value ...]` (see the README for each task's keys)."""
+
+    task: str
+    checkpoint: str | None = None  # a run dir, a step dir RUN/checkpoints/N, or an export dir
+    step: int | None = None  # a step of the run (None: the latest)
+    out_dir: str | None = None  # None: RUN/eval (an export dir: DIR/eval)
+    # held-out text (ppl, quant, outliers): `batches` batches of `batch_size` rows of `length` tokens
+    length: int | None = None  # None: train.seq_len
+    batch_size: int = 4
+    batches: int = 8
+    # score
+    input: str | None = None  # .txt (encoded with data.tokenizer) or .npy of int ids
+    output: str | None = None  # None: RUN/eval/score.npy
+    # niah / attention (and quant with niah=true)
+    needles: int = 4
+    queries: int = 1
+    depths: tuple[int, ...] = (0, 25, 50, 75, 100)  # percent
+    lengths: tuple[int, ...] = ()  # () : (train.seq_len,)
+    samples: int = 4
+    seed: int = 0  # niah samples, and sampling for generate
+    # outliers
+    tokens: int = 2048
+    # quant
+    bits: tuple[int, ...] = (16, 8, 6, 4)
+    niah: bool = False  # quant: also measure niah accuracy per bit width
+    # generate
+    prompt: str | None = None
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise EvalError(f"task={self.task}: unknown task; known tasks: {', '.join(TASKS)}")
+        for name in ("batch_size", "batches", "needles", "queries", "samples", "tokens",
+                     "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise EvalError(f"{name}={getattr(self, name)}: must be positive")
+        for name in ("length", "step"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise EvalError(f"{name}={getattr(self, name)}: must be positive")
+        if not self.queries <= self.needles:
+            raise EvalError(f"queries={self.queries}: must be <= needles ({self.needles})")
+        if not self.depths or any(not 0 <= d <= 100 for d in self.depths):
+            raise EvalError(f"depths={list(self.depths)}: must be percentages in [0, 100]")
+        if any(n < 2 for n in self.bits):
+            raise EvalError(f"bits={list(self.bits)}: must be >= 2")
+        if self.task == "score" and self.input is None:
+            raise EvalError("task=score needs input=FILE (.txt or .npy of int32 token ids)")
+        if self.task == "generate" and not self.prompt:
+            raise EvalError('task=generate needs prompt="..."')
+
+
+def parse_args(argv: Sequence[str]) -> tuple[EvalOptions, list[str]]:
+    """(options from the undotted keys, the dotted config overrides in order)."""
+    hints = typing.get_type_hints(EvalOptions)
+    values: dict[str, typing.Any] = {}
+    overrides = []
+    for arg in argv:
+        if "=" not in arg:
+            raise EvalError(f"argument {arg!r}: expected key=value")
+        key = arg.partition("=")[0].strip()
+        if "." in key:
+            overrides.append(arg)
+            continue
+        if key not in hints:
+            raise EvalError(f"{key}: unknown key; known keys: {', '.join(sorted(hints))} "
+                            "(and section.key=value config overrides)")
+        if hints[key] is str or hints[key] == (str | None):
+            values[key] = arg.partition("=")[2]  # taken verbatim: prompts and paths are not YAML
+        else:
+            values[key] = _coerce(key, parse_override(arg)[1], hints[key])
+    if "task" not in values:
+        raise EvalError(f"missing task=NAME; tasks: {', '.join(TASKS)}")
+    return EvalOptions(**values), overrides
+
+
+def _coerce(key: str, value: typing.Any, tp: typing.Any) -> typing.Any:
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    if typing.get_origin(tp) is tuple:
+        items = value if isinstance(value, list) else [value]
+        return tuple(_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(items))
+    base = next((a for a in args if a is not type(None)), tp)
+    ok = {bool: isinstance(value, bool),
+          int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool)}[base]
+    if not ok:
+        raise EvalError(f"{key}={value!r}: expected {base.__name__}")
+    return base(value)

@@ -1,0 +1,30 @@
+"""What a task hands back: its JSON fields, a short table for the terminal, and the files written."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass
+class Report:
+    fields: dict[str, Any]  # written as RUN/eval/<task>.json
+    table: list[tuple[str, str]]  # (label, value) rows printed to the terminal
+    files: list[str] = dataclasses.field(default_factory=list)  # other outputs (PNG, .npy)
+    notes: list[str] = dataclasses.field(default_factory=list)  # e.g. a skipped plot
+
+
+def write(report: Report, out_dir: Path, task: str, header: dict[str, Any]) -> Path:
+    """Write `<out_dir>/<task>.json` (header fields first) and return its path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{task}.json"
+    body = {**header, **report.fields, "files": report.files, "notes": report.notes}
+    path.write_text(json.dumps(body, indent=1) + "\n")
+    return path
+
+
+def format_table(rows: list[tuple[str, str]]) -> str:
+    width = max((len(k) for k, _ in rows), default=0)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,120 @@
+"""The `niah` task: multi-needle retrieval accuracy per (answer depth, context length) — the
+paper's Table 2 / Figure 5 protocol on `diff_jax.niah` samples.
+
+A query counts as retrieved when greedy decoding after "The magic number of CITY is" produces the
+needle's number: every answer token is the argmax given the correct tokens before it (teacher
+forcing the answer is exactly greedy decoding of its length). A sample's accuracy is the share of
+its R queried needles retrieved; a cell's is the mean over its S samples.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tiktoken
+
+from diff_jax import niah as needles
+from diff_jax.config import Config, ModelConfig
+from diff_jax.data import encoding
+from diff_jax.evaluation import plots
+from diff_jax.evaluation.loading import Loaded
+from diff_jax.evaluation.options import EvalError, EvalOptions
+from diff_jax.evaluation.report import Report
+from diff_jax.transformer import DecoderLM
+
+
+def niah_lengths(config: Config, options: EvalOptions) -> tuple[int, ...]:
+    lengths = options.lengths or (config.train.seq_len,)
+    too_long = [n for n in lengths if n > config.model.max_seq_len]
+    if too_long:
+        raise EvalError(f"lengths={list(lengths)}: {too_long} exceed model.max_seq_len "
+                        f"({config.model.max_seq_len})")
+    return tuple(lengths)
+
+
+def cell_samples(enc: tiktoken.Encoding, options: EvalOptions, depth: int,
+                 length: int) -> list[needles.NiahSample]:
+    """The S samples of one (depth %, length) cell; each cell has its own seeded stream."""
+    rng = needles.eval_rng(options.seed, depth, length)
+    try:
+        return [needles.make_sample(rng, enc, length=length, num_needles=options.needles,
+                                    num_queries=options.queries, depth=depth / 100)
+                for _ in range(options.samples)]
+    except ValueError as e:
+        raise EvalError(f"niah: {e}") from e
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _greedy_hits(model: DecoderLM, params: Any, tokens: jax.Array, answer_pos: jax.Array,
+                 answer_tok: jax.Array, answer_mask: jax.Array) -> jax.Array:
+    """(B,) bool: the argmax at every answer position (B, K) predicts its answer token."""
+    logits = model.apply({"params": params}, tokens)
+    pred = jnp.argmax(jnp.take_along_axis(logits, answer_pos[..., None], axis=1), axis=-1)
+    return jnp.all((pred == answer_tok) | ~answer_mask, axis=-1)
+
+
+def accuracy(model_cfg: ModelConfig, params: Any, samples: list[needles.NiahSample],
+             length: int, batch_size: int) -> float:
+    """Mean over samples of the share of queried needles retrieved by greedy decoding."""
+    rows = [(s, r) for s, sample in enumerate(samples) for r in range(sample.num_queries)]
+    k = max(len(a) for sample in samples for a in sample.answers)
+    n = len(rows) + -len(rows) % batch_size  # whole batches: one compiled shape
+    tokens = np.zeros((n, length), np.int32)
+    pos, tok, mask = (np.zeros((n, k), np.int32) for _ in range(3))
+    for i, (s, r) in enumerate(rows):
+        seq, start = samples[s].sequence(r)
+        answer = samples[s].answers[r]
+        tokens[i, : len(seq)] = seq
+        pos[i, : len(answer)] = np.arange(start - 1, start - 1 + len(answer))
+        tok[i, : len(answer)] = answer
+        mask[i, : len(answer)] = 1
+    model = DecoderLM(model_cfg)
+    hits = np.concatenate([np.asarray(_greedy_hits(model, params, *map(jnp.asarray, (
+        tokens[i: i + batch_size], pos[i: i + batch_size], tok[i: i + batch_size],
+        mask[i: i + batch_size].astype(bool))))) for i in range(0, n, batch_size)])[: len(rows)]
+    per_sample = [np.mean([h for (s, _), h in zip(rows, hits) if s == j]) for j in range(len(samples))]
+    return float(np.mean(per_sample))
+
+
+def accuracy_grid(model_cfg: ModelConfig, params: Any, enc: tiktoken.Encoding,
+                  options: EvalOptions, lengths: tuple[int, ...]) -> tuple[np.ndarray, list[dict]]:
+    """(accuracy (depths, lengths), per-cell records with the answer needles' start positions)."""
+    grid = np.zeros((len(options.depths), len(lengths)))
+    cells = []
+    for i, depth in enumerate(options.depths):
+        for j, length in enumerate(lengths):
+            samples = cell_samples(enc, options, depth, length)
+            grid[i, j] = accuracy(model_cfg, params, samples, length, options.batch_size)
+            cells.append({"depth": depth, "length": length, "accuracy": grid[i, j],
+                          "context_tokens": [len(s.context) for s in samples],
+                          "answer_starts": [s.needles[0].start for s in samples]})
+    return grid, cells
+
+
+def niah(loaded: Loaded, options: EvalOptions) -> Report:
+    """Accuracy per (depth, length) and on average, with a heatmap."""
+    cfg = loaded.config
+    lengths = niah_lengths(cfg, options)
+    grid, cells = accuracy_grid(cfg.model, loaded.params, encoding(cfg.data.tokenizer), options,
+                                lengths)
+    report = Report(
+        {"needles": options.needles, "queries": options.queries, "samples": options.samples,
+         "seed": options.seed, "depths": list(options.depths), "lengths": list(lengths),
+         "accuracy": grid.tolist(), "average": float(grid.mean()), "cells": cells},
+        [(f"depth {d:>3}%", "  ".join(f"{a:.2f}" for a in row))
+         for d, row in zip(options.depths, grid)])
+    report.table.insert(0, (f"N={options.needles} R={options.queries} S={options.samples}",
+                            "lengths " + ", ".join(map(str, lengths))))
+    report.table.append(("average", f"{grid.mean():.3f}"))
+    png = loaded.out_dir / "niah.png"
+    if plots.heatmap(png, grid, [f"{d}%" for d in options.depths], [str(n) for n in lengths],
+                     title=f"{cfg.model.variant}: N={options.needles}, R={options.queries}",
+                     xlabel="context length", ylabel="answer depth"):
+        report.files.append(str(png))
+    else:
+        report.notes.append(plots.MISSING)
+    return report

@@ -1,0 +1,178 @@
+"""Likelihood tasks: `ppl` (held-out loss, perplexity, NLL by position) and `score` (per-token
+log-probabilities of a file), plus the held-out data and forward passes the analyses share."""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diff_jax.config import Config, ModelConfig
+from diff_jax.data import Batch, DataError, PackedRows, TokenCorpus, encoding, load_corpus
+from diff_jax.evaluation import plots
+from diff_jax.evaluation.loading import Loaded
+from diff_jax.evaluation.options import EvalError, EvalOptions
+from diff_jax.evaluation.report import Report
+from diff_jax.transformer import DecoderLM
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def token_nll(model: DecoderLM, params: Any, tokens: jax.Array, targets: jax.Array,
+              segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
+    """−log p(target | prefix) per position (B, T), normalized over the full output vocabulary."""
+    logits = model.apply({"params": params}, tokens, positions=positions, segment_ids=segment_ids)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def batch_nll(model_cfg: ModelConfig, params: Any, batch: Batch) -> np.ndarray:
+    """Per-token NLL (B, T) of a packed batch (segments and positions as in training)."""
+    return np.asarray(token_nll(DecoderLM(model_cfg), params, jnp.asarray(batch["tokens"]),
+                                jnp.asarray(batch["targets"]), jnp.asarray(batch["segment_ids"]),
+                                jnp.asarray(batch["positions"])))
+
+
+def eval_length(config: Config, options: EvalOptions) -> int:
+    length = options.length or config.train.seq_len
+    if length > config.model.max_seq_len:
+        raise EvalError(f"length={length} exceeds model.max_seq_len ({config.model.max_seq_len})")
+    return length
+
+
+def held_out_corpus(config: Config) -> TokenCorpus:
+    """The validation split of the run's data (`data.*`), as training held it out."""
+    if config.data.validation_fraction == 0:
+        raise DataError("data.validation_fraction is 0 for this run, so no text was held out; "
+                        "pass data.validation_fraction=F (the last F of the documents) or point "
+                        "data.source/data.paths at other text")
+    _, val = load_corpus(config.data, config.train.seed).split(config.data.validation_fraction)
+    return val
+
+
+def held_out_batches(corpus: TokenCorpus, length: int, batch_size: int, batches: int) -> list[Batch]:
+    """Up to `batches` batches of `batch_size` packed rows of `length` tokens, in corpus order."""
+    rows = PackedRows(corpus, length, seed=0, shuffle=False)
+    b = min(batch_size, len(rows))
+    n = min(batches, len(rows) // b)
+    return [{k: np.stack([rows[i * b + j][k] for j in range(b)]) for k in rows[0]}
+            for i in range(n)]
+
+
+def nll_by_position(model_cfg: ModelConfig, params: Any, corpus: TokenCorpus, length: int,
+                    max_docs: int, batch_size: int) -> tuple[np.ndarray, int]:
+    """(mean NLL at each position 0..length−1, number of documents) over the first `max_docs`
+    documents of at least length + 1 tokens, each read from its start (the paper's Figure 4)."""
+    starts, ends = corpus.doc_starts[:-1], corpus.doc_starts[1:]
+    long_docs = np.flatnonzero(ends - starts >= length + 1)[:max_docs]
+    if len(long_docs) == 0:
+        return np.zeros(0), 0
+    rows = np.stack([np.asarray(corpus.tokens[starts[i]: starts[i] + length + 1], np.int32)
+                     for i in long_docs])
+    model = DecoderLM(model_cfg)
+    padded = rows[np.arange(len(rows) + -len(rows) % batch_size) % len(rows)]  # whole batches
+    nll = np.concatenate([np.asarray(token_nll(model, params, jnp.asarray(chunk[:, :-1]),
+                                               jnp.asarray(chunk[:, 1:])))
+                          for chunk in np.split(padded, len(padded) // batch_size)])
+    return nll[: len(rows)].mean(axis=0), len(long_docs)
+
+
+def ppl(loaded: Loaded, options: EvalOptions) -> Report:
+    """Held-out loss and perplexity; cumulative average NLL by position."""
+    cfg = loaded.config
+    length = eval_length(cfg, options)
+    corpus = held_out_corpus(cfg)
+    batches = held_out_batches(corpus, length, options.batch_size, options.batches)
+    nll = np.concatenate([batch_nll(cfg.model, loaded.params, b).ravel() for b in batches])
+    loss = float(nll.mean())
+    by_pos, n_docs = nll_by_position(cfg.model, loaded.params, corpus, length,
+                                     options.batch_size * options.batches, options.batch_size)
+    cumulative = np.cumsum(by_pos) / np.arange(1, len(by_pos) + 1)
+    report = Report(
+        {"length": length, "num_tokens": int(nll.size), "loss": loss, "ppl": math.exp(loss),
+         "by_position": {"num_documents": n_docs, "nll": by_pos.tolist(),
+                         "cumulative_nll": cumulative.tolist()}},
+        [("held-out tokens", f"{nll.size:,}"), ("loss", f"{loss:.4f}"),
+         ("perplexity", f"{math.exp(loss):.2f}"),
+         ("documents by position", f"{n_docs} of >= {length + 1} tokens")])
+    if n_docs == 0:
+        report.notes.append(f"no held-out document has {length + 1} tokens: by_position is empty")
+    else:
+        report.table.append(("cumulative NLL at 1/4, 1/2, end",
+                             ", ".join(f"{cumulative[i]:.3f}" for i in
+                                       (length // 4 - 1, length // 2 - 1, length - 1) if i >= 0)))
+        png = loaded.out_dir / "ppl.png"
+        if plots.lines(png, np.arange(1, length + 1), {cfg.model.variant: cumulative},
+                       title="Cumulative average NLL by position", xlabel="position",
+                       ylabel="cumulative average NLL", logx=True):
+            report.files.append(str(png))
+        else:
+            report.notes.append(plots.MISSING)
+    return report
+
+
+def read_tokens(path: Path, config: Config) -> np.ndarray:
+    """The ids of a .npy file (1-D integers) or the encoding of a .txt file (data.tokenizer)."""
+    if not path.is_file():
+        raise EvalError(f"input={path}: no such file")
+    if path.suffix == ".npy":
+        try:
+            ids = np.load(path, allow_pickle=False)
+        except ValueError as e:
+            raise EvalError(f"input={path}: not a NumPy array file ({e})") from e
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise EvalError(f"input={path}: expected a 1-D array of integer token ids, got "
+                            f"{ids.dtype} {ids.shape}")
+    elif path.suffix == ".txt":
+        ids = np.asarray(encoding(config.data.tokenizer).encode_ordinary(path.read_text()))
+    else:
+        raise EvalError(f"input={path}: expected a .txt or .npy file")
+    if len(ids) < 2:
+        raise EvalError(f"input={path}: {len(ids)} token(s); scoring needs at least 2")
+    if ids.min() < 0 or ids.max() >= config.model.vocab_size:
+        raise EvalError(f"input={path}: token ids must be in [0, {config.model.vocab_size})")
+    return ids.astype(np.int32)
+
+
+def token_logprobs(model_cfg: ModelConfig, params: Any, ids: np.ndarray, window: int) -> np.ndarray:
+    """log p(ids[t+1] | ids[:t+1]) for t = 0..n−2 (float32). Texts longer than `window` are read in
+    windows of `window` tokens advancing by window/2: every later token keeps ≥ window/2 context."""
+    n, stride = len(ids), max(1, window // 2)
+    model = DecoderLM(model_cfg)
+    out = np.empty(n - 1, np.float32)
+    done = 0  # targets scored: ids[1..done]
+    while done < n - 1:
+        end = min(n, window if done == 0 else done + 1 + stride)
+        start = max(0, end - window)
+        chunk = np.zeros(window + 1, np.int32)  # right padding never reaches earlier positions
+        chunk[: end - start] = ids[start:end]
+        nll = np.asarray(token_nll(model, params, jnp.asarray(chunk[None, :-1]),
+                                   jnp.asarray(chunk[None, 1:])))[0]
+        out[done: end - 1] = -nll[done - start: end - 1 - start]
+        done = end - 1
+    return out
+
+
+def score(loaded: Loaded, options: EvalOptions) -> Report:
+    """Per-token log-probabilities of `input` to `output` (.npy float32, one per predicted token)."""
+    cfg = loaded.config
+    ids = read_tokens(Path(options.input), cfg)
+    window = options.length or cfg.model.max_seq_len
+    if window > cfg.model.max_seq_len:
+        raise EvalError(f"length={window} exceeds model.max_seq_len ({cfg.model.max_seq_len})")
+    logp = token_logprobs(cfg.model, loaded.params, ids, window)
+    output = Path(options.output) if options.output else loaded.out_dir / "score.npy"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    np.save(output, logp)
+    mean = float(logp.mean())
+    return Report(
+        {"input": str(options.input), "output": str(output), "num_tokens": int(len(ids)),
+         "num_scored": int(len(logp)), "window": window, "mean_logprob": mean,
+         "ppl": math.exp(-mean)},
+        [("input tokens", f"{len(ids):,}"), ("mean log p", f"{mean:.4f}"),
+         ("perplexity", f"{math.exp(-mean):.2f}"), ("written", str(output))],
+        files=[str(output)])

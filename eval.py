@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 
+from absl import logging as absl_logging
+
 from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import ConfigError
 from diff_jax.data import DataError
@@ -20,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if args else 2
+    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on items it does not read
     try:
         run(args)
     except (ConfigError, CheckpointError, DataError, EvalError) as e:

@@ -63,6 +63,8 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
         if step is not None and step != int(path.name):
             raise EvalError(f"step={step} contradicts checkpoint={path}")
         run_dir, step = path.parent.parent, int(path.name)
+    elif path.name == "checkpoints" and (path.parent / "config.yaml").exists():
+        run_dir = path.parent
     elif (path / "checkpoints").exists() or (path / "config.yaml").exists():
         run_dir = path  # `restore_inference` names what is missing
     else:

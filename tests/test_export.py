@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -31,6 +32,7 @@ CONFIGS = {
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 24)), jnp.int32)
 
 
+@functools.cache
 def random_params(config: ModelConfig, seed: int = 0) -> dict:
     """Initial parameters with every leaf perturbed, so that norms and λ are not their defaults."""
     params = nn.meta.unbox(DecoderLM(config).init(jax.random.PRNGKey(seed), TOKENS[:, :1]))["params"]
@@ -62,6 +64,25 @@ def diff_run(tmp_path_factory) -> tuple[Path, ModelConfig, dict]:
     config = CONFIGS["diff"]
     params = random_params(config)
     return write_run(tmp_path_factory.mktemp("run"), config, params), config, params
+
+
+def test_a_real_training_run_exports_and_loads_back(tmp_path):
+    from diff_jax import train_loop
+    from tests.training_fixtures import tiny_config, write_corpus
+
+    run = tmp_path / "run"
+    result = train_loop.run(tiny_config(write_corpus(tmp_path / "corpus"), run, "train.steps=2",
+                                        "checkpoint.every_steps=1", "checkpoint.async_save=false"))
+    assert result.step == 2
+    config, params = ex.load(run)  # the latest step, restored from a sharded train state
+    _, first = ex.load(run / "checkpoints" / "1")
+    assert config.vocab_size == 64 and config.num_layers == 2
+    assert not np.array_equal(first["embed"], params["embed"])
+    out = ex.export(run, tmp_path / "export", "safetensors")
+    assert json.loads((out / "export.json").read_text())["step"] == 2
+    tokens = TOKENS % 64
+    run_logits = DecoderLM(config).apply({"params": params}, tokens)
+    np.testing.assert_array_equal(DecoderLM(config).apply({"params": ex.load(out)[1]}, tokens), run_logits)
 
 
 def test_state_dict_names_shapes_and_pytorch_layout():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 import shutil
@@ -89,6 +90,11 @@ def test_ppl(runs, variant):
     by_pos = out["by_position"]
     assert by_pos["num_documents"] > 0 and len(by_pos["nll"]) == len(by_pos["cumulative_nll"]) == 64
     assert math.isclose(by_pos["cumulative_nll"][-1], np.mean(by_pos["nll"]), rel_tol=1e-5)
+    if importlib.util.find_spec("matplotlib"):
+        assert out["files"] == [str(runs[variant] / "eval" / "ppl.png")]
+        assert (runs[variant] / "eval" / "ppl.png").stat().st_size > 0
+    else:
+        assert out["files"] == [] and "matplotlib is not installed" in out["notes"][0]
 
 
 def test_score_is_the_log_probability_of_each_next_token(runs, tmp_path):

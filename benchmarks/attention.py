@@ -224,6 +224,28 @@ def check(block_sizes: BlockSizes | None, interpret) -> list[dict]:
         rows.append({"case": f"B{b} T{t} H{h} Hkv{hkv} d{d} causal={causal} seg={seg} "
                              f"{jnp.dtype(dtype).name} λ={lam}", **errs, "finite": finite})
         print(rows[-1], flush=True)
+    if jax.default_backend() == "gpu":  # standard attention on cuDNN / Pallas with segments
+        b, t, hq, hkv, d = 2, 300, 8, 2, 64
+        ks = jax.random.split(jax.random.PRNGKey(7), 4)
+        q, k, v, do = (jax.random.normal(kk, (b, t, hh, d), jnp.bfloat16)
+                       for kk, hh in zip(ks, (hq, hkv, hkv, hq)))
+        segs = jnp.asarray(np.repeat([[1] * 100 + [2] * 150 + [0] * 50], b, 0), jnp.int32)
+        for impl in ("cudnn", "pallas"):
+            def vg(impl, *xs):
+                loss = lambda q, k, v: jnp.sum(kernels.dot_product_attention(  # noqa: E731
+                    q, k, v, segment_ids=segs, impl=impl).astype(jnp.float32) * do.astype(jnp.float32))
+                return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*xs)
+
+            out = kernels.dot_product_attention(q, k, v, segment_ids=segs, impl=impl)
+            ref = kernels.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                                segment_ids=segs, impl="xla")
+            _, g = vg(impl, q, k, v)
+            _, gr = vg("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
+            finite = bool(all(np.isfinite(np.asarray(x, np.float32)).all() for x in (out, *g)))
+            rows.append({"case": f"standard {impl} B{b} T{t} Hq{hq} Hkv{hkv} d{d} seg bf16",
+                         "out": _rel(out, ref), "dq": _rel(g[0], gr[0]), "dk": _rel(g[1], gr[1]),
+                         "dv": _rel(g[2], gr[2]), "finite": finite})
+            print(rows[-1], flush=True)
     return rows
 
 

@@ -41,6 +41,9 @@ class BlockSizes:
 # Tuned on an H100 (bf16, d = 64, causal; benchmarks/results/attention_nvidia_h100*.md).
 GPU_DEFAULTS = BlockSizes(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=8,
                           num_stages=3, num_warps_bwd=4, num_stages_bwd=2)
+# 4-byte inputs double the tiles' shared memory: the bf16 forward setting exceeds the H100's.
+GPU_DEFAULTS_F32 = BlockSizes(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=4,
+                              num_stages=2, num_warps_bwd=4, num_stages_bwd=2)
 TPU_DEFAULTS = BlockSizes(block_q=512, block_k=512, block_q_bwd=256, block_k_bwd=256)
 
 
@@ -59,8 +62,8 @@ class _Config:
     backend: str | None  # None: by platform; "gpu" / "tpu": that kernel (interpreted off-device)
 
 
-def _gpu_kwargs(cfg: _Config, bwd: bool) -> dict[str, int]:
-    kw = _fill(cfg.block_sizes, GPU_DEFAULTS)
+def _gpu_kwargs(cfg: _Config, bwd: bool, itemsize: int) -> dict[str, int]:
+    kw = _fill(cfg.block_sizes, GPU_DEFAULTS if itemsize <= 2 else GPU_DEFAULTS_F32)
     warps, stages = kw.pop("num_warps_bwd"), kw.pop("num_stages_bwd")
     if bwd:
         kw["num_warps"], kw["num_stages"] = warps, stages
@@ -92,7 +95,7 @@ def _dispatch(cfg: _Config, gpu_fn, tpu_fn, *args, bwd: bool):
 
     def gpu(interpret):
         return gpu_fn(*args, nc=nc, causal=causal, interpret=bool(interpret),
-                      **_gpu_kwargs(cfg, bwd))
+                      **_gpu_kwargs(cfg, bwd, jnp.dtype(args[0].dtype).itemsize))
 
     def tpu(interpret):
         return tpu_fn(*args, nc=nc, causal=causal, interpret=_tpu_interpret(interpret),

@@ -1,9 +1,9 @@
 """Read (model config, float32 parameters) from a training run, one of its checkpoints, or an export.
 
-Training checkpoints are the orbax layout of `diff_jax.checkpoint`:
-`<run_dir>/checkpoints/<step>/{state,data_iter,config}`, where `state` holds the train state (its
-`params` are read alone) and `config` the resolved config as JSON. Exports carry `export.json`
-(format, dtype, source) beside `config.json` (the model config) and their tensors.
+Training checkpoints (`<run_dir>/checkpoints/<step>/`) are read with
+`diff_jax.checkpoint.restore_inference`: the parameters alone, checked against the saved config.
+Exports carry `export.json` (format, dtype, source, step) beside `config.json` (the model config)
+and their tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import linen as nn
 
+from diff_jax import checkpoint
+from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import ConfigError, ModelConfig, _build
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_file import read_safetensors
@@ -50,13 +52,15 @@ def model_config_from_json(data: Any, where: str) -> ModelConfig:
         raise ExportError(f"{where}: invalid model config: {e}") from e
 
 
-def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """{'layers_0/attn/q_proj/kernel': shape, ...} of the parameters `config` describes."""
+def abstract_params(config: ModelConfig) -> Any:
+    """Float32 ShapeDtypeStructs on the default device for the parameters `config` describes."""
     boxed = jax.eval_shape(lambda: DecoderLM(config).init(jax.random.PRNGKey(0),
                                                            jnp.zeros((1, 1), jnp.int32)))["params"]
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
-    return _flat_shapes(jax.tree.map(lambda x: x.unbox(apply_constraint=False) if is_box(x) else x,
-                                     boxed, is_leaf=is_box))
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.unbox(apply_constraint=False) if is_box(x) else x).shape,
+                                       jnp.float32, sharding=sharding), boxed, is_leaf=is_box)
 
 
 def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
@@ -113,73 +117,35 @@ def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
         saved = checkpointer.metadata(path).item_metadata
     except (OSError, ValueError) as e:
         raise ExportError(f"{path}: not a readable orbax checkpoint: {e}") from e
-    check_shapes(_flat_shapes(saved), param_shapes(config), str(path))
-    target, restore_args = _restore_target(saved)
+    target = abstract_params(config)
+    check_shapes(_flat_shapes(saved), _flat_shapes(target), str(path))
+    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype), target)
     try:
         return checkpointer.restore(path, args=ocp.args.PyTreeRestore(target, restore_args))
     except (OSError, ValueError) as e:
         raise ExportError(f"{path}: could not read the parameters: {e}") from e
 
 
-def _restore_target(saved: Any) -> tuple[Any, Any]:
-    """Float32 targets on the default device for every array in the metadata tree `saved`."""
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, jnp.float32, sharding=sharding), saved)
-    args = jax.tree.map(lambda m: ocp.ArrayRestoreArgs(sharding=sharding, dtype=jnp.float32), saved)
-    return target, args
-
-
 def _read_train_checkpoint(path: Path) -> Source:
+    """A run directory, its checkpoints/ directory, or one step RUN/checkpoints/N."""
     if (path / "checkpoints").is_dir():
-        directory, step = path / "checkpoints", None
-    elif path.name.isdigit() and ((path / "state").exists() or (path / "config").exists()):
-        directory, step = path.parent, int(path.name)
+        run_dir, step = path, None
+    elif path.name == "checkpoints":
+        run_dir, step = path.parent, None
+    elif path.name.isdigit() and path.parent.name == "checkpoints":
+        run_dir, step = path.parent.parent, int(path.name)
     else:
-        directory, step = path, None
-    mngr = ocp.CheckpointManager(
-        directory.resolve(), options=ocp.CheckpointManagerOptions(create=False, read_only=True),
-        item_handlers={"state": ocp.PyTreeCheckpointHandler(), "config": ocp.JsonCheckpointHandler()})
-    try:
-        return _read_step(mngr, path, directory, step)
-    finally:
-        mngr.close()
+        raise ExportError(f"{path}: neither a run directory (with checkpoints/), its checkpoints/ "
+                          f"directory, one step RUN/checkpoints/N, nor an export (with {EXPORT_MARKER})")
+    configs: list[ModelConfig] = []
 
+    def target(saved: Any) -> Any:
+        model = saved.get("model") if isinstance(saved, dict) else None
+        configs.append(model_config_from_json(model, f"{run_dir / 'checkpoints'} saved config"))
+        return abstract_params(configs[0])
 
-def _read_step(mngr: ocp.CheckpointManager, path: Path, directory: Path, step: int | None) -> Source:
-    steps = mngr.all_steps()
-    unfinished = sorted(p.name for p in directory.iterdir() if "tmp" in p.name)
-    hint = f"; unfinished save(s) there: {', '.join(unfinished)}" if unfinished else ""
-    if step is None:
-        if not steps:
-            raise ExportError(
-                f"{path}: no complete checkpoint in {directory}{hint}; expected a run directory "
-                "(with checkpoints/), its checkpoints/ directory, one step in it, or an export "
-                f"directory (with {EXPORT_MARKER})")
-        step = max(steps)
-    elif step not in steps:
-        raise ExportError(f"{path}: not a complete checkpoint (complete steps in {directory}: "
-                          f"{sorted(steps) or 'none'}){hint}")
-    step_dir = directory / str(step)
-    for item in ("state", "config"):
-        if not (step_dir / item).is_dir():
-            raise ExportError(f"{step_dir}: the checkpoint has no {item!r} item; it is partial "
-                              "or was not written by diff_jax training")
     try:
-        data = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-    except (OSError, ValueError) as e:
-        raise ExportError(f"{step_dir / 'config'}: could not read the saved config: {e}") from e
-    model = data.get("model") if isinstance(data, dict) else None
-    config = model_config_from_json(model, f"{step_dir / 'config'} (section model)")
-    where = f"{step_dir / 'state'} params"
-    state = mngr.item_metadata(step)["state"]
-    if state is None or "params" not in state:
-        raise ExportError(f"{where}: missing from the saved train state")
-    saved = state["params"]
-    check_shapes(_flat_shapes(saved), param_shapes(config), where)
-    target, restore_args = _restore_target(saved)
-    try:
-        restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            {"params": target}, {"params": restore_args}, partial_restore=True)))
-    except (OSError, ValueError) as e:
-        raise ExportError(f"{where}: could not read the parameters: {e}") from e
-    return Source(config, restored["state"]["params"], str(step_dir), step)
+        step, _, params = checkpoint.restore_inference(run_dir, step, target)
+    except CheckpointError as e:
+        raise ExportError(f"{path}: {e}") from e
+    return Source(configs[0], params, str(run_dir / "checkpoints" / str(step)), step)

@@ -429,6 +429,11 @@ def from_dict(data: dict) -> Config:
     return _build(Config, data, "")
 
 
+def model_config_from_dict(data: dict) -> ModelConfig:
+    """A `ModelConfig` from the `model` section alone (as saved with exports), validated."""
+    return _build(ModelConfig, data, "model")
+
+
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
     """Load a YAML config (or the defaults when `path` is None) and apply `key=value` overrides."""
     data = _read_yaml(Path(path)) if path is not None else {}

@@ -239,3 +239,26 @@ def test_errors_name_what_and_where(runs, tmp_path, capsys):
     assert "error: checkpoint path" in capsys.readouterr().err
     assert eval_main(["task=bogus"]) == 2
     assert "unknown task" in capsys.readouterr().err
+
+
+def test_export_with_a_short_max_seq_len_loads_with_a_fitting_default_length(runs, tmp_path):
+    """An export carries only the model: the default eval length must not exceed its max_seq_len."""
+    from diff_jax.export import export
+
+    exp = export(runs["diff"], tmp_path / "short", "orbax-params")
+    cfg_path = exp / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    model = cfg.get("model", cfg)
+    model["max_seq_len"] = 64
+    cfg_path.write_text(json.dumps(cfg))
+    options, overrides = parse_args(["task=generate", "prompt=def f(x):", "max_new_tokens=3",
+                                     f"checkpoint={exp}"])
+    report, _ = run_task(options, overrides)
+    assert loaded_seq_len(exp) == 64 and len(report.fields["new_tokens"]) == 3
+
+
+def loaded_seq_len(path: Path) -> int:
+    from diff_jax.evaluation.loading import load
+
+    options, overrides = parse_args(["task=ppl", f"checkpoint={path}"])
+    return load(options, overrides).config.train.seq_len

@@ -14,7 +14,7 @@ from flax import linen as nn
 
 from diff_jax import checkpoint, export
 from diff_jax.checkpoint import CheckpointError
-from diff_jax.config import Config, apply_overrides, from_dict, parse_override
+from diff_jax.config import Config, TrainConfig, apply_overrides, from_dict, parse_override
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.export import ExportError
 from diff_jax.transformer import DecoderLM
@@ -91,7 +91,9 @@ def _load_export(path: Path, options: EvalOptions, overrides: Sequence[str]) -> 
         raise CheckpointError(f"checkpoint={path} is not a run directory (no checkpoints/ or "
                               f"config.yaml), not a step directory RUN/checkpoints/N, and not an "
                               f"export: {e}") from e
-    saved = Config(model=model_cfg).to_dict()
+    # An export carries the model only; the default evaluation length must fit the model.
+    seq_len = min(TrainConfig().seq_len, model_cfg.max_seq_len)
+    saved = Config(model=model_cfg, train=TrainConfig(seq_len=seq_len)).to_dict()
     config = from_dict(apply_overrides(saved, overrides))
     target = abstract_params(config.model)
     checkpoint.check_shapes(params, target)

@@ -20,7 +20,7 @@ from flax import linen as nn
 
 from diff_jax import checkpoint
 from diff_jax.checkpoint import CheckpointError
-from diff_jax.config import ConfigError, ModelConfig, _build
+from diff_jax.config import ConfigError, ModelConfig, model_config_from_dict
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_file import read_safetensors
 from diff_jax.export.state_dict import check_shapes, from_state_dict
@@ -47,7 +47,7 @@ def model_config_from_json(data: Any, where: str) -> ModelConfig:
     if not isinstance(data, dict):
         raise ExportError(f"{where}: expected the model config as a JSON object, got {data!r}")
     try:  # the model section alone: train.seq_len etc. are not part of an export
-        return _build(ModelConfig, data, "model")
+        return model_config_from_dict(data)
     except ConfigError as e:
         raise ExportError(f"{where}: invalid model config: {e}") from e
 

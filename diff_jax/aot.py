@@ -45,8 +45,9 @@ def compile_train_step(config: Config, devices: list[Any] | None = None) -> dict
     check_batch(t.batch_size, t.grad_accum, mesh, rules)
     model = DecoderLM(config.model)
     tx = make_optimizer(config.optim, t.steps)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with nn.logical_axis_rules(rules):  # no live mesh yet: optax init runs small eager ops
         abstract, shardings = state_shardings(model, tx, mesh, rules)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         bsh = batch_sharding(mesh, rules)
         batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=bsh)
                  for k in ("tokens", "targets", "segment_ids", "positions")}

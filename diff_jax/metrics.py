@@ -91,7 +91,7 @@ class MetricsWriter:
                 continue
             items = enumerate(v) if isinstance(v, list) else [(None, v)]
             for i, x in items:
-                if isinstance(x, (int, float)) and x is not None:
+                if isinstance(x, (int, float)):
                     tag = key if i is None else f"{key}/layer_{i}"
                     values.append(summary_pb2.Summary.Value(tag=tag, simple_value=float(x)))
         event = event_pb2.Event(wall_time=time.time(), step=int(record["step"]),

@@ -42,7 +42,8 @@ def _boxed_state(rng: jax.Array, model: DecoderLM, tx: optax.GradientTransformat
 def state_shardings(model: DecoderLM, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
                     rules: Any) -> tuple[TrainState, TrainState]:
     """(abstract state with shardings, shardings) from `jax.eval_shape`; checks divisibility."""
-    boxed = jax.eval_shape(lambda rng: _boxed_state(rng, model, tx), jax.random.PRNGKey(0))
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # abstract: nothing runs, even for a remote mesh
+    boxed = jax.eval_shape(lambda rng: _boxed_state(rng, model, tx), key)
     check_divisible(boxed.params, mesh, rules, "parameter")
     params = tree_shardings(boxed.params, mesh, rules)
     replicated = NamedSharding(mesh, P())

@@ -56,8 +56,9 @@ def check_shapes(saved: Any, target: Any) -> None:
         if shape != tuple(leaf.shape):
             raise CheckpointError(f"checkpoint {name} has shape {shape} but the config gives "
                                   f"{tuple(leaf.shape)}; the model config differs from the run's")
-    for path in saved_leaves.keys() - target_leaves.keys():
-        raise CheckpointError(f"checkpoint has params{jax.tree_util.keystr(path)}, which the "
+    extra = sorted(saved_leaves.keys() - target_leaves.keys(), key=str)
+    if extra:
+        raise CheckpointError(f"checkpoint has params{jax.tree_util.keystr(extra[0])}, which the "
                               "config's model does not; it was written for another model")
 
 

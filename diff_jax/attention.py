@@ -46,6 +46,31 @@ def _rope(cfg: ModelConfig, t: int, dim: int, rope: Rope | None, positions: jax.
     return rope_tables(positions, dim, cfg.rope_theta)
 
 
+def _project_qkv(
+    module: nn.Module,
+    x: jax.Array,
+    rope: Rope | None,
+    positions: jax.Array | None,
+    *,
+    q_heads: int,
+    k_heads: int,
+    v_heads: int,
+    v_width: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q (B,T,q_heads,d) and k (B,T,k_heads,d) after RoPE, v (B,T,v_heads,v_width): `module`'s
+    q_proj/k_proj/v_proj, with d the configured (component) head width."""
+    cfg: ModelConfig = module.config
+    b, t, _ = x.shape
+    d = cfg.resolved_head_dim
+    proj = dict(dtype=jnp.dtype(cfg.dtype), std=cfg.init_std)
+    q = dense(q_heads * d, ("embed", "heads"), name="q_proj", **proj)(x).reshape(b, t, q_heads, d)
+    k = dense(k_heads * d, ("embed", "kv_heads"), name="k_proj", **proj)(x).reshape(b, t, k_heads, d)
+    v = dense(v_heads * v_width, ("embed", "kv_heads"), name="v_proj", **proj)(x)
+    cos, sin = _rope(cfg, t, d, rope, positions)
+    q = nn.with_logical_constraint(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
+    return q, apply_rope(k, cos, sin), v.reshape(b, t, v_heads, v_width)
+
+
 def _out_std(cfg: ModelConfig) -> float:
     """Residual-branch output projections are scaled down by sqrt(2·layers) (GPT-2 style)."""
     return cfg.init_std / math.sqrt(2 * cfg.num_layers)
@@ -129,12 +154,17 @@ def _attend(
                                   impl=cfg.attention_impl)
 
 
-class MultiheadDiffAttn(nn.Module):
-    """DIFF attention V1: (softmax(Q1K1ᵀ/√d) − λ·softmax(Q2K2ᵀ/√d))·V, RMSNorm per head, ×(1−λ_init)."""
+class AttentionBase(nn.Module):
+    """What every attention module is given: the model config, its 0-based layer index, and
+    whether it keeps a KV cache (see `_kv_cache`)."""
 
     config: ModelConfig
     depth: int
-    decode: bool = False  # keep a KV cache (see `_kv_cache`)
+    decode: bool = False
+
+
+class MultiheadDiffAttn(AttentionBase):
+    """DIFF attention V1: (softmax(Q1K1ᵀ/√d) − λ·softmax(Q2K2ᵀ/√d))·V, RMSNorm per head, ×(1−λ_init)."""
 
     @nn.compact
     def __call__(
@@ -149,16 +179,8 @@ class MultiheadDiffAttn(nn.Module):
         b, t, e = x.shape
         h, hkv, d = cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim
         dtype = jnp.dtype(cfg.dtype)
-        proj = dict(dtype=dtype, std=cfg.init_std)
-        q = dense(2 * h * d, ("embed", "heads"), name="q_proj", **proj)(x).reshape(b, t, 2 * h, d)
-        k = dense(2 * hkv * d, ("embed", "kv_heads"), name="k_proj", **proj)(x)
-        k = k.reshape(b, t, 2 * hkv, d)
-        v = dense(2 * hkv * d, ("embed", "kv_heads"), name="v_proj", **proj)(x)
-        v = v.reshape(b, t, hkv, 2 * d)
-        cos, sin = _rope(cfg, t, d, rope, positions)
-        q = nn.with_logical_constraint(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
-        k = apply_rope(k, cos, sin)
-
+        q, k, v = _project_qkv(self, x, rope, positions, q_heads=2 * h, k_heads=2 * hkv,
+                               v_heads=hkv, v_width=2 * d)
         vec = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("head_dim",))
         lam = diff_lambda(
             *(self.param(n, vec, (d,), jnp.float32)
@@ -172,12 +194,8 @@ class MultiheadDiffAttn(nn.Module):
         return dense(e, ("heads", "embed"), dtype=dtype, std=_out_std(cfg), name="out_proj")(o)
 
 
-class MultiheadDiffAttnV2(nn.Module):
+class MultiheadDiffAttnV2(AttentionBase):
     """DIFF attention V2: 2h query heads in one attention; out_i = O[2i] − sigmoid(x W_λᵀ)_i·O[2i+1]."""
-
-    config: ModelConfig
-    depth: int
-    decode: bool = False  # keep a KV cache (see `_kv_cache`)
 
     @nn.compact
     def __call__(
@@ -192,17 +210,13 @@ class MultiheadDiffAttnV2(nn.Module):
         b, t, e = x.shape
         h, hkv, d = cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim
         dtype = jnp.dtype(cfg.dtype)
-        proj = dict(dtype=dtype, std=cfg.init_std)
-        q = dense(2 * h * d, ("embed", "heads"), name="q_proj", **proj)(x).reshape(b, t, 2 * h, d)
-        k = dense(hkv * d, ("embed", "kv_heads"), name="k_proj", **proj)(x).reshape(b, t, hkv, d)
-        v = dense(hkv * d, ("embed", "kv_heads"), name="v_proj", **proj)(x).reshape(b, t, hkv, d)
-        cos, sin = _rope(cfg, t, d, rope, positions)
-        q = nn.with_logical_constraint(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
-        k = apply_rope(k, cos, sin)
+        q, k, v = _project_qkv(self, x, rope, positions, q_heads=2 * h, k_heads=hkv, v_heads=hkv,
+                               v_width=d)
         # (B, T, 2h, d); query heads 2i and 2i+1 share a kv group because h_kv divides h
         o = _attend(self, q, k, v, lam=None, segment_ids=segment_ids, positions=positions)
         lam = jax.nn.sigmoid(
-            dense(h, ("embed", "heads"), name="lambda_proj", **proj)(x).astype(jnp.float32)
+            dense(h, ("embed", "heads"), dtype=dtype, std=cfg.init_std, name="lambda_proj")(x)
+            .astype(jnp.float32)
         )  # (B, T, h)
         self.sow("intermediates", "lambda", lam)
         o = o.reshape(b, t, h, 2, d).astype(jnp.float32)
@@ -210,12 +224,8 @@ class MultiheadDiffAttnV2(nn.Module):
         return dense(e, ("heads", "embed"), dtype=dtype, std=_out_std(cfg), name="o_proj")(o)
 
 
-class MultiheadAttention(nn.Module):
+class MultiheadAttention(AttentionBase):
     """The Transformer baseline: standard causal GQA softmax attention with interleaved RoPE."""
-
-    config: ModelConfig
-    depth: int
-    decode: bool = False  # keep a KV cache (see `_kv_cache`)
 
     @nn.compact
     def __call__(
@@ -230,19 +240,13 @@ class MultiheadAttention(nn.Module):
         b, t, e = x.shape
         h, hkv, d = cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim
         dtype = jnp.dtype(cfg.dtype)
-        proj = dict(dtype=dtype, std=cfg.init_std)
-        q = dense(h * d, ("embed", "heads"), name="q_proj", **proj)(x).reshape(b, t, h, d)
-        k = dense(hkv * d, ("embed", "kv_heads"), name="k_proj", **proj)(x).reshape(b, t, hkv, d)
-        v = dense(hkv * d, ("embed", "kv_heads"), name="v_proj", **proj)(x).reshape(b, t, hkv, d)
-        cos, sin = _rope(cfg, t, d, rope, positions)
-        q = nn.with_logical_constraint(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
-        k = apply_rope(k, cos, sin)
+        q, k, v = _project_qkv(self, x, rope, positions, q_heads=h, k_heads=hkv, v_heads=hkv, v_width=d)
         o = _attend(self, q, k, v, lam=None, segment_ids=segment_ids, positions=positions)
         o = o.reshape(b, t, h * d)
         return dense(e, ("heads", "embed"), dtype=dtype, std=_out_std(cfg), name="out_proj")(o)
 
 
-ATTENTION_MODULES: dict[str, type[nn.Module]] = {
+ATTENTION_MODULES: dict[str, type[AttentionBase]] = {
     "diff": MultiheadDiffAttn,
     "diff_v2": MultiheadDiffAttnV2,
     "transformer": MultiheadAttention,

@@ -92,3 +92,15 @@ def check_batch(global_batch: int, grad_accum: int, mesh: Mesh, rules: Sequence[
     if micro % n:
         raise ShardingError(f"train.batch_size / train.grad_accum = {micro} sequences a micro-batch "
                             f"is not divisible by the batch mesh axes {axes!r} (size {n})")
+
+
+def check_process_rows(sharding: NamedSharding, global_batch: int, seq_len: int) -> None:
+    """Each process feeds its own B/P rows, so its devices must hold exactly B/P distinct rows
+    (a mesh axis outside the batch rule that spans processes would need identical rows)."""
+    spans = {idx[0].indices(global_batch)[:2]
+             for idx in sharding.addressable_devices_indices_map((global_batch, seq_len)).values()}
+    local = sum(stop - start for start, stop in spans)
+    if local != global_batch // jax.process_count():
+        raise ShardingError(f"this process's devices hold {local} of the {global_batch} batch rows, "
+                            f"not {global_batch // jax.process_count()}: a mesh axis outside the "
+                            "`batch` rule spans processes; shard the batch over it (mesh.rules)")

@@ -25,7 +25,7 @@ from diff_jax import checkpoint, data
 from diff_jax.config import Config, ConfigError, DistributedConfig, dump_config
 from diff_jax.metrics import MetricsWriter, Progress, mfu
 from diff_jax.optim import make_optimizer, schedule
-from diff_jax.sharding import batch_sharding, check_batch, make_mesh
+from diff_jax.sharding import batch_sharding, check_batch, check_process_rows, make_mesh
 from diff_jax.step import TrainState, eval_step, init_state, state_shardings, train_step
 from diff_jax.summary import flops_per_token
 from diff_jax.transformer import DecoderLM
@@ -103,6 +103,7 @@ def run(config: Config) -> RunResult:
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         abstract, shardings = state_shardings(model, tx, mesh, rules)
         bsh, replicated = batch_sharding(mesh, rules), NamedSharding(mesh, P())
+        check_process_rows(bsh, t.batch_size, t.seq_len)
         step_fn = jax.jit(functools.partial(train_step, model=model, tx=tx, lr_schedule=lr_schedule,
                                             grad_accum=t.grad_accum),
                           in_shardings=(shardings, bsh), out_shardings=(shardings, replicated),

@@ -5,7 +5,7 @@
 Needs libtpu (`pip install "jax[tpu]==<jax version>"`). Each (config, slice) compiles in its own
 subprocess via `python train.py --config C train.compile_only=true train.compile_topology=T`;
 the per-chip peak memory is compared with the chip's HBM. Writes docs/tpu-fit.md and
-benchmarks/results/tpu_fit.json.
+benchmarks/results/tpu_fit.json (merged with earlier results for other config/slice pairs).
 """
 
 from __future__ import annotations
@@ -45,13 +45,15 @@ def main() -> None:
     p.add_argument("--configs", nargs="*", default=CONFIGS)
     p.add_argument("--slices", nargs="*", default=SLICES)
     args = p.parse_args()
-    results = []
+    path = ROOT / "benchmarks/results/tpu_fit.json"
+    merged = {(r["config"], r["topology"]): r for r in (json.loads(path.read_text()) if path.exists() else [])}
     for config in args.configs:
         for topology in args.slices:
             r = compile_one(config, topology, args.timeout)
             print(json.dumps(r), flush=True)
-            results.append(r)
-    (ROOT / "benchmarks/results/tpu_fit.json").write_text(json.dumps(results, indent=1))
+            merged[(config, topology)] = r
+            results = [merged[k] for k in sorted(merged, key=lambda k: (CONFIGS.index(k[0]), k[1]))]
+            path.write_text(json.dumps(results, indent=1))
     lines = ["# Which paper configs fit which TPU v5p slices", "",
              "AOT-compiled on a CPU machine with libtpu (`python benchmarks/tpu_fit.py`): the full",
              "sharded train step (bf16 compute, f32 params + AdamW state, paper batch and sequence",

@@ -1,0 +1,143 @@
+"""Sizes of the replication runs: one shared recipe per preset, three parameter-matched models.
+
+Every model of a preset gets the same data, token budget, optimizer and schedule (the `shared`
+overrides); only the attention differs. DIFF V1 has H differential heads (component width
+E/(2H)), the Transformer 2H heads of width E/(2H) (the paper's pairing), and DIFF V2 H output
+heads whose head width and kv heads are chosen by `v2_shape` to match DIFF V1's attention
+parameters as closely as possible. `check_matched` verifies the totals with `diff_jax.summary`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from diff_jax.config import Config, load_config
+from diff_jax.summary import summarize
+
+VARIANTS = ("diff", "diff_v2", "transformer")
+LABELS = {"diff": "DIFF V1", "diff_v2": "DIFF V2", "transformer": "Transformer"}
+PARAM_TOLERANCE = 0.005  # the issue's ±0.5%
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A replication recipe: model shape, shared training overrides and the evaluation grid."""
+
+    name: str
+    embed_dim: int
+    num_layers: int
+    diff_heads: int  # H: DIFF V1 heads; the Transformer gets 2H, DIFF V2 H output heads
+    shared: tuple[str, ...]  # `section.key=value` overrides given to every model
+    niah_grid: tuple[tuple[int, int], ...]  # (needles N, queried R) per Table 2 column
+    niah_lengths: tuple[int, ...]  # context lengths; the last is beyond train.seq_len
+    depths: tuple[int, ...]  # answer-needle depths in percent
+    samples: int  # niah / attention samples per (depth, length) cell
+    attention_needles: int  # N for Table 3
+    quant_niah: tuple[int, int]  # (N, R) of the niah accuracy measured per bit width
+    eval_batches: int  # held-out batches (of 4 rows) for ppl and quant
+    outlier_tokens: int
+    seeds: int  # default number of seeds
+    budget: str  # what it is sized for, in words
+
+    def overrides(self, variant: str, seed: int, run_dir: Path) -> list[str]:
+        """The train.py overrides of `variant` at `seed`, writing to `run_dir`."""
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        model = [f"model.variant={variant}", f"model.embed_dim={self.embed_dim}",
+                 f"model.num_layers={self.num_layers}"]
+        if variant == "diff":
+            model.append(f"model.num_heads={self.diff_heads}")
+        elif variant == "transformer":
+            model.append(f"model.num_heads={2 * self.diff_heads}")
+        else:
+            kv, d = v2_shape(self.embed_dim, self.diff_heads)
+            model += [f"model.num_heads={self.diff_heads}", f"model.num_kv_heads={kv}",
+                      f"model.head_dim={d}"]
+        return [*self.shared, *model, f"train.seed={seed}", f"train.run_dir={run_dir}"]
+
+    def config(self, variant: str, seed: int, run_dir: Path) -> Config:
+        return load_config(None, self.overrides(variant, seed, run_dir))
+
+    @property
+    def seq_len(self) -> int:
+        return self.config("diff", 0, Path("unused")).train.seq_len
+
+
+def v2_shape(embed_dim: int, heads: int) -> tuple[int, int]:
+    """(kv heads, head dim) of a DIFF V2 layer with `heads` output heads whose attention parameters
+    E·(2h·d + 2·kv·d + h·d + h) come closest to DIFF V1's 4E² + 6·E/(2h) (ties: more kv heads)."""
+    e, h = embed_dim, heads
+    target = 4 * e * e + 6 * (e // (2 * h))
+    best: tuple[int, int, int] | None = None  # (|difference|, -kv, d)
+    for kv in (k for k in range(1, h + 1) if h % k == 0):
+        for d in range(2, 4 * e + 1, 2):
+            diff = abs(e * (2 * h * d + 2 * kv * d + h * d + h) - target)
+            if best is None or (diff, -kv) < best[:2]:
+                best = (diff, -kv, d)
+    assert best is not None
+    return -best[1], best[2]
+
+
+def check_matched(preset: Preset) -> dict[str, dict]:
+    """`diff_jax.summary` of each variant; raises ValueError unless the totals agree within ±0.5%."""
+    summaries = {v: summarize(preset.config(v, 0, Path("unused"))) for v in VARIANTS}
+    ref = summaries["diff"]["params"]
+    for v, s in summaries.items():
+        if abs(s["params"] - ref) > PARAM_TOLERANCE * ref:
+            raise ValueError(f"{preset.name}: {v} has {s['params']:,} parameters, DIFF V1 "
+                             f"{ref:,}: more than {PARAM_TOLERANCE:.1%} apart")
+    return summaries
+
+
+def _shared(*, steps: int, batch: int, seq_len: int, max_seq_len: int, lr: float, warmup: int,
+            eval_every: int, log_every: int, data: tuple[str, ...]) -> tuple[str, ...]:
+    return (
+        "model.vocab_size=100288", f"model.max_seq_len={max_seq_len}", "model.dtype=float32",
+        f"train.steps={steps}", f"train.batch_size={batch}", f"train.seq_len={seq_len}",
+        f"train.eval_every={eval_every}", "train.eval_batches=4", f"train.log_every={log_every}",
+        f"checkpoint.every_steps={eval_every}", "checkpoint.keep=1",
+        f"optim.lr={lr}", f"optim.min_lr={lr / 10}", f"optim.warmup_steps={warmup}",
+        "optim.b1=0.9", "optim.b2=0.98", "optim.weight_decay=0.05", "optim.schedule=linear",
+        *data)
+
+
+def _micro_text() -> str:
+    """A few small standard-library modules (the `json` package): quick to tokenize."""
+    return str(Path(json.__file__).parent)
+
+
+PRESETS: dict[str, Preset] = {
+    "micro": Preset(
+        name="micro", embed_dim=32, num_layers=2, diff_heads=2,
+        shared=_shared(steps=4, batch=8, seq_len=64, max_seq_len=128, lr=3e-3, warmup=1,
+                       eval_every=4, log_every=1,
+                       data=("data.mixture=files:0.5,niah:0.5", f"data.paths=[{_micro_text()}]",
+                             "data.niah_doc_tokens=384", "data.validation_fraction=0.1")),
+        niah_grid=((1, 1), (2, 2)), niah_lengths=(64, 128), depths=(0, 50, 100), samples=1,
+        attention_needles=2, quant_niah=(1, 1), eval_batches=1, outlier_tokens=128, seeds=1,
+        budget="the CI smoke test: a few steps, tiny shapes, < 2 minutes for the whole pipeline"),
+    "cpu-small": Preset(
+        name="cpu-small", embed_dim=64, num_layers=4, diff_heads=2,
+        shared=_shared(steps=200, batch=8, seq_len=256, max_seq_len=512, lr=3e-3, warmup=20,
+                       eval_every=50, log_every=5,
+                       data=("data.mixture=stdlib:0.5,niah:0.5", "data.niah_doc_tokens=384",
+                             "data.validation_fraction=0.02")),
+        niah_grid=((1, 1), (2, 2), (4, 2), (6, 2)), niah_lengths=(256, 512),
+        depths=(0, 25, 50, 75, 100), samples=4, attention_needles=4, quant_niah=(2, 2),
+        eval_batches=8, outlier_tokens=2048, seeds=1,
+        budget="2 CPU cores: about 40 minutes for one seed of the three models, 512K training "
+               "tokens each (3 seeds: about 2 hours)"),
+    "gpu-medium": Preset(
+        name="gpu-medium", embed_dim=768, num_layers=12, diff_heads=6,
+        shared=_shared(steps=4000, batch=64, seq_len=1024, max_seq_len=2048, lr=1e-3,
+                       warmup=200, eval_every=500, log_every=20,
+                       data=("data.mixture=stdlib:0.5,niah:0.5", "data.niah_doc_tokens=1024",
+                             "data.validation_fraction=0.01", "model.dtype=bfloat16")),
+        niah_grid=((1, 1), (2, 2), (4, 2), (6, 2)), niah_lengths=(1024, 2048),
+        depths=(0, 25, 50, 75, 100), samples=10, attention_needles=4, quant_niah=(4, 2),
+        eval_batches=32, outlier_tokens=16384, seeds=3,
+        budget="one H100: 262M training tokens per model, sized for about an hour for the three "
+               "models of one seed (unrun)"),
+}

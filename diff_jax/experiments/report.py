@@ -319,15 +319,18 @@ def plot_niah(path: Path, preset: Preset, results: dict[str, Any]) -> None:
 
 
 def plot_quant(path: Path, results: dict[str, Any]) -> None:
-    """Perplexity and niah accuracy per attention-logit bit width, the three models together."""
+    """Perplexity increase over float and niah accuracy per attention-logit bit width, the three
+    models together."""
     plt = _pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     x = range(len(BITS))
     for i, v in enumerate(VARIANTS):
-        q = results[v]["stats"]["quant"]
-        a1.plot(x, [s["mean"] for s in q["ppl"]], marker="o", color=f"C{i}", label=LABELS[v])
-        a2.plot(x, [s["mean"] for s in q["niah_accuracy"]], marker="o", color=f"C{i}", label=LABELS[v])
-    for ax, ylabel in ((a1, "held-out perplexity"), (a2, "niah accuracy")):
+        rel = np.mean([np.asarray(s["quant"]["ppl"]) / s["quant"]["ppl"][0] - 1
+                       for s in results[v]["seeds"]], axis=0)
+        a1.plot(x, 100 * rel, marker="o", color=f"C{i}", label=LABELS[v])
+        a2.plot(x, [s["mean"] for s in results[v]["stats"]["quant"]["niah_accuracy"]], marker="o",
+                color=f"C{i}", label=LABELS[v])
+    for ax, ylabel in ((a1, "perplexity increase over float (%)"), (a2, "niah accuracy")):
         ax.set_xticks(list(x), ["float" if b == "none" else f"{b}" for b in BITS])
         ax.set(xlabel="attention-logit bits", ylabel=ylabel)
         ax.grid(alpha=0.3)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -63,7 +64,9 @@ def main() -> None:
              "|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['config']} | {r['topology']} | | | | | error: {r['error']} |")
+            oom = re.search(r"HLO temporaries \(([\d.]+)G\) exceeds available HBM", r["error"])
+            verdict = f"no: temporaries alone need {oom[1]} GiB" if oom else f"error: {r['error']}"
+            lines.append(f"| {r['config']} | {r['topology']} | fsdp = all chips | | | | {verdict} |")
             continue
         mesh = "×".join(f"{k}={v}" for k, v in r["mesh"].items())
         lines.append(f"| {r['config']} | {r['topology']} ({r['devices']}) | {mesh} | {r['argument_gib']:.1f} | "

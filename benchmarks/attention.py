@@ -188,6 +188,8 @@ def check(block_sizes: BlockSizes | None, interpret) -> list[dict]:
         (1, 200, 4, 1, 32, False, False, jnp.float32, 0.0),
         (2, 512, 4, 4, 64, True, False, jnp.bfloat16, 0.8),
         (1, 333, 8, 2, 64, True, True, jnp.bfloat16, 0.3),
+        (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5),  # d = 128: the 3B config's width
+        (1, 257, 2, 2, 128, True, False, jnp.float32, -0.2),
     ]
     rows = []
     for n, (b, t, h, hkv, d, causal, seg, dtype, lam) in enumerate(cases):
@@ -277,6 +279,7 @@ def main(argv=None) -> dict:
     p.add_argument("--seqs", type=str, default="2048,4096,8192,16384")
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=64, help="component width d (V is 2d)")
     p.add_argument("--block", type=str, default="",
                    help="bq,bk,bq_bwd,bk_bwd,warps,stages,warps_bwd,stages_bwd")
     p.add_argument("--reps", type=int, default=5)
@@ -338,7 +341,7 @@ def main(argv=None) -> dict:
             reps, samples = 1, 1
         else:
             seqs = [int(x) for x in args.seqs.split(",")]
-            tokens, heads, d, dtype = args.tokens, args.heads, 64, jnp.bfloat16
+            tokens, heads, d, dtype = args.tokens, args.heads, args.head_dim, jnp.bfloat16
             reps, samples = args.reps, args.samples
         fns = variants(block_sizes, interpret, with_cudnn=on_gpu)
         rows, mem = [], []

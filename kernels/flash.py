@@ -41,9 +41,21 @@ class BlockSizes:
 # Tuned on an H100 (bf16, d = 64, causal; benchmarks/results/attention_nvidia_h100*.md).
 GPU_DEFAULTS = BlockSizes(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=8,
                           num_stages=3, num_warps_bwd=4, num_stages_bwd=2)
-# 4-byte inputs double the tiles' shared memory: the bf16 forward setting exceeds the H100's.
-GPU_DEFAULTS_F32 = BlockSizes(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=4,
-                              num_stages=2, num_warps_bwd=4, num_stages_bwd=2)
+# Shared memory grows with the bytes of a head row (itemsize × d): rows twice as wide (float32 at
+# d = 64, bf16 at d = 128) exceed the H100's 227 KB with the setting above; four times (float32
+# at d = 128) need smaller tiles still.
+GPU_DEFAULTS_WIDE = BlockSizes(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=4,
+                               num_stages=2, num_warps_bwd=4, num_stages_bwd=2)
+GPU_DEFAULTS_WIDEST = BlockSizes(block_q=32, block_k=32, block_q_bwd=32, block_k_bwd=32,
+                                 num_warps=4, num_stages=1, num_warps_bwd=4, num_stages_bwd=1)
+
+
+def gpu_defaults(itemsize: int, head_dim: int) -> BlockSizes:
+    """The GPU tile defaults for inputs of `itemsize` bytes and component width `head_dim`."""
+    row_bytes = itemsize * head_dim
+    if row_bytes <= 128:
+        return GPU_DEFAULTS
+    return GPU_DEFAULTS_WIDE if row_bytes <= 256 else GPU_DEFAULTS_WIDEST
 TPU_DEFAULTS = BlockSizes(block_q=512, block_k=512, block_q_bwd=256, block_k_bwd=256)
 
 
@@ -62,8 +74,8 @@ class _Config:
     backend: str | None  # None: by platform; "gpu" / "tpu": that kernel (interpreted off-device)
 
 
-def _gpu_kwargs(cfg: _Config, bwd: bool, itemsize: int) -> dict[str, int]:
-    kw = _fill(cfg.block_sizes, GPU_DEFAULTS if itemsize <= 2 else GPU_DEFAULTS_F32)
+def _gpu_kwargs(cfg: _Config, bwd: bool, itemsize: int, head_dim: int) -> dict[str, int]:
+    kw = _fill(cfg.block_sizes, gpu_defaults(itemsize, head_dim))
     warps, stages = kw.pop("num_warps_bwd"), kw.pop("num_stages_bwd")
     if bwd:
         kw["num_warps"], kw["num_stages"] = warps, stages
@@ -95,7 +107,7 @@ def _dispatch(cfg: _Config, gpu_fn, tpu_fn, *args, bwd: bool):
 
     def gpu(interpret):
         return gpu_fn(*args, nc=nc, causal=causal, interpret=bool(interpret),
-                      **_gpu_kwargs(cfg, bwd, jnp.dtype(args[0].dtype).itemsize))
+                      **_gpu_kwargs(cfg, bwd, jnp.dtype(args[0].dtype).itemsize, args[0].shape[-1]))
 
     def tpu(interpret):
         return tpu_fn(*args, nc=nc, causal=causal, interpret=_tpu_interpret(interpret),

@@ -62,7 +62,7 @@ class ModelConfig:
                  f"num_heads ({h}) must be divisible by num_kv_heads ({kv})")
         if self.variant == "diff":
             _require(self.head_dim is None or self.head_dim * 2 * h == e, "model.head_dim",
-                     f"for variant diff the head dim is embed_dim // (2·num_heads); leave it unset")
+                     "for variant diff the head dim is embed_dim // (2·num_heads); leave it unset")
             _require(e % (2 * h) == 0, "model.embed_dim",
                      f"embed_dim ({e}) must be divisible by 2·num_heads ({2 * h}) for variant diff")
         elif self.variant == "diff_v2":

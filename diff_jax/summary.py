@@ -30,11 +30,19 @@ from diff_jax.config import Config, ConfigError, ModelConfig, load_config
 from diff_jax.transformer import DecoderLM
 
 
-def abstract_params(config: ModelConfig) -> dict:
-    """The parameter tree as ShapeDtypeStructs (logical-partitioning boxes removed)."""
+def abstract_params(config: ModelConfig, sharding: jax.sharding.Sharding | None = None) -> dict:
+    """The parameter tree as ShapeDtypeStructs (float32), each with `sharding` if given.
+
+    Nothing is allocated and the logical-axis boxes are removed without sharding constraints, so
+    this also works inside a mesh context.
+    """
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    variables = jax.eval_shape(DecoderLM(config).init, jax.random.key(0), tokens)
-    return nn.meta.unbox(variables)["params"]
+    boxed = jax.eval_shape(DecoderLM(config).init, jax.random.key(0), tokens)["params"]
+    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        jax.tree.map(lambda x: x.unbox(apply_constraint=False) if is_box(x) else x, boxed,
+                     is_leaf=is_box))
 
 
 def attention_widths(config: ModelConfig) -> tuple[int, int]:

@@ -98,7 +98,7 @@ def run(config: Config) -> RunResult:
     if main:
         Path(t.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(t.run_dir) / "config.yaml").write_text(dump_config(config))
-    flops = flops_per_token(config.model, t.seq_len)  # outside the mesh: it unboxes eagerly
+    flops = flops_per_token(config.model, t.seq_len)
 
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         abstract, shardings = state_shardings(model, tx, mesh, rules)

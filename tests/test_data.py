@@ -12,7 +12,7 @@ import pytest
 
 from diff_jax.config import DataConfig, ModelConfig
 from diff_jax.data import (DataError, PackedRows, TokenCorpus, encoding, file_documents, load, load_corpus,
-                           prepare, stdlib_documents, tokenize, train_iterator, validation_batches)
+                           stdlib_documents, tokenize, train_iterator, validation_batches)
 from diff_jax.data.__main__ import main as data_main
 from diff_jax.transformer import DecoderLM
 from tests.training_fixtures import EOT, synthetic_corpus

@@ -1,6 +1,5 @@
 """KV-cache decoding equals the full-sequence forward, position by position, for every variant."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

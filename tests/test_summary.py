@@ -48,3 +48,21 @@ def test_cli_prints_json():
     bad = subprocess.run([sys.executable, "-m", "diff_jax.summary", "configs/diff-1.4b.yaml",
                           "model.num_heads=7"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "model.embed_dim" in bad.stderr
+
+
+def test_abstract_params_inside_a_mesh_context():
+    """The training loop computes FLOPs with a mesh and rules active: no eager sharding constraint."""
+    import jax
+    from flax import linen as nn
+
+    from diff_jax.config import MeshConfig
+    from diff_jax.sharding import make_mesh
+    from diff_jax.summary import abstract_params
+
+    m = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=2)
+    outside = flops_per_token(m, 16)
+    with jax.set_mesh(make_mesh(MeshConfig())), nn.logical_axis_rules(MeshConfig().rules):
+        assert flops_per_token(m, 16) == outside
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        leaves = jax.tree.leaves(abstract_params(m, sharding))
+    assert all(leaf.dtype == jax.numpy.float32 and leaf.sharding == sharding for leaf in leaves)

@@ -10,14 +10,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 
 from diff_jax import checkpoint, export
 from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import Config, TrainConfig, apply_overrides, from_dict, parse_override
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.export import ExportError
-from diff_jax.transformer import DecoderLM
+from diff_jax.export.sources import abstract_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,14 +26,6 @@ class Loaded:
     source: str  # what was loaded (for the report)
     step: int | None  # the training step (None for an export)
     out_dir: Path  # where the task writes its outputs
-
-
-def abstract_params(model_cfg: Any) -> Any:
-    """ShapeDtypeStructs (on the first local device) of the parameters `model_cfg` describes."""
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    shapes = jax.eval_shape(lambda: nn.meta.unbox(
-        DecoderLM(model_cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"]))
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
 
 
 def _override_value(overrides: Sequence[str], dotted: str) -> Any:

@@ -16,15 +16,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from flax import linen as nn
 
-from diff_jax import checkpoint
+from diff_jax import checkpoint, summary
 from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import ConfigError, ModelConfig, model_config_from_dict
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_file import read_safetensors
 from diff_jax.export.state_dict import check_shapes, from_state_dict
-from diff_jax.transformer import DecoderLM
 
 EXPORT_MARKER = "export.json"
 CONFIG_FILE = "config.json"
@@ -53,14 +51,8 @@ def model_config_from_json(data: Any, where: str) -> ModelConfig:
 
 
 def abstract_params(config: ModelConfig) -> Any:
-    """Float32 ShapeDtypeStructs on the default device for the parameters `config` describes."""
-    boxed = jax.eval_shape(lambda: DecoderLM(config).init(jax.random.PRNGKey(0),
-                                                           jnp.zeros((1, 1), jnp.int32)))["params"]
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((x.unbox(apply_constraint=False) if is_box(x) else x).shape,
-                                       jnp.float32, sharding=sharding), boxed, is_leaf=is_box)
+    """Float32 ShapeDtypeStructs on this process's first device for the parameters of `config`."""
+    return summary.abstract_params(config, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
 
 
 def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:

@@ -187,7 +187,7 @@ def markdown(preset: Preset, data: dict[str, Any]) -> str:
                   str(m["kv_heads"]), str(m["head_dim"]), _fmt(res[v]["stats"]["wall_s"]["train"], 0),
                   _fmt(res[v]["stats"]["wall_s"]["eval"], 0)] for v, m in models.items()]),
         "", "## Language modeling (held-out mixture)", "",
-        *_table(["model", "held-out loss", "perplexity", "final train loss"],
+        *_table(["model", "held-out loss", "perplexity", "train loss (last logged batch)"],
                 [[LABELS[v], _fmt(res[v]["stats"]["loss"], 3), _fmt(res[v]["stats"]["ppl"], 1),
                   _fmt(res[v]["stats"]["final_train_loss"], 3)] for v in VARIANTS]),
         "", "## Table 2: multi-needle retrieval accuracy", "",

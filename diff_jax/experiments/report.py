@@ -285,11 +285,16 @@ def plot_loss(path: Path, runs: dict[str, list[Path]]) -> None:
                              for _, vl in logs], 0)
             ax.plot(vsteps, vloss, color=f"C{i}", ls="--", marker="o", label=f"{LABELS[v]} validation")
     ax.set(title="Loss (mean over seeds)", xlabel="step", ylabel="cross-entropy (nats)")
+    _save_lined(fig, ax, path)
+
+
+def _save_lined(fig: Any, ax: Any, path: Path) -> None:
+    """Grid, legend, and save a single-axes line plot."""
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
 
 
 def plot_niah(path: Path, preset: Preset, results: dict[str, Any]) -> None:
@@ -352,11 +357,7 @@ def plot_lambda(path: Path, runs: list[Path]) -> None:
     for layer in range(lam.shape[1]):
         ax.plot(steps, lam[:, layer], label=f"layer {layer}")
     ax.set(title="DIFF V1: λ per layer during training", xlabel="step", ylabel="λ")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save_lined(fig, ax, path)
 
 
 def write(preset: Preset, seeds: int, out: Path, summaries: dict[str, dict]) -> dict[str, Any]:

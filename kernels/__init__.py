@@ -1,28 +1,46 @@
 """Attention kernels for diff-jax: differential attention and standard (GQA) attention.
 
-`diff_attention` is the one entry point for the fused two-softmax operator: `impl="xla"` is the
-pure-jnp oracle in `kernels.reference`, `impl="pallas"` the fused flash kernel of `kernels.flash`
-(Triton on GPU, Mosaic on TPU, interpreted on CPU), `impl="auto"` the kernel on GPU/TPU and the
-oracle on CPU. `dot_product_attention` is the standard attention used by V2 and the Transformer
-baseline. `shard_attention` wraps either for sharded `jit` (Mosaic kernels need `shard_map`).
+Two entry points, each with three implementations (`impl`):
+  "xla"     the pure-jnp oracle of `kernels.reference` (the only one that can also return the
+            attention maps, quantize the logits, or give the keys their own segments, as the
+            analyses and single-token decoding need);
+  "pallas"  the fused flash kernel of `kernels.flash` (Triton on GPU, Mosaic on TPU, the Pallas
+            interpreter on CPU);
+  "cudnn"   `jax.nn.dot_product_attention(implementation="cudnn")` (NVIDIA GPUs, bf16/fp16); the
+            differential operator runs as one call with 4H heads (Q_c, K_c against each d-wide half
+            of V), the FlashDiff_2 route, because cuDNN needs V as wide as K.
+
+Choosing among them for a platform, and wrapping the kernels for a device mesh, is the caller's
+job (`diff_jax.attention_op.AttentionOp`): nothing here names a mesh axis.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
 
-from kernels.flash import BlockSizes, flash_attention
+from kernels.flash import MAX_HEAD_DIM, BlockSizes, flash_attention, supports_head_dim
 from kernels.reference import attention_mask, attention_reference, diff_attention_reference
 
-__all__ = ["BlockSizes", "diff_attention", "dot_product_attention", "shard_attention"]
+__all__ = ["IMPLS", "MAX_HEAD_DIM", "BlockSizes", "Impl", "diff_attention",
+           "dot_product_attention", "four_call_diff_attention", "supports_head_dim"]
 
-DIFF_IMPLS = ("xla", "pallas", "auto")
-STANDARD_IMPLS = ("xla", "cudnn", "pallas", "auto")
+Impl = Literal["xla", "pallas", "cudnn"]
+IMPLS: tuple[str, ...] = ("xla", "pallas", "cudnn")
+_HALF = (jnp.bfloat16, jnp.float16)
+
+
+def _check(impl: str, q: jax.Array, *, oracle_only: dict[str, Any]) -> None:
+    """One clear error for an unknown impl, or an oracle-only option given to a kernel."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    used = [name for name, value in oracle_only.items() if value is not None and value is not False]
+    if impl != "xla" and used:
+        raise ValueError(f"{', '.join(used)} exist only on the xla path (impl='xla'), not {impl!r}")
+    if impl == "cudnn" and q.dtype not in _HALF:
+        raise ValueError(f"impl='cudnn' needs bfloat16 or float16 inputs, got {q.dtype}")
 
 
 def diff_attention(
@@ -36,44 +54,77 @@ def diff_attention(
     impl: str = "pallas",
     interpret: Any = None,
     block_sizes: BlockSizes | None = None,
-) -> jax.Array:
+    kv_segment_ids: jax.Array | None = None,
+    logit_bits: int | None = None,
+    return_maps: bool = False,
+):
     """Differential attention, (B, T, H, 2d); see `kernels.reference` for layouts and masks.
 
     q (B, T, 2H, d), k (B, S, 2Hkv, d), v (B, S, Hkv, 2d), lam a float32 scalar, segment_ids
-    (B, T) int32 with 0 = padding. `interpret=None` interprets the kernel only on CPU.
+    (B, T) int32 with 0 = padding. `interpret=None` interprets the Pallas kernel only on CPU.
+    `kv_segment_ids`, `logit_bits` and `return_maps` (then returns (out, maps)) are oracle
+    options: impl="xla" only.
     """
-    if impl not in DIFF_IMPLS:
-        raise ValueError(f"diff_attention impl must be one of {DIFF_IMPLS}, got {impl!r}")
-
-    def xla():
-        return diff_attention_reference(q, k, v, lam, segment_ids=segment_ids, causal=causal)
-
-    def pallas():
+    _check(impl, q, oracle_only={"kv_segment_ids": kv_segment_ids, "logit_bits": logit_bits,
+                                 "return_maps": return_maps})
+    if impl == "xla":
+        return diff_attention_reference(q, k, v, lam, segment_ids=segment_ids,
+                                        kv_segment_ids=kv_segment_ids, causal=causal,
+                                        logit_bits=logit_bits, return_maps=return_maps)
+    if impl == "pallas":
         return flash_attention(q, k, v, lam, num_components=2, segment_ids=segment_ids,
                                causal=causal, block_sizes=block_sizes, interpret=interpret)
-
-    if impl == "xla":
-        return xla()
-    if impl == "pallas":
-        return pallas()
-    return lax.platform_dependent(cuda=pallas, rocm=pallas, tpu=pallas, default=xla)
+    return four_call_diff_attention(q, k, v, lam, _cudnn_attend(segment_ids, causal))
 
 
-def _cudnn_attention(q, k, v, segment_ids, causal):
-    """`jax.nn.dot_product_attention` on cuDNN with the reference's segment semantics."""
-    mask = None
-    if segment_ids is not None:
-        t = q.shape[1]
-        mask = attention_mask(t, t, causal=False, q_segment_ids=segment_ids)  # (B, 1, T, T)
-        # Padding rows attend to themselves only (finite output, no NaN in the backward) and are
-        # zeroed below, which is the reference's "fully masked rows output 0".
-        pad = (segment_ids == 0)[:, None, :, None] & jnp.eye(t, dtype=bool)[None, None]
-        mask = mask | pad
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
-                                       implementation="cudnn")
-    if segment_ids is not None:
-        out = jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros_like(out))
-    return out
+def four_call_diff_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lam: jax.Array,
+    attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+) -> jax.Array:
+    """Differential attention from a standard attention whose V is as wide as K (FlashDiff_2).
+
+    `attend(q, k, v)` takes q (B, T, N, d), k and v (B, S, K, d) with query head n reading kv
+    head n // (N / K) (`jax.nn.dot_product_attention`'s GQA). Query heads are ordered
+    (component c, half j, head h) and kv heads (c, j, group g), so head (c, j, h) meets K_c of
+    group h // n_rep and the j-th d-wide half of V: one call with 4H heads gives P_c·V_j.
+    """
+    b, t, two_h, d = q.shape
+    s, hkv = k.shape[1], v.shape[2]
+    h = two_h // 2
+    qc = jnp.moveaxis(q.reshape(b, t, h, 2, d), 3, 2)  # (B, T, c, H, d)
+    kc = jnp.moveaxis(k.reshape(b, s, hkv, 2, d), 3, 2)  # (B, S, c, Hkv, d)
+    vj = jnp.moveaxis(v.reshape(b, s, hkv, 2, d), 3, 2)  # (B, S, j, Hkv, d)
+    q4 = jnp.broadcast_to(qc[:, :, :, None], (b, t, 2, 2, h, d)).reshape(b, t, 4 * h, d)
+    k4 = jnp.broadcast_to(kc[:, :, :, None], (b, s, 2, 2, hkv, d)).reshape(b, s, 4 * hkv, d)
+    v4 = jnp.broadcast_to(vj[:, :, None], (b, s, 2, 2, hkv, d)).reshape(b, s, 4 * hkv, d)
+    o = attend(q4, k4, v4).reshape(b, t, 2, 2, h, d)  # (B, T, c, j, H, d)
+    o = jnp.moveaxis(o, 4, 2).reshape(b, t, h, 2, 2 * d)  # (B, T, H, c, 2d): [P_c·V_0, P_c·V_1]
+    lam = jnp.asarray(lam, jnp.float32)
+    out = o[:, :, :, 0].astype(jnp.float32) - lam * o[:, :, :, 1].astype(jnp.float32)
+    return out.astype(q.dtype)
+
+
+def _cudnn_attend(segment_ids: jax.Array | None, causal: bool):
+    """`attend(q, k, v)` on cuDNN with the reference's segment semantics (see `reference`)."""
+
+    def attend(q, k, v):
+        mask = None
+        if segment_ids is not None:
+            t = q.shape[1]
+            mask = attention_mask(t, t, causal=False, q_segment_ids=segment_ids)  # (B, 1, T, T)
+            # Padding rows attend to themselves only (finite output, no NaN in the backward) and
+            # are zeroed below, which is the reference's "fully masked rows output 0".
+            mask = mask | ((segment_ids == 0)[:, None, :, None] & jnp.eye(t, dtype=bool)[None, None])
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                           implementation="cudnn")
+        if segment_ids is not None:
+            out = jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros_like(out))
+        return out
+
+    return attend
 
 
 def dot_product_attention(
@@ -86,67 +137,22 @@ def dot_product_attention(
     impl: str = "xla",
     interpret: Any = None,
     block_sizes: BlockSizes | None = None,
-) -> jax.Array:
+    kv_segment_ids: jax.Array | None = None,
+    logit_bits: int | None = None,
+    return_maps: bool = False,
+):
     """Standard GQA softmax attention, q (B, T, Hq, d), k/v (B, S, Hkv, d) -> (B, T, Hq, d).
 
-    impl: "xla" (oracle), "cudnn" (GPU, bf16/fp16 only), "pallas" (the fused flash kernel with one
-    softmax), "auto" (cuDNN on GPU for bf16/fp16, else xla; the Mosaic kernel on TPU; xla on CPU).
+    impl: "xla" (oracle), "pallas" (the fused flash kernel with one softmax), "cudnn" (GPU,
+    bf16/fp16 only). Oracle-only options as in `diff_attention`.
     """
-    if impl not in STANDARD_IMPLS:
-        raise ValueError(f"dot_product_attention impl must be one of {STANDARD_IMPLS}, got {impl!r}")
-
-    def xla():
-        return attention_reference(q, k, v, segment_ids=segment_ids, causal=causal)
-
-    def cudnn():
-        return _cudnn_attention(q, k, v, segment_ids, causal)
-
-    def pallas():
+    _check(impl, q, oracle_only={"kv_segment_ids": kv_segment_ids, "logit_bits": logit_bits,
+                                 "return_maps": return_maps})
+    if impl == "xla":
+        return attention_reference(q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                                   causal=causal, logit_bits=logit_bits, return_maps=return_maps)
+    if impl == "pallas":
         return flash_attention(q, k, v, num_components=1, segment_ids=segment_ids, causal=causal,
                                block_sizes=block_sizes, interpret=interpret)
+    return _cudnn_attend(segment_ids, causal)(q, k, v)
 
-    if impl == "xla":
-        return xla()
-    if impl == "cudnn":
-        if q.dtype not in (jnp.bfloat16, jnp.float16):
-            raise ValueError(f"impl='cudnn' needs bfloat16 or float16 inputs, got {q.dtype}")
-        return cudnn()
-    if impl == "pallas":
-        return pallas()
-    gpu = cudnn if q.dtype in (jnp.bfloat16, jnp.float16) else xla
-    return lax.platform_dependent(cuda=gpu, tpu=pallas, default=xla)
-
-
-def shard_attention(
-    fn: Callable[..., jax.Array],
-    mesh: Mesh,
-    *,
-    batch_axes: str | tuple[str, ...] | None = "data",
-    head_axis: str | None = "tensor",
-    num_kv_heads: int | None = None,
-) -> Callable[..., jax.Array]:
-    """Wrap `fn(q, k, v, *scalars, segment_ids=None)` in `jax.shard_map` over batch and heads.
-
-    q/k/v are (B, T, heads, e) sharded as P(batch_axes, None, head_axis, None); the output too.
-    Extra positional arguments (λ) are replicated. kv heads are replicated when `num_kv_heads`
-    does not divide by the head-axis size (MQA). Sub-head pairs (2h, 2h+1) stay on one shard
-    because shards split the head axis into contiguous blocks.
-    """
-    n_head_shards = mesh.shape[head_axis] if head_axis else 1
-    kv_axis = head_axis if (num_kv_heads is None or num_kv_heads % n_head_shards == 0) else None
-    act = P(batch_axes, None, head_axis, None)
-    kv = P(batch_axes, None, kv_axis, None)
-
-    def wrapped(q, k, v, *scalars, segment_ids=None):
-        seg_spec = () if segment_ids is None else (P(batch_axes, None),)
-        in_specs = (act, kv, kv) + (P(),) * len(scalars) + seg_spec
-
-        def body(q, k, v, *rest):
-            seg = rest[len(scalars)] if segment_ids is not None else None
-            return fn(q, k, v, *rest[: len(scalars)], segment_ids=seg)
-
-        args = (q, k, v, *scalars) + (() if segment_ids is None else (segment_ids,))
-        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=act,
-                             check_vma=False)(*args)
-
-    return wrapped

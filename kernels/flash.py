@@ -9,6 +9,11 @@ Residuals: O, O2 (input dtype) and the logsumexps (B, H, nc, T) float32.
 
 The kernel is picked per lowering platform with `lax.platform_dependent`: Triton on cuda/rocm,
 Mosaic on tpu, and the Triton-style kernel under the Pallas interpreter elsewhere (CPU).
+
+Head widths: d (q, k) any multiple of 16 in [16, 256], dv (v, output) any multiple of 16 up to
+512; the paper's d = 96 and 128 with dv = 2d included. Mosaic takes them as they are; the Triton
+kernels zero-pad d and dv to the next power of two (`flash_gpu`), so their tile defaults are
+chosen from the padded width.
 """
 
 from __future__ import annotations
@@ -38,12 +43,14 @@ class BlockSizes:
     num_stages_bwd: int | None = None
 
 
+MAX_HEAD_DIM, MAX_VALUE_DIM = 256, 512
+
 # Tuned on an H100 (bf16, d = 64, causal; benchmarks/results/attention_nvidia_h100*.md).
 GPU_DEFAULTS = BlockSizes(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=8,
                           num_stages=3, num_warps_bwd=4, num_stages_bwd=2)
-# Shared memory grows with the bytes of a head row (itemsize × d): rows twice as wide (float32 at
-# d = 64, bf16 at d = 128) exceed the H100's 227 KB with the setting above; four times (float32
-# at d = 128) need smaller tiles still.
+# Shared memory grows with the bytes of a (padded) head row (itemsize × d): rows twice as wide
+# (float32 at d = 64, bf16 at d = 96 or 128) exceed the H100's 227 KB with the setting above;
+# four times and more (float32 from d = 96, bf16 from d = 144) need smaller tiles still.
 GPU_DEFAULTS_WIDE = BlockSizes(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=4,
                                num_stages=2, num_warps_bwd=4, num_stages_bwd=2)
 GPU_DEFAULTS_WIDEST = BlockSizes(block_q=32, block_k=32, block_q_bwd=32, block_k_bwd=32,
@@ -51,12 +58,28 @@ GPU_DEFAULTS_WIDEST = BlockSizes(block_q=32, block_k=32, block_q_bwd=32, block_k
 
 
 def gpu_defaults(itemsize: int, head_dim: int) -> BlockSizes:
-    """The GPU tile defaults for inputs of `itemsize` bytes and component width `head_dim`."""
-    row_bytes = itemsize * head_dim
+    """The GPU tile defaults for inputs of `itemsize` bytes and component width `head_dim`, from
+    the width the Triton kernels pad it to (the next power of two)."""
+    row_bytes = itemsize * flash_gpu.lanes(head_dim)
     if row_bytes <= 128:
         return GPU_DEFAULTS
     return GPU_DEFAULTS_WIDE if row_bytes <= 256 else GPU_DEFAULTS_WIDEST
+
+
 TPU_DEFAULTS = BlockSizes(block_q=512, block_k=512, block_q_bwd=256, block_k_bwd=256)
+# Rows over 512 bytes (float32 beyond d = 128) overflow the forward's 16 MiB of scoped VMEM (v5p)
+# with 512-row tiles; 256 rows fit up to float32 at d = 256, dv = 512.
+TPU_DEFAULTS_WIDE = BlockSizes(block_q=256, block_k=256, block_q_bwd=256, block_k_bwd=256)
+
+
+def tpu_defaults(itemsize: int, head_dim: int) -> BlockSizes:
+    """The TPU tile defaults for inputs of `itemsize` bytes and component width `head_dim`."""
+    return TPU_DEFAULTS if itemsize * head_dim <= 512 else TPU_DEFAULTS_WIDE
+
+
+def supports_head_dim(d: int) -> bool:
+    """Whether the kernels take q/k heads of width d: a multiple of 16 in [16, 256]."""
+    return d % 16 == 0 and 16 <= d <= MAX_HEAD_DIM
 
 
 def _fill(bs: BlockSizes | None, defaults: BlockSizes) -> dict[str, int]:
@@ -84,8 +107,8 @@ def _gpu_kwargs(cfg: _Config, bwd: bool, itemsize: int, head_dim: int) -> dict[s
     return kw
 
 
-def _tpu_kwargs(cfg: _Config, bwd: bool) -> dict[str, int]:
-    kw = _fill(cfg.block_sizes, TPU_DEFAULTS)
+def _tpu_kwargs(cfg: _Config, bwd: bool, itemsize: int, head_dim: int) -> dict[str, int]:
+    kw = _fill(cfg.block_sizes, tpu_defaults(itemsize, head_dim))
     for name in ("num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd"):
         kw.pop(name)
     if not bwd:
@@ -104,14 +127,15 @@ def _tpu_interpret(interpret):
 def _dispatch(cfg: _Config, gpu_fn, tpu_fn, *args, bwd: bool):
     """Run the kernel that fits the lowering platform (or `cfg.backend`)."""
     nc, causal = cfg.nc, cfg.causal
+    itemsize, head_dim = jnp.dtype(args[0].dtype).itemsize, args[0].shape[-1]
 
     def gpu(interpret):
         return gpu_fn(*args, nc=nc, causal=causal, interpret=bool(interpret),
-                      **_gpu_kwargs(cfg, bwd, jnp.dtype(args[0].dtype).itemsize, args[0].shape[-1]))
+                      **_gpu_kwargs(cfg, bwd, itemsize, head_dim))
 
     def tpu(interpret):
         return tpu_fn(*args, nc=nc, causal=causal, interpret=_tpu_interpret(interpret),
-                      **_tpu_kwargs(cfg, bwd))
+                      **_tpu_kwargs(cfg, bwd, itemsize, head_dim))
 
     on_device = False if cfg.interpret is None else cfg.interpret
     off_device = True if cfg.interpret is None else cfg.interpret
@@ -171,9 +195,10 @@ def flash_attention(
 ) -> jax.Array:
     """Fused attention with `num_components` softmaxes (2: differential, 1: standard).
 
-    q (B, T, H·nc, d), k (B, S, Hkv·nc, d), v (B, S, Hkv, dv) -> (B, T, H, dv). `lam` (scalar,
-    nc = 2 only) is differentiable. `segment_ids` (B, T) requires S == T. `interpret=None`
-    interprets on platforms without a kernel (CPU); `backend` forces the "gpu" or "tpu" kernel.
+    q (B, T, H·nc, d), k (B, S, Hkv·nc, d), v (B, S, Hkv, dv) -> (B, T, H, dv), d a multiple of
+    16 in [16, 256], dv a multiple of 16 up to 512. `lam` (scalar, nc = 2 only) is
+    differentiable. `segment_ids` (B, T) requires S == T. `interpret=None` interprets on
+    platforms without a kernel (CPU); `backend` forces the "gpu" or "tpu" kernel.
     """
     nc = num_components
     b, t, hq, d = q.shape
@@ -187,9 +212,13 @@ def flash_attention(
         raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
     if backend not in (None, "gpu", "tpu"):
         raise ValueError(f"backend must be None, 'gpu' or 'tpu', got {backend!r}")
-    for n, name in ((d, "d"), (v.shape[3], "dv")):
-        if n < 16 or n & (n - 1):
-            raise ValueError(f"the pallas kernels need {name} to be a power of two >= 16, got {n}")
+    if not supports_head_dim(d):
+        raise ValueError(f"the pallas kernels need the head width d to be a multiple of 16 in "
+                         f"[16, {MAX_HEAD_DIM}], got d = {d}")
+    dv = v.shape[3]
+    if dv % 16 or not 16 <= dv <= MAX_VALUE_DIM:
+        raise ValueError(f"the pallas kernels need the value width dv to be a multiple of 16 in "
+                         f"[16, {MAX_VALUE_DIM}], got dv = {dv}")
     q_seg = kv_seg = None
     if segment_ids is not None:
         if s != t:

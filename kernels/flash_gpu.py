@@ -3,8 +3,18 @@
 One kernel family serves both operators (see `kernels.flash`):
   nc = 2: differential attention, O = P1·V − λ·P2·V (q sub-heads 2h, 2h+1; k sub-heads 2g, 2g+1);
   nc = 1: standard attention, O = P·V.
-Layouts are the model's, no copies: q (B, T, H·nc, d), k (B, S, Hkv·nc, d), v (B, S, Hkv, dv),
-segment ids (B, T) / (B, S); head h reads kv group g = h // (H // Hkv).
+Layouts are the model's, no copies (but for the lane padding below): q (B, T, H·nc, d),
+k (B, S, Hkv·nc, d), v (B, S, Hkv, dv), segment ids (B, T) / (B, S); head h reads kv group
+g = h // (H // Hkv).
+
+Head widths: any multiples of 16, d ≤ 256 and dv ≤ 512. Triton tiles must be powers of two, so
+the wrappers zero-pad the head dims of q, k, v (and dO) to the next power of two (d = 96 -> 128,
+dv = 192 -> 256) and slice the outputs and gradients back; the kernels see only power-of-two
+widths. Zero lanes are exact: they add 0 to q·k, and the extra output columns are dropped. The
+softmax scale is the true d^-1/2, passed to the kernels. Padding costs a copy of the operands
+and results, O(T·d) next to the kernels' O(T²·d) work, and only when a width is not a power of
+two; masked lane loads would avoid it at the price of a lane mask on every load and store in the
+kernels (and NaN-padded blocks under the interpreter).
 
 Triton rules honoured here: every loaded tile is a power of two (block_q, block_k, d, dv), and
 Triton does no bounds checks, so ragged tails are loaded and stored with masks. The kv and
@@ -27,6 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels import cost
+
 NEG_INF = -1e30
 
 
@@ -37,6 +49,18 @@ def _round_up(x: int, m: int) -> int:
 def _tile(requested: int, n: int) -> int:
     """Power-of-two tile ≤ requested, no larger than n rounded up to a power of two, ≥ 16."""
     return max(16, min(requested, pl.next_power_of_2(n)))
+
+
+def lanes(n: int) -> int:
+    """The power-of-two width a head dim of n is padded to (n itself when a power of two)."""
+    return pl.next_power_of_2(n)
+
+
+def _pad_lanes(x, n: int):
+    """x with its last dim zero-padded to n (x itself when it is n wide)."""
+    if x.shape[-1] == n:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
 
 
 def _index(idx):
@@ -157,14 +181,16 @@ def _fwd_kernel(*refs, nc, causal, has_seg, scale, bq, bk, t, s):
 def fwd(q, k, v, lam, q_seg, kv_seg, *, nc: int, causal: bool, block_q: int, block_k: int,
         num_warps: int, num_stages: int, interpret: bool):
     """Returns (o (B,T,H,dv), o2 (B,T,H,dv) or None, lse (B,H,nc,T) float32)."""
-    b, t, hq, d = q.shape
-    s, hkv, dv = k.shape[1], v.shape[2], v.shape[3]
+    b, t, hq, d_true = q.shape
+    s, hkv, dv_true = k.shape[1], v.shape[2], v.shape[3]
     h, n_rep = hq // nc, hq // nc // hkv
+    d, dv = lanes(d_true), lanes(dv_true)
+    q, k, v = _pad_lanes(q, d), _pad_lanes(k, d), _pad_lanes(v, dv)
     bq, bk = _tile(block_q, t), _tile(block_k, s)
     sp = _round_up(s, bk)
     has_seg = q_seg is not None
     kernel = functools.partial(_fwd_kernel, nc=nc, causal=causal, has_seg=has_seg,
-                               scale=d**-0.5, bq=bq, bk=bk, t=t, s=s)
+                               scale=d_true**-0.5, bq=bq, bk=bk, t=t, s=s)
     in_specs = [
         pl.BlockSpec((None, bq, nc, d), lambda b_, h_, i: (b_, i, h_, 0)),
         pl.BlockSpec((None, sp, nc, d), lambda b_, h_, i: (b_, 0, h_ // n_rep, 0)),
@@ -192,11 +218,11 @@ def fwd(q, k, v, lam, q_seg, kv_seg, *, nc: int, causal: bool, block_q: int, blo
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
+        cost_estimate=cost.fwd(q, k, v, nc=nc, causal=causal, bq=bq, bk=bk),
         name=f"flash{nc}_fwd",
     )(*args)
-    if nc == 2:
-        return tuple(res)
-    return res[0], None, res[1]
+    o, lse = res[0][..., :dv_true], res[-1]
+    return o, res[1][..., :dv_true] if nc == 2 else None, lse
 
 
 def _dkdv_kernel(*refs, nc, causal, has_seg, scale, bq, bk, t, s, n_rep):
@@ -315,13 +341,17 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, nc: int, causal: bool, b
         interpret: bool):
     """Returns (dq, dk, dv) in the input dtypes. lse, delta: (B, H, nc, T) float32."""
     del block_q, block_k
-    b, t, hq, d = q.shape
-    s, hkv, dv = k.shape[1], v.shape[2], v.shape[3]
+    b, t, hq, d_true = q.shape
+    s, hkv, dv_true = k.shape[1], v.shape[2], v.shape[3]
     h, n_rep = hq // nc, hq // nc // hkv
+    d, dv = lanes(d_true), lanes(dv_true)
+    q, k, v, do = _pad_lanes(q, d), _pad_lanes(k, d), _pad_lanes(v, dv), _pad_lanes(do, dv)
     bq, bk = _tile(block_q_bwd, t), _tile(block_k_bwd, s)
     tp, sp = _round_up(t, bq), _round_up(s, bk)
     has_seg = q_seg is not None
-    common = dict(nc=nc, causal=causal, has_seg=has_seg, scale=d**-0.5, bq=bq, bk=bk, t=t, s=s)
+    common = dict(nc=nc, causal=causal, has_seg=has_seg, scale=d_true**-0.5, bq=bq, bk=bk, t=t,
+                  s=s)
+    costs = dict(nc=nc, causal=causal, bq=bq, bk=bk)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     lam = lam.reshape(1).astype(jnp.float32)
     lam_spec = pl.BlockSpec((1,), lambda *_: (0,))
@@ -351,6 +381,7 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, nc: int, causal: bool, b
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=params,
         interpret=interpret,
+        cost_estimate=cost.dkdv(q, k, v, **costs),
         name=f"flash{nc}_dkdv",
     )(*args)
 
@@ -378,7 +409,8 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, nc: int, causal: bool, b
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=params,
         interpret=interpret,
+        cost_estimate=cost.dq(q, k, v, **costs),
         name=f"flash{nc}_dq",
     )(*args)
-    return dq, dk, dvv
+    return dq[..., :d_true], dk[..., :d_true], dvv[..., :dv_true]
 

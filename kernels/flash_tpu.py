@@ -7,6 +7,11 @@ v (B, Hkv, Sp, dv), with T and S padded up to the tiles (tiles are multiples of 
 logsumexps are lane-dense (B, H, nc, Tp). Padded keys are masked; padded queries read zeros and
 are sliced off.
 
+Head widths: any multiples of 16, d ≤ 256 and dv ≤ 512, as they are. The q/k/v blocks span the
+whole head dim, which Mosaic accepts at any width (d = 96, dv = 192 included: XLA:TPU stores
+such arrays in 128-lane tiles anyway), so the operands are not padded here; compiled for a v5p,
+padding them to 128 lanes saves no memory.
+
 Grids put the reduction axis last ("arbitrary") and keep float32 accumulators in VMEM scratch:
 forward (B, H, nq, nk); dK/dV (B, Hkv, nk, n_rep·nq), computed transposed, sᵀ = K·Qᵀ, so that
 lse and δ broadcast as lane-dense rows; dQ (B, H, nq, nk), reading lse and δ as columns. Causal
@@ -23,6 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from kernels import cost
 
 NEG_INF = -1e30
 LANES = 128
@@ -180,6 +187,7 @@ def fwd(q, k, v, lam, q_seg, kv_seg, *, nc: int, causal: bool, block_q: int, blo
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
+        cost_estimate=cost.fwd(q, k, v, nc=nc, causal=causal, bq=bq, bk=bk),
         name=f"flash{nc}_fwd",
     )(*args)
     o, lse = _seq_major(res[0], t), res[-1][..., :t]
@@ -279,6 +287,7 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, nc: int, causal: bool, b
     has_seg = q_seg is not None
     common = dict(nc=nc, causal=causal, has_seg=has_seg, scale=d**-0.5, bq=bq, bk=bk, s=s,
                   pad_s=sp != s)
+    costs = dict(nc=nc, causal=causal, bq=bq, bk=bk)
     qh, kh, vh, doh = _head_major(q, tp), _head_major(k, sp), _head_major(v, sp), _head_major(do, tp)
     pad_t = ((0, 0), (0, 0), (0, 0), (0, tp - t))
     lse, delta = jnp.pad(lse, pad_t), jnp.pad(delta, pad_t)  # (B, H, nc, Tp)
@@ -320,6 +329,7 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, nc: int, causal: bool, b
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
+        cost_estimate=cost.dkdv(q, k, v, **costs),
         name=f"flash{nc}_dkdv",
     )(*args)
 
@@ -350,6 +360,7 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, nc: int, causal: bool, b
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
+        cost_estimate=cost.dq(q, k, v, **costs),
         name=f"flash{nc}_dq",
     )(*args)
     return _seq_major(dqh, t), _seq_major(dkh, s), _seq_major(dvh, s)

@@ -93,16 +93,8 @@ def variants(block_sizes: BlockSizes | None, interpret, with_cudnn: bool):
         def cudnn(q, k, v):
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
-        def b_cudnn_four(q, k, v, lam):
-            b, t, h2, d = q.shape
-            h = h2 // 2
-            # heads ordered (h, c, half): Q_c, K_c meet V's half; 4H heads of width d, one call.
-            q4 = jnp.broadcast_to(q.reshape(b, t, h, 2, 1, d), (b, t, h, 2, 2, d))
-            k4 = jnp.broadcast_to(k.reshape(b, t, h, 2, 1, d), (b, t, h, 2, 2, d))
-            v4 = jnp.broadcast_to(v.reshape(b, t, h, 1, 2, d), (b, t, h, 2, 2, d))
-            o = cudnn(*(x.reshape(b, t, 4 * h, d) for x in (q4, k4, v4)))
-            o = o.reshape(b, t, h, 2, 2 * d)
-            return o[:, :, :, 0] - lam.astype(o.dtype) * o[:, :, :, 1]
+        def b_cudnn_four(q, k, v, lam):  # 4H heads of width d in one cuDNN call
+            return kernels.diff_attention(q, k, v, lam, impl="cudnn")
 
         def c_cudnn_h128(q, k, v, lam):
             b, t, h2, d = q.shape

@@ -30,6 +30,7 @@ import numpy as np
 import optax
 from flax import linen as nn
 
+from diff_jax.attention_op import AttentionOp
 from diff_jax.config import Config, load_config
 from diff_jax.optim import make_optimizer, schedule
 from diff_jax.sharding import batch_sharding, make_mesh
@@ -43,7 +44,8 @@ def _stepper(config: Config):
     """(run one step -> blocks, tokens per step) for `config` on all local devices."""
     t = config.train
     mesh, rules = make_mesh(config.mesh), config.mesh.rules
-    model, tx = DecoderLM(config.model), make_optimizer(config.optim, t.steps)
+    model = DecoderLM(config.model, attention_op=AttentionOp.build(config.model, mesh, rules))
+    tx = make_optimizer(config.optim, t.steps)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         _, sh = state_shardings(model, tx, mesh, rules)
         bsh = batch_sharding(mesh, rules)

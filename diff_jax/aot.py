@@ -1,20 +1,24 @@
 """Ahead-of-time compilation of the sharded train step, for local devices or a TPU slice.
 
 `train.compile_only=true train.compile_topology=v5p:4x4x4` compiles on a CPU machine for a slice
-you do not have (needs libtpu: `pip install "jax[tpu]"`) and reports per-chip memory against HBM.
+you do not have (needs libtpu: `pip install "jax[tpu]"`) and reports per-chip memory against HBM
+and per-chip FLOPs of one step, for the attention implementation the run would use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import jax
+import jax.export
 import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from diff_jax.attention_op import AttentionOp
 from diff_jax.config import Config, ConfigError
 from diff_jax.optim import make_optimizer, schedule
 from diff_jax.sharding import batch_sharding, check_batch, make_mesh
@@ -37,13 +41,17 @@ def topology_devices(topology: str) -> list[Any]:
                           "and a name like v5p:2x2x2") from e
 
 
-def compile_train_step(config: Config, devices: list[Any] | None = None) -> dict[str, Any]:
-    """Compile the sharded train step for `devices` (default: local) and return memory figures."""
+@contextlib.contextmanager
+def _traceable_step(config: Config, devices: list[Any] | None) -> Iterator[tuple[Any, tuple, Any]]:
+    """(jitted sharded train step, its abstract arguments, model), inside the mesh context.
+
+    Nothing is allocated: the state and batch are ShapeDtypeStructs with their shardings.
+    """
     t = config.train
     mesh = make_mesh(config.mesh, devices)
     rules = config.mesh.rules
     check_batch(t.batch_size, t.grad_accum, mesh, rules)
-    model = DecoderLM(config.model)
+    model = DecoderLM(config.model, attention_op=AttentionOp.build(config.model, mesh, rules))
     tx = make_optimizer(config.optim, t.steps)
     with nn.logical_axis_rules(rules):  # no live mesh yet: optax init runs small eager ops
         abstract, shardings = state_shardings(model, tx, mesh, rules)
@@ -56,15 +64,44 @@ def compile_train_step(config: Config, devices: list[Any] | None = None) -> dict
                                        grad_accum=t.grad_accum),
                      in_shardings=(shardings, bsh),
                      out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
-        compiled = fn.lower(abstract, batch).compile()
+        yield fn, (abstract, batch), model
+
+
+def compile_train_step(config: Config, devices: list[Any] | None = None) -> dict[str, Any]:
+    """Compile the sharded train step for `devices` (default: local); return memory and FLOPs."""
+    with _traceable_step(config, devices) as (fn, args, model):
+        compiled = fn.lower(*args).compile()
+        mesh = model.attention_op.mesh
     mem = compiled.memory_analysis()
     args, temp = mem.argument_size_in_bytes, mem.temp_size_in_bytes
     out, alias = mem.output_size_in_bytes, mem.alias_size_in_bytes
     return {
         "devices": len(mesh.devices.flat), "device_kind": mesh.devices.flat[0].device_kind,
-        "mesh": dict(mesh.shape), "argument_gib": args / GiB, "temp_gib": temp / GiB,
-        "peak_gib": (args + temp + out - alias) / GiB,
+        "mesh": dict(mesh.shape), "attention_impl": model.attention_op.impl,
+        "argument_gib": args / GiB, "temp_gib": temp / GiB,
+        "peak_gib": (args + temp + out - alias) / GiB, "flops_per_chip": flops_per_chip(compiled),
     }
+
+
+def export_train_step(config: Config, platform: str,
+                      disabled_checks: Sequence[jax.export.DisabledSafetyCheck] = ()) -> str:
+    """The sharded train step on the local devices' mesh, lowered for `platform` ("cuda",
+    "tpu", …) with `jax.export`; returns its StableHLO text (lowering checks, no compile)."""
+    with _traceable_step(config, None) as (fn, args, _):
+        exported = jax.export.export(fn, platforms=[platform],
+                                     disabled_checks=list(disabled_checks))(*args)
+    return exported.mlir_module()
+
+
+def flops_per_chip(compiled: Any) -> float:
+    """FLOPs of one step on one chip from XLA's cost analysis of the partitioned program.
+
+    Custom calls count what their kernels declare (the fused kernel's `pl.CostEstimate`).
+    """
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per partition
+        cost = cost[0]
+    return float(cost.get("flops", 0.0))
 
 
 def report(config: Config) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Attention modules: DIFF V1 (reference-exact), DIFF V2, and the standard GQA baseline.
 
-All three project, apply interleaved RoPE, and call one attention function from `kernels`
-(selected by `model.attention_impl`); the DIFF-specific parts around that call (λ, the per-head
-RMSNorm, the (1 − λ_init) scale, the V2 combine) live here. Weight layouts match the PyTorch
+All three project, apply interleaved RoPE, and call the model's one attention op
+(`diff_jax.attention_op.AttentionOp`: implementation, sharding, capture, decode); the
+DIFF-specific parts around that call (λ, the per-head RMSNorm, the (1 − λ_init) scale, the V2
+combine) live here. Weight layouts match the PyTorch
 reference so that `diff_jax.interop` is a transpose.
 """
 
@@ -14,8 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-import kernels
-from kernels.reference import attention_reference, diff_attention_reference
+from diff_jax.attention_op import AttentionOp
 from diff_jax.config import ModelConfig
 from diff_jax.layers import RMSNorm, dense
 from diff_jax.rope import apply_rope, rope_tables
@@ -105,7 +105,7 @@ def _kv_cache(
 
 
 def _attend(
-    module: nn.Module,
+    module: AttentionBase,
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -114,53 +114,38 @@ def _attend(
     segment_ids: jax.Array | None,
     positions: jax.Array | None,
 ) -> jax.Array:
-    """The attention call of every module: cache, GQA pairing, and the kernel or the oracle.
+    """The attention call of every module: cache, GQA pairing, then the model's attention op.
 
     `lam` selects differential attention (q (B,T,2H,d), k (B,S,2Hkv,d), v (B,S,Hkv,2d)); None
-    selects standard attention. The pure-jnp oracle runs instead of `model.attention_impl` when
-    decoding a single token, when logits are quantized (`model.attn_logit_bits`), or when the
-    caller collects `intermediates` — then the attention logits and maps are sown as
-    `intermediates/attention` for the analyses (see `kernels.reference`).
+    selects standard attention. Maps the op returns (`AttentionOp.capture`) are sown as
+    `intermediates/attention` for the analyses.
     """
     cfg: ModelConfig = module.config
-    kv_segment_ids = None
+    kv_valid = None
     if module.decode:
-        k, v, kv_segment_ids = _kv_cache(module, k, v, positions)
+        k, v, kv_valid = _kv_cache(module, k, v, positions)
     if lam is not None and cfg.gqa_pairing == "naive" and k.shape[2] < q.shape[2]:
         # The naive reference repeats the 2·Hkv K sub-heads: Q sub-head j meets K sub-head
         # j // n_rep, and head h reads V head h // n_rep. Expanding to MHA expresses that
         # exactly in the `flash` layout the kernels take.
         n_rep = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, n_rep, axis=2), jnp.repeat(v, n_rep, axis=2)
-    if kv_segment_ids is not None:
-        segment_ids = jnp.ones(q.shape[:2], jnp.int32)
-    use_oracle = (kv_segment_ids is not None or cfg.attn_logit_bits is not None
-                  or module.is_mutable_collection("intermediates"))
-    if use_oracle:
-        options = dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                       causal=kv_segment_ids is None, logit_bits=cfg.attn_logit_bits,
-                       return_maps=True)
-        if lam is None:
-            out, maps = attention_reference(q, k, v, **options)
-        else:
-            out, maps = diff_attention_reference(q, k, v, lam, **options)
-            maps["lambda"] = lam
+    op = module.attention_op or AttentionOp.build(cfg)
+    out, maps = op(q, k, v, lam, segment_ids=segment_ids, kv_valid=kv_valid)
+    if maps is not None:
         module.sow("intermediates", "attention", maps)
-        return out
-    if lam is None:
-        return kernels.dot_product_attention(q, k, v, segment_ids=segment_ids, causal=True,
-                                             impl=cfg.attention_impl)
-    return kernels.diff_attention(q, k, v, lam, segment_ids=segment_ids, causal=True,
-                                  impl=cfg.attention_impl)
+    return out
 
 
 class AttentionBase(nn.Module):
-    """What every attention module is given: the model config, its 0-based layer index, and
-    whether it keeps a KV cache (see `_kv_cache`)."""
+    """What every attention module is given: the model config, its 0-based layer index, whether
+    it keeps a KV cache (see `_kv_cache`), and the attention op (None: built from the config,
+    on the context mesh)."""
 
     config: ModelConfig
     depth: int
     decode: bool = False
+    attention_op: AttentionOp | None = None
 
 
 class MultiheadDiffAttn(AttentionBase):

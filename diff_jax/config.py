@@ -18,6 +18,10 @@ from typing import Any, Literal
 import yaml
 
 
+AttentionImpl = Literal["xla", "pallas", "cudnn", "auto"]
+"""`model.attention_impl`: resolved per platform by `diff_jax.attention_op.resolve_impl`."""
+
+
 class ConfigError(ValueError):
     """A configuration value is unknown, mistyped or inconsistent; the message names the key."""
 
@@ -45,7 +49,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
-    attention_impl: Literal["xla", "pallas", "auto"] = "xla"
+    attention_impl: AttentionImpl = "xla"
     gqa_pairing: Literal["flash", "naive"] = "flash"  # V1 only; see the design note
     remat: Literal["none", "full", "dots"] = "none"
     attn_logit_bits: int | None = None  # analysis only: absmax fake-quantize attention logits
@@ -77,6 +81,11 @@ class ModelConfig:
         _require(self.mlp_dim is None or self.mlp_dim > 0, "model.mlp_dim", "must be positive")
         _require(self.attn_logit_bits is None or self.attn_logit_bits >= 2, "model.attn_logit_bits",
                  "must be >= 2 (or null: no quantization)")
+        _require(self.attn_logit_bits is None or self.attention_impl in ("xla", "auto"),
+                 "model.attn_logit_bits", "quantized logits exist only on the xla path; set "
+                 "model.attention_impl=xla (or auto)")
+        _require(self.attention_impl != "cudnn" or self.dtype == "bfloat16", "model.attention_impl",
+                 "cudnn runs bfloat16 only; set model.dtype=bfloat16")
         _require(self.gqa_pairing == "flash" or self.variant == "diff", "model.gqa_pairing",
                  "only variant diff has a choice of GQA pairing")
 

@@ -22,6 +22,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diff_jax import checkpoint, data
+from diff_jax.attention_op import AttentionOp
 from diff_jax.config import Config, ConfigError, DistributedConfig, dump_config
 from diff_jax.metrics import MetricsWriter, Progress, mfu
 from diff_jax.optim import make_optimizer, schedule
@@ -85,7 +86,7 @@ def run(config: Config) -> RunResult:
     mesh = make_mesh(config.mesh)
     rules = config.mesh.rules
     check_batch(t.batch_size, t.grad_accum, mesh, rules)
-    model = DecoderLM(config.model)
+    model = DecoderLM(config.model, attention_op=AttentionOp.build(config.model, mesh, rules))
     lr_schedule, tx = schedule(config.optim, t.steps), make_optimizer(config.optim, t.steps)
     inputs = data.build(config.data, t.seq_len, t.batch_size, t.eval_batches, t.seed,
                         jax.process_index(), jax.process_count())

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from diff_jax.attention import ATTENTION_MODULES, Rope, diff_lambda
+from diff_jax.attention_op import AttentionOp
 from diff_jax.config import ModelConfig
 from diff_jax.layers import RMSNorm, SwiGLU
 from diff_jax.rope import rope_tables
@@ -23,13 +24,15 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
     depth: int
     decode: bool = False
+    attention_op: AttentionOp | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, rope: Rope, segment_ids: jax.Array | None,
                  positions: jax.Array | None = None) -> jax.Array:
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        attn = ATTENTION_MODULES[cfg.variant](cfg, depth=self.depth, decode=self.decode, name="attn")
+        attn = ATTENTION_MODULES[cfg.variant](cfg, depth=self.depth, decode=self.decode,
+                                              attention_op=self.attention_op, name="attn")
         y = x + attn(RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x), rope=rope,
                      positions=positions, segment_ids=segment_ids)
         y = nn.with_logical_constraint(y, ("batch", "length", "act_embed"))
@@ -45,11 +48,14 @@ class DecoderLM(nn.Module):
 
     `positions` (B, T) restart per packed segment (default 0..T-1); `segment_ids` (B, T) confine
     attention to a segment, causally, with 0 marking padding. With `decode=True` every attention
-    layer keeps a KV cache in the `cache` collection (see `diff_jax.generate`).
+    layer keeps a KV cache in the `cache` collection (see `diff_jax.generate`). `attention_op`
+    (`AttentionOp.build(config, mesh, rules)`; None: built from `config` on the context mesh)
+    is the one attention call of every layer.
     """
 
     config: ModelConfig
     decode: bool = False
+    attention_op: AttentionOp | None = None
 
     @nn.compact
     def __call__(
@@ -73,11 +79,12 @@ class DecoderLM(nn.Module):
             positions = jnp.broadcast_to(jnp.arange(t), (b, t))
         rope = rope_tables(positions, cfg.resolved_head_dim, cfg.rope_theta)  # (B, T, d/2)
 
+        op = self.attention_op or AttentionOp.build(cfg)
         layer_cls = DecoderLayer
         if cfg.remat != "none":
             layer_cls = nn.remat(DecoderLayer, policy=_REMAT_POLICIES[cfg.remat])
         for i in range(cfg.num_layers):
-            x = layer_cls(cfg, depth=i, decode=self.decode, name=f"layers_{i}")(
+            x = layer_cls(cfg, depth=i, decode=self.decode, attention_op=op, name=f"layers_{i}")(
                 x, rope, segment_ids, positions)
         x = RMSNorm(cfg.norm_eps, dtype, name="norm")(x)
 

@@ -12,6 +12,7 @@ import pytest
 
 import numpy_reference as npr
 from diff_jax.attention import ATTENTION_MODULES, lambda_init
+from diff_jax.attention_op import AttentionOp
 from diff_jax.config import ModelConfig
 from diff_jax.interop import from_reference, reference_shapes
 
@@ -130,15 +131,19 @@ def test_shapes_dtypes_causality(variant, heads, dtype):
 
 
 def test_sown_maps_and_logit_quantization():
-    """Sown logits/probs match the NumPy maps; 16-bit logits ≈ float; 3-bit visibly differs."""
+    """Captured logits/probs match the NumPy maps; 16-bit logits ≈ float; 3-bit visibly differs."""
     cfg = ModelConfig(variant="diff", embed_dim=E, num_heads=4, num_kv_heads=2)
     sd = npr.random_state_dict(reference_shapes(cfg), seed=11)
     x, cos, sin = _inputs(cfg.resolved_head_dim, seed=4)
-    module = ATTENTION_MODULES["diff"](cfg, depth=2)
+    module = ATTENTION_MODULES["diff"](cfg, depth=2, attention_op=AttentionOp.build(cfg, capture=True))
     params = from_reference(sd, cfg)
     out, state = module.apply({"params": params}, jnp.asarray(x), rope=(cos, sin),
                               mutable=["intermediates"])
     (maps,) = state["intermediates"]["attention"]
+    # Collecting intermediates without asking the op to capture sows no maps.
+    _, plain_state = ATTENTION_MODULES["diff"](cfg, depth=2).apply(
+        {"params": params}, jnp.asarray(x), rope=(cos, sin), mutable=["intermediates"])
+    assert "attention" not in plain_state.get("intermediates", {})
     _, a1, a2, lam = npr.diff_v1(sd, x, cos, sin, num_heads=4, num_kv_heads=2, depth=2)
     chex.assert_shape(maps["probs"], (B, 8, T, T))
     assert npr.rel_err(maps["probs"][:, 0::2], a1) < 2e-6 and npr.rel_err(maps["probs"][:, 1::2], a2) < 2e-6

@@ -1,7 +1,8 @@
 """AOT compile of the sharded fused kernel for a TPU v5p:2x2x2 slice on a CPU machine (needs libtpu).
 
 Install the optional extra (`pip install "jax[tpu]==<jax version>"`, libtpu ~700 MB) to run it;
-skipped otherwise. Asserts that Mosaic and XLA:TPU compile forward+backward under `shard_map`, and
+skipped otherwise. Asserts that Mosaic and XLA:TPU compile forward+backward under the attention
+op's `shard_map`, and
 that the per-chip temp memory of the fused kernel stays linear in T (T -> 4T: ratio ≲ 4; observed
 3.6) while the xla oracle's grows quadratically (ratio ≳ 16; observed 32).
 """
@@ -20,28 +21,27 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
 def _temp_bytes(impl: str, t: int, b: int = 2, h: int = 8, d: int = 64) -> int:
     import jax
     import jax.numpy as jnp
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    import kernels
+    from diff_jax.aot import topology_devices
+    from diff_jax.attention_op import AttentionOp
+    from diff_jax.config import MeshConfig
+    from diff_jax.sharding import make_mesh
 
-    topo = topologies.get_topology_desc(topology_name="v5p:2x2x2", platform="tpu")
-    mesh = Mesh(np.array(topo.devices).reshape(2, 4), ("data", "tensor"))
-
-    def attn(q, k, v, lam, segment_ids=None):
-        return kernels.diff_attention(q, k, v, lam, segment_ids=segment_ids, impl=impl)
-
-    fn = kernels.shard_attention(attn, mesh, batch_axes="data", head_axis="tensor", num_kv_heads=h)
+    rules = MeshConfig().rules
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=4), topology_devices("v5p:2x2x2"))
+    op = AttentionOp(impl=impl, mesh=mesh, rules=rules)
 
     def loss(q, k, v, lam, seg):
-        return jnp.sum(fn(q, k, v, lam, segment_ids=seg).astype(jnp.float32))
+        return jnp.sum(op(q, k, v, lam, segment_ids=seg)[0].astype(jnp.float32))
 
-    act = NamedSharding(mesh, P("data", None, "tensor", None))
+    act = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor", None))
     args = (jax.ShapeDtypeStruct((b, t, 2 * h, d), jnp.bfloat16, sharding=act),
             jax.ShapeDtypeStruct((b, t, 2 * h, d), jnp.bfloat16, sharding=act),
             jax.ShapeDtypeStruct((b, t, h, 2 * d), jnp.bfloat16, sharding=act),
             jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P())),
-            jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=NamedSharding(mesh, P("data", None))))
+            jax.ShapeDtypeStruct((b, t), jnp.int32,
+                                 sharding=NamedSharding(mesh, P(("data", "fsdp"), None))))
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args).compile()
     text = compiled.as_text() or ""
     if impl == "pallas":

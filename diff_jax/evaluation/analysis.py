@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diff_jax.attention_op import AttentionOp
 from diff_jax.config import ModelConfig
 from diff_jax.data import encoding
 from diff_jax.evaluation import plots
@@ -35,8 +36,13 @@ from diff_jax.transformer import DecoderLM
 TOP_K = (1, 2, 3, 10, 100)
 
 
+def _capturing(model_cfg: ModelConfig) -> DecoderLM:
+    """The model with its attention op capturing logits and maps (the xla path)."""
+    return DecoderLM(model_cfg, attention_op=AttentionOp.build(model_cfg, capture=True))
+
+
 def _intermediates(model_cfg: ModelConfig, params: Any, tokens: jax.Array) -> dict:
-    _, state = DecoderLM(model_cfg).apply({"params": params}, tokens, mutable=["intermediates"])
+    _, state = _capturing(model_cfg).apply({"params": params}, tokens, mutable=["intermediates"])
     return state["intermediates"]
 
 
@@ -114,8 +120,8 @@ def attention(loaded: Loaded, options: EvalOptions) -> Report:
 def _activations(model_cfg: ModelConfig, params: Any, tokens: jax.Array, segment_ids: jax.Array,
                  positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(|attention logits| (L, B, N, T, S) with −1 on masked entries, |hidden| (L, B, T, E))."""
-    _, state = DecoderLM(model_cfg).apply({"params": params}, tokens, positions=positions,
-                                          segment_ids=segment_ids, mutable=["intermediates"])
+    _, state = _capturing(model_cfg).apply({"params": params}, tokens, positions=positions,
+                                           segment_ids=segment_ids, mutable=["intermediates"])
     inter = state["intermediates"]
     logits, hidden = [], []
     for i in range(model_cfg.num_layers):
@@ -169,7 +175,7 @@ def quant(loaded: Loaded, options: EvalOptions) -> Report:
     bits: list[int | None] = [None, *options.bits]
     losses, accuracies = [], []
     for b in bits:
-        model_cfg = dataclasses.replace(cfg.model, attn_logit_bits=b)
+        model_cfg = dataclasses.replace(cfg.model, attn_logit_bits=b, attention_impl="xla")
         losses.append(float(np.mean([batch_nll(model_cfg, loaded.params, x) for x in batches])))
         if options.niah:
             grid, _ = accuracy_grid(model_cfg, loaded.params, encoding(cfg.data.tokenizer),

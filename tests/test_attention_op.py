@@ -1,0 +1,161 @@
+"""The attention op: implementation choice, the sharded kernel in the train step, capture, errors.
+
+The sharded comparisons run the fused kernel under the Pallas interpreter inside `shard_map` on 8
+fake CPU devices (mesh data=2 fsdp=2 tensor=2) and compare with the xla oracle on one device.
+Everything is float32, so the two differ by summation order only: loss to 1e-6, gradients to
+2e-5 relative (as the sharded-xla test in test_sharding.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from diff_jax.attention_op import AttentionOp, resolve_impl
+from diff_jax.config import ConfigError, MeshConfig, ModelConfig, OptimConfig
+from diff_jax.optim import make_optimizer
+from diff_jax.sharding import batch_sharding, make_mesh
+from diff_jax.step import init_state, loss_and_grads, state_shardings
+from diff_jax.transformer import DecoderLM
+
+RULES = MeshConfig().rules
+B, T = 8, 24
+
+
+def _batch(seed: int = 0) -> dict[str, np.ndarray]:
+    """Packed rows: segments of random length, positions restarting per segment, some padding."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 61, (B, T + 1)).astype(np.int32)
+    seg = np.zeros((B, T), np.int32)
+    pos = np.zeros((B, T), np.int32)
+    for r in range(B):
+        cut = sorted(rng.choice(np.arange(3, T - 3), 2, replace=False))
+        bounds = [0, *cut, T - (r % 3)]  # the last r % 3 tokens are padding (segment 0)
+        for i in range(len(bounds) - 1):
+            seg[r, bounds[i]:bounds[i + 1]] = i + 1
+            pos[r, bounds[i]:bounds[i + 1]] = np.arange(bounds[i + 1] - bounds[i])
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg, "positions": pos}
+
+
+def _loss_and_grads(cfg: ModelConfig, mesh_cfg: MeshConfig, devices) -> tuple[float, dict]:
+    """Loss and gradients of the initial parameters, computed by the sharded jitted step."""
+    mesh = make_mesh(mesh_cfg, devices)
+    model = DecoderLM(cfg, attention_op=AttentionOp.build(cfg, mesh, RULES))
+    tx = make_optimizer(OptimConfig(), 10)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        _, sh = state_shardings(model, tx, mesh, RULES)
+        bsh = batch_sharding(mesh, RULES)
+        state = jax.jit(functools.partial(init_state, model=model, tx=tx), out_shardings=sh)(
+            jax.random.PRNGKey(0))
+        fn = jax.jit(functools.partial(loss_and_grads, model=model, grad_accum=1),
+                     in_shardings=(sh.params, bsh))
+        loss, grads = fn(state.params, jax.device_put(_batch(), bsh))
+    return float(loss), jax.device_get(grads)
+
+
+SHARDED_CASES = {  # name: (variant, heads, kv heads)
+    "diff-gqa": ("diff", 4, 2),  # kv heads sharded with the query heads
+    "diff-mqa": ("diff", 4, 1),  # one kv head: replicated, each shard gathers its group
+    "diff_v2": ("diff_v2", 2, 2),
+    "transformer": ("transformer", 4, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(SHARDED_CASES))
+def test_sharded_pallas_step_equals_one_device_xla(name):
+    variant, heads, kv = SHARDED_CASES[name]
+    base = ModelConfig(variant=variant, vocab_size=64, embed_dim=128, num_layers=1, num_heads=heads,
+                       num_kv_heads=kv, max_seq_len=32, head_dim=16 if variant != "diff" else None)
+    l_ref, g_ref = _loss_and_grads(base, MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    pallas = dataclasses.replace(base, attention_impl="pallas")
+    l_sh, g_sh = _loss_and_grads(pallas, MeshConfig(data=2, fsdp=2, tensor=2), None)
+    np.testing.assert_allclose(l_sh, l_ref, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), g_sh, g_ref)
+    if variant == "diff":  # λ is trained through the sharded kernel
+        assert float(np.abs(g_sh["layers_0"]["attn"]["lambda_q1"]).max()) > 0
+
+
+def _mesh_op(impl: str, mesh):
+    cfg = ModelConfig(vocab_size=64, embed_dim=64, num_layers=1, num_heads=2, max_seq_len=32,
+                      attention_impl=impl)
+    return cfg, AttentionOp.build(cfg, mesh, RULES)
+
+
+def test_kernel_runs_inside_shard_map_and_xla_does_not():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    q = jax.ShapeDtypeStruct((8, 16, 4, 16), jnp.float32)
+    k = jax.ShapeDtypeStruct((8, 16, 4, 16), jnp.float32)
+    v = jax.ShapeDtypeStruct((8, 16, 2, 32), jnp.float32)
+    lam = jax.ShapeDtypeStruct((), jnp.float32)
+    texts = {}
+    for impl in ("pallas", "xla"):
+        _, op = _mesh_op(impl, mesh)
+        texts[impl] = jax.jit(lambda q, k, v, lam: op(q, k, v, lam)[0]).lower(q, k, v, lam).as_text()
+    assert "shard_map" in texts["pallas"] or "manual_computation" in texts["pallas"]
+    assert "shard_map" not in texts["xla"] and "manual_computation" not in texts["xla"]
+
+
+def test_odd_batch_and_mqa_heads_on_a_mesh_equal_the_unsharded_kernel():
+    """A batch the batch axes do not divide runs replicated; one kv head is gathered per shard."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    _, op = _mesh_op("pallas", mesh)
+    ks = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(ks[0], (3, 16, 4, 16))
+    k = jax.random.normal(ks[1], (3, 16, 2, 16))
+    v = jax.random.normal(ks[2], (3, 16, 1, 32))
+    sharded = jax.jit(lambda *a: op(*a)[0])(q, k, v, jnp.float32(0.3))
+    unsharded, _ = AttentionOp(impl="xla")(q, k, v, jnp.float32(0.3))
+    np.testing.assert_allclose(sharded, unsharded, rtol=1e-5, atol=1e-6)
+
+
+def _cfg(**kw) -> ModelConfig:
+    return ModelConfig(embed_dim=256, num_heads=4, **kw)  # DIFF d = 32
+
+
+def test_auto_resolves_per_platform():
+    assert resolve_impl(_cfg(attention_impl="auto"), "cpu") == "xla"
+    assert resolve_impl(_cfg(attention_impl="auto"), "tpu") == "pallas"
+    assert resolve_impl(_cfg(attention_impl="auto"), "gpu") == "pallas"
+    std = dict(variant="transformer", attention_impl="auto")
+    assert resolve_impl(_cfg(dtype="bfloat16", **std), "gpu") == "cudnn"
+    assert resolve_impl(_cfg(**std), "gpu") == "xla"  # cuDNN needs bf16
+    assert resolve_impl(_cfg(**std), "tpu") == "pallas"
+    # a head width the kernel does not take: auto falls back to the oracle
+    odd = ModelConfig(variant="transformer", embed_dim=64, num_heads=8, attention_impl="auto")
+    assert odd.resolved_head_dim == 8 and resolve_impl(odd, "tpu") == "xla"
+
+
+def test_impossible_implementations_are_config_errors():
+    odd = ModelConfig(variant="transformer", embed_dim=64, num_heads=8, attention_impl="pallas")
+    with pytest.raises(ConfigError, match="model.attention_impl=pallas: .*got 8"):
+        resolve_impl(odd, "tpu")
+    with pytest.raises(ConfigError, match="model.attention_impl=cudnn runs only on NVIDIA GPUs"):
+        resolve_impl(_cfg(attention_impl="cudnn", dtype="bfloat16"), "cpu")
+    with pytest.raises(ConfigError, match="model.attention_impl: cudnn runs bfloat16 only"):
+        _cfg(attention_impl="cudnn")
+    with pytest.raises(ConfigError, match="model.attn_logit_bits: quantized logits exist only"):
+        _cfg(attention_impl="pallas", attn_logit_bits=8)
+    # capture always runs the oracle, whatever the config says
+    assert AttentionOp.build(_cfg(attention_impl="pallas"), capture=True).impl == "xla"
+
+
+def test_decode_step_equals_full_forward_with_the_kernel_configured():
+    """A model configured for the kernel still decodes one token over the cache (the oracle)."""
+    cfg = ModelConfig(vocab_size=64, embed_dim=64, num_layers=1, num_heads=2, max_seq_len=16,
+                      attention_impl="pallas")
+    tokens = jax.random.randint(jax.random.key(0), (1, 9), 0, 64)
+    params = nn.meta.unbox(DecoderLM(cfg).init(jax.random.key(1), tokens))["params"]
+    full = DecoderLM(cfg).apply({"params": params}, tokens)
+    model = DecoderLM(cfg, decode=True)
+    cache = jax.tree.map(jnp.zeros_like, model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["cache"])
+    _, state = model.apply({"params": params, "cache": cache}, tokens[:, :8],
+                           positions=jnp.arange(8)[None], mutable=["cache"])
+    last, _ = model.apply({"params": params, **state}, tokens[:, 8:], positions=jnp.asarray([[8]]),
+                          mutable=["cache"])
+    np.testing.assert_allclose(last[:, 0], full[:, 8], rtol=1e-5, atol=1e-5)

@@ -83,8 +83,8 @@ def _kv_cache(
 
     The cache length is the length of the `init` call's input. A call with T > 1 is a prefill
     from position 0: it attends within its own tokens. A call with T == 1 attends over the cache
-    up to and including each row's position: returns the cache and (B, S) key validity as
-    segment ids (1 = visible, 0 = not yet written).
+    up to and including each row's position: returns the cache and the (B,) filled lengths
+    (position + 1).
     """
     b, t = k.shape[:2]
     cache_k = module.variable("cache", "k", jnp.zeros, k.shape, k.dtype)
@@ -99,9 +99,7 @@ def _kv_cache(
     cache_v.value = write(cache_v.value, v, start)
     if t > 1:
         return k, v, None
-    length = cache_k.value.shape[1]
-    visible = (jnp.arange(length)[None, :] <= start[:, None]).astype(jnp.int32)
-    return cache_k.value, cache_v.value, visible
+    return cache_k.value, cache_v.value, start + 1
 
 
 def _attend(
@@ -121,9 +119,9 @@ def _attend(
     `intermediates/attention` for the analyses.
     """
     cfg: ModelConfig = module.config
-    kv_valid = None
+    kv_lengths = None
     if module.decode:
-        k, v, kv_valid = _kv_cache(module, k, v, positions)
+        k, v, kv_lengths = _kv_cache(module, k, v, positions)
     if lam is not None and cfg.gqa_pairing == "naive" and k.shape[2] < q.shape[2]:
         # The naive reference repeats the 2·Hkv K sub-heads: Q sub-head j meets K sub-head
         # j // n_rep, and head h reads V head h // n_rep. Expanding to MHA expresses that
@@ -131,7 +129,7 @@ def _attend(
         n_rep = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, n_rep, axis=2), jnp.repeat(v, n_rep, axis=2)
     op = module.attention_op or AttentionOp.build(cfg)
-    out, maps = op(q, k, v, lam, segment_ids=segment_ids, kv_valid=kv_valid)
+    out, maps = op(q, k, v, lam, segment_ids=segment_ids, kv_lengths=kv_lengths)
     if maps is not None:
         module.sow("intermediates", "attention", maps)
     return out

@@ -22,8 +22,11 @@ to make on the side:
 - **Capture.** `capture=True` returns the attention logits and maps with the output (for
   `eval.py`'s analyses); it runs the xla path, since the maps are the O(T²) tensors the fused
   kernel never forms. `model.attn_logit_bits` (absmax fake-quantized logits) is xla-only too.
-- **Decode.** A single-token step over a KV cache (`kv_valid` given) runs the xla oracle over the
-  whole cache: O(S) per token, no decode kernel yet. This is the only place that says so.
+- **Decode.** A single-token step over a KV cache (`kv_lengths` given) runs
+  `kernels.decode_attention`, which reads the cache chunk by chunk up to the longest row's
+  filled length (O(filled) per token, not O(capacity)), on every platform and whatever
+  `impl` is; with `capture` or `logit_bits` it runs the oracle over the cache instead, since
+  those need every score of a row at once.
 """
 
 from __future__ import annotations
@@ -113,20 +116,28 @@ class AttentionOp:
         lam: jax.Array | None = None,
         *,
         segment_ids: jax.Array | None = None,
-        kv_valid: jax.Array | None = None,
+        kv_lengths: jax.Array | None = None,
     ) -> tuple[jax.Array, Maps | None]:
         """(output, maps or None). `lam` selects differential attention.
 
         Differential: q (B, T, 2H, d) (sub-heads 2h, 2h+1 are Q1, Q2 of head h), k (B, S, 2Hkv, d),
         v (B, S, Hkv, 2d), λ a float32 scalar -> (B, T, H, 2d). Standard: q (B, T, Hq, d), k and
         v (B, S, Hkv, d) -> (B, T, Hq, d). `segment_ids` (B, T): causal attention within a
-        segment, 0 = padding. `kv_valid` (B, S) int32, 1 where a cached key is visible: one-token
-        decoding over a cache (non-causal over the visible keys; the oracle). Maps (with
+        segment, 0 = padding. `kv_lengths` (B,) int32: one-token decoding (T = 1) over a cache
+        whose first kv_lengths[b] entries are filled (k, v of capacity S). Maps (with
         `capture`): "logits", "probs" (B, 2H or Hq, T, S) float32, "mask", and "lambda" (DIFF).
         """
-        if kv_valid is not None or self.impl == "xla":
-            return self._oracle(q, k, v, lam, segment_ids, kv_valid)
+        if kv_lengths is not None:
+            return self._decode(q, k, v, lam, kv_lengths)
+        if self.impl == "xla":
+            return self._oracle(q, k, v, lam, segment_ids, None)
         return self._kernel(q, k, v, lam, segment_ids), None
+
+    def _decode(self, q, k, v, lam, lengths):
+        if self.capture or self.logit_bits is not None:
+            visible = (jnp.arange(k.shape[1])[None, :] < lengths[:, None]).astype(jnp.int32)
+            return self._oracle(q, k, v, lam, None, visible)
+        return kernels.decode_attention(q, k, v, lam, lengths=lengths), None
 
     def _oracle(self, q, k, v, lam, segment_ids, kv_valid):
         decoding = kv_valid is not None

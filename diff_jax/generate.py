@@ -2,9 +2,10 @@
 
 Prompts of different lengths share one batch: they are right-padded, prefilled together (each row
 reads its first new token at its own last prompt position), and then every row writes its cache
-and reads RoPE at its own position, one token per step under one jitted step function. Cache
-entries past a row's position are never attended to, so padding written during the prefill is
-overwritten before it becomes visible.
+and reads RoPE at its own position, one token per step, all inside one jitted `lax.while_loop`
+with the cache as explicit loop state. Cache entries past a row's position are never attended to
+(single-token attention reads only the filled part of the cache: `kernels.decode_attention`), so
+padding written during the prefill is overwritten before it becomes visible.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def sample(logits: jax.Array, key: jax.Array, sampling: SamplingConfig) -> jax.A
 
 @functools.partial(jax.jit, static_argnames=("model",))
 def _prefill(model: DecoderLM, params, cache, tokens: jax.Array, lengths: jax.Array):
+    """Run the right-padded prompts (B, W); returns (logits at each row's last prompt token, cache)."""
     logits, state = model.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # (B, V)
     return last, state["cache"]
@@ -74,6 +76,39 @@ def _decode_step(model: DecoderLM, params, cache, tokens: jax.Array, positions: 
     return sample(logits, key, sampling), logits, state["cache"]
 
 
+@functools.partial(jax.jit, static_argnames=("model", "sampling", "max_new_tokens"))
+def _generate(model: DecoderLM, params, cache, tokens: jax.Array, lengths: jax.Array,
+              key: jax.Array, eos_id: jax.Array, *, sampling: SamplingConfig,
+              max_new_tokens: int) -> jax.Array:
+    """Prefill, then sample inside one `lax.while_loop` until every row has produced `eos_id`
+    or `max_new_tokens` tokens. Returns (B, max_new_tokens) int32, −1 after a row stopped."""
+    logits, cache = _prefill(model, params, cache, tokens, lengths)
+    b = tokens.shape[0]
+    first = sample(logits, jax.random.fold_in(key, 0), sampling)
+    out = jnp.full((b, max_new_tokens), -1, jnp.int32)
+
+    def running(state) -> jax.Array:
+        step, _, _, _, _, done = state
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def body(state):
+        step, tok, pos, cache, out, done = state
+        out = out.at[:, step].set(jnp.where(done, -1, tok))
+        done = done | (tok == eos_id)
+        more = (step + 1 < max_new_tokens) & ~jnp.all(done)
+
+        def decode(cache):
+            nxt, _, cache = _decode_step(model, params, cache, tok, pos,
+                                         jax.random.fold_in(key, step + 1), sampling)
+            return nxt, cache
+
+        tok, cache = jax.lax.cond(more, decode, lambda c: (tok, c), cache)
+        return step + 1, tok, pos + 1, cache, out, done
+
+    state = (jnp.int32(0), first, lengths, cache, out, jnp.zeros((b,), bool))
+    return jax.lax.while_loop(running, body, state)[4]
+
+
 def generate(
     config: ModelConfig,
     params: dict,
@@ -84,7 +119,11 @@ def generate(
     seed: int = 0,
     eos_id: int | None = None,
 ) -> list[list[int]]:
-    """New tokens for each prompt (the prompt excluded; stops after `eos_id`, which is kept)."""
+    """New tokens for each prompt (the prompt excluded; stops after `eos_id`, which is kept).
+
+    The whole decode runs on the device in one jitted call (`_generate`); only the finished
+    tokens come back to the host.
+    """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens < 1:
@@ -106,21 +145,7 @@ def generate(
     model = DecoderLM(config, decode=True)
     cache_shape = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((b, total), jnp.int32))["cache"]
     cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shape)
-    logits, cache = _prefill(model, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
-
-    key = jax.random.key(seed)
-    next_tok = sample(logits, jax.random.fold_in(key, 0), sampling)
-    positions = jnp.asarray(lengths)
-    out: list[list[int]] = [[] for _ in range(b)]
-    done = np.zeros(b, bool)
-    for step in range(max_new_tokens):
-        host = np.asarray(next_tok)
-        for i in np.flatnonzero(~done):
-            out[i].append(int(host[i]))
-            done[i] = eos_id is not None and host[i] == eos_id
-        if done.all() or step == max_new_tokens - 1:
-            break
-        next_tok, _, cache = _decode_step(model, params, cache, next_tok, positions,
-                                          jax.random.fold_in(key, step + 1), sampling)
-        positions = positions + 1
-    return out
+    out = np.asarray(_generate(model, params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
+                               jax.random.key(seed), jnp.int32(-1 if eos_id is None else eos_id),
+                               sampling=sampling, max_new_tokens=max_new_tokens))
+    return [[int(x) for x in row if x >= 0] for row in out]

@@ -10,6 +10,9 @@ Two entry points, each with three implementations (`impl`):
             differential operator runs as one call with 4H heads (Q_c, K_c against each d-wide half
             of V), the FlashDiff_2 route, because cuDNN needs V as wide as K.
 
+`decode_attention` is one-token attention over a KV cache that reads only the cache's filled
+part (pure jnp, any platform).
+
 Choosing among them for a platform, and wrapping the kernels for a device mesh, is the caller's
 job (`diff_jax.attention_op.AttentionOp`): nothing here names a mesh axis.
 """
@@ -21,10 +24,11 @@ from typing import Any, Callable, Literal
 import jax
 import jax.numpy as jnp
 
+from kernels.decode import decode_attention
 from kernels.flash import MAX_HEAD_DIM, BlockSizes, flash_attention, supports_head_dim
 from kernels.reference import attention_mask, attention_reference, diff_attention_reference
 
-__all__ = ["IMPLS", "MAX_HEAD_DIM", "BlockSizes", "Impl", "diff_attention",
+__all__ = ["IMPLS", "MAX_HEAD_DIM", "BlockSizes", "Impl", "decode_attention", "diff_attention",
            "dot_product_attention", "four_call_diff_attention", "supports_head_dim"]
 
 Impl = Literal["xla", "pallas", "cudnn"]

@@ -90,3 +90,19 @@ def test_sampling_filters():
     assert set(draw(SamplingConfig(temperature=1.0, top_p=0.7))) == {0, 1}  # 0.5 + 0.3 reaches 0.7
     assert set(draw(SamplingConfig(temperature=1.0, top_p=0.5))) == {0}
     assert int(sample(logits, keys[0], SamplingConfig())[0]) == 0
+
+
+def test_generation_benchmark_smoke(tmp_path):
+    """benchmarks/generate.py measures in a subprocess and writes JSON + markdown."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import generate as bench
+
+    bench.main(["--batch", "1", "--prompt", "4", "--new", "2", "--repeats", "1", "--rounds", "1",
+                "--out", str(tmp_path / "gen")])
+    data = json.loads((tmp_path / "gen.json").read_text())
+    assert data["results"]["current"]["tokens_per_s"] > 0
+    assert "| current |" in (tmp_path / "gen.md").read_text()

@@ -382,3 +382,26 @@ def test_benchmark_smoke(tmp_path):
     assert data["memory"][0]["fused_bytes"] > 0 and data["env"]["jax"] == jax.__version__
     assert "| fused |" in (tmp_path / "attention_smoke.md").read_text()
     assert result["ratios"]
+
+
+@pytest.mark.parametrize("nc,h,hkv", [(2, 4, 2), (2, 2, 1), (1, 4, 2)])
+def test_decode_attention_reads_only_the_filled_cache(nc, h, hkv):
+    """One query per row over the first lengths[b] cache entries equals the oracle (keys of the
+    row's own segment); chunks past the longest row are never read: NaN there changes nothing."""
+    b, s, d, chunk = 3, 40, 16, 8
+    ks = jax.random.split(jax.random.PRNGKey(21), 3)
+    q = jax.random.normal(ks[0], (b, 1, h * nc, d))
+    k = jax.random.normal(ks[1], (b, s, hkv * nc, d))
+    v = jax.random.normal(ks[2], (b, s, hkv, nc * d))
+    lengths = jnp.asarray([13, 1, 9], jnp.int32)  # the longest ends inside the second chunk
+    lam = jnp.float32(0.45) if nc == 2 else None
+    visible = (jnp.arange(s)[None, :] < lengths[:, None]).astype(jnp.int32)
+    opts = dict(segment_ids=jnp.ones((b, 1), jnp.int32), kv_segment_ids=visible, causal=False,
+                impl="xla")
+    ref = (kernels.diff_attention(q, k, v, lam, **opts) if nc == 2
+           else kernels.dot_product_attention(q, k, v, **opts))
+    poisoned = (k.at[:, 2 * chunk:].set(jnp.nan), v.at[:, 2 * chunk:].set(jnp.nan))
+    out = jax.jit(functools.partial(kernels.decode_attention, chunk=chunk))(
+        q, *poisoned, lam, lengths=lengths)
+    assert out.shape == (b, 1, h, nc * d)
+    assert rel(out, ref) < F32_TOL

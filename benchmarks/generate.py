@@ -1,0 +1,116 @@
+"""Generation speed (new tokens per second) of `diff_jax.generate.generate`, optionally against
+another checkout of the project, side by side.
+
+    python benchmarks/generate.py [--config configs/tiny.yaml] [--batch 4] [--prompt 64] [--new 128]
+        [--repeats 5] [--baseline-tree DIR --baseline-name NAME] [--out benchmarks/results/generate_cpu]
+
+The model is randomly initialised from the config (no checkpoint needed); no end-of-text stops a
+row, so every call produces batch × new tokens. Each measurement runs in its own subprocess (the
+current tree, and with `--baseline-tree` a checkout such as `git worktree add /tmp/before REV`),
+alternating between the two so that machine noise hits both; a subprocess compiles once, then
+times `repeats` calls and reports their median. Results: JSON + a markdown table with the device
+and versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure(config: str, batch: int, prompt: int, new: int, repeats: int) -> dict:
+    """Median seconds of `repeats` generate calls after one compiling call (this process)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import linen as nn
+
+    import diff_jax
+    from diff_jax.config import load_config
+    from diff_jax.generate import generate
+    from diff_jax.transformer import DecoderLM
+
+    cfg = load_config(config).model
+    params = nn.meta.unbox(jax.jit(DecoderLM(cfg).init)(jax.random.key(0),
+                                                        jnp.zeros((1, 8), jnp.int32)))["params"]
+    prompts = np.random.default_rng(0).integers(0, 50_000, (batch, prompt)).tolist()
+    t0 = time.perf_counter()
+    out = generate(cfg, params, prompts, max_new_tokens=new)
+    first = time.perf_counter() - t0
+    assert all(len(o) == new for o in out)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        generate(cfg, params, prompts, max_new_tokens=new)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    return {"first_call_s": first, "median_s": med, "tokens_per_s": batch * new / med,
+            "times_s": times, "jax": jax.__version__, "device": jax.devices()[0].device_kind,
+            "package": str(Path(diff_jax.__file__).parents[1])}
+
+
+def _run(tree: Path, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--measure", "--config", args.config, "--batch", str(args.batch),
+           "--prompt", str(args.prompt), "--new", str(args.new), "--repeats", str(args.repeats)]
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=True)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default=str(ROOT / "configs/tiny.yaml"))
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=2, help="alternating subprocess rounds")
+    p.add_argument("--baseline-tree", type=Path)
+    p.add_argument("--baseline-name", default="baseline")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure(args.config, args.batch, args.prompt, args.new, args.repeats)))
+        return {}
+    trees = {"current": ROOT}
+    if args.baseline_tree:
+        trees[args.baseline_name] = args.baseline_tree.resolve()
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    for _ in range(args.rounds):
+        for name, tree in trees.items():
+            runs[name].append(_run(tree, args))
+    summary = {name: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+                      "first_call_s": statistics.median(r["first_call_s"] for r in rs),
+                      "rounds": rs} for name, rs in runs.items()}
+    result = {"config": args.config, "batch": args.batch, "prompt": args.prompt, "new": args.new,
+              "repeats": args.repeats, "python": platform.python_version(), "results": summary}
+    lines = [f"# Generation speed: {Path(args.config).name}, batch {args.batch}, prompt "
+             f"{args.prompt}, {args.new} new tokens", "",
+             f"Device: {runs['current'][0]['device']}; jax {runs['current'][0]['jax']}. Median of "
+             f"{args.repeats} calls per subprocess, median over {args.rounds} alternating rounds.", "",
+             "| tree | new tokens/s (median) | per round | first call (compile + run) s |",
+             "|---|---|---|---|"]
+    for name, s in summary.items():
+        per_round = ", ".join(f"{r['tokens_per_s']:.0f}" for r in s["rounds"])
+        lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {per_round} | {s['first_call_s']:.1f} |")
+    print("\n".join(lines))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -9,7 +9,7 @@ Causal, bfloat16, d = 64 (V 2d = 128 wide), H = 16 DIFF heads, B·T = 32K tokens
   c_pallas_h128    standard causal attention, H heads × 2d, same Pallas kernel family
   c_cudnn_h128     the same on cuDNN
   d_cudnn_2h64     the paper's Transformer baseline: 2H heads × d on cuDNN
-TFLOP/s use each route's own floor count per (query, key) pair and DIFF head (design note):
+TFLOP/s use each route's own floor count per (query, key) pair and DIFF head (matmuls only):
 fused 12d/20d, a 12d/28d, b 16d/40d, c and d 8d/20d (forward/backward), causal pairs T(T+1)/2.
 Peak memory of fwd+bwd (compiled temp + arguments + outputs, from XLA's memory analysis) is
 reported for the fused kernel and the xla oracle.

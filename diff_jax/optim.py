@@ -2,7 +2,7 @@
 
 Weight decay applies to matrices (projections, LM head); norms, λ vectors and the embedding are
 exempt unless `optim.decay_norms_and_lambdas` / `optim.decay_embeddings` say otherwise.
-Gradient accumulation is done inside the train step (`train_loop`), not here.
+Gradient accumulation is done inside the train step (`step.train_step`), not here.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `flash_attention(..., num_components=2)` is the differential operator
 `softmax(s·Q1K1ᵀ+M)·V − λ·softmax(s·Q2K2ᵀ+M)·V`; `num_components=1` is standard attention. The
-backward pass uses the identities of the design note (no division by λ):
+backward pass uses these exact identities (no division by λ, which is learnable and can be 0):
   dP1 = dO·Vᵀ, dP2 = −λ·dP1, r2 = rowsum(dO∘O2), δ1 = rowsum(dO∘O) + λ·r2, δ2 = −λ·r2,
   dλ = −Σ r2, dSc = Pc∘(dPc − δc)·s.
 Residuals: O, O2 (input dtype) and the logsumexps (B, H, nc, T) float32.

@@ -2,12 +2,17 @@
 
 Tasks: ppl, score (input=FILE), niah, attention, outliers, quant, generate (prompt="..."); or
 checkpoint=PATH (a run, a step directory RUN/checkpoints/N, or an orbax-params export) instead
-of train.run_dir. Writes RUN/eval/NAME.json. See the README for every task's keys.
+of train.run_dir, and step=N for another step of a run. Writes RUN/eval/NAME.json. See the
+README for every task's keys. Exit status: 0 done, 2 bad input (arguments, config, a missing or
+damaged checkpoint), 1 a result that is NaN (the JSON is still written).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import sys
+from typing import Any
 
 from absl import logging as absl_logging
 
@@ -16,18 +21,39 @@ from diff_jax.config import ConfigError
 from diff_jax.data import DataError
 from diff_jax.evaluation import EvalError, run
 
+EXIT_BAD_INPUT = 2  # the same status as train.py and python -m diff_jax.export
+EXIT_NAN = 1
+
+
+def nan_fields(value: Any, key: str = "") -> list[str]:
+    """The dotted keys (with [i] for list items) of every NaN float in a task's JSON fields."""
+    if isinstance(value, float):
+        return [key] if math.isnan(value) else []
+    if isinstance(value, dict):
+        return [k for name, v in value.items()
+                for k in nan_fields(v, f"{key}.{name}" if key else name)]
+    if isinstance(value, list):
+        return [k for i, v in enumerate(value) for k in nan_fields(v, f"{key}[{i}]")]
+    return []
+
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
         print(__doc__)
-        return 0 if args else 2
+        return 0 if args else EXIT_BAD_INPUT
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on read-only managers
     try:
-        run(args)
+        path = run(args)
     except (ConfigError, CheckpointError, DataError, EvalError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    nan = nan_fields(json.loads(path.read_text()))
+    if nan:
+        more = f" and {len(nan) - 3} more" if len(nan) > 3 else ""
+        print(f"error: the result is NaN ({', '.join(nan[:3])}{more}; written to {path}): the "
+              "checkpoint's parameters give non-finite outputs", file=sys.stderr)
+        return EXIT_NAN
     return 0
 
 

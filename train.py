@@ -1,8 +1,10 @@
 """Train a diff-jax model: python train.py [--config FILE] [key=value ...]
 
 With no arguments it trains configs/tiny.yaml on the embedded default corpus. Re-running with the
-same train.run_dir resumes from its latest checkpoint. train.compile_only=true (with
-train.compile_topology=v5p:4x4x4 and libtpu installed) compiles for a TPU slice instead.
+same train.run_dir resumes from its newest checkpoint that verifies (checkpoint.resume_step=N for
+another). train.compile_only=true (with train.compile_topology=v5p:4x4x4 and libtpu installed)
+compiles for a TPU slice instead. Exit status: 0 done, 2 bad input (config, data, sharding, a
+refused or damaged checkpoint; the same as eval.py and python -m diff_jax.export), 1 diverged.
 """
 
 from __future__ import annotations

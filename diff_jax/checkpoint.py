@@ -1,46 +1,180 @@
-"""Checkpoints with orbax: train state, data-iterator state and the resolved config, saved async.
+"""Checkpoints with orbax: train state, data-iterator state, the resolved config and the state's
+checksums, saved async.
 
-Layout: `<train.run_dir>/checkpoints/<step>/{state,data_iter,config}`. Orbax commits a step
-atomically (a step directory appears only once complete), so a crash mid-save leaves the last
-good checkpoint as the latest. The state is restored onto whatever mesh is live: the restore
-target carries the new shardings. A checkpoint whose parameter shapes disagree with the config
-is refused before anything is read, naming the parameter.
+Layout: `<train.run_dir>/checkpoints/<step>/{state,data_iter,config,checksums}`. Orbax commits a
+step atomically (a step directory appears only once every item is complete), so a crash mid-save
+leaves the last good checkpoint as the latest, and the checksums are committed with the arrays
+they describe. The state is restored onto whatever mesh is live: the restore target carries the
+new shardings. A checkpoint whose parameter shapes disagree with the config is refused before
+anything is read, naming the parameter.
+
+Integrity: `checksums` holds a 64-bit checksum of every array's bytes, computed when the step is
+saved; every restore recomputes it over what was read and refuses a mismatch
+(`DamagedCheckpointError`, naming the step and the array). The checksum is a jitted reduction
+over the logical array, so on a multi-host mesh each process hashes only the shards it holds and
+the partial sums are combined by one all-reduce: no process reads an array it does not own, and
+the checksum does not depend on the mesh it is computed on (a restore onto another mesh verifies).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from diff_jax.config import CheckpointConfig, Config
 
+CHECKSUM_ALGORITHM = "fmix32-sum-x2"  # recorded with the checksums: what `array_checksums` computes
+DAMAGED_DIR = "damaged_checkpoints"  # beside checkpoints/: where a resume sets damaged steps aside
+
+log = logging.getLogger(__name__)
+
 
 class CheckpointError(ValueError):
-    """A checkpoint does not match the model the config describes."""
+    """A checkpoint does not match the model the config describes, or cannot be used as asked."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's bytes cannot be read or do not match the checksums recorded at save time."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+def _items(state: ocp.CheckpointHandler) -> dict[str, Any]:
+    """The handler of each item of a step (`state`'s differs: whole restores or partial reads)."""
+    return {"state": state,
+            "data_iter": grain.checkpoint.CheckpointHandler(),
+            "config": ocp.JsonCheckpointHandler(),
+            "checksums": ocp.JsonCheckpointHandler()}
 
 
 def manager(run_dir: str | Path, cfg: CheckpointConfig) -> ocp.CheckpointManager:
+    """The run's read-write checkpoint manager (`<run_dir>/checkpoints`)."""
     options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True,
                                            enable_async_checkpointing=cfg.async_save)
     return ocp.CheckpointManager(Path(run_dir).resolve() / "checkpoints", options=options,
-                                 item_handlers={"state": ocp.StandardCheckpointHandler(),
-                                                "data_iter": grain.checkpoint.CheckpointHandler(),
-                                                "config": ocp.JsonCheckpointHandler()})
+                                 item_handlers=_items(ocp.StandardCheckpointHandler()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checksums
+
+
+def _fmix32(x: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer: a bijection of uint32 that mixes every bit into every bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The array's bytes as uint32 words, same leading shape (8-byte types gain a trailing 2)."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32)
+
+
+def _array_checksum(x: jax.Array) -> jax.Array:
+    """(2,) uint32: two independently seeded sums of fmix32(word ^ fmix32(position·φ + seed)).
+
+    Changing any single word always changes both sums (fmix32 is a bijection); other changes go
+    unnoticed with probability about 2^-64. Sums are order-free, so any sharding gives the same
+    value and each device only hashes what it holds.
+    """
+    w = _words(x)
+    index = jnp.zeros(w.shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(w.ndim)):  # row-major position without reshaping a sharded array
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, w.shape, axis) * jnp.uint32(stride)
+        stride = (stride * w.shape[axis]) % 2**32
+    sums = [jnp.sum(_fmix32(w ^ _fmix32(index * jnp.uint32(0x9E3779B9) + jnp.uint32(seed))),
+                    dtype=jnp.uint32) for seed in (0x243F6A88, 0x85A308D3)]
+    return jnp.stack(sums)
+
+
+_checksum = jax.jit(_array_checksum)  # per array: compiled once per (shape, dtype, sharding)
+
+
+def _leaf_name(path: tuple) -> str:
+    """`params/layers_0/attn/wq` for a key path, the same for attribute, dict and sequence keys."""
+    parts = [getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))) for k in path]
+    return "/".join(str(p) for p in parts)
+
+
+def array_checksums(tree: Any) -> dict[str, str]:
+    """{leaf name: 16 hex digits} for every array of `tree` (jax or numpy, sharded or not).
+
+    All processes of a multi-host run must call it together (each array's checksum is a jitted
+    reduction, one all-reduce across its devices). The arrays are summed one at a time: many
+    collective programs in flight at once can deadlock XLA's CPU collectives.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    with jax.set_mesh(None):  # each array's own devices decide, not a caller's context mesh
+        sums = [jax.device_get(_checksum(x)) for _, x in leaves]
+    return {_leaf_name(path): "".join(f"{int(v):08x}" for v in np.asarray(value))
+            for (path, _), value in zip(leaves, sums)}
+
+
+def verify_checksums(tree: Any, recorded: dict[str, str], step: int | None, where: Path) -> None:
+    """Raise `DamagedCheckpointError` naming the first array of `tree` whose checksum differs from
+    `recorded` (or has none); `step` None names an export."""
+    what = f"checkpoint step {step}" if step is not None else f"export {where.parent}"
+    for name, value in array_checksums(tree).items():
+        if name not in recorded:
+            raise DamagedCheckpointError(step, f"{what} is damaged: {where} has no recorded "
+                                               f"checksum for {name}")
+        if recorded[name] != value:
+            raise DamagedCheckpointError(
+                step, f"{what} is damaged: {name} read from {where} does not match the checksum "
+                      f"recorded when it was saved ({value} != {recorded[name]})")
+
+
+def checksums_record(tree: Any) -> dict[str, Any]:
+    """What is saved beside `tree`'s arrays: the algorithm and `array_checksums(tree)`."""
+    return {"algorithm": CHECKSUM_ALGORITHM, "arrays": array_checksums(tree)}
+
+
+def recorded_checksums(saved: Any, step: int | None, where: Path) -> dict[str, str] | None:
+    """The `arrays` of a `checksums_record`; None (with a warning) when `saved` is None, i.e. the
+    checkpoint predates checksums; `DamagedCheckpointError` when the record is unreadable."""
+    if saved is None:
+        log.warning("%s has no recorded checksums (written before diff-jax recorded them): its "
+                    "bytes are not verified", where)
+        return None
+    if (not isinstance(saved, dict) or saved.get("algorithm") != CHECKSUM_ALGORITHM
+            or not isinstance(saved.get("arrays"), dict)):
+        raise DamagedCheckpointError(step, f"{where}: the checksums record is damaged or of an "
+                                           f"unknown kind (expected {CHECKSUM_ALGORITHM})")
+    return saved["arrays"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Save and restore for training
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter: grain.DatasetIterator,
          config: Config) -> None:
-    """Start saving `step` (async when configured); `mngr.wait_until_finished()` before exit."""
+    """Start saving `step` with its checksums (async when configured); the checksums are computed
+    now, before `state` can be donated. `mngr.wait_until_finished()` before exit."""
     mngr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data_iter=grain.checkpoint.CheckpointSave(data_iter),
         config=ocp.args.JsonSave(config.to_dict()),
+        checksums=ocp.args.JsonSave(checksums_record(state)),
     ), force=True)
 
 
@@ -64,14 +198,105 @@ def check_shapes(saved: Any, target: Any) -> None:
 
 def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
             data_iter: grain.DatasetIterator) -> Any:
-    """Restore `step` onto the shardings in `target` (ShapeDtypeStructs); sets `data_iter`'s state."""
-    check_shapes(mngr.item_metadata(step)["state"]["params"], target.params)
-    restored = mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target),
-        data_iter=grain.checkpoint.CheckpointRestore(data_iter),
-    ))
+    """Restore `step` onto the shardings in `target` (ShapeDtypeStructs) and verify its checksums;
+    sets `data_iter`'s state. `DamagedCheckpointError` when it cannot be read or does not verify."""
+    where = Path(mngr.directory) / str(step)
+    with _read_errors(step, where):
+        metadata = mngr.item_metadata(step)["state"]["params"]
+    check_shapes(metadata, target.params)
+    items = {"state": ocp.args.StandardRestore(target),
+             "data_iter": grain.checkpoint.CheckpointRestore(data_iter)}
+    if (where / "checksums").is_dir():
+        items["checksums"] = ocp.args.JsonRestore()
+    with _read_errors(step, where):
+        restored = mngr.restore(step, args=ocp.args.Composite(**items))
+    recorded = recorded_checksums(restored.get("checksums"), step, where)
+    if recorded is not None:
+        verify_checksums(restored["state"], recorded, step, where / "state")
     return restored["state"]
 
+
+def _agree(ok: bool) -> bool:
+    """True on every process when `ok` is true on every process (a no-op with one process)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def _set_aside(mngr: ocp.CheckpointManager, step: int) -> Path:
+    """Move a damaged `step` to `<run_dir>/damaged_checkpoints/` (process 0), keeping its bytes."""
+    src = Path(mngr.directory) / str(step)
+    dst_dir = Path(mngr.directory).parent / DAMAGED_DIR
+    dst, n = dst_dir / str(step), 1
+    while dst.exists():
+        dst, n = dst_dir / f"{step}.{n}", n + 1
+    if jax.process_index() == 0:
+        dst_dir.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(src), str(dst))
+    _sync("diff_jax_set_aside")
+    mngr.reload()
+    return dst
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def resume(mngr: ocp.CheckpointManager, cfg: CheckpointConfig, target: Any,
+           data_iter: grain.DatasetIterator,
+           say: Callable[[str], None]) -> tuple[int | None, Any]:
+    """(step, state) to continue from, or (None, None) when the run has no checkpoint.
+
+    With `cfg.resume_step` unset: the newest step that reads and verifies; each damaged newer step
+    is reported through `say` and moved to `<run_dir>/damaged_checkpoints/` (when no step verifies,
+    nothing is moved and `CheckpointError` says why). With it set: that step, which must verify;
+    later steps are deleted only with `cfg.discard_later`, else refused. Every process reaches the
+    same verdict: the checksums are global values, and read failures are agreed on.
+    """
+    steps = sorted(mngr.all_steps())
+    where = Path(mngr.directory)
+    if cfg.resume_step is not None:
+        step = cfg.resume_step
+        if step not in steps:
+            raise CheckpointError(f"checkpoint.resume_step={step}: {where} has no such step; "
+                                  f"complete steps: {steps}")
+        later = [s for s in steps if s > step]
+        if later and not cfg.discard_later:
+            raise CheckpointError(f"checkpoint.resume_step={step}: {where} holds later steps "
+                                  f"{later}; add checkpoint.discard_later=true to delete them and "
+                                  f"continue from step {step}")
+        state = restore(mngr, step, target, data_iter)
+        for s in later:
+            mngr.delete(s)
+        if later:
+            say(f"deleted checkpoints {later} (checkpoint.discard_later=true)")
+        return step, state
+    damaged: list[tuple[int, str]] = []  # set aside only once an intact step is found
+    for step in reversed(steps):
+        error: DamagedCheckpointError | None = None
+        try:
+            state = restore(mngr, step, target, data_iter)
+        except DamagedCheckpointError as e:
+            error = e
+        if _agree(error is None):
+            for bad, why in damaged:
+                say(f"skipped {why}; moved it to {_set_aside(mngr, bad)}")
+            return step, state
+        damaged.append((step, str(error) if error else
+                        f"checkpoint step {step}: damaged as read by another process"))
+    if damaged:
+        raise CheckpointError(f"no checkpoint in {where} verifies; the newest: {damaged[0][1]} "
+                              f"(move the damaged steps away, or choose another train.run_dir)")
+    return None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Read-only access for eval and export
 
 
 def _reader(run_dir: Path) -> ocp.CheckpointManager:
@@ -81,9 +306,7 @@ def _reader(run_dir: Path) -> ocp.CheckpointManager:
                               f"python train.py train.run_dir={run_dir})")
     options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
     return ocp.CheckpointManager(ckpt_dir, options=options,
-                                 item_handlers={"state": ocp.PyTreeCheckpointHandler(),
-                                                "data_iter": grain.checkpoint.CheckpointHandler(),
-                                                "config": ocp.JsonCheckpointHandler()})
+                                 item_handlers=_items(ocp.PyTreeCheckpointHandler()))
 
 
 def restore_inference(run_dir: str | Path, step: int | None,
@@ -91,7 +314,8 @@ def restore_inference(run_dir: str | Path, step: int | None,
     """(step, saved config dict, params) of `step` (None: the latest complete step).
 
     `make_target(saved config dict)` returns the abstract parameters (ShapeDtypeStructs with
-    shardings) to restore onto; only the parameters are read, not the optimizer or data state.
+    shardings) to restore onto; only the parameters are read, not the optimizer or data state,
+    and their checksums are verified (`DamagedCheckpointError` naming the step and the array).
     """
     run_dir = Path(run_dir).resolve()
     with _reader(run_dir) as mngr:
@@ -106,23 +330,39 @@ def restore_inference(run_dir: str | Path, step: int | None,
         for item in ("state", "config"):
             if not (where / item).is_dir():
                 raise CheckpointError(f"checkpoint {where} is partial: it has no {item!r} item")
-        with _wrap_read_errors(where):
-            saved = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        others = sorted(s for s in steps if s != step)
+        hint = f"; other steps: {others}" if others else ""
+        items = {"config": ocp.args.JsonRestore()}
+        if (where / "checksums").is_dir():
+            items["checksums"] = ocp.args.JsonRestore()
+        with _read_errors(step, where, hint):
+            saved = mngr.restore(step, args=ocp.args.Composite(**items))
         target = make_target(saved["config"])
-        with _wrap_read_errors(where):
+        with _read_errors(step, where, hint):
             metadata = mngr.item_metadata(step)["state"]["params"]
         check_shapes(metadata, target)
         restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
-        with _wrap_read_errors(where):
+        with _read_errors(step, where, hint):
             state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
                 item={"params": target}, restore_args={"params": restore_args},
                 partial_restore=True)))
+        recorded = recorded_checksums(saved.get("checksums"), step, where)
+        if recorded is not None:
+            try:
+                verify_checksums(state["state"], recorded, step, where / "state")
+            except DamagedCheckpointError as e:
+                raise DamagedCheckpointError(step, f"{e}{hint}") from None
     return step, saved["config"], state["state"]["params"]
 
 
 @contextlib.contextmanager
-def _wrap_read_errors(where: Path) -> Iterator[None]:
+def _read_errors(step: int, where: Path, hint: str = "") -> Iterator[None]:
+    """Any failure to read `where` -> one-line `DamagedCheckpointError` naming the step."""
     try:
         yield
-    except (OSError, KeyError, ValueError) as e:
-        raise CheckpointError(f"cannot read checkpoint {where}: {type(e).__name__}: {e}") from e
+    except CheckpointError:
+        raise
+    except Exception as e:  # orbax/tensorstore raise many types for unreadable bytes
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: cannot read "
+                                           f"{where}: {type(e).__name__}: {first}{hint}") from e

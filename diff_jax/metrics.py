@@ -57,16 +57,45 @@ def _plain(x: Any) -> Any:
     return x
 
 
-class MetricsWriter:
-    """Appends JSON lines (and TensorBoard scalars when `tensorboard` is importable)."""
+def drop_rows_after(path: Path, step: int) -> int:
+    """Rewrite the JSON-lines file `path` without its rows whose `step` is beyond `step` (and
+    without a torn last line); returns how many rows were dropped. The rewrite is atomic."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a kill
+            dropped += 1
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(x + "\n" for x in kept))
+        tmp.replace(path)
+    return dropped
 
-    def __init__(self, run_dir: str | Path, enabled: bool) -> None:
+
+class MetricsWriter:
+    """Appends JSON lines (and TensorBoard scalars when `tensorboard` is importable).
+
+    Rows of an earlier invocation beyond `start_step` (the step this one resumes from) are
+    dropped first, so every step appears once in `metrics.jsonl`; `dropped` says how many.
+    """
+
+    def __init__(self, run_dir: str | Path, enabled: bool, start_step: int = 0) -> None:
         self.enabled = enabled
+        self.dropped = 0
         self._file: TextIO | None = None
         self._tb = None
         if not enabled:
             return
         Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.dropped = drop_rows_after(Path(run_dir) / "metrics.jsonl", start_step)
         self._file = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)
         try:
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -106,20 +135,35 @@ class MetricsWriter:
 
 
 class Progress:
-    """One status line: step, loss, tokens/s, ETA (redrawn on a terminal, a line per log otherwise)."""
+    """One status line: step, loss, tokens/s, ETA (redrawn on a terminal, a line per log otherwise).
 
-    def __init__(self, total: int, enabled: bool, stream: TextIO = sys.stderr) -> None:
-        self.total, self.enabled, self.stream = total, enabled, stream
-        self.tty = enabled and stream.isatty()
+    The ETA is extrapolated from the wall-clock time between the first update and the latest, so
+    the first step of an invocation (which includes compiling) never counts; until two updates
+    have been seen it reads `ETA --`.
+    """
 
-    def update(self, step: int, loss: float, tokens_per_sec: float, step_time: float) -> None:
+    def __init__(self, total: int, enabled: bool, stream: TextIO | None = None) -> None:
+        # sys.stderr looked up now, not at import: it may have been replaced since (tests, tools)
+        self.total, self.enabled, self.stream = total, enabled, stream or sys.stderr
+        self.tty = enabled and self.stream.isatty()
+        self._first: tuple[int, float] | None = None  # (step, time) of the first update
+
+    def update(self, step: int, loss: float, tokens_per_sec: float) -> None:
+        """Draw the line for `step` (steps may be skipped between calls)."""
         if not self.enabled:
             return
-        eta = max(self.total - step, 0) * step_time
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = (step, now)
+        first_step, first_time = self._first
+        eta = "--"
+        if step > first_step:
+            per_step = (now - first_time) / (step - first_step)
+            eta = _duration(max(self.total - step, 0) * per_step)
         bar_w = 24
         done = int(bar_w * step / max(self.total, 1))
         line = (f"[{'#' * done}{'.' * (bar_w - done)}] step {step}/{self.total}  loss {loss:.4f}  "
-                f"{tokens_per_sec:,.0f} tok/s  ETA {_duration(eta)}")
+                f"{tokens_per_sec:,.0f} tok/s  ETA {eta}")
         self.stream.write(("\r" + line) if self.tty else line + "\n")
         self.stream.flush()
 

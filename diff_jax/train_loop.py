@@ -1,8 +1,12 @@
 """The training loop: distributed set-up, mesh, data, state (init or resume), jitted steps, logging.
 
-`run(config)` is what `python train.py` calls. It resumes from the latest committed checkpoint
-in `<train.run_dir>/checkpoints`, saves every `checkpoint.every_steps`, at the end and on
-SIGTERM/SIGINT (the current step finishes first), and stops on a non-finite loss without saving.
+`run(config)` is what `python train.py` calls. It resumes from the newest checkpoint in
+`<train.run_dir>/checkpoints` that verifies (or `checkpoint.resume_step`), saves every
+`checkpoint.every_steps`, at the end and on SIGTERM/SIGINT (the current step finishes first).
+A step is saved only when its loss, its updated parameters and optimizer state, and the loss of
+the updated parameters on the step's batch are all finite; otherwise the run stops without saving,
+naming the last good checkpoint. `config.yaml` is written only once the resume checks pass, and
+`metrics.jsonl` rows beyond the step resumed from are dropped (they are run again).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -24,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from diff_jax import checkpoint, data
 from diff_jax.attention_op import AttentionOp
 from diff_jax.config import Config, ConfigError, DistributedConfig, dump_config
+from diff_jax.export.init_from import initial_params
 from diff_jax.metrics import MetricsWriter, Progress, mfu
 from diff_jax.optim import make_optimizer, schedule
 from diff_jax.sharding import batch_sharding, check_batch, check_process_rows, make_mesh
@@ -33,7 +39,7 @@ from diff_jax.transformer import DecoderLM
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN/inf; the run stopped without saving over the last good checkpoint."""
+    """The loss or the updated state became NaN/inf; the run stopped without saving that step."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +89,7 @@ def run(config: Config) -> RunResult:
     t = config.train
     main = jax.process_index() == 0
     progress = Progress(t.steps, main)
+    progress.message(f"run directory: {Path(t.run_dir).resolve()}")
     mesh = make_mesh(config.mesh)
     rules = config.mesh.rules
     check_batch(t.batch_size, t.grad_accum, mesh, rules)
@@ -96,9 +103,6 @@ def run(config: Config) -> RunResult:
     if inputs.corpus.skipped:
         progress.message(f"data: skipped {len(inputs.corpus.skipped)} unreadable document(s), "
                          f"first: {inputs.corpus.skipped[0]}")
-    if main:
-        Path(t.run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(t.run_dir) / "config.yaml").write_text(dump_config(config))
     flops = flops_per_token(config.model, t.seq_len)
 
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
@@ -112,22 +116,35 @@ def run(config: Config) -> RunResult:
         eval_fn = jax.jit(functools.partial(eval_step, model=model),
                           in_shardings=(shardings.params, bsh), out_shardings=replicated)
         mngr = checkpoint.manager(t.run_dir, config.checkpoint)
-        latest = mngr.latest_step()
-        if latest is not None:
-            state = checkpoint.restore(mngr, latest, abstract, inputs.train)
-            progress.message(f"resumed from step {latest} ({t.run_dir}/checkpoints)")
+        try:
+            resumed, state = checkpoint.resume(mngr, config.checkpoint, abstract, inputs.train,
+                                               progress.message)
+        except BaseException:
+            mngr.close()
+            raise
+        if resumed is not None:
+            progress.message(f"resumed from step {resumed} ({t.run_dir}/checkpoints)")
         else:
             state = jax.jit(functools.partial(init_state, model=model, tx=tx),
                             out_shardings=shardings)(jax.random.PRNGKey(t.seed))
-        start = latest or 0
+            if t.init_from is not None:  # fine-tuning: parameters from an export or another run
+                state = state.replace(params=initial_params(t.init_from, config.model, shardings.params))
+                progress.message(f"parameters initialized from {t.init_from}")
+        if main:  # only now: a refused resume leaves the run's record as it was
+            Path(t.run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(t.run_dir) / "config.yaml").write_text(dump_config(config))
+        start = resumed or 0
+        writer = MetricsWriter(t.run_dir, main, start_step=start)
+        if writer.dropped:
+            progress.message(f"metrics.jsonl: dropped {writer.dropped} row(s) after step {start} "
+                             "(those steps run again)")
         if start >= t.steps:
             progress.message(f"already at step {start} >= train.steps={t.steps}; nothing to do")
             mngr.close()
+            writer.close()
             return RunResult(start, "already done", None)
         validation = [_global(b, bsh) for b in inputs.validation]
-        writer = MetricsWriter(t.run_dir, main)
-        loop = _Loop(config, mngr, writer, progress, step_fn, eval_fn, validation,
-                     flops, bsh)
+        loop = _Loop(config, mngr, writer, progress, step_fn, eval_fn, validation, flops, bsh)
         try:
             with _stop_signals() as caught:
                 return loop.run(state, inputs.train, start, caught)
@@ -162,7 +179,8 @@ class _Loop:
             t0 = time.perf_counter()
             local = next(it)
             wait = time.perf_counter() - t0
-            state, metrics = self.step_fn(state, _global(local, self.batch_sharding))
+            batch = _global(local, self.batch_sharding)
+            state, metrics = self.step_fn(state, batch)
             if s == profile_end:
                 jax.block_until_ready(metrics)
                 jax.profiler.stop_trace()
@@ -180,9 +198,7 @@ class _Loop:
                 last_time = now
                 loss = float(m["loss"])
                 if not math.isfinite(loss):
-                    raise NonFiniteLossError(
-                        f"non-finite loss ({loss}) at step {step}; stopped without saving, the last "
-                        f"good checkpoint is step {self.mngr.latest_step()}")
+                    self._diverged(f"loss ({loss}) at step {step}")
                 if step % t.log_every == 0 or step == t.steps or step == start + 1:
                     self._log(step, m, window, tokens_per_step)
             if not boundary:
@@ -192,12 +208,38 @@ class _Loop:
                 self.writer.write({"step": s, "val_loss": val})
                 self.progress.message(f"step {s}: validation loss {val:.4f}")
             if s % ck.every_steps == 0 or s == t.steps or caught:
+                self._check_saveable(s, state, batch)
                 checkpoint.save(self.mngr, s, state, it, self.config)
             if caught:
+                self.mngr.wait_until_finished()
                 self.progress.message(f"{caught[0]} received: saved step {s}, exiting")
                 return RunResult(s, "interrupted", loss)
+        self.mngr.wait_until_finished()  # "done" only once the last checkpoint has committed
         self.progress.message(f"done: step {t.steps}, loss {loss:.4f}")
         return RunResult(t.steps, "done", loss)
+
+    def _check_saveable(self, step: int, state: TrainState, batch: dict[str, jax.Array]) -> None:
+        """Stop (`NonFiniteLossError`) unless the state after `step` is finite and its parameters
+        give a finite loss on the step's batch: the loss logged for a step is computed before its
+        update, so it cannot vouch for the parameters that would be saved."""
+        if not _all_finite(state):
+            self._diverged(f"parameters or optimizer state after the update at step {step}")
+        after = float(self.eval_fn(state.params, batch))
+        if not math.isfinite(after):
+            self._diverged(f"loss ({after}) of the parameters updated at step {step}")
+
+    def _diverged(self, what: str) -> None:
+        """Raise `NonFiniteLossError` for `what`, naming the last checkpoint saved (every saved
+        step passed `_check_saveable`, and a resume starts from the newest one)."""
+        self.mngr.wait_until_finished()
+        last = self.mngr.latest_step()
+        if last is None:
+            good = "no checkpoint has been saved, so there is none to resume from"
+        else:
+            good = (f"the last good checkpoint is step {last} (re-run with a lower optim.lr to "
+                    f"resume from it, or pick an earlier one with checkpoint.resume_step=N "
+                    f"checkpoint.discard_later=true)")
+        raise NonFiniteLossError(f"non-finite {what}; stopped without saving it; {good}")
 
     def _log(self, step: int, m: dict, window: _Window, tokens_per_step: int) -> None:
         step_time, wait = window.mean()
@@ -209,8 +251,19 @@ class _Loop:
         if "lambda" in m:
             record["lambda"] = m["lambda"]
         self.writer.write(record)
-        self.progress.update(step, float(m["loss"]), tps, step_time)
+        self.progress.update(step, float(m["loss"]), tps)
         window.reset()
+
+
+_leaf_finite = jax.jit(lambda x: jnp.all(jnp.isfinite(x)))  # compiled once per shape and sharding
+
+
+def _all_finite(state: TrainState) -> bool:
+    """Every floating-point value of the parameters and optimizer state is finite (one array at
+    a time: many collective programs in flight at once can deadlock XLA's CPU collectives)."""
+    leaves = [x for x in jax.tree.leaves((state.params, state.opt_state))
+              if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return all([bool(_leaf_finite(x)) for x in leaves])
 
 
 class _Window:

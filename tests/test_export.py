@@ -19,7 +19,7 @@ from flax import linen as nn
 from diff_jax import export as ex
 from diff_jax.config import Config, ModelConfig, TrainConfig
 from diff_jax.export.__main__ import main
-from diff_jax.export.safetensors_file import read_safetensors
+from diff_jax.export.safetensors_io import read_safetensors
 from diff_jax.interop import to_reference
 from diff_jax.transformer import DecoderLM
 
@@ -145,16 +145,6 @@ def test_safetensors_round_trip_gives_identical_logits(variant, tmp_path):
     np.testing.assert_array_equal(logits(loaded_config, loaded), logits(config, params))
 
 
-def test_safetensors_file_reads_with_the_safetensors_package(diff_run, tmp_path):
-    safetensors_numpy = pytest.importorskip("safetensors.numpy")
-    out = ex.export(diff_run[0], tmp_path / "export", "safetensors")
-    theirs = safetensors_numpy.load_file(out / "model.safetensors")
-    ours, _ = read_safetensors(out / "model.safetensors")
-    assert theirs.keys() == ours.keys()
-    for k in ours:
-        np.testing.assert_array_equal(theirs[k], ours[k])
-
-
 def test_orbax_params_round_trip_from_a_step_directory(diff_run, tmp_path):
     run, config, params = diff_run
     out = ex.export(run / "checkpoints" / "5", tmp_path / "export", "orbax-params")
@@ -258,7 +248,7 @@ def test_damaged_exports_are_refused(diff_run, tmp_path):
     st = ex.export(run, tmp_path / "st", "safetensors")
     data = (st / "model.safetensors").read_bytes()
     (st / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(ex.ExportError, match=r"model.safetensors: tensor .* the file is truncated"):
+    with pytest.raises(ex.ExportError, match=r"model.safetensors: not a readable safetensors file \(truncated"):
         ex.load(st)
     (st / "model.safetensors").unlink()
     with pytest.raises(ex.ExportError, match=r"model.safetensors: missing"):
@@ -274,7 +264,7 @@ def test_cli_writes_an_export_and_reports_errors(diff_run, tmp_path, capsys):
     out = str(tmp_path / "export")
     assert main([run, "--format", "safetensors", "--out", out]) == 0
     assert "wrote safetensors (float32)" in capsys.readouterr().out
-    assert main([run, "--format", "safetensors", "--out", out, "--dtype", "bfloat16"]) == 1
+    assert main([run, "--format", "safetensors", "--out", out, "--dtype", "bfloat16"]) == 2
     assert "already exists" in capsys.readouterr().err
     assert main([run, "--format", "safetensors", "--out", out, "--dtype", "bfloat16", "--overwrite"]) == 0
     assert json.loads(Path(out, "export.json").read_text())["dtype"] == "bfloat16"

@@ -16,7 +16,7 @@ from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import Config, TrainConfig, apply_overrides, from_dict, parse_override
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.export import ExportError
-from diff_jax.export.sources import abstract_params
+from diff_jax.export.sources import EXPORT_MARKER, abstract_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +79,8 @@ def _load_export(path: Path, options: EvalOptions, overrides: Sequence[str]) -> 
     try:
         model_cfg, params = export.load(path)
     except (OSError, ExportError) as e:
+        if (path / EXPORT_MARKER).is_file():  # an export that cannot be loaded: say why only
+            raise CheckpointError(f"checkpoint={path}: {e}") from e
         raise CheckpointError(f"checkpoint={path} is not a run directory (no checkpoints/ or "
                               f"config.yaml), not a step directory RUN/checkpoints/N, and not an "
                               f"export: {e}") from e

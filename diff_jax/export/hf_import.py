@@ -1,0 +1,307 @@
+"""Import a local Hugging Face checkpoint as an `orbax-params` export, exactly.
+
+    python -m diff_jax.export.hf_import HF_DIR --out DIR [--overwrite]
+
+- `DiffLlamaForCausalLM` (`model_type: diffllama`) -> variant `diff` (DIFF V1, `flash` GQA
+  pairing): the inverse of the `hf-diffllama` export (`diff_jax.export.hf.from_hf_state_dict`).
+  DiffLlama's 2H query heads of width d are our H differential heads; its 2·Hkv kv heads our Hkv.
+- `LlamaForCausalLM` (`model_type: llama`) -> variant `transformer`: the same heads, q/k rows
+  of every head permuted from half-split RoPE pairs (r, r + d/2) to interleaved pairs (2r, 2r + 1).
+
+HF_DIR is what `save_pretrained` writes: `config.json` and `model.safetensors` (or shards listed
+in `model.safetensors.index.json`); nothing is downloaded. Every tensor becomes float32, the
+parameter dtype of our models. Configurations that the model cannot compute exactly are refused
+with the reason: `rope_scaling` / a rope type other than default, partial rotary factors,
+attention or MLP biases, an activation other than silu, attention dropout, sliding windows,
+quantized checkpoints, and DiffLlama head counts without an even split into (Q1, Q2) / (K1, K2).
+
+The result is an export like any other: `eval.py checkpoint=DIR`, `python -m diff_jax.export DIR
+--format ...`, and `python train.py ... train.init_from=DIR` (fine-tuning) read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from diff_jax.config import ConfigError, ModelConfig
+from diff_jax.export import hf
+from diff_jax.export.errors import ExportError
+from diff_jax.export.safetensors_io import read_safetensors
+from diff_jax.export.sources import Source
+from diff_jax.export.state_dict import from_state_dict
+from diff_jax.export.writer import export
+
+ARCHITECTURES = {"diffllama": "DiffLlamaForCausalLM", "llama": "LlamaForCausalLM"}
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+_FLOATS = {np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64)}
+
+
+def _require(cond: bool, where: str, reason: str) -> None:
+    if not cond:
+        raise ExportError(f"{where}: {reason}; no exact diff-jax equivalent, refusing to import")
+
+
+def _int(hf: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    """`hf[key]` (or `default` when absent or null), which must be a positive integer."""
+    value = hf.get(key)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ExportError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _number(hf: dict[str, Any], key: str, default: float) -> float:
+    """`hf[key]` as a float when it is a number, else `default`."""
+    value = hf.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+def _rope_theta(hf: dict[str, Any], where: str) -> float:
+    """The RoPE base, refusing every rope variant other than the default (transformers 4 and 5)."""
+    params = hf.get("rope_parameters")
+    scaling = hf.get("rope_scaling")
+    _require(scaling is None, where, f"rope_scaling {scaling!r} is set (our RoPE is unscaled)")
+    if params is None:
+        theta = hf.get("rope_theta", 10_000.0)
+    else:
+        _require(isinstance(params, dict), where, f"rope_parameters {params!r} is not a mapping")
+        kind = params.get("rope_type", params.get("type", "default"))
+        _require(kind == "default", where, f"rope_parameters.rope_type is {kind!r} (only 'default')")
+        extra = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+        _require(not extra, where, f"rope_parameters has {extra} (our RoPE has no such setting)")
+        theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
+        factor = params.get("partial_rotary_factor", 1.0)
+        _require(factor == 1.0, where, f"rope_parameters.partial_rotary_factor is {factor!r} "
+                 "(we rotate whole heads)")
+    factor = hf.get("partial_rotary_factor", 1.0)
+    _require(factor == 1.0, where, f"partial_rotary_factor is {factor!r} (we rotate whole heads)")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ExportError(f"{where}: rope_theta must be a positive number, got {theta!r}")
+    return float(theta)
+
+
+def model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
+    """Our `ModelConfig` for a DiffLlama or Llama `config.json` dict; `ExportError` (one line,
+    naming `where` and the field) for anything that cannot be computed exactly."""
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ExportError(f"{where}: model_type {model_type!r} cannot be imported; supported: "
+                          f"{sorted(ARCHITECTURES)} ({', '.join(ARCHITECTURES.values())})")
+    architectures = hf.get("architectures") or [ARCHITECTURES[model_type]]
+    _require(architectures == [ARCHITECTURES[model_type]], where,
+             f"architectures is {architectures!r}; only {ARCHITECTURES[model_type]} (a causal LM "
+             "with its head) is imported")
+    act = hf.get("hidden_act", "silu")
+    _require(act == "silu", where, f"hidden_act is {act!r} (our SwiGLU uses silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        _require(not hf.get(key, False), where, f"{key} is true (our projections have no bias)")
+    dropout = hf.get("attention_dropout", 0.0)
+    _require(not dropout, where, f"attention_dropout is {dropout!r} (our attention has no dropout)")
+    for key in ("sliding_window", "quantization_config"):
+        _require(hf.get(key) is None, where, f"{key} is set ({hf.get(key)!r})")
+    _require(not hf.get("use_sliding_window", False), where, "use_sliding_window is true")
+    theta = _rope_theta(hf, where)
+
+    e = _int(hf, "hidden_size", where)
+    heads = _int(hf, "num_attention_heads", where)
+    kv = _int(hf, "num_key_value_heads", where, default=heads)
+    head_dim = _int(hf, "head_dim", where, default=e // heads)
+    _require(heads % kv == 0, where, f"num_attention_heads ({heads}) is not a multiple of "
+             f"num_key_value_heads ({kv})")
+    eps = hf.get("rms_norm_eps", 1e-5 if model_type == "diffllama" else 1e-6)  # the class defaults
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
+        raise ExportError(f"{where}: rms_norm_eps must be a positive number, got {eps!r}")
+    fields: dict[str, Any] = dict(
+        vocab_size=_int(hf, "vocab_size", where), embed_dim=e,
+        num_layers=_int(hf, "num_hidden_layers", where), mlp_dim=_int(hf, "intermediate_size", where),
+        max_seq_len=_int(hf, "max_position_embeddings", where), rope_theta=theta,
+        norm_eps=float(eps), tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        init_std=_number(hf, "initializer_range", 0.02))  # initialization only
+    if model_type == "diffllama":
+        _require(heads % 2 == 0 and kv % 2 == 0, where, f"num_attention_heads ({heads}) and "
+                 f"num_key_value_heads ({kv}) must both be even: DiffLlama's heads are (Q1, Q2) "
+                 "and (K1, K2) halves of our differential heads")
+        _require(head_dim * heads == e, where, f"head_dim ({head_dim}) · num_attention_heads "
+                 f"({heads}) != hidden_size ({e}); our DIFF V1 heads have width hidden_size / "
+                 "num_attention_heads")
+        h, hkv = heads // 2, kv // 2
+        fields.update(variant="diff", num_heads=h, num_kv_heads=None if hkv == h else hkv)
+    else:
+        fields.update(variant="transformer", num_heads=heads, num_kv_heads=None if kv == heads else kv,
+                      head_dim=None if head_dim * heads == e else head_dim)
+    try:
+        return ModelConfig(**fields)
+    except ConfigError as err:
+        raise ExportError(f"{where}: gives an invalid diff-jax model config: {err}") from err
+
+
+def read_hf_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
+    """Every tensor of `model.safetensors`, or of the shards `model.safetensors.index.json` lists."""
+    index = hf_dir / _INDEX_FILE
+    if (hf_dir / _SINGLE_FILE).is_file():
+        return read_safetensors(hf_dir / _SINGLE_FILE)[0]
+    if not index.is_file():
+        found = sorted(p.name for p in hf_dir.glob("*.bin")) or ["no weights"]
+        raise ExportError(f"{hf_dir}: no {_SINGLE_FILE} or {_INDEX_FILE} (found {found[0]}); "
+                          "only safetensors checkpoints are read: re-save with save_pretrained")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ExportError(f"{index}: not a safetensors index with a weight_map: {e}") from e
+    tensors: dict[str, np.ndarray] = {}
+    for shard in shards:
+        tensors.update(read_safetensors(hf_dir / shard)[0])
+    missing = sorted(set(weight_map) - set(tensors))
+    if missing:
+        raise ExportError(f"{index}: {missing[0]!r} is listed but in none of its shards")
+    return tensors
+
+
+def _llama_to_ours(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+    """LlamaForCausalLM's state dict -> ours (`diff_jax.export.state_dict` names)."""
+    h, hkv, d = config.num_heads, config.kv_heads, config.resolved_head_dim
+    interleaved = np.argsort(hf.half_split_order(d))
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ExportError(f"{name}: missing from the checkpoint (a LlamaForCausalLM with "
+                              f"{config.num_layers} layers has it)")
+        return np.asarray(tensors[name])
+
+    def rope_rows(name: str, heads: int) -> np.ndarray:
+        w = get(name)
+        if w.ndim != 2 or w.shape[0] != heads * d:
+            raise ExportError(f"{name}: shape {w.shape}, expected ({heads * d}, {config.embed_dim}) "
+                              f"for {heads} heads of width {d}")
+        rows = w.reshape(heads, d, w.shape[-1])[:, interleaved]
+        return np.ascontiguousarray(rows.reshape(w.shape))
+
+    out = {"embed.weight": get("model.embed_tokens.weight")}
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}", f"layers.{i}"
+        out[f"{dst}.attn_norm.weight"] = get(f"{src}.input_layernorm.weight")
+        out[f"{dst}.attn.q_proj.weight"] = rope_rows(f"{src}.self_attn.q_proj.weight", h)
+        out[f"{dst}.attn.k_proj.weight"] = rope_rows(f"{src}.self_attn.k_proj.weight", hkv)
+        out[f"{dst}.attn.v_proj.weight"] = get(f"{src}.self_attn.v_proj.weight")
+        out[f"{dst}.attn.out_proj.weight"] = get(f"{src}.self_attn.o_proj.weight")
+        out[f"{dst}.ffn_norm.weight"] = get(f"{src}.post_attention_layernorm.weight")
+        for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+            out[f"{dst}.ffn.{ours}.weight"] = get(f"{src}.mlp.{theirs}.weight")
+    out["norm.weight"] = get("model.norm.weight")
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = get("lm_head.weight")
+    return out
+
+
+def _expected_names(config: ModelConfig) -> set[str]:
+    """The tensor names a checkpoint of `config` holds (lm_head only when untied)."""
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                 *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
+                 *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))]
+    if config.variant == "diff":
+        per_layer += [f"self_attn.lambda_{c}{n}" for n in (1, 2) for c in "qk"]
+    names = {f"model.layers.{i}.{n}" for i in range(config.num_layers) for n in per_layer}
+    names |= {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_embeddings:
+        names.add("lm_head.weight")
+    return names
+
+
+def read_hf(hf_dir: str | Path) -> Source:
+    """(our config, float32 parameters) of the DiffLlama / Llama checkpoint in `hf_dir`."""
+    hf_dir = Path(hf_dir)
+    config_file = hf_dir / "config.json"
+    if not config_file.is_file():
+        raise ExportError(f"{config_file}: missing; HF_DIR must be a local save_pretrained directory")
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ExportError(f"{config_file}: not valid JSON: {e}") from e
+    if not isinstance(hf_config, dict):
+        raise ExportError(f"{config_file}: expected a JSON object")
+    config = model_config_from_hf(hf_config, str(config_file))
+    tensors = read_hf_tensors(hf_dir)
+    # Buffers some older checkpoints carry: RoPE frequencies, recomputed from rope_theta.
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.tie_embeddings and "lm_head.weight" in tensors:
+        if not np.array_equal(tensors["lm_head.weight"], tensors.get("model.embed_tokens.weight")):
+            raise ExportError(f"{hf_dir}: tie_word_embeddings is true but lm_head.weight differs "
+                              "from model.embed_tokens.weight; refusing to import")
+        del tensors["lm_head.weight"]
+    extra = sorted(set(tensors) - _expected_names(config))
+    if extra:
+        raise ExportError(f"{hf_dir}: tensor {extra[0]!r} ({len(extra)} unexpected in all) has no "
+                          f"place in a {ARCHITECTURES[hf_config['model_type']]} as its config.json "
+                          "describes it; refusing to import")
+    mapping = hf.from_hf_state_dict if config.variant == "diff" else _llama_to_ours
+    try:
+        ours = mapping(tensors, config)
+    except ExportError as e:
+        raise ExportError(f"{hf_dir}: {e}") from e
+    for name, value in ours.items():
+        if value.dtype not in _FLOATS:
+            raise ExportError(f"{hf_dir}: {name} has dtype {value.dtype}; expected one of "
+                              f"{sorted(str(d) for d in _FLOATS)}")
+    params = from_state_dict(ours, config, str(hf_dir))
+    return Source(config, params, str(hf_dir), None)
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+    """Convert the checkpoint in `hf_dir` to an `orbax-params` export (float32) at `out`."""
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise ExportError(f"{hf_dir}: not a directory (HF_DIR is a local save_pretrained directory)")
+    return export(read_hf(hf_dir), out, "orbax-params", dtype="float32", overwrite=overwrite)
+
+
+# Model fields that only choose how the model is computed or initialized: left to the run's config.
+_RUN_CHOICES = ("dtype", "attention_impl", "remat", "attn_logit_bits", "init_std")
+
+
+def finetune_overrides(config: ModelConfig, out: str | Path) -> list[str]:
+    """The `train.py` overrides that fine-tune the export at `out`: every model field that the
+    parameters depend on (whatever the --config file says), and `train.init_from`."""
+    def text(value: Any) -> str:
+        return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+    overrides = [f"model.{f.name}={text(getattr(config, f.name))}" for f in dataclasses.fields(config)
+                 if f.name not in _RUN_CHOICES]
+    return [*overrides, f"train.init_from={out}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m diff_jax.export.hf_import",
+        description="Import a local DiffLlamaForCausalLM (-> DIFF V1) or LlamaForCausalLM (-> "
+                    "Transformer) checkpoint as a diff-jax orbax-params export.")
+    parser.add_argument("hf_dir", help="a save_pretrained directory: config.json, model.safetensors")
+    parser.add_argument("--out", required=True, help="the export directory to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing export at --out")
+    args = parser.parse_args(argv)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only managers
+    try:
+        source = read_hf(args.hf_dir)
+        out = export(source, args.out, "orbax-params", dtype="float32", overwrite=args.overwrite)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2  # bad input, as python -m diff_jax.export, train.py and eval.py
+    print(f"imported {args.hf_dir} ({source.config.variant}) to {out} (orbax-params, float32)")
+    print("evaluate:  python eval.py task=ppl " + shlex.quote(f"checkpoint={out}"))
+    print("fine-tune: python train.py " + shlex.join(finetune_overrides(source.config, out)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""`train.init_from=PATH`: start a fresh training run (fine-tuning) from existing parameters.
+
+PATH is anything `diff_jax.export.load` reads: an export (orbax-params or safetensors, e.g. one
+written by `diff_jax.export.hf_import`), a run directory, or one of its checkpoint steps. Only the
+parameters are taken: the step, the optimizer state and the data position start afresh. The
+config's model must be the one the parameters were saved for; fields that change what the
+parameters compute are compared one by one (compute dtype, attention implementation, remat,
+max_seq_len and init_std may differ). A run that already has checkpoints resumes from them and
+ignores `train.init_from`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from diff_jax.config import ConfigError, ModelConfig
+from diff_jax.export.errors import ExportError
+from diff_jax.export.sources import read_source
+
+# What the parameters mean: (field or property, the key users override).
+_SEMANTIC = (("variant", "model.variant"), ("vocab_size", "model.vocab_size"),
+             ("embed_dim", "model.embed_dim"), ("num_layers", "model.num_layers"),
+             ("num_heads", "model.num_heads"), ("kv_heads", "model.num_kv_heads"),
+             ("resolved_head_dim", "model.head_dim"), ("resolved_mlp_dim", "model.mlp_dim"),
+             ("rope_theta", "model.rope_theta"), ("norm_eps", "model.norm_eps"),
+             ("tie_embeddings", "model.tie_embeddings"), ("gqa_pairing", "model.gqa_pairing"))
+
+
+def check_same_model(saved: ModelConfig, config: ModelConfig, where: str) -> None:
+    """`ConfigError` naming the first field where `config` computes differently from `saved`."""
+    for attr, key in _SEMANTIC:
+        ours, theirs = getattr(config, attr), getattr(saved, attr)
+        if ours != theirs:
+            raise ConfigError(f"train.init_from: {where} holds a model with {key}={theirs} but the "
+                              f"config gives {ours}; set {key}={theirs} (and the rest of its model "
+                              "section) to fine-tune it")
+
+
+def initial_params(path: str | Path, config: ModelConfig, shardings: Any) -> Any:
+    """The float32 parameters at `path`, checked against `config` and placed on `shardings` (a
+    tree of `jax.sharding.Sharding` matching the parameter tree; every process reads `path`)."""
+    try:
+        with jax.set_mesh(None):  # read on this process's first device, not on the training mesh
+            source = read_source(path)
+    except ExportError as e:
+        raise ConfigError(f"train.init_from: {e}") from e
+    check_same_model(source.config, config, str(path))
+
+    def place(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+        host = np.asarray(value, np.float32)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(place, source.params, shardings)

@@ -1,0 +1,60 @@
+"""`model.safetensors` written and read with the `safetensors` package (bfloat16 included).
+
+The package's numpy API handles bfloat16 (`ml_dtypes`) both ways from safetensors 0.8: `save_file`
+takes the numpy dtype's name, and `safe_open(framework="np")` returns `ml_dtypes.bfloat16`
+arrays (`safetensors.numpy.load`, from bytes, still lacks BF16, so it is not used). Arrays stay on
+the host: nothing is copied to an accelerator to convert a checkpoint. Files written by the
+former hand-written writer are standard safetensors files and read the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from diff_jax.export.errors import ExportError
+
+# The dtypes our exports and the Hugging Face checkpoints we import use.
+WRITABLE = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16),
+            np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64))
+
+
+def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray],
+                      metadata: Mapping[str, str]) -> None:
+    """Write `tensors` ({name: array of any shape, a `WRITABLE` dtype}) and string `metadata`."""
+    arrays = {}
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name])
+        if array.dtype not in WRITABLE:
+            raise ExportError(f"{path}: tensor {name!r} has dtype {array.dtype}, which is not "
+                              f"written to safetensors here (one of {[str(d) for d in WRITABLE]})")
+        arrays[name] = array
+    try:
+        save_file(arrays, str(path), metadata=dict(metadata))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ExportError(f"{path}: could not write safetensors: {e}") from e
+
+
+def read_safetensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """({name: numpy array in the stored dtype and shape}, metadata) of the safetensors file `path`.
+
+    `ExportError` naming the file when it is missing, truncated, corrupt, or holds a dtype that
+    numpy cannot represent.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ExportError(f"{path}: missing; the export is incomplete")
+    try:
+        with safe_open(str(path), framework="np") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except SafetensorError as e:
+        raise ExportError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e
+    except (TypeError, ValueError) as e:  # a dtype the numpy backend cannot build
+        raise ExportError(f"{path}: a tensor cannot be read as a numpy array: {e}") from e
+    return tensors, metadata

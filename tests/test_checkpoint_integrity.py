@@ -1,0 +1,257 @@
+"""Checkpoints carry their own proof (issue 13): damaged bytes are found by resume, eval and
+export; a diverged step is never saved; a refused resume, a kill and a resume keep the run's
+record (config.yaml, metrics.jsonl) true."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from diff_jax import export, train_loop
+from diff_jax.checkpoint import CheckpointError, DamagedCheckpointError
+from diff_jax.evaluation import parse_args
+from diff_jax.evaluation.loading import load
+from diff_jax.export import ExportError
+from diff_jax.export.__main__ import main as export_main
+from eval import main as eval_main
+from tests.training_fixtures import tiny_config, write_corpus
+
+
+def _ckpt_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def _data_files(directory: Path) -> list[Path]:
+    """The files of an orbax item, largest first."""
+    return sorted((p for p in directory.rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size)
+
+
+def _find_damage(directory: Path, scratch: Path, select: Callable[[Any], Any]) -> tuple[str, int]:
+    """(file, offset): the byte nearest the middle of the largest data file (then of the next
+    largest, and so on) whose flip changes an array of `select(tree read back)` (unverified) or
+    makes it unreadable. The files are compressed and their layout varies from save to save (one
+    file or several): the largest may hold optimizer moments (which eval and export do not read)
+    or bytes nothing refers to, so the search makes the damage one that every reader of those
+    arrays must notice."""
+    original = jax.tree.leaves(select(ocp.PyTreeCheckpointer().restore(directory)))
+    for i, file in enumerate(_data_files(directory)):
+        size = file.stat().st_size
+        for k, frac in enumerate((0.5, 0.4, 0.6, 0.2, 0.8)):  # the middle first
+            offset = int(size * frac)
+            copy = scratch / f"{i}-{k}"  # a new path each time: tensorstore caches by path
+            shutil.copytree(directory, copy)
+            name = str(file.relative_to(directory))
+            _damage(copy, "flip", name, offset)
+            try:
+                read = jax.tree.leaves(select(ocp.PyTreeCheckpointer().restore(copy)))
+            except Exception:  # unreadable is damage too
+                return name, offset
+            if any(not np.array_equal(np.asarray(a).reshape(-1).view(np.uint8),
+                                      np.asarray(b).reshape(-1).view(np.uint8))
+                   for a, b in zip(original, read)):
+                return name, offset
+    raise AssertionError(f"no byte of the data files in {directory} changes what is read")
+
+
+def _damage(directory: Path, how: str, name: str, offset: int) -> None:
+    """Flip one byte, or overwrite 4 KiB with seeded random bytes, at `offset` of `name`."""
+    path = directory / name
+    data = bytearray(path.read_bytes())
+    if how == "flip":
+        data[offset] ^= 0xFF
+    else:
+        data[offset:offset + 4096] = np.random.default_rng(0).bytes(4096)[:len(data) - offset]
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def run20(corpus, tmp_path_factory) -> tuple[Path, tuple[str, int]]:
+    """A tiny run with checkpoints 10 and 20, and where to damage step 20's parameters."""
+    run = tmp_path_factory.mktemp("run20")
+    assert train_loop.run(tiny_config(corpus, run, "train.steps=20")).step == 20
+    where = _find_damage(run / "checkpoints" / "20" / "state", tmp_path_factory.mktemp("x") / "s",
+                         lambda tree: tree["params"])
+    return run, where
+
+
+def _copy(run20: tuple[Path, tuple[str, int]], tmp_path: Path) -> Path:
+    shutil.copytree(run20[0], tmp_path / "run")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("how", ["flip", "random4k"])
+def test_damaged_latest_checkpoint_is_refused_by_eval_and_export_and_skipped_by_resume(
+        how, corpus, run20, tmp_path, capfd):
+    run = _copy(run20, tmp_path)
+    _damage(run / "checkpoints" / "20" / "state", how, *run20[1])
+
+    capfd.readouterr()
+    assert eval_main(["task=ppl", f"train.run_dir={run}"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: checkpoint step 20 is damaged"), err
+    assert "other steps: [10]" in err[0] and ("params/" in err[0] or "cannot read" in err[0])
+    with pytest.raises(DamagedCheckpointError, match="checkpoint step 20 is damaged"):
+        load(*parse_args(["task=ppl", f"train.run_dir={run}"]))
+    assert load(*parse_args(["task=ppl", f"train.run_dir={run}", "step=10"])).step == 10
+    with pytest.raises(ExportError, match="checkpoint step 20 is damaged"):
+        export.load(run)
+    capfd.readouterr()
+    assert export_main([str(run), "--out", str(tmp_path / "exp")]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint step 20 is damaged" in err[0], err
+    assert not (tmp_path / "exp").exists()
+    export.load(run / "checkpoints" / "10")  # another step, asked for by its directory
+    capfd.readouterr()
+
+    result = train_loop.run(tiny_config(corpus, run, "train.steps=11"))
+    err = capfd.readouterr().err
+    assert result.step == 11 and _ckpt_steps(run) == [10, 11]
+    assert "skipped checkpoint step 20 is damaged" in err and "resumed from step 10" in err
+    assert (run / "damaged_checkpoints" / "20" / "state").is_dir()  # set aside, not deleted
+
+
+def test_damaged_orbax_params_export_is_refused(run20, tmp_path, capsys):
+    out = export.export(run20[0], tmp_path / "exp", "orbax-params", dtype="bfloat16")
+    assert json.loads((out / "checksums.json").read_text())["arrays"]["embed"]
+    config, params = export.load(out)  # intact: verified in bfloat16, returned as float32
+    assert params["embed"].dtype == np.float32
+    _damage(out / "params", "flip", *_find_damage(out / "params", tmp_path / "s", lambda t: t))
+    with pytest.raises(ExportError, match=r"export .*exp is damaged: \S+ read from .*params does "
+                                          r"not match the checksum recorded when it was saved"):
+        export.load(out)
+    assert eval_main(["task=ppl", f"checkpoint={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is damaged" in err[0], err
+
+
+def _max_abs_params(run: Path, step: int) -> float:
+    params = export.load(run / "checkpoints" / str(step))[1]
+    return max(float(np.max(np.abs(x))) for x in jax.tree.leaves(params))
+
+
+def test_divergence_saves_only_finite_steps_and_a_sane_rerun_completes(corpus, run20, tmp_path,
+                                                                      capfd):
+    run = _copy(run20, tmp_path)
+    with pytest.raises(train_loop.NonFiniteLossError,
+                       match=r"at step (\d+); stopped without saving it; the last good checkpoint "
+                             r"is step (\d+)") as e:
+        train_loop.run(tiny_config(corpus, run, "train.steps=40", "checkpoint.every_steps=1",
+                                   "optim.lr=1e6"))
+    steps = _ckpt_steps(run)
+    assert steps[-1] < 40 and f"the last good checkpoint is step {steps[-1]}" in str(e.value)
+    for step in steps:
+        assert math.isfinite(_max_abs_params(run, step)), step
+    capfd.readouterr()
+    assert eval_main(["task=ppl", f"train.run_dir={run}", "batches=1", "batch_size=2",
+                      "data.validation_fraction=0.2"]) == 0, capfd.readouterr().err
+    loss = json.loads((run / "eval" / "ppl.json").read_text())["loss"]
+    assert math.isfinite(loss) and loss < 10, loss
+
+    # A later step is not resumed from silently: asked for, with its successors discarded.
+    record = (run / "config.yaml").read_bytes()
+    with pytest.raises(CheckpointError, match=r"checkpoint.resume_step=10: .* holds later steps "
+                                              r"\[20.*add checkpoint.discard_later=true"):
+        train_loop.run(tiny_config(corpus, run, "train.steps=40", "checkpoint.resume_step=10"))
+    assert (run / "config.yaml").read_bytes() == record and _ckpt_steps(run) == steps
+
+    result = train_loop.run(tiny_config(corpus, run, f"train.steps={steps[-1] + 1}"))
+    assert result.status == "done" and math.isfinite(result.loss)
+
+    result = train_loop.run(tiny_config(corpus, run, "train.steps=12", "checkpoint.resume_step=10",
+                                        "checkpoint.discard_later=true"))
+    assert result.step == 12 and _ckpt_steps(run) == [10, 12]
+    rows = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(1, 13))
+
+
+def test_refused_resume_leaves_config_yaml_byte_identical(corpus, run20, tmp_path):
+    run = _copy(run20, tmp_path)
+    record = (run / "config.yaml").read_bytes()
+    with pytest.raises(CheckpointError, match=r"params\['embed'\] has shape \(64, 32\) but the "
+                                              r"config gives \(64, 48\)"):
+        train_loop.run(tiny_config(corpus, run, "train.steps=40", "model.embed_dim=48"))
+    assert (run / "config.yaml").read_bytes() == record
+
+
+def test_kill_and_resume_records_each_step_once_and_done_follows_the_commit(run20, corpus,
+                                                                           tmp_path, monkeypatch):
+    """What kill -9 after step 15 leaves (checkpoint every 10): rows 1..15, the last one torn,
+    checkpoint 10. The resume drops rows 11..15 and writes each step once."""
+    run = _copy(run20, tmp_path)
+    shutil.rmtree(run / "checkpoints" / "20")
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in rows] == list(range(1, 21))
+    (run / "metrics.jsonl").write_text("\n".join(rows[:14]) + "\n" + rows[14][:20])
+
+    committed_at_done = []
+    real_message = train_loop.Progress.message
+
+    def message(self, text):
+        if text.startswith("done"):
+            committed_at_done.append((run / "checkpoints" / "20" / "state").is_dir())
+        real_message(self, text)
+
+    monkeypatch.setattr(train_loop.Progress, "message", message)
+    assert train_loop.run(tiny_config(corpus, run, "train.steps=20")).status == "done"
+    rows = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(1, 21))
+    assert committed_at_done == [True]
+
+
+def test_eval_exits_non_zero_on_a_nan_result(run20, monkeypatch, capfd):
+    from diff_jax import evaluation
+    from diff_jax.evaluation.report import Report
+
+    nan = Report({"loss": float("nan"), "ppl": float("nan"), "num_tokens": 4}, [("loss", "nan")])
+    monkeypatch.setitem(evaluation.TASK_FUNCTIONS, "ppl", lambda loaded, options: nan)
+    capfd.readouterr()
+    assert eval_main(["task=ppl", f"train.run_dir={run20[0]}", f"out_dir={run20[0]}/nan"]) == 1
+    err = capfd.readouterr().err
+    assert "error: the result is NaN (loss, ppl;" in err
+
+
+def test_eta_leaves_out_the_first_step_and_paths_split_on_commas(monkeypatch):
+    import io
+
+    from diff_jax import metrics
+    from diff_jax.config import load_config
+
+    clock = iter([100.0, 101.0, 103.0])  # step 1 reported after compiling, then 1 s a step
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    progress = metrics.Progress(11, True, out)
+    for step in (1, 2, 4):
+        progress.update(step, 1.0, 10.0)
+    etas = [line.split("ETA ")[1] for line in out.getvalue().splitlines()]
+    assert etas == ["--", "0m09s", "0m07s"]
+    paths = load_config(None, ["data.source=files", "data.paths=a.txt,b/"]).data.paths
+    assert paths == ("a.txt", "b/")
+
+
+def test_when_no_checkpoint_verifies_resume_refuses_and_moves_nothing(corpus, run20, tmp_path):
+    run = _copy(run20, tmp_path)
+    for step in (10, 20):  # a record that disagrees with the arrays: what damaged bytes look like
+        record = run / "checkpoints" / str(step) / "checksums" / "metadata"
+        sums = json.loads(record.read_text())
+        sums["arrays"]["params/embed"] = "0" * 16
+        record.write_text(json.dumps(sums))
+    config_yaml = (run / "config.yaml").read_bytes()
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* verifies; the newest: checkpoint "
+                                              r"step 20 is damaged: params/embed read from"):
+        train_loop.run(tiny_config(corpus, run, "train.steps=30"))
+    assert _ckpt_steps(run) == [10, 20] and not (run / "damaged_checkpoints").exists()
+    assert (run / "config.yaml").read_bytes() == config_yaml

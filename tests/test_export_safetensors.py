@@ -1,0 +1,92 @@
+"""model.safetensors through the `safetensors` package: bfloat16, metadata, damaged files, and a
+file written by the former hand-written writer (tests/fixtures/safetensors_export_v0)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from diff_jax import export as ex
+from diff_jax.config import ModelConfig
+from diff_jax.export.safetensors_io import read_safetensors, write_safetensors
+
+FIXTURE = Path(__file__).parent / "fixtures" / "safetensors_export_v0"
+FIXTURE_CONFIG = ModelConfig(variant="diff", vocab_size=32, embed_dim=16, num_layers=1, num_heads=2,
+                             mlp_dim=32, max_seq_len=16, tie_embeddings=False)
+
+
+def fixture_state_dict() -> dict[str, np.ndarray]:
+    """Export tensors of FIXTURE_CONFIG, every value a multiple of 1/16 in [-14/16, 14/16] (exact
+    in bfloat16), different for every tensor."""
+    out = {}
+    for k, (name, shape) in enumerate(sorted(ex.state_dict_shapes(FIXTURE_CONFIG).items())):
+        n = int(np.prod(shape))
+        out[name] = (((np.arange(n) * 7 + 13 * k) % 29 - 14) / 16).astype(np.float32).reshape(shape)
+    return out
+
+
+def fixture_params() -> dict:
+    return ex.from_state_dict(fixture_state_dict(), FIXTURE_CONFIG, "fixture")
+
+
+def _raw_header(path: Path) -> dict:
+    """The JSON header of a safetensors file, parsed by hand (independently of the package)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8: 8 + n])
+
+
+def test_a_file_from_the_former_writer_still_loads():
+    header = _raw_header(FIXTURE / "model.safetensors")
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    tensors, metadata = read_safetensors(FIXTURE / "model.safetensors")
+    assert json.loads(metadata["model_config"])["embed_dim"] == 16
+    expected = fixture_state_dict()
+    assert {k: (v.dtype, v.shape) for k, v in tensors.items()} == {
+        k: (np.dtype(ml_dtypes.bfloat16), v.shape) for k, v in expected.items()}
+    for k, v in expected.items():
+        np.testing.assert_array_equal(tensors[k].astype(np.float32), v)
+    config, params = ex.load(FIXTURE)
+    assert config == FIXTURE_CONFIG
+    jax.tree.map(np.testing.assert_array_equal, params, fixture_params())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_written_file_is_standard_safetensors_with_bf16_and_metadata(dtype, tmp_path):
+    tensors = {k: v.astype(ex.DTYPES[dtype]) for k, v in fixture_state_dict().items()}
+    path = tmp_path / "model.safetensors"
+    write_safetensors(path, tensors, {"format": "pt", "note": "ü"})
+    header = _raw_header(path)
+    assert header["__metadata__"] == {"format": "pt", "note": "ü"}
+    code = {"float32": "F32", "bfloat16": "BF16"}[dtype]
+    assert {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"} == {
+        k: (code, v.shape) for k, v in tensors.items()}
+    back, metadata = read_safetensors(path)
+    assert metadata["note"] == "ü"
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype
+        np.testing.assert_array_equal(back[k], v)
+    torch_st = pytest.importorskip("safetensors.torch")  # another consumer of the same bytes
+    torch = pytest.importorskip("torch")
+    theirs = torch_st.load_file(path)
+    for k, v in tensors.items():
+        np.testing.assert_array_equal(theirs[k].to(torch.float32).numpy(), v.astype(np.float32))
+
+
+def test_unwritable_dtype_and_damaged_files_name_the_file(tmp_path):
+    path = tmp_path / "model.safetensors"
+    with pytest.raises(ex.ExportError, match=r"model.safetensors: tensor 'x' has dtype complex64"):
+        write_safetensors(path, {"x": np.zeros(2, np.complex64)}, {})
+    with pytest.raises(ex.ExportError, match=r"model.safetensors: missing"):
+        read_safetensors(path)
+    data = (FIXTURE / "model.safetensors").read_bytes()
+    for damaged in (data[: len(data) - 3], data[:20], b"\x00" * 4):
+        path.write_bytes(damaged)
+        with pytest.raises(ex.ExportError, match=r"model.safetensors: not a readable safetensors file"):
+            read_safetensors(path)

@@ -1,0 +1,233 @@
+"""Import of local DiffLlamaForCausalLM / LlamaForCausalLM checkpoints (diff_jax.export.hf_import):
+per-token log-probabilities from `eval.py task=score` equal torch's, import -> export -> import is
+the identity, and what cannot be mapped exactly is refused with the reason."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from diff_jax import export as ex
+from diff_jax.evaluation import run as eval_run
+from diff_jax.export.hf_import import import_hf, main
+from diff_jax.export.safetensors_io import read_safetensors
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+# |Δ log p| ≤ LOGP_RTOL·(1 + |log p|): float32 rounding of two frameworks' forward passes (a few
+# ulps of the logits, whose size grows with |log p|); measured at most 3.3e-6·|log p|.
+LOGP_RTOL = 1e-5
+CASES = {  # name: (architecture, attention heads, kv heads, tied embeddings, rope theta)
+    "diffllama-mha": ("diffllama", 8, 8, False, 10_000.0),
+    "diffllama-gqa": ("diffllama", 8, 4, True, 500_000.0),
+    "llama-gqa": ("llama", 4, 2, False, 10_000.0),
+}
+
+
+def hf_model(name: str, seed: int = 0):
+    """A random small float32 torch model of CASES[name], every parameter perturbed so that norms,
+    λ and RoPE-sensitive rows all matter (std 0.3: log-probabilities far from uniform)."""
+    kind, heads, kv, tie, theta = CASES[name]
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=64,
+                  tie_word_embeddings=tie, rope_parameters={"rope_type": "default", "rope_theta": theta})
+    if kind == "diffllama":
+        model = transformers.DiffLlamaForCausalLM(transformers.DiffLlamaConfig(**common))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            noise = 0.3 * torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + noise if pname.endswith("norm.weight") else noise)
+    return model.eval()
+
+
+def save_hf(name: str, directory: Path, seed: int = 0):
+    model = hf_model(name, seed)
+    model.save_pretrained(directory)
+    return model
+
+
+def torch_logprobs(model, ids: np.ndarray) -> np.ndarray:
+    """log p(ids[t+1] | ids[:t+1]) (T−1,) float32 from the torch model."""
+    with torch.no_grad():
+        logits = model(torch.tensor(ids[None], dtype=torch.long)).logits[0]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return logp[:-1].gather(1, torch.tensor(ids[1:, None], dtype=torch.long))[:, 0].numpy()
+
+
+def eval_score(checkpoint: Path, ids: np.ndarray, tmp_path: Path) -> np.ndarray:
+    """Per-token log-probabilities from `eval.py task=score checkpoint=...` (the library call)."""
+    np.save(tmp_path / "ids.npy", ids)
+    out = tmp_path / "logp.npy"
+    report = json.loads(eval_run(["task=score", f"checkpoint={checkpoint}", f"input={tmp_path / 'ids.npy'}",
+                                  f"output={out}", f"out_dir={tmp_path / 'eval'}"]).read_text())
+    assert report["num_scored"] == len(ids) - 1
+    return np.load(out)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_imported_model_scores_like_torch(name, tmp_path):
+    model = save_hf(name, tmp_path / "hf")
+    out = import_hf(tmp_path / "hf", tmp_path / "ours")
+    config, _ = ex.load(out)
+    kind, heads, kv, tie, theta = CASES[name]
+    expected_heads = (heads // 2, kv // 2) if kind == "diffllama" else (heads, kv)
+    assert (config.variant, config.num_heads, config.kv_heads, config.tie_embeddings, config.rope_theta) == (
+        "diff" if kind == "diffllama" else "transformer", *expected_heads, tie, theta)
+    ids = np.random.default_rng(1).integers(0, VOCAB, 64).astype(np.int32)  # the whole context
+    ours = eval_score(out, ids, tmp_path)
+    theirs = torch_logprobs(model, ids)
+    assert theirs.std() > 0.5 and theirs.mean() < -np.log(VOCAB) + 0.5  # far from uniform: sensitive
+    diff = np.abs(ours - theirs)
+    print(f"{name}: max |Δ log p| {diff.max():.2e}, max rel {(diff / np.abs(theirs)).max():.2e}, "
+          f"log p in [{theirs.min():.1f}, {theirs.max():.1f}]")
+    assert np.all(diff <= LOGP_RTOL * (1 + np.abs(theirs)))
+
+
+def test_bfloat16_checkpoint_imports_exactly(tmp_path):
+    model = hf_model("diffllama-gqa", seed=3).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "hf")
+    stored, _ = read_safetensors(tmp_path / "hf" / "model.safetensors")
+    assert str(stored["model.embed_tokens.weight"].dtype) == "bfloat16"
+    out = import_hf(tmp_path / "hf", tmp_path / "ours")
+    _, params = ex.load(out)
+    np.testing.assert_array_equal(params["embed"], stored["model.embed_tokens.weight"].astype(np.float32))
+    ids = np.random.default_rng(4).integers(0, VOCAB, 64).astype(np.int32)
+    # the same bf16 values computed in float32 (reloaded: `.float()` would keep RoPE frequencies
+    # rounded to bf16 by `.to(torch.bfloat16)`)
+    reloaded = transformers.DiffLlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    theirs = torch_logprobs(reloaded.eval(), ids)
+    ours = eval_score(out, ids, tmp_path)
+    assert np.all(np.abs(ours - theirs) <= LOGP_RTOL * (1 + np.abs(theirs)))
+
+
+@pytest.mark.parametrize("name", ["diffllama-mha", "diffllama-gqa"])
+def test_import_export_import_is_the_identity(name, tmp_path):
+    save_hf(name, tmp_path / "hf", seed=2)
+    first = import_hf(tmp_path / "hf", tmp_path / "first")
+    exported = ex.export(first, tmp_path / "exported", "hf-diffllama", tokenizer="none")
+    original, _ = read_safetensors(tmp_path / "hf" / "model.safetensors")
+    again, _ = read_safetensors(exported / "model.safetensors")
+    assert again.keys() == original.keys()
+    for k, v in original.items():  # the HF tensors themselves come back bit for bit
+        np.testing.assert_array_equal(again[k], v, err_msg=k)
+    second = import_hf(exported, tmp_path / "second")
+    (c1, p1), (c2, p2) = ex.load(first), ex.load(second)
+    assert c1 == c2
+    jax.tree.map(np.testing.assert_array_equal, p1, p2)
+
+
+def test_cli_imports_prints_how_to_fine_tune_and_refuses_overwriting(tmp_path, capsys):
+    save_hf("llama-gqa", tmp_path / "hf")
+    out = tmp_path / "ours"
+    assert main([str(tmp_path / "hf"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"train.init_from={out}" in printed and "model.variant=transformer" in printed
+    assert json.loads((out / "export.json").read_text())["format"] == "orbax-params"
+    assert main([str(tmp_path / "hf"), "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main([str(tmp_path / "hf"), "--out", str(out), "--overwrite"]) == 0
+
+
+@pytest.fixture(scope="module")
+def saved_diffllama(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("hf")
+    save_hf("diffllama-gqa", directory)
+    return directory
+
+
+@pytest.mark.parametrize("edit, reason", [
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling .* is set"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+     "rope_parameters.rope_type is 'yarn'"),
+    ({"attention_bias": True}, "attention_bias is true"),
+    ({"mlp_bias": True}, "mlp_bias is true"),
+    ({"hidden_act": "gelu"}, "hidden_act is 'gelu'"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 1}, r"num_key_value_heads \(1\) must both be even"),
+    ({"head_dim": 16}, r"head_dim \(16\) · num_attention_heads \(8\) != hidden_size \(64\)"),
+    ({"model_type": "mistral"}, "model_type 'mistral' cannot be imported"),
+    ({"architectures": ["DiffLlamaForSequenceClassification"]}, "only DiffLlamaForCausalLM"),
+])
+def test_configs_without_an_exact_equivalent_are_refused(edit, reason, saved_diffllama, tmp_path):
+    hf_dir = tmp_path / "edited"
+    shutil.copytree(saved_diffllama, hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text()) | edit
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ex.ExportError, match=rf"edited/config.json: .*{reason}") as info:
+        import_hf(hf_dir, tmp_path / "out")
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_checkpoints_that_do_not_match_their_config_are_refused(saved_diffllama, tmp_path):
+    hf_dir = tmp_path / "edited"
+    shutil.copytree(saved_diffllama, hf_dir)
+    tensors, _ = read_safetensors(hf_dir / "model.safetensors")
+    from diff_jax.export.safetensors_io import write_safetensors
+
+    def rewrite(changed: dict) -> None:
+        write_safetensors(hf_dir / "model.safetensors", changed, {"format": "pt"})
+
+    rewrite(tensors | {"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)})
+    with pytest.raises(ex.ExportError, match=r"tensor 'model.layers.0.self_attn.q_proj.bias' .* no place"):
+        import_hf(hf_dir, tmp_path / "out")
+    rewrite(tensors | {"lm_head.weight": tensors["model.embed_tokens.weight"] + 1})
+    with pytest.raises(ex.ExportError, match="tie_word_embeddings is true but lm_head.weight differs"):
+        import_hf(hf_dir, tmp_path / "out")
+    rewrite({k: v for k, v in tensors.items() if k != "model.layers.1.self_attn.lambda_k2"})
+    with pytest.raises(ex.ExportError, match=r"model.layers.1.self_attn.lambda_k2: missing"):
+        import_hf(hf_dir, tmp_path / "out")
+    rewrite(tensors | {"model.norm.weight": np.ones(32, np.float32)})
+    with pytest.raises(ex.ExportError, match=r"'norm.weight' has shape \(32,\) but the config gives \(64,\)"):
+        import_hf(hf_dir, tmp_path / "out")
+    (hf_dir / "model.safetensors").unlink()
+    with pytest.raises(ex.ExportError, match=r"no model.safetensors or model.safetensors.index.json"):
+        import_hf(hf_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_fine_tuning_starts_from_the_imported_parameters(tmp_path):
+    from diff_jax import train_loop
+    from diff_jax.config import ConfigError
+    from diff_jax.export.hf_import import finetune_overrides
+    from diff_jax.export.init_from import check_same_model
+    from training_fixtures import VOCAB as DATA_VOCAB, tiny_config, write_corpus
+
+    hf_config = transformers.LlamaConfig(
+        vocab_size=DATA_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(hf_config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    model.save_pretrained(tmp_path / "hf")
+    out = import_hf(tmp_path / "hf", tmp_path / "imported")
+    imported_config, imported = ex.load(out)
+    lr = 1e-3
+    config = tiny_config(write_corpus(tmp_path / "corpus"), tmp_path / "run",
+                         *finetune_overrides(imported_config, out), "train.steps=1", f"optim.lr={lr}",
+                         "optim.warmup_steps=0", "checkpoint.async_save=false")
+    assert config.train.init_from == str(out)
+    result = train_loop.run(config)
+    assert result.step == 1 and np.isfinite(result.loss)
+    _, tuned = ex.load(tmp_path / "run")
+
+    def moved(a, b) -> float:
+        return float(np.abs(np.asarray(a) - np.asarray(b)).max())
+
+    steps = jax.tree.leaves(jax.tree.map(moved, tuned, imported))
+    assert 0 < max(steps) <= 2 * lr  # one AdamW step away from the imported parameters
+    # a config whose model computes differently is refused, naming the field
+    other = tiny_config(tmp_path / "corpus", tmp_path / "run2", f"train.init_from={out}")
+    with pytest.raises(ConfigError, match=r"train.init_from: .* model.variant=transformer but the "
+                                          r"config gives diff"):
+        check_same_model(imported_config, other.model, str(out))

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from diff_jax.attention_op import AttentionOp
 from diff_jax.config import Config, ConfigError
 from diff_jax.optim import make_optimizer, schedule
+from diff_jax.platforms import describe_missing_tpu_host
 from diff_jax.sharding import batch_sharding, check_batch, make_mesh
 from diff_jax.step import state_shardings, train_step
 from diff_jax.transformer import DecoderLM
@@ -33,6 +34,7 @@ def topology_devices(topology: str) -> list[Any]:
     """The devices of a TPU slice description such as `v5p:4x4x4` (no TPU needed, libtpu is)."""
     from jax.experimental import topologies
 
+    describe_missing_tpu_host(topology)
     try:
         return list(topologies.get_topology_desc(topology, platform="tpu").devices)
     except Exception as e:  # libtpu missing or an unknown topology name

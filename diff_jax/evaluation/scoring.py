@@ -82,7 +82,8 @@ def nll_by_position(model_cfg: ModelConfig, params: Any, corpus: TokenCorpus, le
 
 
 def ppl(loaded: Loaded, options: EvalOptions) -> Report:
-    """Held-out loss and perplexity; cumulative average NLL by position."""
+    """Held-out loss and perplexity over packed rows; cumulative average NLL by position over
+    whole documents read from their starts (different rows, which the table says)."""
     cfg = loaded.config
     length = eval_length(cfg, options)
     corpus = held_out_corpus(cfg)
@@ -96,9 +97,10 @@ def ppl(loaded: Loaded, options: EvalOptions) -> Report:
         {"length": length, "num_tokens": int(nll.size), "loss": loss, "ppl": math.exp(loss),
          "by_position": {"num_documents": n_docs, "nll": by_pos.tolist(),
                          "cumulative_nll": cumulative.tolist()}},
-        [("held-out tokens", f"{nll.size:,}"), ("loss", f"{loss:.4f}"),
-         ("perplexity", f"{math.exp(loss):.2f}"),
-         ("documents by position", f"{n_docs} of >= {length + 1} tokens")])
+        [("held-out tokens", f"{nll.size:,} in packed rows of {length} (loss, perplexity)"),
+         ("loss", f"{loss:.4f}"), ("perplexity", f"{math.exp(loss):.2f}"),
+         ("by position (other rows)", f"{n_docs} documents of >= {length + 1} tokens, each read "
+                                      "from its start")])
     if n_docs == 0:
         report.notes.append(f"no held-out document has {length + 1} tokens: by_position is empty")
     else:

@@ -19,7 +19,10 @@ NOISE = ("TPU", "libtpu", "E0000", "InitGoogle")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    # A fresh shell's environment: without the test set-up's platform flags, and without the host
+    # facts an earlier TPU compile in this process set (`platforms.describe_missing_tpu_host`).
+    unset = ("JAX_PLATFORMS", "XLA_FLAGS", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
 

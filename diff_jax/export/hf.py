@@ -21,7 +21,7 @@ exports whose `subln.weight` is all ones, export then import gives back every te
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -134,18 +134,10 @@ def from_hf_state_dict(tensors: Mapping[str, np.ndarray], config: ModelConfig) -
     """
     check_mappable(config)
     h, hkv, d = config.num_heads, config.kv_heads, config.resolved_head_dim
-
-    def get(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise ExportError(f"{name}: missing from the checkpoint (a DiffLlamaForCausalLM with "
-                              f"{config.num_layers} layers has it)")
-        return np.asarray(tensors[name])
-
-    out = {"embed.weight": get("model.embed_tokens.weight")}
+    get = tensor_getter(tensors, config, "DiffLlamaForCausalLM")
+    out = shared_llama_tensors(get, config)
     for i in range(config.num_layers):
-        src, dst = f"model.layers.{i}", f"layers.{i}"
-        attn = f"{dst}.attn"
-        out[f"{dst}.attn_norm.weight"] = get(f"{src}.input_layernorm.weight")
+        src, attn = f"model.layers.{i}", f"layers.{i}.attn"
         for proj, groups, permute in (("q_proj", h, True), ("k_proj", hkv, True), ("v_proj", hkv, False)):
             name = f"{src}.self_attn.{proj}.weight"
             w = get(name)
@@ -157,6 +149,29 @@ def from_hf_state_dict(tensors: Mapping[str, np.ndarray], config: ModelConfig) -
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             out[f"{attn}.{name}"] = get(f"{src}.self_attn.{name}")
         out[f"{attn}.subln.weight"] = np.ones(2 * d, out[f"{attn}.out_proj.weight"].dtype)
+    return out
+
+
+def tensor_getter(tensors: Mapping[str, np.ndarray], config: ModelConfig,
+                  architecture: str) -> Callable[[str], np.ndarray]:
+    """`get(name)`: the named tensor of a Hugging Face checkpoint, or an error naming it."""
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ExportError(f"{name}: missing from the checkpoint (a {architecture} with "
+                              f"{config.num_layers} layers has it)")
+        return np.asarray(tensors[name])
+
+    return get
+
+
+def shared_llama_tensors(get: Callable[[str], np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+    """What DiffLlama and Llama lay out alike, under our state_dict names: the embedding, each
+    layer's two norms and SwiGLU, the final norm and an untied head (attention is the caller's)."""
+    out = {"embed.weight": get("model.embed_tokens.weight")}
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}", f"layers.{i}"
+        out[f"{dst}.attn_norm.weight"] = get(f"{src}.input_layernorm.weight")
         out[f"{dst}.ffn_norm.weight"] = get(f"{src}.post_attention_layernorm.weight")
         for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
             out[f"{dst}.ffn.{ours}.weight"] = get(f"{src}.mlp.{theirs}.weight")

@@ -173,12 +173,7 @@ def _llama_to_ours(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[
     """LlamaForCausalLM's state dict -> ours (`diff_jax.export.state_dict` names)."""
     h, hkv, d = config.num_heads, config.kv_heads, config.resolved_head_dim
     interleaved = np.argsort(hf.half_split_order(d))
-
-    def get(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise ExportError(f"{name}: missing from the checkpoint (a LlamaForCausalLM with "
-                              f"{config.num_layers} layers has it)")
-        return np.asarray(tensors[name])
+    get = hf.tensor_getter(tensors, config, "LlamaForCausalLM")
 
     def rope_rows(name: str, heads: int) -> np.ndarray:
         w = get(name)
@@ -188,20 +183,13 @@ def _llama_to_ours(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[
         rows = w.reshape(heads, d, w.shape[-1])[:, interleaved]
         return np.ascontiguousarray(rows.reshape(w.shape))
 
-    out = {"embed.weight": get("model.embed_tokens.weight")}
+    out = hf.shared_llama_tensors(get, config)
     for i in range(config.num_layers):
-        src, dst = f"model.layers.{i}", f"layers.{i}"
-        out[f"{dst}.attn_norm.weight"] = get(f"{src}.input_layernorm.weight")
-        out[f"{dst}.attn.q_proj.weight"] = rope_rows(f"{src}.self_attn.q_proj.weight", h)
-        out[f"{dst}.attn.k_proj.weight"] = rope_rows(f"{src}.self_attn.k_proj.weight", hkv)
-        out[f"{dst}.attn.v_proj.weight"] = get(f"{src}.self_attn.v_proj.weight")
-        out[f"{dst}.attn.out_proj.weight"] = get(f"{src}.self_attn.o_proj.weight")
-        out[f"{dst}.ffn_norm.weight"] = get(f"{src}.post_attention_layernorm.weight")
-        for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
-            out[f"{dst}.ffn.{ours}.weight"] = get(f"{src}.mlp.{theirs}.weight")
-    out["norm.weight"] = get("model.norm.weight")
-    if not config.tie_embeddings:
-        out["lm_head.weight"] = get("lm_head.weight")
+        src, attn = f"model.layers.{i}.self_attn", f"layers.{i}.attn"
+        out[f"{attn}.q_proj.weight"] = rope_rows(f"{src}.q_proj.weight", h)
+        out[f"{attn}.k_proj.weight"] = rope_rows(f"{src}.k_proj.weight", hkv)
+        out[f"{attn}.v_proj.weight"] = get(f"{src}.v_proj.weight")
+        out[f"{attn}.out_proj.weight"] = get(f"{src}.o_proj.weight")
     return out
 
 

@@ -1,21 +1,30 @@
 """Benchmark of the fused differential flash attention against standard-attention routes.
 
-Causal, bfloat16, d = 64 (V 2d = 128 wide), H = 16 DIFF heads, B·T = 32K tokens, T in
-{2K, 4K, 8K, 16K}. Variants (ms and TFLOP/s for forward, backward = (fwd+bwd) − fwd, total):
-  fused            kernels.diff_attention(impl="pallas"): one kernel, two online softmaxes
-  a_two_pallas     FlashDiff_1 style: two standard Pallas attentions with V = 2d, minus λ
-  b_cudnn_four     FlashDiff_2 style: the four (Q_c, K_c, V_half) attentions stacked as 4H heads of
-                   width d in one jax.nn.dot_product_attention(implementation="cudnn") call
-  c_pallas_h128    standard causal attention, H heads × 2d, same Pallas kernel family
-  c_cudnn_h128     the same on cuDNN
-  d_cudnn_2h64     the paper's Transformer baseline: 2H heads × d on cuDNN
+Causal, bfloat16, d ∈ --head-dims (64 and 128 by default; V is 2d wide), H = 16 DIFF heads,
+B·T = 32K tokens, T in {2K, 4K, 8K, 16K}. Variants (ms and TFLOP/s for forward, backward =
+(fwd+bwd) − fwd, total):
+  fused            kernels.diff_attention(impl="pallas"): one kernel, two online softmaxes (on
+                   Hopper the Mosaic GPU kernel; env.fused_backend says which ran)
+  fused_triton     the same operator forced onto the Triton kernel (the pre-Hopper fallback)
+  cudnn_2h_d       the paper's Transformer baseline: 2H heads × d on cuDNN
+  cudnn_h_2d       standard causal attention, H heads × 2d, on cuDNN
+  cudnn_four       FlashDiff_2 style: the four (Q_c, K_c, V_half) attentions stacked as 4H heads
+                   of width d in one jax.nn.dot_product_attention(implementation="cudnn") call
+  tokamax_two      FlashDiff_1 style: two Tokamax Mosaic attentions with V = 2d, minus λ (tokamax
+                   is imported lazily; absent, the row records why)
+  a_two_pallas     FlashDiff_1 style with this repo's standard Pallas kernel (--smoke, CPU)
+  c_pallas_h128    standard attention H × 2d with this repo's Pallas kernel (--smoke, CPU)
 TFLOP/s use each route's own floor count per (query, key) pair and DIFF head (matmuls only):
-fused 12d/20d, a 12d/28d, b 16d/40d, c and d 8d/20d (forward/backward), causal pairs T(T+1)/2.
-Peak memory of fwd+bwd (compiled temp + arguments + outputs, from XLA's memory analysis) is
-reported for the fused kernel and the xla oracle.
+fused 12d/20d, two calls 12d/28d, four calls 16d/40d, standard 8d/20d (forward/backward), causal
+pairs T(T+1)/2. Peak memory of fwd+bwd (compiled temp + arguments + outputs, from XLA's memory
+analysis) is reported for the fused kernel and the xla oracle. The JSON's `summary` gives, per d
+at T = 4096, the fused total time over the cuDNN baseline and over two Tokamax calls, and the
+fused forward and backward TFLOP/s.
 
-Modes: default (GPU benchmark), --check (GPU correctness of the real lowerings vs the oracle),
---tune (GPU block-size sweep at one T), --smoke (tiny shapes, CPU interpreter, for the tests).
+Modes: default / --bench (GPU benchmark), --check (GPU correctness of the real lowerings vs the
+oracle), --tune (GPU sweep of the Mosaic kernel's tiles at --tune-t; --tune-write records the
+best per d in kernels/tuning/mosaic_gpu.json), --smoke (tiny shapes, CPU interpreter, for the
+tests). --deadline stops starting new measurements after that many seconds (recorded).
 """
 
 from __future__ import annotations
@@ -25,9 +34,11 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -37,16 +48,30 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402
-from kernels import BlockSizes  # noqa: E402
+from kernels import BlockSizes, flash, flash_mgpu, hopper  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAM = 0.37
 
 # Floor FLOPs per (q, k) pair and DIFF head, in units of d (fwd, bwd).
 FLOPS_PER_PAIR = {
-    "fused": (12, 20), "a_two_pallas": (12, 28), "b_cudnn_four": (16, 40),
-    "c_pallas_h128": (8, 20), "c_cudnn_h128": (8, 20), "d_cudnn_2h64": (8, 20), "xla": (12, 20),
+    "fused": (12, 20), "fused_triton": (12, 20), "a_two_pallas": (12, 28),
+    "tokamax_two": (12, 28), "cudnn_four": (16, 40), "c_pallas_h128": (8, 20),
+    "cudnn_h_2d": (8, 20), "cudnn_2h_d": (8, 20), "xla": (12, 20),
 }
+GPU_VARIANTS = ("fused", "fused_triton", "cudnn_2h_d", "cudnn_h_2d", "cudnn_four", "tokamax_two")
+CPU_VARIANTS = ("fused", "a_two_pallas", "c_pallas_h128")
+SUMMARY_T = 4096
+
+
+class Deadline:
+    """Seconds left before `limit` (None: no limit); stages check it before starting work."""
+
+    def __init__(self, limit: float | None):
+        self.end = None if limit is None else time.monotonic() + limit
+
+    def passed(self) -> bool:
+        return self.end is not None and time.monotonic() > self.end
 
 
 @dataclasses.dataclass
@@ -68,12 +93,32 @@ def _inputs(shape: Shape, dtype, seed: int = 0):
     return q, k, v, do
 
 
-def variants(block_sizes: BlockSizes | None, interpret, with_cudnn: bool):
-    """name -> f(q, k, v, lam) on the differential layouts, each returning (B, T, H, ·)."""
+def _tokamax_attend():
+    """tokamax's Mosaic attention (q, k, v) -> out (V of any width), or why it cannot run."""
+    try:
+        import tokamax
+    except Exception as e:  # noqa: BLE001 - absent or broken: the row records why
+        return None, f"tokamax not importable: {e!r}"[:200]
+
+    def attend(q, k, v):
+        return tokamax.dot_product_attention(q, k, v, is_causal=True, implementation="mosaic")
+
+    return attend, None
+
+
+def variants(block_sizes: BlockSizes | None, interpret, with_cudnn: bool,
+             triton_blocks: BlockSizes | None = None):
+    """name -> f(q, k, v, lam) on the differential layouts, each returning (B, T, H, ·); a value
+    that is a string is the reason the variant cannot run here. `block_sizes` go to "fused"
+    (whichever kernel the dispatch picks), `triton_blocks` to "fused_triton"."""
 
     def fused(q, k, v, lam):
         return kernels.diff_attention(q, k, v, lam, impl="pallas", block_sizes=block_sizes,
                                       interpret=interpret)
+
+    def fused_triton(q, k, v, lam):
+        return flash.flash_attention(q, k, v, lam, num_components=2, causal=True, backend="gpu",
+                                     block_sizes=triton_blocks, interpret=interpret)
 
     def std_pallas(q, k, v):
         return kernels.dot_product_attention(q, k, v, impl="pallas", block_sizes=block_sizes,
@@ -88,24 +133,34 @@ def variants(block_sizes: BlockSizes | None, interpret, with_cudnn: bool):
         b, t, h2, d = q.shape
         return std_pallas(q.reshape(b, t, h2 // 2, 2 * d), k.reshape(b, t, h2 // 2, 2 * d), v)
 
-    out = {"fused": fused, "a_two_pallas": a_two_pallas, "c_pallas_h128": c_pallas_h128}
+    out = {"fused": fused, "fused_triton": fused_triton, "a_two_pallas": a_two_pallas,
+           "c_pallas_h128": c_pallas_h128}
     if with_cudnn:
         def cudnn(q, k, v):
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
-        def b_cudnn_four(q, k, v, lam):  # 4H heads of width d in one cuDNN call
+        def cudnn_four(q, k, v, lam):  # 4H heads of width d in one cuDNN call
             return kernels.diff_attention(q, k, v, lam, impl="cudnn")
 
-        def c_cudnn_h128(q, k, v, lam):
+        def cudnn_h_2d(q, k, v, lam):
             b, t, h2, d = q.shape
             return cudnn(q.reshape(b, t, h2 // 2, 2 * d), k.reshape(b, t, h2 // 2, 2 * d), v)
 
-        def d_cudnn_2h64(q, k, v, lam):  # 2H heads of width d; V viewed as (B, T, 2H, d)
+        def cudnn_2h_d(q, k, v, lam):  # 2H heads of width d; V viewed as (B, T, 2H, d)
             b, t, h2, d = q.shape
             return cudnn(q, k, v.reshape(b, t, h2, d)).reshape(b, t, h2 // 2, 2 * d)
 
-        out |= {"b_cudnn_four": b_cudnn_four, "c_cudnn_h128": c_cudnn_h128,
-                "d_cudnn_2h64": d_cudnn_2h64}
+        out |= {"cudnn_four": cudnn_four, "cudnn_h_2d": cudnn_h_2d, "cudnn_2h_d": cudnn_2h_d}
+        attend, why = _tokamax_attend()
+        if attend is None:
+            out["tokamax_two"] = why
+        else:
+            def tokamax_two(q, k, v, lam):
+                o1 = attend(q[:, :, 0::2], k[:, :, 0::2], v)
+                o2 = attend(q[:, :, 1::2], k[:, :, 1::2], v)
+                return o1 - lam.astype(o1.dtype) * o2
+
+            out["tokamax_two"] = tokamax_two
     return out
 
 
@@ -145,7 +200,8 @@ def bench_one(name, f, shape: Shape, dtype, *, reps: int, samples: int) -> dict:
     t_tot = _time(step, (q, k, v, lam, do), reps=reps, samples=samples)
     t_bwd = t_tot - t_fwd
     ff, fb = (c * shape.d * _pairs(shape) for c in FLOPS_PER_PAIR[name])
-    return {"variant": name, "T": shape.t, "B": shape.b, "fwd_ms": t_fwd, "bwd_ms": t_bwd,
+    return {"variant": name, "d": shape.d, "T": shape.t, "B": shape.b, "fwd_ms": t_fwd,
+            "bwd_ms": t_bwd,
             "total_ms": t_tot, "fwd_tflops": ff / t_fwd / 1e9, "bwd_tflops": fb / t_bwd / 1e9,
             "total_tflops": (ff + fb) / t_tot / 1e9}
 
@@ -172,8 +228,13 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def check(block_sizes: BlockSizes | None, interpret) -> list[dict]:
-    """Fused fwd + grads (q, k, v, λ) and the standard kernels vs the oracle on fresh inputs."""
+def check(block_sizes: BlockSizes | None, interpret,
+          deadline: Deadline | None = None) -> list[dict]:
+    """Fused fwd + grads (q, k, v, λ) and the standard kernels vs the oracle on fresh inputs.
+
+    Each row names the kernel the dispatch picked ("mosaic_gpu" on Hopper for bf16/fp16 at
+    d ∈ {64, 96, 128}, else "triton") and the DeprecationWarnings its compile raised.
+    """
     cases = [  # (B, T, H, Hkv, d, causal, segments, dtype, λ)
         (2, 256, 4, 4, 64, True, False, jnp.float32, 0.6),
         (2, 301, 4, 2, 64, True, True, jnp.float32, -0.4),
@@ -182,9 +243,15 @@ def check(block_sizes: BlockSizes | None, interpret) -> list[dict]:
         (1, 333, 8, 2, 64, True, True, jnp.bfloat16, 0.3),
         (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5),  # d = 128: the 3B config's width
         (1, 257, 2, 2, 128, True, False, jnp.float32, -0.2),
+        (1, 300, 4, 2, 96, False, True, jnp.bfloat16, -0.7),  # d = 96: the 830M config's width
+        (2, 1000, 4, 1, 128, False, False, jnp.float16, 0.0),
+        (1, 1024, 2, 2, 64, True, False, jnp.float16, 1.2),
     ]
     rows = []
     for n, (b, t, h, hkv, d, causal, seg, dtype, lam) in enumerate(cases):
+        if deadline is not None and deadline.passed():
+            rows.append({"case": f"{n}", "error": "skipped: deadline"})
+            continue
         ks = jax.random.split(jax.random.PRNGKey(100 + n), 4)
         q = jax.random.normal(ks[0], (b, t, 2 * h, d), dtype)
         k = jax.random.normal(ks[1], (b, t, 2 * hkv, d), dtype)
@@ -208,15 +275,30 @@ def check(block_sizes: BlockSizes | None, interpret) -> list[dict]:
             return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(
                 up(q), up(k), up(v), jnp.float32(lam))
 
-        out = jax.jit(lambda *a: run("pallas", *a))(q, k, v, jnp.float32(lam))
+        backend = ("mosaic_gpu" if jax.default_backend() == "gpu"
+                   and flash.uses_mosaic_gpu(2, dtype, d, 2 * d) else "triton")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", DeprecationWarning)
+            try:
+                out = jax.jit(lambda *a: run("pallas", *a))(q, k, v, jnp.float32(lam))
+                (_, g) = grads("pallas")
+            except Exception as e:  # noqa: BLE001 - a failing case is a row, not the end
+                rows.append({"case": f"B{b} T{t} H{h} Hkv{hkv} d{d} causal={causal} seg={seg} "
+                                     f"{jnp.dtype(dtype).name}", "backend": backend,
+                             "error": repr(e)[:500]})
+                print(rows[-1], flush=True)
+                continue
+        deprecations = sorted({str(w.message)[:120] for w in caught
+                               if issubclass(w.category, DeprecationWarning)})
         ref = jax.jit(lambda *a: run("xla", *a))(*(x.astype(jnp.float32) for x in (q, k, v)),
                                                    jnp.float32(lam))
-        (_, g), (_, gr) = grads("pallas"), grads("xla")
+        (_, gr) = grads("xla")
         errs = {"out": _rel(out, ref)} | {f"d{nm}": _rel(a, r) for nm, a, r in
                                            zip("qkvλ", g, gr)}
         finite = bool(all(np.isfinite(np.asarray(x, np.float32)).all() for x in (out, *g)))
         rows.append({"case": f"B{b} T{t} H{h} Hkv{hkv} d{d} causal={causal} seg={seg} "
-                             f"{jnp.dtype(dtype).name} λ={lam}", **errs, "finite": finite})
+                             f"{jnp.dtype(dtype).name} λ={lam}", "backend": backend, **errs,
+                     "finite": finite, "deprecations": "; ".join(deprecations)})
         print(rows[-1], flush=True)
     if jax.default_backend() == "gpu":  # standard attention on cuDNN / Pallas with segments
         b, t, hq, hkv, d = 2, 300, 8, 2, 64
@@ -260,6 +342,113 @@ def environment() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
+CHECK_COLS = ["case", "backend", "out", "dq", "dk", "dv", "dλ", "finite", "deprecations", "error"]
+TUNE_COLS = ["d", "stage", "tiles", "fwd_ms", "total_ms", "fwd_tflops", "bwd_tflops", "error"]
+BENCH_COLS = ["variant", "d", "T", "B", "fwd_ms", "bwd_ms", "total_ms", "fwd_tflops", "bwd_tflops",
+              "total_tflops", "error"]
+
+
+def _ratios(rows: list[dict]) -> list[dict]:
+    """Fused total time over each other route's, per (d, T)."""
+    out = []
+    for d, t in sorted({(r["d"], r["T"]) for r in rows}):
+        by = {r["variant"]: r for r in rows if (r["d"], r["T"]) == (d, t) and "error" not in r}
+        if "fused" in by:
+            out.append({"d": d, "T": t} | {f"fused/{n}": by["fused"]["total_ms"] / r["total_ms"]
+                                            for n, r in by.items() if n != "fused"})
+    return out
+
+
+def _ratio_cols(ratios: list[dict]) -> list[str]:
+    cols = ["d", "T"]
+    for r in ratios:
+        cols += [c for c in r if c not in cols]
+    return cols
+
+
+def summary(rows: list[dict], env: dict, dims: list[int], t: int) -> dict:
+    """{"device", "jax", "dNN": {fused_over_cudnn_baseline, fused_over_tokamax_two_calls,
+    fwd_tflops, bwd_tflops, ...}} at sequence length t; a missing route gives None and why."""
+    out: dict = {"device": env["device"], "jax": env["jax"], "T": t}
+    for d in dims:
+        by = {r["variant"]: r for r in rows if (r["d"], r["T"]) == (d, t)}
+        fused = by.get("fused", {})
+        entry: dict = {"fused_backend": env["fused_backend"].get(d)}
+
+        def over(name):
+            other = by.get(name, {})
+            if "total_ms" in fused and "total_ms" in other:
+                return fused["total_ms"] / other["total_ms"]
+            entry[f"why_no_{name}"] = other.get("error") or fused.get("error") or "not run"
+            return None
+
+        entry |= {"fused_over_cudnn_baseline": over("cudnn_2h_d"),
+                  "fused_over_tokamax_two_calls": over("tokamax_two"),
+                  "fused_over_triton": over("fused_triton"),
+                  "fwd_tflops": fused.get("fwd_tflops"), "bwd_tflops": fused.get("bwd_tflops")}
+        out[f"d{d}"] = entry
+    return out
+
+
+def _fused_backend(dims: list[int], dtype) -> dict[int, str]:
+    """The kernel impl="pallas" runs per head width d here ("mosaic_gpu", "triton", or the CPU
+    interpreter's "triton-interpret")."""
+    if jax.default_backend() != "gpu":
+        return {d: "triton-interpret" for d in dims}
+    return {d: "mosaic_gpu" if flash.uses_mosaic_gpu(2, dtype, d, 2 * d) else "triton"
+            for d in dims}
+
+
+def _gpu_name(kind: str) -> str:
+    """The table's GPU key for a device_kind: "NVIDIA H100 80GB HBM3" -> "H100"."""
+    m = re.search(r"\b([A-Z]{1,2}\d{2,3}[A-Z]?)\b", kind)
+    return m.group(1) if m else kind
+
+
+def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
+    """Bounded sweep of the Mosaic kernel's tiles per d (bf16, causal, T = --tune-t): first the
+    forward's (block_kv, stages), then the backward's (block_kv_dq, block_q_dkv) with the best
+    forward; tiles that do not fit shared memory are recorded as such. --tune-write stores the
+    best per d in the table."""
+    rows = []
+    for d in head_dims:
+        shape = Shape(max(1, args.tokens // args.tune_t), args.tune_t, args.heads, d)
+        base, _ = hopper.tiles_for(d, jnp.bfloat16)
+
+        def run(stage, tiles):
+            r = {"d": d, "stage": stage, "tiles": f"{tiles.block_kv},{tiles.block_kv_dq},"
+                                                  f"{tiles.block_q_dkv},{tiles.stages}"}
+            if deadline.passed():
+                return r | {"error": "skipped: deadline"}
+            try:
+                flash_mgpu.warpgroups(d, tiles)
+                f = variants(BlockSizes(mosaic_gpu=tiles), None, with_cudnn=False)["fused"]
+                m = bench_one("fused", f, shape, jnp.bfloat16, reps=3, samples=3)
+            except Exception as e:  # noqa: BLE001 - a config that does not fit or compile
+                return r | {"error": repr(e)[:300]}
+            return r | {k: m[k] for k in ("fwd_ms", "total_ms", "fwd_tflops", "bwd_tflops")}
+
+        fwd_rows = [run("fwd", dataclasses.replace(base, block_kv=bk, stages=st))
+                    for bk in (64, 128) for st in (2, 3)]
+        ok = [r for r in fwd_rows if "error" not in r]
+        best_fwd = min(ok, key=lambda r: r["fwd_ms"])["tiles"] if ok else None
+        best_fwd = best_fwd or f"{base.block_kv},0,0,{base.stages}"
+        bk, _, _, st = (int(x) for x in best_fwd.split(","))
+        bwd_rows = [run("bwd", dataclasses.replace(base, block_kv=bk, stages=st, block_kv_dq=a,
+                                                   block_q_dkv=c))
+                    for a in (64, 128) for c in (64, 128)]
+        rows += fwd_rows + bwd_rows
+        ok = [r for r in bwd_rows if "error" not in r]
+        if ok and args.tune_write:
+            best = min(ok, key=lambda r: r["total_ms"])
+            tiles = flash_mgpu.Tiles(*(int(x) for x in best["tiles"].split(",")))
+            kind = _gpu_name(hopper.device_kind())
+            hopper.record(kind, d, jnp.bfloat16, tiles, f"benchmarks/attention.py --tune, "
+                          f"T={args.tune_t}, {environment()['date']}")
+            print(f"recorded {kind} d={d}: {tiles}", flush=True)
+    return rows
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter")
@@ -268,127 +457,113 @@ def main(argv=None) -> dict:
     p.add_argument("--tune-t", type=int, default=4096)
     p.add_argument("--bench", action="store_true",
                    help="with --check/--tune: also run the benchmark (with the best tuned config)")
+    p.add_argument("--tune-write", action="store_true",
+                   help="record the tuned tiles in kernels/tuning/mosaic_gpu.json")
     p.add_argument("--seqs", type=str, default="2048,4096,8192,16384")
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--head-dim", type=int, default=64, help="component width d (V is 2d)")
+    p.add_argument("--head-dims", type=str, default="64,128", help="component widths d (V is 2d)")
+    p.add_argument("--variants", type=str, default="",
+                   help=f"comma list (default on GPU: {','.join(GPU_VARIANTS)})")
     p.add_argument("--block", type=str, default="",
-                   help="bq,bk,bq_bwd,bk_bwd,warps,stages,warps_bwd,stages_bwd")
+                   help="Triton tiles of fused_triton: bq,bk,bq_bwd,bk_bwd,warps,stages,warps_bwd,"
+                        "stages_bwd")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--samples", type=int, default=7)
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds after which no new measurement starts (skips are recorded)")
     p.add_argument("--out", type=str, default=str(RESULTS))
     p.add_argument("--tag", type=str, default="")
     args = p.parse_args(argv)
 
-    block_sizes = None
-    if args.block:
-        vals = [int(x) for x in args.block.split(",")]
-        block_sizes = BlockSizes(*vals)
+    triton_blocks = BlockSizes(*[int(x) for x in args.block.split(",")]) if args.block else None
     on_gpu = jax.default_backend() == "gpu"
-    interpret = None
-    env = environment() | {"block_sizes": dataclasses.asdict(block_sizes) if block_sizes else None}
+    deadline = Deadline(args.deadline)
+    head_dims = [int(x) for x in args.head_dims.split(",")]
+    env = environment() | {"triton_block_sizes": dataclasses.asdict(triton_blocks)
+                           if triton_blocks else None,
+                           "fused_backend": _fused_backend(head_dims, jnp.bfloat16)}
     result: dict = {"env": env}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     if args.check:
-        result["check"] = check(block_sizes, interpret)
-        print(_table(result["check"], ["case", "out", "dq", "dk", "dv", "dλ", "finite"]))
+        result["check"] = check(None, None, deadline)
+        print(_table(result["check"], CHECK_COLS))
 
     if args.tune:
-        shape = Shape(args.tokens // args.tune_t, args.tune_t, args.heads, 64)
-        configs = [  # bq, bk, bq_bwd, bk_bwd, warps, stages, warps_bwd, stages_bwd
-            # A first sweep on an H100 (results/attention_nvidia_h100_sweep1.md) settled the
-            # forward at 128, 64, 8 warps, 3 stages; this one varies the backward.
-            (128, 64, 64, 64, 8, 3, 4, 2), (128, 64, 64, 64, 8, 3, 4, 3),
-            (128, 64, 64, 64, 8, 3, 8, 2), (128, 64, 32, 64, 8, 3, 4, 2),
-            (128, 64, 64, 32, 8, 3, 4, 2), (128, 64, 32, 32, 8, 3, 4, 2),
-            (128, 64, 64, 64, 8, 3, 4, 1),
-        ]
-        rows = []
-        for cfg in configs:
-            bs = BlockSizes(*cfg)
-            f = variants(bs, interpret, False)["fused"]
-            try:
-                r = bench_one("fused", f, shape, jnp.bfloat16, reps=3, samples=5)
-            except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
-                print(f"config {cfg} failed: {e!r}"[:400], flush=True)
-                continue
-            r["config"] = ",".join(map(str, cfg))
-            rows.append(r)
-            print(r, flush=True)
-        result["tune"] = rows
-        print(_table(rows, ["config", "fwd_ms", "bwd_ms", "total_ms", "fwd_tflops", "bwd_tflops"]))
-        if rows:  # best forward and best backward settings, combined
-            f_best = min(rows, key=lambda r: r["fwd_ms"])["config"].split(",")
-            b_best = min(rows, key=lambda r: r["bwd_ms"])["config"].split(",")
-            best = [int(x) for x in f_best[:2] + b_best[2:4] + f_best[4:6] + b_best[6:8]]
-            block_sizes = BlockSizes(*best)
-            env["block_sizes"] = dataclasses.asdict(block_sizes)
-            print("tuned:", block_sizes, flush=True)
+        result["tune"] = tune(head_dims, args, deadline)
+        print(_table(result["tune"], TUNE_COLS))
 
     if args.bench or not (args.check or args.tune):
         if args.smoke:
-            seqs, tokens, heads, d, dtype = [40], 80, 2, 16, jnp.float32
+            seqs, tokens, heads, dims, dtype = [40], 80, 2, [16], jnp.float32
             reps, samples = 1, 1
         else:
             seqs = [int(x) for x in args.seqs.split(",")]
-            tokens, heads, d, dtype = args.tokens, args.heads, args.head_dim, jnp.bfloat16
+            tokens, heads, dims, dtype = args.tokens, args.heads, head_dims, jnp.bfloat16
             reps, samples = args.reps, args.samples
-        fns = variants(block_sizes, interpret, with_cudnn=on_gpu)
+        env["fused_backend"] = _fused_backend(dims, dtype)
+        names = (args.variants.split(",") if args.variants
+                 else GPU_VARIANTS if on_gpu else CPU_VARIANTS)
+        fns = variants(None, None, with_cudnn=on_gpu, triton_blocks=triton_blocks)
         rows, mem = [], []
-        for t in seqs:
-            shape = Shape(max(1, tokens // t), t, heads, d)
-            for name, f in fns.items():
-                try:
-                    r = bench_one(name, f, shape, dtype, reps=reps, samples=samples)
-                except Exception as e:  # noqa: BLE001 - e.g. cuDNN refusing a shape: recorded
-                    r = {"variant": name, "T": t, "B": shape.b, "error": repr(e)[:300]}
-                rows.append(r)
-                print(r, flush=True)
-            xla = lambda q, k, v, lam: kernels.diff_attention(q, k, v, lam, impl="xla")  # noqa: E731
-            mem.append({"T": t, "B": shape.b, "fused_bytes": peak_memory(fns["fused"], shape, dtype),
-                        "xla_bytes": peak_memory(xla, shape, dtype)})
-            print(mem[-1], flush=True)
-        # Ratios of the fused total time to the comparison routes at each T.
-        ratios = []
-        for t in seqs:
-            by = {r["variant"]: r for r in rows if r["T"] == t and "error" not in r}
-            if "fused" not in by:
-                continue
-            ratio = {"T": t}
-            for name in by:
-                if name != "fused":
-                    ratio[f"fused/{name}"] = by["fused"]["total_ms"] / by[name]["total_ms"]
-            ratios.append(ratio)
+        t_sum = SUMMARY_T if not args.smoke else seqs[0]
+        for t in sorted(seqs, key=lambda x: x != t_sum):  # the summary's T first
+            for d in dims:
+                shape = Shape(max(1, tokens // t), t, heads, d)
+                for name in names:
+                    f = fns.get(name, f"unknown here (on_gpu={on_gpu})")
+                    if isinstance(f, str) or deadline.passed():
+                        r = {"variant": name, "d": d, "T": t, "B": shape.b,
+                             "error": "skipped: deadline" if not isinstance(f, str) else f}
+                    else:
+                        try:
+                            r = bench_one(name, f, shape, dtype, reps=reps, samples=samples)
+                        except Exception as e:  # noqa: BLE001 - e.g. cuDNN refusing a shape
+                            r = {"variant": name, "d": d, "T": t, "B": shape.b,
+                                 "error": repr(e)[:300]}
+                    rows.append(r)
+                    print(r, flush=True)
+
+        def xla(q, k, v, lam):
+            return kernels.diff_attention(q, k, v, lam, impl="xla")
+
+        for d in dims:
+            if t_sum in seqs and not deadline.passed():
+                shape = Shape(max(1, tokens // t_sum), t_sum, heads, d)
+                mem.append({"d": d, "T": t_sum, "B": shape.b,
+                            "fused_bytes": peak_memory(fns["fused"], shape, dtype),
+                            "xla_bytes": peak_memory(xla, shape, dtype)})
+                print(mem[-1], flush=True)
+        ratios = _ratios(rows)
         result |= {"bench": rows, "memory": mem, "ratios": ratios,
-                   "config": {"tokens": tokens, "heads": heads, "d": d, "dtype": jnp.dtype(dtype).name,
-                              "causal": True, "lam": LAM, "reps": reps, "samples": samples}}
-        print(_table(rows, ["variant", "T", "B", "fwd_ms", "bwd_ms", "total_ms", "fwd_tflops",
-                            "bwd_tflops", "total_tflops"]))
-        print(_table(ratios, list(ratios[0].keys()) if ratios else ["T"]))
-        print(_table(mem, ["T", "B", "fused_bytes", "xla_bytes"]))
+                   "summary": summary(rows, env, dims, t_sum),
+                   "config": {"tokens": tokens, "heads": heads, "head_dims": dims,
+                              "dtype": jnp.dtype(dtype).name, "causal": True, "lam": LAM,
+                              "reps": reps, "samples": samples}}
+        print(_table(rows, BENCH_COLS))
+        print(_table(ratios, _ratio_cols(ratios)))
+        print(json.dumps(result["summary"], indent=1))
 
     tag = args.tag or ("smoke" if args.smoke else env["device"].replace(" ", "_"))
     stem = out_dir / f"attention_{tag}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
     md = [f"# Attention benchmark ({tag})", "", f"device: {env['device']}, jax {env['jax']}, "
-          f"python {env['python']}, {env['date']}", f"block sizes: {env['block_sizes']}", ""]
+          f"python {env['python']}, {env['date']}; fused kernel by d: {env['fused_backend']}", ""]
     if "check" in result:
         md += ["## Correctness (‖out−ref‖/‖ref‖ vs the float32 oracle at HIGHEST)", "",
-               _table(result["check"], ["case", "out", "dq", "dk", "dv", "dλ", "finite"]), ""]
+               _table(result["check"], CHECK_COLS), ""]
     if "tune" in result:
-        md += ["## Tuning (fused, bf16, causal)", "",
-               _table(result["tune"], ["config", "fwd_ms", "bwd_ms", "total_ms", "fwd_tflops",
-                                       "bwd_tflops"]), ""]
+        md += ["## Tuning of the Mosaic GPU kernel's tiles (bf16, causal)", "",
+               _table(result["tune"], TUNE_COLS), ""]
     if "bench" in result:
-        md += ["## Timings (median ms; TFLOP/s on each route's floor FLOP count)", "",
-               _table(result["bench"], ["variant", "T", "B", "fwd_ms", "bwd_ms", "total_ms",
-                                        "fwd_tflops", "bwd_tflops", "total_tflops"]), "",
-               "## Fused total time over each route's", "",
-               _table(result["ratios"], list(result["ratios"][0].keys()) if result["ratios"] else
-                      ["T"]), "", "## Planned memory of one fwd+bwd step (bytes)", "",
-               _table(result["memory"], ["T", "B", "fused_bytes", "xla_bytes"]), ""]
+        md += ["## Summary (T = 4096)", "", "```json", json.dumps(result["summary"], indent=1),
+               "```", "", "## Timings (median ms; TFLOP/s on each route's floor FLOP count)", "",
+               _table(result["bench"], BENCH_COLS), "", "## Fused total time over each route's",
+               "", _table(result["ratios"], _ratio_cols(result["ratios"])), "",
+               "## Planned memory of one fwd+bwd step (bytes)", "",
+               _table(result["memory"], ["d", "T", "B", "fused_bytes", "xla_bytes"]), ""]
     stem.with_suffix(".md").write_text("\n".join(md))
     print(f"wrote {stem}.json / .md")
     return result

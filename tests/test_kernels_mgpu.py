@@ -1,0 +1,151 @@
+"""The Mosaic GPU (Hopper) differential kernel on a CPU: interpreter numerics, CUDA lowerings,
+dispatch and tiles.
+
+Numerics run `kernels/flash_mgpu.py` under Mosaic GPU's interpreter (jax 0.10.2), which
+simulates the warpgroups as threads, the TMA copies and barriers (every barrier phase must be
+awaited once by each thread, or it raises), but stands in plain loads and dots for wgmma,
+`plgpu.load` and layout casts (`flash_mgpu._Ops`). The interpreter runs the three warpgroups
+on XLA's CPU threads: it needs more than two (conftest's 8 host devices give them). Tolerances
+as tests/test_kernels.py's bf16 ones (2e-2; dλ 5e-2), against the float64 reference of the
+same rounded inputs. The CUDA exports run the real Mosaic GPU lowering (layouts, wgmma shapes,
+swizzles, TMA slices) on this machine; only ptxas and the run itself need the GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # no public API in 0.10.2
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+import kernels
+from kernels import BlockSizes, flash, flash_mgpu, hopper
+from kernels.flash import flash_attention
+from test_kernels import TRITON, _abstract, _fwd_bwd, make_inputs, np_diff_attention, rel
+
+MOSAIC = "stablehlo.custom_call @mosaic_gpu"
+
+# (B, T, H, Hkv, d, causal, segments, dtype, λ): the kernel-test matrix's GPU cases at the widths
+# and dtypes this kernel takes, kept to two for time; T ragged against the 64-row tiles, and at
+# T = 130 every ring slot is refilled. d = 96 differs from these in the interpreter only by shape;
+# its lowering (64-byte swizzle) is exported below.
+CASES = {
+    "mqa-causal-segments-neg-lam-d64": (1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5),
+    "mha-noncausal-lam0-d128-fp16": (1, 130, 1, 1, 128, False, False, jnp.float16, 0.0),
+}
+
+
+@pytest.mark.skipif(len(jax.devices("cpu")) < 3, reason="the Mosaic GPU interpreter's three "
+                    "warpgroups block each other with fewer than 3 host devices (conftest sets 8)")
+@pytest.mark.parametrize("name", list(CASES))
+def test_mosaic_kernel_matches_float64_reference(name):
+    """Forward and all gradients (λ too) of fwd, dQ and dK/dV under the interpreter; the first
+    case also runs its shared-memory race detector (every access ordered by a barrier)."""
+    b, t, h, hkv, d, causal, segments, dtype, lam = CASES[name]
+    q, k, v, do, seg = make_inputs(b, t, h, hkv, d, dtype, seed=len(name), segments=segments)
+    races = name == next(iter(CASES))
+    interpret = InterpretGPUParams(detect_races=True) if races else True
+
+    def loss(q, k, v, lam):
+        out = flash_attention(q, k, v, lam, num_components=2, segment_ids=seg, causal=causal,
+                              backend="mosaic_gpu", interpret=interpret)
+        return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        q, k, v, jnp.float32(lam))
+    assert out.dtype == dtype and out.shape == (b, t, h, 2 * d)
+    if races:
+        assert not interpret_pallas_call.get_races().races_found
+    ref_out, ref_grads = np_diff_attention(*(x.astype(jnp.float32) for x in (q, k, v)), lam,
+                                           do.astype(jnp.float32), causal=causal, seg=seg)
+    assert rel(out, ref_out) < 2e-2
+    for nm, g, r in zip(("dq", "dk", "dv", "dλ"), grads, ref_grads):
+        assert g.dtype == (jnp.float32 if nm == "dλ" else dtype), nm
+        assert bool(jnp.isfinite(g.astype(jnp.float32)).all()), nm
+        assert rel(g, r) < (5e-2 if nm == "dλ" else 2e-2), (nm, rel(g, r))
+    if segments:  # padding rows output exactly 0
+        assert float(jnp.abs(out.astype(jnp.float32) * (seg == 0)[:, :, None, None]).max()) == 0.0
+
+
+def _cuda_export(*abstract):
+    return export.export(_fwd_bwd("pallas"), platforms=["cuda"],
+                         disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(
+        *abstract).mlir_module()
+
+
+@pytest.mark.parametrize("d,dtype", [(64, jnp.bfloat16), (96, jnp.bfloat16), (128, jnp.float16)])
+def test_cuda_export_hopper_lowers_mosaic_kernels(d, dtype):
+    """With no GPU attached the target is Hopper: forward, dQ and dK/dV lower through Mosaic GPU
+    (segments, GQA, ragged T) and no Triton kernel is left; float32 stays on Triton."""
+    text = _cuda_export(*_abstract(d=d, dtype=dtype))
+    assert text.count(MOSAIC) == 3 and TRITON not in text
+    text = _cuda_export(*_abstract(d=d, dtype=jnp.float32))
+    assert text.count(TRITON) == 3 and MOSAIC not in text
+
+
+def test_cuda_export_before_hopper_lowers_triton_kernels():
+    with kernels.gpu_target("8.0"):
+        text = _cuda_export(*_abstract())
+    assert text.count(TRITON) == 3 and MOSAIC not in text
+
+
+def test_gpu_target_and_dispatch_rule():
+    """The target comes from gpu_target, else the attached GPU, else Hopper; the Mosaic kernel
+    takes differential bf16/fp16 calls at d ∈ {64, 96, 128} with V 2d wide on sm_90+."""
+    assert hopper.compute_capability() == (9, 0)  # CPU test machine: no CUDA device
+    for spec, cc in (("8.6", (8, 6)), ("sm_90", (9, 0)), ("sm_90a", (9, 0)), ((10, 0), (10, 0))):
+        with kernels.gpu_target(spec):
+            assert hopper.compute_capability() == cc
+    with pytest.raises(ValueError, match="GPU target must look like"):
+        with kernels.gpu_target("hopper"):
+            pass
+    assert flash.uses_mosaic_gpu(2, jnp.bfloat16, 96, 192)
+    assert not flash.uses_mosaic_gpu(2, jnp.float32, 64, 128)
+    assert not flash.uses_mosaic_gpu(1, jnp.bfloat16, 64, 64)
+    assert not flash.uses_mosaic_gpu(2, jnp.bfloat16, 32, 64)
+    with kernels.gpu_target("8.0"):
+        assert not flash.uses_mosaic_gpu(2, jnp.bfloat16, 64, 128)
+
+
+def test_tile_table_and_invalid_tiles():
+    """Every (d, dtype) the kernel takes has a row that fits shared memory; Triton's tile fields
+    do not reach the Mosaic kernel (so Triton tiles still run the CPU and pre-Hopper paths of a
+    bf16 d = 64 call, whose Hopper branch is traced too); bad Mosaic tiles are one ValueError
+    naming the field."""
+    for d in flash_mgpu.HEAD_DIMS:
+        for dtype in (jnp.bfloat16, jnp.float16):
+            tiles, row = hopper.tiles_for(d, dtype, kind="")
+            assert row["tuned"] is False and "untuned" in row["source"]
+            flash_mgpu.warpgroups(d, tiles)
+    assert flash_mgpu.warpgroups(64, hopper.tiles_for(64, jnp.bfloat16, kind="")[0]) == (2, 2)
+    assert flash_mgpu.warpgroups(128, hopper.tiles_for(128, jnp.bfloat16, kind="")[0]) == (1, 1)
+    triton = BlockSizes(block_q=16, block_k=16, num_warps=4)
+    assert flash.mosaic_tiles(triton, 64, jnp.bfloat16) == hopper.tiles_for(64, jnp.bfloat16)[0]
+    q = jnp.ones((1, 32, 2, 64), jnp.bfloat16)
+    out = flash_attention(q, q, jnp.ones((1, 32, 1, 128), jnp.bfloat16), 0.5, num_components=2,
+                          block_sizes=triton)
+    assert out.shape == (1, 32, 1, 128)
+    cases = [(flash_mgpu.Tiles(96, 64, 64, 2), r"block_kv must be a multiple of 64 .* got 96"),
+             (flash_mgpu.Tiles(64, 64, 32, 2), r"block_q_dkv must be a multiple of 64 .* got 32"),
+             (flash_mgpu.Tiles(64, 64, 64, 1), r"stages must be 2, 3 or 4, got 1"),
+             (flash_mgpu.Tiles(256, 64, 64, 2), r"block_kv=256 .* KiB of shared memory")]
+    for tiles, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            flash.mosaic_tiles(BlockSizes(mosaic_gpu=tiles), 128, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"backend='mosaic_gpu' takes .* float32, d=64"):
+        q, k, v = (jnp.zeros(s, jnp.float32)
+                   for s in ((1, 8, 2, 64), (1, 8, 2, 64), (1, 8, 1, 128)))
+        flash_attention(q, k, v, 0.5, num_components=2, backend="mosaic_gpu")
+
+
+def test_tuned_rows_win_for_their_gpu(tmp_path):
+    path = tmp_path / "table.json"
+    path.write_text(hopper.TABLE.read_text())
+    tiles = flash_mgpu.Tiles(128, 128, 64, 3)
+    hopper.record("H100", 64, jnp.bfloat16, tiles, "test", path=path)
+    got, row = hopper.tiles_for(64, jnp.bfloat16, kind="NVIDIA H100 80GB HBM3", path=path)
+    assert got == tiles and row["tuned"] is True
+    assert hopper.tiles_for(64, jnp.bfloat16, kind="NVIDIA H200", path=path)[0] != tiles
+    assert len(hopper.load_table(path)) == len(hopper.load_table()) + 1

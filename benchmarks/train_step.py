@@ -8,7 +8,8 @@ e.g. on one H100: --diff configs/diff-830m.yaml --baseline configs/transformer-8
   --set train.batch_size=8 --diff-set model.attention_impl=pallas
   --baseline-set model.attention_impl=cudnn --no-data --out benchmarks/results/train_step_h100
 
-Both models run the same jitted, sharded `train_step` on the same synthetic batches, interleaved
+Both models run the training loop's jitted, sharded step (`diff_jax.step.build_steps`) on the
+same synthetic batches, interleaved
 (A, B, A, B, …) so machine noise hits both; the median step time is reported. The data pipeline
 (stdlib corpus -> packed grain batches) is timed alone and compared with what the DIFF model
 consumes. Results are printed and saved as JSON + a markdown table with device and versions.
@@ -17,7 +18,6 @@ consumes. Results are printed and saved as JSON + a markdown table with device a
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import platform
 import statistics
@@ -28,43 +28,32 @@ import flax
 import jax
 import numpy as np
 import optax
-from flax import linen as nn
 
-from diff_jax.attention_op import AttentionOp
 from diff_jax.config import Config, load_config
-from diff_jax.optim import make_optimizer, schedule
-from diff_jax.sharding import batch_sharding, make_mesh
 from diff_jax.metrics import mfu
-from diff_jax.step import init_state, state_shardings, train_step
+from diff_jax.sharding import make_mesh
+from diff_jax.step import build_steps
 from diff_jax.summary import flops_per_token
-from diff_jax.transformer import DecoderLM
 
 
 def _stepper(config: Config):
     """(run one step -> blocks, tokens per step) for `config` on all local devices."""
     t = config.train
-    mesh, rules = make_mesh(config.mesh), config.mesh.rules
-    model = DecoderLM(config.model, attention_op=AttentionOp.build(config.model, mesh, rules))
-    tx = make_optimizer(config.optim, t.steps)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        _, sh = state_shardings(model, tx, mesh, rules)
-        bsh = batch_sharding(mesh, rules)
-        state = jax.jit(functools.partial(init_state, model=model, tx=tx), out_shardings=sh)(
-            jax.random.PRNGKey(0))
+    steps = build_steps(config, make_mesh(config.mesh))
+    with steps.context():
+        state = steps.init(jax.random.PRNGKey(0))
         rng = np.random.default_rng(0)
         toks = rng.integers(0, 100_000, (t.batch_size, t.seq_len + 1)).astype(np.int32)
         batch = jax.device_put({"tokens": toks[:, :-1], "targets": toks[:, 1:],
                                 "segment_ids": np.ones((t.batch_size, t.seq_len), np.int32),
-                                "positions": np.tile(np.arange(t.seq_len, dtype=np.int32), (t.batch_size, 1))}, bsh)
-        fn = jax.jit(functools.partial(train_step, model=model, tx=tx,
-                                       lr_schedule=schedule(config.optim, t.steps), grad_accum=t.grad_accum),
-                     in_shardings=(sh, bsh), out_shardings=(sh, None), donate_argnums=0)
+                                "positions": np.tile(np.arange(t.seq_len, dtype=np.int32), (t.batch_size, 1))},
+                               steps.batch_sharding)
     holder = {"state": state}
 
     def step() -> float:
         t0 = time.perf_counter()
-        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            holder["state"], m = fn(holder["state"], batch)
+        with steps.context():
+            holder["state"], m = steps.train(holder["state"], batch)
         jax.block_until_ready(m)
         return time.perf_counter() - t0
 
@@ -88,6 +77,7 @@ def _percent(x: float | None) -> str:
 
 
 def main() -> None:
+    """The command line in the module docstring: time both models, print and save the table."""
     p = argparse.ArgumentParser()
     p.add_argument("--diff", default="configs/tiny.yaml")
     p.add_argument("--baseline", default="configs/tiny-transformer.yaml")

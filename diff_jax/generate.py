@@ -119,7 +119,8 @@ def generate(
     seed: int = 0,
     eos_id: int | None = None,
 ) -> list[list[int]]:
-    """New tokens for each prompt (the prompt excluded; stops after `eos_id`, which is kept).
+    """New tokens for each prompt (the prompt excluded; stops after `eos_id`, which is kept):
+    B prompts of any lengths -> B lists of at most `max_new_tokens` ids.
 
     The whole decode runs on the device in one jitted call (`_generate`); only the finished
     tokens come back to the host.

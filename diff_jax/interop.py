@@ -3,7 +3,8 @@
 The layouts agree (adjacent Q1/Q2 sub-heads, heads concatenated in order), so a projection's
 Flax kernel (in, out) is the transpose of the reference `Linear.weight` (out, in); the λ vectors
 and the per-head norm weight are copied as they are. λ_init is not stored: it follows from the
-layer index (`depth`).
+layer index (`depth`). Each variant's reference layout and shapes are its spec's
+(`diff_jax.variants.Variant.reference_layout`, `.reference_shapes`).
 
     python -m diff_jax.interop run-reference IN.npz OUT.npz
 
@@ -19,50 +20,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diff_jax.attention import ATTENTION_MODULES
+from diff_jax import variants
 from diff_jax.config import ConfigError, ModelConfig
-
-# reference key -> (path in our attention parameter tree, is a Linear weight to transpose)
-_PROJ_V1 = ("q_proj", "k_proj", "v_proj", "out_proj")
-_PROJ_V2 = ("q_proj", "k_proj", "v_proj", "o_proj", "lambda_proj")
-_PROJ_BASE = ("q_proj", "k_proj", "v_proj", "out_proj")
-_VECTORS_V1 = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
-
-
-def _layout(variant: str) -> dict[str, tuple[tuple[str, ...], bool]]:
-    proj = {"diff": _PROJ_V1, "diff_v2": _PROJ_V2, "transformer": _PROJ_BASE}[variant]
-    table = {f"{p}.weight": ((p, "kernel"), True) for p in proj}
-    if variant == "diff":
-        table.update({n: ((n,), False) for n in _VECTORS_V1})
-        table["subln.weight"] = (("subln", "scale"), False)
-    return table
 
 
 def reference_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The reference state_dict shapes of one attention module of `config`."""
-    e, h, kv, d = config.embed_dim, config.num_heads, config.kv_heads, config.resolved_head_dim
-    if config.variant == "diff":
-        return {
-            "q_proj.weight": (2 * h * d, e), "k_proj.weight": (2 * kv * d, e),
-            "v_proj.weight": (2 * kv * d, e), "out_proj.weight": (e, 2 * h * d),
-            **{n: (d,) for n in _VECTORS_V1}, "subln.weight": (2 * d,),
-        }
-    if config.variant == "diff_v2":
-        return {
-            "q_proj.weight": (2 * h * d, e), "k_proj.weight": (kv * d, e),
-            "v_proj.weight": (kv * d, e), "o_proj.weight": (e, h * d), "lambda_proj.weight": (h, e),
-        }
-    return {
-        "q_proj.weight": (h * d, e), "k_proj.weight": (kv * d, e),
-        "v_proj.weight": (kv * d, e), "out_proj.weight": (e, h * d),
-    }
+    """The reference state_dict shapes of one attention module of `config` (its variant's
+    `Variant.reference_shapes`)."""
+    return variants.spec(config.variant).reference_shapes(config)
 
 
 def from_reference(state_dict: Mapping[str, np.ndarray], config: ModelConfig) -> dict:
     """Reference attention state_dict (numpy, reference names) -> our attention parameter tree."""
     expected = reference_shapes(config)
     params: dict = {}
-    for key, ((*parents, leaf), transpose) in _layout(config.variant).items():
+    for key, ((*parents, leaf), transpose) in variants.spec(config.variant).reference_layout.items():
         if key not in state_dict:
             raise KeyError(f"reference state_dict is missing {key!r} (expected shape {expected[key]})")
         value = np.asarray(state_dict[key], np.float32)
@@ -81,7 +53,7 @@ def from_reference(state_dict: Mapping[str, np.ndarray], config: ModelConfig) ->
 def to_reference(params: Mapping, config: ModelConfig) -> dict[str, np.ndarray]:
     """Our attention parameter tree -> reference state_dict (numpy, (out, in) weights)."""
     out = {}
-    for key, (path, transpose) in _layout(config.variant).items():
+    for key, (path, transpose) in variants.spec(config.variant).reference_layout.items():
         node = params
         for p in path:
             node = node[p]
@@ -100,7 +72,7 @@ def attention_output(
 ) -> np.ndarray:
     """Run our attention module (float32) with reference weights and explicit RoPE tables."""
     params = from_reference(state_dict, config)
-    module = ATTENTION_MODULES[config.variant](config, depth=depth)
+    module = variants.spec(config.variant).module(config, depth=depth)
     fn = jax.jit(lambda p, x, c, s: module.apply({"params": p}, x, rope=(c, s)))
     out = fn(params, jnp.asarray(x, jnp.float32), jnp.asarray(cos, jnp.float32),
              jnp.asarray(sin, jnp.float32))
@@ -125,27 +97,35 @@ def _array(data: Mapping, key: str, shape: tuple[int, ...]) -> np.ndarray:
     return value.astype(np.float32)
 
 
+def _v1_config(data: Mapping, e: int, h: int, kv: int) -> tuple[ModelConfig, int]:
+    """(config, depth) of a reference `MultiheadDiffAttn` (V1): its depth and GQA pairing."""
+    depth = _scalar(data, "depth", int)
+    pairing = _scalar(data, "gqa_pairing", str)
+    if pairing not in ("flash", "naive"):
+        raise ValueError(f"gqa_pairing: expected 'flash' or 'naive', got {pairing!r}")
+    return ModelConfig(variant="diff", embed_dim=e, num_heads=h, num_kv_heads=kv,
+                       num_layers=depth + 1, gqa_pairing=pairing), depth
+
+
+def _v2_config(data: Mapping, e: int, h: int, kv: int) -> tuple[ModelConfig, int]:
+    """(config, depth 0) of a reference DIFF V2 module: its head width."""
+    return ModelConfig(variant="diff_v2", embed_dim=e, num_heads=h, num_kv_heads=kv,
+                       head_dim=_scalar(data, "head_dim", int)), 0
+
+
+_REFERENCE_MODULES = {"v1": _v1_config, "v2": _v2_config}  # IN.npz `variant` -> its config
+
+
 def run_reference(in_path: str, out_path: str) -> None:
     """IN.npz (reference tensors, x, rope_cos, rope_sin, scalars) -> OUT.npz with `output` (B,T,E)."""
     with np.load(in_path, allow_pickle=False) as f:
         data = {k: f[k] for k in f.files}
-    variant = _scalar(data, "variant", str)
-    if variant not in ("v1", "v2"):
-        raise ValueError(f"variant: expected 'v1' or 'v2', got {variant!r}")
+    reference = _scalar(data, "variant", str)
+    if reference not in _REFERENCE_MODULES:
+        raise ValueError(f"variant: expected 'v1' or 'v2', got {reference!r}")
     e = _scalar(data, "embed_dim", int)
-    h = _scalar(data, "num_heads", int)
-    kv = _scalar(data, "num_kv_heads", int)
-    if variant == "v1":
-        depth = _scalar(data, "depth", int)
-        pairing = _scalar(data, "gqa_pairing", str)
-        if pairing not in ("flash", "naive"):
-            raise ValueError(f"gqa_pairing: expected 'flash' or 'naive', got {pairing!r}")
-        config = ModelConfig(variant="diff", embed_dim=e, num_heads=h, num_kv_heads=kv,
-                             num_layers=depth + 1, gqa_pairing=pairing)
-    else:
-        depth = 0
-        config = ModelConfig(variant="diff_v2", embed_dim=e, num_heads=h, num_kv_heads=kv,
-                             head_dim=_scalar(data, "head_dim", int))
+    config, depth = _REFERENCE_MODULES[reference](
+        data, e, _scalar(data, "num_heads", int), _scalar(data, "num_kv_heads", int))
     if "x" not in data:
         raise KeyError("IN.npz is missing 'x' (expected shape (B, T, embed_dim))")
     x = np.asarray(data["x"])
@@ -164,6 +144,8 @@ def run_reference(in_path: str, out_path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m diff_jax.interop run-reference IN.npz OUT.npz`; 0 on success, 1 on bad input
+    (one `error:` line), 2 on a usage error."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 3 or argv[0] != "run-reference":
         print("usage: python -m diff_jax.interop run-reference IN.npz OUT.npz", file=sys.stderr)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+
+from diff_jax.config import ModelConfig
 
 
 def dense(
@@ -26,6 +30,14 @@ def dense(
     )
 
 
+def residual_out_std(cfg: ModelConfig) -> float:
+    """Init std of the projections that write into the residual stream (attention output, MLP
+    down): init_std/sqrt(2·num_layers) under `model.output_init=scaled` (GPT-2), else init_std."""
+    if cfg.output_init == "scaled":
+        return cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    return cfg.init_std
+
+
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) · scale over the last axis; the core runs in float32."""
 
@@ -35,6 +47,7 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        """x (..., D) -> (..., D) in `dtype`, with a learned scale (D,) float32."""
         scale = self.param(
             "scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
             (x.shape[-1],), jnp.float32,
@@ -54,6 +67,7 @@ class SwiGLU(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        """x (B, T, E) -> (B, T, E) through a (B, T, hidden_dim) gated layer."""
         e = x.shape[-1]
         gate = dense(self.hidden_dim, ("embed", "mlp"), dtype=self.dtype, std=self.init_std,
                      name="w_gate")(x)

@@ -2,7 +2,8 @@
 
 Weight decay applies to matrices (projections, LM head); norms, λ vectors and the embedding are
 exempt unless `optim.decay_norms_and_lambdas` / `optim.decay_embeddings` say otherwise.
-Gradient accumulation is done inside the train step (`step.train_step`), not here.
+Gradient accumulation is not an optimizer wrapper here: the train step sums micro-batch
+gradients itself (`diff_jax.step.loss_and_grads`) and applies one update.
 """
 
 from __future__ import annotations

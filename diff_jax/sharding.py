@@ -86,6 +86,8 @@ def batch_sharding(mesh: Mesh, rules: Sequence[tuple[str, Any]], extra_leading: 
 
 
 def check_batch(global_batch: int, grad_accum: int, mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> None:
+    """Raise `ShardingError` unless a micro-batch (global_batch / grad_accum rows) divides the
+    mesh axes of the `batch` rule."""
     axes = dict(rules).get("batch")
     n = _axis_size(mesh, axes)
     micro = global_batch // grad_accum

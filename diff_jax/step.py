@@ -1,7 +1,11 @@
-"""The pure training and evaluation steps, and the sharded train state they act on.
+"""The pure training and evaluation steps, the sharded train state they act on, and the one
+builder that jits them.
 
-`train_step(state, batch, …) -> (state, metrics)` is jitted once by the loop with explicit
-in/out shardings and the state donated. Gradient accumulation runs inside it: the global batch
+`build_steps(config, mesh)` is the only place the sharded step is assembled (the training loop,
+the compile-only path `diff_jax.aot`, the benchmarks and the tests use it): the abstract state and
+its shardings from `jax.eval_shape`, the batch sharding, and `init`, `train` and `eval` jitted
+with explicit in/out shardings, the state donated to `train`. Gradient accumulation runs inside
+`train_step`: the global batch
 (B, T) is split into `grad_accum` micro-batches of B/k rows (row j·k + i goes to micro-batch i,
 so every device keeps its own rows), gradients are summed in float32 with `lax.scan`, and one
 optimizer update follows; with equal token counts per micro-batch this equals one step on B.
@@ -9,6 +13,10 @@ optimizer update follows; with equal token counts per micro-batch this equals on
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax
@@ -16,9 +24,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import linen as nn
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from diff_jax.sharding import check_divisible, tree_shardings
+from diff_jax import variants
+from diff_jax.attention_op import AttentionOp
+from diff_jax.config import Config
+from diff_jax.optim import make_optimizer, schedule
+from diff_jax.sharding import batch_sharding, check_batch, check_divisible, tree_shardings
 from diff_jax.transformer import DecoderLM, layer_lambdas
 
 Batch = dict[str, jax.Array]  # tokens, targets, segment_ids, positions: (B, T) int32
@@ -26,10 +38,15 @@ Batch = dict[str, jax.Array]  # tokens, targets, segment_ids, positions: (B, T) 
 
 @flax.struct.dataclass
 class TrainState:
+    """Everything a training step reads and writes; a checkpoint saves it whole."""
+
     step: jax.Array  # () int32: optimizer updates done
     params: Any  # float32
     opt_state: Any  # float32
-    rng: jax.Array  # (2,) uint32: key for stochastic layers; saved with every checkpoint
+    # (2,) uint32: a key folded from the init key and saved with every checkpoint. Nothing reads
+    # it (the model has no dropout or other stochastic layer); it stays so that checkpoints keep
+    # one layout and a stochastic layer would resume exactly.
+    rng: jax.Array
 
 
 def _boxed_state(rng: jax.Array, model: DecoderLM, tx: optax.GradientTransformation) -> TrainState:
@@ -68,14 +85,15 @@ def init_state(rng: jax.Array, model: DecoderLM, tx: optax.GradientTransformatio
 
 
 def loss_fn(params: Any, batch: Batch, model: DecoderLM) -> jax.Array:
-    """Mean next-token cross-entropy over every position of the batch (float32)."""
+    """Mean next-token cross-entropy () float32 over every position of the (B, T) batch."""
     logits = model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
                          segment_ids=batch["segment_ids"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
 def loss_and_grads(params: Any, batch: Batch, model: DecoderLM, grad_accum: int) -> tuple[jax.Array, Any]:
-    """(mean loss, mean gradients) over the batch, in `grad_accum` sequential micro-batches."""
+    """(mean loss () float32, mean gradients shaped like `params`) over the (B, T) batch, in
+    `grad_accum` sequential micro-batches of B / grad_accum rows."""
     grad_fn = jax.value_and_grad(loss_fn)
     if grad_accum == 1:
         return grad_fn(params, batch, model)
@@ -95,11 +113,12 @@ def loss_and_grads(params: Any, batch: Batch, model: DecoderLM, grad_accum: int)
 
 def train_step(state: TrainState, batch: Batch, *, model: DecoderLM, tx: optax.GradientTransformation,
                lr_schedule: optax.Schedule, grad_accum: int) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer update. Metrics: loss, grad_norm (before clipping), lr, and λ per layer (diff)."""
+    """One optimizer update on a (B, T) batch. Metrics: loss, grad_norm (before clipping), lr
+    (all ()), and λ per layer (num_layers,) for a variant whose λ is a layer scalar (diff)."""
     loss, grads = loss_and_grads(state.params, batch, model, grad_accum)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_schedule(state.step)}
-    if model.config.variant == "diff":
+    if variants.spec(model.config.variant).differential_op:
         metrics["lambda"] = layer_lambdas(state.params, model.config)
     new = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                         opt_state=opt_state)
@@ -107,5 +126,59 @@ def train_step(state: TrainState, batch: Batch, *, model: DecoderLM, tx: optax.G
 
 
 def eval_step(params: Any, batch: Batch, *, model: DecoderLM) -> jax.Array:
-    """Mean validation loss of one batch."""
+    """Mean validation loss () float32 of one (B, T) batch."""
     return loss_fn(params, batch, model)
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """One model's jitted, sharded functions on one mesh (from `build_steps`). Trace and run them
+    inside `context()`, which makes the mesh and the logical-axis rules current."""
+
+    model: DecoderLM  # with the attention op built for `mesh`
+    tx: optax.GradientTransformation
+    mesh: Mesh
+    rules: Any  # the logical-axis rule table
+    abstract: TrainState  # ShapeDtypeStructs carrying `shardings` (also the restore target)
+    shardings: TrainState
+    batch_sharding: NamedSharding  # for (B, T) batch arrays
+    init: Callable[[jax.Array], TrainState]  # PRNG key -> the initial state, sharded
+    train: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]  # donates state
+    eval: Callable[[Any, Batch], jax.Array]  # (params, batch) -> mean loss (), replicated
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """The mesh and the rules as the context every call (and trace) of the steps needs."""
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+            yield
+
+    def abstract_batch(self, batch_size: int, seq_len: int) -> Batch:
+        """ShapeDtypeStructs (B, T) int32 of a batch, with the batch sharding (for lowering)."""
+        return {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
+                for k in ("tokens", "targets", "segment_ids", "positions")}
+
+
+def build_steps(config: Config, mesh: Mesh) -> Steps:
+    """The sharded steps of `config` on `mesh` (`diff_jax.sharding.make_mesh`).
+
+    Checks that the micro-batch and every parameter divide their mesh axes (`ShardingError`)
+    before anything compiles; nothing is allocated and nothing runs on the mesh's devices, so
+    `mesh` may describe devices this machine does not have (AOT compilation for a TPU slice).
+    """
+    t, rules = config.train, config.mesh.rules
+    check_batch(t.batch_size, t.grad_accum, mesh, rules)
+    model = DecoderLM(config.model, attention_op=AttentionOp.build(config.model, mesh, rules))
+    tx = make_optimizer(config.optim, t.steps)
+    with nn.logical_axis_rules(rules):  # no live mesh: optax's init runs small eager ops
+        abstract, shardings = state_shardings(model, tx, mesh, rules)
+    bsh, replicated = batch_sharding(mesh, rules), NamedSharding(mesh, P())
+    train = functools.partial(train_step, model=model, tx=tx,
+                              lr_schedule=schedule(config.optim, t.steps), grad_accum=t.grad_accum)
+    return Steps(
+        model=model, tx=tx, mesh=mesh, rules=rules, abstract=abstract, shardings=shardings,
+        batch_sharding=bsh,
+        init=jax.jit(functools.partial(init_state, model=model, tx=tx), out_shardings=shardings),
+        train=jax.jit(train, in_shardings=(shardings, bsh), out_shardings=(shardings, replicated),
+                      donate_argnums=0),
+        eval=jax.jit(functools.partial(eval_step, model=model),
+                     in_shardings=(shardings.params, bsh), out_shardings=replicated))

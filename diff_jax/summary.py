@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from diff_jax import variants
 from diff_jax.attention import lambda_init
 from diff_jax.config import Config, ConfigError, ModelConfig, load_config
 from diff_jax.transformer import DecoderLM
@@ -45,16 +46,6 @@ def abstract_params(config: ModelConfig, sharding: jax.sharding.Sharding | None 
                      is_leaf=is_box))
 
 
-def attention_widths(config: ModelConfig) -> tuple[int, int]:
-    """(W_qk, W_v): summed widths of one token's query·key and value products in one layer."""
-    h, d = config.num_heads, config.resolved_head_dim
-    if config.variant == "diff":
-        return 2 * h * d, h * 2 * d
-    if config.variant == "diff_v2":
-        return 2 * h * d, 2 * h * d
-    return h * d, h * d
-
-
 def flops_per_token(config: ModelConfig, seq_len: int, params: dict | None = None) -> float:
     """Training model FLOPs per token at sequence length `seq_len` (see the module docstring)."""
     params = abstract_params(config) if params is None else params
@@ -64,12 +55,14 @@ def flops_per_token(config: ModelConfig, seq_len: int, params: dict | None = Non
     )
     if config.tie_embeddings:
         n_matmul += config.vocab_size * config.embed_dim
-    w_qk, w_v = attention_widths(config)
+    w_qk, w_v = variants.spec(config.variant).layout(config).attention_widths
     t_eff = (seq_len + 1) / 2
     return 6.0 * n_matmul + 6.0 * config.num_layers * t_eff * (w_qk + w_v)
 
 
 def summarize(config: Config) -> dict:
+    """Sizes, parameter counts and training FLOPs of `config` (the JSON `main` prints); λ_init
+    per layer for a variant whose λ is a layer scalar, else None."""
     m = config.model
     params = abstract_params(m)
     total = sum(leaf.size for leaf in jax.tree.leaves(params))
@@ -88,11 +81,14 @@ def summarize(config: Config) -> dict:
         "seq_len": config.train.seq_len,
         "flops_per_token": flops_per_token(m, config.train.seq_len, params),
         "tokens_per_step": config.train.batch_size * config.train.seq_len,
-        "lambda_init": [lambda_init(i) for i in range(m.num_layers)] if m.variant == "diff" else None,
+        "lambda_init": ([lambda_init(i) for i in range(m.num_layers)]
+                        if variants.spec(m.variant).differential_op else None),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m diff_jax.summary CONFIG [key=value ...]`: print `summarize` as JSON; 2 on a
+    config error (one `error:` line)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[0] + "\n\nusage: python -m diff_jax.summary CONFIG [key=value ...]")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import signal
 import time
@@ -23,19 +22,15 @@ from typing import Any, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import linen as nn
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from diff_jax import checkpoint, data
-from diff_jax.attention_op import AttentionOp
 from diff_jax.config import Config, ConfigError, DistributedConfig, dump_config
 from diff_jax.export.init_from import initial_params
 from diff_jax.metrics import MetricsWriter, Progress, mfu
-from diff_jax.optim import make_optimizer, schedule
-from diff_jax.sharding import batch_sharding, check_batch, check_process_rows, make_mesh
-from diff_jax.step import TrainState, eval_step, init_state, state_shardings, train_step
+from diff_jax.sharding import check_process_rows, make_mesh
+from diff_jax.step import TrainState, build_steps
 from diff_jax.summary import flops_per_token
-from diff_jax.transformer import DecoderLM
 
 
 class NonFiniteLossError(RuntimeError):
@@ -90,13 +85,9 @@ def run(config: Config) -> RunResult:
     main = jax.process_index() == 0
     progress = Progress(t.steps, main)
     progress.message(f"run directory: {Path(t.run_dir).resolve()}")
-    mesh = make_mesh(config.mesh)
-    rules = config.mesh.rules
-    check_batch(t.batch_size, t.grad_accum, mesh, rules)
-    model = DecoderLM(config.model, attention_op=AttentionOp.build(config.model, mesh, rules))
-    lr_schedule, tx = schedule(config.optim, t.steps), make_optimizer(config.optim, t.steps)
-    inputs = data.build(config.data, t.seq_len, t.batch_size, t.eval_batches, t.seed,
-                        jax.process_index(), jax.process_count())
+    steps = build_steps(config, make_mesh(config.mesh))
+    inputs = data.build(config.data, t.seq_len, t.batch_size, t.eval_tokens if t.eval_every else 0,
+                        t.seed, jax.process_index(), jax.process_count())
     if inputs.corpus.vocab_size > config.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {config.model.vocab_size} is smaller than the "
                           f"data's vocabulary ({inputs.corpus.vocab_size} ids)")
@@ -105,19 +96,12 @@ def run(config: Config) -> RunResult:
                          f"first: {inputs.corpus.skipped[0]}")
     flops = flops_per_token(config.model, t.seq_len)
 
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        abstract, shardings = state_shardings(model, tx, mesh, rules)
-        bsh, replicated = batch_sharding(mesh, rules), NamedSharding(mesh, P())
+    with steps.context():
+        step_fn, eval_fn, bsh = steps.train, steps.eval, steps.batch_sharding
         check_process_rows(bsh, t.batch_size, t.seq_len)
-        step_fn = jax.jit(functools.partial(train_step, model=model, tx=tx, lr_schedule=lr_schedule,
-                                            grad_accum=t.grad_accum),
-                          in_shardings=(shardings, bsh), out_shardings=(shardings, replicated),
-                          donate_argnums=0)
-        eval_fn = jax.jit(functools.partial(eval_step, model=model),
-                          in_shardings=(shardings.params, bsh), out_shardings=replicated)
         mngr = checkpoint.manager(t.run_dir, config.checkpoint)
         try:
-            resumed, state = checkpoint.resume(mngr, config.checkpoint, abstract, inputs.train,
+            resumed, state = checkpoint.resume(mngr, config.checkpoint, steps.abstract, inputs.train,
                                                progress.message)
         except BaseException:
             mngr.close()
@@ -125,10 +109,10 @@ def run(config: Config) -> RunResult:
         if resumed is not None:
             progress.message(f"resumed from step {resumed} ({t.run_dir}/checkpoints)")
         else:
-            state = jax.jit(functools.partial(init_state, model=model, tx=tx),
-                            out_shardings=shardings)(jax.random.PRNGKey(t.seed))
+            state = steps.init(jax.random.PRNGKey(t.seed))
             if t.init_from is not None:  # fine-tuning: parameters from an export or another run
-                state = state.replace(params=initial_params(t.init_from, config.model, shardings.params))
+                state = state.replace(params=initial_params(t.init_from, config.model,
+                                                            steps.shardings.params))
                 progress.message(f"parameters initialized from {t.init_from}")
         if main:  # only now: a refused resume leaves the run's record as it was
             Path(t.run_dir).mkdir(parents=True, exist_ok=True)
@@ -143,8 +127,9 @@ def run(config: Config) -> RunResult:
             mngr.close()
             writer.close()
             return RunResult(start, "already done", None)
-        validation = [_global(b, bsh) for b in inputs.validation]
-        loop = _Loop(config, mngr, writer, progress, step_fn, eval_fn, validation, flops, bsh)
+        validation = [_global(b, bsh) for b in inputs.validation.batches]
+        loop = _Loop(config, mngr, writer, progress, step_fn, eval_fn, validation, flops, bsh,
+                     validation_cover=(inputs.validation.tokens, inputs.validation.documents))
         try:
             with _stop_signals() as caught:
                 return loop.run(state, inputs.train, start, caught)
@@ -165,6 +150,7 @@ class _Loop:
     validation: list[dict[str, jax.Array]]
     flops_per_token: float
     batch_sharding: NamedSharding
+    validation_cover: tuple[int, int]  # (tokens, documents) the validation batches score, global
 
     def run(self, state: TrainState, it: Any, start: int, caught: list[str]) -> RunResult:
         t, ck = self.config.train, self.config.checkpoint
@@ -205,8 +191,11 @@ class _Loop:
                 continue
             if t.eval_every and (s % t.eval_every == 0 or s == t.steps) and self.validation:
                 val = np.mean([float(self.eval_fn(state.params, b)) for b in self.validation])
-                self.writer.write({"step": s, "val_loss": val})
-                self.progress.message(f"step {s}: validation loss {val:.4f}")
+                tokens, docs = self.validation_cover
+                self.writer.write({"step": s, "val_loss": val, "val_tokens": tokens,
+                                   "val_documents": docs})
+                self.progress.message(f"step {s}: validation loss {val:.4f} ({tokens:,} held-out "
+                                      f"tokens from {docs} documents)")
             if s % ck.every_steps == 0 or s == t.steps or caught:
                 self._check_saveable(s, state, batch)
                 checkpoint.save(self.mngr, s, state, it, self.config)

@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from diff_jax.attention import ATTENTION_MODULES, Rope, diff_lambda
+from diff_jax import variants
+from diff_jax.attention import LAMBDA_VECTORS, Rope, diff_lambda
 from diff_jax.attention_op import AttentionOp
 from diff_jax.config import ModelConfig
-from diff_jax.layers import RMSNorm, SwiGLU
+from diff_jax.layers import RMSNorm, SwiGLU, residual_out_std
 from diff_jax.rope import rope_tables
 
 _REMAT_POLICIES = {
@@ -29,15 +30,16 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, rope: Rope, segment_ids: jax.Array | None,
                  positions: jax.Array | None = None) -> jax.Array:
+        """x (B, T, E) -> (B, T, E); `rope` (cos, sin) (B, T, d/2), `segment_ids` and
+        `positions` (B, T) as in `DecoderLM`. Sows the output as `intermediates/hidden`."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        attn = ATTENTION_MODULES[cfg.variant](cfg, depth=self.depth, decode=self.decode,
-                                              attention_op=self.attention_op, name="attn")
+        attn = variants.spec(cfg.variant).module(cfg, depth=self.depth, decode=self.decode,
+                                                 attention_op=self.attention_op, name="attn")
         y = x + attn(RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x), rope=rope,
                      positions=positions, segment_ids=segment_ids)
         y = nn.with_logical_constraint(y, ("batch", "length", "act_embed"))
-        ffn = SwiGLU(cfg.resolved_mlp_dim, dtype, cfg.init_std,
-                     cfg.init_std / (2 * cfg.num_layers) ** 0.5, name="ffn")
+        ffn = SwiGLU(cfg.resolved_mlp_dim, dtype, cfg.init_std, residual_out_std(cfg), name="ffn")
         out = y + ffn(RMSNorm(cfg.norm_eps, dtype, name="ffn_norm")(y))
         self.sow("intermediates", "hidden", out)
         return nn.with_logical_constraint(out, ("batch", "length", "act_embed"))
@@ -65,6 +67,7 @@ class DecoderLM(nn.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:
+        """tokens (B, T) int32 -> logits (B, T, vocab) float32 (see the class docstring)."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         b, t = tokens.shape
@@ -101,12 +104,12 @@ class DecoderLM(nn.Module):
 
 
 def layer_lambdas(params: dict, config: ModelConfig) -> jax.Array:
-    """λ of every DIFF V1 layer (num_layers,) float32, from an (unboxed) parameter tree."""
-    if config.variant != "diff":
+    """λ of every layer (num_layers,) float32, from an (unboxed) parameter tree, for a variant
+    whose λ is a layer scalar (`Variant.differential_op`: DIFF V1)."""
+    if not variants.spec(config.variant).differential_op:
         raise ValueError(f"per-layer λ exists for variant diff only, not {config.variant!r}")
     params = params.get("params", params)
     return jnp.stack([
-        diff_lambda(*(params[f"layers_{i}"]["attn"][n]
-                      for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")), i)
+        diff_lambda(*(params[f"layers_{i}"]["attn"][n] for n in LAMBDA_VECTORS), i)
         for i in range(config.num_layers)
     ])

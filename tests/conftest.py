@@ -1,9 +1,24 @@
 """Test set-up: 8 fake CPU devices (before JAX initializes) so sharding tests need no hardware."""
 
 import os
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The TPU tests only compile (AOT, with the `tpu` extra): let libtpu load even when another
 # process on the machine holds its lockfile (e.g. a training run in the same environment).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+@pytest.fixture(scope="session")
+def text_dir(tmp_path_factory) -> Path:
+    """A small real-text corpus for `data.source=files`: 60 pydoc topics as .txt files (about
+    60k cl100k tokens), where a test needs real text but not the whole stdlib corpus."""
+    from pydoc_data.topics import topics
+
+    out = tmp_path_factory.mktemp("text")
+    for k in sorted(topics)[:60]:
+        (out / f"{k}.txt").write_text(topics[k])
+    return out

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import numpy_reference as npr
-from diff_jax.attention import ATTENTION_MODULES, lambda_init
+from diff_jax import variants
+from diff_jax.attention import lambda_init
 from diff_jax.attention_op import AttentionOp
 from diff_jax.config import ModelConfig
 from diff_jax.interop import from_reference, reference_shapes
@@ -21,7 +22,7 @@ F32_TOL = 2e-6
 
 
 def _run(cfg: ModelConfig, depth: int, sd, x, cos, sin, segment_ids=None):
-    module = ATTENTION_MODULES[cfg.variant](cfg, depth=depth)
+    module = variants.spec(cfg.variant).module(cfg, depth=depth)
     fn = jax.jit(lambda p, x, c, s, seg: module.apply({"params": p}, x, rope=(c, s), segment_ids=seg))
     return np.asarray(fn(from_reference(sd, cfg), jnp.asarray(x), jnp.asarray(cos, jnp.float32),
                          jnp.asarray(sin, jnp.float32), segment_ids))
@@ -96,7 +97,7 @@ def test_lambda_init_and_lambda_values():
     np.testing.assert_allclose(float(lambda_init(jnp.asarray(5.0))), lambda_init(5), rtol=1e-6)
     # λ from the parameters: exp(q1·k1) − exp(q2·k2) + λ_init, checked on a module's own init.
     cfg = ModelConfig(variant="diff", embed_dim=E, num_heads=4)
-    module = ATTENTION_MODULES["diff"](cfg, depth=3)
+    module = variants.DIFF.module(cfg, depth=3)
     params = jax.tree.map(np.asarray, jax.jit(module.init)(jax.random.key(1), jnp.zeros((1, 4, E)))["params"])
     params = {k: getattr(v, "value", v) for k, v in params.items()}
     d = cfg.resolved_head_dim
@@ -115,7 +116,7 @@ def test_lambda_init_and_lambda_values():
 def test_shapes_dtypes_causality(variant, heads, dtype):
     """Output (B, T, E) in the compute dtype, float32 params; future tokens never change the past."""
     cfg = ModelConfig(variant=variant, embed_dim=E, num_heads=heads, num_kv_heads=2, dtype=dtype)
-    module = ATTENTION_MODULES[variant](cfg, depth=1)
+    module = variants.spec(variant).module(cfg, depth=1)
     x = jax.random.normal(jax.random.key(0), (B, T, E), jnp.dtype(dtype))
     variables = module.init(jax.random.key(1), x)
     for leaf in jax.tree.leaves(variables):
@@ -136,13 +137,13 @@ def test_sown_maps_and_logit_quantization():
     cfg = ModelConfig(variant="diff", embed_dim=E, num_heads=4, num_kv_heads=2)
     sd = npr.random_state_dict(reference_shapes(cfg), seed=11)
     x, cos, sin = _inputs(cfg.resolved_head_dim, seed=4)
-    module = ATTENTION_MODULES["diff"](cfg, depth=2, attention_op=AttentionOp.build(cfg, capture=True))
+    module = variants.DIFF.module(cfg, depth=2, attention_op=AttentionOp.build(cfg, capture=True))
     params = from_reference(sd, cfg)
     out, state = module.apply({"params": params}, jnp.asarray(x), rope=(cos, sin),
                               mutable=["intermediates"])
     (maps,) = state["intermediates"]["attention"]
     # Collecting intermediates without asking the op to capture sows no maps.
-    _, plain_state = ATTENTION_MODULES["diff"](cfg, depth=2).apply(
+    _, plain_state = variants.DIFF.module(cfg, depth=2).apply(
         {"params": params}, jnp.asarray(x), rope=(cos, sin), mutable=["intermediates"])
     assert "attention" not in plain_state.get("intermediates", {})
     _, a1, a2, lam = npr.diff_v1(sd, x, cos, sin, num_heads=4, num_kv_heads=2, depth=2)

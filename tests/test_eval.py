@@ -83,9 +83,9 @@ def _params(run: Path):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_ppl(runs, variant):
-    out = _run(runs[variant], "task=ppl", "batches=2", "batch_size=2")
+    out = _run(runs[variant], "task=ppl", "held_out_tokens=256", "batch_size=2")
     assert out["variant"] == variant and out["step"] == 1
-    assert out["num_tokens"] == 2 * 2 * 64
+    assert out["num_tokens"] == 2 * 2 * 64 and 1 <= out["num_documents"] <= out["split_documents"]
     assert math.isclose(out["ppl"], math.exp(out["loss"]), rel_tol=1e-9)
     assert 0 < out["loss"] < 2 * math.log(100_288)
     by_pos = out["by_position"]
@@ -140,26 +140,25 @@ def test_niah_grid_is_seeded_and_puts_needles_at_the_requested_depths(runs):
     assert other["cells"] != out["cells"]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_attention_shares(runs, variant):
+# The shares, logits and hidden states themselves are checked against NumPy in test_analysis.py;
+# these check what the tasks report from them.
+@pytest.mark.parametrize("variant", ["diff_v2", "transformer"])
+def test_attention_task_averages_its_depths_and_layers(runs, variant):
     out = _run(runs[variant], "task=attention", "samples=1", "needles=2", "depths=[0,50,100]")
     assert [r["depth"] for r in out["by_depth"]] == [0, 50, 100]
     for r in out["by_depth"]:
-        assert 0 <= r["answer"] <= 1 and 0 <= r["noise"] <= 1 and r["answer"] + r["noise"] <= 1 + 1e-6
         assert len(r["answer_by_layer"]) == len(r["noise_by_layer"]) == 2
+        assert math.isclose(r["answer"], np.mean(r["answer_by_layer"]), rel_tol=1e-6)
+    assert math.isclose(out["noise"], np.mean([r["noise"] for r in out["by_depth"]]), rel_tol=1e-6)
     # at initialization attention is near uniform: the answer span gets about its share of keys
-    if variant != "diff":
-        assert 0.0 < out["answer"] < 0.5 < out["noise"]
+    assert 0.0 < out["answer"] < 0.5 < out["noise"]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_outliers_are_sorted_top_values(runs, variant):
-    out = _run(runs[variant], "task=outliers", "tokens=200")
-    assert out["num_tokens"] >= 200
-    for name in ("attention_logits", "hidden_states"):
-        s = out[name]
-        tops = [s[f"top{k}"] for k in (1, 2, 3, 10, 100)]
-        assert tops == sorted(tops, reverse=True) and tops[-1] >= s["median"] >= 0
+def test_outliers_task_reads_the_requested_tokens(runs):
+    out = _run(runs["diff"], "task=outliers", "tokens=200")
+    assert out["num_tokens"] == 4 * 64  # ceil(200 / 64) = 4 rows of train.seq_len
+    assert set(out["attention_logits"]) == set(out["hidden_states"]) == {
+        "top1", "top2", "top3", "top10", "top100", "median"}
 
 
 def test_quant_16_bits_equals_no_quantization_and_4_bits_differs(runs):

@@ -210,7 +210,7 @@ def test_missing_empty_and_partial_checkpoints_name_what_and_where(diff_run, tmp
     (empty / "checkpoints" / "3.orbax-checkpoint-tmp-42").mkdir(parents=True)  # an unfinished save
     with pytest.raises(ex.ExportError, match=r"empty_run/checkpoints holds no complete checkpoint"):
         ex.load(empty)
-    with pytest.raises(ex.ExportError, match=r"neither a run directory .* nor an export"):
+    with pytest.raises(ex.ExportError, match=r"neither a run directory nor an export; expected a run directory"):
         ex.load(tmp_path)
     partial = tmp_path / "partial"
     shutil.copytree(diff_run[0], partial)
@@ -226,7 +226,7 @@ def test_config_that_does_not_match_the_checkpoint_is_refused(tmp_path):
     config = CONFIGS["diff"]
     params = random_params(config)
     deeper = write_run(tmp_path / "deeper", config, params, saved_model={"num_layers": 3})
-    with pytest.raises(ex.ExportError, match=r"deeper: checkpoint has no params\['layers_2'\]"):
+    with pytest.raises(ex.ExportError, match=r"deeper: checkpoint params\['layers_2'\]\S* is missing"):
         ex.load(deeper)
     wider = write_run(tmp_path / "wider", config, params, saved_model={"mlp_dim": 128})
     with pytest.raises(ex.ExportError, match=r"wider: .*\['w_down'\]\['kernel'\] has shape \(256, 64\) "
@@ -235,7 +235,7 @@ def test_config_that_does_not_match_the_checkpoint_is_refused(tmp_path):
     out = ex.export(write_run(tmp_path / "run", config, params), tmp_path / "export", "safetensors")
     edited = dataclasses.asdict(config) | {"num_layers": 1}
     (out / "config.json").write_text(json.dumps(edited))
-    with pytest.raises(ex.ExportError, match=r"model.safetensors: 'layers.1.attn.k_proj.weight' is "
+    with pytest.raises(ex.ExportError, match=r"model.safetensors: '?layers.1.attn.k_proj.weight'? is "
                                              r"not part of the model"):
         ex.load(out)
     (out / "config.json").write_text(json.dumps(edited | {"num_heads": 3}))

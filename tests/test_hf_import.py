@@ -187,7 +187,7 @@ def test_checkpoints_that_do_not_match_their_config_are_refused(saved_diffllama,
     with pytest.raises(ex.ExportError, match=r"model.layers.1.self_attn.lambda_k2: missing"):
         import_hf(hf_dir, tmp_path / "out")
     rewrite(tensors | {"model.norm.weight": np.ones(32, np.float32)})
-    with pytest.raises(ex.ExportError, match=r"'norm.weight' has shape \(32,\) but the config gives \(64,\)"):
+    with pytest.raises(ex.ExportError, match=r"'?norm.weight'? has shape \(32,\) but the config gives \(64,\)"):
         import_hf(hf_dir, tmp_path / "out")
     (hf_dir / "model.safetensors").unlink()
     with pytest.raises(ex.ExportError, match=r"no model.safetensors or model.safetensors.index.json"):

@@ -64,7 +64,7 @@ def test_training_documents_come_from_a_seed_domain_disjoint_from_evaluation():
     assert "magic number" in ENC.decode(train[0].tolist())
 
 
-def test_niah_source_and_mixture_shares():
+def test_niah_source_and_mixture_shares(text_dir):
     cfg = DataConfig(source="niah", niah_tokens=20_000)
     corpus = load_corpus(cfg, seed=1)
     assert len(corpus.tokens) >= 20_000
@@ -72,7 +72,8 @@ def test_niah_source_and_mixture_shares():
     np.testing.assert_array_equal(load_corpus(cfg, seed=1).tokens, corpus.tokens)
     assert not np.array_equal(load_corpus(cfg, seed=2).tokens[:100], corpus.tokens[:100])
 
-    mixed = load_corpus(DataConfig(mixture="stdlib:3,niah:1", niah_doc_tokens=384), seed=0)
+    mixed = load_corpus(DataConfig(mixture="files:3,niah:1", paths=(str(text_dir),),
+                                   niah_doc_tokens=384), seed=0)
     docs = [mixed.tokens[a:b] for a, b in zip(mixed.doc_starts[:-1], mixed.doc_starts[1:])]
     is_niah = np.array(["\nWhat is the magic number of " in ENC.decode(d.tolist()) for d in docs])
     share = sum(len(d) for d, n in zip(docs, is_niah) if n) / len(mixed.tokens)

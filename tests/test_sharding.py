@@ -11,10 +11,10 @@ import pytest
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
-from diff_jax.config import MeshConfig, ModelConfig, OptimConfig
+from diff_jax.config import Config, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from diff_jax.optim import decay_mask, make_optimizer, schedule
-from diff_jax.sharding import ShardingError, batch_sharding, check_batch, make_mesh, mesh_shape
-from diff_jax.step import init_state, loss_and_grads, state_shardings, train_step
+from diff_jax.sharding import ShardingError, check_batch, make_mesh, mesh_shape
+from diff_jax.step import build_steps, loss_and_grads, state_shardings
 from diff_jax.transformer import DecoderLM
 
 MODEL = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=2, max_seq_len=64)
@@ -32,24 +32,20 @@ def _batch(b=8, t=16, seed=0):
 
 
 def _sharded(mesh_cfg, devices=None, grad_accum=1, steps=1):
-    """(state after `steps` train steps, loss, grads of the initial params, metrics) on a mesh."""
-    mesh = make_mesh(mesh_cfg, devices)
-    model = DecoderLM(MODEL)
-    ocfg = OptimConfig(warmup_steps=0)
-    tx = make_optimizer(ocfg, 10)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-        _, sh = state_shardings(model, tx, mesh, RULES)
-        bsh = batch_sharding(mesh, RULES)
-        state = jax.jit(functools.partial(init_state, model=model, tx=tx), out_shardings=sh)(
-            jax.random.PRNGKey(0))
-        batch = jax.device_put(_batch(), bsh)
-        loss, grads = jax.jit(functools.partial(loss_and_grads, model=model, grad_accum=grad_accum),
-                              in_shardings=(sh.params, bsh))(state.params, batch)
-        step = jax.jit(functools.partial(train_step, model=model, tx=tx,
-                                         lr_schedule=schedule(ocfg, 10), grad_accum=grad_accum),
-                       in_shardings=(sh, bsh), out_shardings=(sh, None), donate_argnums=0)
+    """(state after `steps` train steps, loss, grads of the initial params, metrics) on a mesh,
+    with the training loop's steps (`build_steps`)."""
+    config = Config(model=MODEL, optim=OptimConfig(warmup_steps=0), mesh=mesh_cfg,
+                    train=TrainConfig(steps=10, batch_size=8, seq_len=16, grad_accum=grad_accum))
+    built = build_steps(config, make_mesh(mesh_cfg, devices))
+    with built.context():
+        state = built.init(jax.random.PRNGKey(0))
+        batch = jax.device_put(_batch(), built.batch_sharding)
+        loss, grads = jax.jit(functools.partial(loss_and_grads, model=built.model,
+                                                grad_accum=grad_accum),
+                              in_shardings=(built.shardings.params, built.batch_sharding))(
+            state.params, batch)
         for _ in range(steps):
-            state, metrics = step(state, batch)
+            state, metrics = built.train(state, batch)
     return state, float(loss), jax.device_get(grads), jax.device_get(metrics)
 
 

@@ -115,7 +115,7 @@ def test_train_py_smoke_falling_loss_and_valid_metrics(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "train.py", "train.steps=12", "train.log_every=1", "train.eval_every=12",
-         "train.eval_batches=1", "optim.warmup_steps=2", f"train.run_dir={run}", "mesh.data=-1"],
+         "train.eval_tokens=2048", "optim.warmup_steps=2", f"train.run_dir={run}", "mesh.data=-1"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 12/12" in proc.stderr and "ETA" in proc.stderr and "tok/s" in proc.stderr
@@ -128,4 +128,5 @@ def test_train_py_smoke_falling_loss_and_valid_metrics(tmp_path):
     assert train[0]["loss"] > 10.5 and train[-1]["loss"] < train[0]["loss"] - 1.0
     val = [x for x in lines if "val_loss" in x]
     assert len(val) == 1 and val[0]["step"] == 12 and np.isfinite(val[0]["val_loss"])
+    assert val[0]["val_tokens"] == 2048 and val[0]["val_documents"] >= 10  # spread over the split
     assert (run / "config.yaml").exists() and _ckpt_steps(run) == [12]

@@ -1,5 +1,5 @@
 """Training data: text sources (or synthetic niah documents, or a mixture) -> tiktoken -> packed
-rows -> per-process grain batches.
+rows -> per-process grain batches; a held-out split of random documents for evaluation.
 
     python -m diff_jax.data prepare SRC... OUT_DIR   # tokenize once, train with data.source=tokens
 """
@@ -11,15 +11,17 @@ import dataclasses
 import grain
 
 from diff_jax.config import DataConfig
-from diff_jax.data.corpus import TokenCorpus, encoding, load, prepare, tokenize
+from diff_jax.data.corpus import TokenCorpus, load, prepare, tokenize
+from diff_jax.data.heldout import HeldOut, held_out
 from diff_jax.data.mixture import mixed_corpus, niah_corpus
-from diff_jax.data.pipeline import Batch, PackedRows, train_iterator, validation_batches
+from diff_jax.data.pipeline import Batch, PackedRows, train_iterator
 from diff_jax.data.sources import DataError, Documents, file_documents, stdlib_documents
+from diff_jax.data.tokenizer import encoding
 
 __all__ = [
-    "Batch", "DataError", "Documents", "InputData", "PackedRows", "TokenCorpus", "build",
-    "encoding", "file_documents", "load", "load_corpus", "mixed_corpus", "niah_corpus", "prepare",
-    "stdlib_documents", "tokenize", "train_iterator", "validation_batches",
+    "Batch", "DataError", "Documents", "HeldOut", "InputData", "PackedRows", "TokenCorpus", "build",
+    "encoding", "file_documents", "held_out", "load", "load_corpus", "mixed_corpus", "niah_corpus",
+    "prepare", "split_corpus", "stdlib_documents", "tokenize", "train_iterator",
 ]
 
 
@@ -46,22 +48,27 @@ def _source(cfg: DataConfig, name: str) -> TokenCorpus:
     return load(cfg.paths[0])
 
 
+def split_corpus(cfg: DataConfig, seed: int = 0) -> tuple[TokenCorpus, TokenCorpus | None]:
+    """(train, validation) of `load_corpus(cfg, seed)`: `data.validation_fraction` of its documents,
+    drawn with `data.split_seed`, held out (None when the fraction is 0)."""
+    return load_corpus(cfg, seed).split(cfg.validation_fraction, cfg.split_seed)
+
+
 @dataclasses.dataclass
 class InputData:
     train: grain.DatasetIterator  # this process's (b, L) slices, checkpointable
-    validation: list[Batch]  # fixed; empty when data.validation_fraction = 0
+    validation: HeldOut  # fixed; no batches when data.validation_fraction or eval_tokens is 0
     corpus: TokenCorpus  # the training split
 
 
-def build(cfg: DataConfig, seq_len: int, global_batch: int, eval_batches: int, seed: int,
+def build(cfg: DataConfig, seq_len: int, global_batch: int, eval_tokens: int, seed: int,
           process_index: int, process_count: int) -> InputData:
-    """Load, split and wrap the corpus for this process."""
-    train, val = load_corpus(cfg, seed).split(cfg.validation_fraction)
+    """Load, split and wrap the corpus for this process; the validation batches cover about
+    `eval_tokens` held-out tokens (`diff_jax.data.heldout`)."""
+    train, val = split_corpus(cfg, seed)
     rows = PackedRows(train, seq_len, seed)
     it = train_iterator(rows, global_batch, process_index, process_count,
                         cfg.read_threads, cfg.prefetch)
-    batches = []
-    if val is not None and eval_batches > 0:
-        batches = validation_batches(PackedRows(val, seq_len, seed, shuffle=False), global_batch,
-                                     eval_batches, process_index, process_count)
-    return InputData(it, batches, train)
+    validation = (HeldOut([], 0, 0) if val is None else
+                  held_out(val, seq_len, global_batch, eval_tokens, process_index, process_count))
+    return InputData(it, validation, train)

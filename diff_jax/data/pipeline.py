@@ -95,11 +95,3 @@ def train_iterator(rows: PackedRows, global_batch: int, process_index: int, proc
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads,
                                                      prefetch_buffer_size=prefetch)))
 
-
-def validation_batches(rows: PackedRows, global_batch: int, num_batches: int,
-                       process_index: int, process_count: int) -> list[Batch]:
-    """A fixed list of this process's slices of the first `num_batches` validation batches."""
-    b = local_batch_size(global_batch, process_count)
-    row = _ProcessRow(rows, global_batch, b, process_index)
-    return [{k: np.stack([r[k] for r in (row(n * b + i) for i in range(b))]) for k in rows[0]}
-            for n in range(num_batches)]

@@ -1,4 +1,4 @@
-"""eval.py's tasks on a checkpoint: ppl, score, niah, attention, outliers, quant, generate.
+"""eval.py's tasks on a checkpoint: ppl, score, niah, attention, outliers, quant, generate, recall.
 
 `run(argv)` parses `task=NAME [key=value ...] [section.key=value ...]`, loads the checkpoint,
 runs the task, prints a table and writes `<RUN>/eval/<task>.json` (the README lists each task's
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from diff_jax.evaluation import analysis, generation, retrieval, scoring
+from diff_jax.evaluation import analysis, generation, recall, retrieval, scoring
 from diff_jax.evaluation.loading import Loaded, load
 from diff_jax.evaluation.options import TASKS, EvalError, EvalOptions, parse_args
 from diff_jax.evaluation.report import Report, format_table, write
@@ -23,6 +23,7 @@ TASK_FUNCTIONS: dict[str, Callable[[Loaded, EvalOptions], Report]] = {
     "outliers": analysis.outliers,
     "quant": analysis.quant,
     "generate": generation.run,
+    "recall": recall.recall_task,
 }
 assert tuple(TASK_FUNCTIONS) == TASKS
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diff_jax import variants
 from diff_jax.attention_op import AttentionOp
 from diff_jax.config import ModelConfig
 from diff_jax.data import encoding
@@ -46,18 +47,6 @@ def _intermediates(model_cfg: ModelConfig, params: Any, tokens: jax.Array) -> di
     return state["intermediates"]
 
 
-def head_maps(layer: dict, variant: str) -> jax.Array:
-    """A layer's per-head attention maps (B, H, T, S): A, A1 − λ·A2 (V1) or P[2i] − λ_i·P[2i+1]."""
-    maps = layer["attn"]["attention"][0]
-    probs = maps["probs"]
-    if variant == "transformer":
-        return probs
-    if variant == "diff":
-        return probs[:, 0::2] - maps["lambda"] * probs[:, 1::2]
-    lam = layer["attn"]["lambda"][0]  # (B, T, h)
-    return probs[:, 0::2] - jnp.swapaxes(lam, 1, 2)[..., None] * probs[:, 1::2]
-
-
 @functools.partial(jax.jit, static_argnames=("model_cfg",))
 def _attention_shares(model_cfg: ModelConfig, params: Any, tokens: jax.Array,
                       spans: jax.Array) -> jax.Array:
@@ -68,13 +57,14 @@ def _attention_shares(model_cfg: ModelConfig, params: Any, tokens: jax.Array,
     """
     answer_start, answer_end, context_end, query_start, query_end = spans
     inter = _intermediates(model_cfg, params, tokens)
+    spec = variants.spec(model_cfg.variant)
     pos = jnp.arange(tokens.shape[1])
     answer = (pos >= answer_start) & (pos < answer_end)
     noise = (pos < context_end) & ~answer
     rows = ((pos >= query_start) & (pos < query_end)).astype(jnp.float32)
     out = []
     for i in range(model_cfg.num_layers):
-        m = jnp.maximum(head_maps(inter[f"layers_{i}"], model_cfg.variant), 0.0)
+        m = jnp.maximum(spec.head_maps(inter[f"layers_{i}"]), 0.0)
         m = m / jnp.maximum(m.sum(-1, keepdims=True), 1e-30)  # (B, H, T, S)
 
         def share(keys: jax.Array) -> jax.Array:
@@ -193,9 +183,7 @@ def quant(loaded: Loaded, options: EvalOptions) -> Report:
     report = Report(fields, table)
     png = loaded.out_dir / "quant.png"
     series = {"perplexity": ppls[1:]}
-    if plots.lines(png, options.bits, series, title=f"{cfg.model.variant}: attention-logit "
-                   "quantization", xlabel="bits", ylabel="held-out perplexity"):
-        report.files.append(str(png))
-    else:
-        report.notes.append(plots.MISSING)
+    plots.attach(report, png, plots.lines(
+        png, options.bits, series, title=f"{cfg.model.variant}: attention-logit quantization",
+        xlabel="bits", ylabel="held-out perplexity"))
     return report

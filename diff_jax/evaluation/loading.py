@@ -16,11 +16,13 @@ from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import Config, TrainConfig, apply_overrides, from_dict, parse_override
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.export import ExportError
-from diff_jax.export.sources import EXPORT_MARKER, abstract_params
+from diff_jax.export.sources import LOADABLE, abstract_params, locate
 
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
+    """What a task evaluates: the config, the parameters, and where they came from and go."""
+
     config: Config  # the saved config with the overrides applied
     params: Any  # float32 parameters on the default device
     source: str  # what was loaded (for the report)
@@ -37,10 +39,6 @@ def _override_value(overrides: Sequence[str], dotted: str) -> Any:
     return found
 
 
-def _is_step_dir(path: Path) -> bool:
-    return path.name.isdigit() and path.parent.name == "checkpoints"
-
-
 def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
     """Load `checkpoint=PATH` (else `train.run_dir=RUN`), step `options.step` or the latest."""
     location = options.checkpoint or _override_value(overrides, "train.run_dir")
@@ -49,17 +47,18 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
     path = Path(str(location)).expanduser().resolve()
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
-    step = options.step
-    if _is_step_dir(path):
-        if step is not None and step != int(path.name):
-            raise EvalError(f"step={step} contradicts checkpoint={path}")
-        run_dir, step = path.parent.parent, int(path.name)
-    elif path.name == "checkpoints" and (path.parent / "config.yaml").exists():
-        run_dir = path.parent
-    elif (path / "checkpoints").exists() or (path / "config.yaml").exists():
-        run_dir = path  # `restore_inference` names what is missing
-    else:
+    location = locate(path)
+    if location is None:
+        raise CheckpointError(f"checkpoint={path}: neither a run directory nor an export; "
+                              f"expected {LOADABLE}")
+    if location.export is not None:
         return _load_export(path, options, overrides)
+    step = options.step
+    if location.step is not None:
+        if step is not None and step != location.step:
+            raise EvalError(f"step={step} contradicts checkpoint={path}")
+        step = location.step
+    run_dir = location.run_dir  # `restore_inference` names what is missing
     # A relative run_dir saved in the config would resolve against the current directory.
     overrides = [*overrides, f"train.run_dir={run_dir}"]
     config: list[Config] = []
@@ -79,17 +78,14 @@ def _load_export(path: Path, options: EvalOptions, overrides: Sequence[str]) -> 
     try:
         model_cfg, params = export.load(path)
     except (OSError, ExportError) as e:
-        if (path / EXPORT_MARKER).is_file():  # an export that cannot be loaded: say why only
-            raise CheckpointError(f"checkpoint={path}: {e}") from e
-        raise CheckpointError(f"checkpoint={path} is not a run directory (no checkpoints/ or "
-                              f"config.yaml), not a step directory RUN/checkpoints/N, and not an "
-                              f"export: {e}") from e
+        raise CheckpointError(f"checkpoint={path}: {e}") from e
     # An export carries the model only; the default evaluation length must fit the model.
     seq_len = min(TrainConfig().seq_len, model_cfg.max_seq_len)
     saved = Config(model=model_cfg, train=TrainConfig(seq_len=seq_len)).to_dict()
     config = from_dict(apply_overrides(saved, overrides))
     target = abstract_params(config.model)
-    checkpoint.check_shapes(params, target)
+    checkpoint.check_shapes(checkpoint.tree_shapes(params), checkpoint.tree_shapes(target),
+                            f"checkpoint={path}: ")
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     out_dir = Path(options.out_dir) if options.out_dir else path / "eval"
     return Loaded(config, params, str(path), None, out_dir)

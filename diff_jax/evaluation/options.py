@@ -7,9 +7,9 @@ import dataclasses
 import typing
 from collections.abc import Sequence
 
-from diff_jax.config import parse_override
+from diff_jax.config import ConfigError, coerce, parse_override
 
-TASKS = ("ppl", "score", "niah", "attention", "outliers", "quant", "generate")
+TASKS = ("ppl", "score", "niah", "attention", "outliers", "quant", "generate", "recall")
 
 
 class EvalError(ValueError):
@@ -24,16 +24,19 @@ class EvalOptions:
     checkpoint: str | None = None  # a run dir, a step dir RUN/checkpoints/N, or an export dir
     step: int | None = None  # a step of the run (None: the latest)
     out_dir: str | None = None  # None: RUN/eval (an export dir: DIR/eval)
-    # held-out text (ppl, quant, outliers): `batches` batches of `batch_size` rows of `length` tokens
+    # held-out text, in rows spread over the validation split: ppl scores `held_out_tokens`
+    # tokens, quant `batches` batches; both in batches of `batch_size` rows of `length` tokens
     length: int | None = None  # None: train.seq_len
     batch_size: int = 4
     batches: int = 8
+    held_out_tokens: int = 262_144  # ppl: held-out tokens scored (at most the split's)
     # score
     input: str | None = None  # .txt (encoded with data.tokenizer) or .npy of int ids
     output: str | None = None  # None: RUN/eval/score.npy
-    # niah / attention (and quant with niah=true)
+    # niah / attention (and quant with niah=true); recall: needles = key–value pairs N
     needles: int = 4
     queries: int = 1
+    distractors: float = 0.0  # recall: share of the pairs that are near-duplicate distractors
     depths: tuple[int, ...] = (0, 25, 50, 75, 100)  # percent
     lengths: tuple[int, ...] = ()  # () : (train.seq_len,)
     samples: int = 4
@@ -53,8 +56,8 @@ class EvalOptions:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise EvalError(f"task={self.task}: unknown task; known tasks: {', '.join(TASKS)}")
-        for name in ("batch_size", "batches", "needles", "queries", "samples", "tokens",
-                     "max_new_tokens"):
+        for name in ("batch_size", "batches", "held_out_tokens", "needles", "queries", "samples",
+                     "tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise EvalError(f"{name}={getattr(self, name)}: must be positive")
         for name in ("length", "step"):
@@ -62,6 +65,8 @@ class EvalOptions:
                 raise EvalError(f"{name}={getattr(self, name)}: must be positive")
         if not self.queries <= self.needles:
             raise EvalError(f"queries={self.queries}: must be <= needles ({self.needles})")
+        if not 0 <= self.distractors < 1:
+            raise EvalError(f"distractors={self.distractors}: must be in [0, 1)")
         if not self.depths or any(not 0 <= d <= 100 for d in self.depths):
             raise EvalError(f"depths={list(self.depths)}: must be percentages in [0, 100]")
         if any(n < 2 for n in self.bits):
@@ -89,24 +94,15 @@ def parse_args(argv: Sequence[str]) -> tuple[EvalOptions, list[str]]:
                             "(and section.key=value config overrides)")
         if hints[key] is str or hints[key] == (str | None):
             values[key] = arg.partition("=")[2]  # taken verbatim: prompts and paths are not YAML
-        else:
-            values[key] = _coerce(key, parse_override(arg)[1], hints[key])
+            continue
+        value = parse_override(arg)[1]
+        if typing.get_origin(hints[key]) is tuple and not isinstance(value, list):
+            value = [value]  # `bits=8` is `bits=[8]`
+        try:
+            values[key] = coerce(value, hints[key], key)
+        except ConfigError as e:
+            raise EvalError(str(e)) from None
     if "task" not in values:
         raise EvalError(f"missing task=NAME; tasks: {', '.join(TASKS)}")
     return EvalOptions(**values), overrides
 
-
-def _coerce(key: str, value: typing.Any, tp: typing.Any) -> typing.Any:
-    args = typing.get_args(tp)
-    if value is None and type(None) in args:
-        return None
-    if typing.get_origin(tp) is tuple:
-        items = value if isinstance(value, list) else [value]
-        return tuple(_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(items))
-    base = next((a for a in args if a is not type(None)), tp)
-    ok = {bool: isinstance(value, bool),
-          int: isinstance(value, int) and not isinstance(value, bool),
-          float: isinstance(value, (int, float)) and not isinstance(value, bool)}[base]
-    if not ok:
-        raise EvalError(f"{key}={value!r}: expected {base.__name__}")
-    return base(value)

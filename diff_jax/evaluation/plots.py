@@ -7,7 +7,18 @@ from pathlib import Path
 
 import numpy as np
 
+from diff_jax.evaluation.report import Report
+
 MISSING = "matplotlib is not installed (pip install 'diff-jax[plots]'): no PNG written"
+
+
+def attach(report: Report, path: Path, drawn: bool) -> None:
+    """Record the figure `path` in `report.files` when it was `drawn` (what `heatmap` and
+    `lines` return), else add the note saying why no PNG was written."""
+    if drawn:
+        report.files.append(str(path))
+    else:
+        report.notes.append(MISSING)
 
 
 def _pyplot():

@@ -28,6 +28,8 @@ from diff_jax.transformer import DecoderLM
 
 
 def niah_lengths(config: Config, options: EvalOptions) -> tuple[int, ...]:
+    """The context lengths of the niah grid: `lengths=`, else (train.seq_len,); each must fit
+    model.max_seq_len (`EvalError` naming `lengths`)."""
     lengths = options.lengths or (config.train.seq_len,)
     too_long = [n for n in lengths if n > config.model.max_seq_len]
     if too_long:
@@ -59,7 +61,8 @@ def _greedy_hits(model: DecoderLM, params: Any, tokens: jax.Array, answer_pos: j
 
 def accuracy(model_cfg: ModelConfig, params: Any, samples: list[needles.NiahSample],
              length: int, batch_size: int) -> float:
-    """Mean over samples of the share of queried needles retrieved by greedy decoding."""
+    """Mean over samples of the share of queried needles retrieved by greedy decoding; the
+    samples are scored in batches (batch_size, length) of token rows."""
     rows = [(s, r) for s, sample in enumerate(samples) for r in range(sample.num_queries)]
     k = max(len(a) for sample in samples for a in sample.answers)
     n = len(rows) + -len(rows) % batch_size  # whole batches: one compiled shape
@@ -111,10 +114,8 @@ def niah(loaded: Loaded, options: EvalOptions) -> Report:
                             "lengths " + ", ".join(map(str, lengths))))
     report.table.append(("average", f"{grid.mean():.3f}"))
     png = loaded.out_dir / "niah.png"
-    if plots.heatmap(png, grid, [f"{d}%" for d in options.depths], [str(n) for n in lengths],
-                     title=f"{cfg.model.variant}: N={options.needles}, R={options.queries}",
-                     xlabel="context length", ylabel="answer depth"):
-        report.files.append(str(png))
-    else:
-        report.notes.append(plots.MISSING)
+    plots.attach(report, png, plots.heatmap(
+        png, grid, [f"{d}%" for d in options.depths], [str(n) for n in lengths],
+        title=f"{cfg.model.variant}: N={options.needles}, R={options.queries}",
+        xlabel="context length", ylabel="answer depth"))
     return report

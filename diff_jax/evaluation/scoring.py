@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diff_jax.config import Config, ModelConfig
-from diff_jax.data import Batch, DataError, PackedRows, TokenCorpus, encoding, load_corpus
+from diff_jax.data import Batch, DataError, HeldOut, TokenCorpus, encoding, held_out, split_corpus
 from diff_jax.evaluation import plots
 from diff_jax.evaluation.loading import Loaded
 from diff_jax.evaluation.options import EvalError, EvalOptions
@@ -48,19 +48,26 @@ def held_out_corpus(config: Config) -> TokenCorpus:
     """The validation split of the run's data (`data.*`), as training held it out."""
     if config.data.validation_fraction == 0:
         raise DataError("data.validation_fraction is 0 for this run, so no text was held out; "
-                        "pass data.validation_fraction=F (the last F of the documents) or point "
-                        "data.source/data.paths at other text")
-    _, val = load_corpus(config.data, config.train.seed).split(config.data.validation_fraction)
+                        "pass data.validation_fraction=F (F of the documents, drawn at random) or "
+                        "point data.source/data.paths at other text")
+    _, val = split_corpus(config.data, config.train.seed)
     return val
 
 
+def held_out_rows(corpus: TokenCorpus, length: int, batch_size: int, tokens: int) -> HeldOut:
+    """Batches of `batch_size` (fewer if the split is smaller) packed rows of `length` tokens
+    covering about `tokens` targets spread over the whole split (`diff_jax.data.heldout`)."""
+    rows = (len(corpus.tokens) - 1) // length
+    if rows < 1:
+        raise DataError(f"the held-out split has {len(corpus.tokens)} tokens, fewer than one row "
+                        f"of length + 1 = {length + 1}")
+    return held_out(corpus, length, min(batch_size, rows), tokens)
+
+
 def held_out_batches(corpus: TokenCorpus, length: int, batch_size: int, batches: int) -> list[Batch]:
-    """Up to `batches` batches of `batch_size` packed rows of `length` tokens, in corpus order."""
-    rows = PackedRows(corpus, length, seed=0, shuffle=False)
-    b = min(batch_size, len(rows))
-    n = min(batches, len(rows) // b)
-    return [{k: np.stack([rows[i * b + j][k] for j in range(b)]) for k in rows[0]}
-            for i in range(n)]
+    """Up to `batches` batches of `batch_size` packed rows of `length` tokens, spread over the
+    whole split."""
+    return held_out_rows(corpus, length, batch_size, batches * batch_size * length).batches
 
 
 def nll_by_position(model_cfg: ModelConfig, params: Any, corpus: TokenCorpus, length: int,
@@ -87,20 +94,27 @@ def ppl(loaded: Loaded, options: EvalOptions) -> Report:
     cfg = loaded.config
     length = eval_length(cfg, options)
     corpus = held_out_corpus(cfg)
-    batches = held_out_batches(corpus, length, options.batch_size, options.batches)
-    nll = np.concatenate([batch_nll(cfg.model, loaded.params, b).ravel() for b in batches])
+    rows = held_out_rows(corpus, length, options.batch_size, options.held_out_tokens)
+    nll = np.concatenate([batch_nll(cfg.model, loaded.params, b).ravel() for b in rows.batches])
     loss = float(nll.mean())
     by_pos, n_docs = nll_by_position(cfg.model, loaded.params, corpus, length,
                                      options.batch_size * options.batches, options.batch_size)
     cumulative = np.cumsum(by_pos) / np.arange(1, len(by_pos) + 1)
     report = Report(
-        {"length": length, "num_tokens": int(nll.size), "loss": loss, "ppl": math.exp(loss),
+        {"length": length, "num_tokens": int(nll.size), "num_documents": rows.documents,
+         "split_documents": corpus.num_docs, "split_tokens": int(len(corpus.tokens)),
+         "loss": loss, "ppl": math.exp(loss),
          "by_position": {"num_documents": n_docs, "nll": by_pos.tolist(),
                          "cumulative_nll": cumulative.tolist()}},
-        [("held-out tokens", f"{nll.size:,} in packed rows of {length} (loss, perplexity)"),
+        [("held-out tokens", f"{nll.size:,} from {rows.documents} documents, in packed rows of "
+                             f"{length} spread over the split ({len(corpus.tokens):,} tokens, "
+                             f"{corpus.num_docs} documents) (loss, perplexity)"),
          ("loss", f"{loss:.4f}"), ("perplexity", f"{math.exp(loss):.2f}"),
          ("by position (other rows)", f"{n_docs} documents of >= {length + 1} tokens, each read "
                                       "from its start")])
+    if nll.size < options.held_out_tokens:
+        report.notes.append(f"the held-out split has room for {nll.size:,} tokens in whole "
+                            f"batches, fewer than held_out_tokens={options.held_out_tokens:,}")
     if n_docs == 0:
         report.notes.append(f"no held-out document has {length + 1} tokens: by_position is empty")
     else:
@@ -108,12 +122,10 @@ def ppl(loaded: Loaded, options: EvalOptions) -> Report:
                              ", ".join(f"{cumulative[i]:.3f}" for i in
                                        (length // 4 - 1, length // 2 - 1, length - 1) if i >= 0)))
         png = loaded.out_dir / "ppl.png"
-        if plots.lines(png, np.arange(1, length + 1), {cfg.model.variant: cumulative},
-                       title="Cumulative average NLL by position", xlabel="position",
-                       ylabel="cumulative average NLL", logx=True):
-            report.files.append(str(png))
-        else:
-            report.notes.append(plots.MISSING)
+        plots.attach(report, png, plots.lines(
+            png, np.arange(1, length + 1), {cfg.model.variant: cumulative},
+            title="Cumulative average NLL by position", xlabel="position",
+            ylabel="cumulative average NLL", logx=True))
     return report
 
 

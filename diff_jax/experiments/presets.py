@@ -23,15 +23,59 @@ LABELS = {"diff": "DIFF V1", "diff_v2": "DIFF V2", "transformer": "Transformer"}
 PARAM_TOLERANCE = 0.005  # the issue's ±0.5%
 
 
+INITS = ("scaled", "normal")  # `model.output_init`: see `diff_jax.layers.residual_out_std`
+
+
+def model_overrides(variant: str, embed_dim: int, num_layers: int, diff_heads: int) -> list[str]:
+    """The `model.*` overrides of `variant` at the preset's shape: DIFF V1 with H heads, the
+    Transformer with 2H, DIFF V2 with H output heads and `v2_shape`'s kv heads and head dim."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    kv, d = v2_shape(embed_dim, diff_heads)
+    heads = {"diff": [f"model.num_heads={diff_heads}"],
+             "transformer": [f"model.num_heads={2 * diff_heads}"],
+             "diff_v2": [f"model.num_heads={diff_heads}", f"model.num_kv_heads={kv}",
+                         f"model.head_dim={d}"]}
+    return [f"model.variant={variant}", f"model.embed_dim={embed_dim}",
+            f"model.num_layers={num_layers}", *heads[variant]]
+
+
 @dataclasses.dataclass(frozen=True)
-class Preset:
-    """A replication recipe: model shape, shared training overrides and the evaluation grid."""
+class Recipe:
+    """What every preset fixes: the model shape, the shared training overrides, the inits the
+    comparison runs under, the default number of seeds and the budget it is sized for."""
 
     name: str
     embed_dim: int
     num_layers: int
     diff_heads: int  # H: DIFF V1 heads; the Transformer gets 2H, DIFF V2 H output heads
     shared: tuple[str, ...]  # `section.key=value` overrides given to every model
+    inits: tuple[str, ...]  # `model.output_init` values; the first is the preset's own
+    seeds: int  # default number of seeds
+    budget: str  # what it is sized for, in words
+
+    def overrides(self, variant: str, seed: int, run_dir: Path, init: str | None = None) -> list[str]:
+        """The train.py overrides of `variant` at `seed` under `init` (None: the preset's own),
+        writing to `run_dir`."""
+        init = self.inits[0] if init is None else init
+        if init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {init!r}")
+        return [*self.shared, *model_overrides(variant, self.embed_dim, self.num_layers,
+                                               self.diff_heads),
+                f"model.output_init={init}", f"train.seed={seed}", f"train.run_dir={run_dir}"]
+
+    def config(self, variant: str, seed: int, run_dir: Path, init: str | None = None) -> Config:
+        return load_config(None, self.overrides(variant, seed, run_dir, init))
+
+    @property
+    def seq_len(self) -> int:
+        return self.config("diff", 0, Path("unused")).train.seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset(Recipe):
+    """A language-modeling replication: held-out loss and the paper's Tables 2, 3, 5, Figure 8."""
+
     niah_grid: tuple[tuple[int, int], ...]  # (needles N, queried R) per Table 2 column
     niah_lengths: tuple[int, ...]  # context lengths; the last is beyond train.seq_len
     depths: tuple[int, ...]  # answer-needle depths in percent
@@ -40,31 +84,37 @@ class Preset:
     quant_niah: tuple[int, int]  # (N, R) of the niah accuracy measured per bit width
     eval_batches: int  # held-out batches (of 4 rows) for ppl and quant
     outlier_tokens: int
-    seeds: int  # default number of seeds
-    budget: str  # what it is sized for, in words
 
-    def overrides(self, variant: str, seed: int, run_dir: Path) -> list[str]:
-        """The train.py overrides of `variant` at `seed`, writing to `run_dir`."""
-        if variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-        model = [f"model.variant={variant}", f"model.embed_dim={self.embed_dim}",
-                 f"model.num_layers={self.num_layers}"]
-        if variant == "diff":
-            model.append(f"model.num_heads={self.diff_heads}")
-        elif variant == "transformer":
-            model.append(f"model.num_heads={2 * self.diff_heads}")
-        else:
-            kv, d = v2_shape(self.embed_dim, self.diff_heads)
-            model += [f"model.num_heads={self.diff_heads}", f"model.num_kv_heads={kv}",
-                      f"model.head_dim={d}"]
-        return [*self.shared, *model, f"train.seed={seed}", f"train.run_dir={run_dir}"]
 
-    def config(self, variant: str, seed: int, run_dir: Path) -> Config:
-        return load_config(None, self.overrides(variant, seed, run_dir))
+@dataclasses.dataclass(frozen=True)
+class RecallPreset(Recipe):
+    """An associative-recall comparison (`diff_jax.recall`): trained on recall samples of
+    `train.seq_len − 1` tokens (one sample a row), evaluated on a difficulty grid.
 
-    @property
-    def seq_len(self) -> int:
-        return self.config("diff", 0, Path("unused")).train.seq_len
+    Training samples (`recall.training_samples`): pairs uniform in 1..max_pairs, a distractor
+    share uniform over `train_distractors`, train.steps · train.batch_size of them, from the
+    seed's own stream. Grid: every (pairs, distractor share) cell
+    at every length, `samples` samples each, all non-distractor pairs queried. Learning curve:
+    accuracy on `curve_cell` at the training length at every checkpoint (every
+    checkpoint.every_steps steps); "steps to 90%" is the first such step at or above 0.9.
+    """
+
+    max_pairs: int
+    train_distractors: tuple[float, ...]
+    grid_cells: tuple[tuple[int, float], ...]  # (pairs N, distractor share)
+    grid_lengths: tuple[int, ...]  # sample lengths; the first is the training length
+    samples: int
+    curve_cell: tuple[int, float]  # (pairs, distractor share)
+
+    def overrides(self, variant: str, seed: int, run_dir: Path, init: str | None = None) -> list[str]:
+        """`Recipe.overrides` reading the seed's recall corpus (`corpus_dir`)."""
+        return [*super().overrides(variant, seed, run_dir, init), "data.source=tokens",
+                f"data.paths=[{corpus_dir(run_dir.parent.parent, seed)}]"]
+
+
+def corpus_dir(out: Path, seed: int) -> Path:
+    """Where a recall replication in `out` keeps the training corpus of `seed`."""
+    return out / "data" / f"recall-s{seed}"
 
 
 def v2_shape(embed_dim: int, heads: int) -> tuple[int, int]:
@@ -123,7 +173,7 @@ def _micro_text() -> str:
     return str(Path(json.__file__).parent)
 
 
-PRESETS: dict[str, Preset] = {
+PRESETS: dict[str, Preset | RecallPreset] = {
     "micro": Preset(
         name="micro", embed_dim=32, num_layers=2, diff_heads=2,
         shared=_shared(steps=4, batch=8, seq_len=64, max_seq_len=128, lr=3e-3, warmup=1,
@@ -132,6 +182,7 @@ PRESETS: dict[str, Preset] = {
                              "data.niah_doc_tokens=384", "data.validation_fraction=0.1")),
         niah_grid=((1, 1), (2, 2)), niah_lengths=(64, 128), depths=(0, 50, 100), samples=1,
         attention_needles=2, quant_niah=(1, 1), eval_batches=1, outlier_tokens=128, seeds=1,
+        inits=("scaled",),
         budget="the CI smoke test: a few steps, tiny shapes, < 2 minutes for the whole pipeline"),
     "cpu-small": Preset(
         name="cpu-small", embed_dim=64, num_layers=4, diff_heads=2,
@@ -141,10 +192,21 @@ PRESETS: dict[str, Preset] = {
                              "data.validation_fraction=0.02")),
         niah_grid=((1, 1), (2, 2), (4, 2), (6, 2)), niah_lengths=(256, 512),
         depths=(0, 25, 50, 75, 100), samples=4, attention_needles=4, quant_niah=(2, 2),
-        eval_batches=8, outlier_tokens=2048, seeds=1,
-        budget="2 shared CPU cores: 35 minutes measured for one seed of the three models "
-               "(about 9.5 min training + 2.5 min evaluation each), 409,600 training tokens per "
-               "model; each further seed adds about 35 minutes"),
+        eval_batches=8, outlier_tokens=2048, seeds=1, inits=INITS,
+        budget="2 shared CPU cores: 35 minutes measured for one seed of the three models under "
+               "one init (about 9.5 min training + 2.5 min evaluation each), 409,600 training "
+               "tokens per model; both inits double that, each further seed adds as much again"),
+    "cpu-recall": RecallPreset(
+        name="cpu-recall", embed_dim=128, num_layers=2, diff_heads=2,
+        shared=_shared(steps=1200, batch=32, seq_len=33, max_seq_len=128, lr=2e-3, warmup=50,
+                       eval_every=0, log_every=50,
+                       data=("data.validation_fraction=0", "model.vocab_size=128",
+                             "checkpoint.every_steps=150", "checkpoint.keep=8")),
+        inits=INITS, seeds=3, max_pairs=5, train_distractors=(0.0, 0.25, 0.5),
+        grid_cells=((1, 0.0), (2, 0.0), (2, 0.5), (4, 0.0), (4, 0.5)), grid_lengths=(32, 64, 128),
+        samples=64, curve_cell=(2, 0.0),
+        budget="2 shared CPU cores: 30 minutes measured for all 18 models (3 variants × 3 "
+               "seeds × 2 inits): 66–146 s of training and 5–16 s of evaluation each"),
     "gpu-medium": Preset(
         name="gpu-medium", embed_dim=768, num_layers=12, diff_heads=6,
         shared=_shared(steps=4000, batch=64, seq_len=1024, max_seq_len=2048, lr=1e-3,
@@ -153,7 +215,7 @@ PRESETS: dict[str, Preset] = {
                              "data.validation_fraction=0.01", "model.dtype=bfloat16")),
         niah_grid=((1, 1), (2, 2), (4, 2), (6, 2)), niah_lengths=(1024, 2048),
         depths=(0, 25, 50, 75, 100), samples=10, attention_needles=4, quant_niah=(4, 2),
-        eval_batches=32, outlier_tokens=16384, seeds=3,
+        eval_batches=32, outlier_tokens=16384, seeds=3, inits=INITS,
         budget="one H100: 262M training tokens per model; 41 minutes of training for the three "
                "models of one seed at the 33.5% MFU of benchmarks/results/train_step_h100 "
                "(1.03 GFLOP a token), about an hour with evaluation (an estimate: not yet run)"),

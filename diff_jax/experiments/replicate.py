@@ -1,57 +1,71 @@
-"""Train DIFF V1, DIFF V2 and the Transformer twin side by side and compare them with the paper.
+"""Train DIFF V1, DIFF V2 and the Transformer twin side by side and compare them.
 
-    python -m diff_jax.experiments.replicate [--preset micro|cpu-small|gpu-medium] [--seeds N]
-                                             [--out DIR]
+    python -m diff_jax.experiments.replicate [--preset micro|cpu-small|cpu-recall|gpu-medium]
+                                             [--seeds N] [--out DIR]
 
-For each seed and model it runs `train.py`'s loop (DIR/runs/VARIANT-sSEED; re-running resumes
-from the latest checkpoint) and then `eval.py`'s tasks ppl, niah (one per (N, R) of the preset's
-grid), attention, outliers and quant, each into DIR/runs/VARIANT-sSEED/replicate/JOB/ (a task
-whose JSON already holds the final step is skipped). Then `diff_jax.experiments.report` writes
-DIR/results.json, DIR/results.md and the PNGs. The three models of a seed share data order,
-token budget and optimizer; their parameter counts are checked to agree within ±0.5% before
-anything trains.
+For each init of the preset (`model.output_init`), seed and model it runs `train.py`'s loop
+(DIR/runs/VARIANT-INIT-sSEED; re-running resumes from the latest checkpoint) and then the
+evaluations through `diff_jax.evaluation.run_task`, each into RUN/replicate/JOB/ (a job whose
+JSON already holds its step is skipped). A language-modeling preset runs ppl, niah (one per
+(N, R) of its grid), attention, outliers and quant; a recall preset first writes each seed's
+training corpus (`diff_jax.recall`, DIR/data/recall-sSEED), then runs recall once per grid cell
+and once per checkpoint on the learning-curve cell. Then `lm_report` or `recall_report` writes
+DIR/results.json, DIR/results.md and the PNGs. The models of a seed share data order, token
+budget and optimizer; their parameter counts are checked to agree within ±0.5% before anything
+trains.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
 
-from diff_jax.experiments.presets import PRESETS, VARIANTS, Preset, check_matched
+from diff_jax import evaluation, recall, train_loop
+from diff_jax.evaluation import EvalOptions
+from diff_jax.experiments import lm_report, recall_report
+from diff_jax.experiments.layout import eval_json, recall_cell_name, run_dir
+from diff_jax.experiments.presets import (PRESETS, VARIANTS, Preset, RecallPreset, check_matched,
+                                          corpus_dir)
 
 
-def run_dir(out: Path, variant: str, seed: int) -> Path:
-    return out / "runs" / f"{variant}-s{seed}"
-
-
-def eval_jobs(preset: Preset, run: Path) -> list[tuple[str, list[str]]]:
-    """(name, eval.py arguments) of every evaluation of one trained model."""
-    depths = f"depths=[{','.join(map(str, preset.depths))}]"
-    train_len = f"lengths=[{preset.seq_len}]"
-    jobs = [("ppl", ["task=ppl", f"batches={preset.eval_batches}"])]
+def lm_jobs(preset: Preset) -> list[tuple[str, EvalOptions]]:
+    """(name, options) of every evaluation of one language model."""
+    depths, train_len = tuple(preset.depths), (preset.seq_len,)
+    jobs = [("ppl", EvalOptions(task="ppl", batches=preset.eval_batches))]
     for n, r in preset.niah_grid:
-        jobs.append((f"niah-N{n}R{r}", [
-            "task=niah", f"needles={n}", f"queries={r}", depths, f"samples={preset.samples}",
-            f"lengths=[{','.join(map(str, preset.niah_lengths))}]"]))
+        jobs.append((f"niah-N{n}R{r}", EvalOptions(
+            task="niah", needles=n, queries=r, depths=depths, samples=preset.samples,
+            lengths=tuple(preset.niah_lengths))))
+    n, r = preset.quant_niah
     jobs += [
-        ("attention", ["task=attention", f"needles={preset.attention_needles}", "queries=1", depths,
-                       f"samples={preset.samples}", train_len]),
-        ("outliers", ["task=outliers", f"tokens={preset.outlier_tokens}"]),
-        ("quant", ["task=quant", "bits=[16,8,6,4]", "niah=true", f"batches={preset.eval_batches}",
-                   f"needles={preset.quant_niah[0]}", f"queries={preset.quant_niah[1]}", depths,
-                   f"samples={preset.samples}", train_len]),
+        ("attention", EvalOptions(task="attention", needles=preset.attention_needles, queries=1,
+                                  depths=depths, samples=preset.samples, lengths=train_len)),
+        ("outliers", EvalOptions(task="outliers", tokens=preset.outlier_tokens)),
+        ("quant", EvalOptions(task="quant", bits=(16, 8, 6, 4), niah=True,
+                              batches=preset.eval_batches, needles=n, queries=r, depths=depths,
+                              samples=preset.samples, lengths=train_len)),
     ]
-    return [(name, [*args, f"train.run_dir={run}", f"out_dir={eval_json(run, name).parent}"])
-            for name, args in jobs]
+    return jobs
 
 
-def eval_json(run: Path, name: str) -> Path:
-    """Where eval job `name` writes: RUN/replicate/NAME/TASK.json, a folder of its own, so that
-    `eval.py` run by hand (which writes RUN/eval/) never replaces a replication result."""
-    return run / "replicate" / name / f"{name.partition('-')[0]}.json"
+def recall_jobs(preset: RecallPreset) -> list[tuple[str, EvalOptions]]:
+    """(name, options) of every evaluation of one recall model at its final step: the grid, and
+    the learning curve's cell at every checkpoint step (`step=`)."""
+    jobs = [(recall_cell_name(n, d), EvalOptions(
+        task="recall", needles=n, queries=recall.max_queries(n, d), distractors=d,
+        samples=preset.samples, lengths=tuple(preset.grid_lengths)))
+        for n, d in preset.grid_cells]
+    cfg = preset.config("diff", 0, Path("unused"))
+    n, d = preset.curve_cell
+    for step in range(cfg.checkpoint.every_steps, cfg.train.steps + 1, cfg.checkpoint.every_steps):
+        jobs.append((f"{recall_cell_name(n, d)}-step{step}", EvalOptions(
+            task="recall", needles=n, queries=recall.max_queries(n, d), distractors=d,
+            samples=preset.samples, lengths=(preset.grid_lengths[0],), step=step)))
+    return jobs
 
 
 def _add_wall(run: Path, key: str, seconds: float) -> None:
@@ -61,39 +75,63 @@ def _add_wall(run: Path, key: str, seconds: float) -> None:
     path.write_text(json.dumps(wall, indent=1) + "\n")
 
 
-def train_and_evaluate(preset: Preset, variant: str, seed: int, out: Path) -> Path:
-    """Train (or resume) one model, then run every evaluation not yet done at its final step."""
-    from diff_jax import evaluation, train_loop
+def prepare_recall_corpus(preset: RecallPreset, seed: int, out: Path) -> Path:
+    """Write (once) the recall training corpus of `seed`: one sample per training row."""
+    path = corpus_dir(out, seed)
+    if (path / "meta.json").exists():
+        return path
+    cfg = preset.config("diff", seed, run_dir(out, "diff", seed, preset.inits[0]))
+    spec = {"length": cfg.train.seq_len - 1, "max_pairs": preset.max_pairs,
+            "distractor_shares": tuple(preset.train_distractors)}
+    samples = recall.training_samples(recall.train_rng(seed),
+                                      count=cfg.train.steps * cfg.train.batch_size, **spec)
+    recall.write_training_corpus(path, samples, {"seed": seed, **spec})
+    return path
 
-    run = run_dir(out, variant, seed)
-    config = preset.config(variant, seed, run)
+
+def train_and_evaluate(preset: Preset | RecallPreset, variant: str, seed: int, init: str,
+                       out: Path) -> Path:
+    """Train (or resume) one model, then run every evaluation not yet done at its step."""
+    run = run_dir(out, variant, seed, init)
+    config = preset.config(variant, seed, run, init)
     t0 = time.perf_counter()
     result = train_loop.run(config)
     if result.status == "interrupted":
         raise KeyboardInterrupt(f"{run}: training interrupted at step {result.step}")
     if result.status != "already done":
         _add_wall(run, "train_s", time.perf_counter() - t0)
-    for name, args in eval_jobs(preset, run):
+    jobs = recall_jobs(preset) if isinstance(preset, RecallPreset) else lm_jobs(preset)
+    for name, options in jobs:
         path = eval_json(run, name)
-        if path.exists() and json.loads(path.read_text()).get("step") == config.train.steps:
+        step = options.step or config.train.steps
+        if path.exists() and json.loads(path.read_text()).get("step") == step:
             continue
         t0 = time.perf_counter()
-        evaluation.run(args)
+        evaluation.run_task(_at(options, run, path.parent), [])
         _add_wall(run, f"eval_{name}_s", time.perf_counter() - t0)
     return run
 
 
-def replicate(preset: Preset, seeds: int, out: Path) -> dict:
-    """Every (seed, model) trained and evaluated, then the report; returns results.json's content."""
-    from diff_jax.experiments import report
+def _at(options: EvalOptions, run: Path, out_dir: Path) -> EvalOptions:
+    """`options` evaluating the checkpoint of `run` into `out_dir`."""
+    return dataclasses.replace(options, checkpoint=str(run), out_dir=str(out_dir))
 
+
+def replicate(preset: Preset | RecallPreset, seeds: int, out: Path) -> dict:
+    """Every (init, seed, model) trained and evaluated, then the report; returns results.json's
+    content."""
     summaries = check_matched(preset)
     out.mkdir(parents=True, exist_ok=True)
-    for seed in range(seeds):
-        for variant in VARIANTS:
-            print(f"== {preset.name}: {variant}, seed {seed} ==", flush=True)
-            train_and_evaluate(preset, variant, seed, out)
-    return report.write(preset, seeds, out, summaries)
+    for init in preset.inits:
+        for seed in range(seeds):
+            if isinstance(preset, RecallPreset):
+                prepare_recall_corpus(preset, seed, out)
+            for variant in VARIANTS:
+                print(f"== {preset.name}: {variant}, init {init}, seed {seed} ==", flush=True)
+                train_and_evaluate(preset, variant, seed, init, out)
+    if isinstance(preset, RecallPreset):
+        return recall_report.write(preset, seeds, out, summaries)
+    return lm_report.write(preset, seeds, out, summaries)
 
 
 def main(argv: list[str] | None = None) -> int:

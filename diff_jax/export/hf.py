@@ -10,8 +10,9 @@ copied. Its per-head RMSNorm has no weight, so our `subln.weight` (shared by all
 into the columns of o_proj. Everything else is Llama: embed_tokens, input/post_attention
 layernorms, SwiGLU mlp (gate/up/down), final norm, lm_head (absent when tied).
 
-Refused (no exact DiffLlama equivalent): `diff_v2` (per-token sigmoid λ), `transformer` (no
-differential map, no per-head norm), and `gqa_pairing: naive` with num_kv_heads < num_heads
+Refused (no exact DiffLlama equivalent), with each variant's reason in its spec
+(`diff_jax.variants.Variant.hf_export_refusal`): `diff_v2` (per-token sigmoid λ), `transformer`
+(no differential map, no per-head norm); and `gqa_pairing: naive` with num_kv_heads < num_heads
 (Q1 and Q2 of one head may meet the same K component).
 
 `from_hf_state_dict` is the exact inverse (used by `diff_jax.export.hf_import`): rows back to
@@ -26,20 +27,18 @@ from typing import Any
 
 import numpy as np
 
+from diff_jax import variants
+from diff_jax.attention import LAMBDA_VECTORS
 from diff_jax.config import ModelConfig
 from diff_jax.export.errors import ExportError
 
 
 def check_mappable(config: ModelConfig) -> None:
-    """Raise `ExportError` with the reason when `config` cannot be exported exactly."""
-    if config.variant == "diff_v2":
-        raise ExportError(
-            "variant diff_v2 cannot be exported to DiffLlama: its λ is a per-token sigmoid of "
-            "lambda_proj and it has no per-head norm; DiffLlama implements DIFF V1 only")
-    if config.variant == "transformer":
-        raise ExportError(
-            "variant transformer cannot be exported to DiffLlama: DiffLlama always subtracts a "
-            "second attention map and RMS-normalises each head; use --format safetensors")
+    """Raise `ExportError` with the reason when `config` cannot be exported exactly (the
+    variant's `Variant.hf_export_refusal`, or a GQA pairing DiffLlama does not have)."""
+    refusal = variants.spec(config.variant).hf_export_refusal
+    if refusal is not None:
+        raise ExportError(f"variant {config.variant} cannot be exported to DiffLlama: {refusal}")
     if config.gqa_pairing == "naive" and config.kv_heads < config.num_heads:
         raise ExportError(
             "gqa_pairing naive with num_kv_heads < num_heads cannot be exported to DiffLlama: "
@@ -114,7 +113,7 @@ def hf_state_dict(state_dict: Mapping[str, np.ndarray], config: ModelConfig) -> 
         out[f"{dst}.self_attn.v_proj.weight"] = _component_major(state_dict[f"{attn}.v_proj.weight"], hkv, d, False)
         w_out, subln = state_dict[f"{attn}.out_proj.weight"], state_dict[f"{attn}.subln.weight"]
         out[f"{dst}.self_attn.o_proj.weight"] = w_out * np.tile(subln, h)[None, :]
-        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        for name in LAMBDA_VECTORS:
             out[f"{dst}.self_attn.{name}"] = state_dict[f"{attn}.{name}"]
         out[f"{dst}.post_attention_layernorm.weight"] = state_dict[f"{src}.ffn_norm.weight"]
         for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
@@ -146,7 +145,7 @@ def from_hf_state_dict(tensors: Mapping[str, np.ndarray], config: ModelConfig) -
                                   f"{config.embed_dim}) for {2 * groups} heads of width {d}")
             out[f"{attn}.{proj}.weight"] = _head_major(w, groups, d, permute)
         out[f"{attn}.out_proj.weight"] = get(f"{src}.self_attn.o_proj.weight")
-        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        for name in LAMBDA_VECTORS:
             out[f"{attn}.{name}"] = get(f"{src}.self_attn.{name}")
         out[f"{attn}.subln.weight"] = np.ones(2 * d, out[f"{attn}.out_proj.weight"].dtype)
     return out

@@ -33,6 +33,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from diff_jax import variants
+from diff_jax.attention import LAMBDA_VECTORS
 from diff_jax.config import ConfigError, ModelConfig
 from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
@@ -128,18 +130,19 @@ def model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         max_seq_len=_int(hf, "max_position_embeddings", where), rope_theta=theta,
         norm_eps=float(eps), tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
         init_std=_number(hf, "initializer_range", 0.02))  # initialization only
-    if model_type == "diffllama":
-        _require(heads % 2 == 0 and kv % 2 == 0, where, f"num_attention_heads ({heads}) and "
+    variant = variants.for_hf_model_type(model_type)
+    n = variant.sub_heads  # DiffLlama counts the (Q1, Q2) and (K1, K2) halves of our heads
+    if n > 1:
+        _require(heads % n == 0 and kv % n == 0, where, f"num_attention_heads ({heads}) and "
                  f"num_key_value_heads ({kv}) must both be even: DiffLlama's heads are (Q1, Q2) "
                  "and (K1, K2) halves of our differential heads")
+    if variant.fixed_head_dim:
         _require(head_dim * heads == e, where, f"head_dim ({head_dim}) · num_attention_heads "
                  f"({heads}) != hidden_size ({e}); our DIFF V1 heads have width hidden_size / "
                  "num_attention_heads")
-        h, hkv = heads // 2, kv // 2
-        fields.update(variant="diff", num_heads=h, num_kv_heads=None if hkv == h else hkv)
-    else:
-        fields.update(variant="transformer", num_heads=heads, num_kv_heads=None if kv == heads else kv,
-                      head_dim=None if head_dim * heads == e else head_dim)
+    h, hkv = heads // n, kv // n
+    fields.update(variant=variant.name, num_heads=h, num_kv_heads=None if hkv == h else hkv,
+                  head_dim=None if head_dim * heads == e else head_dim)
     try:
         return ModelConfig(**fields)
     except ConfigError as err:
@@ -198,13 +201,16 @@ def _expected_names(config: ModelConfig) -> set[str]:
     per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
                  *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
                  *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))]
-    if config.variant == "diff":
-        per_layer += [f"self_attn.lambda_{c}{n}" for n in (1, 2) for c in "qk"]
+    if variants.spec(config.variant).differential_op:  # DiffLlama's λ vectors
+        per_layer += [f"self_attn.{name}" for name in LAMBDA_VECTORS]
     names = {f"model.layers.{i}.{n}" for i in range(config.num_layers) for n in per_layer}
     names |= {"model.embed_tokens.weight", "model.norm.weight"}
     if not config.tie_embeddings:
         names.add("lm_head.weight")
     return names
+
+
+_TO_OURS = {"diffllama": hf.from_hf_state_dict, "llama": _llama_to_ours}  # by model_type
 
 
 def read_hf(hf_dir: str | Path) -> Source:
@@ -233,9 +239,8 @@ def read_hf(hf_dir: str | Path) -> Source:
         raise ExportError(f"{hf_dir}: tensor {extra[0]!r} ({len(extra)} unexpected in all) has no "
                           f"place in a {ARCHITECTURES[hf_config['model_type']]} as its config.json "
                           "describes it; refusing to import")
-    mapping = hf.from_hf_state_dict if config.variant == "diff" else _llama_to_ours
     try:
-        ours = mapping(tensors, config)
+        ours = _TO_OURS[hf_config["model_type"]](tensors, config)
     except ExportError as e:
         raise ExportError(f"{hf_dir}: {e}") from e
     for name, value in ours.items():
@@ -270,6 +275,7 @@ def finetune_overrides(config: ModelConfig, out: str | Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m diff_jax.export.hf_import HF_DIR --out DIR [--overwrite]`; 2 on bad input."""
     parser = argparse.ArgumentParser(
         prog="python -m diff_jax.export.hf_import",
         description="Import a local DiffLlamaForCausalLM (-> DIFF V1) or LlamaForCausalLM (-> "

@@ -23,7 +23,7 @@ from diff_jax.checkpoint import CheckpointError, DamagedCheckpointError
 from diff_jax.config import ConfigError, ModelConfig, model_config_from_dict
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_io import read_safetensors
-from diff_jax.export.state_dict import check_shapes, from_state_dict
+from diff_jax.export.state_dict import from_state_dict
 
 EXPORT_MARKER = "export.json"
 CONFIG_FILE = "config.json"
@@ -57,13 +57,32 @@ def abstract_params(config: ModelConfig) -> Any:
     return summary.abstract_params(config, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
 
 
-def _leaf_path(path: tuple) -> str:
-    return "/".join(str(getattr(k, "key", k)) for k in path)
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """What a directory holds: an export (`export`), or a training run (`run_dir`) and one of its
+    steps (`step`; None: the latest complete one)."""
+
+    export: Path | None = None
+    run_dir: Path | None = None
+    step: int | None = None
 
 
-def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {_leaf_path(path): tuple(leaf.shape) for path, leaf in leaves}
+LOADABLE = ("a run directory (with checkpoints/ or config.yaml), its checkpoints/ directory, one "
+            f"step RUN/checkpoints/N, or an export (with {EXPORT_MARKER})")
+
+
+def locate(path: Path) -> Location | None:
+    """What `path` names (see `LOADABLE`), or None when it is none of those: the one place that
+    decides "run, checkpoint step or export" for `read_source`, eval.py and fine-tuning."""
+    if (path / EXPORT_MARKER).is_file():
+        return Location(export=path)
+    if path.name.isdigit() and path.parent.name == "checkpoints":
+        return Location(run_dir=path.parent.parent, step=int(path.name))
+    if path.name == "checkpoints":
+        return Location(run_dir=path.parent)
+    if (path / "checkpoints").exists() or (path / "config.yaml").exists():
+        return Location(run_dir=path)
+    return None
 
 
 def read_source(path: str | Path) -> Source:
@@ -73,9 +92,12 @@ def read_source(path: str | Path) -> Source:
         raise ExportError(f"{path}: no such file or directory")
     if not path.is_dir():
         raise ExportError(f"{path}: expected a directory (a run, a checkpoint or an export)")
-    if (path / EXPORT_MARKER).is_file():
+    location = locate(path)
+    if location is None:
+        raise ExportError(f"{path}: neither a run directory nor an export; expected {LOADABLE}")
+    if location.export is not None:
         return _read_export(path)
-    return _read_train_checkpoint(path)
+    return _read_train_checkpoint(path, location)
 
 
 def _read_json(path: Path) -> Any:
@@ -123,11 +145,12 @@ def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise ExportError(f"{path}: not a readable orbax checkpoint: {e}") from e
     target = abstract_params(config)
-    check_shapes(_flat_shapes(saved), _flat_shapes(target), str(path))
-    dtypes = {_leaf_path(path): leaf.dtype
-              for path, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    checkpoint.check_shapes(checkpoint.tree_shapes(saved), checkpoint.tree_shapes(target),
+                            f"{path}: ", ExportError)
+    keystr = jax.tree_util.keystr
+    dtypes = {keystr(p): leaf.dtype for p, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]}
     stored = jax.tree_util.tree_map_with_path(  # read in the stored dtype: that is what was summed
-        lambda p, t: jax.ShapeDtypeStruct(t.shape, dtypes[_leaf_path(p)], sharding=t.sharding),
+        lambda p, t: jax.ShapeDtypeStruct(t.shape, dtypes[keystr(p)], sharding=t.sharding),
         target)
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
                                 stored)
@@ -145,17 +168,9 @@ def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
     return jax.tree.map(lambda x: x.astype(jnp.float32), params)
 
 
-def _read_train_checkpoint(path: Path) -> Source:
-    """A run directory, its checkpoints/ directory, or one step RUN/checkpoints/N."""
-    if (path / "checkpoints").is_dir():
-        run_dir, step = path, None
-    elif path.name == "checkpoints":
-        run_dir, step = path.parent, None
-    elif path.name.isdigit() and path.parent.name == "checkpoints":
-        run_dir, step = path.parent.parent, int(path.name)
-    else:
-        raise ExportError(f"{path}: neither a run directory (with checkpoints/), its checkpoints/ "
-                          f"directory, one step RUN/checkpoints/N, nor an export (with {EXPORT_MARKER})")
+def _read_train_checkpoint(path: Path, location: Location) -> Source:
+    """The parameters of a run's step (`location`), with the model config saved beside them."""
+    run_dir, step = location.run_dir, location.step
     configs: list[ModelConfig] = []
 
     def target(saved: Any) -> Any:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from diff_jax.checkpoint import check_shapes
 from diff_jax.config import ModelConfig
 from diff_jax.export.errors import ExportError
 from diff_jax.interop import from_reference, reference_shapes, to_reference
@@ -56,30 +57,13 @@ def to_state_dict(params: Mapping[str, Any], config: ModelConfig) -> dict[str, n
     return out
 
 
-def check_shapes(found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]],
-                 where: str) -> None:
-    """Raise `ExportError` naming the first entry of `where` missing, unexpected or mis-shaped."""
-    missing = [k for k in expected if k not in found]
-    if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise ExportError(f"{where}: missing {missing[0]!r} (expected shape {expected[missing[0]]})"
-                          f"{more}; the checkpoint is incomplete or the config does not match it")
-    extra = sorted(set(found) - set(expected))
-    if extra:
-        raise ExportError(f"{where}: {extra[0]!r} is not part of the model the config describes "
-                          f"({len(extra)} unexpected in all); the config does not match the checkpoint")
-    for k, shape in expected.items():
-        if tuple(found[k]) != tuple(shape):
-            raise ExportError(f"{where}: {k!r} has shape {tuple(found[k])} but the config gives "
-                              f"{tuple(shape)}; the config does not match the checkpoint")
-
-
 def from_state_dict(tensors: Mapping[str, np.ndarray], config: ModelConfig, where: str) -> dict:
     """{export name: array} -> our parameter tree, float32 (the model's parameter dtype).
 
     `where` names the source in error messages.
     """
-    check_shapes({k: np.shape(t) for k, t in tensors.items()}, state_dict_shapes(config), where)
+    check_shapes({k: np.shape(t) for k, t in tensors.items()}, state_dict_shapes(config),
+                 f"{where}: ", ExportError)
 
     def get(name: str, transpose: bool = False) -> np.ndarray:
         value = np.asarray(tensors[name], np.float32)

@@ -1,0 +1,308 @@
+"""results.json, results.md and the PNGs of a language-modeling replication (`Preset`): the
+paper's Tables 2, 3, 5 and Figure 8 in the paper's layout, ours (mean ± sample standard deviation
+over seeds) beside the paper's (`paper`), under each init; every claim is a paired difference
+against the Transformer with its spread over seeds (`stats.paired`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from diff_jax.experiments import paper, plots
+from diff_jax.experiments.layout import eval_json, run_dir
+from diff_jax.experiments.presets import LABELS, VARIANTS, Preset, niah_whole_fraction
+from diff_jax.experiments.stats import describe, paired, stats
+
+STATS = ("top1", "top2", "top3", "top10", "top100", "median")
+BITS = ("none", 16, 8, 6, 4)
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
+    """(training log lines, validation lines) of RUN/metrics.jsonl."""
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return ([x for x in lines if "loss" in x], [x for x in lines if "val_loss" in x])
+
+
+def model_results(preset: Preset, run: Path) -> dict[str, Any]:
+    """One trained model's numbers, from its eval JSONs and metrics.jsonl."""
+    train, val = read_metrics(run)
+    ppl = _read(eval_json(run, "ppl"))
+    niah = {f"N{n}R{r}": _read(eval_json(run, f"niah-N{n}R{r}")) for n, r in preset.niah_grid}
+    attention = _read(eval_json(run, "attention"))
+    outliers = _read(eval_json(run, "outliers"))
+    quant = _read(eval_json(run, "quant"))
+    wall = _read(run / "wall.json")
+    return {
+        "loss": ppl["loss"], "ppl": ppl["ppl"], "heldout_tokens": ppl["num_tokens"],
+        "final_train_loss": train[-1]["loss"],
+        "final_val_loss": val[-1]["val_loss"] if val else math.nan,
+        # per (N, R): accuracy per context length (mean over depths), and the depth × length grid
+        "niah": {k: np.mean(v["accuracy"], axis=0).tolist() for k, v in niah.items()},
+        "niah_grid": {k: v["accuracy"] for k, v in niah.items()},
+        "attention": {"answer": [r["answer"] for r in attention["by_depth"]],
+                      "noise": [r["noise"] for r in attention["by_depth"]]},
+        "outliers": {k: [outliers[k][s] for s in STATS] for k in ("attention_logits", "hidden_states")},
+        "quant": {"ppl": quant["ppl"], "niah_accuracy": quant["niah_accuracy"]},
+        "wall_s": {"train": wall.get("train_s", 0.0),
+                   "eval": sum(v for k, v in wall.items() if k.startswith("eval_"))},
+    }
+
+
+def collect(preset: Preset, seeds: int, out: Path, init: str) -> dict[str, Any]:
+    """Per variant under `init`: every seed's `model_results` and their element-wise mean/std."""
+    results = {}
+    for v in VARIANTS:
+        per_seed = [model_results(preset, run_dir(out, v, s, init)) for s in range(seeds)]
+        results[v] = {"seeds": per_seed, "stats": stats(per_seed)}
+    return results
+
+
+def _fmt(s: dict[str, float], digits: int = 2) -> str:
+    if not math.isfinite(s["mean"]):
+        return "n/a"
+    text = f"{s['mean']:.{digits}f}"
+    return text + (f" ± {s['std']:.{digits}f}" if s["n"] > 1 else "")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
+    return [line(header), line(["---"] * len(header)), *(line(r) for r in rows)]
+
+
+def _direction(p: dict[str, Any], paper_sign: int) -> str:
+    """The paper's direction (sign of DIFF − Transformer) set beside a paired difference that
+    lies outside its seed spread; nothing for one that does not."""
+    if not p["outside_spread"]:
+        return ""
+    same = (p["mean"] > 0) == (paper_sign > 0)
+    return " — the paper's direction" if same else " — the opposite of the paper's direction"
+
+
+def claims(results: dict[str, Any]) -> list[tuple[str, int, dict[str, dict[str, Any]]]]:
+    """(claim, paper's sign of DIFF − Transformer, {DIFF variant: `paired` against the
+    Transformer}) for each paper claim, from one init's `collect`."""
+    def per_seed(v: str, f: Any) -> list[float]:
+        return [float(f(s)) for s in results[v]["seeds"]]
+
+    measures = [
+        ("held-out loss (paper: DIFF lower at matched size)", -1, lambda s: s["loss"]),
+        ("Table 2: niah accuracy over the grid at the training length (paper: DIFF higher)", 1,
+         lambda s: np.mean([x[0] for x in s["niah"].values()])),
+        ("Table 3: attention share on the answer (paper: DIFF higher)", 1,
+         lambda s: np.mean(s["attention"]["answer"])),
+        ("Table 3: attention share on the noise (paper: DIFF lower)", -1,
+         lambda s: np.mean(s["attention"]["noise"])),
+        ("Table 5: top-1 |attention logit| (paper: DIFF lower)", -1,
+         lambda s: s["outliers"]["attention_logits"][0]),
+        ("Table 5: top-1 |hidden state| (paper: DIFF lower)", -1,
+         lambda s: s["outliers"]["hidden_states"][0]),
+        ("Figure 8: relative perplexity increase at 4-bit logits (paper: DIFF lower)", -1,
+         lambda s: s["quant"]["ppl"][-1] / s["quant"]["ppl"][0] - 1),
+    ]
+    base = {name: per_seed("transformer", f) for name, _, f in measures}
+    return [(name, sign, {v: paired(per_seed(v, f), base[name]) for v in ("diff", "diff_v2")})
+            for name, sign, f in measures]
+
+
+def claim_lines(results: dict[str, Any]) -> list[str]:
+    """One line per claim and DIFF variant: the paired difference and, only where it lies
+    outside its seed spread, how its sign compares with the paper's."""
+    return [f"- {name}, {LABELS[v]} − Transformer: {describe(p)}{_direction(p, sign)}."
+            for name, sign, per_variant in claims(results) for v, p in per_variant.items()]
+
+
+def init_section(preset: Preset, data: dict[str, Any], init: str) -> list[str]:
+    """The tables of one init: held-out loss, Tables 2, 3, 5, Figure 8 and the claims."""
+    res, lengths = data["results"][init], list(preset.niah_lengths)
+    lines = [f"## Init `{init}`", "", "### Language modeling (held-out)", "",
+             *_table(["model", "held-out loss", "perplexity", "held-out tokens",
+                      "train loss (last logged batch)", "train wall (s)", "eval wall (s)"],
+                     [[LABELS[v], _fmt(res[v]["stats"]["loss"], 3), _fmt(res[v]["stats"]["ppl"], 1),
+                       f"{res[v]['seeds'][0]['heldout_tokens']:,}",
+                       _fmt(res[v]["stats"]["final_train_loss"], 3),
+                       _fmt(res[v]["stats"]["wall_s"]["train"], 0),
+                       _fmt(res[v]["stats"]["wall_s"]["eval"], 0)] for v in VARIANTS]),
+             "", "### Table 2: multi-needle retrieval accuracy", "",
+             f"N needles, R of them queried; answer needle at depths {list(preset.depths)}%, "
+             f"{preset.samples} samples per cell; a query counts when greedy decoding gives the "
+             f"number. Ours at each context length (training length {preset.seq_len}; "
+             f"{lengths[-1]} is beyond it, RoPE extrapolated); paper at 4K.", ""]
+    rows = []
+    for v in VARIANTS:
+        for j, length in enumerate(lengths):
+            rows.append([f"{LABELS[v]} (ours, {length})"]
+                        + [_fmt(res[v]["stats"]["niah"][f"N{n}R{r}"][j]) for n, r in preset.niah_grid])
+    for v in ("transformer", "diff"):
+        ref = dict(zip(map(tuple, paper.TABLE2["columns"]), paper.TABLE2[v]))
+        rows.append([f"{LABELS[v]} (paper, 4K)"]
+                    + [f"{ref[(n, r)]:.2f}" if (n, r) in ref else "—" for n, r in preset.niah_grid])
+    lines += [*_table(["model", *(f"N={n}, R={r}" for n, r in preset.niah_grid)], rows), ""]
+
+    depths = list(preset.depths)
+    lines += ["### Table 3: attention allocation", "",
+              f"Normalized attention of the question tokens on the answer needle vs the rest of the "
+              f"context (noise), N={preset.attention_needles}, length {preset.seq_len}, per answer "
+              "depth (differential maps clipped at 0 and renormalized; see "
+              "`eval.py task=attention`).", ""]
+    header = ["model", *(f"answer {d}%" for d in depths), *(f"noise {d}%" for d in depths)]
+    rows = [[f"{LABELS[v]} (ours)"] + [_fmt(s) for s in res[v]["stats"]["attention"]["answer"]]
+            + [_fmt(s) for s in res[v]["stats"]["attention"]["noise"]] for v in VARIANTS]
+    for v in ("transformer", "diff"):
+        ref = paper.TABLE3[v]
+        rows.append([f"{LABELS[v]} (paper)"]
+                    + [f"{ref[k][paper.TABLE3['depths'].index(d)]:.2f}"
+                       if d in paper.TABLE3["depths"] else "—" for k in ("answer", "noise")
+                       for d in depths])
+    lines += [*_table(header, rows), ""]
+
+    lines += ["### Table 5: activation outliers", "",
+              f"Largest and median |attention logits| (valid entries) and |hidden states| over "
+              f"{preset.outlier_tokens:,} held-out tokens.", ""]
+    rows = []
+    for act, name in (("attention_logits", "attention logits"), ("hidden_states", "hidden states")):
+        for v in VARIANTS:
+            rows.append([name, f"{LABELS[v]} (ours)"]
+                        + [_fmt(s) for s in res[v]["stats"]["outliers"][act]])
+        for v in ("transformer", "diff"):
+            rows.append([name, f"{LABELS[v]} (paper)"] + [f"{x:.1f}" for x in paper.TABLE5[act][v]])
+    lines += [*_table(["activation", "model", *(s.replace("top", "top-") for s in STATS)], rows), ""]
+
+    n, r = preset.quant_niah
+    lines += ["### Figure 8: attention-logit quantization", "",
+              f"Absmax post-training quantization of the attention logits. Ours: held-out "
+              f"perplexity and niah accuracy (N={n}, R={r}, length {preset.seq_len}) per bit "
+              f"width. Paper: {paper.FIGURE8}", ""]
+    rows = []
+    for v in VARIANTS:
+        q = res[v]["stats"]["quant"]
+        rows.append([f"{LABELS[v]} perplexity"] + [_fmt(s, 1) for s in q["ppl"]])
+        rows.append([f"{LABELS[v]} niah accuracy"] + [_fmt(s) for s in q["niah_accuracy"]])
+    lines += [*_table(["model", *(f"{b} bits" if b != "none" else "float" for b in BITS)], rows), ""]
+    lines += ["### Claims", "",
+              "Each claim as a paired difference (same seed, same data order) against the "
+              "Transformer, with its spread over seeds; a direction is stated only where every "
+              "seed agrees in sign.", "", *claim_lines(res), ""]
+    return lines
+
+
+def markdown(preset: Preset, data: dict[str, Any]) -> str:
+    """results.md: the setup, then per init the paper's tables with ours beside them, the
+    claims, the init gaps and the plots."""
+    seeds = len(data["seeds"])
+    spread = (f"mean ± sample standard deviation over {seeds} seeds" if seeds > 1
+              else "one seed (no spread: no difference below can be told from seed noise)")
+    models = data["models"]
+    lines = [
+        f"# Replication at small scale: `{preset.name}` preset", "",
+        f"Generated by `python -m diff_jax.experiments.replicate --preset {preset.name} "
+        f"--seeds {seeds}`. Ours: {spread}, under the inits "
+        f"{', '.join(f'`{i}`' for i in preset.inits)} (`model.output_init`). Paper: the 3B "
+        "models of Ye et al. (ICLR 2025), transcribed from the paper (its Appendix B models).", "",
+        f"Setup: {data['train_tokens']:,} training tokens per model ({data['steps']} steps × "
+        f"{data['batch_size']} × {data['seq_len']}), `data.mixture={data['data_mixture']}`, "
+        f"`{data['tokenizer']}` tokenizer (model vocabulary {data['vocab_size']:,}), identical data "
+        "order, optimizer and schedule for all three models, hyperparameters fixed before any "
+        f"comparison. Sized for: {preset.budget}.", "",
+        f"Synthetic retrieval documents are {data['niah_doc_tokens'] // 2}–{data['niah_doc_tokens']} "
+        f"tokens long; {data['niah_whole_in_row']:.0%} of them are expected to lie whole in one "
+        f"training row of {data['seq_len']} tokens (`presets.niah_whole_fraction`).", "",
+        *_table(["model", "params", "non-embedding", "heads", "kv heads", "head dim"],
+                [[LABELS[v], f"{m['params']:,}", f"{m['non_embedding_params']:,}", str(m["heads"]),
+                  str(m["kv_heads"]), str(m["head_dim"])] for v, m in models.items()]), "",
+    ]
+    for init in preset.inits:
+        lines += init_section(preset, data, init)
+    if data["init_gap"]:
+        a, b = preset.inits[1], preset.inits[0]
+        lines += ["## Init gaps", "",
+                  *(f"- {LABELS[v]}, held-out loss `{a}` − `{b}` init: {describe(p)}."
+                    for v, p in data["init_gap"].items()), ""]
+    lines += ["## Plots", "", *(f"![{p}]({p})" for p in data["plots"]), ""]
+    return "\n".join(lines)
+
+
+def _mean_curve(logs: list[list[dict]], key: str) -> tuple[list[int], list[float]]:
+    """(steps every log has, mean of `key` over the logs at those steps)."""
+    steps = sorted(set.intersection(*(set(x["step"] for x in log) for log in logs)))
+    return steps, np.mean([[dict((x["step"], x[key]) for x in log)[s] for s in steps]
+                           for log in logs], 0).tolist()
+
+
+def _plots(preset: Preset, data: dict[str, Any], out: Path, seeds: int, init: str) -> list[str]:
+    """The PNGs of the preset's own init (its first); the names of those drawn."""
+    res = data["results"][init]
+    logs = {v: [read_metrics(run_dir(out, v, s, init)) for s in range(seeds)] for v in VARIANTS}
+    curves = {v: {"train": _mean_curve([t for t, _ in lg], "loss")} for v, lg in logs.items()}
+    for v, lg in logs.items():
+        if all(val for _, val in lg):
+            curves[v]["validation"] = _mean_curve([val for _, val in lg], "val_loss")
+    grids = {v: {f"N={n}, R={r}": np.mean([s["niah_grid"][f"N{n}R{r}"] for s in res[v]["seeds"]], 0)
+                 for n, r in preset.niah_grid} for v in VARIANTS}
+    increase = {v: np.mean([np.asarray(s["quant"]["ppl"]) / s["quant"]["ppl"][0] - 1
+                            for s in res[v]["seeds"]], 0) for v in VARIANTS}
+    accuracy = {v: [s["mean"] for s in res[v]["stats"]["quant"]["niah_accuracy"]] for v in VARIANTS}
+    lam_logs = [[x for x in t if "lambda" in x] for t, _ in logs["diff"]]
+    lam_steps, _ = _mean_curve(lam_logs, "step")
+    lam = np.mean([[dict((x["step"], x["lambda"]) for x in t)[s] for s in lam_steps]
+                   for t in lam_logs], 0)
+    drawn = {
+        "loss_curves.png": plots.loss_curves(out / "loss_curves.png", curves, LABELS),
+        "niah_heatmaps.png": plots.niah_heatmaps(out / "niah_heatmaps.png", grids, LABELS,
+                                                 list(preset.depths), list(preset.niah_lengths)),
+        "quantization.png": plots.quantization(out / "quantization.png",
+                                               ["float" if b == "none" else str(b) for b in BITS],
+                                               increase, accuracy, LABELS),
+        "lambda.png": plots.lambdas(out / "lambda.png", lam_steps, lam),
+    }
+    return [name for name, ok in drawn.items() if ok]
+
+
+def write(preset: Preset, seeds: int, out: Path, summaries: dict[str, dict]) -> dict[str, Any]:
+    """Collect every run's numbers, write OUT/results.json, OUT/results.md and the PNGs."""
+    results = {init: collect(preset, seeds, out, init) for init in preset.inits}
+    own = results[preset.inits[0]]
+    cfg = preset.config("diff", 0, out)
+    keys = ("heads", "kv_heads", "head_dim", "flops_per_token")
+    init_gap = {}
+    if len(preset.inits) > 1:
+        a, b = preset.inits[1], preset.inits[0]
+        init_gap = {v: paired([s["loss"] for s in results[a][v]["seeds"]],
+                              [s["loss"] for s in results[b][v]["seeds"]]) for v in VARIANTS}
+    data = {
+        "preset": preset.name, "budget": preset.budget, "seeds": list(range(seeds)),
+        "inits": list(preset.inits),
+        "steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
+        "train_tokens": cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len,
+        "data_mixture": cfg.data.mixture, "tokenizer": cfg.data.tokenizer,
+        "vocab_size": cfg.model.vocab_size, "niah_doc_tokens": cfg.data.niah_doc_tokens,
+        "niah_whole_in_row": niah_whole_fraction(cfg.data.niah_doc_tokens, cfg.train.seq_len),
+        "models": {v: {"params": summaries[v]["params"],
+                       "non_embedding_params": summaries[v]["params_non_embedding"],
+                       "heldout_tokens": own[v]["seeds"][0]["heldout_tokens"],
+                       "heldout_loss": own[v]["stats"]["loss"],
+                       "heldout_loss_by_init": {i: results[i][v]["stats"]["loss"] for i in results},
+                       **{k: summaries[v][k] for k in keys}} for v in VARIANTS},
+        "niah": {"grid": [list(x) for x in preset.niah_grid], "lengths": list(preset.niah_lengths),
+                 "depths": list(preset.depths), "samples": preset.samples},
+        "quant_bits": list(BITS),
+        "outlier_stats": list(STATS),
+        "paper": {"table2": paper.TABLE2, "table3": paper.TABLE3, "table5": paper.TABLE5,
+                  "figure8": paper.FIGURE8},
+        "results": results,
+        "claims": {init: [{"claim": name, "paper_sign": sign, **per_variant}
+                          for name, sign, per_variant in claims(results[init])] for init in results},
+        "init_gap": init_gap,
+    }
+    data["plots"] = _plots(preset, data, out, seeds, preset.inits[0])
+    (out / "results.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(preset, data))
+    return data

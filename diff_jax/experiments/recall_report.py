@@ -1,0 +1,243 @@
+"""results.json, results.md and the learning-curve PNG of an associative-recall replication
+(`RecallPreset`): accuracy and attention shares per grid cell, steps to 90%, and for every claim
+the paired difference against the Transformer with its spread over seeds (`stats.paired`), under
+each init."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from diff_jax.experiments import plots
+from diff_jax.experiments.layout import eval_json, recall_cell_name, run_dir
+from diff_jax.experiments.presets import LABELS, VARIANTS, RecallPreset
+from diff_jax.experiments.stats import describe, paired, stat
+from diff_jax.recall import max_queries
+
+THRESHOLD = 0.9  # "steps to reach 90%"
+MEASURES = ("accuracy", "answer_share", "noise_share")
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def run_results(preset: RecallPreset, run: Path) -> dict[str, Any]:
+    """One model's numbers: per grid cell and length the three `MEASURES`, the learning curve
+    (checkpoint step, accuracy on the curve cell) and steps to 90% (None: never reached)."""
+    cells = {}
+    for n, d in preset.grid_cells:
+        job = _read(eval_json(run, recall_cell_name(n, d)))
+        cells[(n, d)] = {m: job[m] for m in MEASURES}
+    n, d = preset.curve_cell
+    curve = sorted((int(p.parent.name.rpartition("-step")[2]), _read(p)["accuracy"][0])
+                   for p in (run / "replicate").glob(f"{recall_cell_name(n, d)}-step*/recall.json"))
+    reached = [s for s, a in curve if a >= THRESHOLD]
+    wall = _read(run / "wall.json")
+    return {"cells": cells, "curve": curve, "steps_to_90": reached[0] if reached else None,
+            "train_s": wall.get("train_s", 0.0),
+            "eval_s": sum(v for k, v in wall.items() if k.startswith("eval_"))}
+
+
+SCOPES = {"at the training length": slice(0, 1), "beyond the training length": slice(1, None)}
+
+
+def grid_mean(result: dict[str, Any], measure: str, lengths: slice = slice(None)) -> float:
+    """The mean of `measure` over every cell of one model's grid, at the `lengths` (indices into
+    the preset's grid_lengths; all by default)."""
+    return float(np.mean([v[measure][lengths] for v in result["cells"].values()]))
+
+
+def collect(preset: RecallPreset, seeds: int, out: Path) -> dict[str, dict[str, list[dict]]]:
+    """{init: {variant: [run_results of seed 0, 1, …]}}."""
+    return {init: {v: [run_results(preset, run_dir(out, v, s, init)) for s in range(seeds)]
+                   for v in VARIANTS} for init in preset.inits}
+
+
+def cells_json(preset: RecallPreset, runs: dict) -> list[dict[str, Any]]:
+    """results.json's `cells`: per init, pairs, distractor share and length, per model the mean
+    and std over seeds of each of `MEASURES`, and each seed's accuracy."""
+    out = []
+    for init, per_variant in runs.items():
+        for n, d in preset.grid_cells:
+            for j, length in enumerate(preset.grid_lengths):
+                models = {}
+                for v, seeds in per_variant.items():
+                    values = {m: [s["cells"][(n, d)][m][j] for s in seeds] for m in MEASURES}
+                    models[v] = {**{m: stat(x) for m, x in values.items()},
+                                 "accuracy_per_seed": values["accuracy"]}
+                out.append({"init": init, "pairs": n, "distractors": d,
+                            "queries": max_queries(n, d), "length": length, "models": models})
+    return out
+
+
+def comparisons(runs: dict) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per init, per DIFF variant: paired differences against the Transformer of the grid-mean
+    accuracy, answer share and noise share at and beyond the training length (keys "MEASURE
+    SCOPE"), and of steps to 90% where every seed reached it."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for init, per_variant in runs.items():
+        base = per_variant["transformer"]
+        out[init] = {}
+        for v in ("diff", "diff_v2"):
+            c = {f"{m} {scope}": paired([grid_mean(s, m, at) for s in per_variant[v]],
+                                        [grid_mean(s, m, at) for s in base])
+                 for scope, at in SCOPES.items() for m in MEASURES}
+            steps = [s["steps_to_90"] for s in per_variant[v]], [s["steps_to_90"] for s in base]
+            if None not in steps[0] + steps[1]:
+                c["steps_to_90"] = paired(*steps)
+            out[init][v] = c
+    return out
+
+
+def init_gaps(preset: RecallPreset, runs: dict) -> dict[str, dict[str, Any]]:
+    """Per model: the paired difference of its grid-mean accuracy at the training length,
+    second init minus first."""
+    if len(preset.inits) < 2:
+        return {}
+    a, b = preset.inits[1], preset.inits[0]
+    at = SCOPES["at the training length"]
+    return {v: paired([grid_mean(s, "accuracy", at) for s in runs[a][v]],
+                      [grid_mean(s, "accuracy", at) for s in runs[b][v]]) for v in VARIANTS}
+
+
+def _fmt(s: dict[str, float]) -> str:
+    return f"{s['mean']:.2f}" + (f" ± {s['std']:.2f}" if s["n"] > 1 else "")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
+    return [line(header), line(["---"] * len(header)), *(line(r) for r in rows)]
+
+
+def markdown(preset: RecallPreset, data: dict[str, Any]) -> str:
+    """results.md: setup, per init the grid, shares and learning speed, then the claims."""
+    seeds = len(data["seeds"])
+    lines = [
+        f"# Associative recall: `{preset.name}` preset", "",
+        f"Generated by `python -m diff_jax.experiments.replicate --preset {preset.name} --seeds "
+        f"{seeds}`: DIFF V1, DIFF V2 and the Transformer at matched parameters, {seeds} seeds "
+        f"each, under the inits {', '.join(f'`{i}`' for i in preset.inits)} "
+        "(`model.output_init`). Task: `diff_jax.recall` (keys of two tokens, near-duplicate "
+        "distractor keys, a counting haystack); accuracy = share of queries whose value greedy "
+        "decoding retrieves. Cells are mean ± sample std over seeds.", "",
+        f"Setup: {data['train_tokens']:,} training tokens per model ({data['steps']} steps × "
+        f"{data['batch_size']} rows × {data['seq_len']} tokens, one recall sample of "
+        f"{data['seq_len'] - 1} tokens a row, pairs 1–{preset.max_pairs}, distractor shares "
+        f"{list(preset.train_distractors)}), identical data order, optimizer and schedule for "
+        f"every model, fixed before any comparison. Evaluation: {preset.samples} held-out "
+        f"samples per cell (a seed domain disjoint from training), lengths "
+        f"{list(preset.grid_lengths)} ({preset.grid_lengths[0]} is the training length). "
+        f"Sized for: {preset.budget}.", "",
+        *_table(["model", "params", "non-embedding", "heads", "kv heads", "head dim"],
+                [[LABELS[v], f"{m['params']:,}", f"{m['non_embedding_params']:,}",
+                  str(m["heads"]), str(m["kv_heads"]), str(m["head_dim"])]
+                 for v, m in data["models"].items()]), "",
+    ]
+    (n0, d0), length = preset.grid_cells[0], preset.grid_lengths[0]
+    easiest = {c["init"]: c["models"]["transformer"]["accuracy"] for c in data["cells"]
+               if (c["pairs"], c["distractors"], c["length"]) == (n0, d0, length)}
+    n, d = preset.curve_cell
+    curve = {i: data["learning_curve"][i]["transformer"]["accuracy"][-1] for i in preset.inits}
+    lines += [f"Learnability: the Transformer's accuracy on the easiest cell (N={n0}, "
+              f"distractors={d0:g}, length {length}) is "
+              + ", ".join(f"{_fmt(easiest[i])} under `{i}`" for i in preset.inits)
+              + f"; on the learning-curve cell (N={n}, distractors={d:g}) it ends at "
+              + ", ".join(f"{_fmt(curve[i])} under `{i}`" for i in preset.inits)
+              + f" (the bar is {THRESHOLD:.0%}).", ""]
+    for init in preset.inits:
+        cells = [c for c in data["cells"] if c["init"] == init]
+        lines += [f"## Init `{init}`", "", "Accuracy per cell (N pairs, distractor share, length; "
+                  "R = the N − distractors pairs, each queried once). The last two columns are the "
+                  "paired difference against the Transformer, mean [min, max] over seeds; * marks "
+                  "a difference whose seeds all share its sign.", ""]
+        rows = []
+        for c in cells:
+            m = c["models"]
+            diffs = []
+            for v in ("diff", "diff_v2"):
+                p = paired(m[v]["accuracy_per_seed"], m["transformer"]["accuracy_per_seed"])
+                diffs.append(f"{p['mean']:+.2f} [{p['min']:+.2f}, {p['max']:+.2f}]"
+                             + ("*" if p["outside_spread"] else ""))
+            rows.append([str(c["pairs"]), f"{c['distractors']:g}", str(c["length"]),
+                         *(_fmt(m[v]["accuracy"]) for v in VARIANTS), *diffs])
+        lines += [*_table(["N", "distractors", "length", *(LABELS[v] for v in VARIANTS),
+                           "V1 − Transformer", "V2 − Transformer"], rows), ""]
+        lines += ["Attention of query 0's key tokens (Table 3's measure, normalized; same items): "
+                  "share on the queried pair's triple (answer) and on the rest of the context "
+                  "(noise).", ""]
+        rows = [[str(c["pairs"]), f"{c['distractors']:g}", str(c["length"]),
+                 *(f"{_fmt(c['models'][v]['answer_share'])} / {_fmt(c['models'][v]['noise_share'])}"
+                   for v in VARIANTS)] for c in cells]
+        lines += [*_table(["N", "distractors", "length",
+                           *(f"{LABELS[v]} answer / noise" for v in VARIANTS)], rows), ""]
+        n, d = preset.curve_cell
+        curve = data["learning_curve"][init]
+        lines += [f"Steps to {THRESHOLD:.0%} accuracy on N={n}, distractors={d:g} at length "
+                  f"{preset.grid_lengths[0]} (checked every {data['checkpoint_every']} steps; "
+                  "— : not reached within the budget), per seed:", "",
+                  *_table(["model", "steps to 90% (per seed)", "final accuracy"],
+                          [[LABELS[v], ", ".join("—" if s is None else str(s)
+                                                 for s in curve[v]["steps_to_90"]),
+                            _fmt(curve[v]["accuracy"][-1])] for v in VARIANTS]), ""]
+    lines += ["## Claims", "",
+              "Each line is a paired difference (same seed, same data order) with its spread "
+              "over seeds; a direction is stated only where every seed agrees in sign.", ""]
+    names = {"accuracy": "grid-mean accuracy", "answer_share": "grid-mean answer attention share",
+             "noise_share": "grid-mean noise attention share", "steps_to_90": "steps to 90%"}
+    for init, per_variant in data["paired"].items():
+        for v, c in per_variant.items():
+            for key, p in c.items():
+                measure, _, scope = key.partition(" ")
+                lines.append(f"- `{init}` init, {LABELS[v]} − Transformer, {names[measure]}"
+                             f"{' ' + scope if scope else ''}: {describe(p)}.")
+        if "steps_to_90" not in per_variant["diff"]:
+            lines.append(f"- `{init}` init: steps to 90% are compared only where every seed of "
+                         "both models reached 90%; here some did not.")
+    for v, p in data["init_gap"].items():
+        lines.append(f"- {LABELS[v]}, grid-mean accuracy at the training length "
+                     f"`{preset.inits[1]}` − `{preset.inits[0]}` init: {describe(p)}.")
+    lines += ["", "## Plots", "", *(f"![{p}]({p})" for p in data["plots"]), ""]
+    return "\n".join(lines)
+
+
+def write(preset: RecallPreset, seeds: int, out: Path, summaries: dict[str, dict]) -> dict[str, Any]:
+    """Collect every run's numbers, write OUT/results.json, OUT/results.md and the PNG."""
+    runs = collect(preset, seeds, out)
+    cfg = preset.config("diff", 0, out)
+    curves = {init: {v: {"steps": [s for s, _ in seeds_[0]["curve"]],
+                         "accuracy": [stat([r["curve"][i][1] for r in seeds_])
+                                      for i in range(len(seeds_[0]["curve"]))],
+                         "steps_to_90": [r["steps_to_90"] for r in seeds_]}
+                     for v, seeds_ in per_variant.items()} for init, per_variant in runs.items()}
+    n, d = preset.curve_cell
+    drawn = plots.learning_curves(out / "learning_curves.png", curves, LABELS, threshold=THRESHOLD,
+                                  title=f"Recall accuracy on N={n}, distractors={d:g}")
+    plot_names = ["learning_curves.png"] if drawn else []
+    data = {
+        "preset": preset.name, "budget": preset.budget, "seeds": list(range(seeds)),
+        "inits": list(preset.inits), "steps": cfg.train.steps, "batch_size": cfg.train.batch_size,
+        "seq_len": cfg.train.seq_len, "checkpoint_every": cfg.checkpoint.every_steps,
+        "train_tokens": cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len,
+        "models": {v: {"params": summaries[v]["params"],
+                       "non_embedding_params": summaries[v]["params_non_embedding"],
+                       "heads": summaries[v]["heads"], "kv_heads": summaries[v]["kv_heads"],
+                       "head_dim": summaries[v]["head_dim"]} for v in VARIANTS},
+        "grid": {"cells": [list(c) for c in preset.grid_cells],
+                 "lengths": list(preset.grid_lengths), "samples": preset.samples,
+                 "curve_cell": list(preset.curve_cell)},
+        "cells": cells_json(preset, runs),
+        "learning_curve": curves,
+        "paired": comparisons(runs),
+        "init_gap": init_gaps(preset, runs),
+        "wall_s": {init: {v: {"train": stat([r["train_s"] for r in rs]),
+                              "eval": stat([r["eval_s"] for r in rs])}
+                          for v, rs in per_variant.items()} for init, per_variant in runs.items()},
+        "plots": plot_names,
+    }
+    (out / "results.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(preset, data))
+    return data

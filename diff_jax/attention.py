@@ -52,7 +52,8 @@ LAMBDA_VECTORS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")  # DIFF V1
 
 
 def lambda_init(depth: int | jax.Array) -> jax.Array | float:
-    """λ_init = 0.8 − 0.6·exp(−0.3·depth), 0-based layer index (depth 0 gives 0.2)."""
+    """λ_init = 0.8 − 0.6·exp(−0.3·depth), 0-based layer index (depth 0 gives 0.2): a float for
+    an int depth, else an array shaped like `depth`."""
     if isinstance(depth, int):
         return 0.8 - 0.6 * math.exp(-0.3 * depth)
     return 0.8 - 0.6 * jnp.exp(-0.3 * depth)

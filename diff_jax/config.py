@@ -120,6 +120,7 @@ class ModelConfig:
 
     @property
     def resolved_mlp_dim(self) -> int:
+        """The SwiGLU hidden width: `mlp_dim`, else 8E/3 rounded up to a multiple of 128."""
         if self.mlp_dim is not None:
             return self.mlp_dim
         return 128 * math.ceil(8 * self.embed_dim / 3 / 128)
@@ -320,6 +321,9 @@ class DistributedConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    """The whole run configuration, one section per concern; checks train.seq_len <=
+    model.max_seq_len."""
+
     # a factory: building a ModelConfig looks up its variant's spec, which imports the modules
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     train: TrainConfig = TrainConfig()
@@ -334,6 +338,7 @@ class Config:
                  f"must be <= model.max_seq_len ({self.model.max_seq_len})")
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain nested dicts and lists (tuples as lists), as YAML and JSON write them."""
         return _to_plain(dataclasses.asdict(self))
 
 
@@ -488,4 +493,5 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
 
 
 def dump_config(config: Config) -> str:
+    """`config` as YAML, sections and keys in declaration order (what `load_config` reads)."""
     return yaml.safe_dump(config.to_dict(), sort_keys=False)

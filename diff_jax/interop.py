@@ -70,7 +70,8 @@ def attention_output(
     config: ModelConfig,
     depth: int,
 ) -> np.ndarray:
-    """Run our attention module (float32) with reference weights and explicit RoPE tables."""
+    """Run our attention module (float32) with reference weights and explicit RoPE tables:
+    x (B, T, E), cos and sin (T, d/2) -> (B, T, E)."""
     params = from_reference(state_dict, config)
     module = variants.spec(config.variant).module(config, depth=depth)
     fn = jax.jit(lambda p, x, c, s: module.apply({"params": p}, x, rope=(c, s)))

@@ -37,6 +37,8 @@ def peak_flops(device_kind: str) -> float | None:
 
 
 def mfu(flops_per_token: float, tokens_per_sec: float, device_kind: str, num_devices: int) -> float | None:
+    """Model FLOPs utilisation: achieved FLOP/s (`flops_per_token` · `tokens_per_sec`, summed over
+    all devices) over `num_devices` times one device's `peak_flops`; None when the peak is unknown."""
     peak = peak_flops(device_kind)
     if peak is None:
         return None
@@ -104,6 +106,9 @@ class MetricsWriter:
             self._tb = None
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append `record` as one JSON line (numpy values made plain, non-finite floats null);
+        with TensorBoard, its numeric entries also become scalars at `record["step"]` (a list:
+        one scalar `key/layer_i` per element). Does nothing when disabled."""
         if not self.enabled:
             return
         record = _plain(record)
@@ -128,6 +133,7 @@ class MetricsWriter:
         self._tb.add_event(event)
 
     def close(self) -> None:
+        """Close `metrics.jsonl` and the TensorBoard writer (whichever are open)."""
         if self._file is not None:
             self._file.close()
         if self._tb is not None:
@@ -168,6 +174,7 @@ class Progress:
         self.stream.flush()
 
     def message(self, text: str) -> None:
+        """Print `text` on a line of its own (below the status line on a terminal)."""
         if self.enabled:
             self.stream.write(("\n" if self.tty else "") + text + "\n")
             self.stream.flush()

@@ -48,16 +48,20 @@ def train_rng(seed: int) -> np.random.Generator:
 
 
 def needle_text(city: str, number: str) -> str:
+    """The needle sentence stating `city`'s magic `number` (leading space, no newline)."""
     return f" The magic number of {city} is {number}."
 
 
 def question_text(cities: Sequence[str], city: str) -> str:
+    """The question naming the queried `cities`, then the answer prompt for `city` (the answer
+    " NUMBER" follows it)."""
     return f"\nWhat is the magic number of {', '.join(cities)}?\nThe magic number of {city} is"
 
 
 @functools.cache
 def haystack(enc: tiktoken.Encoding) -> np.ndarray:
-    """The haystack token stream: every `pydoc_data` topic, in sorted order, blank-line separated."""
+    """(N,) int32: the haystack token stream, every `pydoc_data` topic, in sorted order,
+    blank-line separated."""
     from pydoc_data.topics import topics
 
     text = "\n\n".join(topics[k].strip() for k in sorted(topics))
@@ -66,6 +70,8 @@ def haystack(enc: tiktoken.Encoding) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Needle:
+    """One inserted needle: its city and number, and its token span in the sample's context."""
+
     city: str
     number: str
     start: int  # token span [start, end) in the context
@@ -74,6 +80,9 @@ class Needle:
 
 @dataclasses.dataclass(frozen=True)
 class NiahSample:
+    """One retrieval sample: the (C,) context with its needles, and per queried needle the
+    question and answer tokens; `sequence(r)` assembles the tokens of query r."""
+
     context: np.ndarray  # (C,) int32: haystack with the needles inserted
     needles: tuple[Needle, ...]  # the first `num_queries` are queried; needles[0] is at `depth`
     num_queries: int
@@ -82,7 +91,8 @@ class NiahSample:
     answers: tuple[np.ndarray, ...]  # per queried needle: the answer tokens (" NUMBER")
 
     def sequence(self, r: int) -> tuple[np.ndarray, int]:
-        """(context + question r + answer r, index of the first answer token) for query r."""
+        """((L,) int32 tokens: context + question r + answer r, index of the first answer token)
+        for query r."""
         tokens = np.concatenate([self.context, self.questions[r], self.answers[r]])
         return tokens, len(self.context) + len(self.questions[r])
 
@@ -154,9 +164,10 @@ def training_documents(
     max_needles: int = 6,
     max_queries: int = 2,
 ) -> list[np.ndarray]:
-    """Documents (context + question + answer, no end-of-text) totalling at least `num_tokens`:
-    lengths uniform in [doc_tokens/2, doc_tokens], 1..max_needles needles, 1..max_queries queried,
-    the answer needle at a uniform depth, and one random queried city answered."""
+    """Documents, each (n,) int32 (context + question + answer, no end-of-text), totalling at
+    least `num_tokens`: lengths uniform in [doc_tokens/2, doc_tokens], 1..max_needles needles,
+    1..max_queries queried, the answer needle at a uniform depth, and one random queried city
+    answered."""
     docs: list[np.ndarray] = []
     total = 0
     while total < num_tokens:

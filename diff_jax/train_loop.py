@@ -39,6 +39,8 @@ class NonFiniteLossError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class RunResult:
+    """How a `run` call ended: the step reached, why it stopped, and its last loss."""
+
     step: int  # optimizer steps done (the latest checkpoint's step)
     status: str  # "done" | "interrupted" (signal) | "already done"
     loss: float | None  # the loss of the last step this invocation ran
@@ -153,6 +155,8 @@ class _Loop:
     validation_cover: tuple[int, int]  # (tokens, documents) the validation batches score, global
 
     def run(self, state: TrainState, it: Any, start: int, caught: list[str]) -> RunResult:
+        """Steps start + 1 .. train.steps on the host batches of `it`: logs, validates and saves
+        at boundaries; after a signal (its name appended to `caught`) saves and returns."""
         t, ck = self.config.train, self.config.checkpoint
         tokens_per_step = t.batch_size * t.seq_len
         pending: tuple[int, Any, float] | None = None
@@ -262,12 +266,15 @@ class _Window:
         self.reset()
 
     def reset(self) -> None:
+        """Start a new window (after a log line)."""
         self.times: list[float] = []
         self.waits: list[float] = []
 
     def add(self, step_time: float, wait: float) -> None:
+        """Count one step: its wall-clock seconds and the seconds it waited for data."""
         self.times.append(step_time)
         self.waits.append(wait)
 
     def mean(self) -> tuple[float, float]:
+        """(mean step seconds, mean data-wait seconds) of the window."""
         return float(np.mean(self.times)), float(np.mean(self.waits))

@@ -4,7 +4,8 @@ code needs to know about a variant, in one place.
 A spec owns the variant's attention module, its head layout (the widths the module projects to
 and the attention op reads, from which the FLOPs widths follow), the PyTorch reference's
 parameter layout of one attention module (`diff_jax.interop`), how the analyses rebuild its
-per-head attention maps from the captured ones, and how it maps to Hugging Face `transformers`.
+per-head attention maps from the captured ones, how it maps to Hugging Face `transformers`, and
+its heads when matched to DIFF V1's parameters (`Variant.matched_heads`).
 Callers look the spec up with `spec(config.variant)`; adding a variant is adding one spec here.
 
     diff         DIFF V1: H heads of 2 query sub-heads (Q1, Q2) and 2 key sub-heads (K1, K2)
@@ -42,6 +43,7 @@ class Variant:
     rebuild_maps: Callable[[dict], jax.Array]  # a layer's `attn` intermediates -> (B, H, T, S)
     hf_model_type: str | None  # the `transformers` model_type with the same computation
     hf_export_refusal: str | None  # None: `hf-diffllama` writes it exactly; else why not
+    matched: Callable[[int, int], dict[str, int]]  # (E, H) -> `matched_heads`
 
     @property
     def sub_heads(self) -> int:
@@ -80,6 +82,13 @@ class Variant:
         table = {f"{p}.weight": ((p, "kernel"), True) for p in projections}
         return {**table, **self.extra_reference_layout}
 
+    def matched_heads(self, embed_dim: int, diff_heads: int) -> dict[str, int]:
+        """This variant's `model.*` head fields matched to DIFF V1 with H = `diff_heads` heads at
+        width E = `embed_dim`, as the replication presets compare them: DIFF V1 {num_heads: H};
+        the Transformer {num_heads: 2H} (the paper's pairing: width E/(2H)); DIFF V2
+        {num_heads: H, num_kv_heads, head_dim} with `v2_shape`'s kv heads and head width."""
+        return self.matched(embed_dim, diff_heads)
+
     def head_maps(self, layer: dict) -> jax.Array:
         """A layer's per-head attention maps (B, H, T, S) from its sown intermediates (the
         `attn` entry holds the op's captured maps, see `AttentionOp.capture`)."""
@@ -101,6 +110,26 @@ def _diff_v2_maps(attn: dict) -> jax.Array:
     return probs[:, 0::2] - lam * probs[:, 1::2]
 
 
+def v2_shape(embed_dim: int, heads: int) -> tuple[int, int]:
+    """(kv heads, head dim) of a DIFF V2 layer with `heads` output heads whose attention parameters
+    E·(2h·d + 2·kv·d + h·d + h) come closest to DIFF V1's 4E² + 6·E/(2h) (ties: more kv heads)."""
+    e, h = embed_dim, heads
+    target = 4 * e * e + 6 * (e // (2 * h))
+    best: tuple[int, int, int] | None = None  # (|difference|, -kv, d)
+    for kv in (k for k in range(1, h + 1) if h % k == 0):
+        for d in range(2, 4 * e + 1, 2):
+            diff = abs(e * (2 * h * d + 2 * kv * d + h * d + h) - target)
+            if best is None or (diff, -kv) < best[:2]:
+                best = (diff, -kv, d)
+    assert best is not None
+    return -best[1], best[2]
+
+
+def _diff_v2_matched(embed_dim: int, heads: int) -> dict[str, int]:
+    kv, d = v2_shape(embed_dim, heads)  # resolved per call: replacing `variants.v2_shape` counts
+    return {"num_heads": heads, "num_kv_heads": kv, "head_dim": d}
+
+
 def _diff_extras(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     d = config.resolved_head_dim
     return {**{n: (d,) for n in LAMBDA_VECTORS}, "subln.weight": (2 * d,)}
@@ -114,7 +143,8 @@ DIFF = Variant(
     name="diff", module=MultiheadDiffAttn, fixed_head_dim=True, extra_reference_shapes=_diff_extras,
     extra_reference_layout={**{n: ((n,), False) for n in LAMBDA_VECTORS},
                             "subln.weight": (("subln", "scale"), False)},
-    rebuild_maps=_diff_maps, hf_model_type="diffllama", hf_export_refusal=None)
+    rebuild_maps=_diff_maps, hf_model_type="diffllama", hf_export_refusal=None,
+    matched=lambda _, h: {"num_heads": h})
 
 DIFF_V2 = Variant(
     name="diff_v2", module=MultiheadDiffAttnV2, fixed_head_dim=False,
@@ -122,14 +152,16 @@ DIFF_V2 = Variant(
     extra_reference_layout={"lambda_proj.weight": (("lambda_proj", "kernel"), True)},
     rebuild_maps=_diff_v2_maps, hf_model_type=None,
     hf_export_refusal="its λ is a per-token sigmoid of lambda_proj and it has no per-head norm; "
-                      "DiffLlama implements DIFF V1 only")
+                      "DiffLlama implements DIFF V1 only",
+    matched=_diff_v2_matched)
 
 TRANSFORMER = Variant(
     name="transformer", module=MultiheadAttention, fixed_head_dim=False,
     extra_reference_shapes=lambda _: {},
     extra_reference_layout={}, rebuild_maps=_standard_maps, hf_model_type="llama",
     hf_export_refusal="DiffLlama always subtracts a second attention map and RMS-normalises each "
-                      "head; use --format safetensors")
+                      "head; use --format safetensors",
+    matched=lambda _, h: {"num_heads": 2 * h})
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in (DIFF, DIFF_V2, TRANSFORMER)}
 

@@ -80,6 +80,7 @@ def device_kind() -> str:
 
 
 def load_table(path: Path = TABLE) -> list[dict]:
+    """The rows ("entries") of the Mosaic GPU tile table at `path` (see `tiles_for`)."""
     return json.loads(path.read_text())["entries"]
 
 

@@ -15,7 +15,7 @@ from flax import linen as nn
 
 import numpy_reference as npr
 from diff_jax.config import ModelConfig
-from diff_jax.evaluation.analysis import TOP_K, _activations, _attention_shares, _stats
+from diff_jax.evaluation.analysis import TOP_K, _activations, _stats, span_shares
 from diff_jax.interop import to_reference
 from diff_jax.transformer import DecoderLM
 
@@ -78,7 +78,7 @@ def test_attention_shares_and_activations_match_numpy(variant):
     answer = (pos >= a0) & (pos < a1)
     noise = (pos < context) & ~answer
     want = [normalized[..., keys].sum(-1).mean(axis=(0, 1))[q0:q1].mean() for keys in (answer, noise)]
-    got = np.asarray(_attention_shares(cfg, params, jnp.asarray(tokens), jnp.asarray(SPANS)))
+    got = np.asarray(span_shares(cfg, params, jnp.asarray(tokens), jnp.asarray(SPANS)))
     assert got.shape == (1, 2)
     np.testing.assert_allclose(got[0], want, rtol=1e-4)
 

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from diff_jax import variants
 from diff_jax.experiments import lm_report, presets, replicate, stats
 
 
 def test_v2_shape_matches_diff_attention_parameters():
     # E=64, H=2: DIFF V1 has 4·64² + 6·16 = 16480 attention parameters per layer.
-    kv, d = presets.v2_shape(64, 2)
+    kv, d = variants.v2_shape(64, 2)
     assert (kv, d) == (1, 32)
     assert abs(64 * (2 * 2 * d + 2 * kv * d + 2 * d + 2) - 16480) <= 64 * 8
     for preset in presets.PRESETS.values():
@@ -31,7 +32,7 @@ def test_check_matched_rejects_unmatched_models(monkeypatch):
     micro = presets.PRESETS["micro"]
     small_vocab = dataclasses.replace(micro, shared=(*micro.shared, "model.vocab_size=256"))
     assert set(presets.check_matched(small_vocab)) == set(presets.VARIANTS)
-    monkeypatch.setattr(presets, "v2_shape", lambda e, h: (1, 2))  # a V2 with almost no attention
+    monkeypatch.setattr(variants, "v2_shape", lambda e, h: (1, 2))  # a V2 with almost no attention
     with pytest.raises(ValueError, match="diff_v2 has .* parameters"):
         presets.check_matched(small_vocab)
     with pytest.raises(ValueError, match="variant must be one of"):

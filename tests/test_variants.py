@@ -1,7 +1,10 @@
 """The variant specs: head layouts and FLOPs widths as the paper counts them, the reference
-layout against the modules' own parameters, and lookups by name and by Hugging Face type."""
+layout against the modules' own parameters, lookups by name and by Hugging Face type, and the
+heads matched to DIFF V1 at the replication presets' shapes."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -47,3 +50,31 @@ def test_lookups():
     with pytest.raises(ConfigError, match=r"model.variant: unknown variant 'diff_v3'; known: diff, "
                                           r"diff_v2, transformer"):
         ModelConfig(variant="diff_v3")
+
+
+# (E, layers, H): the presets' shapes (cpu-small, cpu-recall, gpu-medium, micro)
+PRESET_SHAPES = [(64, 4, 2), (128, 2, 2), (768, 12, 6), (32, 2, 2)]
+V2_HEADS = {64: (1, 32), 128: (1, 64), 768: (3, 128), 32: (1, 16)}  # E -> (kv heads, d), written out
+
+
+@pytest.mark.parametrize("e,layers,h", PRESET_SHAPES)
+def test_matched_heads_give_the_presets_overrides(e, layers, h):
+    from diff_jax.experiments import presets
+
+    for name in variants.VARIANTS:
+        heads = variants.spec(name).matched_heads(e, h)
+        ours = [f"model.variant={name}", f"model.embed_dim={e}", f"model.num_layers={layers}",
+                *(f"model.{k}={v}" for k, v in heads.items())]
+        assert ours == presets.model_overrides(name, e, layers, h), name
+    kv, d = V2_HEADS[e]
+    assert variants.DIFF_V2.matched_heads(e, h) == {"num_heads": h, "num_kv_heads": kv, "head_dim": d}
+    # matched: the Transformer's query·key and value widths are DIFF V1's, and DIFF V2's attention
+    # parameters (counted from the reference layout) are within the presets' ±0.5% of DIFF V1's
+    configs = {name: ModelConfig(variant=name, embed_dim=e, num_layers=layers,
+                                 **variants.spec(name).matched_heads(e, h))
+               for name in variants.VARIANTS}
+    assert (variants.TRANSFORMER.layout(configs["transformer"]).attention_widths
+            == variants.DIFF.layout(configs["diff"]).attention_widths)
+    count = {name: sum(math.prod(s) for s in variants.spec(name).reference_shapes(c).values())
+             for name, c in configs.items()}
+    assert abs(count["diff_v2"] - count["diff"]) <= 0.005 * count["diff"]

@@ -48,12 +48,16 @@ def _intermediates(model_cfg: ModelConfig, params: Any, tokens: jax.Array) -> di
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg",))
-def _attention_shares(model_cfg: ModelConfig, params: Any, tokens: jax.Array,
-                      spans: jax.Array) -> jax.Array:
-    """(layers, 2): mean normalized attention of the query rows on (answer, noise).
+def span_shares(model_cfg: ModelConfig, params: Any, tokens: jax.Array,
+                spans: jax.Array) -> jax.Array:
+    """(layers, 2) float32: the query rows' mean normalized attention on (answer, noise).
 
-    spans = (answer start, answer end, context end, query start, query end); tokens after the
-    query end are padding, which the causal mask keeps out of the query rows.
+    tokens (B, T) int; spans (5,) int = (answer start, answer end, context end, query start,
+    query end): answer keys are [answer start, answer end), noise keys the rest of
+    [0, context end), query rows [query start, query end). Per layer the per-head maps
+    (B, H, T, S) (`Variant.head_maps`) are clipped at 0 and each row rescaled to sum to 1; the
+    shares are averaged over the batch, heads and query rows. Tokens after the query end are
+    padding, which the causal mask keeps out of the query rows.
     """
     answer_start, answer_end, context_end, query_start, query_end = spans
     inter = _intermediates(model_cfg, params, tokens)
@@ -89,8 +93,8 @@ def attention(loaded: Loaded, options: EvalOptions) -> Report:
             padded[0, :answer_at] = tokens[:answer_at]
             spans = jnp.asarray([sample.needles[0].start, sample.needles[0].end,
                                  len(sample.context), len(sample.context), answer_at])
-            shares.append(np.asarray(_attention_shares(cfg.model, loaded.params,
-                                                       jnp.asarray(padded), spans)))
+            shares.append(np.asarray(span_shares(cfg.model, loaded.params, jnp.asarray(padded),
+                                                 spans)))
         per_depth.append(np.mean(shares, axis=0))  # (layers, 2)
     per_depth = np.stack(per_depth)  # (depths, layers, 2)
     rows = [{"depth": d, "answer": float(x[:, 0].mean()), "noise": float(x[:, 1].mean()),

@@ -22,7 +22,7 @@ import numpy as np
 
 from diff_jax import recall
 from diff_jax.config import ModelConfig
-from diff_jax.evaluation.analysis import _attention_shares
+from diff_jax.evaluation.analysis import span_shares
 from diff_jax.evaluation.loading import Loaded
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.evaluation.report import Report
@@ -74,8 +74,8 @@ def attention_shares(model_cfg: ModelConfig, params: Any,
         start = int(s.pair_starts[s.queried[0]])
         spans = jnp.asarray([start, start + recall.TRIPLE, s.context_end, s.query_start,
                              s.query_start + 2])
-        out.append(np.asarray(_attention_shares(model_cfg, params, jnp.asarray(s.tokens[None]),
-                                                spans)).mean(axis=0))
+        out.append(np.asarray(span_shares(model_cfg, params, jnp.asarray(s.tokens[None]),
+                                          spans)).mean(axis=0))
     return np.stack(out)
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 @dataclasses.dataclass
 class Report:
+    """One task's result: its JSON fields, the terminal table, and what else it wrote or skipped."""
+
     fields: dict[str, Any]  # written as RUN/eval/<task>.json
     table: list[tuple[str, str]]  # (label, value) rows printed to the terminal
     files: list[str] = dataclasses.field(default_factory=list)  # other outputs (PNG, .npy)
@@ -26,5 +28,6 @@ def write(report: Report, out_dir: Path, task: str, header: dict[str, Any]) -> P
 
 
 def format_table(rows: list[tuple[str, str]]) -> str:
+    """(label, value) rows as text lines, labels left-aligned to the widest."""
     width = max((len(k) for k, _ in rows), default=0)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

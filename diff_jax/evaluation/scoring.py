@@ -38,6 +38,8 @@ def batch_nll(model_cfg: ModelConfig, params: Any, batch: Batch) -> np.ndarray:
 
 
 def eval_length(config: Config, options: EvalOptions) -> int:
+    """The evaluation's row length: `options.length`, else the run's `train.seq_len`;
+    `EvalError` when it exceeds `model.max_seq_len`."""
     length = options.length or config.train.seq_len
     if length > config.model.max_seq_len:
         raise EvalError(f"length={length} exceeds model.max_seq_len ({config.model.max_seq_len})")
@@ -72,8 +74,9 @@ def held_out_batches(corpus: TokenCorpus, length: int, batch_size: int, batches:
 
 def nll_by_position(model_cfg: ModelConfig, params: Any, corpus: TokenCorpus, length: int,
                     max_docs: int, batch_size: int) -> tuple[np.ndarray, int]:
-    """(mean NLL at each position 0..length−1, number of documents) over the first `max_docs`
-    documents of at least length + 1 tokens, each read from its start (the paper's Figure 4)."""
+    """((length,) mean NLL at each position 0..length−1, number of documents) over the first
+    `max_docs` documents of at least length + 1 tokens, each read from its start (the paper's
+    Figure 4)."""
     starts, ends = corpus.doc_starts[:-1], corpus.doc_starts[1:]
     long_docs = np.flatnonzero(ends - starts >= length + 1)[:max_docs]
     if len(long_docs) == 0:
@@ -130,7 +133,8 @@ def ppl(loaded: Loaded, options: EvalOptions) -> Report:
 
 
 def read_tokens(path: Path, config: Config) -> np.ndarray:
-    """The ids of a .npy file (1-D integers) or the encoding of a .txt file (data.tokenizer)."""
+    """(n,) int32: the ids of a .npy file (1-D integers) or the encoding of a .txt file
+    (data.tokenizer), checked against the vocabulary (n ≥ 2)."""
     if not path.is_file():
         raise EvalError(f"input={path}: no such file")
     if path.suffix == ".npy":
@@ -153,8 +157,9 @@ def read_tokens(path: Path, config: Config) -> np.ndarray:
 
 
 def token_logprobs(model_cfg: ModelConfig, params: Any, ids: np.ndarray, window: int) -> np.ndarray:
-    """log p(ids[t+1] | ids[:t+1]) for t = 0..n−2 (float32). Texts longer than `window` are read in
-    windows of `window` tokens advancing by window/2: every later token keeps ≥ window/2 context."""
+    """(n − 1,) float32: log p(ids[t+1] | ids[:t+1]) for t = 0..n−2 of ids (n,). Texts longer
+    than `window` are read in windows of `window` tokens advancing by window/2: every later token
+    keeps ≥ window/2 context."""
     n, stride = len(ids), max(1, window // 2)
     model = DecoderLM(model_cfg)
     out = np.empty(n - 1, np.float32)

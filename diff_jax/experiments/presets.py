@@ -3,8 +3,9 @@
 Every model of a preset gets the same data, token budget, optimizer and schedule (the `shared`
 overrides); only the attention differs. DIFF V1 has H differential heads (component width
 E/(2H)), the Transformer 2H heads of width E/(2H) (the paper's pairing), and DIFF V2 H output
-heads whose head width and kv heads are chosen by `v2_shape` to match DIFF V1's attention
-parameters as closely as possible. `check_matched` verifies the totals with `diff_jax.summary`.
+heads whose head width and kv heads are chosen by `diff_jax.variants.v2_shape` to match DIFF V1's
+attention parameters as closely as possible. `check_matched` verifies the totals with
+`diff_jax.summary`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from diff_jax import variants
 from diff_jax.config import Config, load_config
 from diff_jax.summary import summarize
 
@@ -27,17 +29,13 @@ INITS = ("scaled", "normal")  # `model.output_init`: see `diff_jax.layers.residu
 
 
 def model_overrides(variant: str, embed_dim: int, num_layers: int, diff_heads: int) -> list[str]:
-    """The `model.*` overrides of `variant` at the preset's shape: DIFF V1 with H heads, the
-    Transformer with 2H, DIFF V2 with H output heads and `v2_shape`'s kv heads and head dim."""
+    """The `model.*` overrides of `variant` at the preset's shape: its heads matched to DIFF V1
+    with H = `diff_heads` heads (`diff_jax.variants.Variant.matched_heads`)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    kv, d = v2_shape(embed_dim, diff_heads)
-    heads = {"diff": [f"model.num_heads={diff_heads}"],
-             "transformer": [f"model.num_heads={2 * diff_heads}"],
-             "diff_v2": [f"model.num_heads={diff_heads}", f"model.num_kv_heads={kv}",
-                         f"model.head_dim={d}"]}
+    heads = variants.spec(variant).matched_heads(embed_dim, diff_heads)
     return [f"model.variant={variant}", f"model.embed_dim={embed_dim}",
-            f"model.num_layers={num_layers}", *heads[variant]]
+            f"model.num_layers={num_layers}", *(f"model.{k}={v}" for k, v in heads.items())]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +63,12 @@ class Recipe:
                 f"model.output_init={init}", f"train.seed={seed}", f"train.run_dir={run_dir}"]
 
     def config(self, variant: str, seed: int, run_dir: Path, init: str | None = None) -> Config:
+        """The full `Config` of `overrides(variant, seed, run_dir, init)`."""
         return load_config(None, self.overrides(variant, seed, run_dir, init))
 
     @property
     def seq_len(self) -> int:
+        """The training sequence length (`train.seq_len`) of every model of the preset."""
         return self.config("diff", 0, Path("unused")).train.seq_len
 
 
@@ -115,21 +115,6 @@ class RecallPreset(Recipe):
 def corpus_dir(out: Path, seed: int) -> Path:
     """Where a recall replication in `out` keeps the training corpus of `seed`."""
     return out / "data" / f"recall-s{seed}"
-
-
-def v2_shape(embed_dim: int, heads: int) -> tuple[int, int]:
-    """(kv heads, head dim) of a DIFF V2 layer with `heads` output heads whose attention parameters
-    E·(2h·d + 2·kv·d + h·d + h) come closest to DIFF V1's 4E² + 6·E/(2h) (ties: more kv heads)."""
-    e, h = embed_dim, heads
-    target = 4 * e * e + 6 * (e // (2 * h))
-    best: tuple[int, int, int] | None = None  # (|difference|, -kv, d)
-    for kv in (k for k in range(1, h + 1) if h % k == 0):
-        for d in range(2, 4 * e + 1, 2):
-            diff = abs(e * (2 * h * d + 2 * kv * d + h * d + h) - target)
-            if best is None or (diff, -kv) < best[:2]:
-                best = (diff, -kv, d)
-    assert best is not None
-    return -best[1], best[2]
 
 
 def niah_whole_fraction(doc_tokens: int, seq_len: int) -> float:

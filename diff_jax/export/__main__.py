@@ -12,6 +12,8 @@ from diff_jax.export.writer import DEFAULT_TOKENIZER
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line above (`argv`: None reads sys.argv); returns the exit status, 0 or 2
+    (an `ExportError`, printed)."""
     parser = argparse.ArgumentParser(
         prog="python -m diff_jax.export",
         description="Export a diff-jax run, checkpoint or export to safetensors, a params-only "

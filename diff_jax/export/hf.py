@@ -48,7 +48,7 @@ def check_mappable(config: ModelConfig) -> None:
 def hf_config(config: ModelConfig, dtype: str) -> dict[str, Any]:
     """The `config.json` of a DiffLlamaForCausalLM equivalent to `config` (weights in `dtype`)."""
     check_mappable(config)
-    theta = config.rope_theta
+    theta, lay = config.rope_theta, variants.spec(config.variant).layout(config)
     return {
         "architectures": ["DiffLlamaForCausalLM"],
         "model_type": "diffllama",
@@ -56,9 +56,9 @@ def hf_config(config: ModelConfig, dtype: str) -> dict[str, Any]:
         "hidden_size": config.embed_dim,
         "intermediate_size": config.resolved_mlp_dim,
         "num_hidden_layers": config.num_layers,
-        "num_attention_heads": 2 * config.num_heads,
-        "num_key_value_heads": 2 * config.kv_heads,
-        "head_dim": config.resolved_head_dim,
+        "num_attention_heads": lay.q_heads,  # its query heads are our Q1, Q2 sub-heads
+        "num_key_value_heads": lay.k_heads,  # and its kv heads our K1, K2 components
+        "head_dim": lay.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": config.max_seq_len,
         "initializer_range": config.init_std,
@@ -100,9 +100,14 @@ def _head_major(w: np.ndarray, groups: int, d: int, permute: bool) -> np.ndarray
 
 
 def hf_state_dict(state_dict: Mapping[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
-    """Our export state dict (`diff_jax.export.state_dict` names) -> DiffLlama's state dict."""
+    """Our export state dict (`diff_jax.export.state_dict` names) -> DiffLlama's state dict.
+
+    Per layer q_proj (2H·d, E) and k_proj, v_proj (2Hkv·d, E) get their rows component-major
+    ([all Q1 | all Q2], likewise K and V; q and k rows half-split for RoPE); o_proj (E, 2H·d)
+    has `subln.weight` folded into its columns."""
     check_mappable(config)
-    h, hkv, d = config.num_heads, config.kv_heads, config.resolved_head_dim
+    lay = variants.spec(config.variant).layout(config)
+    h, hkv, d = lay.op_heads, lay.v_heads, lay.head_dim  # q rows (H, 2, d); k, v rows (Hkv, 2, d)
     out = {"model.embed_tokens.weight": state_dict["embed.weight"]}
     for i in range(config.num_layers):
         src, dst = f"layers.{i}", f"model.layers.{i}"
@@ -132,7 +137,8 @@ def from_hf_state_dict(tensors: Mapping[str, np.ndarray], config: ModelConfig) -
     since DiffLlama's per-head RMSNorm has no weight.
     """
     check_mappable(config)
-    h, hkv, d = config.num_heads, config.kv_heads, config.resolved_head_dim
+    lay = variants.spec(config.variant).layout(config)
+    h, hkv, d = lay.op_heads, lay.v_heads, lay.head_dim  # q rows (H, 2, d); k, v rows (Hkv, 2, d)
     get = tensor_getter(tensors, config, "DiffLlamaForCausalLM")
     out = shared_llama_tensors(get, config)
     for i in range(config.num_layers):
@@ -147,7 +153,7 @@ def from_hf_state_dict(tensors: Mapping[str, np.ndarray], config: ModelConfig) -
         out[f"{attn}.out_proj.weight"] = get(f"{src}.self_attn.o_proj.weight")
         for name in LAMBDA_VECTORS:
             out[f"{attn}.{name}"] = get(f"{src}.self_attn.{name}")
-        out[f"{attn}.subln.weight"] = np.ones(2 * d, out[f"{attn}.out_proj.weight"].dtype)
+        out[f"{attn}.subln.weight"] = np.ones(lay.v_width, out[f"{attn}.out_proj.weight"].dtype)
     return out
 
 

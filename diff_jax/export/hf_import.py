@@ -174,7 +174,8 @@ def read_hf_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
 
 def _llama_to_ours(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
     """LlamaForCausalLM's state dict -> ours (`diff_jax.export.state_dict` names)."""
-    h, hkv, d = config.num_heads, config.kv_heads, config.resolved_head_dim
+    lay = variants.spec(config.variant).layout(config)
+    h, hkv, d = lay.q_heads, lay.k_heads, lay.head_dim
     interleaved = np.argsort(hf.half_split_order(d))
     get = hf.tensor_getter(tensors, config, "LlamaForCausalLM")
 

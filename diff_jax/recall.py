@@ -164,12 +164,26 @@ def training_samples(rng: np.random.Generator, *, count: int, length: int, max_p
     return out
 
 
-def write_training_corpus(out_dir: Path, samples: list[RecallSample], meta: dict) -> None:
+TRAIN_LOSSES = ("all", "queries")  # which targets of a training sample count in the loss
+
+
+def write_training_corpus(out_dir: Path, samples: list[RecallSample], meta: dict,
+                          loss: str = "all") -> None:
     """Write `samples` (each + end-of-text) as a token corpus that `data.source=tokens` reads.
 
     With samples of train.seq_len − 1 tokens every document is exactly one training row, so a
-    row never splits a sample's context from its queries.
+    row never splits a sample's context from its queries. `loss="queries"` writes a loss mask
+    (`TokenCorpus.loss_mask`) under which only the query part counts: the query triples' tokens
+    and the end-of-text after them, not the context (random keys and values, the haystack) nor the
+    QUERY token; `"all"`: every token counts.
     """
+    if loss not in TRAIN_LOSSES:
+        raise ValueError(f"loss must be one of {TRAIN_LOSSES}, got {loss!r}")
     tokens = np.concatenate([np.append(s.tokens, EOT) for s in samples]).astype(np.uint32)
     starts = np.concatenate([[0], np.cumsum([len(s.tokens) + 1 for s in samples])]).astype(np.int64)
-    TokenCorpus(tokens, starts, VOCAB_SIZE).save(out_dir, dict(meta, source="recall"))
+    mask = None
+    if loss == "queries":
+        mask = np.concatenate([np.arange(len(s.tokens) + 1) >= s.query_start
+                               for s in samples]).astype(np.uint8)
+    TokenCorpus(tokens, starts, VOCAB_SIZE, loss_mask=mask).save(
+        out_dir, dict(meta, source="recall", loss=loss))

@@ -8,7 +8,9 @@ with explicit in/out shardings, the state donated to `train`. Gradient accumulat
 `train_step`: the global batch
 (B, T) is split into `grad_accum` micro-batches of B/k rows (row j·k + i goes to micro-batch i,
 so every device keeps its own rows), gradients are summed in float32 with `lax.scan`, and one
-optimizer update follows; with equal token counts per micro-batch this equals one step on B.
+optimizer update follows. The loss is the mean cross-entropy over the batch's counted targets
+(`loss_mask`); every micro-batch divides its sum by the whole batch's count, so the k micro-batches
+add up to exactly the loss and gradient of one step on B.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from diff_jax.optim import make_optimizer, schedule
 from diff_jax.sharding import batch_sharding, check_batch, check_divisible, tree_shardings
 from diff_jax.transformer import DecoderLM, layer_lambdas
 
-Batch = dict[str, jax.Array]  # tokens, targets, segment_ids, positions: (B, T) int32
+# tokens, targets, segment_ids, positions and (optional) loss_mask: (B, T) int32. loss_mask is 1
+# for the targets that count in the loss; without it, all do.
+Batch = dict[str, jax.Array]
 
 
 @flax.struct.dataclass
@@ -84,31 +88,43 @@ def init_state(rng: jax.Array, model: DecoderLM, tx: optax.GradientTransformatio
     return nn.meta.unbox(_boxed_state(rng, model, tx))
 
 
-def loss_fn(params: Any, batch: Batch, model: DecoderLM) -> jax.Array:
-    """Mean next-token cross-entropy () float32 over every position of the (B, T) batch."""
+def target_count(batch: Batch) -> jax.Array:
+    """() float32: how many targets of the (B, T) batch count in the loss (at least 1)."""
+    mask = batch.get("loss_mask")
+    count = batch["targets"].size if mask is None else jnp.sum(mask)
+    return jnp.maximum(jnp.asarray(count, jnp.float32), 1.0)
+
+
+def loss_fn(params: Any, batch: Batch, model: DecoderLM, count: jax.Array | None = None) -> jax.Array:
+    """Next-token cross-entropy () float32 summed over the counted targets of the (B, T) batch
+    (`loss_mask`, default all) and divided by `count` (default: `target_count(batch)`, the mean)."""
     logits = model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
                          segment_ids=batch["segment_ids"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    mask = batch.get("loss_mask")
+    total = jnp.sum(ce if mask is None else ce * mask)
+    return total / (target_count(batch) if count is None else count)
 
 
 def loss_and_grads(params: Any, batch: Batch, model: DecoderLM, grad_accum: int) -> tuple[jax.Array, Any]:
-    """(mean loss () float32, mean gradients shaped like `params`) over the (B, T) batch, in
-    `grad_accum` sequential micro-batches of B / grad_accum rows."""
+    """(mean loss () float32, its gradients shaped like `params`) over the counted targets of the
+    (B, T) batch, in `grad_accum` sequential micro-batches of B / grad_accum rows."""
     grad_fn = jax.value_and_grad(loss_fn)
+    count = target_count(batch)
     if grad_accum == 1:
-        return grad_fn(params, batch, model)
+        return grad_fn(params, batch, model, count)
 
     def split(x: jax.Array) -> jax.Array:  # (B, T) -> (k, B/k, T), micro-batch i = rows j·k + i
         x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
         return nn.with_logical_constraint(x, (None, "batch", "length"))
 
     def body(acc: tuple, micro: Batch) -> tuple[tuple, None]:
-        loss, grads = grad_fn(params, micro, model)
+        loss, grads = grad_fn(params, micro, model, count)  # this micro-batch's share of the mean
         return jax.tree.map(jnp.add, acc, (loss, grads)), None
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
     total, _ = jax.lax.scan(body, zeros, jax.tree.map(split, batch))
-    return jax.tree.map(lambda x: x / grad_accum, total)
+    return total
 
 
 def train_step(state: TrainState, batch: Batch, *, model: DecoderLM, tx: optax.GradientTransformation,
@@ -126,7 +142,7 @@ def train_step(state: TrainState, batch: Batch, *, model: DecoderLM, tx: optax.G
 
 
 def eval_step(params: Any, batch: Batch, *, model: DecoderLM) -> jax.Array:
-    """Mean validation loss () float32 of one (B, T) batch."""
+    """Mean validation loss () float32 over the counted targets of one (B, T) batch."""
     return loss_fn(params, batch, model)
 
 
@@ -153,9 +169,10 @@ class Steps:
             yield
 
     def abstract_batch(self, batch_size: int, seq_len: int) -> Batch:
-        """ShapeDtypeStructs (B, T) int32 of a batch, with the batch sharding (for lowering)."""
+        """ShapeDtypeStructs (B, T) int32 of a batch as the data pipeline makes it, with the batch
+        sharding (for lowering)."""
         return {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
-                for k in ("tokens", "targets", "segment_ids", "positions")}
+                for k in ("tokens", "targets", "segment_ids", "positions", "loss_mask")}
 
 
 def build_steps(config: Config, mesh: Mesh) -> Steps:

@@ -254,3 +254,30 @@ def test_prepare_writes_a_corpus_equal_to_direct_tokenization(tmp_path, capsys):
     assert docs(prepared) == docs(direct)
     assert isinstance(prepared.tokens, np.memmap)
     assert data_main(["prepare", str(tmp_path / "missing.txt"), str(out)]) == 2
+
+
+def test_loss_mask_follows_its_tokens_through_split_save_and_load(tmp_path):
+    tokens = np.arange(1, 401, dtype=np.uint32)
+    tokens[np.arange(19, 400, 20)] = 0  # 20 documents of 20 tokens, each ending in 0
+    corpus = TokenCorpus(tokens, np.arange(0, 401, 20, dtype=np.int64), 512,
+                         loss_mask=(tokens % 3 == 0).astype(np.uint8))
+    train, val = corpus.split(0.25, seed=4)
+    for part in (train, val):
+        np.testing.assert_array_equal(part.loss_mask, (part.tokens % 3 == 0).astype(np.uint8))
+    train.save(tmp_path / "c", {})
+    back = load(tmp_path / "c")
+    np.testing.assert_array_equal(back.loss_mask, train.loss_mask)
+    row = PackedRows(back, 16, seed=0, shuffle=False)[5]
+    np.testing.assert_array_equal(row["loss_mask"], (row["targets"] % 3 == 0).astype(np.int32))
+    (tmp_path / "c" / "loss_mask.bin").write_bytes(b"\x01" * 7)
+    with pytest.raises(DataError, match="loss_mask.bin has 7 entries"):
+        load(tmp_path / "c")
+
+
+def test_a_mixture_refuses_a_masked_source(tmp_path):
+    tokens = np.arange(1, 101, dtype=np.uint32)
+    TokenCorpus(tokens, np.array([0, 100]), 512, loss_mask=np.ones(100, np.uint8)).save(
+        tmp_path / "m", {})
+    cfg = DataConfig(mixture="tokens:0.5,niah:0.5", paths=(str(tmp_path / "m"),))
+    with pytest.raises(DataError, match="data.mixture: source 'tokens' has a loss mask"):
+        build(cfg, 16, 2, 0, 0, 0, 1)

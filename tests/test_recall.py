@@ -96,6 +96,27 @@ def test_training_corpus_puts_one_sample_in_each_row(tmp_path):
         assert (row["segment_ids"] == 1).all() and row["positions"][0] == 0
 
 
+def test_query_loss_mask_counts_exactly_the_query_part(tmp_path):
+    samples = recall.training_samples(recall.train_rng(2), count=12, length=32, max_pairs=5,
+                                      distractor_shares=(0.0, 0.5))
+    recall.write_training_corpus(tmp_path / "q", samples, {"seed": 2}, loss="queries")
+    recall.write_training_corpus(tmp_path / "a", samples, {"seed": 2})
+    rows = PackedRows(load(tmp_path / "q"), 33, seed=0, shuffle=False)
+    assert len(rows) == len(samples) - 1  # the last row would need one token past the end
+    for j, s in enumerate(samples[: len(rows)]):
+        # target i is token i + 1: it counts from the first query's key token to the end-of-text;
+        # the row's last target is the next sample's first token, which does not count
+        expected = np.r_[np.arange(1, 33) >= s.query_start, False].astype(np.int32)
+        np.testing.assert_array_equal(rows[j]["loss_mask"], expected)
+        assert rows[j]["loss_mask"][s.answer_positions - 1].all()
+        assert not rows[j]["loss_mask"][: s.context_end].any()
+    plain = load(tmp_path / "a")
+    assert plain.loss_mask is None
+    assert PackedRows(plain, 33, seed=0, shuffle=False)[3]["loss_mask"].all()
+    with pytest.raises(ValueError, match="loss must be one of"):
+        recall.write_training_corpus(tmp_path / "x", samples, {}, loss="answers")
+
+
 def test_recall_options_are_checked():
     with pytest.raises(EvalError, match="distractors"):
         EvalOptions(task="recall", distractors=1.0)

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from diff_jax.config import Config, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from diff_jax.optim import decay_mask, make_optimizer, schedule
 from diff_jax.sharding import ShardingError, check_batch, make_mesh, mesh_shape
-from diff_jax.step import build_steps, loss_and_grads, state_shardings
+from diff_jax.step import build_steps, loss_and_grads, loss_fn, state_shardings
 from diff_jax.transformer import DecoderLM
 
 MODEL = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=2, max_seq_len=64)
@@ -31,7 +31,16 @@ def _batch(b=8, t=16, seed=0):
             "positions": (np.arange(t) - first).astype(np.int32)}
 
 
-def _sharded(mesh_cfg, devices=None, grad_accum=1, steps=1):
+def _masked(batch, seed=1):
+    """`batch` with a loss mask whose counts differ between rows (and so between micro-batches)."""
+    rng = np.random.default_rng(seed)
+    t = batch["targets"].shape[1]
+    keep = rng.random(batch["targets"].shape) < np.linspace(0.1, 0.9, len(batch["targets"]))[:, None]
+    keep[0, : t // 2] = True  # every row counts something
+    return dict(batch, loss_mask=keep.astype(np.int32))
+
+
+def _sharded(mesh_cfg, devices=None, grad_accum=1, steps=1, batch=None):
     """(state after `steps` train steps, loss, grads of the initial params, metrics) on a mesh,
     with the training loop's steps (`build_steps`)."""
     config = Config(model=MODEL, optim=OptimConfig(warmup_steps=0), mesh=mesh_cfg,
@@ -39,7 +48,7 @@ def _sharded(mesh_cfg, devices=None, grad_accum=1, steps=1):
     built = build_steps(config, make_mesh(mesh_cfg, devices))
     with built.context():
         state = built.init(jax.random.PRNGKey(0))
-        batch = jax.device_put(_batch(), built.batch_sharding)
+        batch = jax.device_put(_batch() if batch is None else batch, built.batch_sharding)
         loss, grads = jax.jit(functools.partial(loss_and_grads, model=built.model,
                                                 grad_accum=grad_accum),
                               in_shardings=(built.shardings.params, built.batch_sharding))(
@@ -99,6 +108,38 @@ def test_grad_accumulation_equals_one_step_on_the_whole_batch():
     # after Adam's normalisation float32 rounding in the gradients shows up at ~1e-6 absolute
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
                  jax.device_get(state2.params), jax.device_get(state1.params))
+
+
+def test_grad_accumulation_with_a_loss_mask_equals_one_step_on_the_whole_batch():
+    # micro-batches count different numbers of targets: each divides by the whole batch's count
+    batch = _masked(_batch())
+    mesh = MeshConfig(data=2, fsdp=2, tensor=2)
+    _, loss1, grads1, _ = _sharded(mesh, batch=batch)
+    _, loss2, grads2, _ = _sharded(mesh, grad_accum=2, batch=batch)
+    counts = batch["loss_mask"].reshape(4, 2, -1).sum(axis=(0, 2))  # micro-batch i: rows j·2 + i
+    assert counts[0] != counts[1]
+    np.testing.assert_allclose(loss2, loss1, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), grads2, grads1)
+
+
+def test_loss_is_the_mean_cross_entropy_over_the_masked_targets():
+    model = DecoderLM(MODEL)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(3), jnp.zeros((1, 1), jnp.int32)))["params"]
+    batch = _masked(_batch(b=4))
+    logits = np.asarray(model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
+                                    segment_ids=batch["segment_ids"]), np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+    mask = batch["loss_mask"]
+    # float32 logits and sums: ~1e-6 relative
+    np.testing.assert_allclose(float(loss_fn(params, batch, model)),
+                               (nll * mask).sum() / mask.sum(), rtol=2e-6)
+    unmasked = {k: v for k, v in batch.items() if k != "loss_mask"}
+    np.testing.assert_allclose(float(loss_fn(params, unmasked, model)), nll.mean(), rtol=2e-6)
+    ones = dict(unmasked, loss_mask=np.ones_like(mask))
+    assert float(loss_fn(params, ones, model)) == pytest.approx(float(loss_fn(params, unmasked, model)),
+                                                                rel=1e-7)
 
 
 def test_weight_decay_mask_exempts_norms_lambdas_and_embeddings():

@@ -56,6 +56,9 @@ def split_corpus(cfg: DataConfig, seed: int = 0) -> tuple[TokenCorpus, TokenCorp
 
 @dataclasses.dataclass
 class InputData:
+    """What `build` gives the training loop: the batch iterator, the held-out batches and the
+    training split."""
+
     train: grain.DatasetIterator  # this process's (b, L) slices, checkpointable
     validation: HeldOut  # fixed; no batches when data.validation_fraction or eval_tokens is 0
     corpus: TokenCorpus  # the training split

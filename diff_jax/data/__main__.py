@@ -11,6 +11,7 @@ from diff_jax.data.sources import DataError
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m diff_jax.data prepare SRC... OUT_DIR`; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m diff_jax.data")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize text files/globs (or 'stdlib') into a token corpus")

@@ -3,7 +3,9 @@
 Every document is encoded with tiktoken and followed by the end-of-text token. On disk (made by
 `python -m diff_jax.data prepare`) a corpus is a directory with `tokens.bin` (raw little-endian
 uint32 ids, memory-mapped when read, so a large corpus is tokenized once), `doc_starts.npy`
-(int64, num_docs + 1 offsets) and `meta.json`. A validation split (`split`) draws its documents
+(int64, num_docs + 1 offsets), `meta.json` and, for a corpus with a loss mask, `loss_mask.bin`
+(one uint8 a token: 1 where the token counts as a training target; without it every token
+counts). A validation split (`split`) draws its documents
 from the whole corpus, so it copies both parts into memory (4 bytes a token).
 """
 
@@ -30,18 +32,25 @@ class TokenCorpus:
     doc_starts: np.ndarray  # (num_docs + 1,) int64, doc_starts[0] = 0, doc_starts[-1] = N
     vocab_size: int  # ids are < vocab_size
     skipped: tuple[str, ...] = ()
+    # (N,) uint8: 1 where predicting the token counts in the training loss; None: every token
+    loss_mask: np.ndarray | None = None
 
     @property
     def num_docs(self) -> int:
+        """Number of documents."""
         return len(self.doc_starts) - 1
 
     def documents(self, which: np.ndarray) -> TokenCorpus:
         """The corpus of documents `which` (indices, in that order), their tokens copied."""
         starts, ends = self.doc_starts[which], self.doc_starts[np.asarray(which) + 1]
         lengths = ends - starts
-        tokens = (np.concatenate([self.tokens[a:b] for a, b in zip(starts, ends)])
-                  if len(lengths) else np.zeros(0, TOKEN_DTYPE))
-        return dataclasses.replace(self, tokens=tokens,
+
+        def gather(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+            return (np.concatenate([x[a:b] for a, b in zip(starts, ends)]) if len(lengths)
+                    else np.zeros(0, dtype))
+
+        mask = None if self.loss_mask is None else gather(self.loss_mask, np.uint8)
+        return dataclasses.replace(self, tokens=gather(self.tokens, TOKEN_DTYPE), loss_mask=mask,
                                    doc_starts=np.concatenate([[0], np.cumsum(lengths)]))
 
     def split(self, validation_fraction: float, seed: int = 0
@@ -62,10 +71,14 @@ class TokenCorpus:
         return self.documents(np.flatnonzero(keep)), self.documents(held)
 
     def save(self, out_dir: str | Path, meta: dict) -> None:
+        """Write the corpus to `out_dir` (the layout of the module docstring), `meta` merged into
+        meta.json."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.tokens.astype(TOKEN_DTYPE).tofile(out / "tokens.bin")
         np.save(out / "doc_starts.npy", self.doc_starts.astype(np.int64))
+        if self.loss_mask is not None:
+            self.loss_mask.astype(np.uint8).tofile(out / "loss_mask.bin")
         info = dict(meta, num_docs=self.num_docs, num_tokens=int(len(self.tokens)),
                     vocab_size=self.vocab_size, skipped=list(self.skipped))
         (out / "meta.json").write_text(json.dumps(info, indent=1))
@@ -98,7 +111,14 @@ def load(corpus_dir: str | Path) -> TokenCorpus:
                         f"prepare SRC... {d}): {type(e).__name__}: {e}") from e
     if len(doc_starts) < 2 or doc_starts[0] != 0 or doc_starts[-1] != len(tokens):
         raise DataError(f"{d}: doc_starts.npy does not match tokens.bin ({len(tokens)} tokens)")
-    return TokenCorpus(tokens, doc_starts, int(meta["vocab_size"]), tuple(meta.get("skipped", ())))
+    mask = None
+    if (d / "loss_mask.bin").exists():
+        mask = np.memmap(d / "loss_mask.bin", dtype=np.uint8, mode="r")
+        if len(mask) != len(tokens):
+            raise DataError(f"{d}: loss_mask.bin has {len(mask)} entries, tokens.bin "
+                            f"{len(tokens)} tokens; they must match one to one")
+    return TokenCorpus(tokens, doc_starts, int(meta["vocab_size"]), tuple(meta.get("skipped", ())),
+                       mask)
 
 
 def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",

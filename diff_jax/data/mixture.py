@@ -48,6 +48,10 @@ def _documents(corpus: TokenCorpus, budget: float) -> list[np.ndarray]:
 def mixed_corpus(cfg: DataConfig, seed: int, finite: dict[str, TokenCorpus]) -> TokenCorpus:
     """The corpus of `cfg.mixture_weights`, given the loaded finite sources by name."""
     weights = dict(cfg.mixture_weights)
+    masked = [name for name, c in finite.items() if c.loss_mask is not None]
+    if masked:
+        raise DataError(f"data.mixture: source {masked[0]!r} has a loss mask (loss_mask.bin); a "
+                        "mixture takes only sources whose every token is a target")
     if finite:
         total = min(len(c.tokens) / weights[name] for name, c in finite.items())
     else:

@@ -3,7 +3,8 @@
 Packing: the corpus is one stream of documents separated by end-of-text; row j is the window
 `stream[j·L : j·L + L + 1]` (inputs = the first L tokens, targets = the last L). `segment_ids`
 (from 1) number the documents inside a row and `positions` restart at 0 for each of them, so the
-model attends only within a document. No token is padded or truncated away. (grain's
+model attends only within a document. `loss_mask` is 1 for the targets that count in the loss
+(all of them unless the corpus has a loss mask: `TokenCorpus.loss_mask`). No token is padded or truncated away. (grain's
 `FirstFitPackIterDataset` truncates documents longer than L, which would drop most of a source
 file at L = 128, and packs per process, which would make the global batch depend on the number
 of processes; a window over the stream has neither problem.)
@@ -24,7 +25,7 @@ import numpy as np
 from diff_jax.data.corpus import TokenCorpus
 from diff_jax.data.sources import DataError
 
-Batch = dict[str, np.ndarray]  # tokens, targets, segment_ids, positions: (b, L) int32
+Batch = dict[str, np.ndarray]  # tokens, targets, segment_ids, positions, loss_mask: (b, L) int32
 _UNBOUNDED = 2**62
 
 
@@ -60,8 +61,10 @@ class PackedRows:
         seg = (doc - doc[0] + 1).astype(np.int32)
         idx = np.arange(length, dtype=np.int32)
         first = np.maximum.accumulate(np.where(np.r_[True, seg[1:] != seg[:-1]], idx, 0))
+        mask = (np.ones(length, np.int32) if self.corpus.loss_mask is None else
+                np.asarray(self.corpus.loss_mask[start + 1: start + length + 1], dtype=np.int32))
         return {"tokens": window[:-1], "targets": window[1:], "segment_ids": seg,
-                "positions": idx - first}
+                "positions": idx - first, "loss_mask": mask}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +82,7 @@ class _ProcessRow:
 
 
 def local_batch_size(global_batch: int, process_count: int) -> int:
+    """Rows of each global batch one process reads; `DataError` unless it divides evenly."""
     if global_batch % process_count:
         raise DataError(f"train.batch_size ({global_batch}) must be divisible by the number of "
                         f"processes ({process_count})")

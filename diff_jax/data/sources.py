@@ -24,6 +24,8 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")
 
 @dataclasses.dataclass(frozen=True)
 class Documents:
+    """Raw document texts and what was skipped on the way."""
+
     texts: tuple[str, ...]
     skipped: tuple[str, ...]  # "path[:line]: reason" for every skipped document
 
@@ -86,6 +88,8 @@ def _is_text(path: Path) -> bool:
 
 
 def read_files(files: list[Path], text_field: str) -> tuple[list[str], list[str]]:
+    """(texts, skipped) of `files`: one text per plain file, one per JSONL record's `text_field`
+    (gzip allowed); unreadable files and bad records are skipped with a reason."""
     texts: list[str] = []
     skipped: list[str] = []
     for path in files:

@@ -93,7 +93,8 @@ class RecallPreset(Recipe):
 
     Training samples (`recall.training_samples`): pairs uniform in 1..max_pairs, a distractor
     share uniform over `train_distractors`, train.steps · train.batch_size of them, from the
-    seed's own stream. Grid: every (pairs, distractor share) cell
+    seed's own stream; `train_loss` says which of their targets count in the loss
+    (`recall.write_training_corpus`). Grid: every (pairs, distractor share) cell
     at every length, `samples` samples each, all non-distractor pairs queried. Learning curve:
     accuracy on `curve_cell` at the training length at every checkpoint (every
     checkpoint.every_steps steps); "steps to 90%" is the first such step at or above 0.9.
@@ -105,6 +106,7 @@ class RecallPreset(Recipe):
     grid_lengths: tuple[int, ...]  # sample lengths; the first is the training length
     samples: int
     curve_cell: tuple[int, float]  # (pairs, distractor share)
+    train_loss: str  # "queries": only the query part is a training target; "all": every token
 
     def overrides(self, variant: str, seed: int, run_dir: Path, init: str | None = None) -> list[str]:
         """`Recipe.overrides` reading the seed's recall corpus (`corpus_dir`)."""
@@ -142,11 +144,15 @@ def check_matched(preset: Preset) -> dict[str, dict]:
 
 
 def _shared(*, steps: int, batch: int, seq_len: int, max_seq_len: int, lr: float, warmup: int,
-            eval_every: int, log_every: int, data: tuple[str, ...]) -> tuple[str, ...]:
+            eval_every: int, log_every: int, data: tuple[str, ...], vocab_size: int = 100_288,
+            eval_tokens: int = 32_768) -> tuple[str, ...]:
+    """The overrides every model of a preset shares (`vocab_size` must cover `data.tokenizer`'s
+    ids; `eval_tokens` are the held-out tokens of each periodic validation)."""
     return (
-        "model.vocab_size=100288", f"model.max_seq_len={max_seq_len}", "model.dtype=float32",
+        f"model.vocab_size={vocab_size}", f"model.max_seq_len={max_seq_len}", "model.dtype=float32",
         f"train.steps={steps}", f"train.batch_size={batch}", f"train.seq_len={seq_len}",
-        f"train.eval_every={eval_every}", "train.eval_batches=4", f"train.log_every={log_every}",
+        f"train.eval_every={eval_every}", f"train.eval_tokens={eval_tokens}",
+        f"train.log_every={log_every}",
         f"checkpoint.every_steps={eval_every}", "checkpoint.keep=1",
         f"optim.lr={lr}", f"optim.min_lr={lr / 10}", f"optim.warmup_steps={warmup}",
         "optim.b1=0.9", "optim.b2=0.98", "optim.weight_decay=0.05", "optim.schedule=linear",
@@ -162,7 +168,7 @@ PRESETS: dict[str, Preset | RecallPreset] = {
     "micro": Preset(
         name="micro", embed_dim=32, num_layers=2, diff_heads=2,
         shared=_shared(steps=4, batch=8, seq_len=64, max_seq_len=128, lr=3e-3, warmup=1,
-                       eval_every=4, log_every=1,
+                       eval_every=4, log_every=1, eval_tokens=2048,
                        data=("data.mixture=files:0.5,niah:0.5", f"data.paths=[{_micro_text()}]",
                              "data.niah_doc_tokens=384", "data.validation_fraction=0.1")),
         niah_grid=((1, 1), (2, 2)), niah_lengths=(64, 128), depths=(0, 50, 100), samples=1,
@@ -172,7 +178,7 @@ PRESETS: dict[str, Preset | RecallPreset] = {
     "cpu-small": Preset(
         name="cpu-small", embed_dim=64, num_layers=4, diff_heads=2,
         shared=_shared(steps=200, batch=8, seq_len=256, max_seq_len=512, lr=3e-3, warmup=20,
-                       eval_every=50, log_every=5,
+                       eval_every=50, log_every=5, eval_tokens=8192,
                        data=("data.mixture=stdlib:0.5,niah:0.5", "data.niah_doc_tokens=384",
                              "data.validation_fraction=0.02")),
         niah_grid=((1, 1), (2, 2), (4, 2), (6, 2)), niah_lengths=(256, 512),
@@ -183,19 +189,20 @@ PRESETS: dict[str, Preset | RecallPreset] = {
                "tokens per model; both inits double that, each further seed adds as much again"),
     "cpu-recall": RecallPreset(
         name="cpu-recall", embed_dim=128, num_layers=2, diff_heads=2,
-        shared=_shared(steps=1200, batch=32, seq_len=33, max_seq_len=128, lr=2e-3, warmup=50,
-                       eval_every=0, log_every=50,
-                       data=("data.validation_fraction=0", "model.vocab_size=128",
-                             "checkpoint.every_steps=150", "checkpoint.keep=8")),
+        shared=_shared(steps=1500, batch=32, seq_len=33, max_seq_len=128, lr=2e-3, warmup=50,
+                       eval_every=0, log_every=50, vocab_size=128,
+                       data=("data.validation_fraction=0",
+                             "checkpoint.every_steps=150", "checkpoint.keep=10")),
         inits=INITS, seeds=3, max_pairs=5, train_distractors=(0.0, 0.25, 0.5),
         grid_cells=((1, 0.0), (2, 0.0), (2, 0.5), (4, 0.0), (4, 0.5)), grid_lengths=(32, 64, 128),
-        samples=64, curve_cell=(2, 0.0),
-        budget="2 shared CPU cores: 30 minutes measured for all 18 models (3 variants × 3 "
-               "seeds × 2 inits): 66–146 s of training and 5–16 s of evaluation each"),
+        samples=64, curve_cell=(2, 0.0), train_loss="queries",
+        budget="2 CPU cores: 48 minutes measured for all 18 models (3 variants × 3 seeds × 2 "
+               "inits) with other jobs on the cores part of the time; 89–197 s of training and "
+               "8–24 s of evaluation per model, the 9 `normal`-init models in 16 minutes"),
     "gpu-medium": Preset(
         name="gpu-medium", embed_dim=768, num_layers=12, diff_heads=6,
         shared=_shared(steps=4000, batch=64, seq_len=1024, max_seq_len=2048, lr=1e-3,
-                       warmup=200, eval_every=500, log_every=20,
+                       warmup=200, eval_every=500, log_every=20, eval_tokens=262_144,
                        data=("data.mixture=stdlib:0.5,niah:0.5", "data.niah_doc_tokens=512",
                              "data.validation_fraction=0.01", "model.dtype=bfloat16")),
         niah_grid=((1, 1), (2, 2), (4, 2), (6, 2)), niah_lengths=(1024, 2048),

@@ -113,6 +113,10 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [line(header), line(["---"] * len(header)), *(line(r) for r in rows)]
 
 
+_LOSS_WORDS = {"all": "every token a training target",
+               "queries": "loss on the query part only: its keys, values and end-of-text"}
+
+
 def markdown(preset: RecallPreset, data: dict[str, Any]) -> str:
     """results.md: setup, per init the grid, shares and learning speed, then the claims."""
     seeds = len(data["seeds"])
@@ -127,7 +131,8 @@ def markdown(preset: RecallPreset, data: dict[str, Any]) -> str:
         f"Setup: {data['train_tokens']:,} training tokens per model ({data['steps']} steps × "
         f"{data['batch_size']} rows × {data['seq_len']} tokens, one recall sample of "
         f"{data['seq_len'] - 1} tokens a row, pairs 1–{preset.max_pairs}, distractor shares "
-        f"{list(preset.train_distractors)}), identical data order, optimizer and schedule for "
+        f"{list(preset.train_distractors)}; {_LOSS_WORDS[preset.train_loss]}), identical data "
+        "order, optimizer and schedule for "
         f"every model, fixed before any comparison. Evaluation: {preset.samples} held-out "
         f"samples per cell (a seed domain disjoint from training), lengths "
         f"{list(preset.grid_lengths)} ({preset.grid_lengths[0]} is the training length). "
@@ -219,7 +224,8 @@ def write(preset: RecallPreset, seeds: int, out: Path, summaries: dict[str, dict
     plot_names = ["learning_curves.png"] if drawn else []
     data = {
         "preset": preset.name, "budget": preset.budget, "seeds": list(range(seeds)),
-        "inits": list(preset.inits), "steps": cfg.train.steps, "batch_size": cfg.train.batch_size,
+        "inits": list(preset.inits), "train_loss": preset.train_loss, "steps": cfg.train.steps,
+        "batch_size": cfg.train.batch_size,
         "seq_len": cfg.train.seq_len, "checkpoint_every": cfg.checkpoint.every_steps,
         "train_tokens": cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len,
         "models": {v: {"params": summaries[v]["params"],

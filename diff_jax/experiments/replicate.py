@@ -76,7 +76,8 @@ def _add_wall(run: Path, key: str, seconds: float) -> None:
 
 
 def prepare_recall_corpus(preset: RecallPreset, seed: int, out: Path) -> Path:
-    """Write (once) the recall training corpus of `seed`: one sample per training row."""
+    """Write (once) the recall training corpus of `seed`: one sample per training row, its loss
+    mask per `preset.train_loss`."""
     path = corpus_dir(out, seed)
     if (path / "meta.json").exists():
         return path
@@ -85,7 +86,7 @@ def prepare_recall_corpus(preset: RecallPreset, seed: int, out: Path) -> Path:
             "distractor_shares": tuple(preset.train_distractors)}
     samples = recall.training_samples(recall.train_rng(seed),
                                       count=cfg.train.steps * cfg.train.batch_size, **spec)
-    recall.write_training_corpus(path, samples, {"seed": seed, **spec})
+    recall.write_training_corpus(path, samples, {"seed": seed, **spec}, loss=preset.train_loss)
     return path
 
 
@@ -135,6 +136,7 @@ def replicate(preset: Preset | RecallPreset, seeds: int, out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line above; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
     parser.add_argument("--seeds", type=int, default=None,

@@ -176,17 +176,17 @@ PRESETS: dict[str, Preset | RecallPreset] = {
         inits=("scaled",),
         budget="the CI smoke test: a few steps, tiny shapes, < 2 minutes for the whole pipeline"),
     "cpu-small": Preset(
-        name="cpu-small", embed_dim=64, num_layers=4, diff_heads=2,
-        shared=_shared(steps=200, batch=8, seq_len=256, max_seq_len=512, lr=3e-3, warmup=20,
-                       eval_every=50, log_every=5, eval_tokens=8192,
-                       data=("data.mixture=stdlib:0.5,niah:0.5", "data.niah_doc_tokens=384",
-                             "data.validation_fraction=0.02")),
-        niah_grid=((1, 1), (2, 2), (4, 2), (6, 2)), niah_lengths=(256, 512),
+        name="cpu-small", embed_dim=128, num_layers=4, diff_heads=2,
+        shared=_shared(steps=300, batch=16, seq_len=256, max_seq_len=512, lr=3e-3, warmup=30,
+                       eval_every=100, log_every=10, vocab_size=4097,
+                       data=("data.tokenizer=cl100k_first_4096", "data.mixture=stdlib:0.5,niah:0.5",
+                             "data.niah_doc_tokens=576", "data.validation_fraction=0.05")),
+        niah_grid=((1, 1), (2, 2), (4, 2)), niah_lengths=(256, 512),
         depths=(0, 25, 50, 75, 100), samples=4, attention_needles=4, quant_niah=(2, 2),
-        eval_batches=8, outlier_tokens=2048, seeds=1, inits=INITS,
-        budget="2 shared CPU cores: 35 minutes measured for one seed of the three models under "
-               "one init (about 9.5 min training + 2.5 min evaluation each), 409,600 training "
-               "tokens per model; both inits double that, each further seed adds as much again"),
+        eval_batches=8, outlier_tokens=2048, seeds=3, inits=INITS,
+        budget="2 CPU cores: 32 minutes measured for one seed of the three models under both "
+               "inits (263–286 s of training and 46–54 s of evaluation each), 1,228,800 training "
+               "tokens per model; each further seed adds as much again"),
     "cpu-recall": RecallPreset(
         name="cpu-recall", embed_dim=128, num_layers=2, diff_heads=2,
         shared=_shared(steps=1500, batch=32, seq_len=33, max_seq_len=128, lr=2e-3, warmup=50,

@@ -4,8 +4,8 @@ Packing: the corpus is one stream of documents separated by end-of-text; row j i
 `stream[j·L : j·L + L + 1]` (inputs = the first L tokens, targets = the last L). `segment_ids`
 (from 1) number the documents inside a row and `positions` restart at 0 for each of them, so the
 model attends only within a document. `loss_mask` is 1 for the targets that count in the loss
-(all of them unless the corpus has a loss mask: `TokenCorpus.loss_mask`). No token is padded or truncated away. (grain's
-`FirstFitPackIterDataset` truncates documents longer than L, which would drop most of a source
+(all of them unless the corpus has a loss mask: `TokenCorpus.loss_mask`). No token is padded or
+truncated away. (grain's `FirstFitPackIterDataset` truncates documents longer than L, which would drop most of a source
 file at L = 128, and packs per process, which would make the global batch depend on the number
 of processes; a window over the stream has neither problem.)
 

@@ -5,9 +5,9 @@ Packing: the corpus is one stream of documents separated by end-of-text; row j i
 (from 1) number the documents inside a row and `positions` restart at 0 for each of them, so the
 model attends only within a document. `loss_mask` is 1 for the targets that count in the loss
 (all of them unless the corpus has a loss mask: `TokenCorpus.loss_mask`). No token is padded or
-truncated away. (grain's `FirstFitPackIterDataset` truncates documents longer than L, which would drop most of a source
-file at L = 128, and packs per process, which would make the global batch depend on the number
-of processes; a window over the stream has neither problem.)
+truncated away. (grain's `FirstFitPackIterDataset` truncates documents longer than L, which
+would drop most of a source file at L = 128, and packs per process, which would make the global
+batch depend on the number of processes; a window over the stream has neither problem.)
 
 Order: every epoch visits all rows in a fresh seeded permutation (`index_shuffle`, O(1) memory).
 Global batch k holds the rows k·B … k·B + B − 1 of that order; process p reads its slice

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 
 from diff_jax import checkpoint, data
 from diff_jax.config import Config, ConfigError, DistributedConfig, dump_config
+from diff_jax.data.heldout import HeldOut
 from diff_jax.export.init_from import initial_params
 from diff_jax.metrics import MetricsWriter, Progress, mfu
 from diff_jax.sharding import check_process_rows, make_mesh
@@ -131,7 +132,7 @@ def run(config: Config) -> RunResult:
             return RunResult(start, "already done", None)
         validation = [_global(b, bsh) for b in inputs.validation.batches]
         loop = _Loop(config, mngr, writer, progress, step_fn, eval_fn, validation, flops, bsh,
-                     validation_cover=(inputs.validation.tokens, inputs.validation.documents))
+                     held_out=inputs.validation)
         try:
             with _stop_signals() as caught:
                 return loop.run(state, inputs.train, start, caught)
@@ -152,7 +153,7 @@ class _Loop:
     validation: list[dict[str, jax.Array]]
     flops_per_token: float
     batch_sharding: NamedSharding
-    validation_cover: tuple[int, int]  # (tokens, documents) the validation batches score, global
+    held_out: HeldOut  # what the validation batches cover: counted tokens per batch, documents
 
     def run(self, state: TrainState, it: Any, start: int, caught: list[str]) -> RunResult:
         """Steps start + 1 .. train.steps on the host batches of `it`: logs, validates and saves
@@ -194,8 +195,9 @@ class _Loop:
             if not boundary:
                 continue
             if t.eval_every and (s % t.eval_every == 0 or s == t.steps) and self.validation:
-                val = np.mean([float(self.eval_fn(state.params, b)) for b in self.validation])
-                tokens, docs = self.validation_cover
+                val = self.held_out.mean([float(self.eval_fn(state.params, b))
+                                          for b in self.validation])
+                tokens, docs = self.held_out.tokens, self.held_out.documents
                 self.writer.write({"step": s, "val_loss": val, "val_tokens": tokens,
                                    "val_documents": docs})
                 self.progress.message(f"step {s}: validation loss {val:.4f} ({tokens:,} held-out "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 
@@ -168,6 +169,31 @@ def test_held_out_rows_spread_over_the_split_count_globally_and_shard_by_process
     assert held_out(val, 16, 4, 0).batches == []
     with pytest.raises(DataError, match="fewer than one batch of 4096"):
         held_out(val, 16, 4096, 100)
+
+
+def test_held_out_on_a_masked_corpus_counts_and_weighs_only_counted_targets():
+    val = _distinct_corpus(num_docs=40, seed=1)  # token id = its position in the corpus
+    doc = np.searchsorted(val.doc_starts, np.arange(len(val.tokens)), side="right") - 1
+    mask = ((val.tokens % 3 == 0) & (doc % 2 == 0)).astype(np.uint8)  # odd documents count nothing
+    masked = dataclasses.replace(val, loss_mask=mask)
+    ho = held_out(masked, seq_len=16, global_batch=4, tokens=16 * 12)
+    targets = [b["targets"].astype(np.int64) for b in ho.batches]
+    counted = [t[mask[t] == 1] for t in targets]
+    assert ho.counts == tuple(len(c) for c in counted) and ho.tokens == sum(ho.counts) < 16 * 12 // 2
+    assert ho.documents == len(np.unique(doc[np.concatenate(counted)]))
+    assert all(d % 2 == 0 for d in np.unique(doc[np.concatenate(counted)]))
+    halves = [held_out(masked, 16, 4, 16 * 12, process_index=p, process_count=2) for p in (0, 1)]
+    assert all((h.tokens, h.documents, h.counts) == (ho.tokens, ho.documents, ho.counts)
+               for h in halves)
+    values = np.random.default_rng(0).random(len(val.tokens))  # a loss per target token
+    batch_means = [float(values[c].mean()) for c in counted]
+    np.testing.assert_allclose(ho.mean(batch_means), values[np.concatenate(counted)].mean(),
+                               rtol=1e-12)
+    plain = held_out(val, 16, 4, 16 * 12)
+    assert plain.counts == (64, 64, 64) and plain.mean([1.0, 2.0, 6.0]) == 3.0
+    with pytest.raises(DataError, match="the loss mask of the held-out split counts none of the "
+                                        "192 targets"):
+        held_out(dataclasses.replace(val, loss_mask=np.zeros_like(mask)), 16, 4, 16 * 12)
 
 
 def test_eval_tokens_and_its_older_form():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ import pytest
 
 from diff_jax import train_loop
 from diff_jax.checkpoint import CheckpointError
-from tests.training_fixtures import tiny_config, write_corpus
+from tests.training_fixtures import synthetic_corpus, tiny_config, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPARED = ("loss", "grad_norm", "lr", "lambda")
@@ -130,3 +131,47 @@ def test_train_py_smoke_falling_loss_and_valid_metrics(tmp_path):
     assert len(val) == 1 and val[0]["step"] == 12 and np.isfinite(val[0]["val_loss"])
     assert val[0]["val_tokens"] == 2048 and val[0]["val_documents"] >= 10  # spread over the split
     assert (run / "config.yaml").exists() and _ckpt_steps(run) == [12]
+
+
+def test_validation_and_ppl_on_a_masked_corpus_average_over_counted_targets(tmp_path):
+    """Periodic validation and eval.py's ppl weigh each batch by its counted targets: both equal
+    the float64 mean NLL over the loss mask's targets of the same held-out rows."""
+    import jax.numpy as jnp
+
+    from diff_jax.data import held_out, split_corpus
+    from diff_jax.evaluation import parse_args, run_task
+    from diff_jax.evaluation.loading import load
+    from diff_jax.transformer import DecoderLM
+
+    corpus = synthetic_corpus()
+    mask = (np.random.default_rng(0).random(len(corpus.tokens)) < 0.3).astype(np.uint8)
+    dataclasses.replace(corpus, loss_mask=mask).save(tmp_path / "c", {"tokenizer": "synthetic"})
+    run = tmp_path / "run"
+    config = tiny_config(tmp_path / "c", run, "train.steps=4", "train.eval_every=4",
+                         "train.eval_tokens=256", "data.validation_fraction=0.3")
+    train_loop.run(config)
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    val = [x for x in lines if "val_loss" in x][0]
+
+    rows = held_out(split_corpus(config.data, config.train.seed)[1], 16, 8, 256)
+    assert len(rows.batches) == 2 and rows.counts[0] != rows.counts[1]  # unequal weights
+    params = load(*parse_args(["task=ppl", f"train.run_dir={run}"])).params
+    nll, counted = [], 0
+    for b in rows.batches:
+        logits = np.asarray(DecoderLM(config.model).apply(
+            {"params": params}, jnp.asarray(b["tokens"]), positions=jnp.asarray(b["positions"]),
+            segment_ids=jnp.asarray(b["segment_ids"])), np.float64)
+        top = logits.max(-1, keepdims=True)
+        logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        picked = -np.take_along_axis(logp, b["targets"][..., None].astype(np.int64), -1)[..., 0]
+        nll.append(picked[b["loss_mask"] == 1])
+        counted += int(b["loss_mask"].sum())
+    reference = float(np.concatenate(nll).mean())
+    assert (val["val_tokens"], rows.tokens) == (counted, counted)
+    assert abs(val["val_loss"] - reference) / reference < 1e-5  # float32 forward, other sums
+    report, _ = run_task(*parse_args(["task=ppl", f"train.run_dir={run}", "held_out_tokens=256",
+                                      "batch_size=8"]))
+    assert report.fields["num_tokens"] == counted
+    assert abs(report.fields["loss"] - reference) / reference < 1e-5
+    assert report.fields["by_position"]["nll"] == [] and any(
+        "loss mask" in n for n in report.notes)

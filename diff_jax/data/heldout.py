@@ -5,7 +5,9 @@ evaluation of T tokens reads k = ceil(T / L) of its R rows of L targets (rounded
 batches, at most all R rows in whole batches), at rows ⌊i·R/k⌋ for i < k: evenly spread from
 the first document to the last, so the tokens come from across the split rather than from its
 first documents. Batch n holds the selected rows n·B … n·B + B − 1; process p of P reads its
-slice p·b … p·b + b − 1 (b = B / P), as in training. The counts are global.
+slice p·b … p·b + b − 1 (b = B / P), as in training. The counts are global and, on a corpus
+with a loss mask (`TokenCorpus.loss_mask`), count only the targets the mask counts: a batch's
+mean loss weighs by its count, so the held-out loss is the mean over counted targets.
 """
 
 from __future__ import annotations
@@ -24,8 +26,14 @@ class HeldOut:
     """This process's slices of the evaluation batches, and what all processes' batches cover."""
 
     batches: list[Batch]  # each (b, L) int32 per key; empty when no evaluation was asked for
-    tokens: int  # target tokens scored, over all processes: rows × L
-    documents: int  # distinct documents those targets fall in
+    tokens: int  # counted target tokens, over all processes (rows × L without a loss mask)
+    documents: int  # distinct documents with a counted target
+    counts: tuple[int, ...] = ()  # counted targets of each batch, over all processes
+
+    def mean(self, batch_losses: list[float]) -> float:
+        """The held-out loss: the mean over counted targets of batches whose mean losses over
+        their counted targets are `batch_losses` (one per batch)."""
+        return float(np.dot(batch_losses, self.counts) / self.tokens)
 
 
 def spread_rows(num_rows: int, wanted: int) -> np.ndarray:
@@ -35,8 +43,10 @@ def spread_rows(num_rows: int, wanted: int) -> np.ndarray:
 
 
 def documents_covered(corpus: TokenCorpus, rows: np.ndarray, seq_len: int) -> int:
-    """How many documents have at least one target token in rows `rows` (of `seq_len`)."""
+    """How many documents have at least one counted target token in rows `rows` (of `seq_len`)."""
     targets = (rows[:, None] * seq_len + 1 + np.arange(seq_len)).ravel()
+    if corpus.loss_mask is not None:
+        targets = targets[np.asarray(corpus.loss_mask[targets]) != 0]
     return len(np.unique(np.searchsorted(corpus.doc_starts, targets, side="right")))
 
 
@@ -55,10 +65,22 @@ def held_out(corpus: TokenCorpus, seq_len: int, global_batch: int, tokens: int,
     wanted = -(-tokens // seq_len)
     rows = spread_rows(len(all_rows), min(-(-wanted // global_batch) * global_batch, whole))
     b = local_batch_size(global_batch, process_count)
-    batches = []
+    batches, counts = [], []
     for n in range(len(rows) // global_batch):
         first = n * global_batch + process_index * b
         mine = rows[first: first + b]
         picked = [all_rows[int(r)] for r in mine]
         batches.append({k: np.stack([r[k] for r in picked]) for k in picked[0]})
-    return HeldOut(batches, len(rows) * seq_len, documents_covered(corpus, rows, seq_len))
+        counts.append(_counted(corpus, rows[n * global_batch: (n + 1) * global_batch], seq_len))
+    if sum(counts) == 0:
+        raise DataError(f"data.validation_fraction: the loss mask of the held-out split counts "
+                        f"none of the {len(rows) * seq_len:,} targets its rows select")
+    return HeldOut(batches, sum(counts), documents_covered(corpus, rows, seq_len), tuple(counts))
+
+
+def _counted(corpus: TokenCorpus, rows: np.ndarray, seq_len: int) -> int:
+    """How many targets of rows `rows` (of `seq_len`) the loss mask counts (all without one)."""
+    if corpus.loss_mask is None:
+        return len(rows) * seq_len
+    return int(sum(np.count_nonzero(corpus.loss_mask[r * seq_len + 1: (r + 1) * seq_len + 1])
+                   for r in rows))

@@ -30,7 +30,7 @@ from diff_jax.evaluation.loading import Loaded
 from diff_jax.evaluation.options import EvalOptions
 from diff_jax.evaluation.report import Report
 from diff_jax.evaluation.retrieval import accuracy_grid, cell_samples, niah_lengths
-from diff_jax.evaluation.scoring import (batch_nll, eval_length, held_out_batches,
+from diff_jax.evaluation.scoring import (counted_nll, eval_length, held_out_batches,
                                          held_out_corpus)
 from diff_jax.transformer import DecoderLM
 
@@ -170,14 +170,15 @@ def quant(loaded: Loaded, options: EvalOptions) -> Report:
     losses, accuracies = [], []
     for b in bits:
         model_cfg = dataclasses.replace(cfg.model, attn_logit_bits=b, attention_impl="xla")
-        losses.append(float(np.mean([batch_nll(model_cfg, loaded.params, x) for x in batches])))
+        losses.append(float(counted_nll(model_cfg, loaded.params, batches).mean()))
         if options.niah:
             grid, _ = accuracy_grid(model_cfg, loaded.params, encoding(cfg.data.tokenizer),
                                     options, niah_lengths(cfg, options))
             accuracies.append(float(grid.mean()))
     ppls = [math.exp(x) for x in losses]
-    fields: dict[str, Any] = {"length": length, "num_tokens": sum(x["tokens"].size for x in batches),
-                              "bits": bits, "loss": losses, "ppl": ppls}
+    counted = sum(int(np.count_nonzero(x["loss_mask"])) for x in batches)
+    fields: dict[str, Any] = {"length": length, "num_tokens": counted, "bits": bits,
+                              "loss": losses, "ppl": ppls}
     if options.niah:
         fields["niah_accuracy"] = accuracies
     table = [("bits", "ppl" + ("     niah" if options.niah else ""))]

@@ -37,6 +37,12 @@ def batch_nll(model_cfg: ModelConfig, params: Any, batch: Batch) -> np.ndarray:
                                 jnp.asarray(batch["positions"])))
 
 
+def counted_nll(model_cfg: ModelConfig, params: Any, batches: list[Batch]) -> np.ndarray:
+    """(n,) the NLL of every counted target of `batches` (`loss_mask`: all targets of a corpus
+    without a loss mask), batch by batch in row-major order."""
+    return np.concatenate([batch_nll(model_cfg, params, b)[b["loss_mask"] != 0] for b in batches])
+
+
 def eval_length(config: Config, options: EvalOptions) -> int:
     """The evaluation's row length: `options.length`, else the run's `train.seq_len`;
     `EvalError` when it exceeds `model.max_seq_len`."""
@@ -98,10 +104,12 @@ def ppl(loaded: Loaded, options: EvalOptions) -> Report:
     length = eval_length(cfg, options)
     corpus = held_out_corpus(cfg)
     rows = held_out_rows(corpus, length, options.batch_size, options.held_out_tokens)
-    nll = np.concatenate([batch_nll(cfg.model, loaded.params, b).ravel() for b in rows.batches])
+    nll = counted_nll(cfg.model, loaded.params, rows.batches)
     loss = float(nll.mean())
-    by_pos, n_docs = nll_by_position(cfg.model, loaded.params, corpus, length,
-                                     options.batch_size * options.batches, options.batch_size)
+    masked = corpus.loss_mask is not None
+    by_pos, n_docs = (np.zeros(0), 0) if masked else nll_by_position(
+        cfg.model, loaded.params, corpus, length, options.batch_size * options.batches,
+        options.batch_size)
     cumulative = np.cumsum(by_pos) / np.arange(1, len(by_pos) + 1)
     report = Report(
         {"length": length, "num_tokens": int(nll.size), "num_documents": rows.documents,
@@ -109,7 +117,8 @@ def ppl(loaded: Loaded, options: EvalOptions) -> Report:
          "loss": loss, "ppl": math.exp(loss),
          "by_position": {"num_documents": n_docs, "nll": by_pos.tolist(),
                          "cumulative_nll": cumulative.tolist()}},
-        [("held-out tokens", f"{nll.size:,} from {rows.documents} documents, in packed rows of "
+        [("held-out tokens", f"{nll.size:,}{' counted by the loss mask' if masked else ''} from "
+                             f"{rows.documents} documents, in packed rows of "
                              f"{length} spread over the split ({len(corpus.tokens):,} tokens, "
                              f"{corpus.num_docs} documents) (loss, perplexity)"),
          ("loss", f"{loss:.4f}"), ("perplexity", f"{math.exp(loss):.2f}"),
@@ -118,7 +127,10 @@ def ppl(loaded: Loaded, options: EvalOptions) -> Report:
     if nll.size < options.held_out_tokens:
         report.notes.append(f"the held-out split has room for {nll.size:,} tokens in whole "
                             f"batches, fewer than held_out_tokens={options.held_out_tokens:,}")
-    if n_docs == 0:
+    if masked:
+        report.notes.append("the corpus has a loss mask: by_position (every target of whole "
+                            "documents) is not computed")
+    elif n_docs == 0:
         report.notes.append(f"no held-out document has {length + 1} tokens: by_position is empty")
     else:
         report.table.append(("cumulative NLL at 1/4, 1/2, end",

@@ -86,7 +86,9 @@ class MetricsWriter:
     """Appends JSON lines (and TensorBoard scalars when `tensorboard` is importable).
 
     Rows of an earlier invocation beyond `start_step` (the step this one resumes from) are
-    dropped first, so every step appears once in `metrics.jsonl`; `dropped` says how many.
+    dropped first, so every step appears once in `metrics.jsonl`; `dropped` says how many. Event
+    files cannot be rewritten, so a resumed writer records a restart (`SessionLog.START` at step
+    `start_step + 1`), on which TensorBoard discards the earlier events from that step on.
     """
 
     def __init__(self, run_dir: str | Path, enabled: bool, start_step: int = 0) -> None:
@@ -101,9 +103,14 @@ class MetricsWriter:
         self._file = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)
         try:
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
-            self._tb = EventFileWriter(str(Path(run_dir) / "tensorboard"))
+            from tensorboard.compat.proto import event_pb2
         except ImportError:
-            self._tb = None
+            return
+        self._tb = EventFileWriter(str(Path(run_dir) / "tensorboard"))
+        if start_step > 0:
+            self._tb.add_event(event_pb2.Event(
+                wall_time=time.time(), step=start_step + 1,
+                session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
 
     def write(self, record: dict[str, Any]) -> None:
         """Append `record` as one JSON line (numpy values made plain, non-finite floats null);

@@ -175,3 +175,28 @@ def test_validation_and_ppl_on_a_masked_corpus_average_over_counted_targets(tmp_
     assert abs(report.fields["loss"] - reference) / reference < 1e-5
     assert report.fields["by_position"]["nll"] == [] and any(
         "loss mask" in n for n in report.notes)
+
+
+def test_a_resumed_run_replaces_the_tensorboard_scalars_it_runs_again(tmp_path):
+    """Steps 4-5 of a first invocation are run again after resuming from step 3: metrics.jsonl
+    and TensorBoard (its own reader) both show each step once, with the second run's values."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from diff_jax.metrics import MetricsWriter
+
+    first = MetricsWriter(tmp_path, enabled=True)
+    for step in range(1, 6):
+        first.write({"step": step, "loss": 10.0 + step})
+    first.close()
+    second = MetricsWriter(tmp_path, enabled=True, start_step=3)
+    for step in range(4, 7):
+        second.write({"step": step, "loss": 20.0 + step})
+    second.close()
+    assert second.dropped == 2
+    assert [(x["step"], x["loss"]) for x in _metrics(tmp_path).values()] == [
+        (1, 11.0), (2, 12.0), (3, 13.0), (4, 24.0), (5, 25.0), (6, 26.0)]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [
+        (1, 11.0), (2, 12.0), (3, 13.0), (4, 24.0), (5, 25.0), (6, 26.0)]

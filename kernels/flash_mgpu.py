@@ -265,6 +265,15 @@ def _producer(n_steps, issue, consumed, stages):
         plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
 
 
+def _load(copies):
+    """Issue every (gmem ref, smem ref, barrier) copy of `copies`, then wait on each barrier: a
+    compute warpgroup's own operands, each on a barrier used once per kernel."""
+    for src, dst, bar in copies:
+        plgpu.copy_gmem_to_smem(src, dst, bar)
+    for _, _, bar in copies:
+        plgpu.barrier_wait(bar)
+
+
 def _mask(ops, shape, q0, k0, *, causal, qs, ks, kv_len, transposed=False):
     """Keep-mask of a (queries, keys) tile — (keys, queries) when `transposed` — whose first
     query/key positions are q0/k0; qs/ks the segment vectors along those axes."""
@@ -330,13 +339,9 @@ def _fwd_body(*refs, causal, has_seg, d, bk, stages, n_rep, kv_len, n_kv, ops):
         plgpu.set_max_registers(232, action="increase")
         c = wg  # this warpgroup's softmax component
         rows = pl.ds(row0, ROWS)
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, 2 * h + c], q_s.at[c], q_bar.at[c])
-        plgpu.copy_gmem_to_smem(lam_ref, vec_s.at[2 + c], q_bar.at[2 + c])
-        if has_seg:
-            plgpu.copy_gmem_to_smem(qs_ref.at[b, rows], qs_s.at[c], q_bar.at[4 + c])
-            plgpu.barrier_wait(q_bar.at[4 + c])
-        plgpu.barrier_wait(q_bar.at[c])
-        plgpu.barrier_wait(q_bar.at[2 + c])
+        _load([(q_ref.at[b, rows, 2 * h + c], q_s.at[c], q_bar.at[c]),
+               (lam_ref, vec_s.at[2 + c], q_bar.at[2 + c]),
+               *([(qs_ref.at[b, rows], qs_s.at[c], q_bar.at[4 + c])] if has_seg else [])])
         qs = ops.vector(qs_s.at[c], 0) if has_seg else None
 
         def step(j, carry, masked):
@@ -475,17 +480,12 @@ def _dq_body(*refs, causal, has_seg, d, bk, stages, wgs, n_rep, kv_len, n_kv, op
         def bar_at(n):  # flat indices: the interpreter takes no barrier slices
             return in_bar.at[wg * 7 + n]
 
-        for c in range(2):
-            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, 2 * h + c], q_s.at[wg, c], bar_at(c))
-        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_s.at[wg], bar_at(2))
-        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, :, rows], st_s.at[wg, pl.ds(0, 2)], bar_at(3))
-        plgpu.copy_gmem_to_smem(dl_ref.at[b, h, :, rows], st_s.at[wg, pl.ds(2, 2)], bar_at(4))
-        plgpu.copy_gmem_to_smem(lam_ref, lam_s.at[wg], bar_at(5))
-        if has_seg:
-            plgpu.copy_gmem_to_smem(qs_ref.at[b, rows], qs_s.at[wg], bar_at(6))
-            plgpu.barrier_wait(bar_at(6))
-        for n in range(6):
-            plgpu.barrier_wait(bar_at(n))
+        _load([(q_ref.at[b, rows, 2 * h + c], q_s.at[wg, c], bar_at(c)) for c in range(2)]
+              + [(do_ref.at[b, rows, h], do_s.at[wg], bar_at(2)),
+                 (lse_ref.at[b, h, :, rows], st_s.at[wg, pl.ds(0, 2)], bar_at(3)),
+                 (dl_ref.at[b, h, :, rows], st_s.at[wg, pl.ds(2, 2)], bar_at(4)),
+                 (lam_ref, lam_s.at[wg], bar_at(5))]
+              + ([(qs_ref.at[b, rows], qs_s.at[wg], bar_at(6))] if has_seg else []))
         lse = [ops.vector(st_s.at[wg, c], 0) * LOG2E for c in range(2)]
         delta = [ops.vector(st_s.at[wg, 2 + c], 0) for c in range(2)]
         lam = ops.vector(lam_s.at[wg], 0)
@@ -569,15 +569,9 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, n_rep, n_q, ops):
         def bar_at(n):  # flat indices: the interpreter takes no barrier slices
             return in_bar.at[wg * 5 + n]
 
-        for c in range(2):
-            plgpu.copy_gmem_to_smem(k_ref.at[b, rows, 2 * g + c], k_s.at[wg, c], bar_at(c))
-        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, g], v_s.at[wg], bar_at(2))
-        plgpu.copy_gmem_to_smem(lam_ref, lam_s.at[wg], bar_at(3))
-        if has_seg:
-            plgpu.copy_gmem_to_smem(ks_ref.at[b, rows], ks_s.at[wg], bar_at(4))
-            plgpu.barrier_wait(bar_at(4))
-        for n in range(4):
-            plgpu.barrier_wait(bar_at(n))
+        _load([(k_ref.at[b, rows, 2 * g + c], k_s.at[wg, c], bar_at(c)) for c in range(2)]
+              + [(v_ref.at[b, rows, g], v_s.at[wg], bar_at(2)), (lam_ref, lam_s.at[wg], bar_at(3))]
+              + ([(ks_ref.at[b, rows], ks_s.at[wg], bar_at(4))] if has_seg else []))
         lam = ops.vector(lam_s.at[wg], 1)
         ks = ops.vector(ks_s.at[wg], 0) if has_seg else None
 

@@ -1,4 +1,5 @@
-"""Two processes on localhost (jax.distributed, 2 CPU devices each) == one process with 4 devices."""
+"""Two processes on localhost (jax.distributed, 2 CPU devices each) == one process with 4 devices,
+across a stop and a resume."""
 
 from __future__ import annotations
 
@@ -36,26 +37,38 @@ def _losses(run: Path) -> list[float]:
     return [x["loss"] for x in lines if "loss" in x]
 
 
-def test_two_processes_match_one_process_with_four_devices(tmp_path):
-    corpus = write_corpus(tmp_path / "corpus")
+def _two_processes(corpus: Path, run: Path, *overrides: str) -> list[str]:
+    """Run train.py as processes 0 and 1 of a localhost job; returns their outputs."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    multi = tmp_path / "multi"
-    procs = [subprocess.Popen(_args(corpus, multi) + [
+    procs = [subprocess.Popen(_args(corpus, run) + [
         f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
-        f"distributed.process_id={i}"], cwd=ROOT, env=_env(2), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    single = subprocess.run(_args(corpus, tmp_path / "single"), cwd=ROOT, env=_env(4),
-                            capture_output=True, text=True, timeout=300)
+        f"distributed.process_id={i}", *overrides], cwd=ROOT, env=_env(2),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
-    assert single.returncode == 0, single.stderr[-3000:]
-    assert "step 6/6" in outs[0] and "step 6/6" not in outs[1]  # only process 0 reports
-    np.testing.assert_allclose(_losses(multi), _losses(tmp_path / "single"), rtol=1e-5)
+    return outs
+
+
+def test_two_processes_match_one_process_with_four_devices_across_a_resume(tmp_path):
+    """The two-process job stops at step 4 and is started again: it resumes from its checkpoint
+    (each process's own data-iterator state) and its six losses equal one uninterrupted
+    four-device process's."""
+    corpus = write_corpus(tmp_path / "corpus")
+    single = subprocess.Popen(_args(corpus, tmp_path / "single"), cwd=ROOT, env=_env(4),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    multi = tmp_path / "multi"
+    first = _two_processes(corpus, multi, "train.steps=4")
+    assert "step 4/4" in first[0] and "step 4/4" not in first[1]  # only process 0 reports
+    second = _two_processes(corpus, multi)
+    assert "resumed from step 4" in second[0] and "step 6/6" in second[0]
+    err = single.communicate(timeout=300)[1]
+    assert single.returncode == 0, err[-3000:]
     assert len(_losses(multi)) == 6
-    for step in (3, 6):
+    np.testing.assert_allclose(_losses(multi), _losses(tmp_path / "single"), rtol=1e-5)
+    for step in (4, 6):  # the checkpoints configs/tiny.yaml keeps (checkpoint.keep=2)
         iter_dir = multi / "checkpoints" / str(step) / "data_iter"
         states = [json.loads((iter_dir / f"process_{i}-of-2.json").read_text()) for i in range(2)]
         assert [s["next_index"] for s in states] == [step, step]  # batches consumed

@@ -72,6 +72,6 @@ def build(cfg: DataConfig, seq_len: int, global_batch: int, eval_tokens: int, se
     rows = PackedRows(train, seq_len, seed)
     it = train_iterator(rows, global_batch, process_index, process_count,
                         cfg.read_threads, cfg.prefetch)
-    validation = (HeldOut([], 0, 0) if val is None else
+    validation = (HeldOut([], 0, 0, ()) if val is None else
                   held_out(val, seq_len, global_batch, eval_tokens, process_index, process_count))
     return InputData(it, validation, train)

@@ -28,7 +28,7 @@ class HeldOut:
     batches: list[Batch]  # each (b, L) int32 per key; empty when no evaluation was asked for
     tokens: int  # counted target tokens, over all processes (rows × L without a loss mask)
     documents: int  # distinct documents with a counted target
-    counts: tuple[int, ...] = ()  # counted targets of each batch, over all processes
+    counts: tuple[int, ...]  # counted targets of each batch, over all processes
 
     def mean(self, batch_losses: list[float]) -> float:
         """The held-out loss: the mean over counted targets of batches whose mean losses over
@@ -42,11 +42,18 @@ def spread_rows(num_rows: int, wanted: int) -> np.ndarray:
     return np.arange(k, dtype=np.int64) * num_rows // k
 
 
+def counted_targets(corpus: TokenCorpus, rows: np.ndarray, seq_len: int) -> np.ndarray:
+    """Corpus positions of the targets of rows `rows` (of `seq_len`) that the loss mask counts
+    (all of them without a loss mask)."""
+    targets = (rows[:, None] * seq_len + 1 + np.arange(seq_len)).ravel()
+    if corpus.loss_mask is None:
+        return targets
+    return targets[np.asarray(corpus.loss_mask[targets]) != 0]
+
+
 def documents_covered(corpus: TokenCorpus, rows: np.ndarray, seq_len: int) -> int:
     """How many documents have at least one counted target token in rows `rows` (of `seq_len`)."""
-    targets = (rows[:, None] * seq_len + 1 + np.arange(seq_len)).ravel()
-    if corpus.loss_mask is not None:
-        targets = targets[np.asarray(corpus.loss_mask[targets]) != 0]
+    targets = counted_targets(corpus, rows, seq_len)
     return len(np.unique(np.searchsorted(corpus.doc_starts, targets, side="right")))
 
 
@@ -55,7 +62,7 @@ def held_out(corpus: TokenCorpus, seq_len: int, global_batch: int, tokens: int,
     """Batches of packed rows covering about `tokens` targets spread over `corpus` (see the module
     docstring); with `tokens` = 0, none."""
     if tokens == 0:
-        return HeldOut([], 0, 0)
+        return HeldOut([], 0, 0, ())
     all_rows = PackedRows(corpus, seq_len, seed=0, shuffle=False)
     whole = len(all_rows) // global_batch * global_batch
     if whole == 0:
@@ -71,16 +78,9 @@ def held_out(corpus: TokenCorpus, seq_len: int, global_batch: int, tokens: int,
         mine = rows[first: first + b]
         picked = [all_rows[int(r)] for r in mine]
         batches.append({k: np.stack([r[k] for r in picked]) for k in picked[0]})
-        counts.append(_counted(corpus, rows[n * global_batch: (n + 1) * global_batch], seq_len))
+        counts.append(len(counted_targets(corpus, rows[n * global_batch: (n + 1) * global_batch],
+                                          seq_len)))
     if sum(counts) == 0:
         raise DataError(f"data.validation_fraction: the loss mask of the held-out split counts "
                         f"none of the {len(rows) * seq_len:,} targets its rows select")
     return HeldOut(batches, sum(counts), documents_covered(corpus, rows, seq_len), tuple(counts))
-
-
-def _counted(corpus: TokenCorpus, rows: np.ndarray, seq_len: int) -> int:
-    """How many targets of rows `rows` (of `seq_len`) the loss mask counts (all without one)."""
-    if corpus.loss_mask is None:
-        return len(rows) * seq_len
-    return int(sum(np.count_nonzero(corpus.loss_mask[r * seq_len + 1: (r + 1) * seq_len + 1])
-                   for r in rows))

@@ -124,8 +124,9 @@ def ppl(loaded: Loaded, options: EvalOptions) -> Report:
          ("loss", f"{loss:.4f}"), ("perplexity", f"{math.exp(loss):.2f}"),
          ("by position (other rows)", f"{n_docs} documents of >= {length + 1} tokens, each read "
                                       "from its start")])
-    if nll.size < options.held_out_tokens:
-        report.notes.append(f"the held-out split has room for {nll.size:,} tokens in whole "
+    read = sum(b["targets"].size for b in rows.batches)  # rows × length; nll.size with no mask
+    if read < options.held_out_tokens:
+        report.notes.append(f"the held-out split has room for {read:,} tokens in whole "
                             f"batches, fewer than held_out_tokens={options.held_out_tokens:,}")
     if masked:
         report.notes.append("the corpus has a loss mask: by_position (every target of whole "

@@ -151,16 +151,32 @@ def test_paired_differences_claim_a_direction_only_outside_the_seed_spread():
 
 
 def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):
-    """A shrunken cpu-recall (4 steps, one seed, both inits): every cell and model in
-    results.json, the learning curve at each checkpoint, and the claims in results.md."""
+    """A shrunken cpu-recall (4 steps, one seed, both inits), its models trained two at a time in
+    pinned processes: every cell and model in results.json, the learning curve at each
+    checkpoint, the claims in results.md, and one model equal to a serial run of it."""
     import dataclasses
+    import os
 
     full = presets.PRESETS["cpu-recall"]
     preset = dataclasses.replace(
         full, embed_dim=32, samples=4, grid_cells=((1, 0.0), (2, 0.5)), grid_lengths=(32, 48),
         shared=(*full.shared, "train.steps=4", "checkpoint.every_steps=2"))
     out = tmp_path / "out"
-    data = replicate.replicate(preset, 1, out)
+    data = replicate.replicate(preset, 1, out, jobs=min(2, len(os.sched_getaffinity(0))))
+    # --jobs changes nothing that training computes: the serial run's losses are bit for bit
+    # the same, its evaluation the same up to float32 summation order.
+    serial = tmp_path / "serial"
+    replicate.prepare_recall_corpus(preset, 0, serial)
+    one = replicate.train_and_evaluate(preset, "transformer", 0, "normal", serial)
+    run = out / "runs" / one.name
+
+    def losses(r):
+        return [json.loads(line).get("loss") for line in (r / "metrics.jsonl").read_text().splitlines()]
+
+    assert losses(run) == losses(one) and len(losses(one)) >= 2  # steps 1 and 4
+    for job in ("recall-N1-D0", "recall-N2-D50"):
+        a, b = (json.loads((r / "replicate" / job / "recall.json").read_text()) for r in (run, one))
+        assert a["accuracy"] == b["accuracy"] and a["step"] == b["step"] == 4
     assert data["preset"] == "cpu-recall" and data["seeds"] == [0]
     assert data["inits"] == ["scaled", "normal"]
     assert set(data["models"]) == set(presets.VARIANTS)
@@ -184,6 +200,15 @@ def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):
     assert md.count(" − Transformer, grid-mean accuracy at the training length: ") == 4
     assert md.count(" − Transformer, grid-mean accuracy beyond the training length: ") == 4
     assert "zero lies outside" not in md and md.count("one seed: no spread") >= 8
+
+
+def test_jobs_share_out_the_cores_and_refuse_more_jobs_than_cores():
+    assert replicate.core_shares([3, 0, 1, 2, 5], 2) == [[0, 2, 5], [1, 3]]
+    assert replicate.core_shares([7], 1) == [[7]]
+    with pytest.raises(ValueError, match="--jobs 3: this process may use 2 CPU core"):
+        replicate.core_shares([0, 1], 3)
+    with pytest.raises(SystemExit):
+        replicate.main(["--preset", "micro", "--jobs", "0"])
 
 
 @pytest.mark.parametrize("variant", presets.VARIANTS)

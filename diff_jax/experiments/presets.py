@@ -190,10 +190,10 @@ PRESETS: dict[str, Preset | RecallPreset] = {
                "tokens per model"),
     "cpu-recall": RecallPreset(
         name="cpu-recall", embed_dim=128, num_layers=2, diff_heads=2,
-        shared=_shared(steps=1500, batch=32, seq_len=33, max_seq_len=128, lr=2e-3, warmup=50,
+        shared=_shared(steps=3000, batch=32, seq_len=33, max_seq_len=128, lr=2e-3, warmup=50,
                        eval_every=0, log_every=50, vocab_size=128,
                        data=("data.validation_fraction=0",
-                             "checkpoint.every_steps=150", "checkpoint.keep=10")),
+                             "checkpoint.every_steps=300", "checkpoint.keep=10")),
         inits=INITS, seeds=3, max_pairs=5, train_distractors=(0.0, 0.25, 0.5),
         grid_cells=((1, 0.0), (2, 0.0), (2, 0.5), (4, 0.0), (4, 0.5)), grid_lengths=(32, 64, 128),
         samples=64, curve_cell=(2, 0.0), train_loss="queries",

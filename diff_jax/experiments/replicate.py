@@ -1,23 +1,26 @@
 """Train DIFF V1, DIFF V2 and the Transformer twin side by side and compare them.
 
     python -m diff_jax.experiments.replicate [--preset micro|cpu-small|cpu-recall|gpu-medium]
-                                             [--seeds N] [--out DIR] [--jobs J]
+                                             [--seeds N] [--inits I,...] [--out DIR] [--jobs J]
 
-For each init of the preset (`model.output_init`), seed and model it runs `train.py`'s loop
-(DIR/runs/VARIANT-INIT-sSEED; re-running resumes from the latest checkpoint) and then the
-evaluations through `diff_jax.evaluation.run_task`, each into RUN/replicate/JOB/ (a job whose
-JSON already holds its step is skipped). A language-modeling preset runs ppl, niah (one per
-(N, R) of its grid), attention, outliers and quant; a recall preset first writes each seed's
-training corpus (`diff_jax.recall`, DIR/data/recall-sSEED), then runs recall once per grid cell
-and once per checkpoint on the learning-curve cell. Then `lm_report` or `recall_report` writes
-DIR/results.json, DIR/results.md and the PNGs. The models of a seed share data order, token
-budget and optimizer; their parameter counts are checked to agree within ±0.5% before anything
-trains.
+For each init of the preset (`model.output_init`; `--inits` picks some of them), seed and model
+it runs `train.py`'s loop (DIR/runs/VARIANT-INIT-sSEED; re-running resumes from the latest
+checkpoint) and then the evaluations through `diff_jax.evaluation.run_task`, each into
+RUN/replicate/JOB/ (a job whose JSON already holds its step is skipped). First each seed's corpus
+is written once (`prepare_corpus`, DIR/data/corpus-sSEED) and every model of the seed reads it. A
+language-modeling preset runs ppl, niah (one per (N, R) of its grid), attention, outliers and
+quant; a recall preset runs recall once per grid cell and once per checkpoint on the
+learning-curve cell. Then `lm_report` or `recall_report` writes DIR/results.json,
+DIR/results.md and the PNGs. The models of a seed share data order, token budget and
+optimizer; their parameter counts are checked to agree within ±0.5% before anything trains.
 
 `--jobs J` (CPU only) trains and evaluates J models at a time, each in a process of its own pinned
 to its share of this process's CPU cores: small models use a second core poorly (the cpu-recall
-Transformer's step takes 54 ms on 2 cores, 76 ms on one), so two one-core jobs finish the 18
-models of a preset about 1.4× sooner. Results do not depend on J.
+Transformer's step takes 54 ms on 2 cores, 76 ms on one). XLA splits a matmul over the threads it
+has, so a model trained on one core rounds differently from one trained on two: the cpu-recall
+Transformer's loss agrees to 7 digits at step 100 and drifts to 0.458 against 0.464 by step 3000.
+Every model of one invocation runs under the same J, so its paired comparisons are unaffected;
+compare across invocations only within seed noise.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from diff_jax import evaluation, recall, train_loop
+from diff_jax import data, evaluation, recall, train_loop
 from diff_jax.evaluation import EvalOptions
 from diff_jax.experiments import lm_report, recall_report
 from diff_jax.experiments.layout import eval_json, recall_cell_name, run_dir
@@ -83,18 +86,42 @@ def _add_wall(run: Path, key: str, seconds: float) -> None:
     path.write_text(json.dumps(wall, indent=1) + "\n")
 
 
-def prepare_recall_corpus(preset: RecallPreset, seed: int, out: Path) -> Path:
-    """Write (once) the recall training corpus of `seed`: one sample per training row, its loss
-    mask per `preset.train_loss`."""
+def prepare_corpus(preset: Preset | RecallPreset, seed: int, out: Path) -> Path:
+    """Write (once) the corpus that every model of `seed` reads (`presets.corpus_dir`).
+
+    A recall preset: its training samples, one a row, with the loss mask of `preset.train_loss`.
+    A language-modeling preset: the corpus its `data` overrides name (`data.load_corpus`: the
+    sources mixed with the seed's synthetic needles), tokenized here once instead of in every
+    run and evaluation; the runs split off the same validation documents from it. DataError when
+    a run would read a training document twice (the training split holds fewer rows than
+    `train.steps` × `train.batch_size`).
+    """
     path = corpus_dir(out, seed)
     if (path / "meta.json").exists():
         return path
-    cfg = preset.config("diff", seed, run_dir(out, "diff", seed, preset.inits[0]))
-    spec = {"length": cfg.train.seq_len - 1, "max_pairs": preset.max_pairs,
-            "distractor_shares": tuple(preset.train_distractors)}
-    samples = recall.training_samples(recall.train_rng(seed),
-                                      count=cfg.train.steps * cfg.train.batch_size, **spec)
-    recall.write_training_corpus(path, samples, {"seed": seed, **spec}, loss=preset.train_loss)
+    cfg = preset.corpus_config(seed)
+    t = cfg.train
+    if isinstance(preset, RecallPreset):
+        spec = {"length": t.seq_len - 1, "max_pairs": preset.max_pairs,
+                "distractor_shares": tuple(preset.train_distractors)}
+        samples = recall.training_samples(recall.train_rng(seed), count=t.steps * t.batch_size,
+                                          **spec)
+        recall.write_training_corpus(path, samples, {"seed": seed, **spec}, loss=preset.train_loss)
+        return path
+    corpus = data.load_corpus(cfg.data, seed)
+    train, _ = corpus.split(cfg.data.validation_fraction, cfg.data.split_seed)
+    rows = len(data.PackedRows(train, t.seq_len, seed))
+    if rows < t.steps * t.batch_size:
+        raise data.DataError(
+            f"{preset.name}: the training split of {cfg.data.mixture or cfg.data.source} "
+            f"{list(cfg.data.paths)} holds {rows:,} rows of {t.seq_len} tokens, fewer than the "
+            f"{t.steps:,} × {t.batch_size} the preset reads: documents would repeat; add text to "
+            "the sources or lower train.steps")
+    corpus.save(path, {"seed": seed, "mixture": cfg.data.mixture, "source": cfg.data.source,
+                       "paths": list(cfg.data.paths), "tokenizer": cfg.data.tokenizer,
+                       "validation_fraction": cfg.data.validation_fraction,
+                       "train_tokens": int(len(train.tokens)), "train_rows": rows,
+                       "rows_read": t.steps * t.batch_size})
     return path
 
 
@@ -134,8 +161,7 @@ def replicate(preset: Preset | RecallPreset, seeds: int, out: Path, jobs: int = 
     runs = []
     for init in preset.inits:
         for seed in range(seeds):
-            if isinstance(preset, RecallPreset):
-                prepare_recall_corpus(preset, seed, out)
+            prepare_corpus(preset, seed, out)
             runs += [(variant, seed, init) for variant in VARIANTS]
     if jobs == 1:
         for variant, seed, init in runs:
@@ -214,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
     parser.add_argument("--seeds", type=int, default=None,
                         help="number of seeds (0, 1, …); default: the preset's")
+    parser.add_argument("--inits", default=None,
+                        help="comma list of the preset's inits to run (default: all of them)")
     parser.add_argument("--out", default=None, help="output directory (default: runs/replicate-PRESET)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="models trained at a time, each pinned to its share of the CPU cores "
@@ -225,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--seeds must be >= 1")
     if args.jobs < 1:
         parser.error("--jobs must be >= 1")
+    if args.inits is not None:
+        inits = tuple(args.inits.split(","))
+        if not inits or not set(inits) <= set(preset.inits) or len(set(inits)) < len(inits):
+            parser.error(f"--inits {args.inits}: expected distinct names among the preset's "
+                         f"inits {','.join(preset.inits)}")
+        preset = dataclasses.replace(preset, inits=inits)
     out = Path(args.out or f"runs/replicate-{preset.name}")
     results = replicate(preset, seeds, out, args.jobs)
     print(f"wrote {out / 'results.md'}, {out / 'results.json'} and {len(results['plots'])} plots")

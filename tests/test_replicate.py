@@ -229,6 +229,7 @@ def test_prepared_corpus_is_the_corpus_the_runs_would_load_and_refuses_repeats(t
     assert np.array_equal(a.tokens, b.tokens) and np.array_equal(va.tokens, vb.tokens)
     meta = json.loads((path / "meta.json").read_text())
     assert meta["train_tokens"] == len(a.tokens) and meta["rows_read"] == 4 * 8
+    assert meta["sources"] == "files:0.5,niah:0.5" and meta["seed"] == 1
     assert meta["train_rows"] == (len(a.tokens) - 1) // 64
     greedy = dataclasses.replace(micro, shared=(*micro.shared, "train.steps=100000"))
     with pytest.raises(data.DataError, match=r"micro: the training split of files:0.5,niah:0.5 .* "

@@ -117,7 +117,7 @@ def prepare_corpus(preset: Preset | RecallPreset, seed: int, out: Path) -> Path:
             f"{list(cfg.data.paths)} holds {rows:,} rows of {t.seq_len} tokens, fewer than the "
             f"{t.steps:,} × {t.batch_size} the preset reads: documents would repeat; add text to "
             "the sources or lower train.steps")
-    corpus.save(path, {"seed": seed, "mixture": cfg.data.mixture, "source": cfg.data.source,
+    corpus.save(path, {"seed": seed, "sources": cfg.data.mixture or cfg.data.source,
                        "paths": list(cfg.data.paths), "tokenizer": cfg.data.tokenizer,
                        "validation_fraction": cfg.data.validation_fraction,
                        "train_tokens": int(len(train.tokens)), "train_rows": rows,

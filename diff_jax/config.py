@@ -202,6 +202,7 @@ class DataConfig:
 
     source: Literal["stdlib", "files", "tokens", "niah"] = "stdlib"  # tokens: a `prepare`d directory
     mixture: str | None = None  # e.g. "stdlib:0.5,niah:0.5": token shares of sources; replaces source
+    mixture_tokens: int | None = None  # a mixture's total tokens at most (None: all its sources give)
     niah_tokens: int = 2_000_000  # synthetic retrieval tokens generated when niah is the only source
     niah_doc_tokens: int = 512  # longest synthetic retrieval document (lengths in [half, this])
     paths: tuple[str, ...] | str = ()  # files, dirs, globs (.txt .md .py .jsonl, .gz); "a,b" ok
@@ -219,6 +220,8 @@ class DataConfig:
         _require(self.read_threads > 0, "data.read_threads", "must be positive")
         _require(self.prefetch >= 0, "data.prefetch", "must be >= 0")
         _require(self.niah_tokens > 0, "data.niah_tokens", "must be positive")
+        _require(self.mixture_tokens is None or self.mixture_tokens > 0, "data.mixture_tokens",
+                 "must be positive (or null: as many as the mixture's sources give)")
         _require(self.niah_doc_tokens >= 384, "data.niah_doc_tokens",
                  "must be >= 384 (room for 6 needles and the question)")
         for name, _ in self.mixture_weights:

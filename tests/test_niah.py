@@ -80,6 +80,20 @@ def test_niah_source_and_mixture_shares(text_dir):
     assert 0.2 < share < 0.3
     assert 0 < is_niah[: len(docs) // 2].sum() < len(docs) // 2  # interleaved, not appended
 
+    # data.mixture_tokens caps the total; the shares hold and each source gives whole documents
+    cap = len(mixed.tokens) // 3
+    capped = load_corpus(DataConfig(mixture="files:3,niah:1", paths=(str(text_dir),),
+                                    niah_doc_tokens=384, mixture_tokens=cap), seed=0)
+    sizes = np.diff(capped.doc_starts)
+    assert abs(len(capped.tokens) - cap) <= 2 * sizes.max()  # whole documents: about the cap
+    texts = [ENC.decode(capped.tokens[a:b].tolist()) for a, b in zip(capped.doc_starts[:-1],
+                                                                      capped.doc_starts[1:])]
+    niah_tokens = sum(int(n) for n, x in zip(sizes, texts) if "\nWhat is the magic number of " in x)
+    assert 0.15 < niah_tokens / len(capped.tokens) < 0.35
+    whole = {tuple(d.tolist()) for d in docs}
+    assert all(tuple(capped.tokens[a:b].tolist()) in whole or "magic number" in t for a, b, t in
+               zip(capped.doc_starts[:-1], capped.doc_starts[1:], texts))
+
 
 def test_mixture_and_niah_config_errors():
     with pytest.raises(ConfigError, match="data.mixture"):
@@ -88,6 +102,8 @@ def test_mixture_and_niah_config_errors():
         load_config(None, ["data.mixture=stdlib:0"])
     with pytest.raises(ConfigError, match="data.paths"):
         load_config(None, ["data.mixture=files:1,niah:1"])
+    with pytest.raises(ConfigError, match="data.mixture_tokens: must be positive"):
+        load_config(None, ["data.mixture=stdlib:1,niah:1", "data.mixture_tokens=0"])
     with pytest.raises(ConfigError, match="data.niah_doc_tokens"):
         load_config(None, ["data.source=niah", "data.niah_doc_tokens=100"])
     cfg = load_config(None, ["data.mixture=stdlib:1,niah:3"]).data

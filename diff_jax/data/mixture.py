@@ -46,7 +46,9 @@ def _documents(corpus: TokenCorpus, budget: float) -> list[np.ndarray]:
 
 
 def mixed_corpus(cfg: DataConfig, seed: int, finite: dict[str, TokenCorpus]) -> TokenCorpus:
-    """The corpus of `cfg.mixture_weights`, given the loaded finite sources by name."""
+    """The corpus of `cfg.mixture_weights`, given the loaded finite sources by name: each source's
+    leading whole documents up to its share of the total, which is as much as the scarcest finite
+    source allows, at most `cfg.mixture_tokens`."""
     weights = dict(cfg.mixture_weights)
     masked = [name for name, c in finite.items() if c.loss_mask is not None]
     if masked:
@@ -56,6 +58,8 @@ def mixed_corpus(cfg: DataConfig, seed: int, finite: dict[str, TokenCorpus]) -> 
         total = min(len(c.tokens) / weights[name] for name, c in finite.items())
     else:
         total = cfg.niah_tokens / weights["niah"]
+    if cfg.mixture_tokens is not None:
+        total = min(total, cfg.mixture_tokens)
     docs = [d for name, c in finite.items() for d in _documents(c, weights[name] * total)]
     vocab = max([c.vocab_size for c in finite.values()] or [0])
     skipped = tuple(s for c in finite.values() for s in c.skipped)

@@ -216,7 +216,7 @@ PRESETS: dict[str, Preset | RecallPreset] = {
         name="gpu-medium", embed_dim=768, num_layers=12, diff_heads=6,
         shared=_shared(steps=1500, batch=32, seq_len=1024, max_seq_len=2048, lr=1e-3,
                        warmup=150, eval_every=500, log_every=20, eval_tokens=262_144,
-                       data=("data.mixture=files:0.75,niah:0.25",
+                       data=("data.mixture=files:0.75,niah:0.25", "data.mixture_tokens=64000000",
                              f"data.paths=[{_installed_packages()}]", "data.niah_doc_tokens=512",
                              "data.validation_fraction=0.01", "data.read_threads=8",
                              "model.dtype=bfloat16", "model.attention_impl=auto")),
@@ -224,8 +224,9 @@ PRESETS: dict[str, Preset | RecallPreset] = {
         depths=(0, 25, 50, 75, 100), samples=10, attention_needles=4, quant_niah=(4, 2),
         eval_batches=32, outlier_tokens=16384, seeds=3, inits=INITS,
         budget="one H100, per seed and init: 49.2M training tokens per model, each read once, "
-               "from the text and Python sources of the machine's own installed packages "
-               "(site-packages, tokenized there) with a quarter synthetic needles; at the 33.5% "
+               "of a 64M-token mixture: the text and Python sources of the machine's own "
+               "installed packages (site-packages, tokenized there) and a quarter synthetic "
+               "needles (here, 2 CPU cores: 97M tokens of site-packages text, 46 s); at the 33.5% "
                "MFU of benchmarks/results/train_step_h100 (1.03 GFLOP a token) about 2.6 minutes "
                "of training a model, 8 for the three, 11–13 with the corpus and evaluation (an "
                "estimate: not yet run)"),

@@ -252,6 +252,14 @@ def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_init
         assert message in capsys.readouterr().err
 
 
+def test_side_by_side_names_a_failed_run_and_starts_nothing_after_it(tmp_path):
+    micro = presets.PRESETS["micro"]
+    runs = [("no-such-variant", 0, "scaled"), ("also-unknown", 0, "scaled")]
+    with pytest.raises(RuntimeError, match=r"micro: no-such-variant-scaled-s0 \(exit 1\) failed "
+                                           r"\(traceback above\); 1 run\(s\) not started"):
+        replicate.side_by_side(micro, runs, tmp_path, 1)
+
+
 @pytest.mark.parametrize("variant", presets.VARIANTS)
 def test_output_init_scales_only_the_residual_projections(variant):
     """`scaled` (the default) draws the attention output and MLP down projections with std

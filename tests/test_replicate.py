@@ -243,7 +243,8 @@ def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_init
     assert replicate.core_shares([7], 1) == [[7]]
     with pytest.raises(ValueError, match="--jobs 3: this process may use 2 CPU core"):
         replicate.core_shares([0, 1], 3)
-    for argv, message in ((["--jobs", "0"], "--jobs must be >= 1"),
+    for argv, message in ((["--jobs", "0"], "argument --jobs: expected an integer >= 1, got 0"),
+                          (["--jobs", "999"], "argument --jobs: --jobs 999: this process may use"),
                           (["--inits", "normal"], "--inits normal: expected distinct names among "
                                                   "the preset's inits scaled"),
                           (["--inits", "scaled,scaled"], "--inits scaled,scaled: expected")):
@@ -257,7 +258,7 @@ def test_side_by_side_names_a_failed_run_and_starts_nothing_after_it(tmp_path):
     runs = [("no-such-variant", 0, "scaled"), ("also-unknown", 0, "scaled")]
     with pytest.raises(RuntimeError, match=r"micro: no-such-variant-scaled-s0 \(exit 1\) failed "
                                            r"\(traceback above\); 1 run\(s\) not started"):
-        replicate.side_by_side(micro, runs, tmp_path, 1)
+        replicate.side_by_side(micro, runs, tmp_path, replicate.cpu_shares(1))
 
 
 @pytest.mark.parametrize("variant", presets.VARIANTS)

@@ -155,7 +155,9 @@ def _at(options: EvalOptions, run: Path, out_dir: Path) -> EvalOptions:
 
 def replicate(preset: Preset | RecallPreset, seeds: int, out: Path, jobs: int = 1) -> dict:
     """Every (init, seed, model) trained and evaluated, `jobs` models at a time (`side_by_side`),
-    then the report; returns results.json's content."""
+    then the report; returns results.json's content. ValueError (before any work) when this
+    process cannot give `jobs` models a core each."""
+    shares = cpu_shares(jobs) if jobs > 1 else None
     summaries = check_matched(preset)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
@@ -163,11 +165,11 @@ def replicate(preset: Preset | RecallPreset, seeds: int, out: Path, jobs: int = 
         for seed in range(seeds):
             prepare_corpus(preset, seed, out)
             runs += [(variant, seed, init) for variant in VARIANTS]
-    if jobs == 1:
+    if shares is None:
         for variant, seed, init in runs:
             _train_and_evaluate_one(preset, variant, seed, init, out)
     else:
-        side_by_side(preset, runs, out, jobs)
+        side_by_side(preset, runs, out, shares)
     if isinstance(preset, RecallPreset):
         return recall_report.write(preset, seeds, out, summaries)
     return lm_report.write(preset, seeds, out, summaries)
@@ -185,7 +187,17 @@ def core_shares(cores: list[int], jobs: int) -> list[list[int]]:
     if jobs < 1 or len(cores) < jobs:
         raise ValueError(f"--jobs {jobs}: this process may use {len(cores)} CPU core(s) "
                          f"({cores}); expected 1 <= jobs <= {len(cores)}")
-    return [sorted(cores)[i::jobs] for i in range(jobs)]
+    ordered = sorted(cores)
+    return [ordered[i::jobs] for i in range(jobs)]
+
+
+def cpu_shares(jobs: int) -> list[list[int]]:
+    """This process's CPU cores (its affinity) dealt out to `jobs` (`core_shares`); ValueError
+    where there are too few or the platform cannot pin a process to cores."""
+    if not hasattr(os, "sched_getaffinity"):
+        raise ValueError(f"--jobs {jobs} pins processes to CPU cores, which this platform does "
+                         "not support: use --jobs 1")
+    return core_shares(sorted(os.sched_getaffinity(0)), jobs)
 
 
 def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init: str, out: Path,
@@ -201,20 +213,16 @@ def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init:
 
 
 def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]], out: Path,
-                 jobs: int) -> None:
-    """`train_and_evaluate` of every (variant, seed, init) in `runs`, `jobs` at a time, each in a
-    spawned process pinned to its share of this process's CPU cores (`core_shares`; Linux).
+                 shares: list[list[int]]) -> None:
+    """`train_and_evaluate` of every (variant, seed, init) in `runs`, one per share of CPU cores
+    at a time (`cpu_shares`), each in a spawned process pinned to its share.
 
     After a run fails no new one starts; those running finish (each checkpoints as it goes), then
     RuntimeError names the failed runs (their tracebacks are in the output above). Re-running
     resumes, as the serial path does.
     """
-    if not hasattr(os, "sched_getaffinity"):
-        raise RuntimeError("--jobs > 1 pins processes to CPU cores, which this platform does not "
-                           "support: use --jobs 1")
-    shares = core_shares(sorted(os.sched_getaffinity(0)), jobs)
     spawn = multiprocessing.get_context("spawn")
-    pending, free = list(runs), list(range(jobs))
+    pending, free = list(runs), list(range(len(shares)))
     running: dict[int, tuple[int, multiprocessing.process.BaseProcess, tuple[str, int, str]]] = {}
     failed = []
     while running or (pending and not failed):
@@ -234,6 +242,22 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
                            f"{len(pending)} run(s) not started; re-run to resume")
 
 
+def _jobs(text: str) -> int:
+    """`--jobs`: an integer >= 1 that this process's CPU cores can serve (`cpu_shares`)."""
+    try:
+        jobs = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if jobs < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {jobs}")
+    if jobs > 1:
+        try:
+            cpu_shares(jobs)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return jobs
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line above; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -243,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inits", default=None,
                         help="comma list of the preset's inits to run (default: all of them)")
     parser.add_argument("--out", default=None, help="output directory (default: runs/replicate-PRESET)")
-    parser.add_argument("--jobs", type=int, default=1,
+    parser.add_argument("--jobs", type=_jobs, default=1,
                         help="models trained at a time, each pinned to its share of the CPU cores "
                              "(CPU only; default 1)")
     args = parser.parse_args(argv)
@@ -251,8 +275,6 @@ def main(argv: list[str] | None = None) -> int:
     seeds = preset.seeds if args.seeds is None else args.seeds
     if seeds < 1:
         parser.error("--seeds must be >= 1")
-    if args.jobs < 1:
-        parser.error("--jobs must be >= 1")
     if args.inits is not None:
         inits = tuple(args.inits.split(","))
         if not inits or not set(inits) <= set(preset.inits) or len(set(inits)) < len(inits):

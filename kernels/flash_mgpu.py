@@ -40,10 +40,12 @@ by the wrapper to whole CTA tiles (zeros, segment 0); padded keys are masked, pa
 are sliced off (in dK/dV they contribute exactly 0: q = dO = lse = δ = 0).
 
 `interpret=True` (or an `InterpretGPUParams`, e.g. with `detect_races=True`) runs the same
-kernels under Mosaic GPU's interpreter (jax 0.10.2, CPU), which simulates the warpgroups as
-threads, the TMA copies and the barriers (each thread must await every phase of a barrier it
-waits on) and optionally detects shared-memory races, but has no rule for wgmma from registers
-or transposed operands, layout casts or `plgpu.load`; those become plain loads and
+kernels under Mosaic GPU's interpreter (CPU; checked with jax 0.10.2 and 0.11.2), which
+simulates the warpgroups as threads, the TMA copies and the barriers (each thread must await
+every phase of a barrier it waits on) and optionally detects shared-memory races — on jax 0.11
+also across proxies, so a TMA refill of a slot that was read with generic loads needs the
+producer's proxy fence (`commit_smem`). It cannot run wgmma from registers or with a register
+accumulator (`run_state`), so wgmma, `plgpu.load` and layout casts become plain loads and
 `lax.dot_general` there (`_Ops`). Everything else — the schedule, the barrier protocol,
 indexing, masks, the softmax and the epilogues — is the code that runs on the GPU. The
 interpreter runs the warpgroups on XLA's CPU threads and hangs with fewer CPU threads than
@@ -152,6 +154,15 @@ def warpgroups(d: int, tiles: Tiles) -> tuple[int, int]:
 # The few operations that differ between the GPU and the interpreter.
 
 
+# jax 0.10 requires plgpu.load's index argument; jax 0.11 deprecates passing it.
+_LOAD_NEEDS_IDX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
+
+
+def _load_smem(ref, layout):
+    """All of an SMEM ref, in registers with `layout`."""
+    return plgpu.load(ref, (), layout=layout) if _LOAD_NEEDS_IDX else plgpu.load(ref, layout=layout)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Ops:
     emulate: bool
@@ -166,7 +177,7 @@ class _Ops:
             dims = (((1,), (1,) if transpose_b else (0,)), ((), ()))
             out = lax.dot_general(av, bv, dims, preferred_element_type=jnp.float32)
             return out if acc is None else acc + out
-        rhs = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+        rhs = b.transpose((1, 0)) if transpose_b else b
         if acc is None:
             m = a.shape[0]
             n = b.shape[0] if transpose_b else b.shape[1]
@@ -192,13 +203,13 @@ class _Ops:
         """A 1-D SMEM ref as the row (axis 0) or column (axis 1) vector of a WGMMA tile."""
         if self.emulate:
             return ref[...]
-        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+        return _load_smem(ref, plgpu.Layout.WGMMA.reduce(1 - axis))
 
     def tile(self, ref):
         """A 2-D SMEM ref in the WGMMA register layout."""
         if self.emulate:
             return ref[...]
-        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+        return _load_smem(ref, plgpu.Layout.WGMMA)
 
     def full(self, shape, value):
         """A float32 constant in the WGMMA layout (a loop carry must keep one layout)."""
@@ -245,6 +256,12 @@ def _kernel(body, *, out, scratch, grid, names, threads, interpret, name):
                         kernel_name=name, **kw)
 
 
+def _compute_registers(wgs: int) -> None:
+    """A compute warpgroup's registers beside the 40 of the producer: 232 a thread with two
+    compute warpgroups, 240 with one (`setmaxnreg` counts in multiples of 8)."""
+    plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+
+
 def _producer(n_steps, issue, consumed, stages):
     """The TMA warpgroup: fill `stages` slots, refill slot s % stages once consumed, drain."""
     plgpu.set_max_registers(40, action="decrease")
@@ -257,6 +274,10 @@ def _producer(n_steps, issue, consumed, stages):
     def _(step):
         slot = lax.rem(step, stages)
         plgpu.barrier_wait(consumed.at[slot])
+        # The compute warpgroups read some of the slot with generic loads (lse, δ, segment ids;
+        # everything in the interpreter): a proxy fence orders those reads before the TMA
+        # (async proxy) refill. jax 0.11's race detector reports the refill without it.
+        plgpu.commit_smem()
         issue(step, slot)
 
     # Observe the last slots' consumption too: every phase of a barrier is waited for once.
@@ -336,7 +357,7 @@ def _fwd_body(*refs, causal, has_seg, d, bk, stages, n_rep, kv_len, n_kv, ops):
 
     @pl.when(wg < 2)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        _compute_registers(2)
         c = wg  # this warpgroup's softmax component
         rows = pl.ds(row0, ROWS)
         _load([(q_ref.at[b, rows, 2 * h + c], q_s.at[c], q_bar.at[c]),
@@ -473,7 +494,7 @@ def _dq_body(*refs, causal, has_seg, d, bk, stages, wgs, n_rep, kv_len, n_kv, op
 
     @pl.when(wg < wgs)
     def _compute():
-        plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+        _compute_registers(wgs)
         row0 = cta0 + wg * ROWS
         rows = pl.ds(row0, ROWS)
 
@@ -506,13 +527,13 @@ def _dq_body(*refs, causal, has_seg, d, bk, stages, wgs, n_rep, kv_len, n_kv, op
             new = []
             for c in range(2):
                 plgpu.barrier_wait(k_bar.at[c * stages + slot])
-                s = ops.dot(q_s.at[wg, c], k_s.at[c, slot], transpose_b=True) * (scale * LOG2E)
+                s = ops.dot(q_s.at[wg, c], k_s[c].at[slot], transpose_b=True) * (scale * LOG2E)
                 if mask is not None:
                     s = jnp.where(mask, s, MASKED)
                 p = jnp.exp2(s - _bcast_rows(lse[c], s.shape))
                 dpc = dp if c == 0 else -_bcast_rows(lam, dp.shape) * dp
                 ds = p * (dpc - _bcast_rows(delta[c], dp.shape))
-                new.append(ops.dot(ds.astype(dt), k_s.at[c, slot], acc=dqs[c]))
+                new.append(ops.dot(ds.astype(dt), k_s[c].at[slot], acc=dqs[c]))
             plgpu.barrier_arrive(consumed.at[slot])
             return tuple(new)
 
@@ -531,7 +552,7 @@ def _dq_body(*refs, causal, has_seg, d, bk, stages, wgs, n_rep, kv_len, n_kv, op
         def issue(j, slot):
             cols = pl.ds(j * bk, bk)
             for c in range(2):
-                plgpu.copy_gmem_to_smem(k_ref.at[b, cols, 2 * g + c], k_s.at[c, slot],
+                plgpu.copy_gmem_to_smem(k_ref.at[b, cols, 2 * g + c], k_s[c].at[slot],
                                         k_bar.at[c * stages + slot])
             plgpu.copy_gmem_to_smem(v_ref.at[b, cols, g], v_s.at[slot], v_bar.at[slot])
             if has_seg:
@@ -562,7 +583,7 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, n_rep, n_q, ops):
 
     @pl.when(wg < wgs)
     def _compute():
-        plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+        _compute_registers(wgs)
         row0 = cta0 + wg * ROWS
         rows = pl.ds(row0, ROWS)
 
@@ -594,7 +615,7 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, n_rep, n_q, ops):
             pts = []
             for c in range(2):
                 plgpu.barrier_wait(q_bar.at[c * stages + slot])
-                st = ops.dot(k_s.at[wg, c], q_r.at[c, slot], transpose_b=True) * (scale * LOG2E)
+                st = ops.dot(k_s.at[wg, c], q_r[c].at[slot], transpose_b=True) * (scale * LOG2E)
                 if mask is not None:
                     st = jnp.where(mask, st, MASKED)
                 lse = ops.vector(st_r.at[slot, c], 1) * LOG2E
@@ -605,7 +626,7 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, n_rep, n_q, ops):
             for c in range(2):
                 delta = _bcast_cols(ops.vector(st_r.at[slot, 2 + c], 1), dpt.shape)
                 dsc = pts[c] * ((dpt if c == 0 else -lam2 * dpt) - delta)
-                new.append(ops.dot(dsc.astype(dt), q_r.at[c, slot], acc=dks[c]))
+                new.append(ops.dot(dsc.astype(dt), q_r[c].at[slot], acc=dks[c]))
             plgpu.barrier_arrive(consumed.at[slot])
             return tuple(new), dv
 
@@ -631,7 +652,7 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, n_rep, n_q, ops):
             h = g * n_rep + n // per_head
             cols = pl.ds((start + lax.rem(n, per_head)) * bq, bq)
             for c in range(2):
-                plgpu.copy_gmem_to_smem(q_ref.at[b, cols, 2 * h + c], q_r.at[c, slot],
+                plgpu.copy_gmem_to_smem(q_ref.at[b, cols, 2 * h + c], q_r[c].at[slot],
                                         q_bar.at[c * stages + slot])
             plgpu.copy_gmem_to_smem(do_ref.at[b, cols, h], do_r.at[slot], do_bar.at[slot])
             plgpu.copy_gmem_to_smem(lse_ref.at[b, h, :, cols], st_r.at[slot, pl.ds(0, 2)],
@@ -675,7 +696,9 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, causal: bool, tiles: Til
         out=jax.ShapeDtypeStruct(q.shape, dt),
         scratch=[
             (_smem((wgs_dq, 2, ROWS, d), dt), _smem((wgs_dq, ROWS, 2 * d), dt),
-             _smem((2, stages, bk, d), dt), _smem((stages, bk, 2 * d), dt),
+             # K1 and K2 rings as two buffers: jax 0.11 cannot lower a wgmma accumulation
+             # (`run_state`) whose operand ref is indexed by a Python int
+             (_smem((stages, bk, d), dt),) * 2, _smem((stages, bk, 2 * d), dt),
              plgpu.SMEM((wgs_dq, 4, ROWS), jnp.float32), plgpu.SMEM((wgs_dq, ROWS), jnp.float32),
              plgpu.SMEM((wgs_dq, ROWS), i32) if has_seg else None,
              plgpu.SMEM((stages, bk), i32) if has_seg else None),
@@ -693,7 +716,7 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, causal: bool, tiles: Til
         out=[jax.ShapeDtypeStruct(k.shape, dt), jax.ShapeDtypeStruct(v.shape, dt)],
         scratch=[
             (_smem((wgs_dkv, 2, ROWS, d), dt), _smem((wgs_dkv, ROWS, 2 * d), dt),
-             _smem((2, stages, bq, d), dt), _smem((stages, bq, 2 * d), dt),
+             (_smem((stages, bq, d), dt),) * 2, _smem((stages, bq, 2 * d), dt),  # Q1, Q2 rings
              plgpu.SMEM((stages, 4, bq), jnp.float32), plgpu.SMEM((wgs_dkv, bq), jnp.float32),
              plgpu.SMEM((wgs_dkv, ROWS), i32) if has_seg else None,
              plgpu.SMEM((stages, bq), i32) if has_seg else None),

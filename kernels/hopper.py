@@ -45,14 +45,38 @@ def _parse(cc: str | tuple[int, int]) -> tuple[int, int]:
                          f"got {cc!r}") from None
 
 
+# One GPU of each generation, by a name jax's Triton lowering knows (`_abstract_gpu`).
+_KINDS = {(7, 5): "Tesla T4", (8, 0): "NVIDIA A100", (8, 6): "NVIDIA A10", (8, 9): "NVIDIA L4",
+          (9, 0): "NVIDIA H100", (10, 0): "NVIDIA B200"}
+
+
 @contextlib.contextmanager
 def target(compute_capability: str | tuple[int, int]):
-    """Trace the GPU kernels for this compute capability ("8.0", "sm_90", (9, 0))."""
-    token = _TARGET.set(_parse(compute_capability))
+    """Trace the GPU kernels for this compute capability ("8.0", "sm_90", (9, 0)).
+
+    With no GPU attached and no mesh set, it also names a GPU of that generation as the abstract
+    mesh's device: jax 0.11's Triton lowering reads its target from there (jax 0.10 needs
+    nothing). Under a mesh it cannot (shard_map refuses a context mesh unlike its own), so on
+    jax 0.11 a sharded step's Triton kernels export only on a GPU host; the Mosaic GPU kernels
+    need no device to export.
+    """
+    cc = _parse(compute_capability)
+    token = _TARGET.set(cc)
     try:
-        yield
+        with _abstract_gpu(cc):
+            yield
     finally:
         _TARGET.reset(token)
+
+
+def _abstract_gpu(cc: tuple[int, int]):
+    """An abstract mesh with no axes and a GPU of generation `cc` as its device, when no GPU is
+    attached, no mesh is set and `_KINDS` names the generation; else a context doing nothing."""
+    kind = _KINDS.get(cc)
+    if kind is None or _cuda_device() is not None or not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
 
 
 def _cuda_device():

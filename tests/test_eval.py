@@ -161,10 +161,12 @@ def test_outliers_task_reads_the_requested_tokens(runs):
         "top1", "top2", "top3", "top10", "top100", "median"}
 
 
-def test_quant_16_bits_equals_no_quantization_and_4_bits_differs(runs):
-    out = _run(runs["diff"], "task=quant", "batches=1", "batch_size=2", "bits=[16,4]", "niah=true",
+def test_quant_16_bits_equals_no_quantization_and_2_bits_differs(runs):
+    # At initialization attention barely moves the loss: 4 bits left it bit-identical on jax
+    # 0.11.2 (1.7e-5 apart on 0.10.2); 2 bits moves it by 4e-5 or more, tens of float32 ulps.
+    out = _run(runs["diff"], "task=quant", "batches=1", "batch_size=2", "bits=[16,2]", "niah=true",
                "samples=1", "needles=2", "depths=[50]", "lengths=[64]")
-    assert out["bits"] == [None, 16, 4]
+    assert out["bits"] == [None, 16, 2]
     assert math.isclose(out["ppl"][1], out["ppl"][0], rel_tol=1e-3)
     assert out["ppl"][2] != out["ppl"][0]
     assert len(out["niah_accuracy"]) == 3 and all(0 <= a <= 1 for a in out["niah_accuracy"])

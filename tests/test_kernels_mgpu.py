@@ -40,13 +40,13 @@ CASES = {
 @pytest.mark.skipif(len(jax.devices("cpu")) < 3, reason="the Mosaic GPU interpreter's three "
                     "warpgroups block each other with fewer than 3 host devices (conftest sets 8)")
 @pytest.mark.parametrize("name", list(CASES))
-def test_mosaic_kernel_matches_float64_reference(name):
-    """Forward and all gradients (λ too) of fwd, dQ and dK/dV under the interpreter; the first
-    case also runs its shared-memory race detector (every access ordered by a barrier)."""
+def test_mosaic_kernel_matches_float64_reference(name, capsys):
+    """Forward and all gradients (λ too) of fwd, dQ and dK/dV under the interpreter, with its
+    shared-memory race detector: every access ordered by a barrier (and, on jax 0.11, a TMA
+    refill of a slot read with generic loads ordered by a proxy fence)."""
     b, t, h, hkv, d, causal, segments, dtype, lam = CASES[name]
     q, k, v, do, seg = make_inputs(b, t, h, hkv, d, dtype, seed=len(name), segments=segments)
-    races = name == next(iter(CASES))
-    interpret = InterpretGPUParams(detect_races=True) if races else True
+    interpret = InterpretGPUParams(detect_races=True)
 
     def loss(q, k, v, lam):
         out = flash_attention(q, k, v, lam, num_components=2, segment_ids=seg, causal=causal,
@@ -56,8 +56,9 @@ def test_mosaic_kernel_matches_float64_reference(name):
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
         q, k, v, jnp.float32(lam))
     assert out.dtype == dtype and out.shape == (b, t, h, 2 * d)
-    if races:
-        assert not interpret_pallas_call.get_races().races_found
+    # races_found covers the last kernel run; each race is also printed, by any of the three
+    assert not interpret_pallas_call.get_races().races_found
+    assert "RACE DETECTED" not in capsys.readouterr().out
     ref_out, ref_grads = np_diff_attention(*(x.astype(jnp.float32) for x in (q, k, v)), lam,
                                            do.astype(jnp.float32), causal=causal, seg=seg)
     assert rel(out, ref_out) < 2e-2
@@ -81,7 +82,8 @@ def test_cuda_export_hopper_lowers_mosaic_kernels(d, dtype):
     (segments, GQA, ragged T) and no Triton kernel is left; float32 stays on Triton."""
     text = _cuda_export(*_abstract(d=d, dtype=dtype))
     assert text.count(MOSAIC) == 3 and TRITON not in text
-    text = _cuda_export(*_abstract(d=d, dtype=jnp.float32))
+    with kernels.gpu_target("9.0"):  # jax 0.11's Triton lowering needs the GPU named
+        text = _cuda_export(*_abstract(d=d, dtype=jnp.float32))
     assert text.count(TRITON) == 3 and MOSAIC not in text
 
 

@@ -103,6 +103,11 @@ def test_gpu_target_and_dispatch_rule():
     with pytest.raises(ValueError, match="GPU target must look like"):
         with kernels.gpu_target("hopper"):
             pass
+    with kernels.gpu_target("8.0"):  # no GPU attached: the abstract mesh names one (jax 0.11)
+        assert jax.sharding.get_abstract_mesh().abstract_device.device_kind == "NVIDIA A100"
+    mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
+    with jax.set_mesh(mesh), kernels.gpu_target("8.0"):  # a mesh is kept as it is
+        assert jax.sharding.get_abstract_mesh() == mesh.abstract_mesh
     assert flash.uses_mosaic_gpu(2, jnp.bfloat16, 96, 192)
     assert not flash.uses_mosaic_gpu(2, jnp.float32, 64, 128)
     assert not flash.uses_mosaic_gpu(1, jnp.bfloat16, 64, 64)

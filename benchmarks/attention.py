@@ -354,7 +354,7 @@ def environment() -> dict:
 
 
 CHECK_COLS = ["case", "backend", "out", "dq", "dk", "dv", "dλ", "finite", "deprecations", "error"]
-TUNE_COLS = ["d", "stage", "tiles", "fwd_ms", "total_ms", "fwd_tflops", "bwd_tflops", "error"]
+TUNE_COLS = ["d", "stage", "tiles", "dkv", "fwd_ms", "total_ms", "fwd_tflops", "bwd_tflops", "error"]
 BENCH_COLS = ["variant", "d", "T", "B", "fwd_ms", "bwd_ms", "total_ms", "fwd_tflops", "bwd_tflops",
               "total_tflops", "error"]
 
@@ -419,45 +419,58 @@ def _gpu_name(kind: str) -> str:
 def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
     """Bounded sweep of the Mosaic kernel's tiles per d (bf16, causal, T = --tune-t): first the
     forward's (block_kv, stages), then the backward's (block_kv_dq, block_q_dkv) with the best
-    forward; tiles that do not fit shared memory are recorded as such. --tune-write stores the
-    best per d in the table."""
+    forward, then the best backward under the dK/dV schedule its "auto" did not pick; tiles that
+    do not fit shared memory are recorded as such. --tune-write stores the best per d in the
+    table."""
     rows = []
     for d in head_dims:
         shape = Shape(max(1, args.tokens // args.tune_t), args.tune_t, args.heads, d)
         base, _ = hopper.tiles_for(d, jnp.bfloat16)
 
         def run(stage, tiles):
-            r = {"d": d, "stage": stage, "tiles": f"{tiles.block_kv},{tiles.block_kv_dq},"
-                                                  f"{tiles.block_q_dkv},{tiles.stages}"}
+            r = {"d": d, "stage": stage, "tiles": _tiles_text(tiles)}
             if deadline.passed():
                 return r | {"error": "skipped: deadline"}
             try:
-                flash_mgpu.warpgroups(d, tiles)
+                r["dkv"] = "split" if flash_mgpu.warpgroups(d, tiles)[2] else "rows"
                 f = variants(BlockSizes(mosaic_gpu=tiles), None, with_cudnn=False)["fused"]
                 m = bench_one("fused", f, shape, jnp.bfloat16, reps=3, samples=3)
             except Exception as e:  # noqa: BLE001 - a config that does not fit or compile
                 return r | {"error": repr(e)[:300]}
             return r | {k: m[k] for k in ("fwd_ms", "total_ms", "fwd_tflops", "bwd_tflops")}
 
-        fwd_rows = [run("fwd", dataclasses.replace(base, block_kv=bk, stages=st))
+        fwd_rows = [run("fwd", dataclasses.replace(base, block_kv=bk, stages=st, dkv="auto"))
                     for bk in (64, 128) for st in (2, 3)]
         ok = [r for r in fwd_rows if "error" not in r]
-        best_fwd = min(ok, key=lambda r: r["fwd_ms"])["tiles"] if ok else None
-        best_fwd = best_fwd or f"{base.block_kv},0,0,{base.stages}"
-        bk, _, _, st = (int(x) for x in best_fwd.split(","))
-        bwd_rows = [run("bwd", dataclasses.replace(base, block_kv=bk, stages=st, block_kv_dq=a,
-                                                   block_q_dkv=c))
+        best_fwd = _parse_tiles(min(ok, key=lambda r: r["fwd_ms"])["tiles"]) if ok else base
+        bwd_rows = [run("bwd", dataclasses.replace(best_fwd, block_kv_dq=a, block_q_dkv=c))
                     for a in (64, 128) for c in (64, 128)]
+        ok = [r for r in bwd_rows if "error" not in r]
+        if ok:  # the best backward under the other dK/dV schedule
+            best = min(ok, key=lambda r: r["total_ms"])
+            other = "rows" if best["dkv"] == "split" else "split"
+            bwd_rows.append(run("bwd", dataclasses.replace(_parse_tiles(best["tiles"]),
+                                                           dkv=other)))
         rows += fwd_rows + bwd_rows
         ok = [r for r in bwd_rows if "error" not in r]
         if ok and args.tune_write:
             best = min(ok, key=lambda r: r["total_ms"])
-            tiles = flash_mgpu.Tiles(*(int(x) for x in best["tiles"].split(",")))
+            tiles = dataclasses.replace(_parse_tiles(best["tiles"]), dkv=best["dkv"])
             kind = _gpu_name(hopper.device_kind())
             hopper.record(kind, d, jnp.bfloat16, tiles, f"benchmarks/attention.py --tune, "
                           f"T={args.tune_t}, {environment()['date']}")
             print(f"recorded {kind} d={d}: {tiles}", flush=True)
     return rows
+
+
+def _tiles_text(tiles: flash_mgpu.Tiles) -> str:
+    """"block_kv,block_kv_dq,block_q_dkv,stages,dkv" (a tune row's `tiles`)."""
+    return ",".join(str(getattr(tiles, f.name)) for f in dataclasses.fields(tiles))
+
+
+def _parse_tiles(text: str) -> flash_mgpu.Tiles:
+    *sizes, dkv = text.split(",")
+    return flash_mgpu.Tiles(*(int(x) for x in sizes), dkv)
 
 
 def main(argv=None) -> dict:

@@ -20,17 +20,22 @@ slot. The producer keeps 40 registers (`setmaxnreg`), compute warpgroups take th
 - dQ (`bwd`, first kernel): `wgs_dq` warpgroups of 64 query rows each, both components per
   warpgroup (dQ1, dQ2 accumulators); the producer streams K1, K2, V. Per step
   dP = dO·Vᵀ once, dS_c = P_c∘(coef_c·dP − δ_c) with coef = (1, −λ).
-- dK/dV (`bwd`, second kernel): `wgs_dkv` warpgroups of 64 kv rows each; the producer streams
-  Q1, Q2, dO, lse and δ over the kv group's n_rep heads and the q tiles; per step dPᵀ = V·dOᵀ,
-  dV += (P1 − λ·P2)ᵀ·dO, dK_c += dS_cᵀ·Q_c. GQA sums stay in registers (no reduction outside).
+- dK/dV (`bwd`, second kernel): the producer streams Q1, Q2, dO, lse and δ over the kv group's
+  n_rep heads and the q tiles; per step dPᵀ = V·dOᵀ, dV += (P1 − λ·P2)ᵀ·dO, dK_c += dS_cᵀ·Q_c.
+  GQA sums stay in registers (no reduction outside). Two schedules (`Tiles.dkv`): "rows",
+  `wgs_dkv` warpgroups of 64 kv rows each holding all three accumulators; "split", two
+  warpgroups on the same 64 kv rows (K1, K2, V loaded once), one accumulating dV, the other
+  dK1 and dK2 (both compute P1 and P2: two extra QKᵀ products a step, a quarter more
+  tensor-core work, for half the accumulators a thread).
 
-Registers (f32 accumulators, per thread of a compute warpgroup; budget 232 with two compute
-warpgroups, 240 with one): forward d (the 64 × 2d accumulator) plus bk/2 for the score tile;
-dQ d (dQ1 + dQ2) plus bk/2 for each of dP, S, dS; dK/dV 2d (dK1 + dK2 + dV) plus bq/2 for each
-of dPᵀ, Sᵀ, dSᵀ — over budget from d = 96 (ptxas spills; a split of dV and dK across two
-warpgroups of the same kv rows is the next step). Shared memory per CTA (`fwd_smem`, `dq_smem`,
+Registers (f32, per thread of a compute warpgroup; budget 232 with two compute warpgroups, 240
+with one): forward d (the 64 × 2d accumulator) plus bk/2 for the score tile; dQ d (dQ1 + dQ2)
+plus bk/2 for each of dP, S, dS; dK/dV 2d (dK1 + dK2 + dV) with "rows", d with "split", plus
+bq/2 for each of dPᵀ, Sᵀ, dSᵀ (`dkv_registers`): "rows" is over budget from d = 96 or bq = 128,
+where "auto" takes "split" (ptxas would spill). Shared memory per CTA (`fwd_smem`, `dq_smem`,
 `dkv_smem`, at most 227 KiB): d = 64 runs two compute warpgroups in every kernel; at d = 128 dQ
-and dK/dV hold one (`warpgroups`).
+holds one (`warpgroups`). These are plans from arithmetic; `benchmarks/attention.py --tune`
+measures the tiles and both dK/dV schedules on the GPU.
 
 Masks: causal tiles are skipped by the loop bounds; only tiles that cross the diagonal, hold a
 ragged tail or (with segment ids) every tile are masked. Masked logits are −1e30 and the
@@ -73,6 +78,7 @@ ROWS = 64  # rows of a warpgroup's tile: the wgmma M
 SMEM_BYTES = 227 * 1024  # shared memory a CTA may use on sm_90
 HEAD_DIMS = (64, 96, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+DKV_SCHEDULES = ("auto", "rows", "split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +87,16 @@ class Tiles:
 
     block_kv: forward K/V tile; block_kv_dq: dQ's K/V tile; block_q_dkv: dK/dV's Q/dO tile;
     stages: shared-memory ring depth. Compute tiles are 64 rows per warpgroup.
+    dkv: the dK/dV kernel's schedule (`dkv_plan`): "rows" (each compute warpgroup owns 64 kv
+    rows and all three accumulators), "split" (two compute warpgroups share 64 kv rows: one
+    accumulates dV, the other dK1 and dK2) or "auto" (by the register plan).
     """
 
     block_kv: int
     block_kv_dq: int
     block_q_dkv: int
     stages: int
+    dkv: str = "auto"
 
     def check(self) -> None:
         """One ValueError naming the first invalid field."""
@@ -97,6 +107,9 @@ class Tiles:
                                  f"[64, 256], got {val!r}")
         if not isinstance(self.stages, int) or not 2 <= self.stages <= 4:
             raise ValueError(f"Mosaic GPU tiles: stages must be 2, 3 or 4, got {self.stages!r}")
+        if self.dkv not in DKV_SCHEDULES:
+            raise ValueError(f"Mosaic GPU tiles: dkv must be one of {DKV_SCHEDULES}, "
+                             f"got {self.dkv!r}")
 
 
 def supports(dtype, head_dim: int, nc: int) -> bool:
@@ -122,32 +135,56 @@ def dq_smem(d: int, tiles: Tiles, wgs: int, itemsize: int = 2) -> int:
         wgs * 6 * ROWS + tiles.stages * bk)
 
 
-def dkv_smem(d: int, tiles: Tiles, wgs: int, itemsize: int = 2) -> int:
-    """Per warpgroup K1, K2 (64 × d) and V (64 × 2d); the Q1, Q2, dO ring with lse, δ; vectors."""
+def dkv_smem(d: int, tiles: Tiles, wgs: int, split: bool = False, itemsize: int = 2) -> int:
+    """K1, K2 (64 × d) and V (64 × 2d) per warpgroup (once when `split`); the Q1, Q2, dO ring
+    with lse, δ; vectors."""
     bq = tiles.block_q_dkv
-    return itemsize * (wgs * 4 * ROWS * d + tiles.stages * 4 * bq * d) + 4 * (
+    copies = 1 if split else wgs
+    return itemsize * (copies * 4 * ROWS * d + tiles.stages * 4 * bq * d) + 4 * (
         wgs * ROWS + tiles.stages * 5 * bq + bq)
 
 
-def warpgroups(d: int, tiles: Tiles) -> tuple[int, int]:
-    """Compute warpgroups of the dQ and dK/dV kernels: 2 where shared memory holds them, else 1.
+def dkv_registers(d: int, bq: int, split: bool) -> int:
+    """f32 registers a dK/dV compute thread holds at its peak (a 64 × n tile is n/2 a thread):
+    dK1 + dK2 + dV (2d) with "rows", dV or dK1 + dK2 (d) with "split", plus the three score-sized
+    tiles in flight (Sᵀ or Pᵀ, dPᵀ, dSᵀ: bq/2 each)."""
+    return (d if split else 2 * d) + 3 * bq // 2
 
-    Raises a ValueError naming the tile when even the smallest plan does not fit.
+
+def _overflow(name: str, tiles: Tiles, need: int, d: int) -> ValueError:
+    return ValueError(f"Mosaic GPU tiles: {name}={getattr(tiles, name)} with stages="
+                      f"{tiles.stages} needs {need // 1024} KiB of shared memory at d={d}, more "
+                      f"than {SMEM_BYTES // 1024} KiB")
+
+
+def warpgroups(d: int, tiles: Tiles) -> tuple[int, int, bool]:
+    """(dQ's compute warpgroups, dK/dV's compute warpgroups, whether dK/dV splits its rows'
+    accumulators across two of them). Two warpgroups where shared memory holds them, else one.
+
+    dK/dV "auto": "rows" while `dkv_registers` fits the 232 registers of two compute warpgroups
+    (240 of one), else "split" where shared memory holds it. Raises a ValueError naming the tile
+    when even the smallest plan does not fit.
     """
     tiles.check()
     if fwd_smem(d, tiles) > SMEM_BYTES:
-        raise ValueError(f"Mosaic GPU tiles: block_kv={tiles.block_kv} with stages="
-                         f"{tiles.stages} needs {fwd_smem(d, tiles) // 1024} KiB of shared memory "
-                         f"at d={d}, more than {SMEM_BYTES // 1024} KiB")
-    out = []
-    for name, plan in (("block_kv_dq", dq_smem), ("block_q_dkv", dkv_smem)):
-        wgs = next((w for w in (2, 1) if plan(d, tiles, w) <= SMEM_BYTES), None)
-        if wgs is None:
-            raise ValueError(f"Mosaic GPU tiles: {name}={getattr(tiles, name)} with stages="
-                             f"{tiles.stages} needs {plan(d, tiles, 1) // 1024} KiB of shared "
-                             f"memory at d={d}, more than {SMEM_BYTES // 1024} KiB")
-        out.append(wgs)
-    return out[0], out[1]
+        raise _overflow("block_kv", tiles, fwd_smem(d, tiles), d)
+    wgs_dq = next((w for w in (2, 1) if dq_smem(d, tiles, w) <= SMEM_BYTES), None)
+    if wgs_dq is None:
+        raise _overflow("block_kv_dq", tiles, dq_smem(d, tiles, 1), d)
+    split_fits = dkv_smem(d, tiles, 2, split=True) <= SMEM_BYTES
+    rows = next((w for w in (2, 1) if dkv_smem(d, tiles, w) <= SMEM_BYTES), None)
+    schedule = tiles.dkv
+    if schedule == "auto":
+        over = rows is None or dkv_registers(d, tiles.block_q_dkv, False) > (
+            232 if rows == 2 else 240)
+        schedule = "split" if over and split_fits else "rows"
+    if schedule == "split":
+        if not split_fits:
+            raise _overflow("block_q_dkv", tiles, dkv_smem(d, tiles, 2, split=True), d)
+        return wgs_dq, 2, True
+    if rows is None:
+        raise _overflow("block_q_dkv", tiles, dkv_smem(d, tiles, 1), d)
+    return wgs_dq, rows, False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -561,18 +598,19 @@ def _dq_body(*refs, causal, has_seg, d, bk, stages, wgs, n_rep, kv_len, n_kv, op
         _producer(hi, issue, consumed, stages)
 
 
-def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, n_rep, n_q, ops):
+def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, n_rep, n_q, ops):
     q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, lam_ref, *refs = refs
     qs_ref, ks_ref, *refs = refs if has_seg else (None, None, *refs)
     dk_ref, dv_ref, (k_s, v_s, q_r, do_r, st_r, lam_s, ks_s, qs_r), bars = refs
-    in_bar, q_bar, do_bar, st_bar, qs_bar, consumed = bars
+    in_bar, q_bar, do_bar, st_bar, qs_bar, consumed, *done = bars
     b, g, j = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("kv")
     wg = lax.axis_index("wg")
     dt = q_ref.dtype
-    cta0 = j * ROWS * wgs
+    cta_rows = ROWS if split else ROWS * wgs
+    cta0 = j * cta_rows
     if causal:
         start = cta0 // bq
-        mid = jnp.clip(pl.cdiv(cta0 + ROWS * wgs - 1, bq), start, n_q)
+        mid = jnp.clip(pl.cdiv(cta0 + cta_rows - 1, bq), start, n_q)
     else:
         start = jnp.int32(0)
         mid = jnp.int32(n_q if has_seg else 0)
@@ -581,18 +619,27 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, n_rep, n_q, ops):
     per_head = n_q - start
     scale = d**-0.5
 
-    @pl.when(wg < wgs)
-    def _compute():
+    def compute(role):
+        """A compute warpgroup's loop and epilogue. role None: its own 64 kv rows, all of dK1,
+        dK2 and dV; "v" / "k": the CTA's 64 rows shared with the other role, dV / dK1 and dK2."""
         _compute_registers(wgs)
-        row0 = cta0 + wg * ROWS
+        own = 0 if split else wg  # which K, V copy this warpgroup reads
+        row0 = cta0 if split else cta0 + wg * ROWS
         rows = pl.ds(row0, ROWS)
 
         def bar_at(n):  # flat indices: the interpreter takes no barrier slices
             return in_bar.at[wg * 5 + n]
 
-        _load([(k_ref.at[b, rows, 2 * g + c], k_s.at[wg, c], bar_at(c)) for c in range(2)]
-              + [(v_ref.at[b, rows, g], v_s.at[wg], bar_at(2)), (lam_ref, lam_s.at[wg], bar_at(3))]
-              + ([(ks_ref.at[b, rows], ks_s.at[wg], bar_at(4))] if has_seg else []))
+        kv = [(k_ref.at[b, rows, 2 * g + c], k_s.at[own, c], in_bar.at[own * 5 + c])
+              for c in range(2)] + [(v_ref.at[b, rows, g], v_s.at[own], in_bar.at[own * 5 + 2])]
+        mine = [(lam_ref, lam_s.at[wg], bar_at(3))] + (
+            [(ks_ref.at[b, rows], ks_s.at[wg], bar_at(4))] if has_seg else [])
+        if role == "k":  # the "v" warpgroup loads the shared K1, K2 and V
+            _load(mine)
+            for _, _, bar in kv:
+                plgpu.barrier_wait(bar)
+        else:
+            _load(kv + mine)
         lam = ops.vector(lam_s.at[wg], 1)
         ks = ops.vector(ks_s.at[wg], 0) if has_seg else None
 
@@ -603,48 +650,66 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, n_rep, n_q, ops):
             plgpu.barrier_wait(do_bar.at[slot])
             plgpu.barrier_wait(st_bar.at[2 * slot])
             plgpu.barrier_wait(st_bar.at[2 * slot + 1])
-            dpt = ops.dot(v_s.at[wg], do_r.at[slot], transpose_b=True)  # (64, bq): dP1ᵀ
+            dpt = None
+            if role != "v":
+                dpt = ops.dot(v_s.at[own], do_r.at[slot], transpose_b=True)  # (64, bq): dP1ᵀ
             mask = None
             if masked:
                 qs = None
                 if has_seg:
                     plgpu.barrier_wait(qs_bar.at[slot])
                     qs = ops.vector(qs_r.at[slot], 1)
-                mask = _mask(ops, dpt.shape, i * bq, row0, causal=causal, qs=qs, ks=ks,
+                mask = _mask(ops, (ROWS, bq), i * bq, row0, causal=causal, qs=qs, ks=ks,
                              kv_len=None, transposed=True)
             pts = []
             for c in range(2):
                 plgpu.barrier_wait(q_bar.at[c * stages + slot])
-                st = ops.dot(k_s.at[wg, c], q_r[c].at[slot], transpose_b=True) * (scale * LOG2E)
+                st = ops.dot(k_s.at[own, c], q_r[c].at[slot], transpose_b=True) * (scale * LOG2E)
                 if mask is not None:
                     st = jnp.where(mask, st, MASKED)
                 lse = ops.vector(st_r.at[slot, c], 1) * LOG2E
                 pts.append(jnp.exp2(st - _bcast_cols(lse, st.shape)))
-            lam2 = _bcast_cols(lam, dpt.shape)
-            dv = ops.dot((pts[0] - lam2 * pts[1]).astype(dt), do_r.at[slot], acc=dv)
-            new = []
-            for c in range(2):
-                delta = _bcast_cols(ops.vector(st_r.at[slot, 2 + c], 1), dpt.shape)
-                dsc = pts[c] * ((dpt if c == 0 else -lam2 * dpt) - delta)
-                new.append(ops.dot(dsc.astype(dt), q_r[c].at[slot], acc=dks[c]))
+            lam2 = _bcast_cols(lam, (ROWS, bq))
+            if role != "k":
+                dv = ops.dot((pts[0] - lam2 * pts[1]).astype(dt), do_r.at[slot], acc=dv)
+            if role != "v":
+                new = []
+                for c in range(2):
+                    delta = _bcast_cols(ops.vector(st_r.at[slot, 2 + c], 1), dpt.shape)
+                    dsc = pts[c] * ((dpt if c == 0 else -lam2 * dpt) - delta)
+                    new.append(ops.dot(dsc.astype(dt), q_r[c].at[slot], acc=dks[c]))
+                dks = tuple(new)
             plgpu.barrier_arrive(consumed.at[slot])
-            return tuple(new), dv
+            return dks, dv
 
         def head(r, carry):
             carry = lax.fori_loop(start, mid, functools.partial(step, r=r, masked=True), carry)
             return lax.fori_loop(mid, n_q, functools.partial(step, r=r, masked=False), carry)
 
-        carry = ((ops.full((ROWS, d), 0.0), ops.full((ROWS, d), 0.0)),
-                 ops.full((ROWS, 2 * d), 0.0))
-        dks, dv = lax.fori_loop(0, n_rep, head, carry)
-        for c in range(2):
-            k_s.at[wg, c][...] = (dks[c] * scale).astype(dt)
-        v_s.at[wg][...] = dv.astype(dt)
+        dks = None if role == "v" else (ops.full((ROWS, d), 0.0), ops.full((ROWS, d), 0.0))
+        dv = None if role == "k" else ops.full((ROWS, 2 * d), 0.0)
+        dks, dv = lax.fori_loop(0, n_rep, head, (dks, dv))
+        if split:  # both roles are done reading K and V before either overwrites them
+            plgpu.barrier_arrive(done[0].at[0])
+            plgpu.barrier_wait(done[0].at[0])
+        if dks is not None:
+            for c in range(2):
+                k_s.at[own, c][...] = (dks[c] * scale).astype(dt)
+        if dv is not None:
+            v_s.at[own][...] = dv.astype(dt)
         plgpu.commit_smem()
-        for c in range(2):
-            plgpu.copy_smem_to_gmem(k_s.at[wg, c], dk_ref.at[b, rows, 2 * g + c])
-        plgpu.copy_smem_to_gmem(v_s.at[wg], dv_ref.at[b, rows, g])
+        if dks is not None:
+            for c in range(2):
+                plgpu.copy_smem_to_gmem(k_s.at[own, c], dk_ref.at[b, rows, 2 * g + c])
+        if dv is not None:
+            plgpu.copy_smem_to_gmem(v_s.at[own], dv_ref.at[b, rows, g])
         plgpu.wait_smem_to_gmem(0)
+
+    if split:
+        pl.when(wg == 0)(functools.partial(compute, "v"))
+        pl.when(wg == 1)(functools.partial(compute, "k"))
+    else:
+        pl.when(wg < wgs)(functools.partial(compute, None))
 
     @pl.when(wg == wgs)
     def _memory():
@@ -677,10 +742,12 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, causal: bool, tiles: Til
     s, hkv = k.shape[1], v.shape[2]
     h = hq // 2
     n_rep = h // hkv
-    wgs_dq, wgs_dkv = warpgroups(d, tiles)
+    wgs_dq, wgs_dkv, split = warpgroups(d, tiles)
     bk, bq, stages = tiles.block_kv_dq, tiles.block_q_dkv, tiles.stages
+    rows_dkv = ROWS if split else ROWS * wgs_dkv  # kv rows of a dK/dV CTA
+    kv_copies = 1 if split else wgs_dkv  # K1, K2, V in shared memory
     tp = _round_up(t, math.lcm(ROWS * wgs_dq, bq))
-    sp = _round_up(s, math.lcm(ROWS * wgs_dkv, bk))
+    sp = _round_up(s, math.lcm(rows_dkv, bk))
     has_seg = q_seg is not None
     q, do = _pad_rows(q, tp), _pad_rows(do, tp)
     lse, delta = _pad_rows(lse, tp, axis=3), _pad_rows(delta, tp, axis=3)
@@ -712,10 +779,10 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, causal: bool, tiles: Til
 
     dk, dv = _kernel(
         functools.partial(_dkv_body, causal=causal, has_seg=has_seg, d=d, bq=bq, stages=stages,
-                          wgs=wgs_dkv, n_rep=n_rep, n_q=tp // bq, ops=ops),
+                          wgs=wgs_dkv, split=split, n_rep=n_rep, n_q=tp // bq, ops=ops),
         out=[jax.ShapeDtypeStruct(k.shape, dt), jax.ShapeDtypeStruct(v.shape, dt)],
         scratch=[
-            (_smem((wgs_dkv, 2, ROWS, d), dt), _smem((wgs_dkv, ROWS, 2 * d), dt),
+            (_smem((kv_copies, 2, ROWS, d), dt), _smem((kv_copies, ROWS, 2 * d), dt),
              (_smem((stages, bq, d), dt),) * 2, _smem((stages, bq, 2 * d), dt),  # Q1, Q2 rings
              plgpu.SMEM((stages, 4, bq), jnp.float32), plgpu.SMEM((wgs_dkv, bq), jnp.float32),
              plgpu.SMEM((wgs_dkv, ROWS), i32) if has_seg else None,
@@ -723,9 +790,10 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, causal: bool, tiles: Til
             (plgpu.Barrier(num_barriers=5 * wgs_dkv), plgpu.Barrier(num_barriers=2 * stages),
              plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2 * stages),
              plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_arrivals=wgs_dkv, num_barriers=stages)),
+             plgpu.Barrier(num_arrivals=wgs_dkv, num_barriers=stages),
+             *([plgpu.Barrier(num_arrivals=2, num_barriers=1)] if split else [])),
         ],
-        grid=(b, hkv, sp // (ROWS * wgs_dkv)), names=("b", "g", "kv"), threads=wgs_dkv + 1,
+        grid=(b, hkv, sp // rows_dkv), names=("b", "g", "kv"), threads=wgs_dkv + 1,
         interpret=interpret, name="diff_flash_dkdv",
     )(q, k, v, do, lse, delta, jnp.full((bq,), lam, jnp.float32), *segs)
     return dq[:, :t], dk[:, :s], dv[:, :s]

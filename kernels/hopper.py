@@ -117,7 +117,8 @@ def tiles_for(d: int, dtype, kind: str | None = None, path: Path = TABLE) -> tup
     row = (own or [r for r in rows if r["gpu"] == "default"] or [None])[0]
     if row is None:
         raise ValueError(f"kernels/tuning/mosaic_gpu.json has no row for d={d}, dtype={name}")
-    return Tiles(row["block_kv"], row["block_kv_dq"], row["block_q_dkv"], row["stages"]), row
+    return Tiles(row["block_kv"], row["block_kv_dq"], row["block_q_dkv"], row["stages"],
+                 row.get("dkv", "auto")), row
 
 
 def record(gpu: str, d: int, dtype, tiles: Tiles, source: str, path: Path = TABLE) -> None:
@@ -129,5 +130,6 @@ def record(gpu: str, d: int, dtype, tiles: Tiles, source: str, path: Path = TABL
                       if (r["gpu"], r["d"], r["dtype"]) != (gpu, d, name)]
     doc["entries"].append({"gpu": gpu, "d": d, "dtype": name, "block_kv": tiles.block_kv,
                            "block_kv_dq": tiles.block_kv_dq, "block_q_dkv": tiles.block_q_dkv,
-                           "stages": tiles.stages, "tuned": True, "source": source})
+                           "stages": tiles.stages, "dkv": tiles.dkv, "tuned": True,
+                           "source": source})
     path.write_text(json.dumps(doc, indent=1) + "\n")

@@ -13,6 +13,8 @@ swizzles, TMA slices) on this machine; only ptxas and the run itself need the GP
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -27,13 +29,18 @@ from test_kernels import TRITON, _abstract, _fwd_bwd, make_inputs, np_diff_atten
 
 MOSAIC = "stablehlo.custom_call @mosaic_gpu"
 
-# (B, T, H, Hkv, d, causal, segments, dtype, λ): the kernel-test matrix's GPU cases at the widths
-# and dtypes this kernel takes, kept to two for time; T ragged against the 64-row tiles, and at
-# T = 130 every ring slot is refilled. d = 96 differs from these in the interpreter only by shape;
-# its lowering (64-byte swizzle) is exported below.
+# (B, T, H, Hkv, d, causal, segments, dtype, λ, dK/dV schedule): the kernel-test matrix's GPU
+# cases at the widths and dtypes this kernel takes, kept few for time; T ragged against the
+# 64-row tiles, and at T = 130 every ring slot is refilled. Each case runs under its default
+# dK/dV schedule ("auto": rows at d = 64, split at d = 128) and the other one. d = 96 differs
+# from these in the interpreter only by shape; its lowering (64-byte swizzle) is exported below.
 CASES = {
-    "mqa-causal-segments-neg-lam-d64": (1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5),
-    "mha-noncausal-lam0-d128-fp16": (1, 130, 1, 1, 128, False, False, jnp.float16, 0.0),
+    "mqa-causal-segments-neg-lam-d64": (1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5, "auto"),
+    "mqa-causal-segments-neg-lam-d64-split": (1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5,
+                                              "split"),
+    "mha-noncausal-lam0-d128-fp16": (1, 130, 1, 1, 128, False, False, jnp.float16, 0.0, "auto"),
+    "mha-noncausal-lam0-d128-fp16-rows": (1, 130, 1, 1, 128, False, False, jnp.float16, 0.0,
+                                          "rows"),
 }
 
 
@@ -44,13 +51,15 @@ def test_mosaic_kernel_matches_float64_reference(name, capsys):
     """Forward and all gradients (λ too) of fwd, dQ and dK/dV under the interpreter, with its
     shared-memory race detector: every access ordered by a barrier (and, on jax 0.11, a TMA
     refill of a slot read with generic loads ordered by a proxy fence)."""
-    b, t, h, hkv, d, causal, segments, dtype, lam = CASES[name]
+    b, t, h, hkv, d, causal, segments, dtype, lam, dkv = CASES[name]
     q, k, v, do, seg = make_inputs(b, t, h, hkv, d, dtype, seed=len(name), segments=segments)
     interpret = InterpretGPUParams(detect_races=True)
+    tiles = dataclasses.replace(hopper.tiles_for(d, dtype, kind="")[0], dkv=dkv)
 
     def loss(q, k, v, lam):
         out = flash_attention(q, k, v, lam, num_components=2, segment_ids=seg, causal=causal,
-                              backend="mosaic_gpu", interpret=interpret)
+                              backend="mosaic_gpu", interpret=interpret,
+                              block_sizes=BlockSizes(mosaic_gpu=tiles))
         return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
 
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
@@ -126,8 +135,13 @@ def test_tile_table_and_invalid_tiles():
             tiles, row = hopper.tiles_for(d, dtype, kind="")
             assert row["tuned"] is False and "untuned" in row["source"]
             flash_mgpu.warpgroups(d, tiles)
-    assert flash_mgpu.warpgroups(64, hopper.tiles_for(64, jnp.bfloat16, kind="")[0]) == (2, 2)
-    assert flash_mgpu.warpgroups(128, hopper.tiles_for(128, jnp.bfloat16, kind="")[0]) == (1, 1)
+    # (dQ warpgroups, dK/dV warpgroups, split): d = 64 fits "rows" in registers, d = 128 not
+    d64, d128 = (hopper.tiles_for(d, jnp.bfloat16, kind="")[0] for d in (64, 128))
+    assert flash_mgpu.warpgroups(64, d64) == (2, 2, False)
+    assert flash_mgpu.warpgroups(128, d128) == (1, 2, True)
+    assert flash_mgpu.warpgroups(64, dataclasses.replace(d64, block_q_dkv=128)) == (2, 2, True)
+    assert flash_mgpu.warpgroups(128, dataclasses.replace(d128, dkv="rows")) == (1, 1, False)
+    assert flash_mgpu.warpgroups(64, dataclasses.replace(d64, dkv="split")) == (2, 2, True)
     triton = BlockSizes(block_q=16, block_k=16, num_warps=4)
     assert flash.mosaic_tiles(triton, 64, jnp.bfloat16) == hopper.tiles_for(64, jnp.bfloat16)[0]
     q = jnp.ones((1, 32, 2, 64), jnp.bfloat16)
@@ -137,6 +151,7 @@ def test_tile_table_and_invalid_tiles():
     cases = [(flash_mgpu.Tiles(96, 64, 64, 2), r"block_kv must be a multiple of 64 .* got 96"),
              (flash_mgpu.Tiles(64, 64, 32, 2), r"block_q_dkv must be a multiple of 64 .* got 32"),
              (flash_mgpu.Tiles(64, 64, 64, 1), r"stages must be 2, 3 or 4, got 1"),
+             (flash_mgpu.Tiles(64, 64, 64, 2, "cols"), r"dkv must be one of .* got 'cols'"),
              (flash_mgpu.Tiles(256, 64, 64, 2), r"block_kv=256 .* KiB of shared memory")]
     for tiles, msg in cases:
         with pytest.raises(ValueError, match=msg):
@@ -150,7 +165,7 @@ def test_tile_table_and_invalid_tiles():
 def test_tuned_rows_win_for_their_gpu(tmp_path):
     path = tmp_path / "table.json"
     path.write_text(hopper.TABLE.read_text())
-    tiles = flash_mgpu.Tiles(128, 128, 64, 3)
+    tiles = flash_mgpu.Tiles(128, 128, 64, 3, "split")
     hopper.record("H100", 64, jnp.bfloat16, tiles, "test", path=path)
     got, row = hopper.tiles_for(64, jnp.bfloat16, kind="NVIDIA H100 80GB HBM3", path=path)
     assert got == tiles and row["tuned"] is True

@@ -248,7 +248,9 @@ def check(block_sizes: BlockSizes | None, interpret,
     """Fused fwd + grads (q, k, v, λ) and the standard kernels vs the oracle on fresh inputs.
 
     Each row names the kernel the dispatch picked ("mosaic_gpu" on Hopper for bf16/fp16 at
-    d ∈ {64, 96, 128}, else "triton") and the DeprecationWarnings its compile raised.
+    d ∈ {64, 96, 128}, else "triton") and the DeprecationWarnings its compile raised. The last
+    two cases run the Mosaic kernel's dK/dV schedule that "auto" does not pick at their d (so
+    `--tune` compares two checked schedules); elsewhere they are two more cases.
     """
     cases = [  # (B, T, H, Hkv, d, causal, segments, dtype, λ)
         (2, 256, 4, 4, 64, True, False, jnp.float32, 0.6),
@@ -261,9 +263,16 @@ def check(block_sizes: BlockSizes | None, interpret,
         (1, 300, 4, 2, 96, False, True, jnp.bfloat16, -0.7),  # d = 96: the 830M config's width
         (2, 1000, 4, 1, 128, False, False, jnp.float16, 0.0),
         (1, 1024, 2, 2, 64, True, False, jnp.float16, 1.2),
+        (1, 333, 8, 2, 64, True, True, jnp.bfloat16, 0.3, "split"),
+        (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5, "rows"),
     ]
     rows = []
-    for n, (b, t, h, hkv, d, causal, seg, dtype, lam) in enumerate(cases):
+    for n, (b, t, h, hkv, d, causal, seg, dtype, lam, *dkv) in enumerate(cases):
+        sizes = block_sizes
+        if dkv:  # this case's Mosaic dK/dV schedule, on the given (or the table's) tiles
+            base = (block_sizes or BlockSizes()).mosaic_gpu or hopper.tiles_for(d, dtype)[0]
+            sizes = dataclasses.replace(block_sizes or BlockSizes(),
+                                        mosaic_gpu=dataclasses.replace(base, dkv=dkv[0]))
         if deadline is not None and deadline.passed():
             rows.append({"case": f"{n}", "error": "skipped: deadline"})
             continue
@@ -278,7 +287,7 @@ def check(block_sizes: BlockSizes | None, interpret,
 
         def run(impl, q, k, v, lam):
             return kernels.diff_attention(q, k, v, lam, segment_ids=segs, causal=causal, impl=impl,
-                                          block_sizes=block_sizes, interpret=interpret)
+                                          block_sizes=sizes, interpret=interpret)
 
         def grads(impl):
             up = (lambda x: x.astype(jnp.float32)) if impl == "xla" else (lambda x: x)
@@ -295,7 +304,8 @@ def check(block_sizes: BlockSizes | None, interpret,
                 (_, g) = grads("pallas")
             except Exception as e:  # noqa: BLE001 - a failing case is a row, not the end
                 rows.append({"case": f"B{b} T{t} H{h} Hkv{hkv} d{d} causal={causal} seg={seg} "
-                                     f"{jnp.dtype(dtype).name}", "backend": backend,
+                                     f"{jnp.dtype(dtype).name}" + (f" dkv={dkv[0]}" if dkv else ""),
+                             "backend": backend,
                              "error": repr(e)[:500]})
                 print(rows[-1], flush=True)
                 continue
@@ -308,7 +318,8 @@ def check(block_sizes: BlockSizes | None, interpret,
                                            zip("qkvλ", g, gr)}
         finite = bool(all(np.isfinite(np.asarray(x, np.float32)).all() for x in (out, *g)))
         rows.append({"case": f"B{b} T{t} H{h} Hkv{hkv} d{d} causal={causal} seg={seg} "
-                             f"{jnp.dtype(dtype).name} λ={lam}", "backend": backend, **errs,
+                             f"{jnp.dtype(dtype).name} λ={lam}" + (f" dkv={dkv[0]}" if dkv else ""),
+                     "backend": backend, **errs,
                      "finite": finite, "deprecations": "; ".join(deprecations)})
         print(rows[-1], flush=True)
     if jax.default_backend() == "gpu":  # standard attention on cuDNN / Pallas with segments
@@ -354,7 +365,8 @@ def environment() -> dict:
 
 
 CHECK_COLS = ["case", "backend", "out", "dq", "dk", "dv", "dλ", "finite", "deprecations", "error"]
-TUNE_COLS = ["d", "stage", "tiles", "dkv", "fwd_ms", "total_ms", "fwd_tflops", "bwd_tflops", "error"]
+TUNE_COLS = ["d", "stage", "tiles", "dkv", "fwd_ms", "total_ms", "fwd_tflops", "bwd_tflops",
+             "error"]
 BENCH_COLS = ["variant", "d", "T", "B", "fwd_ms", "bwd_ms", "total_ms", "fwd_tflops", "bwd_tflops",
               "total_tflops", "error"]
 

@@ -87,7 +87,7 @@ class Tiles:
 
     block_kv: forward K/V tile; block_kv_dq: dQ's K/V tile; block_q_dkv: dK/dV's Q/dO tile;
     stages: shared-memory ring depth. Compute tiles are 64 rows per warpgroup.
-    dkv: the dK/dV kernel's schedule (`dkv_plan`): "rows" (each compute warpgroup owns 64 kv
+    dkv: the dK/dV kernel's schedule (`warpgroups`): "rows" (each compute warpgroup owns 64 kv
     rows and all three accumulators), "split" (two compute warpgroups share 64 kv rows: one
     accumulates dV, the other dK1 and dK2) or "auto" (by the register plan).
     """

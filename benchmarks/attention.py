@@ -268,11 +268,13 @@ def check(block_sizes: BlockSizes | None, interpret,
     ]
     rows = []
     for n, (b, t, h, hkv, d, causal, seg, dtype, lam, *dkv) in enumerate(cases):
+        label = (f"B{b} T{t} H{h} Hkv{hkv} d{d} causal={causal} seg={seg} "
+                 f"{jnp.dtype(dtype).name} λ={lam}" + "".join(f" dkv={x}" for x in dkv))
         sizes = block_sizes
         if dkv:  # this case's Mosaic dK/dV schedule, on the given (or the table's) tiles
-            base = (block_sizes or BlockSizes()).mosaic_gpu or hopper.tiles_for(d, dtype)[0]
-            sizes = dataclasses.replace(block_sizes or BlockSizes(),
-                                        mosaic_gpu=dataclasses.replace(base, dkv=dkv[0]))
+            sizes = block_sizes or BlockSizes()
+            tiles = sizes.mosaic_gpu or hopper.tiles_for(d, dtype)[0]
+            sizes = dataclasses.replace(sizes, mosaic_gpu=dataclasses.replace(tiles, dkv=dkv[0]))
         if deadline is not None and deadline.passed():
             rows.append({"case": f"{n}", "error": "skipped: deadline"})
             continue
@@ -303,10 +305,7 @@ def check(block_sizes: BlockSizes | None, interpret,
                 out = jax.jit(lambda *a: run("pallas", *a))(q, k, v, jnp.float32(lam))
                 (_, g) = grads("pallas")
             except Exception as e:  # noqa: BLE001 - a failing case is a row, not the end
-                rows.append({"case": f"B{b} T{t} H{h} Hkv{hkv} d{d} causal={causal} seg={seg} "
-                                     f"{jnp.dtype(dtype).name}" + (f" dkv={dkv[0]}" if dkv else ""),
-                             "backend": backend,
-                             "error": repr(e)[:500]})
+                rows.append({"case": label, "backend": backend, "error": repr(e)[:500]})
                 print(rows[-1], flush=True)
                 continue
         deprecations = sorted({str(w.message)[:120] for w in caught
@@ -317,10 +316,8 @@ def check(block_sizes: BlockSizes | None, interpret,
         errs = {"out": _rel(out, ref)} | {f"d{nm}": _rel(a, r) for nm, a, r in
                                            zip("qkvλ", g, gr)}
         finite = bool(all(np.isfinite(np.asarray(x, np.float32)).all() for x in (out, *g)))
-        rows.append({"case": f"B{b} T{t} H{h} Hkv{hkv} d{d} causal={causal} seg={seg} "
-                             f"{jnp.dtype(dtype).name} λ={lam}" + (f" dkv={dkv[0]}" if dkv else ""),
-                     "backend": backend, **errs,
-                     "finite": finite, "deprecations": "; ".join(deprecations)})
+        rows.append({"case": label, "backend": backend, **errs, "finite": finite,
+                     "deprecations": "; ".join(deprecations)})
         print(rows[-1], flush=True)
     if jax.default_backend() == "gpu":  # standard attention on cuDNN / Pallas with segments
         b, t, hq, hkv, d = 2, 300, 8, 2, 64

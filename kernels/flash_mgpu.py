@@ -598,7 +598,7 @@ def _dq_body(*refs, causal, has_seg, d, bk, stages, wgs, n_rep, kv_len, n_kv, op
         _producer(hi, issue, consumed, stages)
 
 
-def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, n_rep, n_q, ops):
+def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, cta_rows, n_rep, n_q, ops):
     q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, lam_ref, *refs = refs
     qs_ref, ks_ref, *refs = refs if has_seg else (None, None, *refs)
     dk_ref, dv_ref, (k_s, v_s, q_r, do_r, st_r, lam_s, ks_s, qs_r), bars = refs
@@ -606,7 +606,6 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, n_rep, n_q, ops
     b, g, j = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("kv")
     wg = lax.axis_index("wg")
     dt = q_ref.dtype
-    cta_rows = ROWS if split else ROWS * wgs
     cta0 = j * cta_rows
     if causal:
         start = cta0 // bq
@@ -779,7 +778,8 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, causal: bool, tiles: Til
 
     dk, dv = _kernel(
         functools.partial(_dkv_body, causal=causal, has_seg=has_seg, d=d, bq=bq, stages=stages,
-                          wgs=wgs_dkv, split=split, n_rep=n_rep, n_q=tp // bq, ops=ops),
+                          wgs=wgs_dkv, split=split, cta_rows=rows_dkv, n_rep=n_rep,
+                          n_q=tp // bq, ops=ops),
         out=[jax.ShapeDtypeStruct(k.shape, dt), jax.ShapeDtypeStruct(v.shape, dt)],
         scratch=[
             (_smem((kv_copies, 2, ROWS, d), dt), _smem((kv_copies, ROWS, 2 * d), dt),

@@ -13,6 +13,7 @@ from jax import export
 from diff_jax.aot import GiB, compile_train_step, export_train_step, topology_devices
 from diff_jax.config import ConfigError, load_config
 from diff_jax.summary import abstract_params
+from test_kernels import TRITON
 
 MODEL = ["model.vocab_size=512", "model.embed_dim=64", "model.num_layers=2", "model.num_heads=2",
          "model.max_seq_len=64", "train.seq_len=16", "train.batch_size=8"]
@@ -55,9 +56,6 @@ def test_sharded_pallas_step_compiles_for_a_tpu_slice(d):
     assert fused["attention_impl"] == "pallas" and fused["devices"] == 8
     assert fused["flops_per_chip"] > 0
     assert abs(fused["flops_per_chip"] / oracle["flops_per_chip"] - 1) < 0.15, (fused, oracle)
-
-
-TRITON = "__gpu$xla.gpu.triton"
 
 
 @pytest.mark.parametrize("embed_dim,kernel", [(256, "mosaic_gpu"), (64, TRITON)],

@@ -249,8 +249,9 @@ def check(block_sizes: BlockSizes | None, interpret,
 
     Each row names the kernel the dispatch picked ("mosaic_gpu" on Hopper for bf16/fp16 at
     d ∈ {64, 96, 128}, else "triton") and the DeprecationWarnings its compile raised. The last
-    two cases run the Mosaic kernel's dK/dV schedule that "auto" does not pick at their d (so
-    `--tune` compares two checked schedules); elsewhere they are two more cases.
+    two cases run the Mosaic kernel's dK/dV schedule that "auto" does not pick at their d and
+    the forward without ping-pong (so `--tune` compares only checked schedules); elsewhere they
+    are two more cases.
     """
     cases = [  # (B, T, H, Hkv, d, causal, segments, dtype, λ)
         (2, 256, 4, 4, 64, True, False, jnp.float32, 0.6),
@@ -263,18 +264,20 @@ def check(block_sizes: BlockSizes | None, interpret,
         (1, 300, 4, 2, 96, False, True, jnp.bfloat16, -0.7),  # d = 96: the 830M config's width
         (2, 1000, 4, 1, 128, False, False, jnp.float16, 0.0),
         (1, 1024, 2, 2, 64, True, False, jnp.float16, 1.2),
-        (1, 333, 8, 2, 64, True, True, jnp.bfloat16, 0.3, "split"),
-        (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5, "rows"),
+        (1, 333, 8, 2, 64, True, True, jnp.bfloat16, 0.3, {"dkv": "split", "pingpong": False}),
+        (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5, {"dkv": "rows", "pingpong": False}),
     ]
     rows = []
-    for n, (b, t, h, hkv, d, causal, seg, dtype, lam, *dkv) in enumerate(cases):
+    for n, (b, t, h, hkv, d, causal, seg, dtype, lam, *fields) in enumerate(cases):
+        fields = fields[0] if fields else {}
         label = (f"B{b} T{t} H{h} Hkv{hkv} d{d} causal={causal} seg={seg} "
-                 f"{jnp.dtype(dtype).name} λ={lam}" + "".join(f" dkv={x}" for x in dkv))
+                 f"{jnp.dtype(dtype).name} λ={lam}"
+                 + "".join(f" {k}={x}" for k, x in fields.items()))
         sizes = block_sizes
-        if dkv:  # this case's Mosaic dK/dV schedule, on the given (or the table's) tiles
+        if fields:  # this case's Mosaic schedules, on the given (or the table's) tiles
             sizes = block_sizes or BlockSizes()
             tiles = sizes.mosaic_gpu or hopper.tiles_for(d, dtype)[0]
-            sizes = dataclasses.replace(sizes, mosaic_gpu=dataclasses.replace(tiles, dkv=dkv[0]))
+            sizes = dataclasses.replace(sizes, mosaic_gpu=dataclasses.replace(tiles, **fields))
         if deadline is not None and deadline.passed():
             rows.append({"case": f"{n}", "error": "skipped: deadline"})
             continue
@@ -427,10 +430,10 @@ def _gpu_name(kind: str) -> str:
 
 def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
     """Bounded sweep of the Mosaic kernel's tiles per d (bf16, causal, T = --tune-t): first the
-    forward's (block_kv, stages), then the backward's (block_kv_dq, block_q_dkv) with the best
-    forward, then the best backward under the dK/dV schedule its "auto" did not pick; tiles that
-    do not fit shared memory are recorded as such. --tune-write stores the best per d in the
-    table."""
+    forward's (block_kv, stages), then the best of those with ping-pong switched, then the
+    backward's (block_kv_dq, block_q_dkv) with the best forward, then the best backward under
+    the dK/dV schedule its "auto" did not pick; tiles that do not fit shared memory are recorded
+    as such. --tune-write stores the best per d in the table."""
     rows = []
     for d in head_dims:
         shape = Shape(max(1, args.tokens // args.tune_t), args.tune_t, args.heads, d)
@@ -451,6 +454,10 @@ def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
         fwd_rows = [run("fwd", dataclasses.replace(base, block_kv=bk, stages=st, dkv="auto"))
                     for bk in (64, 128) for st in (2, 3)]
         ok = [r for r in fwd_rows if "error" not in r]
+        if ok:  # the best forward with ping-pong switched
+            best = _parse_tiles(min(ok, key=lambda r: r["fwd_ms"])["tiles"])
+            fwd_rows.append(run("fwd", dataclasses.replace(best, pingpong=not best.pingpong)))
+            ok = [r for r in fwd_rows if "error" not in r]
         best_fwd = _parse_tiles(min(ok, key=lambda r: r["fwd_ms"])["tiles"]) if ok else base
         bwd_rows = [run("bwd", dataclasses.replace(best_fwd, block_kv_dq=a, block_q_dkv=c))
                     for a in (64, 128) for c in (64, 128)]
@@ -473,13 +480,13 @@ def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
 
 
 def _tiles_text(tiles: flash_mgpu.Tiles) -> str:
-    """"block_kv,block_kv_dq,block_q_dkv,stages,dkv" (a tune row's `tiles`)."""
+    """"block_kv,block_kv_dq,block_q_dkv,stages,dkv,pingpong" (a tune row's `tiles`)."""
     return ",".join(str(getattr(tiles, f.name)) for f in dataclasses.fields(tiles))
 
 
 def _parse_tiles(text: str) -> flash_mgpu.Tiles:
-    *sizes, dkv = text.split(",")
-    return flash_mgpu.Tiles(*(int(x) for x in sizes), dkv)
+    *sizes, dkv, pingpong = text.split(",")
+    return flash_mgpu.Tiles(*(int(x) for x in sizes), dkv, pingpong == "True")
 
 
 def main(argv=None) -> dict:

@@ -8,20 +8,21 @@ backward pass uses these exact identities (no division by λ, which is learnable
 Residuals: O, O2 (input dtype) and the logsumexps (B, H, nc, T) float32.
 
 The kernel is picked per lowering platform with `lax.platform_dependent`: on cuda the Mosaic GPU
-kernel (`flash_mgpu`) when the GPU is Hopper or newer (compute capability ≥ 9.0, read by
+kernel (`flash_mgpu`) when the GPU is a Hopper (compute capability 9.x, read by
 `kernels.hopper.compute_capability()` at trace time: an explicit `kernels.gpu_target(...)`, else
 the attached GPU, else 9.0 when none is attached, e.g. exporting from a CPU host) and the call is
 one it takes (differential, bf16/fp16, d ∈ {64, 96, 128}, V 2d wide); otherwise Pallas' Triton
-backend (`flash_gpu`), the pre-Hopper fallback — and on Hopper the route for float32 inputs,
-standard attention and other widths (Triton's float32 dots run as TF32 there). rocm: Triton;
+backend (`flash_gpu`): before Hopper, on Blackwell (10.x and later: the kernel's wgmma and
+setmaxnreg are sm_90a instructions), and on Hopper the route for float32 inputs, standard
+attention and other widths (Triton's float32 dots run as TF32 there). rocm: Triton;
 tpu: Mosaic TPU; elsewhere (CPU) the Triton-style kernel under the Pallas interpreter.
 `backend=` forces one: "gpu" (Triton), "mosaic_gpu", "tpu" (interpreted off their device;
 "mosaic_gpu" on CPU runs under Mosaic GPU's own interpreter).
 
 Head widths: d (q, k) any multiple of 16 in [16, 256], dv (v, output) any multiple of 16 up to
-512; the paper's d = 96 and 128 with dv = 2d included. Mosaic takes them as they are; the Triton
-kernels zero-pad d and dv to the next power of two (`flash_gpu`), so their tile defaults are
-chosen from the padded width.
+512; the paper's d = 96 and 128 with dv = 2d included. Mosaic TPU takes them as they are (Mosaic
+GPU: d ∈ {64, 96, 128}); the Triton kernels zero-pad d and dv to the next power of two
+(`flash_gpu`), so their tile defaults are chosen from the padded width.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def mosaic_tiles(block_sizes: BlockSizes | None, head_dim: int, dtype) -> flash_
 def uses_mosaic_gpu(nc: int, q_dtype, head_dim: int, value_dim: int) -> bool:
     """Whether a cuda lowering with backend=None runs the Mosaic GPU kernel (else Triton)."""
     return (flash_mgpu.supports(q_dtype, head_dim, nc) and value_dim == 2 * head_dim
-            and hopper.compute_capability() >= hopper.HOPPER)
+            and hopper.compute_capability()[0] == hopper.HOPPER[0])
 
 
 def _dispatch(cfg: _Config, gpu_fn, mgpu_fn, tpu_fn, *args, bwd: bool):

@@ -15,7 +15,10 @@ slot. The producer keeps 40 registers (`setmaxnreg`), compute warpgroups take th
 - Forward (`fwd`): a CTA owns 64 query rows; compute warpgroup c owns softmax component c of
   those rows (one f32 accumulator 64 × 2d, at d = 128 128 registers a thread, instead of two in
   one warpgroup), and the producer loads K1, K2 and V once per step for both. Online softmax in
-  base 2 (max kept in log2 units, `exp2`). At the end warpgroup 1 writes O2 and lse2, and
+  base 2 (max kept in log2 units, `exp2`). Ping-pong (`Tiles.pingpong`, FA3's schedule): a
+  two-arrival barrier, passed twice a step (after issuing QKᵀ, after the softmax) with
+  warpgroup 1 one turn behind, makes the warpgroups take turns on the tensor cores, one's P·V
+  and next QKᵀ against the other's softmax. At the end warpgroup 1 writes O2 and lse2, and
   warpgroup 0 reads O2 back from shared memory to form O = O1 − λ·O2.
 - dQ (`bwd`, first kernel): `wgs_dq` warpgroups of 64 query rows each, both components per
   warpgroup (dQ1, dQ2 accumulators); the producer streams K1, K2, V. Per step
@@ -35,7 +38,7 @@ bq/2 for each of dPᵀ, Sᵀ, dSᵀ (`dkv_registers`): "rows" is over budget fro
 where "auto" takes "split" (ptxas would spill). Shared memory per CTA (`fwd_smem`, `dq_smem`,
 `dkv_smem`, at most 227 KiB): d = 64 runs two compute warpgroups in every kernel; at d = 128 dQ
 holds one (`warpgroups`). These are plans from arithmetic; `benchmarks/attention.py --tune`
-measures the tiles and both dK/dV schedules on the GPU.
+measures the tiles, the forward with and without ping-pong and both dK/dV schedules on the GPU.
 
 Masks: causal tiles are skipped by the loop bounds; only tiles that cross the diagonal, hold a
 ragged tail or (with segment ids) every tile are masked. Masked logits are −1e30 and the
@@ -90,6 +93,9 @@ class Tiles:
     dkv: the dK/dV kernel's schedule (`warpgroups`): "rows" (each compute warpgroup owns 64 kv
     rows and all three accumulators), "split" (two compute warpgroups share 64 kv rows: one
     accumulates dV, the other dK1 and dK2) or "auto" (by the register plan).
+    pingpong: the forward's two compute warpgroups take turns on the tensor cores (one runs its
+    P·V and next QKᵀ wgmmas while the other runs its softmax), ordered by a two-arrival
+    schedule barrier; False lets them run unordered.
     """
 
     block_kv: int
@@ -97,6 +103,7 @@ class Tiles:
     block_q_dkv: int
     stages: int
     dkv: str = "auto"
+    pingpong: bool = True
 
     def check(self) -> None:
         """One ValueError naming the first invalid field."""
@@ -110,6 +117,9 @@ class Tiles:
         if self.dkv not in DKV_SCHEDULES:
             raise ValueError(f"Mosaic GPU tiles: dkv must be one of {DKV_SCHEDULES}, "
                              f"got {self.dkv!r}")
+        if not isinstance(self.pingpong, bool):
+            raise ValueError(f"Mosaic GPU tiles: pingpong must be True or False, "
+                             f"got {self.pingpong!r}")
 
 
 def supports(dtype, head_dim: int, nc: int) -> bool:
@@ -204,15 +214,18 @@ def _load_smem(ref, layout):
 class _Ops:
     emulate: bool
 
-    def dot(self, a, b, *, transpose_b: bool = False, acc=None):
+    def dot(self, a, b, *, transpose_b: bool = False, acc=None, issued=None):
         """a (M, K) · b (K, N) (or bᵀ with b (N, K)) in float32, plus `acc` when given.
 
         a: an SMEM ref or a (M, K) array in the WGMMA layout (registers); b: an SMEM ref.
+        issued: called once the wgmma is issued, before its result is awaited.
         """
         if self.emulate:
             av, bv = a[...], b[...]  # `[...]` reads a ref and leaves an array as it is
             dims = (((1,), (1,) if transpose_b else (0,)), ((), ()))
             out = lax.dot_general(av, bv, dims, preferred_element_type=jnp.float32)
+            if issued is not None:
+                issued()
             return out if acc is None else acc + out
         rhs = b.transpose((1, 0)) if transpose_b else b
         if acc is None:
@@ -221,12 +234,16 @@ class _Ops:
 
             def run(acc_ref):
                 plgpu.wgmma(acc_ref, a, rhs)
-                return acc_ref[...]
+                if issued is not None:
+                    issued()
+                return acc_ref[...]  # awaits the wgmma
 
             return pl.run_scoped(run, plgpu.ACC((m, n), jnp.float32))
 
         def accumulate(acc_ref):
             plgpu.wgmma(acc_ref, a, rhs)
+            if issued is not None:
+                issued()
 
         return pl.run_state(accumulate)(plgpu.ACC.init(acc))
 
@@ -377,11 +394,11 @@ def _pad_rows(x, n, axis=1):
 # Forward.
 
 
-def _fwd_body(*refs, causal, has_seg, d, bk, stages, n_rep, kv_len, n_kv, ops):
+def _fwd_body(*refs, causal, has_seg, d, bk, stages, pingpong, n_rep, kv_len, n_kv, ops):
     q_ref, k_ref, v_ref, lam_ref, *refs = refs
     qs_ref, ks_ref, *refs = refs if has_seg else (None, None, *refs)
     o_ref, o2_ref, lse_ref, (q_s, k_s, v_s, o_s, vec_s, qs_s, ks_s), bars = refs
-    q_bar, k_bar, v_bar, ks_bar, consumed, done = bars
+    q_bar, k_bar, v_bar, ks_bar, consumed, done, turn = bars
     b, h, i = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
     wg = lax.axis_index("wg")
     g = h // n_rep
@@ -402,11 +419,22 @@ def _fwd_body(*refs, causal, has_seg, d, bk, stages, n_rep, kv_len, n_kv, ops):
                *([(qs_ref.at[b, rows], qs_s.at[c], q_bar.at[4 + c])] if has_seg else [])])
         qs = ops.vector(qs_s.at[c], 0) if has_seg else None
 
+        def take_turn():  # both warpgroups arrive, then both go on
+            plgpu.barrier_arrive(turn.at[0])
+            plgpu.barrier_wait(turn.at[0])
+
+        # Ping-pong: two turns a step (after issuing QKᵀ; after the softmax), warpgroup 1 one
+        # turn behind, so one warpgroup's P·V and next QKᵀ run while the other's softmax does.
+        # Each takes 2·steps + 1 turns: warpgroup 1 its extra one first, warpgroup 0 last.
+        if pingpong:
+            pl.when(c == 1)(take_turn)
+
         def step(j, carry, masked):
             acc, m, l = carry
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(k_bar.at[c * stages + slot])
-            s = ops.dot(q_s.at[c], k_s.at[c, slot], transpose_b=True) * scale  # (64, bk)
+            s = ops.dot(q_s.at[c], k_s.at[c, slot], transpose_b=True,
+                        issued=take_turn if pingpong else None) * scale  # (64, bk)
             if masked:
                 ks = None
                 if has_seg:
@@ -420,14 +448,22 @@ def _fwd_body(*refs, causal, has_seg, d, bk, stages, n_rep, kv_len, n_kv, ops):
             p = jnp.exp2(s - _bcast_rows(m_new, s.shape))
             l = l * alpha + p.sum(axis=1)
             acc = acc * _bcast_rows(alpha, acc.shape)
+            p = p.astype(dt)
+            if pingpong:  # the softmax is done before this warpgroup's turn on the tensor cores
+                acc, l, p = lax.optimization_barrier((acc, l, p))
+                plgpu.barrier_arrive(turn.at[0])
             plgpu.barrier_wait(v_bar.at[slot])
-            acc = ops.dot(p.astype(dt), v_s.at[slot], acc=acc)
+            if pingpong:
+                plgpu.barrier_wait(turn.at[0])
+            acc = ops.dot(p, v_s.at[slot], acc=acc)
             plgpu.barrier_arrive(consumed.at[slot])
             return acc, m_new, l
 
         carry = (ops.full((ROWS, 2 * d), 0.0), ops.full((ROWS,), M_INIT), ops.full((ROWS,), 0.0))
         carry = lax.fori_loop(0, lo, functools.partial(step, masked=False), carry)
         acc, m, l = lax.fori_loop(lo, hi, functools.partial(step, masked=True), carry)
+        if pingpong:
+            pl.when(c == 0)(take_turn)
         seen = l > 0.0
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
         out = acc * _bcast_rows(inv, acc.shape)
@@ -488,7 +524,8 @@ def fwd(q, k, v, lam, q_seg, kv_seg, *, causal: bool, tiles: Tiles, interpret: A
         args += [_pad_rows(q_seg, tp), _pad_rows(kv_seg, sp)]
     dt = q.dtype
     body = functools.partial(_fwd_body, causal=causal, has_seg=has_seg, d=d, bk=bk, stages=stages,
-                             n_rep=h // hkv, kv_len=s, n_kv=sp // bk, ops=_Ops(bool(interpret)))
+                             pingpong=tiles.pingpong, n_rep=h // hkv, kv_len=s, n_kv=sp // bk,
+                             ops=_Ops(bool(interpret)))
     out = [jax.ShapeDtypeStruct((b, tp, h, 2 * d), dt), jax.ShapeDtypeStruct((b, tp, h, 2 * d), dt),
            jax.ShapeDtypeStruct((b, h, 2, tp), jnp.float32)]
     scratch = [
@@ -498,7 +535,8 @@ def fwd(q, k, v, lam, q_seg, kv_seg, *, causal: bool, tiles: Tiles, interpret: A
          plgpu.SMEM((stages, bk), jnp.int32) if has_seg else None),
         (plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_barriers=2 * stages),
          plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-         plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_barriers=1)),
+         plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_barriers=1),
+         plgpu.Barrier(num_arrivals=2, num_barriers=1) if tiles.pingpong else None),
     ]
     o, o2, lse = _kernel(body, out=out, scratch=scratch, grid=(b, h, tp // ROWS),
                          names=("b", "h", "q"), threads=3, interpret=interpret,

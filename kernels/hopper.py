@@ -1,7 +1,8 @@
 """Which NVIDIA GPU the kernels are built for, and the Mosaic GPU kernel's tile table.
 
 The GPU generation decides the differential kernel's backend (`kernels.flash`): Mosaic GPU on
-compute capability 9.0 and newer (Hopper, Blackwell), Pallas' Triton backend before. It is read,
+compute capability 9.x (Hopper: the kernel's wgmma is an sm_90a instruction), Pallas' Triton
+backend on any other. It is read,
 at trace time, from
   1. `target(...)`, a context manager that names it explicitly (`with kernels.gpu_target("8.0")`),
      for exports to a GPU other than the one attached, or none;
@@ -118,7 +119,7 @@ def tiles_for(d: int, dtype, kind: str | None = None, path: Path = TABLE) -> tup
     if row is None:
         raise ValueError(f"kernels/tuning/mosaic_gpu.json has no row for d={d}, dtype={name}")
     return Tiles(row["block_kv"], row["block_kv_dq"], row["block_q_dkv"], row["stages"],
-                 row.get("dkv", "auto")), row
+                 row.get("dkv", "auto"), row.get("pingpong", True)), row
 
 
 def record(gpu: str, d: int, dtype, tiles: Tiles, source: str, path: Path = TABLE) -> None:
@@ -130,6 +131,7 @@ def record(gpu: str, d: int, dtype, tiles: Tiles, source: str, path: Path = TABL
                       if (r["gpu"], r["d"], r["dtype"]) != (gpu, d, name)]
     doc["entries"].append({"gpu": gpu, "d": d, "dtype": name, "block_kv": tiles.block_kv,
                            "block_kv_dq": tiles.block_kv_dq, "block_q_dkv": tiles.block_q_dkv,
-                           "stages": tiles.stages, "dkv": tiles.dkv, "tuned": True,
+                           "stages": tiles.stages, "dkv": tiles.dkv,
+                           "pingpong": tiles.pingpong, "tuned": True,
                            "source": source})
     path.write_text(json.dumps(doc, indent=1) + "\n")

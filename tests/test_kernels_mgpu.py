@@ -29,18 +29,19 @@ from test_kernels import TRITON, _abstract, _fwd_bwd, make_inputs, np_diff_atten
 
 MOSAIC = "stablehlo.custom_call @mosaic_gpu"
 
-# (B, T, H, Hkv, d, causal, segments, dtype, λ, dK/dV schedule): the kernel-test matrix's GPU
+# (B, T, H, Hkv, d, causal, segments, dtype, λ, Tiles fields): the kernel-test matrix's GPU
 # cases at the widths and dtypes this kernel takes, kept few for time; T ragged against the
-# 64-row tiles, and at T = 130 every ring slot is refilled. Each case runs under its default
-# dK/dV schedule ("auto": rows at d = 64, split at d = 128) and the other one. d = 96 differs
-# from these in the interpreter only by shape; its lowering (64-byte swizzle) is exported below.
+# 64-row tiles, and at T = 130 every ring slot is refilled. Each shape runs the table's tiles
+# (dK/dV "auto": rows at d = 64, split at d = 128; forward ping-pong on) and the other dK/dV
+# schedule with ping-pong off. d = 96 differs from these in the interpreter only by shape; its
+# lowering (64-byte swizzle) is exported below.
 CASES = {
-    "mqa-causal-segments-neg-lam-d64": (1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5, "auto"),
-    "mqa-causal-segments-neg-lam-d64-split": (1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5,
-                                              "split"),
-    "mha-noncausal-lam0-d128-fp16": (1, 130, 1, 1, 128, False, False, jnp.float16, 0.0, "auto"),
-    "mha-noncausal-lam0-d128-fp16-rows": (1, 130, 1, 1, 128, False, False, jnp.float16, 0.0,
-                                          "rows"),
+    "mqa-causal-segments-neg-lam-d64": (1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5, {}),
+    "mqa-causal-segments-neg-lam-d64-split-nopingpong": (
+        1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5, {"dkv": "split", "pingpong": False}),
+    "mha-noncausal-lam0-d128-fp16": (1, 130, 1, 1, 128, False, False, jnp.float16, 0.0, {}),
+    "mha-noncausal-lam0-d128-fp16-rows-nopingpong": (
+        1, 130, 1, 1, 128, False, False, jnp.float16, 0.0, {"dkv": "rows", "pingpong": False}),
 }
 
 
@@ -51,10 +52,10 @@ def test_mosaic_kernel_matches_float64_reference(name, capsys):
     """Forward and all gradients (λ too) of fwd, dQ and dK/dV under the interpreter, with its
     shared-memory race detector: every access ordered by a barrier (and, on jax 0.11, a TMA
     refill of a slot read with generic loads ordered by a proxy fence)."""
-    b, t, h, hkv, d, causal, segments, dtype, lam, dkv = CASES[name]
+    b, t, h, hkv, d, causal, segments, dtype, lam, fields = CASES[name]
     q, k, v, do, seg = make_inputs(b, t, h, hkv, d, dtype, seed=len(name), segments=segments)
     interpret = InterpretGPUParams(detect_races=True)
-    tiles = dataclasses.replace(hopper.tiles_for(d, dtype, kind="")[0], dkv=dkv)
+    tiles = dataclasses.replace(hopper.tiles_for(d, dtype, kind="")[0], **fields)
 
     def loss(q, k, v, lam):
         out = flash_attention(q, k, v, lam, num_components=2, segment_ids=seg, causal=causal,
@@ -104,7 +105,8 @@ def test_cuda_export_before_hopper_lowers_triton_kernels():
 
 def test_gpu_target_and_dispatch_rule():
     """The target comes from gpu_target, else the attached GPU, else Hopper; the Mosaic kernel
-    takes differential bf16/fp16 calls at d ∈ {64, 96, 128} with V 2d wide on sm_90+."""
+    takes differential bf16/fp16 calls at d ∈ {64, 96, 128} with V 2d wide on sm_90 (its wgmma
+    is an sm_90a instruction: Blackwell takes Triton)."""
     assert hopper.compute_capability() == (9, 0)  # CPU test machine: no CUDA device
     for spec, cc in (("8.6", (8, 6)), ("sm_90", (9, 0)), ("sm_90a", (9, 0)), ((10, 0), (10, 0))):
         with kernels.gpu_target(spec):
@@ -121,8 +123,11 @@ def test_gpu_target_and_dispatch_rule():
     assert not flash.uses_mosaic_gpu(2, jnp.float32, 64, 128)
     assert not flash.uses_mosaic_gpu(1, jnp.bfloat16, 64, 64)
     assert not flash.uses_mosaic_gpu(2, jnp.bfloat16, 32, 64)
-    with kernels.gpu_target("8.0"):
-        assert not flash.uses_mosaic_gpu(2, jnp.bfloat16, 64, 128)
+    for cc in ("8.0", "10.0"):
+        with kernels.gpu_target(cc):
+            assert not flash.uses_mosaic_gpu(2, jnp.bfloat16, 64, 128)
+    with kernels.gpu_target("9.0"):
+        assert flash.uses_mosaic_gpu(2, jnp.bfloat16, 64, 128)
 
 
 def test_tile_table_and_invalid_tiles():
@@ -152,6 +157,8 @@ def test_tile_table_and_invalid_tiles():
              (flash_mgpu.Tiles(64, 64, 32, 2), r"block_q_dkv must be a multiple of 64 .* got 32"),
              (flash_mgpu.Tiles(64, 64, 64, 1), r"stages must be 2, 3 or 4, got 1"),
              (flash_mgpu.Tiles(64, 64, 64, 2, "cols"), r"dkv must be one of .* got 'cols'"),
+             (flash_mgpu.Tiles(64, 64, 64, 2, "auto", "yes"),
+              r"pingpong must be True or False, got 'yes'"),
              (flash_mgpu.Tiles(256, 64, 64, 2), r"block_kv=256 .* KiB of shared memory")]
     for tiles, msg in cases:
         with pytest.raises(ValueError, match=msg):
@@ -163,9 +170,17 @@ def test_tile_table_and_invalid_tiles():
 
 
 def test_tuned_rows_win_for_their_gpu(tmp_path):
+    """A recorded row (every Tiles field, as --tune writes it) wins for its GPU only."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attention as bench
+
     path = tmp_path / "table.json"
     path.write_text(hopper.TABLE.read_text())
-    tiles = flash_mgpu.Tiles(128, 128, 64, 3, "split")
+    tiles = flash_mgpu.Tiles(128, 128, 64, 3, "split", False)
+    assert bench._parse_tiles(bench._tiles_text(tiles)) == tiles  # a tune row's `tiles` text
     hopper.record("H100", 64, jnp.bfloat16, tiles, "test", path=path)
     got, row = hopper.tiles_for(64, jnp.bfloat16, kind="NVIDIA H100 80GB HBM3", path=path)
     assert got == tiles and row["tuned"] is True

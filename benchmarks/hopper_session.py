@@ -14,11 +14,12 @@ skipped past (so a hang or a crash in one cannot lose the others):
          d ∈ {64, 96, 128}, Triton for float32 and d = 32) against the float32 oracle, forward
          and the gradients of q, k, v and λ; each row names its kernel and any
          DeprecationWarning its compile raised; two more cases run the dK/dV schedule
-         that "auto" does not pick, at d = 64 and 128;                               ≤ 170 s
-  tune   `--tune --tune-write` at T = 4096 for d = 64 and 128: 4 forward and 4 backward tile
-         settings each, then the best backward under the other dK/dV schedule ("rows" or
-         "split"); the best per d goes into kernels/tuning/mosaic_gpu.json (copied to $OUT:
-         commit it);                                                                 ≤ 150 s
+         that "auto" does not pick and the forward without ping-pong, at d = 64 and 128;
+                                                                                     ≤ 170 s
+  tune   `--tune --tune-write` at T = 4096 for d = 64 and 128: 4 forward tile settings each
+         and the best with ping-pong switched, 4 backward ones, then the best backward under
+         the other dK/dV schedule ("rows" or "split"); the best per d goes into
+         kernels/tuning/mosaic_gpu.json (copied to $OUT: commit it);                 ≤ 150 s
   bench  `--bench` for d = 64 and 128, T = 2K–16K at B·T = 32K, H = 16: fused Mosaic, fused
          Triton, cuDNN 2H×d, cuDNN H×2d, four cuDNN calls, two Tokamax calls;          ≤ 200 s
   train  (its own call) `benchmarks/train_step.py`, DIFF vs its Transformer twin, batch 8:

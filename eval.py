@@ -1,8 +1,8 @@
 """Evaluate a checkpoint: python eval.py task=NAME train.run_dir=RUN [key=value ...]
 
-Tasks: ppl, score (input=FILE), niah, attention, outliers, quant, generate (prompt="..."); or
-checkpoint=PATH (a run, a step directory RUN/checkpoints/N, or an orbax-params export) instead
-of train.run_dir, and step=N for another step of a run. Writes RUN/eval/NAME.json. See the
+Tasks: ppl, score (input=FILE), niah, recall, attention, outliers, quant, generate (prompt="...");
+or checkpoint=PATH (a run, a step directory RUN/checkpoints/N, or an orbax-params export)
+instead of train.run_dir, and step=N for another step of a run. Writes RUN/eval/NAME.json. See the
 README for every task's keys. Exit status: 0 done, 2 bad input (arguments, config, a missing or
 damaged checkpoint), 1 a result that is NaN (the JSON is still written).
 """

@@ -4,9 +4,12 @@
         [--set KEY=VALUE ...] [--diff-set KEY=VALUE ...] [--baseline-set KEY=VALUE ...]
         [--steps 10] [--no-data] [--out benchmarks/results/train_step_cpu]
 
-e.g. on one H100: --diff configs/diff-830m.yaml --baseline configs/transformer-830m.yaml
-  --set train.batch_size=8 --diff-set model.attention_impl=pallas
-  --baseline-set model.attention_impl=cudnn --no-data --out benchmarks/results/train_step_h100
+e.g. the committed benchmarks/results/train_step_h100 (one H100, 12 of the 830M twins' layers):
+  --diff configs/diff-830m.yaml --baseline configs/transformer-830m.yaml
+  --set train.batch_size=8 model.num_layers=12 mesh.data=1 mesh.fsdp=-1
+  --diff-set model.attention_impl=pallas model.num_heads=12
+  --baseline-set model.attention_impl=auto model.num_heads=24 --no-data
+  --out benchmarks/results/train_step_h100
 
 Both models run the training loop's jitted, sharded step (`diff_jax.step.build_steps`) on the
 same synthetic batches, interleaved

@@ -180,8 +180,11 @@ def init_section(preset: Preset, data: dict[str, Any], init: str) -> list[str]:
     n, r = preset.quant_niah
     lines += ["### Figure 8: attention-logit quantization", "",
               f"Absmax post-training quantization of the attention logits. Ours: held-out "
-              f"perplexity and niah accuracy (N={n}, R={r}, length {preset.seq_len}) per bit "
-              f"width. Paper: {paper.FIGURE8}", ""]
+              f"perplexity over the quant task's own sample ({preset.eval_batches} batches of 4 "
+              f"rows of {preset.seq_len} tokens, {preset.eval_batches * 4 * preset.seq_len:,} "
+              f"token positions, fewer than the language-modeling table's, hence other values) "
+              f"and niah accuracy (N={n}, R={r}, length {preset.seq_len}) per bit width. Paper: "
+              f"{paper.FIGURE8}", ""]
     rows = []
     for v in VARIANTS:
         q = res[v]["stats"]["quant"]

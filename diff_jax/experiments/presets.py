@@ -227,7 +227,8 @@ PRESETS: dict[str, Preset | RecallPreset] = {
                "of a 64M-token mixture: the text and Python sources of the machine's own "
                "installed packages (site-packages, tokenized there) and a quarter synthetic "
                "needles (here, 2 CPU cores: 97M tokens of site-packages text, 46 s); at the 33.5% "
-               "MFU of benchmarks/results/train_step_h100 (1.03 GFLOP a token) about 2.6 minutes "
+               "MFU of benchmarks/results/train_step_h100 (the Triton kernel's; on Hopper `auto` "
+               "now runs the Mosaic GPU one; 1.03 GFLOP a token) about 2.6 minutes "
                "of training a model, 8 for the three, 11–13 with the corpus and evaluation (an "
                "estimate: not yet run)"),
 }

@@ -199,9 +199,10 @@ def markdown(preset: RecallPreset, data: dict[str, Any]) -> str:
                 measure, _, scope = key.partition(" ")
                 lines.append(f"- `{init}` init, {LABELS[v]} − Transformer, {names[measure]}"
                              f"{' ' + scope if scope else ''}: {describe(p)}.")
-        if "steps_to_90" not in per_variant["diff"]:
-            lines.append(f"- `{init}` init: steps to 90% are compared only where every seed of "
-                         "both models reached 90%; here some did not.")
+            if "steps_to_90" not in c:
+                lines.append(f"- `{init}` init, {LABELS[v]} − Transformer, steps to 90%: not "
+                             "compared (a seed of one of the two did not reach 90% within the "
+                             "budget).")
     for v, p in data["init_gap"].items():
         lines.append(f"- {LABELS[v]}, grid-mean accuracy at the training length "
                      f"`{preset.inits[1]}` − `{preset.inits[0]}` init: {describe(p)}.")

@@ -13,7 +13,8 @@ import pytest
 
 from diff_jax.config import ConfigError, DataConfig, ModelConfig, TrainConfig, load_config
 from diff_jax.data import (DataError, PackedRows, TokenCorpus, build, encoding, file_documents,
-                           held_out, load, load_corpus, stdlib_documents, tokenize, train_iterator)
+                           held_out, load, load_corpus, stdlib_documents, tokenize, train_iterator,
+                           unigram_loss)
 from diff_jax.data.__main__ import main as data_main
 from diff_jax.transformer import DecoderLM
 from tests.training_fixtures import EOT, synthetic_corpus
@@ -127,6 +128,15 @@ def test_validation_split_is_a_seeded_random_sample_of_whole_documents():
     assert corpus.split(0.0)[1] is None
     with pytest.raises(DataError, match="a validation split needs at least 2"):
         synthetic_corpus(num_docs=1).split(0.5)
+
+
+def test_unigram_loss_is_held_out_cross_entropy_under_smoothed_training_counts():
+    """Training ids 0, 0, 1 over a vocabulary of 4: add-one counts 3, 2, 1, 1 of 7."""
+    def corpus(ids):
+        return TokenCorpus(np.asarray(ids, np.uint32), np.asarray([0, len(ids)]), vocab_size=4)
+
+    got = unigram_loss(corpus([0, 0, 1]), corpus([0, 3, 3]))
+    assert got == pytest.approx(-(np.log(3 / 7) + 2 * np.log(1 / 7)) / 3, rel=1e-12)
 
 
 def test_training_never_reads_a_validation_document(tmp_path):

@@ -59,6 +59,7 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
     corpus = data["corpus"]
     assert corpus["rows_read"] == 4 * 8 <= corpus["train_rows"] and corpus["num_docs"] > 1
     assert corpus["num_tokens"] == len(np.fromfile(presets.corpus_dir(out, 0) / "tokens.bin", "<u4"))
+    assert 0 < corpus["unigram_loss"] < np.log(data["vocab_size"])
     assert data["niah_whole_in_row"] == presets.niah_whole_fraction(384, 64) == 0.0
     assert set(data["models"]) == set(presets.VARIANTS)
     ref = data["models"]["diff"]["params"]

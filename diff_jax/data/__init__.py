@@ -11,7 +11,7 @@ import dataclasses
 import grain
 
 from diff_jax.config import DataConfig
-from diff_jax.data.corpus import TokenCorpus, load, prepare, tokenize
+from diff_jax.data.corpus import TokenCorpus, load, prepare, tokenize, unigram_loss
 from diff_jax.data.heldout import HeldOut, held_out
 from diff_jax.data.mixture import mixed_corpus, niah_corpus
 from diff_jax.data.pipeline import Batch, PackedRows, train_iterator
@@ -21,7 +21,7 @@ from diff_jax.data.tokenizer import encoding
 __all__ = [
     "Batch", "DataError", "Documents", "HeldOut", "InputData", "PackedRows", "TokenCorpus", "build",
     "encoding", "file_documents", "held_out", "load", "load_corpus", "mixed_corpus", "niah_corpus",
-    "prepare", "split_corpus", "stdlib_documents", "tokenize", "train_iterator",
+    "prepare", "split_corpus", "stdlib_documents", "tokenize", "train_iterator", "unigram_loss",
 ]
 
 

@@ -84,6 +84,15 @@ class TokenCorpus:
         (out / "meta.json").write_text(json.dumps(info, indent=1))
 
 
+def unigram_loss(train: TokenCorpus, held_out: TokenCorpus) -> float:
+    """Mean cross-entropy (nats) of `held_out`'s tokens under `train`'s token frequencies,
+    add-one smoothed over `vocab_size` ids: the held-out loss of a model that has learned how
+    often each token occurs and nothing else."""
+    counts = np.bincount(train.tokens, minlength=train.vocab_size).astype(np.float64) + 1.0
+    log_p = np.log(counts) - np.log(counts.sum())
+    return float(-log_p[held_out.tokens].mean())
+
+
 def tokenize(docs: Documents, encoding_name: str, seed: int = 0, threads: int = 4) -> TokenCorpus:
     """Encode every document (+ end-of-text) in a seeded shuffled document order."""
     enc = encoding(encoding_name)

@@ -92,7 +92,9 @@ def prepare_corpus(preset: Preset | RecallPreset, seed: int, out: Path) -> Path:
     A recall preset: its training samples, one a row, with the loss mask of `preset.train_loss`.
     A language-modeling preset: the corpus its `data` overrides name (`data.load_corpus`: the
     sources mixed with the seed's synthetic needles), tokenized here once instead of in every
-    run and evaluation; the runs split off the same validation documents from it. DataError when
+    run and evaluation; the runs split off the same validation documents from it. meta.json
+    carries the unigram loss of the validation split under the training split's token
+    frequencies (`data.unigram_loss`), the bar every model must clear. DataError when
     a run would read a training document twice (the training split holds fewer rows than
     `train.steps` × `train.batch_size`).
     """
@@ -109,7 +111,7 @@ def prepare_corpus(preset: Preset | RecallPreset, seed: int, out: Path) -> Path:
         recall.write_training_corpus(path, samples, {"seed": seed, **spec}, loss=preset.train_loss)
         return path
     corpus = data.load_corpus(cfg.data, seed)
-    train, _ = corpus.split(cfg.data.validation_fraction, cfg.data.split_seed)
+    train, held_out = corpus.split(cfg.data.validation_fraction, cfg.data.split_seed)
     rows = len(data.PackedRows(train, t.seq_len, seed))
     if rows < t.steps * t.batch_size:
         raise data.DataError(
@@ -121,7 +123,8 @@ def prepare_corpus(preset: Preset | RecallPreset, seed: int, out: Path) -> Path:
                        "paths": list(cfg.data.paths), "tokenizer": cfg.data.tokenizer,
                        "validation_fraction": cfg.data.validation_fraction,
                        "train_tokens": int(len(train.tokens)), "train_rows": rows,
-                       "rows_read": t.steps * t.batch_size})
+                       "rows_read": t.steps * t.batch_size,
+                       "unigram_loss": data.unigram_loss(train, held_out)})
     return path
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -219,7 +220,8 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
         metadata = mngr.item_metadata(step)["state"]["params"]
     check_shapes(tree_shapes(metadata), tree_shapes(target.params), "checkpoint ")
     items = {"state": ocp.args.StandardRestore(target),
-             "data_iter": grain.checkpoint.CheckpointRestore(data_iter)}
+             "data_iter": grain.checkpoint.CheckpointRestore(data_iter),
+             "config": ocp.args.JsonRestore()}  # read as eval and export will: it must parse
     if (where / "checksums").is_dir():
         items["checksums"] = ocp.args.JsonRestore()
     with _read_errors(step, where):
@@ -377,6 +379,20 @@ def _read_errors(step: int, where: Path, hint: str = "") -> Iterator[None]:
     except CheckpointError:
         raise
     except Exception as e:  # orbax/tensorstore raise many types for unreadable bytes
-        first = (str(e).strip().splitlines() or [""])[0][:300]
         raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: cannot read "
-                                           f"{where}: {type(e).__name__}: {first}{hint}") from e
+                                           f"{_unreadable(e, where)}{hint}") from e
+
+
+def _unreadable(error: BaseException, where: Path) -> str:
+    """What could not be read, in one line: the array when the error chain names one (tensorstore
+    reports 'Error reading "params.….kernel/0.0"'), and the innermost error's first line (orbax
+    wraps it in a multi-line repr of the tensorstore spec)."""
+    chain = [error]
+    while len(chain) < 16 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    inner = chain[-1]
+    first = (str(inner).strip().splitlines() or [""])[0][:300]
+    named = next((m.group(1) for e in chain
+                  if (m := re.search(r'Error reading "([^"/]+)', str(e)))), None)
+    what = f"array {named} of {where}" if named else str(where)
+    return f"{what}: {type(inner).__name__}: {first}"

@@ -229,6 +229,15 @@ class DataConfig:
                      f"data.mixture's {name} needs at least one path")
         _require(self.mixture is not None or self.source in ("stdlib", "niah") or bool(self.paths),
                  "data.paths", f"data.source={self.source} needs at least one path")
+        if self.mixture is not None:
+            sources = {n for n, _ in self.mixture_weights}
+            named, fix = f"data.mixture={self.mixture}", "add files (or tokens) to the mixture"
+        else:
+            sources = {self.source}
+            named, fix = f"data.source={self.source}", "use data.source=files (or tokens)"
+        _require(not self.paths or bool(sources & {"files", "tokens"}), "data.paths",
+                 f"{list(self.paths)} is set but {named} reads no paths; {fix} to read them, "
+                 "or leave data.paths empty")
 
     @property
     def mixture_weights(self) -> tuple[tuple[str, float], ...]:
@@ -339,6 +348,11 @@ class Config:
     def __post_init__(self) -> None:
         _require(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
                  f"must be <= model.max_seq_len ({self.model.max_seq_len})")
+        ck = self.checkpoint
+        _require(not ck.discard_later or ck.resume_step < self.train.steps,
+                 "checkpoint.resume_step", f"{ck.resume_step} with checkpoint.discard_later=true "
+                 f"must be below train.steps={self.train.steps}: it would delete the later "
+                 "checkpoints and train nothing")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dicts and lists (tuples as lists), as YAML and JSON write them."""

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -32,6 +34,9 @@ from diff_jax.metrics import MetricsWriter, Progress, mfu
 from diff_jax.sharding import check_process_rows, make_mesh
 from diff_jax.step import TrainState, build_steps
 from diff_jax.summary import flops_per_token
+
+
+LOCK_FILE = "train.lock"  # in train.run_dir: held by the training process while it runs
 
 
 class NonFiniteLossError(RuntimeError):
@@ -77,6 +82,41 @@ def _stop_signals() -> Iterator[list[str]]:
             signal.signal(s, h)
 
 
+@contextlib.contextmanager
+def _claim_run_dir(run_dir: str, main: bool) -> Iterator[None]:
+    """Hold an exclusive lock on `run_dir/train.lock` (process 0; created with the directory)
+    for the duration, or raise ConfigError naming the process that holds it: two trainers in
+    one run directory would overwrite each other's checkpoints and metrics. The kernel drops
+    the lock when its holder exits, even on SIGKILL."""
+    if not main:
+        yield
+        return
+    path = Path(run_dir) / LOCK_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise ConfigError(f"train.run_dir={run_dir} is in use by another training process "
+                              f"(pid {holder}); wait for it to end or choose another "
+                              "train.run_dir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield  # closing the file releases the lock
+
+
+def _recorded(config: Config) -> Config:
+    """The config as `config.yaml` records it: without the one-off resume choices
+    (`checkpoint.resume_step`, `checkpoint.discard_later`), so re-running from the record
+    resumes from the newest step instead of deleting checkpoints again."""
+    return dataclasses.replace(config, checkpoint=dataclasses.replace(
+        config.checkpoint, resume_step=None, discard_later=False))
+
+
 def _global(local: data.Batch, sharding: NamedSharding) -> dict[str, jax.Array]:
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
@@ -99,7 +139,7 @@ def run(config: Config) -> RunResult:
                          f"first: {inputs.corpus.skipped[0]}")
     flops = flops_per_token(config.model, t.seq_len)
 
-    with steps.context():
+    with steps.context(), _claim_run_dir(t.run_dir, main):
         step_fn, eval_fn, bsh = steps.train, steps.eval, steps.batch_sharding
         check_process_rows(bsh, t.batch_size, t.seq_len)
         mngr = checkpoint.manager(t.run_dir, config.checkpoint)
@@ -117,19 +157,17 @@ def run(config: Config) -> RunResult:
                 state = state.replace(params=initial_params(t.init_from, config.model,
                                                             steps.shardings.params))
                 progress.message(f"parameters initialized from {t.init_from}")
-        if main:  # only now: a refused resume leaves the run's record as it was
-            Path(t.run_dir).mkdir(parents=True, exist_ok=True)
-            (Path(t.run_dir) / "config.yaml").write_text(dump_config(config))
         start = resumed or 0
+        if start >= t.steps:  # the run's record stays as it was
+            progress.message(f"already at step {start} >= train.steps={t.steps}; nothing to do")
+            mngr.close()
+            return RunResult(start, "already done", None)
+        if main:  # only now: a refused resume leaves the run's record as it was
+            (Path(t.run_dir) / "config.yaml").write_text(dump_config(_recorded(config)))
         writer = MetricsWriter(t.run_dir, main, start_step=start)
         if writer.dropped:
             progress.message(f"metrics.jsonl: dropped {writer.dropped} row(s) after step {start} "
                              "(those steps run again)")
-        if start >= t.steps:
-            progress.message(f"already at step {start} >= train.steps={t.steps}; nothing to do")
-            mngr.close()
-            writer.close()
-            return RunResult(start, "already done", None)
         validation = [_global(b, bsh) for b in inputs.validation.batches]
         loop = _Loop(config, mngr, writer, progress, step_fn, eval_fn, validation, flops, bsh,
                      held_out=inputs.validation)
@@ -190,8 +228,11 @@ class _Loop:
                 loss = float(m["loss"])
                 if not math.isfinite(loss):
                     self._diverged(f"loss ({loss}) at step {step}")
-                if step % t.log_every == 0 or step == t.steps or step == start + 1:
-                    self._log(step, m, window, tokens_per_step)
+                # metrics rows on the log grid (and step 1), as an uninterrupted run writes
+                # them; the first step after a resume updates only the progress line
+                row = step % t.log_every == 0 or step == t.steps or step == 1
+                if row or step == start + 1:
+                    self._log(step, m, window, tokens_per_step, row=row)
             if not boundary:
                 continue
             if t.eval_every and (s % t.eval_every == 0 or s == t.steps) and self.validation:
@@ -236,16 +277,19 @@ class _Loop:
                     f"checkpoint.discard_later=true)")
         raise NonFiniteLossError(f"non-finite {what}; stopped without saving it; {good}")
 
-    def _log(self, step: int, m: dict, window: _Window, tokens_per_step: int) -> None:
+    def _log(self, step: int, m: dict, window: _Window, tokens_per_step: int, row: bool) -> None:
+        """Update the progress line with the window's mean speed; with `row`, also write the
+        step's metrics row."""
         step_time, wait = window.mean()
         tps = tokens_per_step / step_time if step_time > 0 else 0.0
-        dev = jax.devices()[0]
-        record = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
-                  "tokens_per_sec": tps, "step_time_s": step_time, "data_wait_s": wait,
-                  "mfu": mfu(self.flops_per_token, tps, dev.device_kind, jax.device_count())}
-        if "lambda" in m:
-            record["lambda"] = m["lambda"]
-        self.writer.write(record)
+        if row:
+            dev = jax.devices()[0]
+            record = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
+                      "tokens_per_sec": tps, "step_time_s": step_time, "data_wait_s": wait,
+                      "mfu": mfu(self.flops_per_token, tps, dev.device_kind, jax.device_count())}
+            if "lambda" in m:
+                record["lambda"] = m["lambda"]
+            self.writer.write(record)
         self.progress.update(step, float(m["loss"]), tps)
         window.reset()
 

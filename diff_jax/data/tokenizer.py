@@ -24,6 +24,12 @@ END_OF_TEXT = "<|endoftext|>"
 _FIRST = re.compile(r"cl100k_first_(\d+)")
 
 
+def is_encoding_name(name: str) -> bool:
+    """Whether `encoding` knows `name` (a registered tiktoken encoding or `cl100k_first_N`), not
+    building it: a corpus whose meta.json names anything else holds ids of no such tokenizer."""
+    return name in tiktoken.list_encoding_names() or _FIRST.fullmatch(name) is not None
+
+
 @functools.cache
 def encoding(name: str) -> tiktoken.Encoding:
     """The tiktoken encoding `name` (see the module docstring), built without network access."""

@@ -4,7 +4,8 @@ Tasks: ppl, score (input=FILE), niah, recall, attention, outliers, quant, genera
 or checkpoint=PATH (a run, a step directory RUN/checkpoints/N, or an orbax-params export)
 instead of train.run_dir, and step=N for another step of a run. Writes RUN/eval/NAME.json. See the
 README for every task's keys. Exit status: 0 done, 2 bad input (arguments, config, a missing or
-damaged checkpoint), 1 a result that is NaN (the JSON is still written).
+damaged checkpoint, a file that cannot be read or written), 1 a result that is NaN (the JSON is
+still written).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import ConfigError
 from diff_jax.data import DataError
 from diff_jax.evaluation import EvalError, run
+from diff_jax.file_errors import describe
 
 EXIT_BAD_INPUT = 2  # the same status as train.py and python -m diff_jax.export
 EXIT_NAN = 1
+PATH_KEYS = ("checkpoint", "train.run_dir", "out_dir", "output", "input")  # the keys naming files
 
 
 def nan_fields(value: Any, key: str = "") -> list[str]:
@@ -47,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         path = run(args)
     except (ConfigError, CheckpointError, DataError, EvalError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:  # an output directory or file that cannot be made or written
+        named = [(arg, arg.partition("=")[2]) for arg in args
+                 if arg.partition("=")[0].strip() in PATH_KEYS]
+        print(f"error: {describe(e, named)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     nan = nan_fields(json.loads(path.read_text()))
     if nan:

@@ -4,7 +4,8 @@ With no arguments it trains configs/tiny.yaml on the embedded default corpus. Re
 same train.run_dir resumes from its newest checkpoint that verifies (checkpoint.resume_step=N for
 another). train.compile_only=true (with train.compile_topology=v5p:4x4x4 and libtpu installed)
 compiles for a TPU slice instead. Exit status: 0 done, 2 bad input (config, data, sharding, a
-refused or damaged checkpoint; the same as eval.py and python -m diff_jax.export), 1 diverged.
+refused or damaged checkpoint, a file that cannot be read or written, e.g. in train.run_dir; the
+same as eval.py and python -m diff_jax.export), 1 diverged.
 """
 
 from __future__ import annotations
@@ -14,15 +15,23 @@ import sys
 from pathlib import Path
 
 from diff_jax.config import ConfigError, load_config
+from diff_jax.file_errors import describe
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config file")
+    """The command line above (`argv`: None reads sys.argv); returns the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG),
+                        help="YAML config file (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before and after --config
+    if Path(args.config).is_dir():
+        print(f"error: --config {args.config}: is a directory; expected a YAML config file",
+              file=sys.stderr)
+        return 2
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:
@@ -42,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         train_loop.run(config)
     except (ConfigError, DataError, ShardingError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the file system refused; checkpoints already saved are complete
+        run_dir = config.train.run_dir
+        print(f"error: {describe(e, [(f'train.run_dir={run_dir}', run_dir)])}", file=sys.stderr)
         return 2
     except train_loop.NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -440,7 +440,7 @@ def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
         base, _ = hopper.tiles_for(d, jnp.bfloat16)
 
         def run(stage, tiles):
-            r = {"d": d, "stage": stage, "tiles": _tiles_text(tiles)}
+            r = {"d": d, "stage": stage, "tiles": hopper.tiles_text(tiles)}
             if deadline.passed():
                 return r | {"error": "skipped: deadline"}
             try:
@@ -455,38 +455,28 @@ def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
                     for bk in (64, 128) for st in (2, 3)]
         ok = [r for r in fwd_rows if "error" not in r]
         if ok:  # the best forward with ping-pong switched
-            best = _parse_tiles(min(ok, key=lambda r: r["fwd_ms"])["tiles"])
+            best = hopper.parse_tiles(min(ok, key=lambda r: r["fwd_ms"])["tiles"])
             fwd_rows.append(run("fwd", dataclasses.replace(best, pingpong=not best.pingpong)))
             ok = [r for r in fwd_rows if "error" not in r]
-        best_fwd = _parse_tiles(min(ok, key=lambda r: r["fwd_ms"])["tiles"]) if ok else base
+        best_fwd = hopper.parse_tiles(min(ok, key=lambda r: r["fwd_ms"])["tiles"]) if ok else base
         bwd_rows = [run("bwd", dataclasses.replace(best_fwd, block_kv_dq=a, block_q_dkv=c))
                     for a in (64, 128) for c in (64, 128)]
         ok = [r for r in bwd_rows if "error" not in r]
         if ok:  # the best backward under the other dK/dV schedule
             best = min(ok, key=lambda r: r["total_ms"])
             other = "rows" if best["dkv"] == "split" else "split"
-            bwd_rows.append(run("bwd", dataclasses.replace(_parse_tiles(best["tiles"]),
+            bwd_rows.append(run("bwd", dataclasses.replace(hopper.parse_tiles(best["tiles"]),
                                                            dkv=other)))
         rows += fwd_rows + bwd_rows
         ok = [r for r in bwd_rows if "error" not in r]
         if ok and args.tune_write:
             best = min(ok, key=lambda r: r["total_ms"])
-            tiles = dataclasses.replace(_parse_tiles(best["tiles"]), dkv=best["dkv"])
+            tiles = dataclasses.replace(hopper.parse_tiles(best["tiles"]), dkv=best["dkv"])
             kind = _gpu_name(hopper.device_kind())
             hopper.record(kind, d, jnp.bfloat16, tiles, f"benchmarks/attention.py --tune, "
                           f"T={args.tune_t}, {environment()['date']}")
             print(f"recorded {kind} d={d}: {tiles}", flush=True)
     return rows
-
-
-def _tiles_text(tiles: flash_mgpu.Tiles) -> str:
-    """"block_kv,block_kv_dq,block_q_dkv,stages,dkv,pingpong" (a tune row's `tiles`)."""
-    return ",".join(str(getattr(tiles, f.name)) for f in dataclasses.fields(tiles))
-
-
-def _parse_tiles(text: str) -> flash_mgpu.Tiles:
-    *sizes, dkv, pingpong = text.split(",")
-    return flash_mgpu.Tiles(*(int(x) for x in sizes), dkv, pingpong == "True")
 
 
 def main(argv=None) -> dict:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import json
 from pathlib import Path
 
@@ -120,6 +121,18 @@ def tiles_for(d: int, dtype, kind: str | None = None, path: Path = TABLE) -> tup
         raise ValueError(f"kernels/tuning/mosaic_gpu.json has no row for d={d}, dtype={name}")
     return Tiles(row["block_kv"], row["block_kv_dq"], row["block_q_dkv"], row["stages"],
                  row.get("dkv", "auto"), row.get("pingpong", True)), row
+
+
+def tiles_text(tiles: Tiles) -> str:
+    """"block_kv,block_kv_dq,block_q_dkv,stages,dkv,pingpong": every field, as `parse_tiles`
+    reads it back (a tuning row's `tiles`)."""
+    return ",".join(str(getattr(tiles, f.name)) for f in dataclasses.fields(tiles))
+
+
+def parse_tiles(text: str) -> Tiles:
+    """The Tiles that `tiles_text` wrote."""
+    *sizes, dkv, pingpong = text.split(",")
+    return Tiles(*(int(x) for x in sizes), dkv, pingpong == "True")
 
 
 def record(gpu: str, d: int, dtype, tiles: Tiles, source: str, path: Path = TABLE) -> None:

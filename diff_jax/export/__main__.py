@@ -8,27 +8,32 @@ import logging
 import sys
 
 from diff_jax.export import DTYPES, FORMATS, ExportError, export
+from diff_jax.export.sources import EVAL_DIR
 from diff_jax.export.writer import DEFAULT_TOKENIZER
+from diff_jax.file_errors import describe
 
 
 def main(argv: list[str] | None = None) -> int:
     """The command line above (`argv`: None reads sys.argv); returns the exit status, 0 or 2
-    (an `ExportError`, printed)."""
+    (an `ExportError` or a file-system error, printed)."""
     parser = argparse.ArgumentParser(
         prog="python -m diff_jax.export",
         description="Export a diff-jax run, checkpoint or export to safetensors, a params-only "
                     "orbax checkpoint, or a Hugging Face DiffLlama directory.")
     parser.add_argument("source", help="run directory, its checkpoints/ directory, one checkpoint "
                                        "step, or an export directory")
-    parser.add_argument("--format", choices=FORMATS, default="safetensors")
+    parser.add_argument("--format", choices=FORMATS, default="safetensors",
+                        help="the export format (default: %(default)s)")
     parser.add_argument("--out", required=True, help="the export directory to write")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                        help="storage dtype of every tensor")
-    parser.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
+                        help="storage dtype of every tensor (default: %(default)s)")
+    parser.add_argument("--tokenizer",
                         help="hf-diffllama: the tiktoken encoding to write Hugging Face tokenizer "
-                             "files for (the run's data.tokenizer), or none")
+                             "files for, or none (default: the run's data.tokenizer; "
+                             f"{DEFAULT_TOKENIZER} when the source does not record one)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing export at --out")
+                        help="replace an existing export at --out; refused while it holds "
+                             f"{EVAL_DIR}/ (eval.py results), which is never deleted")
     args = parser.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only managers
     try:
@@ -37,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2  # bad input, the same status as train.py and eval.py
+    except OSError as e:  # e.g. --out in a directory that cannot be made or written
+        print(f"error: {describe(e, [(f'--out {args.out}', args.out)])}", file=sys.stderr)
+        return 2
     print(f"wrote {args.format} ({args.dtype}) export of {args.source} to {out}")
     return 0
 

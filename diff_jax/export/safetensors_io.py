@@ -9,6 +9,7 @@ former hand-written writer are standard safetensors files and read the same way.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -26,7 +27,8 @@ WRITABLE = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.floa
 
 def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray],
                       metadata: Mapping[str, str]) -> None:
-    """Write `tensors` ({name: array of any shape, a `WRITABLE` dtype}) and string `metadata`."""
+    """Write `tensors` ({name: array of any shape, a `WRITABLE` dtype}) and string `metadata`, the
+    file's mode 0666 less the umask, as `open` gives."""
     arrays = {}
     for name in sorted(tensors):
         array = np.ascontiguousarray(tensors[name])
@@ -36,6 +38,10 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray],
         arrays[name] = array
     try:
         save_file(arrays, str(path), metadata=dict(metadata))
+        # save_file creates the file 0600; give it the mode of every other file written (umask).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(path, 0o666 & ~umask)
     except (SafetensorError, OSError, ValueError) as e:
         raise ExportError(f"{path}: could not write safetensors: {e}") from e
 

@@ -2,9 +2,10 @@
 
 Training checkpoints (`<run_dir>/checkpoints/<step>/`) are read with
 `diff_jax.checkpoint.restore_inference`: the parameters alone, checked against the saved config.
-Exports carry `export.json` (format, dtype, source, step) beside `config.json` (the model config)
-and their tensors; `orbax-params` exports also carry `checksums.json`, the checksum of every
-stored array, which loading verifies (training checkpoints are verified the same way).
+Exports carry `export.json` (format, dtype, source, step, the run's data.tokenizer) beside
+`config.json` (the model config) and their tensors; `orbax-params` exports also carry
+`checksums.json`, the checksum of every stored array, which loading verifies (training
+checkpoints are verified the same way).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 PARAMS_DIR = "params"
 CHECKSUMS_FILE = "checksums.json"  # orbax-params: `checkpoint.checksums_record` of the arrays
+EVAL_DIR = "eval"  # eval.py's output directory in a run or an export (evaluation.loading)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,7 @@ class Source:
     params: dict[str, Any]
     origin: str  # the directory the parameters were read from
     step: int | None  # the training step, where known
+    tokenizer: str | None = None  # the run's data.tokenizer, where known (recorded in export.json)
 
 
 def model_config_from_json(data: Any, where: str) -> ModelConfig:
@@ -124,8 +127,9 @@ def _read_export(path: Path) -> Source:
         params = jax.tree.map(jnp.asarray, from_state_dict(tensors, config, str(file)))
     else:
         params = _restore_params(path / PARAMS_DIR, config)
-    step = info.get("step")
-    return Source(config, params, str(path), step if isinstance(step, int) else None)
+    step, tokenizer = info.get("step"), info.get("tokenizer")
+    return Source(config, params, str(path), step if isinstance(step, int) else None,
+                  tokenizer if isinstance(tokenizer, str) else None)
 
 
 def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
@@ -179,7 +183,10 @@ def _read_train_checkpoint(path: Path, location: Location) -> Source:
         return abstract_params(configs[0])
 
     try:
-        step, _, params = checkpoint.restore_inference(run_dir, step, target)
+        step, saved, params = checkpoint.restore_inference(run_dir, step, target)
     except CheckpointError as e:
         raise ExportError(f"{path}: {e}") from e
-    return Source(configs[0], params, str(run_dir / "checkpoints" / str(step)), step)
+    data = saved.get("data")
+    tokenizer = data.get("tokenizer") if isinstance(data, dict) else None
+    return Source(configs[0], params, str(run_dir / "checkpoints" / str(step)), step,
+                  tokenizer if isinstance(tokenizer, str) else None)

@@ -2,7 +2,8 @@
 
 The export is written into a hidden sibling directory and renamed into place when complete, so an
 interrupted export leaves no half-written `--out`. An existing non-empty `--out` is replaced only
-with `overwrite=True`, and only when it holds a previous export (its `export.json`).
+with `overwrite=True`, only when it holds a previous export (its `export.json`), and not while it
+holds `eval/` (what `eval.py checkpoint=EXPORT` writes there), which replacing would delete.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from diff_jax.config import ModelConfig
 from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_io import write_safetensors
-from diff_jax.export.sources import (CHECKSUMS_FILE, CONFIG_FILE, EXPORT_MARKER, PARAMS_DIR,
-                                     SAFETENSORS_FILE, Source, read_source)
+from diff_jax.export.sources import (CHECKSUMS_FILE, CONFIG_FILE, EVAL_DIR, EXPORT_MARKER,
+                                     PARAMS_DIR, SAFETENSORS_FILE, Source, read_source)
 from diff_jax.export.state_dict import to_state_dict
 from diff_jax.export.tokenizer import max_token_id, write_tokenizer
 
@@ -74,13 +75,14 @@ _WRITERS: dict[str, Callable[[Path, Source, str], None]] = {
 }
 
 
-def _check_tokenizer(name: str, config: ModelConfig) -> None:
-    """Refuse a tokenizer whose ids do not all fit the model's vocabulary."""
+def _check_tokenizer(name: str, config: ModelConfig, where: str) -> None:
+    """Refuse a tokenizer whose ids do not all fit the model's vocabulary (`where`: how the
+    tokenizer was chosen, for the message)."""
     if name == "none":
         return
     top = max_token_id(name)
     if top >= config.vocab_size:
-        raise ExportError(f"--tokenizer {name}: its ids reach {top} but model.vocab_size is "
+        raise ExportError(f"{where}: its ids reach {top} but model.vocab_size is "
                           f"{config.vocab_size}; pass --tokenizer none to export without one")
 
 
@@ -105,6 +107,9 @@ def _check_destination(out: Path, source: Path, overwrite: bool) -> None:
         if not (out / EXPORT_MARKER).is_file():
             raise ExportError(f"--out {out}: is not a diff_jax export (no {EXPORT_MARKER}); "
                               "refusing to replace it even with --overwrite")
+        if (out / EVAL_DIR).exists():
+            raise ExportError(f"--out {out}: holds {out / EVAL_DIR} (eval.py results of the export "
+                              "it would replace); move or delete it first, or choose another --out")
 
 
 def _replace(tmp: Path, out: Path) -> None:
@@ -118,13 +123,14 @@ def _replace(tmp: Path, out: Path) -> None:
 
 def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors", *,
            dtype: str = "float32", overwrite: bool = False,
-           tokenizer: str = DEFAULT_TOKENIZER) -> Path:
+           tokenizer: str | None = None) -> Path:
     """Export the model at `source` (run, checkpoint or export directory, or a `Source` already
     read, e.g. by `diff_jax.export.hf_import`) to `out` in `fmt`.
 
     `dtype` is the storage dtype of every tensor (`float32` or `bfloat16`). `tokenizer`
     (hf-diffllama only): the tiktoken encoding whose Hugging Face tokenizer files are written
-    beside the model (`diff_jax.export.tokenizer`), or "none". Returns `out`.
+    beside the model (`diff_jax.export.tokenizer`), or "none"; None: the source's
+    `data.tokenizer` (`Source.tokenizer`), else `DEFAULT_TOKENIZER`. Returns `out`.
     """
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: must be one of {list(FORMATS)}")
@@ -134,19 +140,22 @@ def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors
     source, out = Path(given.origin if given else source), Path(out)
     _check_destination(out, source, overwrite)
     loaded = given or read_source(source)
+    name = tokenizer if tokenizer is not None else loaded.tokenizer or DEFAULT_TOKENIZER
     if fmt == "hf-diffllama":
         hf.check_mappable(loaded.config)
-        _check_tokenizer(tokenizer, loaded.config)
+        from_run = tokenizer is None and loaded.tokenizer is not None
+        _check_tokenizer(name, loaded.config, f"data.tokenizer={name} (the run's, the default "
+                         "--tokenizer)" if from_run else f"--tokenizer {name}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         _WRITERS[fmt](tmp, loaded, dtype)
-        if fmt == "hf-diffllama" and tokenizer != "none":
-            _add_tokenizer(tmp, tokenizer, loaded.config)
+        if fmt == "hf-diffllama" and name != "none":
+            _add_tokenizer(tmp, name, loaded.config)
         info: dict[str, Any] = {"format": fmt, "dtype": dtype, "source": loaded.origin,
-                                "step": loaded.step}
+                                "step": loaded.step, "tokenizer": loaded.tokenizer}
         (tmp / EXPORT_MARKER).write_text(json.dumps(info, indent=2))
         _replace(tmp, out)
     finally:

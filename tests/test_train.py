@@ -98,8 +98,10 @@ def test_restore_onto_another_mesh_and_refuse_other_shapes(corpus, tmp_path, mon
     monkeypatch.undo()
     train_loop.run(tiny_config(corpus, tmp_path, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"))
     other = _metrics(tmp_path)
-    for key in ("loss", "grad_norm", "lambda"):  # same numbers up to float32 reduction order
-        np.testing.assert_allclose(other[30][key], uninterrupted[30][key], rtol=1e-3)
+    # Same numbers up to float32 reduction order: measured max relative difference 9.4e-8 (loss,
+    # 1 ulp; grad_norm and lambda equal). Optimizer moments restored through bf16 give 3e-5.
+    for key in ("loss", "grad_norm", "lambda"):
+        np.testing.assert_allclose(other[30][key], uninterrupted[30][key], rtol=1e-5)
     with pytest.raises(CheckpointError, match=r"checkpoint params\['embed'\] has shape \(64, 32\) "
                                               r"but the config gives \(64, 48\)"):
         train_loop.run(tiny_config(corpus, tmp_path, "train.steps=40", "model.embed_dim=48"))

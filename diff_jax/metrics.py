@@ -14,17 +14,22 @@ from typing import Any, TextIO
 
 import numpy as np
 
-# Dense bf16 peak FLOP/s per chip, matched against `device.device_kind` (lower case, substring).
+# Dense bf16 peak FLOP/s per chip (vendors' datasheets; NVIDIA quotes "with sparsity", twice
+# these), matched against `device.device_kind` (lower case, substring; the longest matching key
+# wins, so "tpu v5 lite" is never taken for "tpu v5" nor "h100 pcie" for "h100", in any order).
 PEAK_FLOPS = {
     "tpu v4": 275e12,
     "tpu v5 lite": 197e12,
     "tpu v5e": 197e12,
     "tpu v5p": 459e12,
-    "tpu v5": 459e12,
+    "tpu v5": 459e12,  # v5p reports "TPU v5"
     "tpu v6 lite": 918e12,
     "tpu v6e": 918e12,
-    "h100": 989e12,
+    "h100": 989e12,  # SXM ("NVIDIA H100 80GB HBM3")
+    "h100 pcie": 756e12,
+    "h100 nvl": 835e12,
     "h200": 989e12,
+    "h200 nvl": 835e12,
     "a100": 312e12,
     "b200": 2250e12,
 }
@@ -33,7 +38,8 @@ PEAK_FLOPS = {
 def peak_flops(device_kind: str) -> float | None:
     """Peak FLOP/s of one device, or None when unknown (e.g. CPU)."""
     kind = device_kind.lower()
-    return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+    matches = [k for k in PEAK_FLOPS if k in kind]
+    return PEAK_FLOPS[max(matches, key=len)] if matches else None
 
 
 def mfu(flops_per_token: float, tokens_per_sec: float, device_kind: str, num_devices: int) -> float | None:

@@ -156,7 +156,9 @@ def test_sown_maps_and_logit_quantization():
     def quantized(bits):
         return _run(ModelConfig(**{**cfg.__dict__, "attn_logit_bits": bits}), 2, sd, x, cos, sin)
 
-    assert npr.rel_err(quantized(16), plain) < 1e-3
+    # 16-bit absmax steps (max|s|/32767): measured rel err 2.9e-5; 3e-4 (10×) still fails 12 bits
+    # (measured 4.3e-4) and 8 bits (6.8e-3)
+    assert npr.rel_err(quantized(16), plain) < 3e-4
     assert npr.rel_err(quantized(3), plain) > 1e-2
 
 

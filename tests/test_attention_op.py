@@ -153,4 +153,5 @@ def test_decode_step_equals_full_forward_with_the_kernel_configured():
                            positions=jnp.arange(8)[None], mutable=["cache"])
     last, _ = model.apply({"params": params, **state}, tokens[:, 8:], positions=jnp.asarray([[8]]),
                           mutable=["cache"])
-    np.testing.assert_allclose(last[:, 0], full[:, 8], rtol=1e-5, atol=1e-5)
+    # float32, cache vs full forward: measured max |Δ| 8.9e-8 (|logits| ≤ 0.7), 2e-6 ≈ 22×
+    np.testing.assert_allclose(last[:, 0], full[:, 8], rtol=1e-6, atol=2e-6)

@@ -126,6 +126,33 @@ def test_import_export_import_is_the_identity(name, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, p1, p2)
 
 
+@pytest.mark.parametrize("name", ["llama-gqa", "diffllama-gqa"])
+def test_sharded_checkpoint_imports_like_the_single_file(name, tmp_path):
+    """Real checkpoints come as shards listed in model.safetensors.index.json: the import reads
+    every shard and gives bit for bit the parameters of the same model saved as one file."""
+    model = hf_model(name, seed=5)
+    model.save_pretrained(tmp_path / "single")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="64KB")
+    sharded = tmp_path / "sharded"
+    assert not (sharded / "model.safetensors").exists()
+    weight_map = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    assert len(shards) >= 3, shards
+    single_names = set(read_safetensors(tmp_path / "single" / "model.safetensors")[0])
+    assert set(weight_map) == single_names
+    c1, p1 = ex.load(import_hf(tmp_path / "single", tmp_path / "from-single"))
+    c2, p2 = ex.load(import_hf(sharded, tmp_path / "from-sharded"))
+    assert c1 == c2
+    assert jax.tree.structure(p1) == jax.tree.structure(p2)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype == np.float32 and a.shape == b.shape
+        assert a.tobytes() == b.tobytes()
+    (sharded / shards[1]).unlink()  # a shard the index lists is needed, not skipped
+    with pytest.raises(ex.ExportError, match=rf"{shards[1]}: missing"):
+        import_hf(sharded, tmp_path / "incomplete")
+
+
 def test_cli_imports_prints_how_to_fine_tune_and_refuses_overwriting(tmp_path, capsys):
     save_hf("llama-gqa", tmp_path / "hf")
     out = tmp_path / "ours"

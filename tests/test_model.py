@@ -65,8 +65,10 @@ def test_causal_and_packed_segments_are_isolated(variant):
                            segment_ids=jnp.asarray(seg)))
     alone_a = np.asarray(apply(variables, jnp.asarray(a[None].astype(np.int32))))
     alone_b = np.asarray(apply(variables, jnp.asarray(b[None].astype(np.int32))))
-    np.testing.assert_allclose(out[0, :7], alone_a[0], rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(out[0, 7:13], alone_b[0], rtol=2e-5, atol=2e-5)
+    # float32, a different padded length only: measured max |Δ| ≤ 1.2e-7 (|logits| ≤ 1.4);
+    # 2e-6 is about 17× that
+    np.testing.assert_allclose(out[0, :7], alone_a[0], rtol=1e-6, atol=2e-6)
+    np.testing.assert_allclose(out[0, 7:13], alone_b[0], rtol=1e-6, atol=2e-6)
     # Causality: changing a later token leaves earlier logits bit-identical.
     changed = packed.copy()
     changed[0, 10] = (changed[0, 10] + 1) % V

@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +32,15 @@ def test_pallas_equals_xla_loss_and_grads(variant, heads, kv):
     grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
     (l_x, g_x), (l_p, g_p) = grad(params, "xla"), grad(params, "pallas")
     np.testing.assert_allclose(l_p, l_x, rtol=1e-6)  # float32 throughout: rounding only
-    chex.assert_trees_all_close(g_p, g_x, rtol=1e-4, atol=1e-7)
+    # Per leaf, max |Δ| over the leaf's max |g| (float32 summation order only): measured ≤ 4e-7,
+    # limit 1e-5 (25×); the λ vectors' gradients are sums of cancelling terms (~1e-9 absolute on
+    # ~2e-5): measured ≤ 5.3e-5, limit 1e-3 (19×). An elementwise atol would hide λ errors.
+    assert jax.tree.structure(g_p) == jax.tree.structure(g_x)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_p)[0], jax.tree.leaves(g_x)):
+        name, a, b = jax.tree_util.keystr(path), np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape and np.abs(b).max() > 0, name
+        limit = 1e-3 if "lambda" in name else 1e-5
+        err, scale = np.abs(a - b).max(), np.abs(b).max()
+        assert err <= limit * scale, (name, err, scale)
     lam_grads = [g_p[f"layers_{i}"]["attn"]["lambda_q1"] for i in range(2)] if variant == "diff" else []
     assert all(float(jnp.abs(g).max()) > 0 for g in lam_grads)  # λ is trained through the kernel

@@ -295,16 +295,27 @@ def test_output_init_scales_only_the_residual_projections(variant):
         assert normal[name] == pytest.approx(0.02, rel=0.1), name
 
 
-def test_gpu_session_stops_a_stage_gracefully_and_copies_only_small_replication_files(tmp_path):
+def test_gpu_session_stops_a_stage_gracefully_and_copies_only_small_replication_files(tmp_path,
+                                                                                     monkeypatch):
     """benchmarks/hopper_session.py: a stage past its limit gets SIGTERM first (a training loop
     checkpoints on it) and is killed only after the grace period; the replicate stage copies
     reports, metrics and evaluation JSONs back, never checkpoints or the corpus."""
+    import signal
+    import subprocess
     import sys
     import textwrap
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import hopper_session
 
+    started = []  # every stage process, to read how it ended
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(hopper_session.subprocess, "Popen", Recorded)
     child = textwrap.dedent("""
         import signal, sys, time
         signal.signal(signal.SIGTERM, lambda *_: (print("checkpointed", flush=True), sys.exit(3)))
@@ -313,11 +324,25 @@ def test_gpu_session_stops_a_stage_gracefully_and_copies_only_small_replication_
     """)
     with open(tmp_path / "log", "w") as log:
         r = hopper_session._run("demo", [sys.executable, "-c", child], 2.0, log, grace=20.0)
+        # It ended through its own SIGTERM handler (exit 3, not -SIGKILL): terminated, then given
+        # the grace period to checkpoint, and recorded as a timeout with that output.
         assert r["status"] == "timeout after 2 s" and "checkpointed" in r["tail"]
-        assert r["seconds"] < 15
-        stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+        assert started[-1].returncode == 3
+        # A stage that acknowledges SIGTERM but keeps running is SIGKILLed after the grace period
+        # (it would otherwise sleep 60 s and exit 0), and recorded as a timeout.
+        stubborn = textwrap.dedent("""
+            import signal, time
+            signal.signal(signal.SIGTERM, lambda *_: print("ignored TERM", flush=True))
+            print("started", flush=True)
+            time.sleep(60)
+        """)
         r = hopper_session._run("stubborn", [sys.executable, "-c", stubborn], 1.0, log, grace=1.0)
-        assert r["status"] == "timeout after 1 s" and r["seconds"] < 15
+        assert r["status"] == "timeout after 1 s" and "ignored TERM" in r["tail"]
+        assert started[-1].returncode == -signal.SIGKILL
+        # A stage that ends by itself within its limit is neither terminated nor killed.
+        r = hopper_session._run("quick", [sys.executable, "-c", "print('done')"], 30.0, log)
+        assert r["status"] == "ok" and "done" in r["tail"] and started[-1].returncode == 0
+    assert len(started) == 3
     src = tmp_path / "rep"
     for name in ("results.json", "results.md", "curve.png", "data/corpus-s0/meta.json",
                  "data/corpus-s0/tokens.bin", "runs/diff-scaled-s0/metrics.jsonl",

@@ -1,0 +1,53 @@
+"""diff_jax.metrics.peak_flops / mfu against the vendors' published dense bf16 peaks per chip, for
+the `device_kind` strings jax reports, and MFU against a hand computation."""
+
+from __future__ import annotations
+
+import pytest
+
+from diff_jax import metrics
+from diff_jax.metrics import mfu, peak_flops
+
+# device_kind (as jax reports it) -> dense bf16 FLOP/s per chip from the vendor's datasheet
+# (NVIDIA's "with sparsity" figures halved). Kinds that contain another kind's key ("TPU v5 lite"
+# contains "tpu v5", "NVIDIA H100 PCIe" contains "h100") are the ones a first-match lookup gets wrong.
+PUBLISHED = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,  # v5e
+    "TPU v5": 459e12,  # v5p reports "TPU v5"
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,  # v6e Trillium
+    "NVIDIA H100 80GB HBM3": 989e12,  # SXM: 1,979 TFLOPS with sparsity
+    "NVIDIA H100 PCIe": 756e12,  # 1,513 with sparsity
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+}
+
+
+@pytest.mark.parametrize("kind, expected", list(PUBLISHED.items()))
+def test_peak_flops_is_the_published_dense_bf16_peak(kind, expected):
+    assert peak_flops(kind) == expected
+
+
+@pytest.mark.parametrize("kind", ["cpu", "TPU v3", "Tesla V100-SXM2-16GB", ""])
+def test_peak_flops_of_an_unknown_device_is_none(kind):
+    assert peak_flops(kind) is None
+    assert mfu(1e9, 1e5, kind, 8) is None
+
+
+def test_peak_flops_does_not_depend_on_the_table_order(monkeypatch):
+    """The most specific key wins: reversing (or sorting) the table changes no answer."""
+    table = dict(metrics.PEAK_FLOPS)
+    for order in (list(reversed(table.items())), sorted(table.items()), sorted(table.items(), reverse=True)):
+        monkeypatch.setattr(metrics, "PEAK_FLOPS", dict(order))
+        assert {k: peak_flops(k) for k in PUBLISHED} == PUBLISHED, order
+
+
+def test_mfu_is_achieved_over_peak_of_all_devices():
+    # 1.2e9 FLOPs/token · 1e5 tokens/s = 1.2e14 FLOP/s over 4 v5e chips (4 · 197e12 = 7.88e14)
+    # = 0.15228426...; float64 division: rel 1e-12 is ~4500 ulps of slack, still far below any
+    # wrong formula (a missing device count is off by 4x).
+    assert mfu(1.2e9, 1e5, "TPU v5 lite", 4) == pytest.approx(1.2e14 / 7.88e14, rel=1e-12)
+    assert mfu(1.2e9, 1e5, "TPU v5 lite", 4) == pytest.approx(0.152284264, rel=1e-8)
+    # one H100 SXM at 50%: 494.5e12 FLOP/s achieved
+    assert mfu(6e8, 494.5e12 / 6e8, "NVIDIA H100 80GB HBM3", 1) == pytest.approx(0.5, rel=1e-12)

@@ -79,8 +79,9 @@ def _percent(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1%}"
 
 
-def main() -> None:
-    """The command line in the module docstring: time both models, print and save the table."""
+def main(argv: list[str] | None = None) -> dict:
+    """The command line in the module docstring (`argv`: None reads sys.argv): time both models,
+    print and save the table; returns the JSON written."""
     p = argparse.ArgumentParser()
     p.add_argument("--diff", default="configs/tiny.yaml")
     p.add_argument("--baseline", default="configs/tiny-transformer.yaml")
@@ -90,7 +91,7 @@ def main() -> None:
     p.add_argument("--no-data", action="store_true", help="skip the data pipeline measurement")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", default="benchmarks/results/train_step_cpu")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     configs = {"diff": load_config(args.diff, args.set + args.diff_set),
                "transformer": load_config(args.baseline, args.set + args.baseline_set)}
     steppers = {k: _stepper(c) for k, c in configs.items()}
@@ -137,6 +138,7 @@ def main() -> None:
                f"DIFF model consumes ({consumed:,.0f} tokens/s; target ≥ 10×)", ""]
     out.with_suffix(".md").write_text("\n".join(md))
     print("\n".join(md))
+    return result
 
 
 if __name__ == "__main__":

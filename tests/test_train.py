@@ -256,3 +256,19 @@ def test_help_shows_the_whole_docstring_and_a_directory_is_no_config(tmp_path, c
     assert train_main(["--config", str(tmp_path)]) == 2
     assert _one_error_line(capsys) == (f"error: --config {tmp_path}: is a directory; expected a "
                                        "YAML config file")
+
+
+def test_train_step_benchmark_smoke(tmp_path):
+    """benchmarks/train_step.py (the GPU session's train stage) times both twins on one step each
+    and writes JSON + markdown."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import train_step as bench
+
+    out = tmp_path / "ts"
+    result = bench.main(["--set", "model.num_layers=1", "train.batch_size=8", "train.seq_len=16",
+                         "--steps", "1", "--no-data", "--out", str(out)])
+    assert json.loads(out.with_suffix(".json").read_text()) == json.loads(json.dumps(result))
+    assert set(result["models"]) == {"diff", "transformer"}
+    assert all(r["step_time_s"] > 0 and r["tokens_per_sec"] > 0 for r in result["models"].values())
+    assert result["diff_over_transformer_step_time"] > 0 and result["pipeline_over_consumption"] is None
+    assert "DIFF / Transformer step time" in out.with_suffix(".md").read_text()

@@ -28,10 +28,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="YAML config file (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_intermixed_args(argv)  # overrides before and after --config
-    if Path(args.config).is_dir():
-        print(f"error: --config {args.config}: is a directory; expected a YAML config file",
-              file=sys.stderr)
-        return 2
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:

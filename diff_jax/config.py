@@ -453,6 +453,8 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"{path}: `base` chain loops back to this file")
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory; expected a YAML config file")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:

@@ -91,6 +91,11 @@ def test_file_errors(tmp_path):
     loop.write_text("base: loop.yaml\n")
     with pytest.raises(ConfigError, match="loops back"):
         load_config(loop)
+    (tmp_path / "sub").mkdir()
+    based = tmp_path / "based.yaml"
+    based.write_text("base: sub\n")  # a base that is a directory, as --config DIR
+    with pytest.raises(ConfigError, match=r"sub: is a directory; expected a YAML config file"):
+        load_config(based)
 
 
 def test_derived_sizes():

@@ -53,7 +53,7 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
         raise CheckpointError(f"{key}={path}: neither a run directory nor an export; "
                               f"expected {LOADABLE}")
     if location.export is not None:
-        return _load_export(path, options, overrides)
+        return _load_export(path, key, options, overrides)
     step = options.step
     if location.step is not None:
         if step is not None and step != location.step:
@@ -73,20 +73,20 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
     return Loaded(config[0], params, f"{run_dir}/checkpoints/{step}", step, out_dir)
 
 
-def _load_export(path: Path, options: EvalOptions, overrides: Sequence[str]) -> Loaded:
-    """An export directory (`diff_jax.export.load`): its model config and parameters; the other
-    config sections are the defaults plus the overrides."""
+def _load_export(path: Path, key: str, options: EvalOptions, overrides: Sequence[str]) -> Loaded:
+    """An export directory (`diff_jax.export.load`), named by the argument `key`: its model
+    config and parameters; the other config sections are the defaults plus the overrides."""
     try:
         model_cfg, params = export.load(path)
     except (OSError, ExportError) as e:
-        raise CheckpointError(f"checkpoint={path}: {e}") from e
+        raise CheckpointError(f"{key}={path}: {e}") from e
     # An export carries the model only; the default evaluation length must fit the model.
     seq_len = min(TrainConfig().seq_len, model_cfg.max_seq_len)
     saved = Config(model=model_cfg, train=TrainConfig(seq_len=seq_len)).to_dict()
     config = from_dict(apply_overrides(saved, overrides))
     target = abstract_params(config.model)
     checkpoint.check_shapes(checkpoint.tree_shapes(params), checkpoint.tree_shapes(target),
-                            f"checkpoint={path}: ")
+                            f"{key}={path}: ")
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     out_dir = Path(options.out_dir) if options.out_dir else path / EVAL_DIR
     return Loaded(config, params, str(path), None, out_dir)

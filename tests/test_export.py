@@ -277,7 +277,9 @@ def test_cli_writes_an_export_and_reports_errors(diff_run, tmp_path, capsys):
         main([run, "--format", "onnx", "--out", out])
 
 
-def test_cli_file_system_errors_name_out_and_help_shows_defaults(diff_run, tmp_path, capsys):
+def test_cli_file_system_errors_name_out_and_help_shows_defaults(diff_run, tmp_path, capsys,
+                                                                 monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # argparse wraps to the terminal, even inside a word
     run = str(diff_run[0])
     (tmp_path / "in.txt").write_text("a file")
     out = tmp_path / "in.txt" / "export"

@@ -232,6 +232,14 @@ def test_prepared_corpus_is_the_corpus_the_runs_would_load_and_refuses_repeats(t
     assert meta["train_tokens"] == len(a.tokens) and meta["rows_read"] == 4 * 8
     assert meta["sources"] == "files:0.5,niah:0.5" and meta["seed"] == 1
     assert meta["train_rows"] == (len(a.tokens) - 1) // 64
+    assert meta["unigram_loss"] == pytest.approx(data.unigram_loss(a, va), rel=1e-12)
+    # a corpus prepared before meta.json carried the unigram loss gets it added, nothing else
+    del meta["unigram_loss"]
+    (path / "meta.json").write_text(json.dumps(meta))
+    assert replicate.prepare_corpus(micro, 1, tmp_path) == path
+    again = json.loads((path / "meta.json").read_text())
+    assert again.pop("unigram_loss") == pytest.approx(data.unigram_loss(a, va), rel=1e-12)
+    assert again == meta
     greedy = dataclasses.replace(micro, shared=(*micro.shared, "train.steps=100000"))
     with pytest.raises(data.DataError, match=r"micro: the training split of files:0.5,niah:0.5 .* "
                                              r"fewer than the 100,000 × 8 the preset reads"):

@@ -99,9 +99,16 @@ def prepare_corpus(preset: Preset | RecallPreset, seed: int, out: Path) -> Path:
     `train.steps` × `train.batch_size`).
     """
     path = corpus_dir(out, seed)
-    if (path / "meta.json").exists():
-        return path
     cfg = preset.corpus_config(seed)
+    if (path / "meta.json").exists():
+        meta = json.loads((path / "meta.json").read_text())
+        if not isinstance(preset, RecallPreset) and "unigram_loss" not in meta:
+            # prepared before meta.json carried it: add it from the saved corpus
+            train, held_out = data.load(path).split(cfg.data.validation_fraction,
+                                                    cfg.data.split_seed)
+            meta["unigram_loss"] = data.unigram_loss(train, held_out)
+            (path / "meta.json").write_text(json.dumps(meta, indent=1))
+        return path
     t = cfg.train
     if isinstance(preset, RecallPreset):
         spec = {"length": t.seq_len - 1, "max_pairs": preset.max_pairs,

@@ -241,6 +241,35 @@ def test_a_file_system_error_while_training_keeps_the_last_checkpoint(corpus, tm
     assert _ckpt_steps(tmp_path / "run") == [10]
 
 
+def test_a_failed_async_checkpoint_commit_is_one_line_and_the_run_resumes_from_the_last_good(
+        corpus, tmp_path, monkeypatch, capsys, uninterrupted):
+    """The disk fills while orbax's background thread commits step 20: the error surfaces at the
+    next wait, as one line naming the uncommitted directory, exit 2; step 10 stays the newest
+    checkpoint, and running again resumes from it to the uninterrupted run's exact losses."""
+    atomicity = pytest.importorskip("orbax.checkpoint._src.path.atomicity")
+    commit = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def disk_full_at_20(self):
+        if self.get_final().name == "20":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.get()))
+        return await commit(self)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full_at_20)
+    config = _config_file(corpus, tmp_path)
+    assert train_main(["--config", config]) == 2
+    run = tmp_path / "run"
+    assert _one_error_line(capsys) == (f"error: train.run_dir={run}: "
+                                       f"{run / 'checkpoints' / '20.orbax-checkpoint-tmp'}: "
+                                       "No space left on device")
+    assert _ckpt_steps(run) == [10]
+    monkeypatch.undo()
+    assert train_main(["--config", config]) == 0
+    assert _ckpt_steps(run) == [10, 20, 30]
+    resumed = _metrics(run)
+    assert [resumed[s]["loss"] for s in range(11, 31)] == [uninterrupted[s]["loss"]
+                                                            for s in range(11, 31)]
+
+
 def test_overrides_may_come_before_and_after_config(capsys):
     assert train_main(["train.steps=1", "--config", str(ROOT / "configs" / "tiny.yaml"),
                        "model.nope=1"]) == 2

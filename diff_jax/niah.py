@@ -96,11 +96,6 @@ class NiahSample:
         tokens = np.concatenate([self.context, self.questions[r], self.answers[r]])
         return tokens, len(self.context) + len(self.questions[r])
 
-    @property
-    def query_span(self) -> tuple[int, int]:
-        """[start, end) of query 0's question in `sequence(0)`'s tokens."""
-        return len(self.context), len(self.context) + len(self.questions[0])
-
 
 def make_sample(
     rng: np.random.Generator,

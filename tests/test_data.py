@@ -292,6 +292,11 @@ def test_prepare_writes_a_corpus_equal_to_direct_tokenization(tmp_path, capsys):
     assert docs(prepared) == docs(direct)
     assert isinstance(prepared.tokens, np.memmap)
     assert data_main(["prepare", str(tmp_path / "missing.txt"), str(out)]) == 2
+    capsys.readouterr()
+    (tmp_path / "a-file").write_text("not a directory")
+    blocked = tmp_path / "a-file" / "out"
+    assert data_main(["prepare", str(src / "*.txt"), str(blocked)]) == 2
+    assert capsys.readouterr().err == f"error: OUT_DIR {blocked}: {blocked}: Not a directory\n"
 
 
 def test_a_tokens_corpus_refuses_a_tokenizer_other_than_the_one_it_was_prepared_with(tmp_path):

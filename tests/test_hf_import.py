@@ -163,6 +163,12 @@ def test_cli_imports_prints_how_to_fine_tune_and_refuses_overwriting(tmp_path, c
     assert main([str(tmp_path / "hf"), "--out", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
     assert main([str(tmp_path / "hf"), "--out", str(out), "--overwrite"]) == 0
+    capsys.readouterr()
+    blocked = tmp_path / "a-file" / "ours"
+    (tmp_path / "a-file").write_text("not a directory")
+    assert main([str(tmp_path / "hf"), "--out", str(blocked)]) == 2
+    assert capsys.readouterr().err == (f"error: --out {blocked}: {tmp_path / 'a-file'}: File "
+                                       "exists and is not a directory\n")
 
 
 @pytest.fixture(scope="module")

@@ -262,6 +262,13 @@ def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_init
         assert message in capsys.readouterr().err
 
 
+def test_an_output_directory_that_cannot_be_made_is_one_error_line(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("not a directory")
+    out = tmp_path / "a-file" / "out"
+    assert replicate.main(["--preset", "micro", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: --out {out}: {out}: Not a directory\n"
+
+
 def test_side_by_side_names_a_failed_run_and_starts_nothing_after_it(tmp_path):
     micro = presets.PRESETS["micro"]
     runs = [("no-such-variant", 0, "scaled"), ("also-unknown", 0, "scaled")]

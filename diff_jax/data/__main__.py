@@ -8,10 +8,12 @@ import sys
 
 from diff_jax.data.corpus import prepare
 from diff_jax.data.sources import DataError
+from diff_jax.file_errors import describe
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m diff_jax.data prepare SRC... OUT_DIR`; returns the exit status."""
+    """`python -m diff_jax.data prepare SRC... OUT_DIR`; returns the exit status: 0, or 2 on bad
+    input (a `DataError` or a file-system error, one `error:` line)."""
     parser = argparse.ArgumentParser(prog="python -m diff_jax.data")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize text files/globs (or 'stdlib') into a token corpus")
@@ -25,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         meta = prepare(args.sources, args.out_dir, args.text_field, args.tokenizer)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # OUT_DIR cannot be made or written, or a source cannot be read
+        named = [(f"OUT_DIR {args.out_dir}", args.out_dir), *((f"SRC {x}", x) for x in args.sources)]
+        print(f"error: {describe(e, named)}", file=sys.stderr)
         return 2
     skipped = meta.pop("skipped")
     print(json.dumps(dict(meta, skipped=len(skipped)), indent=1))

@@ -36,11 +36,15 @@ import time
 from pathlib import Path
 
 from diff_jax import data, evaluation, recall, train_loop
+from diff_jax.checkpoint import CheckpointError
+from diff_jax.config import ConfigError
 from diff_jax.evaluation import EvalOptions
 from diff_jax.experiments import lm_report, recall_report
 from diff_jax.experiments.layout import eval_json, recall_cell_name, run_dir
 from diff_jax.experiments.presets import (PRESETS, VARIANTS, Preset, RecallPreset, check_matched,
                                           corpus_dir)
+from diff_jax.file_errors import describe
+from diff_jax.sharding import ShardingError
 
 
 def lm_jobs(preset: Preset) -> list[tuple[str, EvalOptions]]:
@@ -269,7 +273,9 @@ def _jobs(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line above; returns the exit status."""
+    """The command line above; returns the exit status: 0, 2 on bad input (config, data, a
+    refused checkpoint, a file that cannot be written in DIR: one `error:` line, as train.py),
+    1 when a model diverged."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
     parser.add_argument("--seeds", type=int, default=None,
@@ -292,7 +298,17 @@ def main(argv: list[str] | None = None) -> int:
                          f"inits {','.join(preset.inits)}")
         preset = dataclasses.replace(preset, inits=inits)
     out = Path(args.out or f"runs/replicate-{preset.name}")
-    results = replicate(preset, seeds, out, args.jobs)
+    try:
+        results = replicate(preset, seeds, out, args.jobs)
+    except (ConfigError, data.DataError, ShardingError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # DIR cannot be made or written; what is saved stays, re-run resumes
+        print(f"error: {describe(e, [(f'--out {out}', out)])}", file=sys.stderr)
+        return 2
+    except train_loop.NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {out / 'results.md'}, {out / 'results.json'} and {len(results['plots'])} plots")
     return 0
 

@@ -42,6 +42,7 @@ from diff_jax.export.safetensors_io import read_safetensors
 from diff_jax.export.sources import Source
 from diff_jax.export.state_dict import from_state_dict
 from diff_jax.export.writer import export
+from diff_jax.file_errors import describe
 
 ARCHITECTURES = {"diffllama": "DiffLlamaForCausalLM", "llama": "LlamaForCausalLM"}
 _SINGLE_FILE = "model.safetensors"
@@ -292,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2  # bad input, as python -m diff_jax.export, train.py and eval.py
+    except OSError as e:  # e.g. --out in a directory that cannot be made or written
+        named = [(f"--out {args.out}", args.out), (f"HF_DIR {args.hf_dir}", args.hf_dir)]
+        print(f"error: {describe(e, named)}", file=sys.stderr)
+        return 2
     print(f"imported {args.hf_dir} ({source.config.variant}) to {out} (orbax-params, float32)")
     print("evaluate:  python eval.py task=ppl " + shlex.quote(f"checkpoint={out}"))
     print("fine-tune: python train.py " + shlex.join(finetune_overrides(source.config, out)))

@@ -10,7 +10,8 @@ Every kernel is one CTA of warpgroups (`num_threads`, axis "wg"): compute warpgr
 each (the wgmma M) and a last, producer warpgroup that streams the other operand through a
 `stages`-deep shared-memory ring with TMA, one "loaded" barrier per buffer and slot and one
 "consumed" barrier per slot that every compute warpgroup arrives on once it is done with the
-slot. The producer keeps 40 registers (`setmaxnreg`), compute warpgroups take the rest.
+slot. The producer keeps 40 registers (`setmaxnreg`), compute warpgroups take the rest
+(`compute_registers`).
 
 - Forward (`fwd`): a CTA owns 64 query rows; compute warpgroup c owns softmax component c of
   those rows (one f32 accumulator 64 × 2d, at d = 128 128 registers a thread, instead of two in
@@ -31,13 +32,17 @@ slot. The producer keeps 40 registers (`setmaxnreg`), compute warpgroups take th
   dK1 and dK2 (both compute P1 and P2: two extra QKᵀ products a step, a quarter more
   tensor-core work, for half the accumulators a thread).
 
-Registers (f32, per thread of a compute warpgroup; budget 232 with two compute warpgroups, 240
-with one): forward d (the 64 × 2d accumulator) plus bk/2 for the score tile; dQ d (dQ1 + dQ2)
-plus bk/2 for each of dP, S, dS; dK/dV 2d (dK1 + dK2 + dV) with "rows", d with "split", plus
-bq/2 for each of dPᵀ, Sᵀ, dSᵀ (`dkv_registers`): "rows" is over budget from d = 96 or bq = 128,
-where "auto" takes "split" (ptxas would spill). Shared memory per CTA (`fwd_smem`, `dq_smem`,
-`dkv_smem`, at most 227 KiB): d = 64 runs two compute warpgroups in every kernel; at d = 128 dQ
-holds one (`warpgroups`). These are plans from arithmetic; `benchmarks/attention.py --tune`
+Registers (f32, per thread of a compute warpgroup; budget `compute_registers`: 232 with two
+compute warpgroups, 256 with one): forward d (the 64 × 2d accumulator) plus bk/2 for the score
+tile; dQ d (dQ1 + dQ2) plus bk/2 for each of dP, S, dS; dK/dV 2d (dK1 + dK2 + dV) with "rows", d
+with "split", plus bq/2 for each of dPᵀ, Sᵀ, dSᵀ (`dkv_registers`): "rows" is over budget from
+d = 96 or bq = 128, where "auto" takes "split" (ptxas would spill). These register counts are
+plans from arithmetic (the split schedule's dK warpgroup also holds P1ᵀ and P2ᵀ together, a
+fourth bq/2); ptxas decides. Shared memory per CTA is exact: `fwd_smem`, `dq_smem` and
+`dkv_smem` count each kernel's own scratch list (`_fwd_scratch`, ...) as the lowering allocates
+it (every buffer from a 1 KiB boundary, 8 bytes a barrier, the forward's reduction scratch;
+tested against the lowering's own count), at most 227 KiB: d = 64 runs two compute warpgroups
+in every kernel; at d = 128 dQ holds one (`warpgroups`). `benchmarks/attention.py --tune`
 measures the tiles, the forward with and without ping-pong and both dK/dV schedules on the GPU.
 
 Masks: causal tiles are skipped by the loop bounds; only tiles that cross the diagonal, hold a
@@ -79,9 +84,13 @@ MASKED = -1e30  # a masked logit (log2 units)
 M_INIT = -1e29  # the running max before any key: above MASKED, so masked keys give p = 0
 ROWS = 64  # rows of a warpgroup's tile: the wgmma M
 SMEM_BYTES = 227 * 1024  # shared memory a CTA may use on sm_90
+SMEM_ALIGN = 1024  # Pallas starts every scratch buffer at a 1 KiB boundary
+BARRIER_BYTES = 8  # one mbarrier
+PRODUCER_REGISTERS = 40  # a TMA warpgroup's registers a thread (`setmaxnreg`)
 HEAD_DIMS = (64, 96, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 DKV_SCHEDULES = ("auto", "rows", "split")
+_PARAMS = plgpu.CompilerParams(approx_math=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,30 +137,108 @@ def supports(dtype, head_dim: int, nc: int) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# Shared-memory plans (bytes), used to pick the warpgroup count and to refuse tiles that overflow.
+# Shared memory: each kernel's scratch buffers (one definition, used by the kernel and its plan),
+# and the bytes Pallas allocates for them, used to pick the warpgroup count and refuse tiles.
 
 
-def fwd_smem(d: int, tiles: Tiles, itemsize: int = 2) -> int:
-    """Q1, Q2 (64 × d), the ring (K1, K2: bk × d, V: bk × 2d per stage), O (64 × 2d), vectors."""
-    bk = tiles.block_kv
-    return itemsize * (2 * ROWS * d + tiles.stages * 4 * bk * d + ROWS * 2 * d) + 4 * (
-        4 * ROWS + tiles.stages * bk)
+def _smem(shape, dtype):
+    """A shared-memory buffer; 2-D bf16/fp16 tiles (wgmma operands) tiled and swizzled."""
+    if len(shape) >= 2 and jnp.dtype(dtype).itemsize == 2:
+        bits = shape[-1] * 16
+        swizzle = plgpu.find_swizzle(bits)
+        transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+        return plgpu.SMEM(shape, dtype, transforms=transforms)
+    return plgpu.SMEM(shape, dtype)
 
 
-def dq_smem(d: int, tiles: Tiles, wgs: int, itemsize: int = 2) -> int:
-    """Per warpgroup Q1, Q2 (64 × d) and dO (64 × 2d); the K1, K2, V ring; vectors."""
-    bk = tiles.block_kv_dq
-    return itemsize * (wgs * 4 * ROWS * d + tiles.stages * 4 * bk * d) + 4 * (
-        wgs * 6 * ROWS + tiles.stages * bk)
+def _fwd_scratch(d: int, tiles: Tiles, dt, has_seg: bool) -> list:
+    """[buffers, barriers]: Q1, Q2 (64 × d); the ring (K1, K2: bk × d, V: bk × 2d per stage);
+    O (64 × 2d); lse1, lse2, λ vectors; segment ids. Barriers: Q/λ/segments, K, V, segment ring,
+    consumed (2 arrivals), O2 done, ping-pong turn (2 arrivals)."""
+    bk, stages = tiles.block_kv, tiles.stages
+    i32 = jnp.int32
+    return [
+        (_smem((2, ROWS, d), dt), _smem((2, stages, bk, d), dt), _smem((stages, bk, 2 * d), dt),
+         _smem((ROWS, 2 * d), dt), plgpu.SMEM((4, ROWS), jnp.float32),
+         plgpu.SMEM((2, ROWS), i32) if has_seg else None,
+         plgpu.SMEM((stages, bk), i32) if has_seg else None),
+        (plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_barriers=2 * stages),
+         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+         plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_barriers=1),
+         plgpu.Barrier(num_arrivals=2, num_barriers=1) if tiles.pingpong else None),
+    ]
 
 
-def dkv_smem(d: int, tiles: Tiles, wgs: int, split: bool = False, itemsize: int = 2) -> int:
-    """K1, K2 (64 × d) and V (64 × 2d) per warpgroup (once when `split`); the Q1, Q2, dO ring
-    with lse, δ; vectors."""
-    bq = tiles.block_q_dkv
+def _dq_scratch(d: int, tiles: Tiles, wgs: int, dt, has_seg: bool) -> list:
+    """[buffers, barriers]: per warpgroup Q1, Q2 (64 × d), dO (64 × 2d), lse/δ, λ and segment
+    vectors; the K1, K2 (bk × d) and V (bk × 2d) rings, segment ring."""
+    bk, stages = tiles.block_kv_dq, tiles.stages
+    i32 = jnp.int32
+    return [
+        (_smem((wgs, 2, ROWS, d), dt), _smem((wgs, ROWS, 2 * d), dt),
+         # K1 and K2 rings as two buffers: jax 0.11 cannot lower a wgmma accumulation
+         # (`run_state`) whose operand ref is indexed by a Python int
+         (_smem((stages, bk, d), dt),) * 2, _smem((stages, bk, 2 * d), dt),
+         plgpu.SMEM((wgs, 4, ROWS), jnp.float32), plgpu.SMEM((wgs, ROWS), jnp.float32),
+         plgpu.SMEM((wgs, ROWS), i32) if has_seg else None,
+         plgpu.SMEM((stages, bk), i32) if has_seg else None),
+        (plgpu.Barrier(num_barriers=7 * wgs), plgpu.Barrier(num_barriers=2 * stages),
+         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
+    ]
+
+
+def _dkv_scratch(d: int, tiles: Tiles, wgs: int, split: bool, dt, has_seg: bool) -> list:
+    """[buffers, barriers]: K1, K2 (64 × d) and V (64 × 2d) per warpgroup (once when `split`);
+    the Q1, Q2 (bq × d) and dO (bq × 2d) rings with lse, δ; λ and segment vectors."""
+    bq, stages = tiles.block_q_dkv, tiles.stages
     copies = 1 if split else wgs
-    return itemsize * (copies * 4 * ROWS * d + tiles.stages * 4 * bq * d) + 4 * (
-        wgs * ROWS + tiles.stages * 5 * bq + bq)
+    i32 = jnp.int32
+    return [
+        (_smem((copies, 2, ROWS, d), dt), _smem((copies, ROWS, 2 * d), dt),
+         (_smem((stages, bq, d), dt),) * 2, _smem((stages, bq, 2 * d), dt),  # Q1, Q2 rings
+         plgpu.SMEM((stages, 4, bq), jnp.float32), plgpu.SMEM((wgs, bq), jnp.float32),
+         plgpu.SMEM((wgs, ROWS), i32) if has_seg else None,
+         plgpu.SMEM((stages, bq), i32) if has_seg else None),
+        (plgpu.Barrier(num_barriers=5 * wgs), plgpu.Barrier(num_barriers=2 * stages),
+         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2 * stages),
+         plgpu.Barrier(num_barriers=stages),
+         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+         *([plgpu.Barrier(num_arrivals=2, num_barriers=1)] if split else [])),
+    ]
+
+
+def _smem_bytes(scratch, *, reduces: bool) -> int:
+    """Bytes of shared memory Pallas allocates for `scratch`: each buffer from a 1 KiB boundary
+    (`SMEM_ALIGN`), 8 bytes a barrier, plus the compiler's reduction scratch when the kernel body
+    reduces over a register tile (the forward's row max and sum)."""
+    if scratch is None:
+        return 0
+    if isinstance(scratch, (list, tuple)):
+        return sum(_smem_bytes(x, reduces=False) for x in scratch) + (
+            _PARAMS.reduction_scratch_bytes if reduces else 0)
+    if isinstance(scratch, plgpu.Barrier):
+        n = scratch.num_barriers  # a count, or a shape (jax normalises it to one)
+        return BARRIER_BYTES * (math.prod(n) if isinstance(n, tuple) else n)
+    size = math.prod(scratch.shape) * jnp.dtype(scratch.dtype).itemsize
+    return -(-size // SMEM_ALIGN) * SMEM_ALIGN
+
+
+# Plans use bf16 and segment ids (a few KiB more than without), so a tile that fits is valid for
+# every call the kernel takes.
+def fwd_smem(d: int, tiles: Tiles, has_seg: bool = True) -> int:
+    """Shared memory of the forward kernel (`_fwd_scratch`)."""
+    return _smem_bytes(_fwd_scratch(d, tiles, jnp.bfloat16, has_seg), reduces=True)
+
+
+def dq_smem(d: int, tiles: Tiles, wgs: int, has_seg: bool = True) -> int:
+    """Shared memory of the dQ kernel with `wgs` compute warpgroups (`_dq_scratch`)."""
+    return _smem_bytes(_dq_scratch(d, tiles, wgs, jnp.bfloat16, has_seg), reduces=False)
+
+
+def dkv_smem(d: int, tiles: Tiles, wgs: int, split: bool = False, has_seg: bool = True) -> int:
+    """Shared memory of the dK/dV kernel (`_dkv_scratch`)."""
+    return _smem_bytes(_dkv_scratch(d, tiles, wgs, split, jnp.bfloat16, has_seg), reduces=False)
 
 
 def dkv_registers(d: int, bq: int, split: bool) -> int:
@@ -171,8 +258,8 @@ def warpgroups(d: int, tiles: Tiles) -> tuple[int, int, bool]:
     """(dQ's compute warpgroups, dK/dV's compute warpgroups, whether dK/dV splits its rows'
     accumulators across two of them). Two warpgroups where shared memory holds them, else one.
 
-    dK/dV "auto": "rows" while `dkv_registers` fits the 232 registers of two compute warpgroups
-    (240 of one), else "split" where shared memory holds it. Raises a ValueError naming the tile
+    dK/dV "auto": "rows" while `dkv_registers` fits `compute_registers` (232 with two compute
+    warpgroups, 256 with one), else "split" where shared memory holds it. Raises a ValueError naming the tile
     when even the smallest plan does not fit.
     """
     tiles.check()
@@ -186,7 +273,7 @@ def warpgroups(d: int, tiles: Tiles) -> tuple[int, int, bool]:
     schedule = tiles.dkv
     if schedule == "auto":
         over = rows is None or dkv_registers(d, tiles.block_q_dkv, False) > (
-            232 if rows == 2 else 240)
+            compute_registers(rows))
         schedule = "split" if over and split_fits else "rows"
     if schedule == "split":
         if not split_fits:
@@ -282,16 +369,6 @@ def _bcast_cols(x, shape):
     return lax.broadcast_in_dim(x, shape, (1,))
 
 
-def _smem(shape, dtype):
-    """A shared-memory buffer; 2-D bf16/fp16 tiles (wgmma operands) tiled and swizzled."""
-    if len(shape) >= 2 and jnp.dtype(dtype).itemsize == 2:
-        bits = shape[-1] * 16
-        swizzle = plgpu.find_swizzle(bits)
-        transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
-        return plgpu.SMEM(shape, dtype, transforms=transforms)
-    return plgpu.SMEM(shape, dtype)
-
-
 _KERNEL_ARGS = set(inspect.signature(plgpu.kernel).parameters)
 
 
@@ -306,19 +383,26 @@ def _kernel(body, *, out, scratch, grid, names, threads, interpret, name):
     elif interpret:
         kw["interpret"] = interpret
     return plgpu.kernel(body, grid=grid, grid_names=names, num_threads=threads,
-                        thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+                        thread_name="wg", compiler_params=_PARAMS,
                         kernel_name=name, **kw)
 
 
+def compute_registers(wgs: int) -> int:
+    """Registers a thread of each of `wgs` compute warpgroups gets (`setmaxnreg`): a lane's 512
+    of the 64K register file at 128 threads a warpgroup, less the producer's
+    `PRODUCER_REGISTERS`, shared out in multiples of 8 and capped at 256 (255 addressable): 232
+    with two, 256 with one. setmaxnreg.inc below what a thread already holds is undefined, and
+    a thread of a 256-thread CTA may start with up to 255."""
+    return min(256, (512 - PRODUCER_REGISTERS) // wgs // 8 * 8)
+
+
 def _compute_registers(wgs: int) -> None:
-    """A compute warpgroup's registers beside the 40 of the producer: 232 a thread with two
-    compute warpgroups, 240 with one (`setmaxnreg` counts in multiples of 8)."""
-    plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+    plgpu.set_max_registers(compute_registers(wgs), action="increase")
 
 
 def _producer(n_steps, issue, consumed, stages):
     """The TMA warpgroup: fill `stages` slots, refill slot s % stages once consumed, drain."""
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
     for t in range(stages):
         @pl.when(t < n_steps)
         def _():
@@ -528,16 +612,7 @@ def fwd(q, k, v, lam, q_seg, kv_seg, *, causal: bool, tiles: Tiles, interpret: A
                              ops=_Ops(bool(interpret)))
     out = [jax.ShapeDtypeStruct((b, tp, h, 2 * d), dt), jax.ShapeDtypeStruct((b, tp, h, 2 * d), dt),
            jax.ShapeDtypeStruct((b, h, 2, tp), jnp.float32)]
-    scratch = [
-        (_smem((2, ROWS, d), dt), _smem((2, stages, bk, d), dt), _smem((stages, bk, 2 * d), dt),
-         _smem((ROWS, 2 * d), dt), plgpu.SMEM((4, ROWS), jnp.float32),
-         plgpu.SMEM((2, ROWS), jnp.int32) if has_seg else None,
-         plgpu.SMEM((stages, bk), jnp.int32) if has_seg else None),
-        (plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_barriers=2 * stages),
-         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-         plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_barriers=1),
-         plgpu.Barrier(num_arrivals=2, num_barriers=1) if tiles.pingpong else None),
-    ]
+    scratch = _fwd_scratch(d, tiles, dt, has_seg)
     o, o2, lse = _kernel(body, out=out, scratch=scratch, grid=(b, h, tp // ROWS),
                          names=("b", "h", "q"), threads=3, interpret=interpret,
                          name="diff_flash_fwd")(*args)
@@ -782,7 +857,6 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, causal: bool, tiles: Til
     wgs_dq, wgs_dkv, split = warpgroups(d, tiles)
     bk, bq, stages = tiles.block_kv_dq, tiles.block_q_dkv, tiles.stages
     rows_dkv = ROWS if split else ROWS * wgs_dkv  # kv rows of a dK/dV CTA
-    kv_copies = 1 if split else wgs_dkv  # K1, K2, V in shared memory
     tp = _round_up(t, math.lcm(ROWS * wgs_dq, bq))
     sp = _round_up(s, math.lcm(rows_dkv, bk))
     has_seg = q_seg is not None
@@ -792,24 +866,12 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, causal: bool, tiles: Til
     segs = [_pad_rows(q_seg, tp), _pad_rows(kv_seg, sp)] if has_seg else []
     dt = q.dtype
     ops = _Ops(bool(interpret))
-    i32 = jnp.int32
 
     dq = _kernel(
         functools.partial(_dq_body, causal=causal, has_seg=has_seg, d=d, bk=bk, stages=stages,
                           wgs=wgs_dq, n_rep=n_rep, kv_len=s, n_kv=sp // bk, ops=ops),
         out=jax.ShapeDtypeStruct(q.shape, dt),
-        scratch=[
-            (_smem((wgs_dq, 2, ROWS, d), dt), _smem((wgs_dq, ROWS, 2 * d), dt),
-             # K1 and K2 rings as two buffers: jax 0.11 cannot lower a wgmma accumulation
-             # (`run_state`) whose operand ref is indexed by a Python int
-             (_smem((stages, bk, d), dt),) * 2, _smem((stages, bk, 2 * d), dt),
-             plgpu.SMEM((wgs_dq, 4, ROWS), jnp.float32), plgpu.SMEM((wgs_dq, ROWS), jnp.float32),
-             plgpu.SMEM((wgs_dq, ROWS), i32) if has_seg else None,
-             plgpu.SMEM((stages, bk), i32) if has_seg else None),
-            (plgpu.Barrier(num_barriers=7 * wgs_dq), plgpu.Barrier(num_barriers=2 * stages),
-             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_arrivals=wgs_dq, num_barriers=stages)),
-        ],
+        scratch=_dq_scratch(d, tiles, wgs_dq, dt, has_seg),
         grid=(b, h, tp // (ROWS * wgs_dq)), names=("b", "h", "q"), threads=wgs_dq + 1,
         interpret=interpret, name="diff_flash_dq",
     )(q, k, v, do, lse, delta, jnp.full((ROWS,), lam, jnp.float32), *segs)
@@ -819,18 +881,7 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, causal: bool, tiles: Til
                           wgs=wgs_dkv, split=split, cta_rows=rows_dkv, n_rep=n_rep,
                           n_q=tp // bq, ops=ops),
         out=[jax.ShapeDtypeStruct(k.shape, dt), jax.ShapeDtypeStruct(v.shape, dt)],
-        scratch=[
-            (_smem((kv_copies, 2, ROWS, d), dt), _smem((kv_copies, ROWS, 2 * d), dt),
-             (_smem((stages, bq, d), dt),) * 2, _smem((stages, bq, 2 * d), dt),  # Q1, Q2 rings
-             plgpu.SMEM((stages, 4, bq), jnp.float32), plgpu.SMEM((wgs_dkv, bq), jnp.float32),
-             plgpu.SMEM((wgs_dkv, ROWS), i32) if has_seg else None,
-             plgpu.SMEM((stages, bq), i32) if has_seg else None),
-            (plgpu.Barrier(num_barriers=5 * wgs_dkv), plgpu.Barrier(num_barriers=2 * stages),
-             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2 * stages),
-             plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_arrivals=wgs_dkv, num_barriers=stages),
-             *([plgpu.Barrier(num_arrivals=2, num_barriers=1)] if split else [])),
-        ],
+        scratch=_dkv_scratch(d, tiles, wgs_dkv, split, dt, has_seg),
         grid=(b, hkv, sp // rows_dkv), names=("b", "g", "kv"), threads=wgs_dkv + 1,
         interpret=interpret, name="diff_flash_dkdv",
     )(q, k, v, do, lse, delta, jnp.full((bq,), lam, jnp.float32), *segs)

@@ -14,6 +14,7 @@ swizzles, TMA slices) on this machine; only ptxas and the run itself need the GP
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ import pytest
 from jax import export
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # no public API in 0.10.2
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
 import kernels
 from kernels import BlockSizes, flash, flash_mgpu, hopper
@@ -101,6 +103,56 @@ def test_cuda_export_before_hopper_lowers_triton_kernels():
     with kernels.gpu_target("8.0"):
         text = _cuda_export(*_abstract())
     assert text.count(TRITON) == 3 and MOSAIC not in text
+
+
+def _lowered_smem(fn, args, limit):
+    """The shared-memory bytes Mosaic GPU's lowering of `fn` reports against an artificial
+    per-CTA `limit` (its own test hook), or None when every kernel fits it."""
+    with mosaic_gpu_core.artificial_shared_memory_limit(limit):
+        try:
+            export.export(jax.jit(fn), platforms=["cuda"])(*args)
+        except ValueError as e:
+            found = re.search(r"smem_bytes=(\d+) >", str(e))
+            if found is None:
+                raise
+            return int(found[1])
+    return None
+
+
+@pytest.mark.parametrize("d,tiles,seg", [
+    (64, flash_mgpu.Tiles(64, 64, 64, 3, dkv="split"), True),  # bigger dQ; split dK/dV
+    (128, flash_mgpu.Tiles(64, 64, 64, 2, dkv="rows", pingpong=False), False)])  # bigger dK/dV
+def test_shared_memory_plans_are_what_the_lowering_allocates(d, tiles, seg):
+    """`warpgroups` judges tiles by plans built from the kernels' own scratch lists; each plan
+    is the exact byte count the real lowering allocates (1 KiB-aligned buffers, barriers, the
+    forward's reduction scratch): one byte less is refused with that count. A plan that summed
+    the buffers alone (the first version) accepted tiles the lowering refuses."""
+    wgs_dq, wgs_dkv, split = flash_mgpu.warpgroups(d, tiles)
+    sd = jax.ShapeDtypeStruct
+    b, t = 1, 256
+    q, k, v = (sd((b, t, 2, d), jnp.bfloat16), sd((b, t, 2, d), jnp.bfloat16),
+               sd((b, t, 1, 2 * d), jnp.bfloat16))
+    ids = sd((b, t), jnp.int32)
+
+    def fwd(q, k, v, q_seg, kv_seg):
+        segs = (q_seg, kv_seg) if seg else (None, None)
+        return flash_mgpu.fwd(q, k, v, 0.5, *segs, causal=True, tiles=tiles)
+
+    def bwd(q, k, v, q_seg, kv_seg, do, lse, delta):
+        segs = (q_seg, kv_seg) if seg else (None, None)
+        return flash_mgpu.bwd(q, k, v, 0.5, *segs, do, lse, delta, causal=True, tiles=tiles)
+
+    plan = flash_mgpu.fwd_smem(d, tiles, seg)
+    assert _lowered_smem(fwd, (q, k, v, ids, ids), plan - 1) == plan
+    plan = max(flash_mgpu.dq_smem(d, tiles, wgs_dq, seg),
+               flash_mgpu.dkv_smem(d, tiles, wgs_dkv, split, seg))
+    stats = sd((b, 1, 2, t), jnp.float32)
+    assert _lowered_smem(bwd, (q, k, v, ids, ids, sd((b, t, 1, 2 * d), jnp.bfloat16), stats,
+                               stats), plan - 1) == plan
+    # the buffers alone fit 227 KiB, the allocation does not
+    over = flash_mgpu.Tiles(128, 64, 64, 3)
+    with pytest.raises(ValueError, match=r"block_kv=128 with stages=3 needs 230 KiB .* at d=64"):
+        flash_mgpu.warpgroups(64, over)
 
 
 def test_gpu_target_and_dispatch_rule():

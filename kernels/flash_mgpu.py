@@ -37,8 +37,8 @@ compute warpgroups, 256 with one): forward d (the 64 × 2d accumulator) plus bk/
 tile; dQ d (dQ1 + dQ2) plus bk/2 for each of dP, S, dS; dK/dV 2d (dK1 + dK2 + dV) with "rows", d
 with "split", plus bq/2 for each of dPᵀ, Sᵀ, dSᵀ (`dkv_registers`): "rows" is over budget from
 d = 96 or bq = 128, where "auto" takes "split" (ptxas would spill). These register counts are
-plans from arithmetic (the split schedule's dK warpgroup also holds P1ᵀ and P2ᵀ together, a
-fourth bq/2); ptxas decides. Shared memory per CTA is exact: `fwd_smem`, `dq_smem` and
+plans from arithmetic (the split schedule's dK warpgroup forms dS1ᵀ before P2ᵀ, so it never
+holds both P tiles); ptxas decides. Shared memory per CTA is exact: `fwd_smem`, `dq_smem` and
 `dkv_smem` count each kernel's own scratch list (`_fwd_scratch`, ...) as the lowering allocates
 it (every buffer from a 1 KiB boundary, 8 bytes a barrier, the forward's reduction scratch;
 tested against the lowering's own count), at most 227 KiB: d = 64 runs two compute warpgroups
@@ -773,23 +773,29 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, cta_rows, n_rep
                     qs = ops.vector(qs_r.at[slot], 1)
                 mask = _mask(ops, (ROWS, bq), i * bq, row0, causal=causal, qs=qs, ks=ks,
                              kv_len=None, transposed=True)
-            pts = []
+            def dk_step(c, pt):  # dK_c += dS_cᵀ·Q_c, dS_cᵀ = P_cᵀ∘(coef_c·dP1ᵀ − δ_c)
+                delta = _bcast_cols(ops.vector(st_r.at[slot, 2 + c], 1), dpt.shape)
+                dsc = pt * ((dpt if c == 0 else -_bcast_cols(lam, dpt.shape) * dpt) - delta)
+                return ops.dot(dsc.astype(dt), q_r[c].at[slot], acc=dks[c])
+
+            pts, new = [], []
             for c in range(2):
                 plgpu.barrier_wait(q_bar.at[c * stages + slot])
                 st = ops.dot(k_s.at[own, c], q_r[c].at[slot], transpose_b=True) * (scale * LOG2E)
                 if mask is not None:
                     st = jnp.where(mask, st, MASKED)
                 lse = ops.vector(st_r.at[slot, c], 1) * LOG2E
-                pts.append(jnp.exp2(st - _bcast_cols(lse, st.shape)))
-            lam2 = _bcast_cols(lam, (ROWS, bq))
+                pt = jnp.exp2(st - _bcast_cols(lse, st.shape))
+                if role == "k":  # dS_c at once: P1ᵀ is dead before P2ᵀ is formed
+                    new.append(dk_step(c, pt))
+                else:
+                    pts.append(pt)
             if role != "k":
-                dv = ops.dot((pts[0] - lam2 * pts[1]).astype(dt), do_r.at[slot], acc=dv)
+                pdiff = pts[0] - _bcast_cols(lam, pts[1].shape) * pts[1]  # P1ᵀ − λ·P2ᵀ
+                dv = ops.dot(pdiff.astype(dt), do_r.at[slot], acc=dv)
+            if role is None:
+                new = [dk_step(c, pts[c]) for c in range(2)]
             if role != "v":
-                new = []
-                for c in range(2):
-                    delta = _bcast_cols(ops.vector(st_r.at[slot, 2 + c], 1), dpt.shape)
-                    dsc = pts[c] * ((dpt if c == 0 else -lam2 * dpt) - delta)
-                    new.append(ops.dot(dsc.astype(dt), q_r[c].at[slot], acc=dks[c]))
                 dks = tuple(new)
             plgpu.barrier_arrive(consumed.at[slot])
             return dks, dv

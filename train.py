@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 from diff_jax.config import ConfigError, load_config
-from diff_jax.file_errors import describe
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 
@@ -35,9 +34,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Imported after parsing so that jax.distributed.initialize is the first JAX call.
     from diff_jax import aot, train_loop
-    from diff_jax.checkpoint import CheckpointError
-    from diff_jax.data import DataError
-    from diff_jax.sharding import ShardingError
 
     try:
         if config.train.compile_only:
@@ -45,16 +41,9 @@ def main(argv: list[str] | None = None) -> int:
             aot.report(config)
             return 0
         train_loop.run(config)
-    except (ConfigError, DataError, ShardingError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # the file system refused; checkpoints already saved are complete
+    except train_loop.RUN_ERRORS as e:
         run_dir = config.train.run_dir
-        print(f"error: {describe(e, [(f'train.run_dir={run_dir}', run_dir)])}", file=sys.stderr)
-        return 2
-    except train_loop.NonFiniteLossError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return train_loop.report(e, [(f"train.run_dir={run_dir}", run_dir)])
     return 0
 
 

@@ -1,6 +1,7 @@
 """One line for a file-system error (`OSError`) at a command line's boundary: the argument it
-concerns, the file and the reason. Used by train.py, eval.py and `python -m diff_jax.export`,
-which report it as bad input (exit status 2)."""
+concerns, the file and the reason. Used by every command line (train.py and the replication
+through `train_loop.report`, eval.py, the export and import, `python -m diff_jax.data`), which
+report it as bad input (exit status 2)."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import fcntl
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,7 +32,8 @@ from diff_jax.config import Config, ConfigError, DistributedConfig, dump_config
 from diff_jax.data.heldout import HeldOut
 from diff_jax.export.init_from import initial_params
 from diff_jax.metrics import MetricsWriter, Progress, mfu
-from diff_jax.sharding import check_process_rows, make_mesh
+from diff_jax.file_errors import describe
+from diff_jax.sharding import ShardingError, check_process_rows, make_mesh
 from diff_jax.step import TrainState, build_steps
 from diff_jax.summary import flops_per_token
 
@@ -41,6 +43,21 @@ LOCK_FILE = "train.lock"  # in train.run_dir: held by the training process while
 
 class NonFiniteLossError(RuntimeError):
     """The loss or the updated state became NaN/inf; the run stopped without saving that step."""
+
+
+# What a training command reports in one line instead of a traceback (`report`).
+BAD_INPUT = (ConfigError, data.DataError, ShardingError, checkpoint.CheckpointError)
+RUN_ERRORS = (*BAD_INPUT, OSError, NonFiniteLossError)
+
+
+def report(error: BaseException, named: list[tuple[str, str]]) -> int:
+    """Print `error` (one of `RUN_ERRORS`) as one `error:` line on stderr and return the exit
+    status: 2 bad input (a file-system error labelled by the user's path it concerns,
+    `file_errors.describe` over `named`), 1 a run that diverged. Checkpoints already saved are
+    complete either way."""
+    text = describe(error, named) if isinstance(error, OSError) else str(error)
+    print(f"error: {text}", file=sys.stderr)
+    return 1 if isinstance(error, NonFiniteLossError) else 2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -152,7 +152,7 @@ def test_training_never_reads_a_validation_document(tmp_path):
     val = {int(t) for b in inputs.validation.batches for t in b["targets"].ravel()}
     assert len(seen) > 0.9 * len(inputs.corpus.tokens) and len(val) == inputs.validation.tokens
     assert not seen & val
-    starts, ends = corpus.doc_starts[:-1], corpus.doc_starts[1:]
+    starts = corpus.doc_starts[:-1]
     doc_of = lambda t: int(np.searchsorted(starts, t, side="right")) - 1  # noqa: E731
     assert not {doc_of(t) for t in seen} & {doc_of(t) for t in val}
     assert inputs.validation.documents == len({doc_of(t) for t in val})

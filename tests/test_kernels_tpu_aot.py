@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,

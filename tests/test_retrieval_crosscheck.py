@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from diff_jax import recall
 from diff_jax.config import Config, ModelConfig, TrainConfig
 from diff_jax.data import encoding
 from diff_jax.evaluation import recall as recall_task

@@ -302,3 +302,21 @@ def test_train_step_benchmark_smoke(tmp_path):
     assert all(r["step_time_s"] > 0 and r["tokens_per_sec"] > 0 for r in result["models"].values())
     assert result["diff_over_transformer_step_time"] > 0 and result["pipeline_over_consumption"] is None
     assert "DIFF / Transformer step time" in out.with_suffix(".md").read_text()
+
+
+def test_report_gives_one_line_and_the_exit_status_by_kind(tmp_path, capsys):
+    """`train_loop.report`, shared by train.py and the replication: 1 for a diverged run, 2 for
+    bad input, a file-system error labelled by the user's path it concerns."""
+    from diff_jax.data import DataError
+
+    named = [("train.run_dir=R", str(tmp_path))]
+    cases = [(train_loop.NonFiniteLossError("non-finite loss (nan)"), 1,
+              "error: non-finite loss (nan)"),
+             (DataError("data.paths: 'x' does not exist"), 2,
+              "error: data.paths: 'x' does not exist"),
+             (OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "m.jsonl")), 2,
+              f"error: train.run_dir=R: {tmp_path / 'm.jsonl'}: No space left on device")]
+    for error, status, line in cases:
+        assert isinstance(error, train_loop.RUN_ERRORS)
+        assert train_loop.report(error, named) == status
+        assert capsys.readouterr().err == line + "\n"

@@ -36,15 +36,11 @@ import time
 from pathlib import Path
 
 from diff_jax import data, evaluation, recall, train_loop
-from diff_jax.checkpoint import CheckpointError
-from diff_jax.config import ConfigError
 from diff_jax.evaluation import EvalOptions
 from diff_jax.experiments import lm_report, recall_report
 from diff_jax.experiments.layout import eval_json, recall_cell_name, run_dir
 from diff_jax.experiments.presets import (PRESETS, VARIANTS, Preset, RecallPreset, check_matched,
                                           corpus_dir)
-from diff_jax.file_errors import describe
-from diff_jax.sharding import ShardingError
 
 
 def lm_jobs(preset: Preset) -> list[tuple[str, EvalOptions]]:
@@ -300,15 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or f"runs/replicate-{preset.name}")
     try:
         results = replicate(preset, seeds, out, args.jobs)
-    except (ConfigError, data.DataError, ShardingError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # DIR cannot be made or written; what is saved stays, re-run resumes
-        print(f"error: {describe(e, [(f'--out {out}', out)])}", file=sys.stderr)
-        return 2
-    except train_loop.NonFiniteLossError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except train_loop.RUN_ERRORS as e:  # what is saved stays; re-running resumes
+        return train_loop.report(e, [(f"--out {out}", str(out))])
     print(f"wrote {out / 'results.md'}, {out / 'results.json'} and {len(results['plots'])} plots")
     return 0
 

@@ -4,6 +4,7 @@ recall pipeline on a shrunken `cpu-recall`, and the paired differences the repor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -28,7 +29,6 @@ def test_v2_shape_matches_diff_attention_parameters():
 
 
 def test_check_matched_rejects_unmatched_models(monkeypatch):
-    import dataclasses
 
     micro = presets.PRESETS["micro"]
     small_vocab = dataclasses.replace(micro, shared=(*micro.shared, "model.vocab_size=256"))
@@ -159,7 +159,6 @@ def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):
     """A shrunken cpu-recall (4 steps, one seed, both inits), its models trained two at a time in
     pinned processes: every cell and model in results.json, the learning curve at each
     checkpoint, the claims in results.md, and one model the same as a serial run of it."""
-    import dataclasses
     import os
 
     full = presets.PRESETS["cpu-recall"]
@@ -212,7 +211,6 @@ def test_prepared_corpus_is_the_corpus_the_runs_would_load_and_refuses_repeats(t
     """The runs read the seed's corpus as `prepare_corpus` wrote it: the same tokens, documents
     and validation split as loading the preset's `data` section with that seed; a preset that
     would read a training row twice is refused before anything is written."""
-    import dataclasses
 
     from diff_jax import data
 
@@ -269,12 +267,37 @@ def test_an_output_directory_that_cannot_be_made_is_one_error_line(tmp_path, cap
     assert capsys.readouterr().err == f"error: --out {out}: {out}: Not a directory\n"
 
 
-def test_side_by_side_names_a_failed_run_and_starts_nothing_after_it(tmp_path):
+def test_side_by_side_names_a_failed_run_and_starts_nothing_after_it(tmp_path, capfd):
+    """A worker's unexpected error (a bug) is its traceback and exit 1; bad input is its one
+    `error:` line and exit 2, which makes the whole replication's status 2."""
     micro = presets.PRESETS["micro"]
     runs = [("no-such-variant", 0, "scaled"), ("also-unknown", 0, "scaled")]
-    with pytest.raises(RuntimeError, match=r"micro: no-such-variant-scaled-s0 \(exit 1\) failed "
-                                           r"\(traceback above\); 1 run\(s\) not started"):
+    with pytest.raises(replicate.RunsFailed, match=r"micro: no-such-variant-scaled-s0 \(exit 1\) "
+                                                   r"failed \(its output above says why\); "
+                                                   r"1 run\(s\) not started") as failed:
         replicate.side_by_side(micro, runs, tmp_path, replicate.cpu_shares(1))
+    assert failed.value.status == 1
+    assert "Traceback" in capfd.readouterr().err
+
+    bad = dataclasses.replace(micro, shared=(*micro.shared, "train.steps=0"))
+    with pytest.raises(replicate.RunsFailed, match=r"micro: diff-scaled-s0 \(exit 2\) failed "
+                                                   r"\(its output above says why\); "
+                                                   r"1 run\(s\) not started") as failed:
+        replicate.side_by_side(bad, [("diff", 0, "scaled"), ("transformer", 0, "scaled")],
+                               tmp_path, replicate.cpu_shares(1))
+    assert failed.value.status == 2
+    assert capfd.readouterr().err == "error: train.steps: must be positive\n"
+
+
+@pytest.mark.parametrize("status", [1, 2])
+def test_failed_side_by_side_runs_are_one_error_line_with_their_status(tmp_path, capsys,
+                                                                      monkeypatch, status):
+    def fails(preset, seeds, out, jobs):
+        raise replicate.RunsFailed("micro: diff-scaled-s0 (exit 9) failed", status)
+
+    monkeypatch.setattr(replicate, "replicate", fails)
+    assert replicate.main(["--preset", "micro", "--out", str(tmp_path)]) == status
+    assert capsys.readouterr().err == "error: micro: diff-scaled-s0 (exit 9) failed\n"
 
 
 @pytest.mark.parametrize("variant", presets.VARIANTS)

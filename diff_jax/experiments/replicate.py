@@ -217,9 +217,22 @@ def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init:
     import jax
 
     if jax.default_backend() != "cpu":
-        raise RuntimeError(f"--jobs > 1 trains models side by side on CPU cores, but JAX's "
-                           f"default backend here is {jax.default_backend()}: use --jobs 1")
-    _train_and_evaluate_one(preset, variant, seed, init, out)
+        print(f"error: --jobs > 1 trains models side by side on CPU cores, but JAX's default "
+              f"backend here is {jax.default_backend()}: use --jobs 1", file=sys.stderr)
+        sys.exit(2)
+    try:
+        _train_and_evaluate_one(preset, variant, seed, init, out)
+    except train_loop.RUN_ERRORS as e:  # one line, as the serial path; the exit status tells why
+        sys.exit(train_loop.report(e, [(f"--out {out}", str(out))]))
+
+
+class RunsFailed(RuntimeError):
+    """Runs of `side_by_side` that failed; `status` is the exit status for them all: 2 when any
+    failed on bad input (its worker exited 2), else 1."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]], out: Path,
@@ -228,8 +241,9 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
     at a time (`cpu_shares`), each in a spawned process pinned to its share.
 
     After a run fails no new one starts; those running finish (each checkpoints as it goes), then
-    RuntimeError names the failed runs (their tracebacks are in the output above). Re-running
-    resumes, as the serial path does.
+    `RunsFailed` names the failed runs with their exit status (each worker has printed why: one
+    `error:` line for a `train_loop.RUN_ERRORS`, else a traceback). Re-running resumes, as the
+    serial path does.
     """
     spawn = multiprocessing.get_context("spawn")
     pending, free = list(runs), list(range(len(shares)))
@@ -246,10 +260,12 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
             process.join()
             free.append(slot)
             if process.exitcode != 0:
-                failed.append(f"{run_dir(out, run[0], run[1], run[2]).name} (exit {process.exitcode})")
+                failed.append((run_dir(out, run[0], run[1], run[2]).name, process.exitcode))
     if failed:
-        raise RuntimeError(f"{preset.name}: {', '.join(failed)} failed (traceback above); "
-                           f"{len(pending)} run(s) not started; re-run to resume")
+        names = ", ".join(f"{name} (exit {code})" for name, code in failed)
+        raise RunsFailed(f"{preset.name}: {names} failed (its output above says why); "
+                         f"{len(pending)} run(s) not started; re-run to resume",
+                         2 if any(code == 2 for _, code in failed) else 1)
 
 
 def _jobs(text: str) -> int:
@@ -271,7 +287,7 @@ def _jobs(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The command line above; returns the exit status: 0, 2 on bad input (config, data, a
     refused checkpoint, a file that cannot be written in DIR: one `error:` line, as train.py),
-    1 when a model diverged."""
+    1 when a model diverged (or, with --jobs > 1, a model's process failed otherwise)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
     parser.add_argument("--seeds", type=int, default=None,
@@ -298,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         results = replicate(preset, seeds, out, args.jobs)
     except train_loop.RUN_ERRORS as e:  # what is saved stays; re-running resumes
         return train_loop.report(e, [(f"--out {out}", str(out))])
+    except RunsFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.status
     print(f"wrote {out / 'results.md'}, {out / 'results.json'} and {len(results['plots'])} plots")
     return 0
 

@@ -2,8 +2,9 @@
 
 With no arguments it trains configs/tiny.yaml on the embedded default corpus. Re-running with the
 same train.run_dir resumes from its newest checkpoint that verifies (checkpoint.resume_step=N for
-another). train.compile_only=true (with train.compile_topology=v5p:4x4x4 and libtpu installed)
-compiles for a TPU slice instead. Exit status: 0 done, 2 bad input (config, data, sharding, a
+another). train.compile_only=true compiles the step instead, for the local devices or, with
+train.compile_topology, for a TPU slice (v5p:4x4x4, libtpu installed) or H100s (h100:8, the
+cuda-aot extra installed). Exit status: 0 done, 2 bad input (config, data, sharding, a
 refused or damaged checkpoint, a file that cannot be read or written, e.g. in train.run_dir; the
 same as eval.py and python -m diff_jax.export), 1 diverged.
 """

@@ -57,7 +57,7 @@ def _verdict(r: dict) -> str:
 
 
 def _tflops(r: dict) -> str:
-    return f"{r['flops_per_chip'] / 1e12:.1f}" if "flops_per_chip" in r else "not measured"
+    return f"{r['flops_per_chip'] / 1e12:.1f}" if r.get("flops_per_chip") else "not measured"
 
 
 def table(results: list[dict]) -> list[str]:

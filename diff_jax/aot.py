@@ -1,14 +1,19 @@
-"""Ahead-of-time compilation of the sharded train step, for local devices or a TPU slice.
+"""Ahead-of-time compilation of the sharded train step, for local devices, a TPU slice or GPUs.
 
 `train.compile_only=true train.compile_topology=v5p:4x4x4` compiles on a CPU machine for a slice
-you do not have (needs libtpu: `pip install "jax[tpu]"`) and reports per-chip memory against HBM
-and per-chip FLOPs of one step, for the attention implementation the run would use. The step is
-the training loop's own (`diff_jax.step.build_steps`), lowered on abstract arguments.
+you do not have (needs libtpu: `pip install "jax[tpu]"`); `train.compile_topology=h100:8` does the
+same for eight H100s in one host (needs the CUDA plugin and ptxas, not a GPU: the `cuda-aot`
+extra), which compiles the Mosaic GPU kernels to sm_90a machine code as a GPU run would. Either
+reports per-device memory against the device's memory and per-device FLOPs of one step, for the
+attention implementation the run would use. The step is the training loop's own
+(`diff_jax.step.build_steps`), lowered on abstract arguments.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from typing import Any, Sequence
 
 import jax
@@ -18,15 +23,80 @@ from diff_jax.config import Config, ConfigError
 from diff_jax.platforms import describe_missing_tpu_host
 from diff_jax.sharding import make_mesh
 from diff_jax.step import Batch, Steps, TrainState, build_steps
+from kernels import ptxas
 
-HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
 GiB = 2**30
 
 
-def topology_devices(topology: str) -> list[Any]:
-    """The devices of a TPU slice description such as `v5p:4x4x4` (no TPU needed, libtpu is)."""
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+    """What XLA needs to know of a CUDA GPU to compile for it without one (its target config):
+    the figures the device reports of itself."""
+
+    device_kind: str  # jax's device_kind
+    compute_capability: tuple[int, int]
+    sms: int
+    memory_bytes: int
+    memory_bandwidth: int  # bytes/s
+    l2_bytes: int
+    clock_ghz: float
+
+    def target_config(self) -> str:
+        """XLA's GpuTargetConfigProto of this GPU, as text. Shared memory and registers are
+        sm_90's: 228 KiB an SM, 227 KiB a block (opt-in), 64 Ki 32-bit registers."""
+        major, minor = self.compute_capability
+        return f"""gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 threads_per_core_limit: 2048
+  shared_memory_per_block: 49152 shared_memory_per_block_optin: 232448
+  shared_memory_per_core: 233472 registers_per_core_limit: 65536
+  registers_per_block_limit: 65536 core_count: {self.sms} fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {self.memory_bandwidth} l2_cache_size: {self.l2_bytes}
+  clock_rate_ghz: {self.clock_ghz} device_memory_size: {self.memory_bytes}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 10 }}
+runtime_version {{ major: 13 minor: 0 }}
+device_description_str: "{self.device_kind}"
+"""
+
+
+# `train.compile_topology=NAME:N` compiles for N of these GPUs in one host.
+GPU_TARGETS = {
+    "h100": GpuTarget("NVIDIA H100 80GB HBM3", (9, 0), sms=132, memory_bytes=84_929_347_584,
+                      memory_bandwidth=3_352_320_000_000, l2_bytes=50 * 2**20, clock_ghz=1.98),
+}
+HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30,
+             **{name: gpu.memory_bytes for name, gpu in GPU_TARGETS.items()}}
+
+
+def gpu_devices(topology: str) -> list[Any]:
+    """The devices of `NAME:N` (N GPUs of `GPU_TARGETS[NAME]` in one host), described to XLA
+    without a GPU: needs the CUDA plugin and ptxas (`pip install -e ".[cuda-aot]"`)."""
     from jax.experimental import topologies
 
+    name, _, count = topology.partition(":")
+    if name not in GPU_TARGETS or not re.fullmatch(r"[1-9]\d*", count):
+        raise ConfigError(f"train.compile_topology={topology!r}: expected NAME:N with NAME one "
+                          f"of {sorted(GPU_TARGETS)} and N >= 1 GPUs in one host, e.g. h100:8")
+    try:
+        return list(topologies.get_topology_desc(
+            platform="cuda", topology=f"1x1x{count}",
+            target_config=GPU_TARGETS[name].target_config()).devices)
+    except Exception as e:  # the CUDA plugin missing
+        raise ConfigError(f"train.compile_topology={topology!r}: cannot describe these GPUs "
+                          f"({type(e).__name__}: {e}); it needs the CUDA plugin and ptxas "
+                          "(pip install -e '.[cuda-aot]')") from e
+
+
+def topology_devices(topology: str) -> list[Any]:
+    """The devices of a TPU slice description such as `v5p:4x4x4` (no TPU needed, libtpu is),
+    or of GPUs such as `h100:8` (`gpu_devices`)."""
+    from jax.experimental import topologies
+
+    if topology.split(":")[0] in GPU_TARGETS:
+        return gpu_devices(topology)
     describe_missing_tpu_host(topology)
     try:
         return list(topologies.get_topology_desc(topology, platform="tpu").devices)
@@ -43,19 +113,25 @@ def _abstract_args(config: Config, steps: Steps) -> tuple[TrainState, Batch]:
 
 
 def compile_train_step(config: Config, devices: list[Any] | None = None) -> dict[str, Any]:
-    """Compile the sharded train step for `devices` (default: local); return memory and FLOPs."""
+    """Compile the sharded train step for `devices` (default: local); return memory, FLOPs
+    (None where XLA gives no cost analysis: GPU programs compiled without a GPU) and, for each
+    Mosaic GPU kernel compiled, ptxas's registers and spill bytes (`kernels.ptxas`)."""
     steps = build_steps(config, make_mesh(config.mesh, devices))
+    compiled = []
     with steps.context():
-        compiled = steps.train.lower(*_abstract_args(config, steps)).compile()
+        kernels = ptxas.ptxas_report(lambda: compiled.append(
+            steps.train.lower(*_abstract_args(config, steps)).compile()))
     mesh, model = steps.mesh, steps.model
-    mem = compiled.memory_analysis()
+    mem = compiled[0].memory_analysis()
     args, temp = mem.argument_size_in_bytes, mem.temp_size_in_bytes
     out, alias = mem.output_size_in_bytes, mem.alias_size_in_bytes
     return {
         "devices": len(mesh.devices.flat), "device_kind": mesh.devices.flat[0].device_kind,
         "mesh": dict(mesh.shape), "attention_impl": model.attention_op.impl,
         "argument_gib": args / GiB, "temp_gib": temp / GiB,
-        "peak_gib": (args + temp + out - alias) / GiB, "flops_per_chip": flops_per_chip(compiled),
+        "peak_gib": (args + temp + out - alias) / GiB,
+        "flops_per_chip": flops_per_chip(compiled[0]),
+        "kernels": [dataclasses.asdict(k) for k in kernels],
     }
 
 
@@ -71,15 +147,16 @@ def export_train_step(config: Config, platform: str,
     return exported.mlir_module()
 
 
-def flops_per_chip(compiled: Any) -> float:
-    """FLOPs of one step on one chip from XLA's cost analysis of the partitioned program.
+def flops_per_chip(compiled: Any) -> float | None:
+    """FLOPs of one step on one chip from XLA's cost analysis of the partitioned program, or
+    None where XLA has none (a GPU program compiled without a GPU).
 
     Custom calls count what their kernels declare (the fused kernel's `pl.CostEstimate`).
     """
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax: one dict per partition
-        cost = cost[0]
-    return float(cost.get("flops", 0.0))
+        cost = cost[0] if cost else None
+    return None if cost is None else float(cost.get("flops", 0.0))
 
 
 def report(config: Config) -> dict[str, Any]:

@@ -280,7 +280,7 @@ class TrainConfig:
     profile_start: int = 10  # first step of a jax.profiler trace into <run_dir>/profile
     profile_steps: int = 0  # 0: no trace
     compile_only: bool = False  # AOT-compile the train step, print memory, do not train
-    compile_topology: str | None = None  # e.g. v5p:4x4x4 (needs libtpu); None: local devices
+    compile_topology: str | None = None  # v5p:4x4x4 (libtpu) or h100:8 (cuda-aot); None: local
     init_from: str | None = None  # fine-tune: a fresh run's parameters from an export/run/step dir
 
     def __post_init__(self) -> None:

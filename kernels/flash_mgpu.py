@@ -34,12 +34,17 @@ slot. The producer keeps 40 registers (`setmaxnreg`), compute warpgroups take th
 
 Registers (f32, per thread of a compute warpgroup; budget `compute_registers`: 232 with two
 compute warpgroups, 256 with one): forward d (the 64 × 2d accumulator) plus bk/2 for the score
-tile; dQ d (dQ1 + dQ2) plus bk/2 for each of dP, S, dS; dK/dV 2d (dK1 + dK2 + dV) with "rows", d
-with "split", plus bq/2 for each of dPᵀ, Sᵀ, dSᵀ (`dkv_registers`): "rows" is over budget from
-d = 96 or bq = 128, where "auto" takes "split" (ptxas would spill). These register counts are
-plans from arithmetic (the split schedule's dK warpgroup forms dS1ᵀ before P2ᵀ, so it never
-holds both P tiles); ptxas decides. Shared memory per CTA is exact: `fwd_smem`, `dq_smem` and
-`dkv_smem` count each kernel's own scratch list (`_fwd_scratch`, ...) as the lowering allocates
+tile; dQ d (dQ1 + dQ2) plus bk/2 for each of dP, S, dS; dK/dV 2d (dK1 + dK2 + dV) with "rows"
+plus bq/2 for each of P1ᵀ, P2ᵀ, dPᵀ and P1ᵀ − λ·P2ᵀ, with "split" d plus bq/2 for each of
+dPᵀ, Sᵀ, dSᵀ (the dK warpgroup forms dS1ᵀ before P2ᵀ, so it never holds both P tiles;
+`dkv_registers`): "rows" is over budget at every d, so "auto" takes "split" wherever shared
+memory holds it. These counts leave out addresses, loop state and vectors (a per-query vector in
+dK/dV's transposed tiles costs bq/4 registers, so λ is held along the kv rows); ptxas's own
+report (`kernels.ptxas`, compiled for sm_90a on a CPU by `benchmarks/mosaic_ptxas.py`) is the
+check: benchmarks/results/mosaic_ptxas_sm90a_jax*.md list which kernels spill (at the table's
+tiles, none at d = 64; dQ's masked steps at d = 96; dQ and dK/dV at d = 128). Shared memory per
+CTA is exact: `fwd_smem`, `dq_smem` and `dkv_smem` count each kernel's own scratch list
+(`_fwd_scratch`, ...) as the lowering allocates
 it (every buffer from a 1 KiB boundary, 8 bytes a barrier, the forward's reduction scratch;
 tested against the lowering's own count), at most 227 KiB: d = 64 runs two compute warpgroups
 in every kernel; at d = 128 dQ holds one (`warpgroups`). `benchmarks/attention.py --tune`
@@ -197,7 +202,7 @@ def _dkv_scratch(d: int, tiles: Tiles, wgs: int, split: bool, dt, has_seg: bool)
     return [
         (_smem((copies, 2, ROWS, d), dt), _smem((copies, ROWS, 2 * d), dt),
          (_smem((stages, bq, d), dt),) * 2, _smem((stages, bq, 2 * d), dt),  # Q1, Q2 rings
-         plgpu.SMEM((stages, 4, bq), jnp.float32), plgpu.SMEM((wgs, bq), jnp.float32),
+         plgpu.SMEM((stages, 4, bq), jnp.float32), plgpu.SMEM((wgs, ROWS), jnp.float32),
          plgpu.SMEM((wgs, ROWS), i32) if has_seg else None,
          plgpu.SMEM((stages, bq), i32) if has_seg else None),
         (plgpu.Barrier(num_barriers=5 * wgs), plgpu.Barrier(num_barriers=2 * stages),
@@ -243,9 +248,12 @@ def dkv_smem(d: int, tiles: Tiles, wgs: int, split: bool = False, has_seg: bool 
 
 def dkv_registers(d: int, bq: int, split: bool) -> int:
     """f32 registers a dK/dV compute thread holds at its peak (a 64 × n tile is n/2 a thread):
-    dK1 + dK2 + dV (2d) with "rows", dV or dK1 + dK2 (d) with "split", plus the three score-sized
-    tiles in flight (Sᵀ or Pᵀ, dPᵀ, dSᵀ: bq/2 each)."""
-    return (d if split else 2 * d) + 3 * bq // 2
+    with "rows" dK1 + dK2 + dV (2d) and four score-sized tiles (P1ᵀ and P2ᵀ, both live until
+    P1ᵀ − λ·P2ᵀ is formed for dV, dPᵀ, and that difference or a dSᵀ: bq/2 each); with "split"
+    dV or dK1 + dK2 (d) and three (the dK warpgroup forms dS1ᵀ before P2ᵀ). ptxas agrees where
+    it matters: "rows" spills at d = 64, bq = 64 (2d + 2bq = 256 > 232), "split" does not
+    (benchmarks/results/mosaic_ptxas_sm90a_jax*.md)."""
+    return d + 3 * bq // 2 if split else 2 * d + 2 * bq
 
 
 def _overflow(name: str, tiles: Tiles, need: int, d: int) -> ValueError:
@@ -752,7 +760,8 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, cta_rows, n_rep
                 plgpu.barrier_wait(bar)
         else:
             _load(kv + mine)
-        lam = ops.vector(lam_s.at[wg], 1)
+        # λ along the kv rows: 2 registers a thread (along the bq columns it would be bq/4)
+        lam = ops.vector(lam_s.at[wg], 0)
         ks = ops.vector(ks_s.at[wg], 0) if has_seg else None
 
         def step(i, carry, r, masked):
@@ -775,7 +784,7 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, cta_rows, n_rep
                              kv_len=None, transposed=True)
             def dk_step(c, pt):  # dK_c += dS_cᵀ·Q_c, dS_cᵀ = P_cᵀ∘(coef_c·dP1ᵀ − δ_c)
                 delta = _bcast_cols(ops.vector(st_r.at[slot, 2 + c], 1), dpt.shape)
-                dsc = pt * ((dpt if c == 0 else -_bcast_cols(lam, dpt.shape) * dpt) - delta)
+                dsc = pt * ((dpt if c == 0 else -_bcast_rows(lam, dpt.shape) * dpt) - delta)
                 return ops.dot(dsc.astype(dt), q_r[c].at[slot], acc=dks[c])
 
             pts, new = [], []
@@ -791,7 +800,7 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, cta_rows, n_rep
                 else:
                     pts.append(pt)
             if role != "k":
-                pdiff = pts[0] - _bcast_cols(lam, pts[1].shape) * pts[1]  # P1ᵀ − λ·P2ᵀ
+                pdiff = pts[0] - _bcast_rows(lam, pts[1].shape) * pts[1]  # P1ᵀ − λ·P2ᵀ
                 dv = ops.dot(pdiff.astype(dt), do_r.at[slot], acc=dv)
             if role is None:
                 new = [dk_step(c, pts[c]) for c in range(2)]
@@ -890,5 +899,5 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, causal: bool, tiles: Til
         scratch=_dkv_scratch(d, tiles, wgs_dkv, split, dt, has_seg),
         grid=(b, hkv, sp // rows_dkv), names=("b", "g", "kv"), threads=wgs_dkv + 1,
         interpret=interpret, name="diff_flash_dkdv",
-    )(q, k, v, do, lse, delta, jnp.full((bq,), lam, jnp.float32), *segs)
+    )(q, k, v, do, lse, delta, jnp.full((ROWS,), lam, jnp.float32), *segs)
     return dq[:, :t], dk[:, :s], dv[:, :s]

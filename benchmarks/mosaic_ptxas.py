@@ -1,0 +1,152 @@
+"""Registers and spills of the Mosaic GPU kernels for sm_90a, per head width and tiles: on a CPU.
+
+    pip install -e ".[cuda-aot]"   # the CUDA plugin and ptxas; no GPU
+    python benchmarks/mosaic_ptxas.py [--dims 64 96 128] [--out OUT]
+
+Each kernel (forward, dQ, dK/dV) is compiled for one H100 described to XLA without a GPU
+(`diff_jax.aot.gpu_devices`), through Mosaic GPU's lowering and ptxas, as a GPU run compiles it;
+`kernels.ptxas` reads ptxas's report. Swept per d (bf16, causal): the table's tiles (`kernels.hopper`)
+with and without segment ids, every forward (block_kv, stages, pingpong) and every backward
+(block_kv_dq, block_q_dkv, dK/dV schedule) that `--tune` would try on a GPU. Tiles that shared
+memory refuses are recorded as such. Writes OUT.json and OUT.md (default OUT:
+benchmarks/results/mosaic_ptxas_sm90a_jaxVERSION). A kernel that spills runs its
+inner loop through local memory: the table's tiles should spill nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from diff_jax.aot import gpu_devices  # noqa: E402
+from kernels import flash_mgpu, hopper, ptxas  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "results" / f"mosaic_ptxas_sm90a_jax{jax.__version__}"
+COLS = ["d", "case", "tiles", "seg", "kernel", "registers", "spill_store_bytes",
+        "spill_load_bytes", "notes", "error"]
+
+
+def cases(d: int) -> list[tuple[str, object, bool, tuple[str, ...]]]:
+    """(case, tiles, has_seg, parts) to compile at head width d."""
+    base, _ = hopper.tiles_for(d, jnp.bfloat16, kind="")
+    out = [("table", base, seg, ("fwd", "bwd")) for seg in (False, True)]
+    out += [("fwd", dataclasses.replace(base, block_kv=bk, stages=st, pingpong=pp), False, ("fwd",))
+            for bk in (64, 128) for st in (2, 3) for pp in (True, False)]
+    out += [("bwd", dataclasses.replace(base, block_kv_dq=a, block_q_dkv=c, dkv=s), False, ("bwd",))
+            for a in (64, 128) for c in (64, 128) for s in ("rows", "split")]
+    return out
+
+
+def ptxas_version() -> str:
+    """The ptxas that Mosaic GPU runs (the nvidia-cuda-nvcc wheel's), its version line."""
+    try:
+        import nvidia.cu13
+
+        exe = Path(nvidia.cu13.__path__[0]) / "bin" / "ptxas"
+        return subprocess.run([exe, "--version"], capture_output=True, text=True,
+                              check=True).stdout.strip().splitlines()[-1]
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal
+        return f"unknown ({type(e).__name__})"
+
+
+def _identity(kernel: str, d: int, tiles, seg: bool) -> tuple:
+    """What a kernel's code depends on: the tile fields it reads (and the dK/dV schedule)."""
+    if kernel == "diff_flash_fwd":
+        fields = (tiles.block_kv, tiles.stages, tiles.pingpong)
+    elif kernel == "diff_flash_dq":
+        fields = (tiles.block_kv_dq, tiles.stages)
+    else:
+        fields = (tiles.block_q_dkv, tiles.stages, flash_mgpu.warpgroups(d, tiles)[2])
+    return kernel, d, seg, fields
+
+
+KERNELS = {"fwd": ("diff_flash_fwd",), "bwd": ("diff_flash_dq", "diff_flash_dkdv")}
+
+
+def sweep(dims: list[int]) -> list[dict]:
+    """One row per (case, kernel), or per refused case; printed as it goes. Mosaic GPU compiles
+    a kernel once a process, so one that an earlier case compiled takes that case's report."""
+    devices = gpu_devices("h100:1")
+    rows, known = [], {}
+    for d in dims:
+        for case, tiles, seg, parts in cases(d):
+            row = {"d": d, "case": case, "tiles": hopper.tiles_text(tiles), "seg": seg}
+            t0 = time.perf_counter()
+            try:
+                reports = ptxas.mosaic_kernels(devices, d, tiles, has_seg=seg, parts=parts)
+            except ValueError as e:  # the shared-memory plan refuses these tiles
+                rows.append(row | {"error": str(e)})
+                print(f"d={d} {case} {row['tiles']}: refused", flush=True)
+                continue
+            for r in reports:
+                known[_identity(r.name.removesuffix("_mosaic_gpu_kernel"), d, tiles, seg)] = r
+            line = []
+            for part in parts:
+                for kernel in KERNELS[part]:
+                    r = known.get(_identity(kernel, d, tiles, seg))
+                    if r is None:
+                        rows.append(row | {"kernel": kernel, "error": "no ptxas report"})
+                        continue
+                    rows.append(row | {"kernel": kernel, "registers": r.registers,
+                                       "spill_store_bytes": r.spill_store_bytes,
+                                       "spill_load_bytes": r.spill_load_bytes,
+                                       "notes": "; ".join(r.notes)})
+                    line.append(f"{kernel.split('_')[2]} {r.registers} regs "
+                                f"{r.spill_store_bytes}/{r.spill_load_bytes} B spilled")
+            print(f"d={d} {case} {row['tiles']} seg={seg}: {', '.join(line)} "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    return rows
+
+
+def markdown(rows: list[dict], env: dict) -> str:
+    """OUT.md: the table's tiles per d first (spills and notes), then every case."""
+    table = [f"- d = {r['d']}, seg = {r['seg']}: {r['kernel']} "
+             + (f"spills {r['spill_store_bytes']} / {r['spill_load_bytes']} bytes"
+                if r.get("spill_store_bytes") or r.get("spill_load_bytes") else "no spills")
+             + (f" ({r['notes']})" if r.get("notes") else "")
+             for r in rows if r["case"] == "table" and "kernel" in r]
+    body = ["| " + " | ".join(str(r.get(c, "")) for c in COLS) + " |" for r in rows]
+    return "\n".join([
+        f"# Mosaic GPU kernels: ptxas registers and spills for {env['arch']}", "",
+        f"{env['target']}, compiled on {env['host']} without a GPU "
+        f"(`python benchmarks/mosaic_ptxas.py`); jax {env['jax']}, ptxas {env['ptxas']}; "
+        f"{env['date']}.", "",
+        "## The table's tiles", "", *table, "",
+        "## Every case", "",
+        "registers: a thread's at launch (the compute warpgroups then raise theirs with "
+        "setmaxnreg, and ptxas allocates within that share); spill bytes: ptxas's spill "
+        "stores / loads; notes: ptxas's \"Potential Performance Loss\" notes.", "",
+        "| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS), *body]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 96, 128])
+    parser.add_argument("--out", type=Path, default=OUT, help="OUT.json and OUT.md")
+    args = parser.parse_args(argv)
+    rows = sweep(args.dims)
+    env = {"arch": "sm_90a", "target": gpu_devices("h100:1")[0].device_kind,
+           "host": f"a CPU ({platform.machine()})", "jax": jax.__version__,
+           "ptxas": ptxas_version(), "python": platform.python_version(),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    out_json, out_md = Path(f"{args.out}.json"), Path(f"{args.out}.md")  # OUT may hold dots
+    out_json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    out_md.write_text(markdown(rows, env))
+    print(f"wrote {out_json} and {out_md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""ptxas's register and spill report of the Mosaic GPU kernels, read where they are compiled.
+
+Mosaic GPU turns each kernel into PTX and runs ptxas on it when XLA compiles the program that
+calls it (for the GPU that program targets: `diff_jax.aot.topology_devices("h100:N")` describes
+H100s to a machine without one, given the CUDA plugin and ptxas: the `cuda-aot` extra). With
+`MOSAIC_GPU_DUMP_PTXAS` set, Mosaic GPU prints ptxas's verbose report on the process's standard
+output (file descriptor 1). `ptxas_report(compile)` runs `compile` with that set, captures the
+descriptor and returns one `KernelReport` per entry function: the registers a thread is given,
+the bytes it spills to local memory and ptxas's performance notes (e.g. C7512: wgmma serialized
+for want of registers). The compute warpgroups raise their share of the register
+file (`setmaxnreg`, `flash_mgpu.compute_registers`) and ptxas allocates each warpgroup's code
+within its share, so spill bytes are where a register plan does not hold.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import re
+import sys
+import tempfile
+from typing import Any, Callable
+
+DUMP_VARIABLE = "MOSAIC_GPU_DUMP_PTXAS"
+_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?")
+_NOTE = re.compile(r"\((C\d+)\) Potential Performance Loss: (.*?),? (?:in|for) the function '(\w+)'")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelReport:
+    """ptxas's account of one entry function (one kernel) for one GPU architecture."""
+
+    name: str  # e.g. "diff_flash_fwd_mosaic_gpu_kernel"
+    arch: str  # e.g. "sm_90a"
+    registers: int  # a thread's registers at launch (before any setmaxnreg)
+    barriers: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    # ptxas's "Potential Performance Loss" notes, e.g. "C7512: wgmma.mma_async instructions
+    # are serialized due to insufficient register resources"
+    notes: tuple[str, ...] = ()
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_store_bytes > 0 or self.spill_load_bytes > 0
+
+
+def parse(text: str) -> list[KernelReport]:
+    """The `KernelReport`s of ptxas -v output `text`, in order; ValueError where an entry
+    function's report is incomplete."""
+    notes: dict[str, list[str]] = {}
+    for m in _NOTE.finditer(text):
+        notes.setdefault(m[3], []).append(f"{m[1]}: {m[2]}")
+    reports, entry, frame = [], None, None
+    for line in text.splitlines():
+        if m := _ENTRY.search(line):
+            if entry is not None:
+                raise ValueError(f"ptxas report of {entry[0]} ends before its register count")
+            entry, frame = (m[1], m[2]), None
+        elif (m := _FRAME.search(line)) and entry is not None:
+            frame = tuple(int(x) for x in m.groups())
+        elif (m := _USED.search(line)) and entry is not None:
+            if frame is None:
+                raise ValueError(f"ptxas report of {entry[0]} has no stack frame line")
+            reports.append(KernelReport(entry[0], entry[1], int(m[1]), int(m[2] or 0), *frame,
+                                        notes=tuple(notes.get(entry[0], ()))))
+            entry = None
+    if entry is not None:
+        raise ValueError(f"ptxas report of {entry[0]} ends before its register count")
+    return reports
+
+
+def ptxas_report(compile: Callable[[], Any]) -> list[KernelReport]:
+    """Run `compile` (a call that makes XLA compile Mosaic GPU kernels, e.g.
+    `jax.jit(f).lower(*args).compile()`) with ptxas's report switched on, and return it parsed.
+    Kernels this process compiled before are cached by Mosaic GPU and not reported again."""
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    libc.fflush(None)
+    saved, before = os.dup(1), os.environ.get(DUMP_VARIABLE)
+    os.environ[DUMP_VARIABLE] = "1"
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 1)
+        try:
+            compile()
+        finally:
+            libc.fflush(None)
+            os.dup2(saved, 1)
+            os.close(saved)
+            if before is None:
+                del os.environ[DUMP_VARIABLE]
+            else:
+                os.environ[DUMP_VARIABLE] = before
+        captured.seek(0)
+        return parse(captured.read().decode(errors="replace"))
+
+
+def mosaic_kernels(devices: list[Any], d: int, tiles: Any, *, has_seg: bool,
+                   parts: tuple[str, ...] = ("fwd", "bwd"), dtype: Any = None) -> list[KernelReport]:
+    """ptxas's report of the Mosaic GPU kernels (`flash_mgpu`) at head width `d` and `tiles`,
+    compiled for `devices[0]` (e.g. `diff_jax.aot.gpu_devices("h100:1")`): the forward
+    ("fwd") and the dQ and dK/dV kernels ("bwd"), causal, with segment ids if `has_seg`,
+    bf16 unless `dtype`. A ValueError from `flash_mgpu.warpgroups` where the tiles do not fit."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels import flash_mgpu
+
+    dtype = jnp.bfloat16 if dtype is None else dtype
+    flash_mgpu.warpgroups(d, tiles)
+    sharding = jax.sharding.SingleDeviceSharding(devices[0])
+    b, t, h = 1, 512, 2  # registers and spills depend on the tiles and d, not on these
+
+    def spec(shape, dt=dtype):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+
+    q, k, v = spec((b, t, 2 * h, d)), spec((b, t, 2 * h, d)), spec((b, t, h, 2 * d))
+    lam = spec((), jnp.float32)
+    seg = spec((b, t), jnp.int32) if has_seg else None
+    stats = spec((b, h, 2, t), jnp.float32)
+
+    def fwd(q, k, v, lam, seg):
+        return flash_mgpu.fwd(q, k, v, lam, seg, seg, causal=True, tiles=tiles)
+
+    def bwd(q, k, v, lam, seg, do, lse, delta):
+        return flash_mgpu.bwd(q, k, v, lam, seg, seg, do, lse, delta, causal=True, tiles=tiles)
+
+    def compile_all():
+        if "fwd" in parts:
+            jax.jit(fwd).lower(q, k, v, lam, seg).compile()
+        if "bwd" in parts:
+            jax.jit(bwd).lower(q, k, v, lam, seg, spec((b, t, h, 2 * d)), stats, stats).compile()
+
+    return ptxas_report(compile_all)

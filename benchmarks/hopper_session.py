@@ -3,7 +3,7 @@
 Run on the lent H100/H200 (one command, ≤ 10 minutes each; everything lands in $OUT):
 
     python benchmarks/hopper_session.py --out "$OUT"                    # env, check, tune, bench
-    python benchmarks/hopper_session.py --out "$OUT" --stages env,ptxas,train  # second call
+    python benchmarks/hopper_session.py --out "$OUT" --stages env,train  # second call
     python benchmarks/hopper_session.py --out "$OUT" --stages replicate  # then, back to back
 
 Stages, each a subprocess with its own time limit whose failure or timeout is recorded and
@@ -22,10 +22,6 @@ skipped past (so a hang or a crash in one cannot lose the others):
          kernels/tuning/mosaic_gpu.json (copied to $OUT: commit it);                 ≤ 150 s
   bench  `--bench` for d = 64 and 128, T = 2K–16K at B·T = 32K, H = 16: fused Mosaic, fused
          Triton, cuDNN 2H×d, cuDNN H×2d, four cuDNN calls, two Tokamax calls;          ≤ 200 s
-  ptxas  (second call) the fused forward and backward compiled and run once per d at the
-         table's tiles with MOSAIC_GPU_DUMP_PTXAS, dumps in $OUT/ptxas/; session.json/.md list
-         each kernel's ptxas lines (registers a thread, spill bytes): the register plans of
-         kernels/flash_mgpu.py checked, the profile evidence for a missed target;      ≤ 90 s
   train  (its own call) `benchmarks/train_step.py`, DIFF vs its Transformer twin, batch 8:
          1.4B (d = 128, 8 of 24 layers), then 830M (d = 96, 12 of 24 layers), each with what
          is left (skipped, recorded, under 60 s).
@@ -39,7 +35,8 @@ skipped past (so a hang or a crash in one cannot lose the others):
 Outputs: $OUT/session.json (stage status, seconds, logs' tails, and each stage's JSON, with
 `summary` = the benchmark's {"device", "jax", "d64", "d128"} at T = 4096), $OUT/session.md,
 $OUT/mosaic_gpu.json (the tile table after tuning), $OUT/session.log (all stages' output).
-`--stages` takes any comma list of these.
+`--stages` takes any comma list of these. ptxas's registers and spills need no GPU: they come
+from `benchmarks/mosaic_ptxas.py` on a CPU (the `cuda-aot` extra).
 
 Wheels to carry, about 11 MB (the image already has jax 0.11.2, jaxlib, flax, optax, orbax,
 chex, numpy, jaxtyping, safetensors 0.8, tiktoken 0.14, etils, cloudpickle, protobuf, absl,
@@ -71,7 +68,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -79,7 +75,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGET = {"env": 40, "check": 170, "tune": 150, "bench": 200, "ptxas": 90}
+BUDGET = {"env": 40, "check": 170, "tune": 150, "bench": 200}
 TOTAL = 570  # seconds for all stages: under the device tool's 600 s per command
 GPU_MEDIUM = Path("/tmp/diff_jax_gpu_medium")  # outlives a call only while the machine is warm
 
@@ -99,33 +95,17 @@ except Exception as e:
 print("ENV " + json.dumps(info))
 """
 
-# Compile and run the fused forward and backward once per d at the table's tiles (bf16, causal,
-# T = 4096, 16 DIFF heads), so that Mosaic GPU runs ptxas on each kernel.
-PTXAS_PROBE = """
-import jax, jax.numpy as jnp
-from kernels.flash import flash_attention
-def loss(q, k, v, lam):
-    return flash_attention(q, k, v, lam, num_components=2).astype(jnp.float32).sum()
-for d in (64, 96, 128):
-    q = k = jnp.zeros((1, 4096, 32, d), jnp.bfloat16)
-    v = jnp.zeros((1, 4096, 16, 2 * d), jnp.bfloat16)
-    jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, jnp.float32(0.5)))
-    print("compiled d =", d, flush=True)
-"""
-PTXAS_LINE = re.compile(r"entry function|registers|spill", re.IGNORECASE)
-
-
 def _run(name: str, cmd: list[str], limit: float, log, extra_path: str = "",
-         grace: float = 20.0, extra_env: dict[str, str] | None = None) -> dict:
+         grace: float = 20.0) -> dict:
     """Run one stage; its status, seconds and output tail (never raises). At `limit` seconds it
-    is sent SIGTERM and, `grace` seconds later, killed. `extra_env` is added to its environment."""
+    is sent SIGTERM and, `grace` seconds later, killed."""
     t0 = time.monotonic()
     log.write(f"\n===== {name}: {' '.join(cmd)} (limit {limit:.0f} s)\n")
     log.flush()
     path = ":".join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", ""), extra_path) if x)
     env = os.environ | {"PYTHONPATH": path,
                         "PYTHONUNBUFFERED": "1",
-                        "JAX_COMPILATION_CACHE_DIR": "/tmp/diff_jax_jax_cache"} | (extra_env or {})
+                        "JAX_COMPILATION_CACHE_DIR": "/tmp/diff_jax_jax_cache"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
@@ -171,20 +151,6 @@ def _xprof_stub(root: Path) -> str | None:
     (tools / "__init__.py").write_text("")
     (tools / "tools.py").write_text("get_kernel_stats_tool = None  # see hopper_session.py\n")
     return str(root)
-
-
-def ptxas_lines(dump: Path, output: str) -> list[str]:
-    """ptxas's report lines (entry function, registers, spills) from the files Mosaic GPU dumped
-    under `dump`, else from the stage's `output`; each distinct line once, in order, prefixed
-    with its file's name."""
-    sources = [(f.name, f.read_text(errors="replace")) for f in sorted(dump.rglob("*"))
-               if f.is_file()] if dump.is_dir() else []
-    seen: dict[str, None] = {}
-    for name, text in sources or [("output", output)]:
-        for line in text.splitlines():
-            if PTXAS_LINE.search(line):
-                seen.setdefault(f"{name}: {line.strip()}")
-    return list(seen)
 
 
 def _read(path: Path) -> dict | None:
@@ -245,11 +211,6 @@ def main(argv=None) -> int:
                                            str(limit - 45)], limit, log, stub or "")
                 r["result"] = _read(parts / "attention_bench.json")
                 report["summary"] = (r["result"] or {}).get("summary")
-            elif stage == "ptxas":
-                dump = out / "ptxas"
-                r = _run("ptxas", [py, "-c", PTXAS_PROBE], limit, log, stub or "",
-                         extra_env={"MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_TO": str(dump)})
-                r["ptxas"] = ptxas_lines(dump, r["tail"])
             elif stage == "train":
                 r = {"stage": "train", "status": "ok", "runs": []}
                 for size, layers in (("1.4b", 8), ("830m", 12)):
@@ -283,10 +244,6 @@ def main(argv=None) -> int:
     if report.get("summary"):
         md += ["", "## Summary (T = 4096)", "", "```json",
                json.dumps(report["summary"], indent=1), "```"]
-    for r in report["stages"]:
-        if r.get("ptxas") is not None:
-            md += ["", "## ptxas: registers and spills per kernel", "", "```",
-                   *(r["ptxas"] or ["(no ptxas report found)"]), "```"]
     for name in ("attention_check.md", "attention_tune.md", "attention_bench.md",
                  "train_step_1.4b.md", "train_step_830m.md"):
         if (parts / name).exists():

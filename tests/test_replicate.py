@@ -392,31 +392,3 @@ def test_gpu_session_stops_a_stage_gracefully_and_copies_only_small_replication_
     assert (tmp_path / "back" / "runs/diff-scaled-s0/replicate/ppl/ppl.json").read_text().endswith("ppl.json")
     assert not (tmp_path / "back" / "data/corpus-s0/tokens.bin").exists()
     assert not (tmp_path / "back" / "runs/diff-scaled-s0/checkpoints").exists()
-
-
-def test_gpu_session_ptxas_stage_passes_its_environment_and_collects_register_lines(tmp_path):
-    """The ptxas stage's dump variables reach the stage's process, and the report keeps each
-    kernel's ptxas lines (entry, registers, spills) once, from the dump files or, when there are
-    none, from the stage's output."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import hopper_session
-
-    dump = tmp_path / "ptxas"
-    with open(tmp_path / "log", "w") as log:
-        r = hopper_session._run("env", [sys.executable, "-c", "import os; print(os.environ['X'])"],
-                                30.0, log, extra_env={"X": "from the stage"})
-    assert r["status"] == "ok" and "from the stage" in r["tail"]
-    report = ["ptxas info    : Compiling entry function 'diff_flash_fwd' for 'sm_90a'",
-              "ptxas info    : Function properties for diff_flash_fwd",
-              "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
-              "ptxas info    : Used 168 registers, used 1 barriers, 101520 bytes smem"]
-    assert hopper_session.ptxas_lines(dump, "noise\n" + "\n".join(report)) == [
-        f"output: {report[0]}", f"output: {report[2].strip()}", f"output: {report[3]}"]
-    (dump / "sub").mkdir(parents=True)
-    for name in ("a.ptxas", "sub/b.ptxas"):  # the same kernel compiled twice: listed once a file
-        (dump / name).write_text("\n".join(report))
-    lines = hopper_session.ptxas_lines(dump, "ignored when files exist: Used 1 registers")
-    assert len(lines) == 6 and lines[0] == f"a.ptxas: {report[0]}"
-    assert lines[-1] == f"b.ptxas: {report[3]}"

@@ -33,22 +33,24 @@ slot. The producer keeps 40 registers (`setmaxnreg`), compute warpgroups take th
   tensor-core work, for half the accumulators a thread).
 
 Registers (f32, per thread of a compute warpgroup; budget `compute_registers`: 232 with two
-compute warpgroups, 256 with one): forward d (the 64 × 2d accumulator) plus bk/2 for the score
+compute warpgroups, 256 with one; the split dK/dV schedule gives its dK warpgroup 256 and its dV
+warpgroup 216, `split_registers`): forward d (the 64 × 2d accumulator) plus bk/2 for the score
 tile; dQ d (dQ1 + dQ2) plus bk/2 for each of dP, S, dS; dK/dV 2d (dK1 + dK2 + dV) with "rows"
 plus bq/2 for each of P1ᵀ, P2ᵀ, dPᵀ and P1ᵀ − λ·P2ᵀ, with "split" d plus bq/2 for each of
 dPᵀ, Sᵀ, dSᵀ (the dK warpgroup forms dS1ᵀ before P2ᵀ, so it never holds both P tiles;
 `dkv_registers`): "rows" is over budget at every d, so "auto" takes "split" wherever shared
 memory holds it. These counts leave out addresses, loop state and vectors (a per-query vector in
-dK/dV's transposed tiles costs bq/4 registers, so λ is held along the kv rows); ptxas's own
+dK/dV's transposed tiles costs bq/4 registers, so λ is held along the kv rows). ptxas's own
 report (`kernels.ptxas`, compiled for sm_90a on a CPU by `benchmarks/mosaic_ptxas.py`) is the
 check: benchmarks/results/mosaic_ptxas_sm90a_jax*.md list which kernels spill (at the table's
-tiles, none at d = 64; dQ's masked steps at d = 96; dQ and dK/dV at d = 128). Shared memory per
-CTA is exact: `fwd_smem`, `dq_smem` and `dkv_smem` count each kernel's own scratch list
-(`_fwd_scratch`, ...) as the lowering allocates
-it (every buffer from a 1 KiB boundary, 8 bytes a barrier, the forward's reduction scratch;
-tested against the lowering's own count), at most 227 KiB: d = 64 runs two compute warpgroups
-in every kernel; at d = 128 dQ holds one (`warpgroups`). `benchmarks/attention.py --tune`
-measures the tiles, the forward with and without ping-pong and both dK/dV schedules on the GPU.
+tiles none at d = 64; dQ's masked steps at d = 96; dQ and dK/dV at d = 128, whose dK1 + dK2 +
+dV alone take 256 registers a thread per 64 kv rows). Shared memory per CTA is exact:
+`fwd_smem`, `dq_smem` and `dkv_smem` count each kernel's own scratch list (`_fwd_scratch`, ...)
+as the lowering allocates it (every buffer from a 1 KiB boundary, 8 bytes a barrier, the
+forward's reduction scratch; tested against the lowering's own count), at most 227 KiB: d = 64
+runs two compute warpgroups in every kernel; at d = 128 dQ holds one (`warpgroups`).
+`benchmarks/attention.py --tune` measures the tiles, the forward with and without ping-pong and
+both dK/dV schedules on the GPU.
 
 Masks: causal tiles are skipped by the loop bounds; only tiles that cross the diagonal, hold a
 ragged tail or (with segment ids) every tile are masked. Masked logits are −1e30 and the
@@ -404,8 +406,18 @@ def compute_registers(wgs: int) -> int:
     return min(256, (512 - PRODUCER_REGISTERS) // wgs // 8 * 8)
 
 
-def _compute_registers(wgs: int) -> None:
-    plgpu.set_max_registers(compute_registers(wgs), action="increase")
+def split_registers() -> dict[str, int]:
+    """Registers a thread of each role of the split dK/dV schedule gets: the "k" warpgroup
+    (dK1 + dK2, dPᵀ, Sᵀ, dSᵀ and the per-query vectors) all 256, the "v" warpgroup (dV, P1ᵀ, P2ᵀ)
+    the rest of the lane's 512 after the producer: 216. ptxas on the d = 128 dK/dV kernel
+    (`kernels.ptxas`): 232 each spills 160 / 208 bytes and serializes its wgmmas (C7512); 256 /
+    216 spills 36 / 40 and keeps them pipelined."""
+    return {"k": 256, "v": (512 - PRODUCER_REGISTERS - 256) // 8 * 8}
+
+
+def _compute_registers(wgs: int, role: str | None = None) -> None:
+    n = compute_registers(wgs) if role is None else split_registers()[role]
+    plgpu.set_max_registers(n, action="increase")
 
 
 def _producer(n_steps, issue, consumed, stages):
@@ -742,7 +754,7 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, cta_rows, n_rep
     def compute(role):
         """A compute warpgroup's loop and epilogue. role None: its own 64 kv rows, all of dK1,
         dK2 and dV; "v" / "k": the CTA's 64 rows shared with the other role, dV / dK1 and dK2."""
-        _compute_registers(wgs)
+        _compute_registers(wgs, role)
         own = 0 if split else wg  # which K, V copy this warpgroup reads
         row0 = cta0 if split else cta0 + wg * ROWS
         rows = pl.ds(row0, ROWS)

@@ -98,6 +98,26 @@ def test_the_rows_schedule_spills_at_d64_so_auto_splits():
     assert flash_mgpu.warpgroups(64, base)[2]  # "auto" splits
 
 
+def test_split_roles_share_the_register_file():
+    roles = flash_mgpu.split_registers()
+    assert roles["k"] == 256 and roles["v"] % 8 == 0 and 24 <= roles["v"] <= 256
+    assert roles["k"] + roles["v"] + flash_mgpu.PRODUCER_REGISTERS <= 512  # a lane's 64K / 128
+
+
+@needs_cuda_aot
+def test_d128_wgmmas_stay_pipelined(monkeypatch):
+    """At d = 128 (the head width of every paper config from 1.4B up) ptxas keeps every kernel's
+    wgmmas asynchronous: no "serialized" note. With 232 registers for each dK/dV warpgroup
+    instead of `split_registers`, ptxas serializes dK/dV's (C7512: a wait after every wgmma)."""
+    tiles, _ = hopper.tiles_for(128, jnp.bfloat16, kind="")
+    devices = gpu_devices("h100:1")
+    reports = ptxas.mosaic_kernels(devices, 128, tiles, has_seg=False)
+    assert len(reports) == 3 and not any(r.notes for r in reports), reports
+    monkeypatch.setattr(flash_mgpu, "split_registers", lambda: {"k": 232, "v": 232})
+    (dkdv,) = ptxas.mosaic_kernels(devices, 128, tiles, has_seg=False, parts=("bwd",))[-1:]
+    assert dkdv.name.startswith("diff_flash_dkdv") and any("C7512" in n for n in dkdv.notes)
+
+
 @needs_cuda_aot
 def test_sharded_step_compiles_for_eight_h100s_with_the_fused_kernel():
     """train.py's compile-only mode for `h100:8` (data 2 × fsdp 4): the fused kernel's three

@@ -10,7 +10,7 @@ Every kernel is one CTA of warpgroups (`num_threads`, axis "wg"): compute warpgr
 each (the wgmma M) and a last, producer warpgroup that streams the other operand through a
 `stages`-deep shared-memory ring with TMA, one "loaded" barrier per buffer and slot and one
 "consumed" barrier per slot that every compute warpgroup arrives on once it is done with the
-slot. The producer keeps 40 registers (`setmaxnreg`), compute warpgroups take the rest
+slot. The producer keeps 24 registers (`setmaxnreg`), compute warpgroups take the rest
 (`compute_registers`).
 
 - Forward (`fwd`): a CTA owns 64 query rows; compute warpgroup c owns softmax component c of
@@ -32,9 +32,9 @@ slot. The producer keeps 40 registers (`setmaxnreg`), compute warpgroups take th
   dK1 and dK2 (both compute P1 and P2: two extra QKᵀ products a step, a quarter more
   tensor-core work, for half the accumulators a thread).
 
-Registers (f32, per thread of a compute warpgroup; budget `compute_registers`: 232 with two
+Registers (f32, per thread of a compute warpgroup; budget `compute_registers`: 240 with two
 compute warpgroups, 256 with one; the split dK/dV schedule gives its dK warpgroup 256 and its dV
-warpgroup 216, `split_registers`): forward d (the 64 × 2d accumulator) plus bk/2 for the score
+warpgroup 232, `split_registers`): forward d (the 64 × 2d accumulator) plus bk/2 for the score
 tile; dQ d (dQ1 + dQ2) plus bk/2 for each of dP, S, dS; dK/dV 2d (dK1 + dK2 + dV) with "rows"
 plus bq/2 for each of P1ᵀ, P2ᵀ, dPᵀ and P1ᵀ − λ·P2ᵀ, with "split" d plus bq/2 for each of
 dPᵀ, Sᵀ, dSᵀ (the dK warpgroup forms dS1ᵀ before P2ᵀ, so it never holds both P tiles;
@@ -93,7 +93,10 @@ ROWS = 64  # rows of a warpgroup's tile: the wgmma M
 SMEM_BYTES = 227 * 1024  # shared memory a CTA may use on sm_90
 SMEM_ALIGN = 1024  # Pallas starts every scratch buffer at a 1 KiB boundary
 BARRIER_BYTES = 8  # one mbarrier
-PRODUCER_REGISTERS = 40  # a TMA warpgroup's registers a thread (`setmaxnreg`)
+# A TMA warpgroup's registers a thread (`setmaxnreg`): the least setmaxnreg takes. ptxas fits
+# the producer's code in it (no kernel spills at d = 64 or 96), and the 16 it frees from 40 take
+# dQ's masked steps at d = 96 and the split dK/dV at d = 128 without segment ids to no spills.
+PRODUCER_REGISTERS = 24
 HEAD_DIMS = (64, 96, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 DKV_SCHEDULES = ("auto", "rows", "split")
@@ -253,7 +256,7 @@ def dkv_registers(d: int, bq: int, split: bool) -> int:
     with "rows" dK1 + dK2 + dV (2d) and four score-sized tiles (P1ᵀ and P2ᵀ, both live until
     P1ᵀ − λ·P2ᵀ is formed for dV, dPᵀ, and that difference or a dSᵀ: bq/2 each); with "split"
     dV or dK1 + dK2 (d) and three (the dK warpgroup forms dS1ᵀ before P2ᵀ). ptxas agrees where
-    it matters: "rows" spills at d = 64, bq = 64 (2d + 2bq = 256 > 232), "split" does not
+    it matters: "rows" spills at d = 64, bq = 64 (2d + 2bq = 256 > 240), "split" does not
     (benchmarks/results/mosaic_ptxas_sm90a_jax*.md)."""
     return d + 3 * bq // 2 if split else 2 * d + 2 * bq
 
@@ -268,7 +271,7 @@ def warpgroups(d: int, tiles: Tiles) -> tuple[int, int, bool]:
     """(dQ's compute warpgroups, dK/dV's compute warpgroups, whether dK/dV splits its rows'
     accumulators across two of them). Two warpgroups where shared memory holds them, else one.
 
-    dK/dV "auto": "rows" while `dkv_registers` fits `compute_registers` (232 with two compute
+    dK/dV "auto": "rows" while `dkv_registers` fits `compute_registers` (240 with two compute
     warpgroups, 256 with one), else "split" where shared memory holds it. Raises a ValueError naming the tile
     when even the smallest plan does not fit.
     """
@@ -400,7 +403,7 @@ def _kernel(body, *, out, scratch, grid, names, threads, interpret, name):
 def compute_registers(wgs: int) -> int:
     """Registers a thread of each of `wgs` compute warpgroups gets (`setmaxnreg`): a lane's 512
     of the 64K register file at 128 threads a warpgroup, less the producer's
-    `PRODUCER_REGISTERS`, shared out in multiples of 8 and capped at 256 (255 addressable): 232
+    `PRODUCER_REGISTERS`, shared out in multiples of 8 and capped at 256 (255 addressable): 240
     with two, 256 with one. setmaxnreg.inc below what a thread already holds is undefined, and
     a thread of a 256-thread CTA may start with up to 255."""
     return min(256, (512 - PRODUCER_REGISTERS) // wgs // 8 * 8)
@@ -409,9 +412,9 @@ def compute_registers(wgs: int) -> int:
 def split_registers() -> dict[str, int]:
     """Registers a thread of each role of the split dK/dV schedule gets: the "k" warpgroup
     (dK1 + dK2, dPᵀ, Sᵀ, dSᵀ and the per-query vectors) all 256, the "v" warpgroup (dV, P1ᵀ, P2ᵀ)
-    the rest of the lane's 512 after the producer: 216. ptxas on the d = 128 dK/dV kernel
-    (`kernels.ptxas`): 232 each spills 160 / 208 bytes and serializes its wgmmas (C7512); 256 /
-    216 spills 36 / 40 and keeps them pipelined."""
+    the rest of the lane's 512 after the producer: 232. ptxas on the d = 128 dK/dV kernel
+    (`kernels.ptxas`, no segment ids): 232 each spills 160 / 208 bytes and serializes its
+    wgmmas (C7512); 256 / 216 spilled 36 / 40 and kept them pipelined; 256 / 232 spills none."""
     return {"k": 256, "v": (512 - PRODUCER_REGISTERS - 256) // 8 * 8}
 
 

@@ -69,7 +69,9 @@ def test_gpu_topology_names_are_checked():
 def test_table_tiles_compile_for_sm90a(d):
     """The table's tiles at each width, with segment ids (the most registers): forward, dQ and
     dK/dV all reach ptxas for sm_90a. The forward spills nothing at any width; neither does any
-    kernel at d = 64, now that "auto" splits dK/dV there ("rows" spilled ~1 KB)."""
+    kernel at d = 64 and 96 ("auto" splits dK/dV, where "rows" spilled ~1 KB; the producer's 24
+    registers leave dQ 240). At d = 128 dQ and dK/dV still spill (their accumulators alone take
+    128 registers a thread; benchmarks/results/mosaic_ptxas_sm90a_jax*.md)."""
     tiles, _ = hopper.tiles_for(d, jnp.bfloat16, kind="")
     reports = {r.name: r for r in ptxas.mosaic_kernels(gpu_devices("h100:1"), d, tiles,
                                                        has_seg=True)}
@@ -78,14 +80,14 @@ def test_table_tiles_compile_for_sm90a(d):
                                "diff_flash_fwd_mosaic_gpu_kernel"]
     assert {r.arch for r in reports.values()} == {"sm_90a"}
     assert not reports["diff_flash_fwd_mosaic_gpu_kernel"].spills
-    if d == 64:
+    if d in (64, 96):
         assert not any(r.spills for r in reports.values()), reports
 
 
 @needs_cuda_aot
 def test_the_rows_schedule_spills_at_d64_so_auto_splits():
     """The check can fail, on the kernel as written: dK/dV's "rows" schedule at d = 64 (all
-    three accumulators and four score tiles a thread, `dkv_registers` 256 > 232) spills in
+    three accumulators and four score tiles a thread, `dkv_registers` 256 > 240) spills in
     ptxas's report, and "split", which "auto" takes there, does not."""
     base = hopper.tiles_for(64, jnp.bfloat16, kind="")[0]
     reports = {}

@@ -1,13 +1,18 @@
-"""Which paper configs fit which TPU v5p slices, with the fused kernel and with xla: AOT on this CPU.
+"""Which paper configs fit which TPU v5p slices or H100 counts, with the fused kernel and with xla:
+AOT on this CPU.
 
-    python benchmarks/tpu_fit.py [--impls pallas xla] [--configs diff-830m ...] [--slices ...]
+    python benchmarks/fit.py [--target tpu|h100] [--impls pallas xla] [--configs diff-830m ...]
+                             [--slices ...]
 
-Needs libtpu (`pip install "jax[tpu]==<jax version>"`). Each (config, attention impl) is compiled
-on the smallest slice first and on larger ones until it fits; each compile runs in its own
-subprocess via `python train.py --config C train.compile_only=true train.compile_topology=T
-model.attention_impl=I`, which prints per-chip memory (against the chip's HBM) and per-chip FLOPs
-of one step. Writes benchmarks/results/tpu_fit.json (merged with earlier results) and
-docs/tpu-fit.md.
+`--target tpu` (the default) needs libtpu (the `tpu` extra), `--target h100` the CUDA plugin and
+ptxas (the `cuda-aot` extra); neither needs the accelerator. Each (config, attention impl) is
+compiled on the smallest slice first and on larger ones until it fits; each compile runs in its
+own subprocess via `python train.py --config C train.compile_only=true train.compile_topology=T
+model.attention_impl=I`, which prints per-device memory (against the device's HBM), per-device
+FLOPs of one step (TPU only: XLA has no GPU cost analysis without a GPU) and, for H100s, the
+fused kernel's ptxas report. `h100:N` describes N GPUs in one host: the per-GPU memory of a
+multi-host run with the same mesh. Writes benchmarks/results/{tpu,gpu}_fit.json (merged with
+earlier results) and docs/{tpu,gpu}-fit.md.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ["diff-830m", "diff-1.4b", "diff-2.8b", "diff-3b", "diff-6.8b", "diff-13.1b"]
-SLICES = ["v5p:2x2x2", "v5p:2x2x4", "v5p:4x4x4"]
+SLICES = {"tpu": ["v5p:2x2x2", "v5p:2x2x4", "v5p:4x4x4"],
+          "h100": ["h100:8", "h100:16", "h100:32", "h100:64"]}
 IMPLS = ["pallas", "xla"]
 KNOBS = ["mesh.data=1", "mesh.fsdp=-1", "mesh.tensor=1", "model.remat=full"]
 
@@ -60,37 +66,81 @@ def _tflops(r: dict) -> str:
     return f"{r['flops_per_chip'] / 1e12:.1f}" if r.get("flops_per_chip") else "not measured"
 
 
-def table(results: list[dict]) -> list[str]:
+def _spills(r: dict) -> str:
+    """The fused kernel's ptxas spill stores per kernel (bytes), "none", or "" without a report."""
+    kernels = {k["name"].split("_")[2]: k["spill_store_bytes"] for k in r.get("kernels", [])}
+    if not kernels:
+        return ""
+    if not any(kernels.values()):
+        return "none"
+    return ", ".join(f"{name} {n} B" for name, n in sorted(kernels.items()) if n)
+
+
+def table(results: list[dict], target: str) -> list[str]:
+    last = "kernel spill stores" if target == "h100" else "TFLOP/chip/step"
     lines = ["| config | attention | slice (chips) | args GiB/chip | temp GiB/chip | peak GiB/chip | "
-             "TFLOP/chip/step | fits |", "|---|---|---|---|---|---|---|---|"]
+             f"{last} | fits |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['config']} | {r['impl']} | {r['topology']} | | | | | {_verdict(r)} |")
             continue
         lines.append(f"| {r['config']} | {r['impl']} | {r['topology']} ({r['devices']}) | "
                      f"{r['argument_gib']:.1f} | {r['temp_gib']:.1f} | {r['peak_gib']:.1f} | "
-                     f"{_tflops(r)} | {_verdict(r)} |")
+                     f"{_spills(r) if target == 'h100' else _tflops(r)} | {_verdict(r)} |")
     return lines
+
+
+HEADERS = {
+    "tpu": ["# Which paper configs fit which TPU v5p slices", "",
+            "AOT-compiled on a CPU machine with libtpu (`python benchmarks/fit.py`): the full",
+            "sharded train step (bf16 compute, f32 params + AdamW state, paper batch and sequence",
+            f"length) with `{' '.join(KNOBS)}`, once with the fused kernel",
+            "(`model.attention_impl=pallas`, inside the attention op's `shard_map`: what a TPU user",
+            "runs) and once with the xla oracle (O(T²) attention temporaries). Each is tried on the",
+            "smallest slice first. Peak = arguments + temporaries + outputs − aliased, per chip, from",
+            "XLA's memory analysis; v5p has 95 GiB HBM a chip. TFLOP/chip/step is XLA's cost",
+            "analysis of the partitioned step (the kernel's calls count their declared cost; the",
+            "oracle computes the full T×T scores, the kernel skips causally masked tiles).",
+            "Recorded 2026-11-23 with jax 0.10.2 / libtpu of the `tpu` extra: the xla rows were",
+            "re-compiled on the slices an earlier xla search had found (its out-of-HBM rows are kept",
+            "from that search, which did not try diff-13.1b on v5p:2x2x4).", ""],
+    "h100": ["# Which paper configs fit how many H100s", "",
+             "AOT-compiled on a CPU machine with the CUDA plugin and ptxas, no GPU (`python",
+             "benchmarks/fit.py --target h100`, the `cuda-aot` extra): the full sharded train step",
+             "(bf16 compute, f32 params + AdamW state, paper batch and sequence length) with",
+             f"`{' '.join(KNOBS)}`, once with the fused kernel (`model.attention_impl=pallas`: on",
+             "Hopper the Mosaic GPU kernels, compiled through ptxas for sm_90a) and once with the",
+             "xla oracle (O(T²) attention temporaries). Each is tried on 8 GPUs first, then 16, 32,",
+             "64 (`h100:N`: N GPUs described in one host, the per-GPU memory of a multi-host run",
+             "with the same mesh). Peak = arguments + temporaries + outputs − aliased, per GPU, from",
+             "XLA's memory analysis, against the H100's 79.1 GiB. The spill column is ptxas's spill",
+             "stores per fused-kernel kernel (fwd, dq, dkdv) at that config's head width and shapes.",
+             "XLA gives no FLOPs without a GPU.", ""],
+}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--target", choices=sorted(SLICES), default="tpu")
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--configs", nargs="*", default=CONFIGS)
     p.add_argument("--impls", nargs="*", default=IMPLS)
-    p.add_argument("--slices", nargs="*", default=SLICES, help="the slices to try, smallest first")
+    p.add_argument("--slices", nargs="*", default=None,
+                   help="the slices to try, smallest first (default: the target's)")
     args = p.parse_args()
-    path = ROOT / "benchmarks/results/tpu_fit.json"
+    slices = SLICES[args.target]
+    kind = "tpu" if args.target == "tpu" else "gpu"
+    path = ROOT / f"benchmarks/results/{kind}_fit.json"
     # Rows from before the attention column were compiled with the default, xla (and no FLOPs).
     earlier = [{"impl": "xla", **r} for r in (json.loads(path.read_text()) if path.exists() else [])]
     merged = {(r["config"], r["impl"], r["topology"]): r for r in earlier}
 
     def order(k: tuple[str, str, str]) -> tuple[int, int, int]:
-        return CONFIGS.index(k[0]), IMPLS.index(k[1]), SLICES.index(k[2])
+        return CONFIGS.index(k[0]), IMPLS.index(k[1]), slices.index(k[2])
 
     for impl in args.impls:
         for config in args.configs:
-            for topology in args.slices:  # smallest first, until it fits
+            for topology in args.slices or slices:  # smallest first, until it fits
                 r = compile_one(config, topology, impl, args.timeout)
                 print(json.dumps(r), flush=True)
                 merged[(config, impl, topology)] = r
@@ -99,21 +149,9 @@ def main() -> None:
                 if r.get("fits") or "error" in r and not _verdict(r).startswith("no"):
                     break
     results = [merged[k] for k in sorted(merged, key=order)]
-    lines = ["# Which paper configs fit which TPU v5p slices", "",
-             "AOT-compiled on a CPU machine with libtpu (`python benchmarks/tpu_fit.py`): the full",
-             "sharded train step (bf16 compute, f32 params + AdamW state, paper batch and sequence",
-             f"length) with `{' '.join(KNOBS)}`, once with the fused kernel",
-             "(`model.attention_impl=pallas`, inside the attention op's `shard_map`: what a TPU user",
-             "runs) and once with the xla oracle (O(T²) attention temporaries). Each is tried on the",
-             "smallest slice first. Peak = arguments + temporaries + outputs − aliased, per chip, from",
-             "XLA's memory analysis; v5p has 95 GiB HBM a chip. TFLOP/chip/step is XLA's cost",
-             "analysis of the partitioned step (the kernel's calls count their declared cost; the",
-             "oracle computes the full T×T scores, the kernel skips causally masked tiles).",
-             "Recorded 2026-11-23 with jax 0.10.2 / libtpu of the `tpu` extra: the xla rows were",
-             "re-compiled on the slices an earlier xla search had found (its out-of-HBM rows are kept",
-             "from that search, which did not try diff-13.1b on v5p:2x2x4).", ""]
-    (ROOT / "docs/tpu-fit.md").write_text("\n".join(lines + table(results)) + "\n")
-    print("\n".join(table(results)))
+    rows = table(results, args.target)
+    (ROOT / f"docs/{kind}-fit.md").write_text("\n".join(HEADERS[args.target] + rows) + "\n")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

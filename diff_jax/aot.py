@@ -117,11 +117,18 @@ def compile_train_step(config: Config, devices: list[Any] | None = None) -> dict
     (None where XLA gives no cost analysis: GPU programs compiled without a GPU) and, for each
     Mosaic GPU kernel compiled, ptxas's registers and spill bytes (`kernels.ptxas`)."""
     steps = build_steps(config, make_mesh(config.mesh, devices))
-    compiled = []
-    with steps.context():
-        kernels = ptxas.ptxas_report(lambda: compiled.append(
-            steps.train.lower(*_abstract_args(config, steps)).compile()))
     mesh, model = steps.mesh, steps.model
+    compiled = []
+
+    def compile() -> None:
+        compiled.append(steps.train.lower(*_abstract_args(config, steps)).compile())
+
+    with steps.context():
+        if mesh.devices.flat[0].platform == "gpu":  # Mosaic GPU kernels run ptxas here
+            kernels = ptxas.ptxas_report(compile)
+        else:
+            compile()
+            kernels = []
     mem = compiled[0].memory_analysis()
     args, temp = mem.argument_size_in_bytes, mem.temp_size_in_bytes
     out, alias = mem.output_size_in_bytes, mem.alias_size_in_bytes

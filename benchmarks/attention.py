@@ -432,8 +432,9 @@ def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
     """Bounded sweep of the Mosaic kernel's tiles per d (bf16, causal, T = --tune-t): first the
     forward's (block_kv, stages), then the best of those with ping-pong switched, then the
     backward's (block_kv_dq, block_q_dkv) with the best forward, then the best backward under
-    the dK/dV schedule its "auto" did not pick; tiles that do not fit shared memory are recorded
-    as such. --tune-write stores the best per d in the table."""
+    the dK/dV schedule its "auto" did not pick, then the best so far under the other dQ
+    schedule; tiles that do not fit shared memory are recorded as such. --tune-write stores the
+    best per d in the table."""
     rows = []
     for d in head_dims:
         shape = Shape(max(1, args.tokens // args.tune_t), args.tune_t, args.heads, d)
@@ -467,6 +468,10 @@ def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
             other = "rows" if best["dkv"] == "split" else "split"
             bwd_rows.append(run("bwd", dataclasses.replace(hopper.parse_tiles(best["tiles"]),
                                                            dkv=other)))
+            ok = [r for r in bwd_rows if "error" not in r]
+            best = hopper.parse_tiles(min(ok, key=lambda r: r["total_ms"])["tiles"])
+            bwd_rows.append(run("bwd", dataclasses.replace(  # and under the other dQ schedule
+                best, dq="rows" if best.dq == "split" else "split")))
         rows += fwd_rows + bwd_rows
         ok = [r for r in bwd_rows if "error" not in r]
         if ok and args.tune_write:

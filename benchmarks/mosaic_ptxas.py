@@ -7,7 +7,7 @@ Each kernel (forward, dQ, dK/dV) is compiled for one H100 described to XLA witho
 (`diff_jax.aot.gpu_devices`), through Mosaic GPU's lowering and ptxas, as a GPU run compiles it;
 `kernels.ptxas` reads ptxas's report. Swept per d (bf16, causal): the table's tiles (`kernels.hopper`)
 with and without segment ids, every forward (block_kv, stages, pingpong) and every backward
-(block_kv_dq, block_q_dkv, dK/dV schedule) that `--tune` would try on a GPU. Tiles that shared
+(block_kv_dq, block_q_dkv, dK/dV and dQ schedules) that `--tune` would try on a GPU. Tiles that shared
 memory refuses are recorded as such. Writes OUT.json and OUT.md (default OUT:
 benchmarks/results/mosaic_ptxas_sm90a_jaxVERSION). A kernel that spills runs its
 inner loop through local memory: the table's tiles should spill nothing.
@@ -43,8 +43,12 @@ def cases(d: int) -> list[tuple[str, object, bool, tuple[str, ...]]]:
     out = [("table", base, seg, ("fwd", "bwd")) for seg in (False, True)]
     out += [("fwd", dataclasses.replace(base, block_kv=bk, stages=st, pingpong=pp), False, ("fwd",))
             for bk in (64, 128) for st in (2, 3) for pp in (True, False)]
-    out += [("bwd", dataclasses.replace(base, block_kv_dq=a, block_q_dkv=c, dkv=s), False, ("bwd",))
-            for a in (64, 128) for c in (64, 128) for s in ("rows", "split")]
+    out += [("bwd", dataclasses.replace(base, block_kv_dq=a, block_q_dkv=c, dkv=s, dq=q), False,
+             ("bwd",))
+            for a in (64, 128) for c in (64, 128) for s in ("rows", "split")
+            for q in flash_mgpu.DQ_SCHEDULES]
+    out += [("table, split dQ", dataclasses.replace(base, dq="split"), seg, ("bwd",))
+            for seg in (False, True)]
     return out
 
 
@@ -60,25 +64,10 @@ def ptxas_version() -> str:
         return f"unknown ({type(e).__name__})"
 
 
-def _identity(kernel: str, d: int, tiles, seg: bool) -> tuple:
-    """What a kernel's code depends on: the tile fields it reads (and the dK/dV schedule)."""
-    if kernel == "diff_flash_fwd":
-        fields = (tiles.block_kv, tiles.stages, tiles.pingpong)
-    elif kernel == "diff_flash_dq":
-        fields = (tiles.block_kv_dq, tiles.stages)
-    else:
-        fields = (tiles.block_q_dkv, tiles.stages, flash_mgpu.warpgroups(d, tiles)[2])
-    return kernel, d, seg, fields
-
-
-KERNELS = {"fwd": ("diff_flash_fwd",), "bwd": ("diff_flash_dq", "diff_flash_dkdv")}
-
-
 def sweep(dims: list[int]) -> list[dict]:
-    """One row per (case, kernel), or per refused case; printed as it goes. Mosaic GPU compiles
-    a kernel once a process, so one that an earlier case compiled takes that case's report."""
+    """One row per (case, kernel), or per refused case; printed as it goes."""
     devices = gpu_devices("h100:1")
-    rows, known = [], {}
+    rows = []
     for d in dims:
         for case, tiles, seg, parts in cases(d):
             row = {"d": d, "case": case, "tiles": hopper.tiles_text(tiles), "seg": seg}
@@ -90,32 +79,27 @@ def sweep(dims: list[int]) -> list[dict]:
                 print(f"d={d} {case} {row['tiles']}: refused", flush=True)
                 continue
             for r in reports:
-                known[_identity(r.name.removesuffix("_mosaic_gpu_kernel"), d, tiles, seg)] = r
-            line = []
-            for part in parts:
-                for kernel in KERNELS[part]:
-                    r = known.get(_identity(kernel, d, tiles, seg))
-                    if r is None:
-                        rows.append(row | {"kernel": kernel, "error": "no ptxas report"})
-                        continue
-                    rows.append(row | {"kernel": kernel, "registers": r.registers,
-                                       "spill_store_bytes": r.spill_store_bytes,
-                                       "spill_load_bytes": r.spill_load_bytes,
-                                       "notes": "; ".join(r.notes)})
-                    line.append(f"{kernel.split('_')[2]} {r.registers} regs "
-                                f"{r.spill_store_bytes}/{r.spill_load_bytes} B spilled")
-            print(f"d={d} {case} {row['tiles']} seg={seg}: {', '.join(line)} "
-                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+                rows.append(row | {"kernel": r.name.removesuffix("_mosaic_gpu_kernel"),
+                                   "registers": r.registers,
+                                   "spill_store_bytes": r.spill_store_bytes,
+                                   "spill_load_bytes": r.spill_load_bytes,
+                                   "notes": "; ".join(r.notes)})
+            print(f"d={d} {case} {row['tiles']} seg={seg}: "
+                  + ", ".join(f"{r.name.split('_')[2]} {r.registers} regs "
+                              f"{r.spill_store_bytes}/{r.spill_load_bytes} B spilled"
+                              for r in reports)
+                  + f" ({time.perf_counter() - t0:.1f} s)", flush=True)
     return rows
 
 
 def markdown(rows: list[dict], env: dict) -> str:
-    """OUT.md: the table's tiles per d first (spills and notes), then every case."""
-    table = [f"- d = {r['d']}, seg = {r['seg']}: {r['kernel']} "
+    """OUT.md: the table's tiles per d first (and with the split dQ), then every case."""
+    table = [f"- d = {r['d']}, seg = {r['seg']}{'' if r['case'] == 'table' else ', split dQ'}: "
+             f"{r['kernel']} "
              + (f"spills {r['spill_store_bytes']} / {r['spill_load_bytes']} bytes"
                 if r.get("spill_store_bytes") or r.get("spill_load_bytes") else "no spills")
              + (f" ({r['notes']})" if r.get("notes") else "")
-             for r in rows if r["case"] == "table" and "kernel" in r]
+             for r in rows if r["case"].startswith("table") and "kernel" in r]
     body = ["| " + " | ".join(str(r.get(c, "")) for c in COLS) + " |" for r in rows]
     return "\n".join([
         f"# Mosaic GPU kernels: ptxas registers and spills for {env['arch']}", "",

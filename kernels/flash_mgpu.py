@@ -22,8 +22,10 @@ slot. The producer keeps 24 registers (`setmaxnreg`), compute warpgroups take th
   and next QKᵀ against the other's softmax. At the end warpgroup 1 writes O2 and lse2, and
   warpgroup 0 reads O2 back from shared memory to form O = O1 − λ·O2.
 - dQ (`bwd`, first kernel): `wgs_dq` warpgroups of 64 query rows each, both components per
-  warpgroup (dQ1, dQ2 accumulators); the producer streams K1, K2, V. Per step
-  dP = dO·Vᵀ once, dS_c = P_c∘(coef_c·dP − δ_c) with coef = (1, −λ).
+  warpgroup (dQ1, dQ2 accumulators; `Tiles.dq` "rows"), or two warpgroups on the same 64 rows,
+  one component each ("split": each computes dP, a third more tensor-core work, for half the
+  accumulators); the producer streams K1, K2, V. Per step dP = dO·Vᵀ, dS_c =
+  P_c∘(coef_c·dP − δ_c) with coef = (1, −λ).
 - dK/dV (`bwd`, second kernel): the producer streams Q1, Q2, dO, lse and δ over the kv group's
   n_rep heads and the q tiles; per step dPᵀ = V·dOᵀ, dV += (P1 − λ·P2)ᵀ·dO, dK_c += dS_cᵀ·Q_c.
   GQA sums stay in registers (no reduction outside). Two schedules (`Tiles.dkv`): "rows",
@@ -43,14 +45,15 @@ memory holds it. These counts leave out addresses, loop state and vectors (a per
 dK/dV's transposed tiles costs bq/4 registers, so λ is held along the kv rows). ptxas's own
 report (`kernels.ptxas`, compiled for sm_90a on a CPU by `benchmarks/mosaic_ptxas.py`) is the
 check: benchmarks/results/mosaic_ptxas_sm90a_jax*.md list which kernels spill (at the table's
-tiles none at d = 64; dQ's masked steps at d = 96; dQ and dK/dV at d = 128, whose dK1 + dK2 +
-dV alone take 256 registers a thread per 64 kv rows). Shared memory per CTA is exact:
+tiles none at d = 64 and 96; at d = 128 "rows" dQ (one warpgroup holding dQ1 + dQ2: 128
+registers) spills where "split" dQ does not, and dK/dV with segment ids, whose dK1 + dK2 + dV
+alone take 256 registers a thread per 64 kv rows). Shared memory per CTA is exact:
 `fwd_smem`, `dq_smem` and `dkv_smem` count each kernel's own scratch list (`_fwd_scratch`, ...)
 as the lowering allocates it (every buffer from a 1 KiB boundary, 8 bytes a barrier, the
 forward's reduction scratch; tested against the lowering's own count), at most 227 KiB: d = 64
-runs two compute warpgroups in every kernel; at d = 128 dQ holds one (`warpgroups`).
+runs two compute warpgroups in every kernel; at d = 128 "rows" dQ holds one (`warpgroups`).
 `benchmarks/attention.py --tune` measures the tiles, the forward with and without ping-pong and
-both dK/dV schedules on the GPU.
+both dK/dV and both dQ schedules on the GPU; until then the table keeps "rows" dQ everywhere.
 
 Masks: causal tiles are skipped by the loop bounds; only tiles that cross the diagonal, hold a
 ragged tail or (with segment ids) every tile are masked. Masked logits are −1e30 and the
@@ -100,6 +103,7 @@ PRODUCER_REGISTERS = 24
 HEAD_DIMS = (64, 96, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 DKV_SCHEDULES = ("auto", "rows", "split")
+DQ_SCHEDULES = ("rows", "split")
 _PARAMS = plgpu.CompilerParams(approx_math=True)
 
 
@@ -115,6 +119,11 @@ class Tiles:
     pingpong: the forward's two compute warpgroups take turns on the tensor cores (one runs its
     P·V and next QKᵀ wgmmas while the other runs its softmax), ordered by a two-arrival
     schedule barrier; False lets them run unordered.
+    dq: the dQ kernel's schedule: "rows" (each compute warpgroup owns 64 query rows and both
+    dQ1 and dQ2; two warpgroups where shared memory holds two rows' Q and dO, else one) or
+    "split" (two compute warpgroups share 64 query rows, one accumulating dQ1, the other dQ2;
+    each computes dP = dO·Vᵀ: a third more tensor-core work for half the accumulators a
+    thread, where one "rows" warpgroup at d = 128 spills).
     """
 
     block_kv: int
@@ -123,6 +132,7 @@ class Tiles:
     stages: int
     dkv: str = "auto"
     pingpong: bool = True
+    dq: str = "rows"
 
     def check(self) -> None:
         """One ValueError naming the first invalid field."""
@@ -139,6 +149,9 @@ class Tiles:
         if not isinstance(self.pingpong, bool):
             raise ValueError(f"Mosaic GPU tiles: pingpong must be True or False, "
                              f"got {self.pingpong!r}")
+        if self.dq not in DQ_SCHEDULES:
+            raise ValueError(f"Mosaic GPU tiles: dq must be one of {DQ_SCHEDULES}, "
+                             f"got {self.dq!r}")
 
 
 def supports(dtype, head_dim: int, nc: int) -> bool:
@@ -179,13 +192,15 @@ def _fwd_scratch(d: int, tiles: Tiles, dt, has_seg: bool) -> list:
     ]
 
 
-def _dq_scratch(d: int, tiles: Tiles, wgs: int, dt, has_seg: bool) -> list:
-    """[buffers, barriers]: per warpgroup Q1, Q2 (64 × d), dO (64 × 2d), lse/δ, λ and segment
-    vectors; the K1, K2 (bk × d) and V (bk × 2d) rings, segment ring."""
+def _dq_scratch(d: int, tiles: Tiles, wgs: int, dt, has_seg: bool, split: bool = False) -> list:
+    """[buffers, barriers]: Q1, Q2 (64 × d) and dO (64 × 2d) per warpgroup (once when `split`);
+    per warpgroup lse/δ, λ and segment vectors; the K1, K2 (bk × d) and V (bk × 2d) rings,
+    segment ring."""
     bk, stages = tiles.block_kv_dq, tiles.stages
+    copies = 1 if split else wgs
     i32 = jnp.int32
     return [
-        (_smem((wgs, 2, ROWS, d), dt), _smem((wgs, ROWS, 2 * d), dt),
+        (_smem((copies, 2, ROWS, d), dt), _smem((copies, ROWS, 2 * d), dt),
          # K1 and K2 rings as two buffers: jax 0.11 cannot lower a wgmma accumulation
          # (`run_state`) whose operand ref is indexed by a Python int
          (_smem((stages, bk, d), dt),) * 2, _smem((stages, bk, 2 * d), dt),
@@ -241,9 +256,9 @@ def fwd_smem(d: int, tiles: Tiles, has_seg: bool = True) -> int:
     return _smem_bytes(_fwd_scratch(d, tiles, jnp.bfloat16, has_seg), reduces=True)
 
 
-def dq_smem(d: int, tiles: Tiles, wgs: int, has_seg: bool = True) -> int:
+def dq_smem(d: int, tiles: Tiles, wgs: int, has_seg: bool = True, split: bool = False) -> int:
     """Shared memory of the dQ kernel with `wgs` compute warpgroups (`_dq_scratch`)."""
-    return _smem_bytes(_dq_scratch(d, tiles, wgs, jnp.bfloat16, has_seg), reduces=False)
+    return _smem_bytes(_dq_scratch(d, tiles, wgs, jnp.bfloat16, has_seg, split), reduces=False)
 
 
 def dkv_smem(d: int, tiles: Tiles, wgs: int, split: bool = False, has_seg: bool = True) -> int:
@@ -269,7 +284,8 @@ def _overflow(name: str, tiles: Tiles, need: int, d: int) -> ValueError:
 
 def warpgroups(d: int, tiles: Tiles) -> tuple[int, int, bool]:
     """(dQ's compute warpgroups, dK/dV's compute warpgroups, whether dK/dV splits its rows'
-    accumulators across two of them). Two warpgroups where shared memory holds them, else one.
+    accumulators across two of them). Two warpgroups where shared memory holds them, else one;
+    dQ "split" always two (on the same 64 rows).
 
     dK/dV "auto": "rows" while `dkv_registers` fits `compute_registers` (240 with two compute
     warpgroups, 256 with one), else "split" where shared memory holds it. Raises a ValueError naming the tile
@@ -278,9 +294,14 @@ def warpgroups(d: int, tiles: Tiles) -> tuple[int, int, bool]:
     tiles.check()
     if fwd_smem(d, tiles) > SMEM_BYTES:
         raise _overflow("block_kv", tiles, fwd_smem(d, tiles), d)
-    wgs_dq = next((w for w in (2, 1) if dq_smem(d, tiles, w) <= SMEM_BYTES), None)
-    if wgs_dq is None:
-        raise _overflow("block_kv_dq", tiles, dq_smem(d, tiles, 1), d)
+    if tiles.dq == "split":
+        wgs_dq = 2 if dq_smem(d, tiles, 2, split=True) <= SMEM_BYTES else None
+        if wgs_dq is None:
+            raise _overflow("block_kv_dq", tiles, dq_smem(d, tiles, 2, split=True), d)
+    else:
+        wgs_dq = next((w for w in (2, 1) if dq_smem(d, tiles, w) <= SMEM_BYTES), None)
+        if wgs_dq is None:
+            raise _overflow("block_kv_dq", tiles, dq_smem(d, tiles, 1), d)
     split_fits = dkv_smem(d, tiles, 2, split=True) <= SMEM_BYTES
     rows = next((w for w in (2, 1) if dkv_smem(d, tiles, w) <= SMEM_BYTES), None)
     schedule = tiles.dkv
@@ -650,7 +671,7 @@ def _round_up(x: int, m: int) -> int:
 # Backward: dQ, then dK/dV. δ (with the λ terms) comes from outside (`kernels.flash`).
 
 
-def _dq_body(*refs, causal, has_seg, d, bk, stages, wgs, n_rep, kv_len, n_kv, ops):
+def _dq_body(*refs, causal, has_seg, d, bk, stages, wgs, split, n_rep, kv_len, n_kv, ops):
     q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, lam_ref, *refs = refs
     qs_ref, ks_ref, *refs = refs if has_seg else (None, None, *refs)
     dq_ref, (q_s, do_s, k_s, v_s, st_s, lam_s, qs_s, ks_s), bars = refs
@@ -659,36 +680,44 @@ def _dq_body(*refs, causal, has_seg, d, bk, stages, wgs, n_rep, kv_len, n_kv, op
     wg = lax.axis_index("wg")
     g = h // n_rep
     dt = q_ref.dtype
-    cta0 = i * ROWS * wgs
+    cta_rows = ROWS if split else ROWS * wgs
+    cta0 = i * cta_rows
     bound = None if kv_len == n_kv * bk else kv_len
-    lo, hi = _kv_range(cta0, ROWS * wgs, causal=causal, has_seg=has_seg, bk=bk, n_kv=n_kv,
+    lo, hi = _kv_range(cta0, cta_rows, causal=causal, has_seg=has_seg, bk=bk, n_kv=n_kv,
                        kv_len=kv_len)
     scale = d**-0.5
 
-    @pl.when(wg < wgs)
-    def _compute():
+    def compute(comps):
+        """A compute warpgroup's loop and epilogue for the softmax components `comps`: both
+        (0, 1) of its own 64 query rows, or with "split" one of the CTA's 64 rows."""
         _compute_registers(wgs)
-        row0 = cta0 + wg * ROWS
+        own = 0 if split else wg  # which Q, dO copy this warpgroup reads
+        row0 = cta0 if split else cta0 + wg * ROWS
         rows = pl.ds(row0, ROWS)
 
         def bar_at(n):  # flat indices: the interpreter takes no barrier slices
             return in_bar.at[wg * 7 + n]
 
-        _load([(q_ref.at[b, rows, 2 * h + c], q_s.at[wg, c], bar_at(c)) for c in range(2)]
-              + [(do_ref.at[b, rows, h], do_s.at[wg], bar_at(2)),
-                 (lse_ref.at[b, h, :, rows], st_s.at[wg, pl.ds(0, 2)], bar_at(3)),
-                 (dl_ref.at[b, h, :, rows], st_s.at[wg, pl.ds(2, 2)], bar_at(4)),
-                 (lam_ref, lam_s.at[wg], bar_at(5))]
-              + ([(qs_ref.at[b, rows], qs_s.at[wg], bar_at(6))] if has_seg else []))
-        lse = [ops.vector(st_s.at[wg, c], 0) * LOG2E for c in range(2)]
-        delta = [ops.vector(st_s.at[wg, 2 + c], 0) for c in range(2)]
+        do_load = (do_ref.at[b, rows, h], do_s.at[own], in_bar.at[own * 7 + 2])
+        mine = ([(q_ref.at[b, rows, 2 * h + c], q_s.at[own, c], bar_at(c)) for c in comps]
+                + [(lse_ref.at[b, h, :, rows], st_s.at[wg, pl.ds(0, 2)], bar_at(3)),
+                   (dl_ref.at[b, h, :, rows], st_s.at[wg, pl.ds(2, 2)], bar_at(4)),
+                   (lam_ref, lam_s.at[wg], bar_at(5))]
+                + ([(qs_ref.at[b, rows], qs_s.at[wg], bar_at(6))] if has_seg else []))
+        if split and comps == (1,):  # the component-0 warpgroup loads the shared dO
+            _load(mine)
+            plgpu.barrier_wait(do_load[2])
+        else:
+            _load([do_load] + mine)
+        lse = {c: ops.vector(st_s.at[wg, c], 0) * LOG2E for c in comps}
+        delta = {c: ops.vector(st_s.at[wg, 2 + c], 0) for c in comps}
         lam = ops.vector(lam_s.at[wg], 0)
         qs = ops.vector(qs_s.at[wg], 0) if has_seg else None
 
         def step(j, dqs, masked):
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(v_bar.at[slot])
-            dp = ops.dot(do_s.at[wg], v_s.at[slot], transpose_b=True)  # (64, bk): dP1
+            dp = ops.dot(do_s.at[own], v_s.at[slot], transpose_b=True)  # (64, bk): dP1
             mask = None
             if masked:
                 ks = None
@@ -698,27 +727,33 @@ def _dq_body(*refs, causal, has_seg, d, bk, stages, wgs, n_rep, kv_len, n_kv, op
                 mask = _mask(ops, dp.shape, row0, j * bk, causal=causal, qs=qs, ks=ks,
                              kv_len=bound)
             new = []
-            for c in range(2):
+            for n, c in enumerate(comps):
                 plgpu.barrier_wait(k_bar.at[c * stages + slot])
-                s = ops.dot(q_s.at[wg, c], k_s[c].at[slot], transpose_b=True) * (scale * LOG2E)
+                s = ops.dot(q_s.at[own, c], k_s[c].at[slot], transpose_b=True) * (scale * LOG2E)
                 if mask is not None:
                     s = jnp.where(mask, s, MASKED)
                 p = jnp.exp2(s - _bcast_rows(lse[c], s.shape))
                 dpc = dp if c == 0 else -_bcast_rows(lam, dp.shape) * dp
                 ds = p * (dpc - _bcast_rows(delta[c], dp.shape))
-                new.append(ops.dot(ds.astype(dt), k_s[c].at[slot], acc=dqs[c]))
+                new.append(ops.dot(ds.astype(dt), k_s[c].at[slot], acc=dqs[n]))
             plgpu.barrier_arrive(consumed.at[slot])
             return tuple(new)
 
-        dqs = (ops.full((ROWS, d), 0.0), ops.full((ROWS, d), 0.0))
+        dqs = tuple(ops.full((ROWS, d), 0.0) for _ in comps)
         dqs = lax.fori_loop(0, lo, functools.partial(step, masked=False), dqs)
         dqs = lax.fori_loop(lo, hi, functools.partial(step, masked=True), dqs)
-        for c in range(2):
-            q_s.at[wg, c][...] = (dqs[c] * scale).astype(dt)
+        for n, c in enumerate(comps):  # Q_c is read by this warpgroup alone: its buffer is free
+            q_s.at[own, c][...] = (dqs[n] * scale).astype(dt)
         plgpu.commit_smem()
-        for c in range(2):
-            plgpu.copy_smem_to_gmem(q_s.at[wg, c], dq_ref.at[b, rows, 2 * h + c])
+        for c in comps:
+            plgpu.copy_smem_to_gmem(q_s.at[own, c], dq_ref.at[b, rows, 2 * h + c])
         plgpu.wait_smem_to_gmem(0)
+
+    if split:
+        pl.when(wg == 0)(functools.partial(compute, (0,)))
+        pl.when(wg == 1)(functools.partial(compute, (1,)))
+    else:
+        pl.when(wg < wgs)(functools.partial(compute, (0, 1)))
 
     @pl.when(wg == wgs)
     def _memory():
@@ -885,9 +920,11 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, causal: bool, tiles: Til
     h = hq // 2
     n_rep = h // hkv
     wgs_dq, wgs_dkv, split = warpgroups(d, tiles)
+    split_dq = tiles.dq == "split"
     bk, bq, stages = tiles.block_kv_dq, tiles.block_q_dkv, tiles.stages
+    rows_dq = ROWS if split_dq else ROWS * wgs_dq  # query rows of a dQ CTA
     rows_dkv = ROWS if split else ROWS * wgs_dkv  # kv rows of a dK/dV CTA
-    tp = _round_up(t, math.lcm(ROWS * wgs_dq, bq))
+    tp = _round_up(t, math.lcm(rows_dq, bq))
     sp = _round_up(s, math.lcm(rows_dkv, bk))
     has_seg = q_seg is not None
     q, do = _pad_rows(q, tp), _pad_rows(do, tp)
@@ -899,10 +936,11 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, causal: bool, tiles: Til
 
     dq = _kernel(
         functools.partial(_dq_body, causal=causal, has_seg=has_seg, d=d, bk=bk, stages=stages,
-                          wgs=wgs_dq, n_rep=n_rep, kv_len=s, n_kv=sp // bk, ops=ops),
+                          wgs=wgs_dq, split=split_dq, n_rep=n_rep, kv_len=s, n_kv=sp // bk,
+                          ops=ops),
         out=jax.ShapeDtypeStruct(q.shape, dt),
-        scratch=_dq_scratch(d, tiles, wgs_dq, dt, has_seg),
-        grid=(b, h, tp // (ROWS * wgs_dq)), names=("b", "h", "q"), threads=wgs_dq + 1,
+        scratch=_dq_scratch(d, tiles, wgs_dq, dt, has_seg, split_dq),
+        grid=(b, h, tp // rows_dq), names=("b", "h", "q"), threads=wgs_dq + 1,
         interpret=interpret, name="diff_flash_dq",
     )(q, k, v, do, lse, delta, jnp.full((ROWS,), lam, jnp.float32), *segs)
 

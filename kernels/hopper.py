@@ -120,19 +120,22 @@ def tiles_for(d: int, dtype, kind: str | None = None, path: Path = TABLE) -> tup
     if row is None:
         raise ValueError(f"kernels/tuning/mosaic_gpu.json has no row for d={d}, dtype={name}")
     return Tiles(row["block_kv"], row["block_kv_dq"], row["block_q_dkv"], row["stages"],
-                 row.get("dkv", "auto"), row.get("pingpong", True)), row
+                 row.get("dkv", "auto"), row.get("pingpong", True), row.get("dq", "rows")), row
 
 
 def tiles_text(tiles: Tiles) -> str:
-    """"block_kv,block_kv_dq,block_q_dkv,stages,dkv,pingpong": every field, as `parse_tiles`
+    """"block_kv,block_kv_dq,block_q_dkv,stages,dkv,pingpong,dq": every field, as `parse_tiles`
     reads it back (a tuning row's `tiles`)."""
     return ",".join(str(getattr(tiles, f.name)) for f in dataclasses.fields(tiles))
 
 
 def parse_tiles(text: str) -> Tiles:
-    """The Tiles that `tiles_text` wrote."""
-    *sizes, dkv, pingpong = text.split(",")
-    return Tiles(*(int(x) for x in sizes), dkv, pingpong == "True")
+    """The Tiles that `tiles_text` wrote (rows written before `dq` existed read as "rows")."""
+    fields = text.split(",")
+    if len(fields) == 6:
+        fields.append("rows")
+    *sizes, dkv, pingpong, dq = fields
+    return Tiles(*(int(x) for x in sizes), dkv, pingpong == "True", dq)
 
 
 def record(gpu: str, d: int, dtype, tiles: Tiles, source: str, path: Path = TABLE) -> None:
@@ -145,6 +148,6 @@ def record(gpu: str, d: int, dtype, tiles: Tiles, source: str, path: Path = TABL
     doc["entries"].append({"gpu": gpu, "d": d, "dtype": name, "block_kv": tiles.block_kv,
                            "block_kv_dq": tiles.block_kv_dq, "block_q_dkv": tiles.block_q_dkv,
                            "stages": tiles.stages, "dkv": tiles.dkv,
-                           "pingpong": tiles.pingpong, "tuned": True,
+                           "pingpong": tiles.pingpong, "dq": tiles.dq, "tuned": True,
                            "source": source})
     path.write_text(json.dumps(doc, indent=1) + "\n")

@@ -77,7 +77,8 @@ def parse(text: str) -> list[KernelReport]:
 def ptxas_report(compile: Callable[[], Any]) -> list[KernelReport]:
     """Run `compile` (a call that makes XLA compile Mosaic GPU kernels, e.g.
     `jax.jit(f).lower(*args).compile()`) with ptxas's report switched on, and return it parsed.
-    Kernels this process compiled before are cached by Mosaic GPU and not reported again."""
+    Kernels this process compiled before are cached by Mosaic GPU and not reported again
+    (`mosaic_kernels` remembers them)."""
     libc = ctypes.CDLL(None)
     sys.stdout.flush()
     libc.fflush(None)
@@ -99,12 +100,22 @@ def ptxas_report(compile: Callable[[], Any]) -> list[KernelReport]:
         return parse(captured.read().decode(errors="replace"))
 
 
+# A Mosaic GPU custom call in lowered StableHLO: its kernel hash, then (in its serialized module)
+# the kernel's name, e.g. "diff_flash_fwd" (jax 0.10) or "diff_flash_fwd_0" (jax 0.11).
+_KERNEL = re.compile(r'kernel_hash = "((?:[^"\\]|\\.)*)".*?(diff_flash_[a-z]+)(?:_\d+)?\\00')
+# Mosaic GPU compiles a kernel (and runs ptxas) once a process, keyed by the hash of its module:
+# the reports seen so far by that hash, so a kernel compiled before is still reported.
+_SEEN: dict[str, KernelReport] = {}
+
+
 def mosaic_kernels(devices: list[Any], d: int, tiles: Any, *, has_seg: bool,
                    parts: tuple[str, ...] = ("fwd", "bwd"), dtype: Any = None) -> list[KernelReport]:
     """ptxas's report of the Mosaic GPU kernels (`flash_mgpu`) at head width `d` and `tiles`,
     compiled for `devices[0]` (e.g. `diff_jax.aot.gpu_devices("h100:1")`): the forward
     ("fwd") and the dQ and dK/dV kernels ("bwd"), causal, with segment ids if `has_seg`,
-    bf16 unless `dtype`. A ValueError from `flash_mgpu.warpgroups` where the tiles do not fit."""
+    bf16 unless `dtype`, one report per kernel in launch order (a kernel this process compiled
+    before, whose module hash is the same, gives its earlier report). A ValueError from
+    `flash_mgpu.warpgroups` where the tiles do not fit."""
     import jax
     import jax.numpy as jnp
 
@@ -129,10 +140,21 @@ def mosaic_kernels(devices: list[Any], d: int, tiles: Any, *, has_seg: bool,
     def bwd(q, k, v, lam, seg, do, lse, delta):
         return flash_mgpu.bwd(q, k, v, lam, seg, seg, do, lse, delta, causal=True, tiles=tiles)
 
-    def compile_all():
-        if "fwd" in parts:
-            jax.jit(fwd).lower(q, k, v, lam, seg).compile()
-        if "bwd" in parts:
-            jax.jit(bwd).lower(q, k, v, lam, seg, spec((b, t, h, 2 * d)), stats, stats).compile()
-
-    return ptxas_report(compile_all)
+    lowered = []
+    if "fwd" in parts:
+        lowered.append(jax.jit(fwd).lower(q, k, v, lam, seg))
+    if "bwd" in parts:
+        lowered.append(jax.jit(bwd).lower(q, k, v, lam, seg, spec((b, t, h, 2 * d)), stats,
+                                          stats))
+    kernels = [(m[2], m[1]) for low in lowered for m in _KERNEL.finditer(low.as_text())]
+    fresh = {r.name.removesuffix("_mosaic_gpu_kernel"): r
+             for r in ptxas_report(lambda: [low.compile() for low in lowered])}
+    reports = []
+    for name, digest in kernels:
+        if name in fresh:
+            _SEEN[digest] = fresh[name]
+        if digest not in _SEEN:
+            raise ValueError(f"ptxas reported nothing for {name} (compiled before this process "
+                             "read reports?)")
+        reports.append(_SEEN[digest])
+    return reports

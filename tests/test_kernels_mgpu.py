@@ -34,16 +34,18 @@ MOSAIC = "stablehlo.custom_call @mosaic_gpu"
 # (B, T, H, Hkv, d, causal, segments, dtype, λ, Tiles fields): the kernel-test matrix's GPU
 # cases at the widths and dtypes this kernel takes, kept few for time; T ragged against the
 # 64-row tiles, and at T = 130 every ring slot is refilled. Each shape runs the table's tiles
-# (dK/dV "auto": split at both widths; forward ping-pong on) and the "rows" dK/dV
-# schedule with ping-pong off. d = 96 differs from these in the interpreter only by shape; its
-# lowering (64-byte swizzle) is exported below.
+# (dK/dV "auto": split at both widths; dQ "rows"; forward ping-pong on) and the other schedules
+# ("rows" dK/dV, "split" dQ) with ping-pong off. d = 96 differs from these in the interpreter
+# only by shape; its lowering (64-byte swizzle) is exported below.
 CASES = {
     "mqa-causal-segments-neg-lam-d64": (1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5, {}),
-    "mqa-causal-segments-neg-lam-d64-rows-nopingpong": (
-        1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5, {"dkv": "rows", "pingpong": False}),
+    "mqa-causal-segments-neg-lam-d64-rows-splitdq-nopingpong": (
+        1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5,
+        {"dkv": "rows", "pingpong": False, "dq": "split"}),
     "mha-noncausal-lam0-d128-fp16": (1, 130, 1, 1, 128, False, False, jnp.float16, 0.0, {}),
-    "mha-noncausal-lam0-d128-fp16-rows-nopingpong": (
-        1, 130, 1, 1, 128, False, False, jnp.float16, 0.0, {"dkv": "rows", "pingpong": False}),
+    "mha-noncausal-lam0-d128-fp16-rows-splitdq-nopingpong": (
+        1, 130, 1, 1, 128, False, False, jnp.float16, 0.0,
+        {"dkv": "rows", "pingpong": False, "dq": "split"}),
 }
 
 
@@ -121,7 +123,8 @@ def _lowered_smem(fn, args, limit):
 
 @pytest.mark.parametrize("d,tiles,seg", [
     (64, flash_mgpu.Tiles(64, 64, 64, 3, dkv="split"), True),  # bigger dQ; split dK/dV
-    (128, flash_mgpu.Tiles(64, 64, 64, 2, dkv="rows", pingpong=False), False)])  # bigger dK/dV
+    (128, flash_mgpu.Tiles(64, 64, 64, 2, dkv="rows", pingpong=False), False),  # bigger dK/dV
+    (128, flash_mgpu.Tiles(64, 64, 64, 2, dq="split"), True)])  # dQ's Q and dO held once
 def test_shared_memory_plans_are_what_the_lowering_allocates(d, tiles, seg):
     """`warpgroups` judges tiles by plans built from the kernels' own scratch lists; each plan
     is the exact byte count the real lowering allocates (1 KiB-aligned buffers, barriers, the
@@ -144,7 +147,7 @@ def test_shared_memory_plans_are_what_the_lowering_allocates(d, tiles, seg):
 
     plan = flash_mgpu.fwd_smem(d, tiles, seg)
     assert _lowered_smem(fwd, (q, k, v, ids, ids), plan - 1) == plan
-    plan = max(flash_mgpu.dq_smem(d, tiles, wgs_dq, seg),
+    plan = max(flash_mgpu.dq_smem(d, tiles, wgs_dq, seg, split=tiles.dq == "split"),
                flash_mgpu.dkv_smem(d, tiles, wgs_dkv, split, seg))
     stats = sd((b, 1, 2, t), jnp.float32)
     assert _lowered_smem(bwd, (q, k, v, ids, ids, sd((b, t, 1, 2 * d), jnp.bfloat16), stats,
@@ -212,6 +215,7 @@ def test_tile_table_and_invalid_tiles():
              (flash_mgpu.Tiles(64, 64, 64, 2, "cols"), r"dkv must be one of .* got 'cols'"),
              (flash_mgpu.Tiles(64, 64, 64, 2, "auto", "yes"),
               r"pingpong must be True or False, got 'yes'"),
+             (flash_mgpu.Tiles(64, 64, 64, 2, dq="auto"), r"dq must be one of .* got 'auto'"),
              (flash_mgpu.Tiles(256, 64, 64, 2), r"block_kv=256 .* KiB of shared memory")]
     for tiles, msg in cases:
         with pytest.raises(ValueError, match=msg):
@@ -226,8 +230,9 @@ def test_tuned_rows_win_for_their_gpu(tmp_path):
     """A recorded row (every Tiles field, as --tune writes it) wins for its GPU only."""
     path = tmp_path / "table.json"
     path.write_text(hopper.TABLE.read_text())
-    tiles = flash_mgpu.Tiles(128, 128, 64, 3, "split", False)
+    tiles = flash_mgpu.Tiles(128, 128, 64, 3, "split", False, "split")
     assert hopper.parse_tiles(hopper.tiles_text(tiles)) == tiles  # a tune row's `tiles` text
+    assert hopper.parse_tiles("64,64,64,2,auto,True") == flash_mgpu.Tiles(64, 64, 64, 2)  # older
     hopper.record("H100", 64, jnp.bfloat16, tiles, "test", path=path)
     got, row = hopper.tiles_for(64, jnp.bfloat16, kind="NVIDIA H100 80GB HBM3", path=path)
     assert got == tiles and row["tuned"] is True

@@ -100,6 +100,30 @@ def test_the_rows_schedule_spills_at_d64_so_auto_splits():
     assert flash_mgpu.warpgroups(64, base)[2]  # "auto" splits
 
 
+@needs_cuda_aot
+def test_a_kernel_compiled_before_is_still_reported():
+    """Mosaic GPU compiles (and runs ptxas on) a kernel once a process; asked again,
+    `mosaic_kernels` gives the same reports, known by the kernels' module hashes."""
+    tiles = hopper.tiles_for(64, jnp.bfloat16, kind="")[0]
+    devices = gpu_devices("h100:1")
+    first = ptxas.mosaic_kernels(devices, 64, tiles, has_seg=False)
+    again = ptxas.mosaic_kernels(devices, 64, tiles, has_seg=False)
+    assert again == first and [r.name.split("_")[2] for r in first] == ["fwd", "dq", "dkdv"]
+
+
+@needs_cuda_aot
+def test_split_dq_holds_d128_without_spills():
+    """dQ at d = 128: one "rows" warpgroup holds dQ1 and dQ2 (128 registers a thread) and spills;
+    the "split" schedule gives each component its own warpgroup and spills nothing."""
+    base = hopper.tiles_for(128, jnp.bfloat16, kind="")[0]
+    devices = gpu_devices("h100:1")
+    for dq, spills in (("rows", True), ("split", False)):
+        (report,) = [r for r in ptxas.mosaic_kernels(
+            devices, 128, dataclasses.replace(base, dq=dq), has_seg=True, parts=("bwd",))
+            if r.name.startswith("diff_flash_dq")]
+        assert report.spills is spills, (dq, report)
+
+
 def test_split_roles_share_the_register_file():
     roles = flash_mgpu.split_registers()
     assert roles["k"] == 256 and roles["v"] % 8 == 0 and 24 <= roles["v"] <= 256

@@ -249,9 +249,9 @@ def check(block_sizes: BlockSizes | None, interpret,
 
     Each row names the kernel the dispatch picked ("mosaic_gpu" on Hopper for bf16/fp16 at
     d ∈ {64, 96, 128}, else "triton") and the DeprecationWarnings its compile raised. The last
-    two cases run the Mosaic kernel's dK/dV schedule that "auto" does not pick at their d and
-    the forward without ping-pong (so `--tune` compares only checked schedules); elsewhere they
-    are two more cases.
+    two cases run the Mosaic kernel's dK/dV and dQ schedules that the table does not pick at
+    their d and the forward without ping-pong (so `--tune` compares only checked schedules);
+    elsewhere they are two more cases.
     """
     cases = [  # (B, T, H, Hkv, d, causal, segments, dtype, λ)
         (2, 256, 4, 4, 64, True, False, jnp.float32, 0.6),
@@ -264,8 +264,10 @@ def check(block_sizes: BlockSizes | None, interpret,
         (1, 300, 4, 2, 96, False, True, jnp.bfloat16, -0.7),  # d = 96: the 830M config's width
         (2, 1000, 4, 1, 128, False, False, jnp.float16, 0.0),
         (1, 1024, 2, 2, 64, True, False, jnp.float16, 1.2),
-        (1, 333, 8, 2, 64, True, True, jnp.bfloat16, 0.3, {"dkv": "rows", "pingpong": False}),
-        (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5, {"dkv": "rows", "pingpong": False}),
+        (1, 333, 8, 2, 64, True, True, jnp.bfloat16, 0.3,
+         {"dkv": "rows", "pingpong": False, "dq": "split"}),
+        (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5,
+         {"dkv": "rows", "pingpong": False, "dq": "split"}),
     ]
     rows = []
     for n, (b, t, h, hkv, d, causal, seg, dtype, lam, *fields) in enumerate(cases):

@@ -47,7 +47,9 @@ def compile_one(config: str, topology: str, impl: str, timeout: int) -> dict:
         return {**key, "error": f"compile > {timeout}s"}
     out = p.stdout[p.stdout.find("{"):] if p.returncode == 0 else ""
     if not out:
-        return {**key, "error": (p.stderr or p.stdout).strip().splitlines()[-1][:200]}
+        lines = (p.stderr or p.stdout).strip().splitlines() or ["no output"]
+        raised = [x for x in lines if re.match(r"[\w.]+(Error|Exception)\b", x)]
+        return {**key, "error": (raised or lines)[-1][:200]}
     return {**json.loads(out), **key, "compile_s": round(time.time() - t0, 1)}
 
 
@@ -108,9 +110,10 @@ HEADERS = {
              "AOT-compiled on a CPU machine with the CUDA plugin and ptxas, no GPU (`python",
              "benchmarks/fit.py --target h100`, the `cuda-aot` extra): the full sharded train step",
              "(bf16 compute, f32 params + AdamW state, paper batch and sequence length) with",
-             f"`{' '.join(KNOBS)}`, once with the fused kernel (`model.attention_impl=pallas`: on",
-             "Hopper the Mosaic GPU kernels, compiled through ptxas for sm_90a) and once with the",
-             "xla oracle (O(T²) attention temporaries). Each is tried on 8 GPUs first, then 16, 32,",
+             f"`{' '.join(KNOBS)}`, once with the fused kernel",
+             "(`model.attention_impl=pallas`: on Hopper the Mosaic GPU kernels at the table's",
+             "tiles, compiled through ptxas for sm_90a) and once with the xla oracle (O(T²)",
+             "attention temporaries). Each is tried on 8 GPUs first, then 16, 32,",
              "64 (`h100:N`: N GPUs described in one host, the per-GPU memory of a multi-host run",
              "with the same mesh). Peak = arguments + temporaries + outputs − aliased, per GPU, from",
              "XLA's memory analysis, against the H100's 79.1 GiB. The spill column is ptxas's spill",

@@ -699,16 +699,16 @@ def _dq_body(*refs, causal, has_seg, d, bk, stages, wgs, split, n_rep, kv_len, n
             return in_bar.at[wg * 7 + n]
 
         do_load = (do_ref.at[b, rows, h], do_s.at[own], in_bar.at[own * 7 + 2])
-        mine = ([(q_ref.at[b, rows, 2 * h + c], q_s.at[own, c], bar_at(c)) for c in comps]
-                + [(lse_ref.at[b, h, :, rows], st_s.at[wg, pl.ds(0, 2)], bar_at(3)),
-                   (dl_ref.at[b, h, :, rows], st_s.at[wg, pl.ds(2, 2)], bar_at(4)),
-                   (lam_ref, lam_s.at[wg], bar_at(5))]
-                + ([(qs_ref.at[b, rows], qs_s.at[wg], bar_at(6))] if has_seg else []))
+        loads_q = [(q_ref.at[b, rows, 2 * h + c], q_s.at[own, c], bar_at(c)) for c in comps]
+        loads_rest = ([(lse_ref.at[b, h, :, rows], st_s.at[wg, pl.ds(0, 2)], bar_at(3)),
+                       (dl_ref.at[b, h, :, rows], st_s.at[wg, pl.ds(2, 2)], bar_at(4)),
+                       (lam_ref, lam_s.at[wg], bar_at(5))]
+                      + ([(qs_ref.at[b, rows], qs_s.at[wg], bar_at(6))] if has_seg else []))
         if split and comps == (1,):  # the component-0 warpgroup loads the shared dO
-            _load(mine)
+            _load(loads_q + loads_rest)
             plgpu.barrier_wait(do_load[2])
         else:
-            _load([do_load] + mine)
+            _load(loads_q + [do_load] + loads_rest)
         lse = {c: ops.vector(st_s.at[wg, c], 0) * LOG2E for c in comps}
         delta = {c: ops.vector(st_s.at[wg, 2 + c], 0) for c in comps}
         lam = ops.vector(lam_s.at[wg], 0)

@@ -118,18 +118,13 @@ def compile_train_step(config: Config, devices: list[Any] | None = None) -> dict
     Mosaic GPU kernel compiled, ptxas's registers and spill bytes (`kernels.ptxas`)."""
     steps = build_steps(config, make_mesh(config.mesh, devices))
     mesh, model = steps.mesh, steps.model
-    compiled = []
-
-    def compile() -> None:
-        compiled.append(steps.train.lower(*_abstract_args(config, steps)).compile())
-
     with steps.context():
+        lowered = steps.train.lower(*_abstract_args(config, steps))
         if mesh.devices.flat[0].platform == "gpu":  # Mosaic GPU kernels run ptxas here
-            kernels = ptxas.ptxas_report(compile)
+            compiled, kernels = ptxas.ptxas_report(lowered.compile)
         else:
-            compile()
-            kernels = []
-    mem = compiled[0].memory_analysis()
+            compiled, kernels = lowered.compile(), []
+    mem = compiled.memory_analysis()
     args, temp = mem.argument_size_in_bytes, mem.temp_size_in_bytes
     out, alias = mem.output_size_in_bytes, mem.alias_size_in_bytes
     return {
@@ -137,7 +132,7 @@ def compile_train_step(config: Config, devices: list[Any] | None = None) -> dict
         "mesh": dict(mesh.shape), "attention_impl": model.attention_op.impl,
         "argument_gib": args / GiB, "temp_gib": temp / GiB,
         "peak_gib": (args + temp + out - alias) / GiB,
-        "flops_per_chip": flops_per_chip(compiled[0]),
+        "flops_per_chip": flops_per_chip(compiled),
         "kernels": [dataclasses.asdict(k) for k in kernels],
     }
 

@@ -288,16 +288,16 @@ def warpgroups(d: int, tiles: Tiles) -> tuple[int, int, bool]:
     dQ "split" always two (on the same 64 rows).
 
     dK/dV "auto": "rows" while `dkv_registers` fits `compute_registers` (240 with two compute
-    warpgroups, 256 with one), else "split" where shared memory holds it. Raises a ValueError naming the tile
-    when even the smallest plan does not fit.
+    warpgroups, 256 with one), else "split" where shared memory holds it. Raises a ValueError
+    naming the tile when even the smallest plan does not fit.
     """
     tiles.check()
     if fwd_smem(d, tiles) > SMEM_BYTES:
         raise _overflow("block_kv", tiles, fwd_smem(d, tiles), d)
     if tiles.dq == "split":
-        wgs_dq = 2 if dq_smem(d, tiles, 2, split=True) <= SMEM_BYTES else None
-        if wgs_dq is None:
+        if dq_smem(d, tiles, 2, split=True) > SMEM_BYTES:
             raise _overflow("block_kv_dq", tiles, dq_smem(d, tiles, 2, split=True), d)
+        wgs_dq = 2
     else:
         wgs_dq = next((w for w in (2, 1) if dq_smem(d, tiles, w) <= SMEM_BYTES), None)
         if wgs_dq is None:

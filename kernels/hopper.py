@@ -130,11 +130,8 @@ def tiles_text(tiles: Tiles) -> str:
 
 
 def parse_tiles(text: str) -> Tiles:
-    """The Tiles that `tiles_text` wrote (rows written before `dq` existed read as "rows")."""
-    fields = text.split(",")
-    if len(fields) == 6:
-        fields.append("rows")
-    *sizes, dkv, pingpong, dq = fields
+    """The Tiles that `tiles_text` wrote."""
+    *sizes, dkv, pingpong, dq = text.split(",")
     return Tiles(*(int(x) for x in sizes), dkv, pingpong == "True", dq)
 
 

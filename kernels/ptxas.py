@@ -5,7 +5,7 @@ calls it (for the GPU that program targets: `diff_jax.aot.topology_devices("h100
 H100s to a machine without one, given the CUDA plugin and ptxas: the `cuda-aot` extra). With
 `MOSAIC_GPU_DUMP_PTXAS` set, Mosaic GPU prints ptxas's verbose report on the process's standard
 output (file descriptor 1). `ptxas_report(compile)` runs `compile` with that set, captures the
-descriptor and returns one `KernelReport` per entry function: the registers a thread is given,
+descriptor and returns what `compile` returned and one `KernelReport` per entry function: the registers a thread is given,
 the bytes it spills to local memory and ptxas's performance notes (e.g. C7512: wgmma serialized
 for want of registers). The compute warpgroups raise their share of the register
 file (`setmaxnreg`, `flash_mgpu.compute_registers`) and ptxas allocates each warpgroup's code
@@ -74,9 +74,10 @@ def parse(text: str) -> list[KernelReport]:
     return reports
 
 
-def ptxas_report(compile: Callable[[], Any]) -> list[KernelReport]:
+def ptxas_report(compile: Callable[[], Any]) -> tuple[Any, list[KernelReport]]:
     """Run `compile` (a call that makes XLA compile Mosaic GPU kernels, e.g.
-    `jax.jit(f).lower(*args).compile()`) with ptxas's report switched on, and return it parsed.
+    `jax.jit(f).lower(*args).compile`) with ptxas's report switched on: what it returned, and
+    the report parsed.
     Kernels this process compiled before are cached by Mosaic GPU and not reported again
     (`mosaic_kernels` remembers them)."""
     libc = ctypes.CDLL(None)
@@ -87,7 +88,7 @@ def ptxas_report(compile: Callable[[], Any]) -> list[KernelReport]:
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 1)
         try:
-            compile()
+            result = compile()
         finally:
             libc.fflush(None)
             os.dup2(saved, 1)
@@ -97,7 +98,7 @@ def ptxas_report(compile: Callable[[], Any]) -> list[KernelReport]:
             else:
                 os.environ[DUMP_VARIABLE] = before
         captured.seek(0)
-        return parse(captured.read().decode(errors="replace"))
+        return result, parse(captured.read().decode(errors="replace"))
 
 
 # A Mosaic GPU custom call in lowered StableHLO: its kernel hash, then (in its serialized module)
@@ -147,14 +148,14 @@ def mosaic_kernels(devices: list[Any], d: int, tiles: Any, *, has_seg: bool,
         lowered.append(jax.jit(bwd).lower(q, k, v, lam, seg, spec((b, t, h, 2 * d)), stats,
                                           stats))
     kernels = [(m[2], m[1]) for low in lowered for m in _KERNEL.finditer(low.as_text())]
-    fresh = {r.name.removesuffix("_mosaic_gpu_kernel"): r
-             for r in ptxas_report(lambda: [low.compile() for low in lowered])}
+    _, fresh = ptxas_report(lambda: [low.compile() for low in lowered])
+    fresh = {r.name.removesuffix("_mosaic_gpu_kernel"): r for r in fresh}
     reports = []
     for name, digest in kernels:
         if name in fresh:
             _SEEN[digest] = fresh[name]
         if digest not in _SEEN:
-            raise ValueError(f"ptxas reported nothing for {name} (compiled before this process "
-                             "read reports?)")
+            raise RuntimeError(f"ptxas reported nothing for {name} (compiled before this "
+                               "process read reports?)")
         reports.append(_SEEN[digest])
     return reports

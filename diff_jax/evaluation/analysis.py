@@ -24,9 +24,8 @@ import numpy as np
 from diff_jax import variants
 from diff_jax.attention_op import AttentionOp
 from diff_jax.config import ModelConfig
-from diff_jax.data import encoding
 from diff_jax.evaluation import plots
-from diff_jax.evaluation.loading import Loaded
+from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalOptions
 from diff_jax.evaluation.report import Report
 from diff_jax.evaluation.retrieval import accuracy_grid, cell_samples, niah_lengths
@@ -83,7 +82,7 @@ def attention(loaded: Loaded, options: EvalOptions) -> Report:
     """Share of the query positions' attention on the answer span vs the rest, per depth."""
     cfg = loaded.config
     length = max(niah_lengths(cfg, options))
-    enc = encoding(cfg.data.tokenizer)
+    enc = text_encoding(cfg)
     per_depth = []
     for depth in options.depths:
         shares = []
@@ -157,7 +156,7 @@ def outliers(loaded: Loaded, options: EvalOptions) -> Report:
         {"length": length, "num_tokens": tokens, **stats},
         [("tokens", f"{tokens:,}"), ("", "  ".join(f"{c:>8}" for c in cols))]
         + [(name, "  ".join(f"{s.get(c, float('nan')):8.3f}" for c in cols))
-           for name, s in stats.items()])
+           for name, s in stats.items()], notes=[loaded.split_note] if loaded.split_note else [])
 
 
 def quant(loaded: Loaded, options: EvalOptions) -> Report:
@@ -172,7 +171,7 @@ def quant(loaded: Loaded, options: EvalOptions) -> Report:
         model_cfg = dataclasses.replace(cfg.model, attn_logit_bits=b, attention_impl="xla")
         losses.append(float(counted_nll(model_cfg, loaded.params, batches).mean()))
         if options.niah:
-            grid, _ = accuracy_grid(model_cfg, loaded.params, encoding(cfg.data.tokenizer),
+            grid, _ = accuracy_grid(model_cfg, loaded.params, text_encoding(cfg),
                                     options, niah_lengths(cfg, options))
             accuracies.append(float(grid.mean()))
     ppls = [math.exp(x) for x in losses]
@@ -185,7 +184,7 @@ def quant(loaded: Loaded, options: EvalOptions) -> Report:
     for i, b in enumerate(bits):
         table.append((str(b or "none"),
                       f"{ppls[i]:.3f}" + (f"  {accuracies[i]:.3f}" if options.niah else "")))
-    report = Report(fields, table)
+    report = Report(fields, table, notes=[loaded.split_note] if loaded.split_note else [])
     png = loaded.out_dir / "quant.png"
     series = {"perplexity": ppls[1:]}
     plots.attach(report, png, plots.lines(

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from diff_jax.data import encoding
-from diff_jax.evaluation.loading import Loaded
+from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.evaluation.report import Report
 from diff_jax.generate import SamplingConfig, generate
@@ -11,7 +10,7 @@ from diff_jax.generate import SamplingConfig, generate
 
 def run(loaded: Loaded, options: EvalOptions) -> Report:
     """Continue `options.prompt` by up to `max_new_tokens` tokens (stops at end-of-text)."""
-    enc = encoding(loaded.config.data.tokenizer)
+    enc = text_encoding(loaded.config)
     ids = enc.encode_ordinary(options.prompt)
     if not ids:
         raise EvalError("prompt: encodes to no tokens")

@@ -11,12 +11,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from diff_jax import checkpoint, export
+import tiktoken
+
+from diff_jax import checkpoint
 from diff_jax.checkpoint import CheckpointError
-from diff_jax.config import Config, TrainConfig, apply_overrides, from_dict, parse_override
+from diff_jax.config import (Config, ConfigError, TrainConfig, apply_overrides, from_dict,
+                             parse_override)
+from diff_jax.data import encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.export import ExportError
-from diff_jax.export.sources import EVAL_DIR, LOADABLE, abstract_params, locate
+from diff_jax.export.sources import EVAL_DIR, LOADABLE, abstract_params, locate, read_source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +32,20 @@ class Loaded:
     source: str  # what was loaded (for the report)
     step: int | None  # the training step (None for an export)
     out_dir: Path  # where the task writes its outputs
+    # why held-out text may not be the run's validation documents (an export that records no
+    # data section of its run), for the tasks that read held-out text to report; else None
+    split_note: str | None = None
+
+
+def text_encoding(config: Config) -> tiktoken.Encoding:
+    """The encoding of `data.tokenizer`; `EvalError` when its ids do not all fit
+    `model.vocab_size` (the model was trained with another tokenizer)."""
+    enc = encoding(config.data.tokenizer)
+    if enc.n_vocab > config.model.vocab_size:
+        raise EvalError(f"data.tokenizer={config.data.tokenizer}: its {enc.n_vocab:,} ids do not "
+                        f"fit model.vocab_size ({config.model.vocab_size:,}); pass the tokenizer "
+                        "the model was trained with")
+    return enc
 
 
 def _override_value(overrides: Sequence[str], dotted: str) -> Any:
@@ -74,19 +92,30 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
 
 
 def _load_export(path: Path, key: str, options: EvalOptions, overrides: Sequence[str]) -> Loaded:
-    """An export directory (`diff_jax.export.load`), named by the argument `key`: its model
-    config and parameters; the other config sections are the defaults plus the overrides."""
+    """An export directory (`diff_jax.export.sources`), named by the argument `key`: its model
+    config and parameters, its run's data section, train.seed and train.seq_len where recorded
+    (so the held-out split is the run's), the rest the defaults; the overrides on top."""
     try:
-        model_cfg, params = export.load(path)
+        source = read_source(path)
     except (OSError, ExportError) as e:
         raise CheckpointError(f"{key}={path}: {e}") from e
-    # An export carries the model only; the default evaluation length must fit the model.
-    seq_len = min(TrainConfig().seq_len, model_cfg.max_seq_len)
-    saved = Config(model=model_cfg, train=TrainConfig(seq_len=seq_len)).to_dict()
-    config = from_dict(apply_overrides(saved, overrides))
+    # Without the run's train.seq_len the default evaluation length must fit the model.
+    seq_len = min(TrainConfig().seq_len, source.config.max_seq_len)
+    saved = Config(model=source.config, train=TrainConfig(seq_len=seq_len)).to_dict()
+    for section, values in (source.run or {}).items():
+        saved[section].update(values)
+    try:
+        config = from_dict(apply_overrides(saved, overrides))
+    except ConfigError as e:
+        raise CheckpointError(f"{key}={path}: its recorded data section or an override: {e}") from e
     target = abstract_params(config.model)
-    checkpoint.check_shapes(checkpoint.tree_shapes(params), checkpoint.tree_shapes(target),
+    checkpoint.check_shapes(checkpoint.tree_shapes(source.params), checkpoint.tree_shapes(target),
                             f"{key}={path}: ")
-    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), source.params)
     out_dir = Path(options.out_dir) if options.out_dir else path / EVAL_DIR
-    return Loaded(config, params, str(path), None, out_dir)
+    note = None
+    if "train" not in (source.run or {}):
+        note = ("the export records no data section of its run (written before exports did, or "
+                "imported): the held-out text is the split that data.* as given here draws, "
+                "not necessarily documents the model never trained on")
+    return Loaded(config, params, str(path), None, out_dir, note)

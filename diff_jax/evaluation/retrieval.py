@@ -19,9 +19,8 @@ import tiktoken
 
 from diff_jax import niah as needles
 from diff_jax.config import Config, ModelConfig
-from diff_jax.data import encoding
 from diff_jax.evaluation import plots
-from diff_jax.evaluation.loading import Loaded
+from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.evaluation.report import Report
 from diff_jax.transformer import DecoderLM
@@ -102,7 +101,7 @@ def niah(loaded: Loaded, options: EvalOptions) -> Report:
     """Accuracy per (depth, length) and on average, with a heatmap."""
     cfg = loaded.config
     lengths = niah_lengths(cfg, options)
-    grid, cells = accuracy_grid(cfg.model, loaded.params, encoding(cfg.data.tokenizer), options,
+    grid, cells = accuracy_grid(cfg.model, loaded.params, text_encoding(cfg), options,
                                 lengths)
     report = Report(
         {"needles": options.needles, "queries": options.queries, "samples": options.samples,

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from diff_jax.config import Config, ModelConfig
-from diff_jax.data import Batch, DataError, HeldOut, TokenCorpus, encoding, held_out, split_corpus
+from diff_jax.data import Batch, DataError, HeldOut, TokenCorpus, held_out, split_corpus
 from diff_jax.evaluation import plots
-from diff_jax.evaluation.loading import Loaded
+from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.evaluation.report import Report
 from diff_jax.transformer import DecoderLM
@@ -53,7 +53,9 @@ def eval_length(config: Config, options: EvalOptions) -> int:
 
 
 def held_out_corpus(config: Config) -> TokenCorpus:
-    """The validation split of the run's data (`data.*`), as training held it out."""
+    """The validation split of the run's data (`data.*`), as training held it out; `EvalError`
+    when `data.tokenizer`'s ids do not fit the model (`text_encoding`)."""
+    text_encoding(config)
     if config.data.validation_fraction == 0:
         raise DataError("data.validation_fraction is 0 for this run, so no text was held out; "
                         "pass data.validation_fraction=F (F of the documents, drawn at random) or "
@@ -124,6 +126,8 @@ def ppl(loaded: Loaded, options: EvalOptions) -> Report:
          ("loss", f"{loss:.4f}"), ("perplexity", f"{math.exp(loss):.2f}"),
          ("by position (other rows)", f"{n_docs} documents of >= {length + 1} tokens, each read "
                                       "from its start")])
+    if loaded.split_note:
+        report.notes.append(loaded.split_note)
     read = sum(b["targets"].size for b in rows.batches)  # rows × length; nll.size with no mask
     if read < options.held_out_tokens:
         report.notes.append(f"the held-out split has room for {read:,} tokens in whole "
@@ -159,7 +163,7 @@ def read_tokens(path: Path, config: Config) -> np.ndarray:
             raise EvalError(f"input={path}: expected a 1-D array of integer token ids, got "
                             f"{ids.dtype} {ids.shape}")
     elif path.suffix == ".txt":
-        ids = np.asarray(encoding(config.data.tokenizer).encode_ordinary(path.read_text()))
+        ids = np.asarray(text_encoding(config).encode_ordinary(path.read_text()))
     else:
         raise EvalError(f"input={path}: expected a .txt or .npy file")
     if len(ids) < 2:

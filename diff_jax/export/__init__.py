@@ -18,7 +18,9 @@
 (`diff_jax.export.hf_import`). Safetensors files are written and read with the `safetensors`
 package (`diff_jax.export.safetensors_io`).
 
-Every export also holds `export.json` (format, dtype, source, step, the run's data.tokenizer).
+Every export also holds `export.json` (format, dtype, source, step, the run's data.tokenizer, and
+the run's data section, train.seed and train.seq_len: `eval.py checkpoint=EXPORT` holds out the
+run's own validation documents).
 `load(PATH)` reads a safetensors or orbax-params export, a run directory (its latest checkpoint),
 its `checkpoints/` directory, or one checkpoint step, and returns (model config, float32
 parameters).

@@ -2,7 +2,8 @@
 
 Training checkpoints (`<run_dir>/checkpoints/<step>/`) are read with
 `diff_jax.checkpoint.restore_inference`: the parameters alone, checked against the saved config.
-Exports carry `export.json` (format, dtype, source, step, the run's data.tokenizer) beside
+Exports carry `export.json` (format, dtype, source, step, the run's data.tokenizer, and `run`:
+its data section, train.seed and train.seq_len, which define its held-out split) beside
 `config.json` (the model config) and their tensors; `orbax-params` exports also carry
 `checksums.json`, the checksum of every stored array, which loading verifies (training
 checkpoints are verified the same way).
@@ -42,7 +43,26 @@ class Source:
     params: dict[str, Any]
     origin: str  # the directory the parameters were read from
     step: int | None  # the training step, where known
-    tokenizer: str | None = None  # the run's data.tokenizer, where known (recorded in export.json)
+    # what of the run's config defines its data and held-out split (`run_sections`), where
+    # known: recorded in export.json; exports written before it was give only
+    # {"data": {"tokenizer": ...}}, imports None
+    run: dict[str, Any] | None = None
+
+    @property
+    def tokenizer(self) -> str | None:
+        """The run's data.tokenizer, where known."""
+        name = ((self.run or {}).get("data") or {}).get("tokenizer")
+        return name if isinstance(name, str) else None
+
+
+def run_sections(saved: Any) -> dict[str, Any] | None:
+    """Of a run's saved config (a dict), what defines its corpus and held-out split: the data
+    section and train.seed (which seeds synthetic documents), with train.seq_len; None when
+    `saved` has no data section."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("data"), dict):
+        return None
+    train = saved.get("train") if isinstance(saved.get("train"), dict) else {}
+    return {"data": saved["data"], "train": {k: train[k] for k in ("seed", "seq_len") if k in train}}
 
 
 def model_config_from_json(data: Any, where: str) -> ModelConfig:
@@ -127,9 +147,10 @@ def _read_export(path: Path) -> Source:
         params = jax.tree.map(jnp.asarray, from_state_dict(tensors, config, str(file)))
     else:
         params = _restore_params(path / PARAMS_DIR, config)
-    step, tokenizer = info.get("step"), info.get("tokenizer")
-    return Source(config, params, str(path), step if isinstance(step, int) else None,
-                  tokenizer if isinstance(tokenizer, str) else None)
+    step, run, tokenizer = info.get("step"), info.get("run"), info.get("tokenizer")
+    if not isinstance(run, dict):
+        run = {"data": {"tokenizer": tokenizer}} if isinstance(tokenizer, str) else None
+    return Source(config, params, str(path), step if isinstance(step, int) else None, run)
 
 
 def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
@@ -186,7 +207,5 @@ def _read_train_checkpoint(path: Path, location: Location) -> Source:
         step, saved, params = checkpoint.restore_inference(run_dir, step, target)
     except CheckpointError as e:
         raise ExportError(f"{path}: {e}") from e
-    data = saved.get("data")
-    tokenizer = data.get("tokenizer") if isinstance(data, dict) else None
     return Source(configs[0], params, str(run_dir / "checkpoints" / str(step)), step,
-                  tokenizer if isinstance(tokenizer, str) else None)
+                  run_sections(saved))

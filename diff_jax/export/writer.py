@@ -155,7 +155,8 @@ def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors
         if fmt == "hf-diffllama" and name != "none":
             _add_tokenizer(tmp, name, loaded.config)
         info: dict[str, Any] = {"format": fmt, "dtype": dtype, "source": loaded.origin,
-                                "step": loaded.step, "tokenizer": loaded.tokenizer}
+                                "step": loaded.step, "tokenizer": loaded.tokenizer,
+                                "run": loaded.run}
         (tmp / EXPORT_MARKER).write_text(json.dumps(info, indent=2))
         _replace(tmp, out)
     finally:

@@ -41,11 +41,12 @@ import time
 import warnings
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import diff_jax  # noqa: E402,F401  before jax: no accelerator -> JAX_PLATFORMS=cpu (platforms.py)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import kernels  # noqa: E402
 from diff_jax.attention import HeadLayout  # noqa: E402

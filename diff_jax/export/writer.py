@@ -1,17 +1,16 @@
 """Write an export directory: safetensors, a params-only orbax checkpoint, or Hugging Face DiffLlama.
 
 The export is written into a hidden sibling directory and renamed into place when complete, so an
-interrupted export leaves no half-written `--out`. An existing non-empty `--out` is replaced only
-with `overwrite=True`, only when it holds a previous export (its `export.json`), and not while it
-holds `eval/` (what `eval.py checkpoint=EXPORT` writes there), which replacing would delete.
+interrupted export leaves no half-written `--out` (`diff_jax.output_dir`). An existing non-empty
+`--out` is replaced only with `overwrite=True`, only when it holds a previous export (its
+`export.json`), and not while it holds `eval/` (what `eval.py checkpoint=EXPORT` writes there),
+which replacing would delete.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from diff_jax.export.sources import (CHECKSUMS_FILE, CONFIG_FILE, EVAL_DIR, EXPO
                                      PARAMS_DIR, SAFETENSORS_FILE, Source, read_source)
 from diff_jax.export.state_dict import to_state_dict
 from diff_jax.export.tokenizer import max_token_id, write_tokenizer
+from diff_jax.output_dir import refusal, staged
 
 FORMATS = ("safetensors", "orbax-params", "hf-diffllama")
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -95,30 +95,15 @@ def _add_tokenizer(out: Path, name: str, config: ModelConfig) -> None:
 
 
 def _check_destination(out: Path, source: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out}: exists and is not a directory")
     resolved = out.resolve()
     if resolved == source.resolve() or resolved in source.resolve().parents:
         raise ExportError(f"--out {out}: contains the source {source}; choose another directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise ExportError(f"--out {out}: already exists and is not empty; pass --overwrite to "
-                              "replace a previous export")
-        if not (out / EXPORT_MARKER).is_file():
-            raise ExportError(f"--out {out}: is not a diff_jax export (no {EXPORT_MARKER}); "
-                              "refusing to replace it even with --overwrite")
-        if (out / EVAL_DIR).exists():
-            raise ExportError(f"--out {out}: holds {out / EVAL_DIR} (eval.py results of the export "
-                              "it would replace); move or delete it first, or choose another --out")
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished export `tmp` to `out`, removing what `out` held only afterwards."""
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.is_dir():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
+    problem = refusal(out, overwrite, EXPORT_MARKER, "a diff_jax export")
+    if problem is not None:
+        raise ExportError(f"--out {out}: {problem}")
+    if (out / EVAL_DIR).exists():
+        raise ExportError(f"--out {out}: holds {out / EVAL_DIR} (eval.py results of the export "
+                          "it would replace); move or delete it first, or choose another --out")
 
 
 def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors", *,
@@ -146,11 +131,7 @@ def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors
         from_run = tokenizer is None and loaded.tokenizer is not None
         _check_tokenizer(name, loaded.config, f"data.tokenizer={name} (the run's, the default "
                          "--tokenizer)" if from_run else f"--tokenizer {name}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staged(out) as tmp:
         _WRITERS[fmt](tmp, loaded, dtype)
         if fmt == "hf-diffllama" and name != "none":
             _add_tokenizer(tmp, name, loaded.config)
@@ -158,7 +139,4 @@ def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors
                                 "step": loaded.step, "tokenizer": loaded.tokenizer,
                                 "run": loaded.run}
         (tmp / EXPORT_MARKER).write_text(json.dumps(info, indent=2))
-        _replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

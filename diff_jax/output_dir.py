@@ -1,0 +1,51 @@
+"""An output directory written whole or not at all, by the command lines that make one
+(`python -m diff_jax.export` and its `.hf_import`, `python -m diff_jax.data prepare`).
+
+The output is written into a hidden sibling directory and renamed into place when complete, so a
+failed or interrupted write leaves no half-written or empty directory and never touches the one
+already there. An existing non-empty directory is replaced only with `--overwrite`, and only when
+it holds the command's own marker file (a previous output of the same kind).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def refusal(out: Path, overwrite: bool, marker: str, kind: str) -> str | None:
+    """Why `out` may not be written (the caller prefixes the argument that named it), or None.
+
+    `marker`: the file every output of this `kind` (e.g. "a diff_jax export") holds; a non-empty
+    `out` without it is refused even with `overwrite`."""
+    if out.exists() and not out.is_dir():
+        return "exists and is not a directory"
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            return f"already exists and is not empty; pass --overwrite to replace {kind}"
+        if not (out / marker).is_file():
+            return f"is not {kind} (no {marker}); refusing to replace it even with --overwrite"
+    return None
+
+
+@contextlib.contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A fresh hidden sibling directory of `out` to write the output into. When the block
+    completes it becomes `out`, and what `out` held is removed only afterwards; when the block
+    raises, it is removed and `out` is left as it was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.is_dir():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

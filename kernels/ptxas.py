@@ -22,14 +22,19 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import glob
 import os
 import re
+import shutil
 import sys
 import tempfile
 from typing import Any, Callable
 
 DUMP_VARIABLE = "MOSAIC_GPU_DUMP_PTXAS"
 SASS_VARIABLE = "MOSAIC_GPU_DUMP_SASS"
+# Mosaic GPU writes each kernel it disassembles to kernel.bin in a directory of its own at this
+# fixed place (jaxlib's mkdtemp pattern, TMPDIR not consulted) and leaves it there
+SASS_SCRATCH = "/tmp/mosaic-gpu-*"
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?")
@@ -164,6 +169,7 @@ def ptxas_report(compile: Callable[[], Any]) -> tuple[Any, list[KernelReport]]:
     saved = os.dup(1)
     before = {name: os.environ.get(name) for name in (DUMP_VARIABLE, SASS_VARIABLE)}
     os.environ.update(dict.fromkeys(before, "1"))
+    scratch = set(glob.glob(SASS_SCRATCH))
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 1)
         try:
@@ -177,6 +183,9 @@ def ptxas_report(compile: Callable[[], Any]) -> tuple[Any, list[KernelReport]]:
                     del os.environ[name]
                 else:
                     os.environ[name] = value
+            for left in set(glob.glob(SASS_SCRATCH)) - scratch:  # this compile's kernel.bin's
+                if os.listdir(left) == ["kernel.bin"]:
+                    shutil.rmtree(left, ignore_errors=True)
         captured.seek(0)
         return result, parse(captured.read().decode(errors="replace"))
 

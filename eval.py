@@ -15,8 +15,6 @@ import math
 import sys
 from typing import Any
 
-from absl import logging as absl_logging
-
 from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import ConfigError
 from diff_jax.data import DataError
@@ -45,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if args else EXIT_BAD_INPUT
-    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on read-only managers
     try:
         path = run(args)
     except (ConfigError, CheckpointError, DataError, EvalError) as e:

@@ -315,14 +315,24 @@ def resume(mngr: ocp.CheckpointManager, cfg: CheckpointConfig, target: Any,
 # Read-only access for eval and export
 
 
+def _not_read_only_note(record: logging.LogRecord) -> bool:
+    """orbax's warning that a manager's directory is read only: what `_reader` asks for."""
+    return not record.getMessage().startswith("Given directory is read only")
+
+
 def _reader(run_dir: Path) -> ocp.CheckpointManager:
     ckpt_dir = run_dir / "checkpoints"
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"no checkpoints directory at {ckpt_dir} (train first: "
                               f"python train.py train.run_dir={run_dir})")
     options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
-    return ocp.CheckpointManager(ckpt_dir, options=options,
-                                 item_handlers=_items(ocp.PyTreeCheckpointHandler()))
+    absl = logging.getLogger("absl")
+    absl.addFilter(_not_read_only_note)
+    try:
+        return ocp.CheckpointManager(ckpt_dir, options=options,
+                                     item_handlers=_items(ocp.PyTreeCheckpointHandler()))
+    finally:
+        absl.removeFilter(_not_read_only_note)
 
 
 def restore_inference(run_dir: str | Path, step: int | None,

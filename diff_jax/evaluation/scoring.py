@@ -54,13 +54,17 @@ def eval_length(config: Config, options: EvalOptions) -> int:
 
 def held_out_corpus(config: Config) -> TokenCorpus:
     """The validation split of the run's data (`data.*`), as training held it out; `EvalError`
-    when `data.tokenizer`'s ids do not fit the model (`text_encoding`)."""
-    text_encoding(config)
+    when the data's ids do not fit `model.vocab_size` (as train.py refuses it)."""
     if config.data.validation_fraction == 0:
         raise DataError("data.validation_fraction is 0 for this run, so no text was held out; "
                         "pass data.validation_fraction=F (F of the documents, drawn at random) or "
                         "point data.source/data.paths at other text")
     _, val = split_corpus(config.data, config.train.seed)
+    if val.vocab_size > config.model.vocab_size:
+        raise EvalError(f"data.tokenizer={config.data.tokenizer}: the held-out text's "
+                        f"{val.vocab_size:,} ids do not fit model.vocab_size "
+                        f"({config.model.vocab_size:,}); pass the tokenizer the model was trained "
+                        "with")
     return val
 
 

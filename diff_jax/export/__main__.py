@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from diff_jax.export import DTYPES, FORMATS, ExportError, export
@@ -35,7 +34,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="replace an existing export at --out; refused while it holds "
                              f"{EVAL_DIR}/ (eval.py results), which is never deleted")
     args = parser.parse_args(argv)
-    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only managers
     try:
         out = export(args.source, args.out, args.format, dtype=args.dtype, overwrite=args.overwrite,
                      tokenizer=args.tokenizer)

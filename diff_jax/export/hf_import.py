@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import shlex
 import sys
 from pathlib import Path
@@ -286,7 +285,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the export directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export at --out")
     args = parser.parse_args(argv)
-    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only managers
     try:
         source = read_hf(args.hf_dir)
         out = export(source, args.out, "orbax-params", dtype="float32", overwrite=args.overwrite)

@@ -218,7 +218,12 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     where = Path(mngr.directory) / str(step)
     with _read_errors(step, where):
         metadata = mngr.item_metadata(step)["state"]["params"]
-    check_shapes(tree_shapes(metadata), tree_shapes(target.params), "checkpoint ")
+    try:
+        check_shapes(tree_shapes(metadata), tree_shapes(target.params), "checkpoint ")
+    except CheckpointError as e:  # most often an override the first invocation had
+        run_dir = Path(mngr.directory).parent
+        raise CheckpointError(f"{e} (to resume this run as it was configured: python train.py "
+                              f"--config {run_dir / 'config.yaml'})") from e
     items = {"state": ocp.args.StandardRestore(target),
              "data_iter": grain.checkpoint.CheckpointRestore(data_iter),
              "config": ocp.args.JsonRestore()}  # read as eval and export will: it must parse

@@ -103,7 +103,9 @@ def test_restore_onto_another_mesh_and_refuse_other_shapes(corpus, tmp_path, mon
     for key in ("loss", "grad_norm", "lambda"):
         np.testing.assert_allclose(other[30][key], uninterrupted[30][key], rtol=1e-5)
     with pytest.raises(CheckpointError, match=r"checkpoint params\['embed'\] has shape \(64, 32\) "
-                                              r"but the config gives \(64, 48\)"):
+                                              r"but the config gives \(64, 48\).*\(to resume this "
+                                              r"run as it was configured: python train.py --config "
+                                              rf"{tmp_path / 'config.yaml'}\)$"):
         train_loop.run(tiny_config(corpus, tmp_path, "train.steps=40", "model.embed_dim=48"))
 
 

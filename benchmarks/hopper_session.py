@@ -19,7 +19,9 @@ skipped past (so a hang or a crash in one cannot lose the others):
   tune   `--tune --tune-write` at T = 4096 for d = 64 and 128: 4 forward tile settings each
          and the best with ping-pong switched, 4 backward ones, then the best backward under
          the other dK/dV schedule ("rows" or "split") and under the other dQ schedule; the best
-         per d goes into kernels/tuning/mosaic_gpu.json (copied to $OUT: commit it);  ≤ 150 s
+         per d goes into kernels/tuning/mosaic_gpu.json (copied to $OUT: copy it over
+         kernels/tuning/mosaic_gpu.json here and commit it before the second call, which
+         re-sends the working tree: its train stage then runs the tuned tiles);      ≤ 150 s
   bench  `--bench` for d = 64 and 128, T = 2K–16K at B·T = 32K, H = 16: fused Mosaic, fused
          Triton, cuDNN 2H×d, cuDNN H×2d, four cuDNN calls, two Tokamax calls;          ≤ 200 s
   train  (its own call) `benchmarks/train_step.py`, DIFF vs its Transformer twin, batch 8:

@@ -25,8 +25,9 @@ skipped past (so a hang or a crash in one cannot lose the others):
   bench  `--bench` for d = 64 and 128, T = 2K–16K at B·T = 32K, H = 16: fused Mosaic, fused
          Triton, cuDNN 2H×d, cuDNN H×2d, four cuDNN calls, two Tokamax calls;          ≤ 200 s
   train  (its own call) `benchmarks/train_step.py`, DIFF vs its Transformer twin, batch 8:
-         1.4B (d = 128, 8 of 24 layers), then 830M (d = 96, 12 of 24 layers), each with what
-         is left (skipped, recorded, under 60 s).
+         1.4B (d = 128, 8 of 24 layers) with segment ids as train.py feeds them (cuDNN gets
+         them as a dense T×T mask), the same without (causal only), then 830M (d = 96, 12 of
+         24 layers) with them, each with what is left (skipped, recorded, under 60 s).
   replicate  (its own calls) the `gpu-medium` replication, one seed, init `scaled`, in
          /tmp/diff_jax_gpu_medium with all the time left; it resumes where the last call
          stopped, so issue the same call again at once (the machine keeps /tmp only while it
@@ -215,19 +216,22 @@ def main(argv=None) -> int:
                 report["summary"] = (r["result"] or {}).get("summary")
             elif stage == "train":
                 r = {"stage": "train", "status": "ok", "runs": []}
-                for size, layers in (("1.4b", 8), ("830m", 12)):
+                for size, layers, segments in (("1.4b", 8, True), ("1.4b", 8, False),
+                                               ("830m", 12, True)):
+                    name = size if segments else f"{size}_causal"
                     if left() < 60:
-                        r["runs"].append({"model": size, "status": f"skipped: {left():.0f} s left"})
+                        r["runs"].append({"model": name, "status": f"skipped: {left():.0f} s left"})
                         continue
-                    run = _run(f"train {size}", [
+                    run = _run(f"train {name}", [
                         py, "benchmarks/train_step.py", "--diff", f"configs/diff-{size}.yaml",
                         "--baseline", f"configs/transformer-{size}.yaml",
                         "--set", "train.batch_size=8", f"model.num_layers={layers}",
                         "mesh.data=1", "mesh.fsdp=-1", "--diff-set", "model.attention_impl=pallas",
                         "--baseline-set", "model.attention_impl=auto", "--no-data",
-                        "--steps", "10", "--out", str(parts / f"train_step_{size}")],
+                        *([] if segments else ["--no-segment-ids"]),
+                        "--steps", "10", "--out", str(parts / f"train_step_{name}")],
                         left() - 5, log, stub or "")
-                    run["result"] = _read(parts / f"train_step_{size}.json")
+                    run["result"] = _read(parts / f"train_step_{name}.json")
                     r["runs"].append(run)
                     r["status"] = "ok" if all(x["status"] == "ok" for x in r["runs"]) else "partial"
             elif stage == "replicate":
@@ -247,7 +251,7 @@ def main(argv=None) -> int:
         md += ["", "## Summary (T = 4096)", "", "```json",
                json.dumps(report["summary"], indent=1), "```"]
     for name in ("attention_check.md", "attention_tune.md", "attention_bench.md",
-                 "train_step_1.4b.md", "train_step_830m.md"):
+                 "train_step_1.4b.md", "train_step_1.4b_causal.md", "train_step_830m.md"):
         if (parts / name).exists():
             md += ["", (parts / name).read_text()]
     (out / "session.md").write_text("\n".join(md) + "\n")

@@ -29,7 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import diff_jax  # noqa: E402,F401  before jax: no accelerator -> JAX_PLATFORMS=cpu (platforms.py)
+from diff_jax.platforms import default_to_cpu_without_accelerators  # noqa: E402
+
+default_to_cpu_without_accelerators()  # before jax is imported (diff_jax/platforms.py)
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 

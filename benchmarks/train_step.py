@@ -2,7 +2,7 @@
 
     python benchmarks/train_step.py [--diff configs/tiny.yaml] [--baseline configs/tiny-transformer.yaml]
         [--set KEY=VALUE ...] [--diff-set KEY=VALUE ...] [--baseline-set KEY=VALUE ...]
-        [--steps 10] [--no-data] [--out benchmarks/results/train_step_cpu]
+        [--steps 10] [--no-data] [--no-segment-ids] [--out benchmarks/results/train_step_cpu]
 
 e.g. the committed benchmarks/results/train_step_h100 (one H100, 12 of the 830M twins' layers):
   --diff configs/diff-830m.yaml --baseline configs/transformer-830m.yaml
@@ -13,7 +13,11 @@ e.g. the committed benchmarks/results/train_step_h100 (one H100, 12 of the 830M 
 
 Both models run the training loop's jitted, sharded step (`diff_jax.step.build_steps`) on the
 same synthetic batches, interleaved
-(A, B, A, B, …) so machine noise hits both; the median step time is reported. The data pipeline
+(A, B, A, B, …) so machine noise hits both; the median step time is reported. The batches carry
+segment ids (one document a row) as train.py's packed batches always do: the fused kernel masks
+by them in its tiles, while cuDNN, which `jax.nn.dot_product_attention` gives no segment ids,
+receives them as a dense (B, 1, T, T) mask (`kernels._cudnn_attend`). `--no-segment-ids` leaves
+them out: causal masking only, every attention's fastest path. The data pipeline
 (stdlib corpus -> packed grain batches) is timed alone and compared with what the DIFF model
 consumes. Results are printed and saved as JSON + a markdown table with device and versions.
 """
@@ -27,31 +31,36 @@ import statistics
 import time
 from pathlib import Path
 
-import diff_jax  # noqa: F401  before jax: no accelerator -> JAX_PLATFORMS=cpu (platforms.py)
-import flax
-import jax
-import numpy as np
-import optax
+from diff_jax.platforms import default_to_cpu_without_accelerators
 
-from diff_jax.config import Config, load_config
-from diff_jax.metrics import mfu
-from diff_jax.sharding import make_mesh
-from diff_jax.step import build_steps
-from diff_jax.summary import flops_per_token
+default_to_cpu_without_accelerators()  # before jax is imported (diff_jax/platforms.py)
+
+import flax  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from diff_jax.config import Config, load_config  # noqa: E402
+from diff_jax.metrics import mfu  # noqa: E402
+from diff_jax.sharding import make_mesh  # noqa: E402
+from diff_jax.step import build_steps  # noqa: E402
+from diff_jax.summary import flops_per_token  # noqa: E402
 
 
-def _stepper(config: Config):
-    """(run one step -> blocks, tokens per step) for `config` on all local devices."""
+def _stepper(config: Config, segment_ids: bool = True):
+    """(run one step -> blocks, tokens per step) for `config` on all local devices; batches with
+    segment ids (one document a row) unless `segment_ids` is False."""
     t = config.train
     steps = build_steps(config, make_mesh(config.mesh))
     with steps.context():
         state = steps.init(jax.random.PRNGKey(0))
         rng = np.random.default_rng(0)
         toks = rng.integers(0, 100_000, (t.batch_size, t.seq_len + 1)).astype(np.int32)
-        batch = jax.device_put({"tokens": toks[:, :-1], "targets": toks[:, 1:],
-                                "segment_ids": np.ones((t.batch_size, t.seq_len), np.int32),
-                                "positions": np.tile(np.arange(t.seq_len, dtype=np.int32), (t.batch_size, 1))},
-                               steps.batch_sharding)
+        host = {"tokens": toks[:, :-1], "targets": toks[:, 1:],
+                "positions": np.tile(np.arange(t.seq_len, dtype=np.int32), (t.batch_size, 1))}
+        if segment_ids:
+            host["segment_ids"] = np.ones((t.batch_size, t.seq_len), np.int32)
+        batch = jax.device_put(host, steps.batch_sharding)
     holder = {"state": state}
 
     def step() -> float:
@@ -90,12 +99,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--diff-set", nargs="*", default=[])
     p.add_argument("--baseline-set", nargs="*", default=[])
     p.add_argument("--no-data", action="store_true", help="skip the data pipeline measurement")
+    p.add_argument("--no-segment-ids", action="store_true",
+                   help="batches without segment ids (causal masking only)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", default="benchmarks/results/train_step_cpu")
     args = p.parse_args(argv)
     configs = {"diff": load_config(args.diff, args.set + args.diff_set),
                "transformer": load_config(args.baseline, args.set + args.baseline_set)}
-    steppers = {k: _stepper(c) for k, c in configs.items()}
+    steppers = {k: _stepper(c, not args.no_segment_ids) for k, c in configs.items()}
     compile_s = {k: s() for k, (s, _) in steppers.items()}  # first call compiles
     times: dict[str, list[float]] = {k: [] for k in steppers}
     for _ in range(args.steps + 1):
@@ -120,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
                      "python": platform.python_version()},
         "overrides": {"both": args.set, "diff": args.diff_set, "baseline": args.baseline_set},
+        "segment_ids": not args.no_segment_ids,
         "steps_timed": args.steps, "models": rows, "diff_over_transformer_step_time": ratio,
         "data_pipeline_tokens_per_sec": pipeline,
         "pipeline_over_consumption": None if pipeline is None else pipeline / consumed,
@@ -129,6 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     md = [f"# Train step: DIFF vs Transformer ({result['device']}, jax {jax.__version__})", "",
           f"Overrides: {result['overrides']}", "",
+          "Batches " + ("with segment ids (one document a row; cuDNN gets them as a dense T×T "
+                        "mask)" if result["segment_ids"] else "without segment ids (causal only)")
+          + ".", "",
           "| model | config | attention | step time (s, median) | tokens/s | MFU |", "|---|---|---|---|---|---|"]
     md += [f"| {k} | {r['config']} | {r['attention_impl']} | {r['step_time_s']:.4f} | "
            f"{r['tokens_per_sec']:,.0f} | {_percent(r['mfu'])} |"

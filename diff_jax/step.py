@@ -35,8 +35,9 @@ from diff_jax.optim import make_optimizer, schedule
 from diff_jax.sharding import batch_sharding, check_batch, check_divisible, tree_shardings
 from diff_jax.transformer import DecoderLM, layer_lambdas
 
-# tokens, targets, segment_ids, positions and (optional) loss_mask: (B, T) int32. loss_mask is 1
-# for the targets that count in the loss; without it, all do.
+# tokens, targets, positions and (optional) segment_ids and loss_mask: (B, T) int32. The data
+# pipeline always gives segment_ids (packed documents); without them each row is one document
+# (causal masking only). loss_mask is 1 for the targets that count in the loss; without it, all do.
 Batch = dict[str, jax.Array]
 
 
@@ -99,7 +100,7 @@ def loss_fn(params: Any, batch: Batch, model: DecoderLM, count: jax.Array | None
     """Next-token cross-entropy () float32 summed over the counted targets of the (B, T) batch
     (`loss_mask`, default all) and divided by `count` (default: `target_count(batch)`, the mean)."""
     logits = model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
-                         segment_ids=batch["segment_ids"])
+                         segment_ids=batch.get("segment_ids"))
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch.get("loss_mask")
     total = jnp.sum(ce if mask is None else ce * mask)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -304,6 +305,30 @@ def test_train_step_benchmark_smoke(tmp_path):
     assert all(r["step_time_s"] > 0 and r["tokens_per_sec"] > 0 for r in result["models"].values())
     assert result["diff_over_transformer_step_time"] > 0 and result["pipeline_over_consumption"] is None
     assert "DIFF / Transformer step time" in out.with_suffix(".md").read_text()
+    assert result["segment_ids"] is True and "with segment ids" in out.with_suffix(".md").read_text()
+    causal = bench.main(["--set", "model.num_layers=1", "train.batch_size=8", "train.seq_len=16",
+                         "--steps", "1", "--no-data", "--no-segment-ids", "--out", str(out)])
+    assert causal["segment_ids"] is False and "without segment ids" in out.with_suffix(".md").read_text()
+
+
+def test_a_batch_without_segment_ids_is_one_document_a_row(tmp_path):
+    """`loss_fn` on a batch without segment ids equals the same batch with all-ones ones (one
+    document a row): the key is optional, as train_step.py --no-segment-ids uses it."""
+    from diff_jax.config import ModelConfig
+    from diff_jax.step import loss_fn
+    from diff_jax.transformer import DecoderLM
+
+    model = DecoderLM(ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=2,
+                                  max_seq_len=32))
+    toks = np.random.default_rng(0).integers(0, 64, (2, 17)).astype(np.int32)
+    batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:],
+             "positions": np.tile(np.arange(16, dtype=np.int32), (2, 1))}
+    params = model.init(jax.random.PRNGKey(0), batch["tokens"])["params"]
+    ones = batch | {"segment_ids": np.ones((2, 16), np.int32)}
+    halves = batch | {"segment_ids": np.repeat([[1] * 8 + [2] * 8], 2, 0).astype(np.int32)}
+    assert float(loss_fn(params, batch, model)) == pytest.approx(float(loss_fn(params, ones, model)),
+                                                                 rel=1e-6)
+    assert float(loss_fn(params, batch, model)) != float(loss_fn(params, halves, model))
 
 
 def test_report_gives_one_line_and_the_exit_status_by_kind(tmp_path, capsys):

@@ -435,7 +435,12 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
         key = f"{prefix}.{name}" if prefix else str(name)
         if name not in fields:
             raise ConfigError(f"{key}: unknown key; known keys: {sorted(fields)}")
-        kwargs[name] = coerce(value, hints[name], key)
+        try:
+            kwargs[name] = coerce(value, hints[name], key)
+        except ConfigError as e:  # e.g. data.source=mixture, where data.mixture=... is meant
+            if isinstance(value, str) and value in fields - {name}:
+                raise ConfigError(f"{e} ({prefix}.{value} is a key of its own)") from e
+            raise
     try:
         return cls(**kwargs)
     except TypeError as e:  # pragma: no cover - dataclass signature mismatch is a bug

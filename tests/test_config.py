@@ -47,6 +47,8 @@ def test_overrides_parse_yaml_values():
     (["model.num_heads=4", "model.num_kv_heads=3"], r"model\.num_kv_heads: .*divisible"),
     (["model.variant=diff_v2", "model.num_heads=4", "model.num_kv_heads=3"], r"model\.num_kv_heads"),
     (["model.variant=gpt"], r"model\.variant: must be one of"),
+    (["data.source=mixture"], r"data\.source: must be one of \[.*\], got 'mixture' \(data\.mixture "
+                              r"is a key of its own\)$"),
     (["model.embed_dim=1.5"], r"model\.embed_dim: expected an integer"),
     (["model.tie_embeddings=3"], r"model\.tie_embeddings: expected true/false"),
     (["model.head_dim=6", "model.embed_dim=64", "model.num_heads=4"], r"model\.head_dim"),

@@ -44,10 +44,12 @@ dPᵀ, Sᵀ, dSᵀ (the dK warpgroup forms dS1ᵀ before P2ᵀ, so it never hold
 memory holds it. These counts leave out addresses, loop state and vectors (a per-query vector in
 dK/dV's transposed tiles costs bq/4 registers, so λ is held along the kv rows). ptxas's own
 report (`kernels.ptxas`, compiled for sm_90a on a CPU by `benchmarks/mosaic_ptxas.py`) is the
-check: benchmarks/results/mosaic_ptxas_sm90a_jax*.md list which kernels spill (at the table's
-tiles none at d = 64 and 96; at d = 128 "rows" dQ (one warpgroup holding dQ1 + dQ2: 128
-registers) spills where "split" dQ does not, and dK/dV with segment ids, whose dK1 + dK2 + dV
-alone take 256 registers a thread per 64 kv rows). Shared memory per CTA is exact:
+check: benchmarks/results/mosaic_ptxas_sm90a_jax*.md list which kernels spill and, from the
+SASS, what each kv or q step runs of it. At the table's tiles no step spills at d = 64 and 96.
+At d = 128 "rows" dQ (one warpgroup holding dQ1 + dQ2: 128 registers) stores and reloads values
+in every step (22 spill instructions, 40 with segment ids) where "split" dQ spills nothing; dK/dV
+with segment ids, whose dK1 + dK2 + dV alone take 256 registers a thread per 64 kv rows, only
+reloads values set before its loop (16 and 18 loads a step in its two roles, no stores). Shared memory per CTA is exact:
 `fwd_smem`, `dq_smem` and `dkv_smem` count each kernel's own scratch list (`_fwd_scratch`, ...)
 as the lowering allocates it (every buffer from a 1 KiB boundary, 8 bytes a barrier, the
 forward's reduction scratch; tested against the lowering's own count), at most 227 KiB: d = 64

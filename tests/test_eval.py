@@ -271,6 +271,10 @@ def test_export_dir_and_step_dir_load_the_same_model(runs, tmp_path):
     report, _ = run_task(options, overrides)
     assert math.isclose(report.fields["loss"], direct["loss"], rel_tol=1e-6)
     assert any("records no data section of its run" in n for n in report.notes), report.notes
+    info["run"] = {"data": 3}
+    (exp / "export.json").write_text(json.dumps(info))
+    with pytest.raises(CheckpointError, match=r"export.json: 'run' must map data and train"):
+        run_task(*parse_args(["task=ppl", f"checkpoint={exp}"]))
     options, overrides = parse_args(["task=ppl", "batches=1", "batch_size=2",
                                      f"checkpoint={run / 'checkpoints' / '1'}"])
     report, _ = run_task(options, overrides)

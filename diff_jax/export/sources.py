@@ -148,8 +148,12 @@ def _read_export(path: Path) -> Source:
     else:
         params = _restore_params(path / PARAMS_DIR, config)
     step, run, tokenizer = info.get("step"), info.get("run"), info.get("tokenizer")
-    if not isinstance(run, dict):
+    if run is None:  # written before exports recorded it
         run = {"data": {"tokenizer": tokenizer}} if isinstance(tokenizer, str) else None
+    elif not (isinstance(run, dict) and set(run) <= {"data", "train"}
+              and all(isinstance(v, dict) for v in run.values())):
+        raise ExportError(f"{path / EXPORT_MARKER}: 'run' must map data and train to sections of "
+                          f"the run's config, got {run!r:.200}")
     return Source(config, params, str(path), step if isinstance(step, int) else None, run)
 
 

@@ -504,6 +504,18 @@ def _mask(ops, shape, q0, k0, *, causal, qs, ks, kv_len, transposed=False):
     return mask
 
 
+def _kv_step_mask(ops, shape, row0, k0, slot, *, boundary, causal, qs, ks_bar, ks_s, bound):
+    """The keep-mask (or None) of the forward's or dQ's step tile `shape` (queries from row0,
+    keys from k0): the position masks on the boundary steps only, the segment mask on every
+    step where `qs` is given, after waiting for the step's kv segment ids in `ks_s[slot]`."""
+    ks = None
+    if qs is not None:
+        plgpu.barrier_wait(ks_bar.at[slot])
+        ks = ops.vector(ks_s.at[slot], 1)
+    return _mask(ops, shape, row0, k0, causal=causal and boundary, qs=qs, ks=ks,
+                 kv_len=bound if boundary else None)
+
+
 def _kv_range(row0, rows, *, causal, bk, n_kv, kv_len):
     """For query rows [row0, row0 + rows): kv steps [0, lo) are interior (no causal or length
     mask; segment ids, where given, still mask them), [lo, hi) the boundary that needs those."""
@@ -567,12 +579,8 @@ def _fwd_body(*refs, causal, has_seg, d, bk, stages, pingpong, n_rep, kv_len, n_
             plgpu.barrier_wait(k_bar.at[c * stages + slot])
             s = ops.dot(q_s.at[c], k_s.at[c, slot], transpose_b=True,
                         issued=take_turn if pingpong else None) * scale  # (64, bk)
-            ks = None
-            if has_seg:
-                plgpu.barrier_wait(ks_bar.at[slot])
-                ks = ops.vector(ks_s.at[slot], 1)
-            mask = _mask(ops, s.shape, row0, j * bk, causal=causal and boundary, qs=qs, ks=ks,
-                         kv_len=bound if boundary else None)
+            mask = _kv_step_mask(ops, s.shape, row0, j * bk, slot, boundary=boundary,
+                                 causal=causal, qs=qs, ks_bar=ks_bar, ks_s=ks_s, bound=bound)
             if mask is not None:
                 s = jnp.where(mask, s, MASKED)
             m_new = jnp.maximum(m, s.max(axis=1))
@@ -723,12 +731,8 @@ def _dq_body(*refs, causal, has_seg, d, bk, stages, wgs, split, n_rep, kv_len, n
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(v_bar.at[slot])
             dp = ops.dot(do_s.at[own], v_s.at[slot], transpose_b=True)  # (64, bk): dP1
-            ks = None
-            if has_seg:
-                plgpu.barrier_wait(ks_bar.at[slot])
-                ks = ops.vector(ks_s.at[slot], 1)
-            mask = _mask(ops, dp.shape, row0, j * bk, causal=causal and boundary, qs=qs, ks=ks,
-                         kv_len=bound if boundary else None)
+            mask = _kv_step_mask(ops, dp.shape, row0, j * bk, slot, boundary=boundary,
+                                 causal=causal, qs=qs, ks_bar=ks_bar, ks_s=ks_s, bound=bound)
             new = []
             for n, c in enumerate(comps):
                 plgpu.barrier_wait(k_bar.at[c * stages + slot])

@@ -105,9 +105,10 @@ def _load_export(path: Path, key: str, options: EvalOptions, overrides: Sequence
     for section, values in (source.run or {}).items():
         saved[section].update(values)
     try:
-        config = from_dict(apply_overrides(saved, overrides))
+        from_dict(saved)  # what the export recorded must make a config by itself
     except ConfigError as e:
-        raise CheckpointError(f"{key}={path}: its recorded data section or an override: {e}") from e
+        raise CheckpointError(f"{key}={path}: the run's config recorded in export.json: {e}") from e
+    config = from_dict(apply_overrides(saved, overrides))
     target = abstract_params(config.model)
     checkpoint.check_shapes(checkpoint.tree_shapes(source.params), checkpoint.tree_shapes(target),
                             f"{key}={path}: ")

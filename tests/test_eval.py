@@ -275,6 +275,11 @@ def test_export_dir_and_step_dir_load_the_same_model(runs, tmp_path):
     (exp / "export.json").write_text(json.dumps(info))
     with pytest.raises(CheckpointError, match=r"export.json: 'run' must map data and train"):
         run_task(*parse_args(["task=ppl", f"checkpoint={exp}"]))
+    info["run"] = {"data": {"source": "nope"}}
+    (exp / "export.json").write_text(json.dumps(info))
+    with pytest.raises(CheckpointError, match=r"the run's config recorded in export.json: "
+                                              r"data.source: must be one of"):
+        run_task(*parse_args(["task=ppl", f"checkpoint={exp}"]))
     options, overrides = parse_args(["task=ppl", "batches=1", "batch_size=2",
                                      f"checkpoint={run / 'checkpoints' / '1'}"])
     report, _ = run_task(options, overrides)

@@ -267,6 +267,8 @@ class _Loop:
                 self.mngr.wait_until_finished()
                 self.progress.message(f"{caught[0]} received: saved step {s}, exiting")
                 return RunResult(s, "interrupted", loss)
+            # the next step's time starts here: validation and saving are not a step's time
+            last_time = time.perf_counter()
         self.mngr.wait_until_finished()  # "done" only once the last checkpoint has committed
         self.progress.message(f"done: step {t.steps}, loss {loss:.4f}")
         return RunResult(t.steps, "done", loss)

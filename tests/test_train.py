@@ -121,6 +121,34 @@ def test_non_finite_loss_stops_without_saving(corpus, tmp_path):
     assert _ckpt_steps(tmp_path) == list(range(1, bad))
 
 
+def test_step_time_leaves_out_validation_and_saving(corpus, tmp_path, monkeypatch):
+    """Each validation and each checkpoint save advances the loop's clock by an hour: no row's
+    step time (the mean since the previous row) may contain one."""
+    import types
+
+    hour, offset = 3600.0, [0.0]
+    real_clock = train_loop.time.perf_counter
+
+    def slow(fn):
+        def wrapped(*args, **kwargs):
+            offset[0] += hour
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(train_loop, "time",
+                        types.SimpleNamespace(perf_counter=lambda: real_clock() + offset[0]))
+    monkeypatch.setattr(train_loop.checkpoint, "save", slow(train_loop.checkpoint.save))
+    monkeypatch.setattr(train_loop.HeldOut, "mean", slow(train_loop.HeldOut.mean))
+    config = tiny_config(corpus, tmp_path, "train.steps=12", "checkpoint.every_steps=4",
+                         "train.eval_every=6", "train.log_every=2", "data.validation_fraction=0.1",
+                         "train.eval_tokens=256")
+    train_loop.run(config)
+    rows = _metrics(tmp_path)
+    # saves at 4, 8, 12 and validations at 6, 12: five hours on the clock, none in a step time
+    assert sorted(rows) == [1, 2, 4, 6, 8, 10, 12] and offset[0] == 5 * hour
+    assert all(r["step_time_s"] < 60 for r in rows.values()), rows
+
+
 def test_train_py_smoke_falling_loss_and_valid_metrics(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.run(

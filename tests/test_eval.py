@@ -387,3 +387,68 @@ def loaded_seq_len(path: Path) -> int:
 
     options, overrides = parse_args(["task=ppl", f"checkpoint={path}"])
     return load(options, overrides).config.train.seq_len
+
+
+def test_score_windows_shorter_than_two_tokens_are_refused_not_looped_on(runs, tmp_path,
+                                                                         monkeypatch):
+    """length=1 leaves a window no token to predict: it was an endless loop, now one error."""
+    from diff_jax.evaluation import scoring
+    from diff_jax.evaluation.scoring import token_logprobs
+
+    calls = []
+    real = scoring.token_nll
+
+    def bounded(*args, **kwargs):  # a loop that makes no progress fails here instead of hanging
+        calls.append(1)
+        assert len(calls) < 100, "token_logprobs is not advancing"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scoring, "token_nll", bounded)
+    ids = np.arange(10, dtype=np.int32)
+    np.save(tmp_path / "ids.npy", ids)
+    with pytest.raises(EvalError, match=r"length=1: score needs windows of at least 2 tokens"):
+        run_task(*parse_args(["task=score", f"input={tmp_path / 'ids.npy'}", "length=1",
+                              f"train.run_dir={runs['diff']}"]))
+    loaded = _params(runs["diff"])
+    with pytest.raises(ValueError, match="window must be >= 2"):
+        token_logprobs(loaded.config.model, loaded.params, ids, 1)
+    lp = token_logprobs(loaded.config.model, loaded.params, ids, 2)  # the shortest window works
+    assert lp.shape == (9,) and np.all(lp <= 0)
+
+
+def test_score_output_is_written_at_the_path_named_or_refused(runs, tmp_path):
+    """np.save appends .npy to any other name: output=s.txt wrote s.txt.npy while the report named
+    s.txt. A non-.npy output, and one that is the input (which it would overwrite), are refused
+    before anything is loaded."""
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(10, dtype=np.int32))
+    for bad in (tmp_path / "s.txt", tmp_path):
+        with pytest.raises(EvalError, match=f"output={bad}: expected a path ending in .npy"):
+            parse_args(["task=score", f"input={ids}", f"output={bad}"])
+    with pytest.raises(EvalError, match=f"output={ids}: is the input file"):
+        parse_args(["task=score", f"input={ids}", f"output={ids}"])
+    assert np.array_equal(np.load(ids), np.arange(10))
+    out = _run(runs["diff"], "task=score", f"input={ids}", f"output={tmp_path / 's.npy'}")
+    assert out["output"] == str(tmp_path / "s.npy") and len(np.load(tmp_path / "s.npy")) == 9
+
+
+def test_step_with_an_export_is_refused_not_ignored(runs, tmp_path):
+    """An export holds one step's parameters: step=N cannot pick another and was silently
+    ignored (the export's step was evaluated as if it were step N)."""
+    from diff_jax.export import export
+
+    exp = export(runs["diff"], tmp_path / "exp", "orbax-params")
+    with pytest.raises(EvalError, match=f"step=7: checkpoint={exp} is an export of step 1"):
+        run_task(*parse_args(["task=ppl", "step=7", f"checkpoint={exp}"]))
+    assert not (exp / "eval").exists()
+    report, path = run_task(*parse_args(["task=ppl", "step=1", "batches=1", "batch_size=2",
+                                         f"checkpoint={exp}"]))  # its own step agrees
+    assert math.isfinite(report.fields["loss"])
+    assert json.loads(path.read_text())["step"] == 1  # the report names the export's step
+
+
+@pytest.mark.parametrize("task", ["niah", "recall", "generate"])
+def test_a_negative_seed_is_one_error(task):
+    """numpy seeds are non-negative: seed=-1 was a traceback (exit 1) in niah and recall."""
+    with pytest.raises(EvalError, match="seed=-1: must be >= 0"):
+        parse_args([f"task={task}", "seed=-1", "prompt=x"])

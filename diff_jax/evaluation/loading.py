@@ -30,7 +30,7 @@ class Loaded:
     config: Config  # the saved config with the overrides applied
     params: Any  # float32 parameters on the default device
     source: str  # what was loaded (for the report)
-    step: int | None  # the training step (None for an export)
+    step: int | None  # the training step (an export's where it records it, else None)
     out_dir: Path  # where the task writes its outputs
     # why held-out text may not be the run's validation documents (an export that records no
     # data section of its run), for the tasks that read held-out text to report; else None
@@ -99,6 +99,11 @@ def _load_export(path: Path, key: str, options: EvalOptions, overrides: Sequence
         source = read_source(path)
     except (OSError, ExportError) as e:
         raise CheckpointError(f"{key}={path}: {e}") from e
+    if options.step not in (None, source.step):  # an export holds one step's parameters
+        of = f" of step {source.step}" if source.step is not None else ""
+        raise EvalError(f"step={options.step}: {key}={path} is an export{of}, which holds no "
+                        "other step; evaluate the run's step with train.run_dir=RUN "
+                        f"step={options.step}, or leave step out")
     # Without the run's train.seq_len the default evaluation length must fit the model.
     seq_len = min(TrainConfig().seq_len, source.config.max_seq_len)
     saved = Config(model=source.config, train=TrainConfig(seq_len=seq_len)).to_dict()
@@ -119,4 +124,4 @@ def _load_export(path: Path, key: str, options: EvalOptions, overrides: Sequence
         note = ("the export records no data section of its run (written before exports did, or "
                 "imported): the held-out text is the split that data.* as given here draws, "
                 "not necessarily documents the model never trained on")
-    return Loaded(config, params, str(path), None, out_dir, note)
+    return Loaded(config, params, str(path), source.step, out_dir, note)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 
 from diff_jax.config import ConfigError, coerce, parse_override
 
@@ -26,7 +27,7 @@ class EvalOptions:
     out_dir: str | None = None  # None: RUN/eval (an export dir: DIR/eval)
     # held-out text, in rows spread over the validation split: ppl scores `held_out_tokens`
     # tokens, quant `batches` batches; both in batches of `batch_size` rows of `length` tokens
-    length: int | None = None  # None: train.seq_len
+    length: int | None = None  # None: train.seq_len (score: model.max_seq_len)
     batch_size: int = 4
     batches: int = 8
     held_out_tokens: int = 262_144  # ppl: held-out tokens scored (at most the split's)
@@ -60,6 +61,8 @@ class EvalOptions:
                      "tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise EvalError(f"{name}={getattr(self, name)}: must be positive")
+        if self.seed < 0:  # numpy's generators (niah, recall) take non-negative seeds
+            raise EvalError(f"seed={self.seed}: must be >= 0")
         for name in ("length", "step"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise EvalError(f"{name}={getattr(self, name)}: must be positive")
@@ -73,8 +76,21 @@ class EvalOptions:
             raise EvalError(f"bits={list(self.bits)}: must be >= 2")
         if self.task == "score" and self.input is None:
             raise EvalError("task=score needs input=FILE (.txt or .npy of int32 token ids)")
+        if self.output is not None:
+            # np.save appends .npy to any other name, which would write a file the report does
+            # not name; the input would be overwritten by its own scores
+            if Path(self.output).suffix != ".npy":
+                raise EvalError(f"output={self.output}: expected a path ending in .npy (the "
+                                "scores are written as a NumPy array)")
+            if self.input is not None and _same_file(self.output, self.input):
+                raise EvalError(f"output={self.output}: is the input file; name another")
         if self.task == "generate" and not self.prompt:
             raise EvalError('task=generate needs prompt="..."')
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths `a` and `b` name the same file (`~` expanded, links resolved)."""
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 def parse_args(argv: Sequence[str]) -> tuple[EvalOptions, list[str]]:

@@ -180,8 +180,12 @@ def read_tokens(path: Path, config: Config) -> np.ndarray:
 def token_logprobs(model_cfg: ModelConfig, params: Any, ids: np.ndarray, window: int) -> np.ndarray:
     """(n − 1,) float32: log p(ids[t+1] | ids[:t+1]) for t = 0..n−2 of ids (n,). Texts longer
     than `window` are read in windows of `window` tokens advancing by window/2: every later token
-    keeps ≥ window/2 context."""
-    n, stride = len(ids), max(1, window // 2)
+    keeps ≥ window/2 context. `ValueError` for a window under 2 tokens, which holds no token
+    together with the one it predicts."""
+    if window < 2:
+        raise ValueError(f"window must be >= 2 tokens (a token and the one it predicts), got "
+                         f"{window}")
+    n, stride = len(ids), window // 2
     model = DecoderLM(model_cfg)
     out = np.empty(n - 1, np.float32)
     done = 0  # targets scored: ids[1..done]
@@ -204,6 +208,9 @@ def score(loaded: Loaded, options: EvalOptions) -> Report:
     window = options.length or cfg.model.max_seq_len
     if window > cfg.model.max_seq_len:
         raise EvalError(f"length={window} exceeds model.max_seq_len ({cfg.model.max_seq_len})")
+    if window < 2:
+        raise EvalError(f"length={window}: score needs windows of at least 2 tokens (a token and "
+                        "the one it predicts)")
     logp = token_logprobs(cfg.model, loaded.params, ids, window)
     output = Path(options.output) if options.output else loaded.out_dir / "score.npy"
     output.parent.mkdir(parents=True, exist_ok=True)

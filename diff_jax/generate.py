@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -31,8 +32,8 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -129,6 +130,9 @@ def generate(
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if sampling.top_k > config.vocab_size:
+        raise ValueError(f"top_k must be <= model.vocab_size ({config.vocab_size}), got "
+                         f"{sampling.top_k}")
     lengths = np.array([len(p) for p in prompts], np.int32)
     total = int(lengths.max()) + max_new_tokens
     if total > config.max_seq_len:

@@ -142,3 +142,24 @@ def test_generation_benchmark_smoke(tmp_path):
     data = json.loads((tmp_path / "gen.json").read_text())
     assert data["results"]["current"]["tokens_per_s"] > 0
     assert "| current |" in (tmp_path / "gen.md").read_text()
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf")])
+def test_a_temperature_that_is_not_a_finite_number_is_refused(temperature):
+    """NaN passed `temperature < 0` and sampled garbage (eval.py then blamed the checkpoint for
+    the NaN in its JSON); inf divides every logit to 0, sampling uniformly past top_k."""
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        SamplingConfig(temperature=temperature)
+
+
+def test_top_k_above_the_vocabulary_is_refused_naming_it():
+    """It failed inside tracing with lax.top_k's message, which names neither top_k nor the
+    vocabulary size; top_k equal to the vocabulary keeps every token."""
+    cfg, params = _setup("transformer")
+    with pytest.raises(ValueError, match=rf"top_k must be <= model.vocab_size \({V}\), got {V + 1}"):
+        generate(cfg, params, [[3, 4]], max_new_tokens=2,
+                 sampling=SamplingConfig(temperature=1.0, top_k=V + 1))
+    every = SamplingConfig(temperature=1.0, top_k=V)
+    assert (generate(cfg, params, [[3, 4]], max_new_tokens=4, sampling=every, seed=1)
+            == generate(cfg, params, [[3, 4]], max_new_tokens=4,
+                        sampling=SamplingConfig(temperature=1.0), seed=1))

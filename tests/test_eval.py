@@ -452,3 +452,10 @@ def test_a_negative_seed_is_one_error(task):
     """numpy seeds are non-negative: seed=-1 was a traceback (exit 1) in niah and recall."""
     with pytest.raises(EvalError, match="seed=-1: must be >= 0"):
         parse_args([f"task={task}", "seed=-1", "prompt=x"])
+
+
+@pytest.mark.parametrize("task", ["niah", "recall", "attention"])
+def test_lengths_below_one_are_one_error(task):
+    """lengths=[-5] reached numpy's seeding of the cell and crashed with a traceback (exit 1)."""
+    with pytest.raises(EvalError, match=r"lengths=\[128, -5\]: must be positive"):
+        parse_args([f"task={task}", "lengths=[128,-5]"])

@@ -70,6 +70,8 @@ class EvalOptions:
             raise EvalError(f"queries={self.queries}: must be <= needles ({self.needles})")
         if not 0 <= self.distractors < 1:
             raise EvalError(f"distractors={self.distractors}: must be in [0, 1)")
+        if any(n < 1 for n in self.lengths):
+            raise EvalError(f"lengths={list(self.lengths)}: must be positive")
         if not self.depths or any(not 0 <= d <= 100 for d in self.depths):
             raise EvalError(f"depths={list(self.depths)}: must be percentages in [0, 100]")
         if any(n < 2 for n in self.bits):

@@ -459,3 +459,12 @@ def test_lengths_below_one_are_one_error(task):
     """lengths=[-5] reached numpy's seeding of the cell and crashed with a traceback (exit 1)."""
     with pytest.raises(EvalError, match=r"lengths=\[128, -5\]: must be positive"):
         parse_args([f"task={task}", "lengths=[128,-5]"])
+
+
+def test_score_input_that_is_not_utf8_text_is_one_error(runs, tmp_path, capsys):
+    """A .txt input that is not UTF-8 was a UnicodeDecodeError traceback (exit 1)."""
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café au lait".encode("latin-1"))
+    assert eval_main(["task=score", f"input={bad}", f"train.run_dir={runs['diff']}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: input={bad}: not UTF-8 text") and err.count("\n") == 1, err

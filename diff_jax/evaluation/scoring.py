@@ -167,7 +167,12 @@ def read_tokens(path: Path, config: Config) -> np.ndarray:
             raise EvalError(f"input={path}: expected a 1-D array of integer token ids, got "
                             f"{ids.dtype} {ids.shape}")
     elif path.suffix == ".txt":
-        ids = np.asarray(text_encoding(config).encode_ordinary(path.read_text()))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise EvalError(f"input={path}: not UTF-8 text (byte {e.start}: {e.reason}); pass "
+                            "UTF-8 text or a .npy of token ids") from e
+        ids = np.asarray(text_encoding(config).encode_ordinary(text))
     else:
         raise EvalError(f"input={path}: expected a .txt or .npy file")
     if len(ids) < 2:

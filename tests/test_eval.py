@@ -468,3 +468,19 @@ def test_score_input_that_is_not_utf8_text_is_one_error(runs, tmp_path, capsys):
     assert eval_main(["task=score", f"input={bad}", f"train.run_dir={runs['diff']}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: input={bad}: not UTF-8 text") and err.count("\n") == 1, err
+
+
+def test_score_input_that_is_not_an_npy_array_is_one_error(runs, tmp_path, capsys):
+    """An empty .npy was an EOFError traceback (exit 1); text saved as .npy got numpy's advice
+    to load it with allow_pickle, which eval.py has no way to pass."""
+    cases = {"empty.npy": b"", "text.npy": b"1 2 3 4\n", "pickled.npy": None}
+    for name, content in cases.items():
+        path = tmp_path / name
+        if content is None:
+            np.save(path, np.array([1, None], dtype=object), allow_pickle=True)
+        else:
+            path.write_bytes(content)
+        assert eval_main(["task=score", f"input={path}", f"train.run_dir={runs['diff']}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: input={path}: not a NumPy array of token ids"), err
+        assert err.count("\n") == 1 and "allow_pickle" not in err, err

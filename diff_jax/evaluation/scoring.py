@@ -153,16 +153,28 @@ def ppl(loaded: Loaded, options: EvalOptions) -> Report:
     return report
 
 
+def _load_npy(path: Path) -> np.ndarray:
+    """The array of the .npy file `path`; `EvalError` naming `input` when it is not one (no .npy
+    header, cut short, or Python objects, which are never unpickled)."""
+    with path.open("rb") as f:
+        magic = f.read(len(np.lib.format.MAGIC_PREFIX))
+    if magic != np.lib.format.MAGIC_PREFIX:
+        raise EvalError(f"input={path}: not a NumPy array of token ids (no .npy header)")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, EOFError) as e:
+        reason = ("it holds Python objects" if "allow_pickle" in str(e)
+                  else (str(e).strip().splitlines() or [type(e).__name__])[0])
+        raise EvalError(f"input={path}: not a NumPy array of token ids ({reason})") from e
+
+
 def read_tokens(path: Path, config: Config) -> np.ndarray:
     """(n,) int32: the ids of a .npy file (1-D integers) or the encoding of a .txt file
     (data.tokenizer), checked against the vocabulary (n ≥ 2)."""
     if not path.is_file():
         raise EvalError(f"input={path}: no such file")
     if path.suffix == ".npy":
-        try:
-            ids = np.load(path, allow_pickle=False)
-        except ValueError as e:
-            raise EvalError(f"input={path}: not a NumPy array file ({e})") from e
+        ids = _load_npy(path)
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
             raise EvalError(f"input={path}: expected a 1-D array of integer token ids, got "
                             f"{ids.dtype} {ids.shape}")

@@ -61,6 +61,12 @@ def test_unknown_or_out_of_range_names_are_clear_errors():
         encoding("cl100k_first_100")
     with pytest.raises(DataError, match="cl100k_first_N"):
         encoding("cl100k_first")
+    # tiktoken's own message spans lines (its plugins, its version): one line is kept, since
+    # every command prints the error as one `error:` line
+    with pytest.raises(DataError, match=r"cannot load tiktoken encoding 'bogus' offline "
+                                        r"\(ValueError: Unknown encoding bogus\.\)") as e:
+        encoding("bogus")
+    assert "\n" not in str(e.value)
 
 
 def test_corpus_and_niah_prompts_in_the_small_vocabulary():

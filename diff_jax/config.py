@@ -159,6 +159,13 @@ class MeshConfig:
             _require(size == -1 or size > 0, f"mesh.{name}", "must be positive or -1 (the rest)")
         _require(list(sizes.values()).count(-1) <= 1, "mesh", "at most one axis may be -1")
         object.__setattr__(self, "rules", tuple((str(k), _as_axes(v)) for k, v in self.rules))
+        logical = [name for name, _ in DEFAULT_RULES]
+        names = [name for name, _ in self.rules]
+        for name in names:
+            _require(name in logical, f"mesh.rules[{name}]",
+                     f"no module names this logical axis; the logical axes are {logical}")
+            _require(names.count(name) == 1, f"mesh.rules[{name}]",
+                     "given twice; give each logical axis one rule")
         for name, axes in self.rules:
             for axis in (axes if isinstance(axes, tuple) else (axes,)):
                 _require(axis is None or axis in sizes, f"mesh.rules[{name}]",

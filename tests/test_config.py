@@ -57,6 +57,9 @@ def test_overrides_parse_yaml_values():
     (["train.batch_size=6", "train.grad_accum=4"], r"train\.grad_accum: must divide"),
     (["mesh.data=-1", "mesh.fsdp=-1"], r"mesh: at most one axis may be -1"),
     (["mesh.rules=[[embed, model]]"], r"mesh\.rules\[embed\]: mesh axis must be one of"),
+    (["mesh.rules=[[btach, data]]"], r"mesh\.rules\[btach\]: no module names this logical axis; "
+                                     r"the logical axes are \['batch', 'length', 'embed'"),
+    (["mesh.rules=[[batch, data], [batch, fsdp]]"], r"mesh\.rules\[batch\]: given twice"),
     (["optim.min_lr=1.0"], r"optim\.min_lr"),
     (["train.steps=30", "checkpoint.resume_step=30", "checkpoint.discard_later=true"],
      r"checkpoint\.resume_step: 30 with checkpoint\.discard_later=true must be below "

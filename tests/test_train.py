@@ -278,12 +278,16 @@ def _one_error_line(capsys) -> str:
     return lines[0]
 
 
-def test_a_coordinator_without_a_process_count_is_one_error_line(corpus, tmp_path, capsys):
+def test_a_coordinator_without_a_process_count_is_one_error_line(corpus, tmp_path):
+    """jax.distributed.initialize must be the first JAX call, so this runs train.py afresh."""
     config = _config_file(corpus, tmp_path)
-    assert train_main(["--config", config, "distributed.coordinator=127.0.0.1:1"]) == 2
-    assert _one_error_line(capsys) == (
+    proc = subprocess.run([sys.executable, "train.py", "--config", config,
+                           "distributed.coordinator=127.0.0.1:1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
         "error: distributed.coordinator=127.0.0.1:1: Number of processes must be defined. (set "
-        "distributed.num_processes=N and distributed.process_id=I)")
+        "distributed.num_processes=N and distributed.process_id=I)"]
     assert not (tmp_path / "run").exists()
 
 

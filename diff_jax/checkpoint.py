@@ -211,15 +211,36 @@ def check_shapes(found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tu
                         f"{tuple(shape)}; it was written for another model config")
 
 
+def check_optimizer_state(saved: Any, expected: Any, step: int) -> None:
+    """Raise `CheckpointError` unless the optimizer state saved at `step` (orbax metadata) has
+    the arrays, by path and shape, of the one the config's optimizer keeps (`expected`): a
+    checkpoint written with other `optim.*` settings is refused as such before anything is
+    read, not reported as damaged when the read fails."""
+    found = {_leaf_name(path): tuple(leaf.shape)
+             for path, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    wanted = {_leaf_name(path): tuple(leaf.shape)
+              for path, leaf in jax.tree_util.tree_flatten_with_path(expected)[0]}
+    if found == wanted:
+        return
+    first = next((f"{k} is not saved" for k in wanted if k not in found), None) or next(
+        (f"{k} is saved but not kept" for k in found if k not in wanted), None) or next(
+        f"{k} has shape {found[k]}, not {wanted[k]}" for k in wanted if found[k] != wanted[k])
+    raise CheckpointError(f"checkpoint step {step} holds another optimizer state than optim.* "
+                          f"gives (first difference: opt_state/{first}); it was written with other "
+                          "optimizer settings (optim.clip_norm > 0 adds a clipping stage that "
+                          "optim.clip_norm=0 has not)")
+
+
 def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
             data_iter: grain.DatasetIterator) -> Any:
     """Restore `step` onto the shardings in `target` (ShapeDtypeStructs) and verify its checksums;
     sets `data_iter`'s state. `DamagedCheckpointError` when it cannot be read or does not verify."""
     where = Path(mngr.directory) / str(step)
     with _read_errors(step, where):
-        metadata = mngr.item_metadata(step)["state"]["params"]
+        metadata = mngr.item_metadata(step)["state"]
     try:
-        check_shapes(tree_shapes(metadata), tree_shapes(target.params), "checkpoint ")
+        check_shapes(tree_shapes(metadata["params"]), tree_shapes(target.params), "checkpoint ")
+        check_optimizer_state(metadata["opt_state"], target.opt_state, step)
     except CheckpointError as e:  # most often an override the first invocation had
         run_dir = Path(mngr.directory).parent
         raise CheckpointError(f"{e} (to resume this run as it was configured: python train.py "

@@ -201,6 +201,25 @@ def test_refused_resume_leaves_config_yaml_byte_identical(corpus, run20, tmp_pat
     assert (run / "config.yaml").read_bytes() == record
 
 
+def test_a_resume_with_another_optimizer_structure_is_refused_as_such_not_as_damage(
+        corpus, run20, tmp_path):
+    """optim.clip_norm=0 drops the clipping stage the run was saved with: every step's restore
+    fails alike, which resume took for damage ("no checkpoint verifies ... move the damaged
+    steps away"). It is a config mismatch, named before anything is read."""
+    run = _copy(run20, tmp_path)
+    record = (run / "config.yaml").read_bytes()
+    with pytest.raises(CheckpointError) as e:
+        train_loop.run(tiny_config(corpus, run, "train.steps=30", "optim.clip_norm=0"))
+    assert not isinstance(e.value, DamagedCheckpointError)
+    assert str(e.value) == (
+        "checkpoint step 20 holds another optimizer state than optim.* gives (first difference: "
+        "opt_state/0/count is not saved); it was written with other optimizer settings "
+        "(optim.clip_norm > 0 adds a clipping stage that optim.clip_norm=0 has not) (to resume "
+        f"this run as it was configured: python train.py --config {run / 'config.yaml'})")
+    assert _ckpt_steps(run) == [10, 20] and not (run / "damaged_checkpoints").exists()
+    assert (run / "config.yaml").read_bytes() == record
+
+
 def test_kill_and_resume_records_each_step_once_and_done_follows_the_commit(run20, corpus,
                                                                            tmp_path, monkeypatch):
     """What kill -9 after step 15 leaves (checkpoint every 10): rows 1..15, the last one torn,

@@ -155,8 +155,9 @@ def _cudnn_found(config: Config, impl: str) -> Iterator[None]:
         m = config.model
         why = "" if m.attention_impl == "cudnn" else (
             f" (auto picks it for variant {m.variant} in {m.dtype} on GPU)")
+        found = str(e).strip().rstrip(".")
         raise ConfigError(f"model.attention_impl={m.attention_impl}: the cuDNN attention cannot "
-                          f"be compiled on this machine{why}: {str(e).strip().rstrip('.')}; compile with "
+                          f"be compiled on this machine{why}: {found}; compile with "
                           "model.attention_impl=pallas or xla") from e
 
 

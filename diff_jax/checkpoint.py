@@ -232,9 +232,10 @@ def check_optimizer_state(saved: Any, expected: Any, step: int) -> None:
 
 
 def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
-            data_iter: grain.DatasetIterator) -> Any:
-    """Restore `step` onto the shardings in `target` (ShapeDtypeStructs) and verify its checksums;
-    sets `data_iter`'s state. `DamagedCheckpointError` when it cannot be read or does not verify."""
+            data_iter: grain.DatasetIterator) -> tuple[Any, dict]:
+    """(state, the config dict it was saved with): restore `step` onto the shardings in `target`
+    (ShapeDtypeStructs) and verify its checksums; sets `data_iter`'s state.
+    `DamagedCheckpointError` when it cannot be read or does not verify."""
     where = Path(mngr.directory) / str(step)
     with _read_errors(step, where):
         metadata = mngr.item_metadata(step)["state"]
@@ -255,7 +256,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     recorded = recorded_checksums(restored.get("checksums"), step, where)
     if recorded is not None:
         verify_checksums(restored["state"], recorded, step, where / "state")
-    return restored["state"]
+    return restored["state"], restored["config"]
 
 
 def _agree(ok: bool) -> bool:
@@ -291,8 +292,9 @@ def _sync(name: str) -> None:
 
 def resume(mngr: ocp.CheckpointManager, cfg: CheckpointConfig, target: Any,
            data_iter: grain.DatasetIterator,
-           say: Callable[[str], None]) -> tuple[int | None, Any]:
-    """(step, state) to continue from, or (None, None) when the run has no checkpoint.
+           say: Callable[[str], None]) -> tuple[int | None, Any, dict | None]:
+    """(step, state, the config dict that step was saved with) to continue from, or
+    (None, None, None) when the run has no checkpoint.
 
     With `cfg.resume_step` unset: the newest step that reads and verifies; each damaged newer step
     is reported through `say` and moved to `<run_dir>/damaged_checkpoints/` (when no step verifies,
@@ -312,29 +314,29 @@ def resume(mngr: ocp.CheckpointManager, cfg: CheckpointConfig, target: Any,
             raise CheckpointError(f"checkpoint.resume_step={step}: {where} holds later steps "
                                   f"{later}; add checkpoint.discard_later=true to delete them and "
                                   f"continue from step {step}")
-        state = restore(mngr, step, target, data_iter)
+        state, saved = restore(mngr, step, target, data_iter)
         for s in later:
             mngr.delete(s)
         if later:
             say(f"deleted checkpoints {later} (checkpoint.discard_later=true)")
-        return step, state
+        return step, state, saved
     damaged: list[tuple[int, str]] = []  # set aside only once an intact step is found
     for step in reversed(steps):
         error: DamagedCheckpointError | None = None
         try:
-            state = restore(mngr, step, target, data_iter)
+            state, saved = restore(mngr, step, target, data_iter)
         except DamagedCheckpointError as e:
             error = e
         if _agree(error is None):
             for bad, why in damaged:
                 say(f"skipped {why}; moved it to {_set_aside(mngr, bad)}")
-            return step, state
+            return step, state, saved
         damaged.append((step, str(error) if error else
                         f"checkpoint step {step}: damaged as read by another process"))
     if damaged:
         raise CheckpointError(f"no checkpoint in {where} verifies; the newest: {damaged[0][1]} "
                               f"(move the damaged steps away, or choose another train.run_dir)")
-    return None, None
+    return None, None, None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,15 +20,16 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from diff_jax import checkpoint, data
-from diff_jax.config import Config, ConfigError, DistributedConfig, TrainConfig, dump_config
+from diff_jax import checkpoint, data, optim
+from diff_jax.config import (Config, ConfigError, DistributedConfig, TrainConfig, dump_config,
+                             from_dict)
 from diff_jax.data.heldout import HeldOut
 from diff_jax.export.init_from import initial_params
 from diff_jax.metrics import MetricsWriter, Progress, mfu
@@ -138,6 +139,43 @@ def _recorded(config: Config) -> Config:
         config.checkpoint, resume_step=None, discard_later=False))
 
 
+def _changes(before: Any, after: Any, prefix: str, keys: Iterable[str] | None = None) -> list[str]:
+    """`prefix.key before → after` for each field of the dataclasses `before` and `after` (or
+    of `keys`) that differs."""
+    names = keys if keys is not None else [f.name for f in dataclasses.fields(after)]
+    return [f"{prefix}.{k} {getattr(before, k)!r} → {getattr(after, k)!r}" for k in names
+            if getattr(before, k) != getattr(after, k)]
+
+
+def resume_notes(saved: dict, config: Config, step: int) -> list[str]:
+    """Lines that say how `config` differs from `saved` (the config dict checkpoint `step` was
+    written with) where the difference changes what the resumed steps do, since the checkpoint
+    holds a data position and an optimizer step count, not the settings they count in: the data
+    order (`train.batch_size`, `seq_len`, `seed`, `data.*`) and the learning-rate schedule and
+    optimizer (`train.steps`, `optim.*`). Empty when they agree (or `saved` does not parse)."""
+    try:
+        old = from_dict(saved)
+    except ConfigError:
+        return []
+    notes = []
+    data_order = (_changes(old.train, config.train, "train", ("batch_size", "seq_len", "seed"))
+                  + _changes(old.data, config.data, "data"))
+    if data_order:
+        notes.append(f"resumed with other data settings than step {step} was saved with "
+                     f"({', '.join(data_order)}): the saved data position counts in the old "
+                     "order, so the rows from here differ from an uninterrupted run's under either "
+                     "setting (documents may repeat or be skipped)")
+    schedule_changes = (_changes(old.train, config.train, "train", ("steps",))
+                        + _changes(old.optim, config.optim, "optim"))
+    if schedule_changes:
+        lr_old = float(optim.schedule(old.optim, old.train.steps)(step))
+        lr_new = float(optim.schedule(config.optim, config.train.steps)(step))
+        notes.append(f"resumed with other optimizer settings than step {step} was saved with "
+                     f"({', '.join(schedule_changes)}): the learning rate of step {step + 1} is "
+                     f"{lr_new:.3g} (the saved run's schedule: {lr_old:.3g})")
+    return notes
+
+
 def _global(local: data.Batch, sharding: NamedSharding) -> dict[str, jax.Array]:
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
@@ -165,13 +203,15 @@ def run(config: Config) -> RunResult:
         check_process_rows(bsh, t.batch_size, t.seq_len)
         mngr = checkpoint.manager(t.run_dir, config.checkpoint)
         try:
-            resumed, state = checkpoint.resume(mngr, config.checkpoint, steps.abstract, inputs.train,
-                                               progress.message)
+            resumed, state, saved = checkpoint.resume(mngr, config.checkpoint, steps.abstract,
+                                                      inputs.train, progress.message)
         except BaseException:
             mngr.close()
             raise
         if resumed is not None:
             progress.message(f"resumed from step {resumed} ({t.run_dir}/checkpoints)")
+            for note in resume_notes(saved, config, resumed):
+                progress.message(note)
         else:
             state = steps.init(jax.random.PRNGKey(t.seed))
             if t.init_from is not None:  # fine-tuning: parameters from an export or another run

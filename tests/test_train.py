@@ -149,6 +149,36 @@ def test_step_time_leaves_out_validation_and_saving(corpus, tmp_path, monkeypatc
     assert all(r["step_time_s"] < 60 for r in rows.values()), rows
 
 
+def test_a_resume_with_other_data_or_schedule_settings_says_what_changes(corpus, tmp_path, capsys):
+    """The checkpoint holds a data position and a step count, not the settings they count in: a
+    resume under other ones says so (learning rates by hand: warmup 5 to 1e-2, then linear to
+    min_lr 1e-4 over the remaining steps); settings that change neither (log_every, the mesh)
+    are not named."""
+    train_loop.run(tiny_config(corpus, tmp_path, "train.steps=10"))
+    capsys.readouterr()
+    train_loop.run(tiny_config(corpus, tmp_path, "train.steps=20", "train.seed=1"))
+    err = capsys.readouterr().err
+    assert ("resumed with other data settings than step 10 was saved with (train.seed 0 → 1): "
+            "the saved data position counts in the old order") in err, err
+    lr_new = 1e-2 + (1e-4 - 1e-2) * 5 / 15  # 5 of 15 decay steps done; the saved run had ended
+    assert ("resumed with other optimizer settings than step 10 was saved with (train.steps 10 → "
+            f"20): the learning rate of step 11 is {lr_new:.3g} (the saved run's schedule: "
+            "0.0001)") in err, err
+    train_loop.run(tiny_config(corpus, tmp_path, "train.steps=30", "train.seed=1"))
+    err = capsys.readouterr().err
+    assert "resumed from step 20" in err and "data settings" not in err, err
+    assert "(train.steps 20 → 30)" in err and "optim." not in err, err
+    train_loop.run(tiny_config(corpus, tmp_path, "train.steps=40", "train.seed=1",
+                               "optim.lr=2e-2", "optim.min_lr=1e-3"))
+    err = capsys.readouterr().err
+    assert "(train.steps 30 → 40, optim.lr 0.01 → 0.02, optim.min_lr 0.0001 → 0.001)" in err, err
+    train_loop.run(tiny_config(corpus, tmp_path, "train.steps=50", "train.seed=1",
+                               "optim.lr=2e-2", "optim.min_lr=1e-3", "train.log_every=5",
+                               "mesh.data=2", "mesh.fsdp=-1"))
+    err = capsys.readouterr().err
+    assert "(train.steps 40 → 50)" in err and "data settings" not in err, err  # not log_every, mesh
+
+
 def test_train_py_smoke_falling_loss_and_valid_metrics(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.run(

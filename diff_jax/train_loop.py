@@ -193,6 +193,9 @@ def run(config: Config) -> RunResult:
     if inputs.corpus.vocab_size > config.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {config.model.vocab_size} is smaller than the "
                           f"data's vocabulary ({inputs.corpus.vocab_size} ids)")
+    if t.eval_every and config.data.validation_fraction == 0:
+        progress.message(f"train.eval_every={t.eval_every}: no validation, since "
+                         "data.validation_fraction=0 holds no documents out")
     if inputs.corpus.skipped:
         progress.message(f"data: skipped {len(inputs.corpus.skipped)} unreadable document(s), "
                          f"first: {inputs.corpus.skipped[0]}")

@@ -179,6 +179,13 @@ def test_a_resume_with_other_data_or_schedule_settings_says_what_changes(corpus,
     assert "(train.steps 40 → 50)" in err and "data settings" not in err, err  # not log_every, mesh
 
 
+def test_validation_asked_for_without_a_held_out_split_is_said(corpus, tmp_path, capsys):
+    train_loop.run(tiny_config(corpus, tmp_path, "train.steps=4", "train.eval_every=2"))
+    assert ("train.eval_every=2: no validation, since data.validation_fraction=0 holds no "
+            "documents out") in capsys.readouterr().err
+    assert not any("val_loss" in x for x in (tmp_path / "metrics.jsonl").read_text().splitlines())
+
+
 def test_train_py_smoke_falling_loss_and_valid_metrics(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.run(

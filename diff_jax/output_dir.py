@@ -4,7 +4,9 @@
 The output is written into a hidden sibling directory and renamed into place when complete, so a
 failed or interrupted write leaves no half-written or empty directory and never touches the one
 already there. An existing non-empty directory is replaced only with `--overwrite`, and only when
-it holds the command's own marker file (a previous output of the same kind).
+it holds the command's own marker file (a previous output of the same kind) and nothing that
+output does not write (another export or corpus nested in it, a user's file), which replacing
+would delete.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def refusal(out: Path, overwrite: bool, marker: str, kind: str) -> str | None:
+def refusal(out: Path, overwrite: bool, marker: str, kind: str,
+            contents: frozenset[str]) -> str | None:
     """Why `out` may not be written (the caller prefixes the argument that named it), or None.
 
     `marker`: the file every output of this `kind` (e.g. "a diff_jax export") holds; a non-empty
-    `out` without it is refused even with `overwrite`."""
+    `out` without it is refused even with `overwrite`. `contents`: the names of every entry an
+    output of this kind may hold (`marker` among them); with `overwrite`, an `out` holding any
+    other entry is refused, since replacing `out` would delete it."""
     if out.exists() and not out.is_dir():
         return "exists and is not a directory"
     if out.is_dir() and any(out.iterdir()):
@@ -28,6 +33,10 @@ def refusal(out: Path, overwrite: bool, marker: str, kind: str) -> str | None:
             return f"already exists and is not empty; pass --overwrite to replace {kind}"
         if not (out / marker).is_file():
             return f"is not {kind} (no {marker}); refusing to replace it even with --overwrite"
+        foreign = sorted(entry.name for entry in out.iterdir() if entry.name not in contents)
+        if foreign:
+            return (f"holds {out / foreign[0]}, which is not part of {kind} and which replacing "
+                    "it would delete; move it out first, or choose another directory")
     return None
 
 

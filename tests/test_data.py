@@ -357,6 +357,20 @@ def test_overwrite_replaces_a_corpus_and_leaves_no_stale_loss_mask(tmp_path, cap
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "src", "tokA"]
 
 
+
+def test_overwrite_refuses_a_corpus_holding_what_prepare_does_not_write(tmp_path, capsys):
+    src, out = _jsonl_source(tmp_path), tmp_path / "tokA"
+    assert data_main(["prepare", src, str(out)]) == 0
+    assert data_main(["prepare", src, str(out / "sub")]) == 0  # a corpus nested in another
+    before = _files(out / "sub")
+    capsys.readouterr()
+    assert data_main(["prepare", src, str(out), "--overwrite"]) == 2
+    assert capsys.readouterr().err == (f"error: OUT_DIR {out}: holds {out / 'sub'}, which is not "
+                                       "part of a prepared token corpus and which replacing it "
+                                       "would delete; move it out first, or choose another "
+                                       "directory\n")
+    assert _files(out / "sub") == before
+
 @pytest.mark.parametrize("args, error", [
     (["{tmp}/missing.jsonl"], "data.paths: '{tmp}/missing.jsonl' does not exist"),
     (["{tmp}/*.txt"], "data.paths: '{tmp}/*.txt' matches no file"),

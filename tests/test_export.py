@@ -321,6 +321,18 @@ def test_model_safetensors_mode_follows_the_umask(fmt, diff_run, tmp_path):
     assert (out / "config.json").stat().st_mode & 0o777 == 0o640
 
 
+def test_overwrite_refuses_an_export_holding_another_export(diff_run, tmp_path, capsys):
+    run = str(diff_run[0])
+    out = ex.export(run, tmp_path / "export", "safetensors")
+    nested = ex.export(out, out / "bf16", "safetensors", dtype="bfloat16")  # nothing refuses this
+    assert main([run, "--out", str(out), "--format", "orbax-params", "--overwrite"]) == 2
+    assert capsys.readouterr().err == (f"error: --out {out}: holds {nested}, which is not part "
+                                       "of a diff_jax export and which replacing it would delete; "
+                                       "move it out first, or choose another directory\n")
+    assert json.loads((nested / "export.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((out / "export.json").read_text())["format"] == "safetensors"
+
+
 def test_overwrite_refuses_an_export_holding_eval_results(diff_run, tmp_path, capsys):
     run = str(diff_run[0])
     out = ex.export(run, tmp_path / "export", "safetensors")

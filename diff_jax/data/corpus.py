@@ -23,6 +23,8 @@ from diff_jax.data.tokenizer import encoding, is_encoding_name
 from diff_jax.output_dir import refusal, staged
 
 TOKEN_DTYPE = np.dtype("<u4")
+# Every file a prepared corpus directory holds (`TokenCorpus.save`, `prepare`).
+CORPUS_FILES = frozenset({"tokens.bin", "doc_starts.npy", "loss_mask.bin", "meta.json"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +151,7 @@ def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
     from diff_jax.data.sources import stdlib_documents
 
     out = Path(out_dir)
-    problem = refusal(out, overwrite, "meta.json", "a prepared token corpus")
+    problem = refusal(out, overwrite, "meta.json", "a prepared token corpus", CORPUS_FILES)
     if problem is not None:
         raise DataError(f"OUT_DIR {out}: {problem}")
     enc = encoding(encoding_name)

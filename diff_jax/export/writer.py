@@ -3,8 +3,9 @@
 The export is written into a hidden sibling directory and renamed into place when complete, so an
 interrupted export leaves no half-written `--out` (`diff_jax.output_dir`). An existing non-empty
 `--out` is replaced only with `overwrite=True`, only when it holds a previous export (its
-`export.json`), and not while it holds `eval/` (what `eval.py checkpoint=EXPORT` writes there),
-which replacing would delete.
+`export.json`), and not while it holds `eval/` (what `eval.py checkpoint=EXPORT` writes there)
+or anything else no export writes (`EXPORT_FILES`), e.g. another export nested in it, which
+replacing would delete.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from diff_jax.export.safetensors_io import write_safetensors
 from diff_jax.export.sources import (CHECKSUMS_FILE, CONFIG_FILE, EVAL_DIR, EXPORT_MARKER,
                                      PARAMS_DIR, SAFETENSORS_FILE, Source, read_source)
 from diff_jax.export.state_dict import to_state_dict
-from diff_jax.export.tokenizer import max_token_id, write_tokenizer
+from diff_jax.export.tokenizer import TOKENIZER_FILES, max_token_id, write_tokenizer
 from diff_jax.output_dir import refusal, staged
 
 FORMATS = ("safetensors", "orbax-params", "hf-diffllama")
@@ -68,6 +69,10 @@ def _write_hf_diffllama(out: Path, source: Source, dtype: str) -> None:
     (out / CONFIG_FILE).write_text(json.dumps(hf.hf_config(source.config, dtype), indent=2))
 
 
+# Every entry an export of any format holds: what replacing one with --overwrite may delete.
+EXPORT_FILES = frozenset({EXPORT_MARKER, CONFIG_FILE, SAFETENSORS_FILE, PARAMS_DIR,
+                          CHECKSUMS_FILE, *TOKENIZER_FILES})
+
 _WRITERS: dict[str, Callable[[Path, Source, str], None]] = {
     "safetensors": _write_safetensors,
     "orbax-params": _write_orbax_params,
@@ -98,12 +103,12 @@ def _check_destination(out: Path, source: Path, overwrite: bool) -> None:
     resolved = out.resolve()
     if resolved == source.resolve() or resolved in source.resolve().parents:
         raise ExportError(f"--out {out}: contains the source {source}; choose another directory")
-    problem = refusal(out, overwrite, EXPORT_MARKER, "a diff_jax export")
-    if problem is not None:
-        raise ExportError(f"--out {out}: {problem}")
-    if (out / EVAL_DIR).exists():
+    if overwrite and (out / EXPORT_MARKER).is_file() and (out / EVAL_DIR).exists():
         raise ExportError(f"--out {out}: holds {out / EVAL_DIR} (eval.py results of the export "
                           "it would replace); move or delete it first, or choose another --out")
+    problem = refusal(out, overwrite, EXPORT_MARKER, "a diff_jax export", EXPORT_FILES)
+    if problem is not None:
+        raise ExportError(f"--out {out}: {problem}")
 
 
 def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors", *,

@@ -48,13 +48,27 @@ def staged(out: Path) -> Iterator[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         yield tmp
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         if out.is_dir():
             out.rename(old)
         tmp.rename(out)
         shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        raise _as_written_to(e, tmp, out) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _as_written_to(error: OSError, tmp: Path, out: Path) -> OSError:
+    """`error` naming the file of `out` it was writing, when it names one inside the hidden
+    staging directory `tmp` (a name the user never gave, so `file_errors.describe` could not
+    label it with the argument); otherwise `error` itself."""
+    if error.filename is None or error.strerror is None:
+        return error
+    file = Path(os.fsdecode(error.filename))
+    if file != tmp and tmp not in file.parents:
+        return error
+    return type(error)(error.errno, error.strerror, str(out / file.relative_to(tmp)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import gzip
 import json
 import re
@@ -299,6 +300,19 @@ def test_prepare_writes_a_corpus_equal_to_direct_tokenization(tmp_path, capsys):
     assert capsys.readouterr().err == (f"error: OUT_DIR {blocked}: {tmp_path / 'a-file'}: File "
                                        "exists and is not a directory\n")
 
+
+
+def test_a_write_failure_in_the_staged_corpus_names_out_dir(tmp_path, capsys, monkeypatch):
+    src, out = _jsonl_source(tmp_path), tmp_path / "tokA"
+
+    def full(path, array):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(np, "save", full)
+    assert data_main(["prepare", src, str(out)]) == 2
+    assert capsys.readouterr().err == (f"error: OUT_DIR {out}: {out / 'doc_starts.npy'}: No space "
+                                       "left on device\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 def _jsonl_source(tmp_path, name="a.jsonl", texts=("first document", "second document")):
     (tmp_path / "src").mkdir(exist_ok=True)

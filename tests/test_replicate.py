@@ -119,6 +119,23 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
     assert (run / "wall.json").read_text() == wall
 
 
+def test_out_of_another_preset_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """The cpu-recall preset must not read the micro preset's corpus and resume its runs."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"preset": "micro"}))  # as lm_report writes it
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a corpus was prepared in another preset's --out")
+
+    monkeypatch.setattr(replicate, "prepare_corpus", refused)
+    assert replicate.main(["--preset", "cpu-recall", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"error: --out {out}: holds the runs of --preset micro "
+                                       f"({out / 'results.json'}); choose another --out for "
+                                       "--preset cpu-recall\n")
+    assert sorted(p.name for p in out.iterdir()) == ["results.json"]
+
+
 def test_niah_whole_fraction_matches_a_packed_corpus():
     """The expectation against real retrieval documents cut into rows by `PackedRows`."""
     from diff_jax.data import PackedRows

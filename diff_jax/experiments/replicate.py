@@ -7,7 +7,8 @@ For each init of the preset (`model.output_init`; `--inits` picks some of them),
 it runs `train.py`'s loop (DIR/runs/VARIANT-INIT-sSEED; re-running resumes from the latest
 checkpoint) and then the evaluations through `diff_jax.evaluation.run_task`, each into
 RUN/replicate/JOB/ (a job whose JSON already holds its step is skipped). First each seed's corpus
-is written once (`prepare_corpus`, DIR/data/corpus-sSEED) and every model of the seed reads it. A
+is written once (`prepare_corpus`, DIR/data/corpus-sSEED) and every model of the seed reads it
+(DIR/replicate.json names the preset: a DIR holding another preset's runs is refused). A
 language-modeling preset runs ppl, niah (one per (N, R) of its grid), attention, outliers and
 quant; a recall preset runs recall once per grid cell and once per checkpoint on the
 learning-curve cell. Then `lm_report` or `recall_report` writes DIR/results.json,
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 
 from diff_jax import data, evaluation, recall, train_loop
+from diff_jax.config import ConfigError
 from diff_jax.evaluation import EvalOptions
 from diff_jax.experiments import lm_report, recall_report
 from diff_jax.experiments.layout import eval_json, recall_cell_name, run_dir
@@ -163,13 +165,34 @@ def _at(options: EvalOptions, run: Path, out_dir: Path) -> EvalOptions:
     return dataclasses.replace(options, checkpoint=str(run), out_dir=str(out_dir))
 
 
+PRESET_MARKER = "replicate.json"  # {"preset": NAME}: the preset whose corpora and runs OUT holds
+
+
+def claim_out(preset: Preset | RecallPreset, out: Path) -> None:
+    """Mark `out` as `preset`'s (`PRESET_MARKER`), or ConfigError (nothing written) when it
+    already holds another preset's corpora and runs (its marker, or the `preset` of its
+    results.json), which this one would otherwise read as its own and resume."""
+    for name in (PRESET_MARKER, "results.json"):
+        path = out / name
+        if path.is_file():
+            try:
+                recorded = json.loads(path.read_text()).get("preset")
+            except (ValueError, AttributeError):
+                recorded = None
+            if recorded is not None and recorded != preset.name:
+                raise ConfigError(f"--out {out}: holds the runs of --preset {recorded} ({path}); "
+                                  f"choose another --out for --preset {preset.name}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / PRESET_MARKER).write_text(json.dumps({"preset": preset.name}) + "\n")
+
+
 def replicate(preset: Preset | RecallPreset, seeds: int, out: Path, jobs: int = 1) -> dict:
     """Every (init, seed, model) trained and evaluated, `jobs` models at a time (`side_by_side`),
     then the report; returns results.json's content. ValueError (before any work) when this
     process cannot give `jobs` models a core each."""
     shares = cpu_shares(jobs) if jobs > 1 else None
     summaries = check_matched(preset)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_out(preset, out)
     runs = []
     for init in preset.inits:
         for seed in range(seeds):

@@ -107,6 +107,15 @@ def loss_fn(params: Any, batch: Batch, model: DecoderLM, count: jax.Array | None
     return total / (target_count(batch) if count is None else count)
 
 
+def _micro_batches(batch: Batch, k: int) -> Batch:
+    """The (B, T) batch as (k, B/k, T) micro-batches: micro-batch i holds rows j·k + i, so every
+    device keeps its own rows."""
+    def split(x: jax.Array) -> jax.Array:
+        x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+        return nn.with_logical_constraint(x, (None, "batch", "length"))
+    return jax.tree.map(split, batch)
+
+
 def loss_and_grads(params: Any, batch: Batch, model: DecoderLM, grad_accum: int) -> tuple[jax.Array, Any]:
     """(mean loss () float32, its gradients shaped like `params`) over the counted targets of the
     (B, T) batch, in `grad_accum` sequential micro-batches of B / grad_accum rows."""
@@ -115,16 +124,12 @@ def loss_and_grads(params: Any, batch: Batch, model: DecoderLM, grad_accum: int)
     if grad_accum == 1:
         return grad_fn(params, batch, model, count)
 
-    def split(x: jax.Array) -> jax.Array:  # (B, T) -> (k, B/k, T), micro-batch i = rows j·k + i
-        x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
-        return nn.with_logical_constraint(x, (None, "batch", "length"))
-
     def body(acc: tuple, micro: Batch) -> tuple[tuple, None]:
         loss, grads = grad_fn(params, micro, model, count)  # this micro-batch's share of the mean
         return jax.tree.map(jnp.add, acc, (loss, grads)), None
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    total, _ = jax.lax.scan(body, zeros, jax.tree.map(split, batch))
+    total, _ = jax.lax.scan(body, zeros, _micro_batches(batch, grad_accum))
     return total
 
 
@@ -142,9 +147,19 @@ def train_step(state: TrainState, batch: Batch, *, model: DecoderLM, tx: optax.G
     return new, metrics
 
 
-def eval_step(params: Any, batch: Batch, *, model: DecoderLM) -> jax.Array:
-    """Mean validation loss () float32 over the counted targets of one (B, T) batch."""
-    return loss_fn(params, batch, model)
+def eval_step(params: Any, batch: Batch, *, model: DecoderLM, micro_batches: int = 1) -> jax.Array:
+    """Mean validation loss () float32 over the counted targets of one (B, T) batch, computed in
+    `micro_batches` sequential slices of B / micro_batches rows (the training step's
+    `grad_accum`, so that evaluating a batch never holds more activations than training on it)."""
+    count = target_count(batch)
+    if micro_batches == 1:
+        return loss_fn(params, batch, model, count)
+
+    def body(total: jax.Array, micro: Batch) -> tuple[jax.Array, None]:
+        return total + loss_fn(params, micro, model, count), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), _micro_batches(batch, micro_batches))
+    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,5 +213,5 @@ def build_steps(config: Config, mesh: Mesh) -> Steps:
         init=jax.jit(functools.partial(init_state, model=model, tx=tx), out_shardings=shardings),
         train=jax.jit(train, in_shardings=(shardings, bsh), out_shardings=(shardings, replicated),
                       donate_argnums=0),
-        eval=jax.jit(functools.partial(eval_step, model=model),
+        eval=jax.jit(functools.partial(eval_step, model=model, micro_batches=t.grad_accum),
                      in_shardings=(shardings.params, bsh), out_shardings=replicated))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -161,3 +162,25 @@ def test_schedule_warmup_then_linear_decay_to_the_floor():
                                [0.0, 0.5, 1.0, 0.55, 0.1, 0.1], rtol=1e-6)
     cos = schedule(OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=0, schedule="cosine"), 100)
     np.testing.assert_allclose([cos(0), cos(50), cos(100)], [1.0, 0.5, 0.0], atol=1e-6)
+
+
+def test_evaluation_runs_in_the_training_micro_batches_and_gives_the_whole_batch_mean():
+    # validation and the pre-save check evaluate a training-sized batch: with grad_accum they must
+    # not hold the activations of the whole batch at once (the reason grad_accum was set)
+    mesh_cfg = MeshConfig(data=2, fsdp=-1, tensor=1)
+    batch, vocab = _masked(_batch(b=32)), 4096
+    losses, temp = {}, {}
+    for k in (1, 4):
+        config = Config(model=dataclasses.replace(MODEL, vocab_size=vocab), mesh=mesh_cfg,
+                        train=TrainConfig(steps=10, batch_size=32, seq_len=16, grad_accum=k))
+        built = build_steps(config, make_mesh(mesh_cfg))
+        with built.context():
+            state = built.init(jax.random.PRNGKey(0))
+            sharded = jax.device_put(batch, built.batch_sharding)
+            losses[k] = float(built.eval(state.params, sharded))
+            temp[k] = built.eval.lower(state.params, sharded).compile().memory_analysis().temp_size_in_bytes
+    np.testing.assert_allclose(losses[4], losses[1], rtol=1e-6)  # float32 sums in another order
+    # float32 logits per device (the batch is split over all 8): 4 micro-batches hold a quarter
+    # of them at a time, so evaluation's temporary memory drops by most of 3/4 of that
+    logits = 32 * 16 * vocab * 4 // 8
+    assert temp[1] - temp[4] > logits / 2, temp

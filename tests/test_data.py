@@ -439,3 +439,14 @@ def test_a_mixture_refuses_a_masked_source(tmp_path):
     cfg = DataConfig(mixture="tokens:0.5,niah:0.5", paths=(str(tmp_path / "m"),))
     with pytest.raises(DataError, match="data.mixture: source 'tokens' has a loss mask"):
         build(cfg, 16, 2, 0, 0, 0, 1)
+
+
+def test_jsonl_records_end_at_newlines_only(tmp_path):
+    # json.dumps(ensure_ascii=False) writes U+2028 and U+0085 raw; str.splitlines splits on them
+    texts = ["one\u2028still one", "two\x85still two", "three\x1cstill three"]
+    (tmp_path / "a.jsonl").write_text(
+        "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts)
+        + "not json\n", encoding="utf-8")
+    docs = file_documents((str(tmp_path / "a.jsonl"),), "text")
+    assert list(docs.texts) == texts
+    assert len(docs.skipped) == 1 and "a.jsonl:4: not JSON" in docs.skipped[0]

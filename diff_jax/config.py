@@ -168,7 +168,8 @@ class MeshConfig:
                      "given twice; give each logical axis one rule")
         for name, axes in self.rules:
             for axis in (axes if isinstance(axes, tuple) else (axes,)):
-                _require(axis is None or axis in sizes, f"mesh.rules[{name}]",
+                _require(axis is None or isinstance(axis, str) and axis in sizes,
+                         f"mesh.rules[{name}]",
                          f"mesh axis must be one of {sorted(sizes)} or null, got {axis!r}")
 
 
@@ -258,9 +259,10 @@ class DataConfig:
                 w = float(weight)
             except ValueError:
                 w = -1.0
-            _require(bool(sep) and name in ("stdlib", "files", "tokens", "niah") and w > 0,
-                     "data.mixture", f"{part.strip()!r}: expected SOURCE:WEIGHT with SOURCE one of "
-                     "stdlib, files, tokens, niah and WEIGHT > 0")
+            _require(bool(sep) and name in ("stdlib", "files", "tokens", "niah")
+                     and 0 < w < math.inf, "data.mixture", f"{part.strip()!r}: expected "
+                     "SOURCE:WEIGHT with SOURCE one of stdlib, files, tokens, niah and WEIGHT a "
+                     "finite number > 0")
             pairs.append((name, w))
         names = [n for n, _ in pairs]
         _require(len(set(names)) == len(names), "data.mixture", "names a source twice")
@@ -419,7 +421,9 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
-        return tuple(value)
+        if len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} items, got {list(value)!r}")
+        return tuple(coerce(v, arg, f"{key}[{i}]") for i, (v, arg) in enumerate(zip(value, args)))
     if tp is Any:
         return value
     if tp is bool:
@@ -493,6 +497,8 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     base = data.pop("base", None)
     if base is not None:
+        if not isinstance(base, str):
+            raise ConfigError(f"{path}: base: expected the path of a YAML config file, got {base!r}")
         data = _merge(_read_yaml(path.parent / base, seen + (path,)), data)
     return data
 

@@ -60,6 +60,13 @@ def test_overrides_parse_yaml_values():
     (["mesh.rules=[[btach, data]]"], r"mesh\.rules\[btach\]: no module names this logical axis; "
                                      r"the logical axes are \['batch', 'length', 'embed'"),
     (["mesh.rules=[[batch, data], [batch, fsdp]]"], r"mesh\.rules\[batch\]: given twice"),
+    (["mesh.rules=[[batch]]"], r"mesh\.rules\[0\]: expected a list of 2 items, got \['batch'\]"),
+    (["mesh.rules=[[embed, fsdp, x]]"], r"mesh\.rules\[0\]: expected a list of 2 items"),
+    (["mesh.rules=[[3, data]]"], r"mesh\.rules\[0\]\[0\]: expected a string, got 3"),
+    (["mesh.rules=[[batch, [data, [fsdp]]]]"], r"mesh\.rules\[batch\]: mesh axis must be one of "
+                                              r".* or null, got \['fsdp'\]"),
+    (["data.mixture=stdlib:.inf,niah:1"], r"data\.mixture: 'stdlib:\.inf': expected SOURCE:WEIGHT "
+                                          r".* WEIGHT a finite number > 0"),
     (["optim.min_lr=1.0"], r"optim\.min_lr"),
     (["train.steps=30", "checkpoint.resume_step=30", "checkpoint.discard_later=true"],
      r"checkpoint\.resume_step: 30 with checkpoint\.discard_later=true must be below "
@@ -109,6 +116,11 @@ def test_file_errors(tmp_path):
     based.write_text("base: sub\n")  # a base that is a directory, as --config DIR
     with pytest.raises(ConfigError, match=r"sub: is a directory; expected a YAML config file"):
         load_config(based)
+    for base in ("3", "[a.yaml]"):
+        based.write_text(f"base: {base}\n")
+        with pytest.raises(ConfigError, match=r"based\.yaml: base: expected the path of a YAML "
+                           r"config file, got (3|\['a\.yaml'\])$"):
+            load_config(based)
 
 
 def test_derived_sizes():

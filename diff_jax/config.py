@@ -12,6 +12,7 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -481,6 +482,37 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that gives one key twice: PyYAML would keep the
+    last silently, so a second `model:` section in a file would drop the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` keys are overridable
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # SafeLoader refuses it below
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _parse_yaml(text: str, what: str) -> Any:
+    """`text` parsed as YAML (`_Loader`); a syntax error or a repeated key is a one-line
+    ConfigError naming `what` and the line."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        problem = getattr(e, "problem", None) or " ".join(str(e).split())
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{what}: not valid YAML: {problem}{where}") from e
+
+
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     path = path.resolve()
     if path in seen:
@@ -490,9 +522,10 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the config file: {type(e).__name__}: {e}") from e
+    data = _parse_yaml(text, str(path)) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     base = data.pop("base", None)
@@ -508,10 +541,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {text!r}: expected section.key=value")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: value is not valid YAML: {e}") from e
+    value = _parse_yaml(raw, f"override {text!r}: value") if raw.strip() else None
     return key.strip().split("."), value
 
 

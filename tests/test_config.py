@@ -105,8 +105,12 @@ def test_file_errors(tmp_path):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [1, 2\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML: expected ',' or '\]', but "
+                       r"got '<stream end>' at line 2, column 1$"):  # one line, naming the place
         load_config(bad)
+    with pytest.raises(ConfigError, match=r"override 'train\.steps=\[': value: not valid YAML: "
+                       r".* at line 1, column 2$"):
+        load_config(None, ["train.steps=["])
     loop = tmp_path / "loop.yaml"
     loop.write_text("base: loop.yaml\n")
     with pytest.raises(ConfigError, match="loops back"):
@@ -122,6 +126,27 @@ def test_file_errors(tmp_path):
                            r"config file, got (3|\['a\.yaml'\])$"):
             load_config(based)
 
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    dup = tmp_path / "dup.yaml"  # PyYAML alone keeps the second `model:`, dropping embed_dim
+    dup.write_text("model:\n  embed_dim: 64\ntrain:\n  steps: 5\nmodel:\n  num_layers: 2\n")
+    with pytest.raises(ConfigError, match=r"dup\.yaml: not valid YAML: key 'model' is given twice "
+                       r"in one mapping at line 5, column 1$"):
+        load_config(dup)
+    dup.write_text("model:\n  embed_dim: 64\n  embed_dim: 128\n")
+    with pytest.raises(ConfigError, match=r"key 'embed_dim' is given twice .* at line 3"):
+        load_config(dup)
+    merged = tmp_path / "merged.yaml"  # a YAML merge key's values may be overridden
+    merged.write_text("model:\n  <<: {embed_dim: 64, num_layers: 3}\n  embed_dim: 128\n")
+    assert load_config(merged).model.embed_dim == 128
+
+
+def test_a_config_file_that_is_not_utf8(tmp_path):
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"model:\n  \x80\xff\n")
+    with pytest.raises(ConfigError, match=r"binary\.yaml: cannot read the config file: "
+                       r"UnicodeDecodeError"):
+        load_config(binary)
 
 def test_derived_sizes():
     m = ModelConfig(embed_dim=3072, num_heads=12)

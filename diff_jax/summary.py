@@ -18,6 +18,7 @@ equal model FLOPs, as the paper's matched comparison intends; the fused kernel's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -35,10 +36,12 @@ def abstract_params(config: ModelConfig, sharding: jax.sharding.Sharding | None 
     """The parameter tree as ShapeDtypeStructs (float32), each with `sharding` if given.
 
     Nothing is allocated and the logical-axis boxes are removed without sharding constraints, so
-    this also works inside a mesh context.
+    this also works inside a mesh context. The shapes do not depend on `model.attention_impl`, so
+    the init is traced with the xla op: a config for other devices (cudnn on a CPU machine) counts.
     """
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    boxed = jax.eval_shape(DecoderLM(config).init, jax.random.key(0), tokens)["params"]
+    traced = dataclasses.replace(config, attention_impl="xla")
+    boxed = jax.eval_shape(DecoderLM(traced).init, jax.random.key(0), tokens)["params"]
     is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),

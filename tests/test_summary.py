@@ -66,3 +66,11 @@ def test_abstract_params_inside_a_mesh_context():
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         leaves = jax.tree.leaves(abstract_params(m, sharding))
     assert all(leaf.dtype == jax.numpy.float32 and leaf.sharding == sharding for leaf in leaves)
+
+
+def test_counts_do_not_depend_on_the_attention_implementation():
+    """A GPU config summarized on a CPU machine: cudnn is not resolved for the parameter shapes."""
+    config = load_config(ROOT / "configs/tiny.yaml", ["model.dtype=bfloat16"])
+    cudnn = load_config(ROOT / "configs/tiny.yaml", ["model.dtype=bfloat16",
+                                                     "model.attention_impl=cudnn"])
+    assert summarize(cudnn) == summarize(config)

@@ -390,6 +390,7 @@ def test_overwrite_refuses_a_corpus_holding_what_prepare_does_not_write(tmp_path
     (["{tmp}/*.txt"], "data.paths: '{tmp}/*.txt' matches no file"),
     (["{src}", "--tokenizer", "bogus"], "data.tokenizer: cannot load tiktoken encoding 'bogus'"),
     (["{src}", "--text-field", "nope"], "prepare ['{src}']: no non-empty document"),
+    ([""], "data.paths: '' is empty; name a file, directory or glob"),  # not the working dir
 ])
 def test_a_failed_prepare_into_a_new_path_leaves_no_directory(tmp_path, capsys, args, error):
     src, out = _jsonl_source(tmp_path), tmp_path / "new" / "tokA"

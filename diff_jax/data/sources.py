@@ -51,6 +51,8 @@ def expand_paths(patterns: tuple[str, ...]) -> list[Path]:
         raise DataError("data.paths: empty; name at least one file, directory or glob")
     files: set[Path] = set()
     for pattern in patterns:
+        if not pattern.strip():  # Path("") is the working directory, which would be read whole
+            raise DataError(f"data.paths: {pattern!r} is empty; name a file, directory or glob")
         p = Path(pattern).expanduser()
         if any(c in pattern for c in "*?["):
             matches = [Path(m) for m in glob.glob(str(p), recursive=True)]

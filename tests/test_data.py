@@ -451,3 +451,13 @@ def test_jsonl_records_end_at_newlines_only(tmp_path):
     docs = file_documents((str(tmp_path / "a.jsonl"),), "text")
     assert list(docs.texts) == texts
     assert len(docs.skipped) == 1 and "a.jsonl:4: not JSON" in docs.skipped[0]
+
+
+def test_a_file_named_twice_is_one_document(tmp_path, monkeypatch):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("alpha")
+    (tmp_path / "d" / "b.txt").write_text("beta")
+    (tmp_path / "link.txt").symlink_to(tmp_path / "d" / "b.txt")
+    monkeypatch.chdir(tmp_path)
+    docs = file_documents(("d", str(tmp_path / "d" / "a.txt"), "d/../d/*.txt", "link.txt"), "text")
+    assert sorted(docs.texts) == ["alpha", "beta"]

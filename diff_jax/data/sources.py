@@ -46,10 +46,12 @@ def stdlib_documents() -> Documents:
 
 
 def expand_paths(patterns: tuple[str, ...]) -> list[Path]:
-    """Files named by paths, directories (searched recursively) and globs, sorted, deduplicated."""
+    """Files named by paths, directories (searched recursively) and globs, sorted, each file once
+    however many patterns name it and however they spell it (relative, absolute, `..`, a
+    symlink): a file read twice would be two documents, one possibly held out beside the other."""
     if not patterns:
         raise DataError("data.paths: empty; name at least one file, directory or glob")
-    files: set[Path] = set()
+    files: dict[Path, Path] = {}  # the real file -> the first spelling naming it
     for pattern in patterns:
         if not pattern.strip():  # Path("") is the working directory, which would be read whole
             raise DataError(f"data.paths: {pattern!r} is empty; name a file, directory or glob")
@@ -70,8 +72,8 @@ def expand_paths(patterns: tuple[str, ...]) -> list[Path]:
             if m.is_file():
                 if not _is_text(m):
                     raise DataError(f"data.paths: {m} is not one of {TEXT_SUFFIXES} (optionally .gz)")
-                files.add(m)
-    return sorted(files)
+                files.setdefault(m.resolve(), m)
+    return sorted(files.values())
 
 
 def file_documents(patterns: tuple[str, ...], text_field: str) -> Documents:

@@ -66,6 +66,7 @@ class ModelConfig:
             _require(getattr(self, name) > 0, f"model.{name}", "must be positive")
         _require(self.rope_theta > 0, "model.rope_theta", "must be positive")
         _require(self.norm_eps > 0, "model.norm_eps", "must be positive")
+        _require(self.init_std > 0, "model.init_std", "must be positive")
         kv = self.kv_heads
         _require(kv > 0, "model.num_kv_heads", "must be positive")
         _require(h % kv == 0, "model.num_kv_heads",
@@ -201,6 +202,7 @@ class OptimConfig:
         _require(0 <= self.min_lr <= self.lr, "optim.min_lr", "must be in [0, optim.lr]")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
         _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, "optim.b1/b2", "must be in [0, 1)")
+        _require(self.eps >= 0, "optim.eps", "must be >= 0")
         _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
         _require(self.clip_norm >= 0, "optim.clip_norm", "must be >= 0 (0 disables clipping)")
 
@@ -443,6 +445,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # YAML's .inf / .nan: no setting means them
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -68,6 +68,11 @@ def test_overrides_parse_yaml_values():
     (["data.mixture=stdlib:.inf,niah:1"], r"data\.mixture: 'stdlib:\.inf': expected SOURCE:WEIGHT "
                                           r".* WEIGHT a finite number > 0"),
     (["optim.min_lr=1.0"], r"optim\.min_lr"),
+    (["optim.lr=.inf"], r"optim\.lr: expected a finite number, got inf"),
+    (["optim.eps=.nan"], r"optim\.eps: expected a finite number, got nan"),
+    (["model.rope_theta=1e999"], r"model\.rope_theta: expected a finite number"),
+    (["optim.eps=-1e-8"], r"optim\.eps: must be >= 0"),
+    (["model.init_std=0"], r"model\.init_std: must be positive"),
     (["train.steps=30", "checkpoint.resume_step=30", "checkpoint.discard_later=true"],
      r"checkpoint\.resume_step: 30 with checkpoint\.discard_later=true must be below "
      r"train\.steps=30"),

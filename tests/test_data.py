@@ -461,3 +461,11 @@ def test_a_file_named_twice_is_one_document(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     docs = file_documents(("d", str(tmp_path / "d" / "a.txt"), "d/../d/*.txt", "link.txt"), "text")
     assert sorted(docs.texts) == ["alpha", "beta"]
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "first"}).encode()
+                                       + b"\n" + json.dumps({"text": "second"}).encode() + b"\n")
+    (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbfplain")
+    docs = file_documents((str(tmp_path),), "text")
+    assert sorted(docs.texts) == ["first", "plain", "second"] and docs.skipped == ()

@@ -99,7 +99,9 @@ def read_files(files: list[Path], text_field: str) -> tuple[list[str], list[str]
     for path in files:
         try:
             opener = gzip.open if path.name.endswith(".gz") else open
-            with opener(path, "rt", encoding="utf-8") as f:
+            # utf-8-sig: a leading byte-order mark (Windows editors write one) is not text, and
+            # would make a JSONL file's first record "not JSON"
+            with opener(path, "rt", encoding="utf-8-sig") as f:
                 raw = f.read()
         except (OSError, UnicodeDecodeError, EOFError) as e:
             skipped.append(f"{path}: unreadable ({type(e).__name__}: {e})")

@@ -469,3 +469,13 @@ def test_a_byte_order_mark_is_not_text(tmp_path):
     (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbfplain")
     docs = file_documents((str(tmp_path),), "text")
     assert sorted(docs.texts) == ["first", "plain", "second"] and docs.skipped == ()
+
+
+@pytest.mark.parametrize("meta", ["{}", "[]", '{"vocab_size": "100277"}', '{"vocab_size": 0}'])
+def test_a_meta_json_without_a_vocabulary_is_a_data_error(tmp_path, meta):
+    out = tmp_path / "tok"
+    prepare([_jsonl_source(tmp_path)], out)
+    (out / "meta.json").write_text(meta)  # a corpus written by hand, or another tool
+    with pytest.raises(DataError, match=r"meta\.json: expected a JSON object whose vocab_size is a "
+                       r"positive integer"):
+        load(out)

@@ -123,6 +123,10 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
     except (OSError, ValueError) as e:
         raise DataError(f"data.paths: {d} is not a prepared token corpus (python -m diff_jax.data "
                         f"prepare SRC... {d}): {type(e).__name__}: {e}") from e
+    vocab_size = meta.get("vocab_size") if isinstance(meta, dict) else None
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise DataError(f"{d / 'meta.json'}: expected a JSON object whose vocab_size is a positive "
+                        f"integer (the ids are below it), got {vocab_size!r}")
     prepared_with = meta.get("tokenizer")
     if (tokenizer is not None and isinstance(prepared_with, str) and prepared_with != tokenizer
             and is_encoding_name(prepared_with)):
@@ -136,8 +140,7 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
         if len(mask) != len(tokens):
             raise DataError(f"{d}: loss_mask.bin has {len(mask)} entries, tokens.bin "
                             f"{len(tokens)} tokens; they must match one to one")
-    return TokenCorpus(tokens, doc_starts, int(meta["vocab_size"]), tuple(meta.get("skipped", ())),
-                       mask)
+    return TokenCorpus(tokens, doc_starts, vocab_size, tuple(meta.get("skipped", ())), mask)
 
 
 def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",

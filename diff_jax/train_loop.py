@@ -180,6 +180,14 @@ def _global(local: data.Batch, sharding: NamedSharding) -> dict[str, jax.Array]:
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
 
+def _check_vocab_size(config: Config, data_vocab_size: int | None) -> None:
+    """A ConfigError unless the model's embedding has a row for every id of the data (None:
+    not known yet)."""
+    if data_vocab_size is not None and data_vocab_size > config.model.vocab_size:
+        raise ConfigError(f"model.vocab_size: {config.model.vocab_size} is smaller than the "
+                          f"data's vocabulary ({data_vocab_size} ids)")
+
+
 def run(config: Config) -> RunResult:
     """Train (or resume) `config` to `train.steps`."""
     initialize_distributed(config.distributed)
@@ -187,12 +195,11 @@ def run(config: Config) -> RunResult:
     main = jax.process_index() == 0
     progress = Progress(t.steps, main)
     progress.message(f"run directory: {Path(t.run_dir).resolve()}")
+    _check_vocab_size(config, data.known_vocab_size(config.data))  # before tokenizing anything
     steps = build_steps(config, make_mesh(config.mesh))
     inputs = data.build(config.data, t.seq_len, t.batch_size, t.eval_tokens if t.eval_every else 0,
                         t.seed, jax.process_index(), jax.process_count())
-    if inputs.corpus.vocab_size > config.model.vocab_size:
-        raise ConfigError(f"model.vocab_size: {config.model.vocab_size} is smaller than the "
-                          f"data's vocabulary ({inputs.corpus.vocab_size} ids)")
+    _check_vocab_size(config, inputs.corpus.vocab_size)
     if t.eval_every and config.data.validation_fraction == 0:
         progress.message(f"train.eval_every={t.eval_every}: no validation, since "
                          "data.validation_fraction=0 holds no documents out")

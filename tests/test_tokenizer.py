@@ -91,15 +91,24 @@ def test_hugging_face_export_of_the_small_vocabulary_encodes_the_same():
     assert hf.token_to_id("<|endoftext|>") == 4096
 
 
-def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path):
+def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path, monkeypatch):
     from diff_jax import train_loop
+    from diff_jax.data import prepare
 
     (tmp_path / "a.txt").write_text(sample_text())
     (tmp_path / "b.txt").write_text(TEXT)
-    config = load_config(None, [
-        "data.source=files", f"data.paths=[{tmp_path}/*.txt]", "data.tokenizer=cl100k_first_300",
-        "data.validation_fraction=0", "model.vocab_size=300", "model.embed_dim=16",
-        "model.num_layers=1", "model.num_heads=2", f"train.run_dir={tmp_path / 'run'}"])
+    small = ["data.tokenizer=cl100k_first_300", "data.validation_fraction=0", "model.vocab_size=300",
+             "model.embed_dim=16", "model.num_layers=1", "model.num_heads=2",
+             f"train.run_dir={tmp_path / 'run'}"]
+    # a tokens corpus: its meta.json's vocabulary, once loaded
+    prepare([str(tmp_path / "*.txt")], tmp_path / "tok", encoding_name="cl100k_first_300")
+    config = load_config(None, ["data.source=tokens", f"data.paths=[{tmp_path / 'tok'}]", *small])
+    with pytest.raises(ConfigError, match="model.vocab_size: 300 is smaller than the data's "
+                                          r"vocabulary \(301 ids\)"):
+        train_loop.run(config)
+    # text the tokenizer reads: refused before the data is read and tokenized (it may be large)
+    config = load_config(None, ["data.source=files", f"data.paths=[{tmp_path}/*.txt]", *small])
+    monkeypatch.setattr(train_loop.data, "build", lambda *a, **k: pytest.fail("data was read"))
     with pytest.raises(ConfigError, match="model.vocab_size: 300 is smaller than the data's "
                                           r"vocabulary \(301 ids\)"):
         train_loop.run(config)

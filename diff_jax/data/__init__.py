@@ -20,8 +20,9 @@ from diff_jax.data.tokenizer import encoding
 
 __all__ = [
     "Batch", "DataError", "Documents", "HeldOut", "InputData", "PackedRows", "TokenCorpus", "build",
-    "encoding", "file_documents", "held_out", "load", "load_corpus", "mixed_corpus", "niah_corpus",
-    "prepare", "split_corpus", "stdlib_documents", "tokenize", "train_iterator", "unigram_loss",
+    "encoding", "file_documents", "held_out", "known_vocab_size", "load", "load_corpus",
+    "mixed_corpus", "niah_corpus", "prepare", "split_corpus", "stdlib_documents", "tokenize",
+    "train_iterator", "unigram_loss",
 ]
 
 
@@ -34,6 +35,14 @@ def load_corpus(cfg: DataConfig, seed: int = 0) -> TokenCorpus:
     if cfg.source == "niah":
         return niah_corpus(cfg.tokenizer, seed, cfg.niah_tokens, cfg.niah_doc_tokens)
     return _source(cfg, cfg.source)
+
+
+def known_vocab_size(cfg: DataConfig) -> int | None:
+    """The vocabulary size of `load_corpus(cfg)`, known without reading any data: the
+    tokenizer's when every source is tokenized with it; None when a `tokens` corpus is read (its
+    meta.json holds its size)."""
+    sources = {name for name, _ in cfg.mixture_weights} if cfg.mixture is not None else {cfg.source}
+    return None if "tokens" in sources else encoding(cfg.tokenizer).n_vocab
 
 
 def _source(cfg: DataConfig, name: str) -> TokenCorpus:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from collections.abc import Hashable
@@ -296,6 +297,11 @@ class TrainConfig:
     init_from: str | None = None  # fine-tune: a fresh run's parameters from an export/run/step dir
 
     def __post_init__(self) -> None:
+        # `~` is the home directory, as eval.py and data.paths read it; the shell leaves a
+        # `train.run_dir=~/x` argument as it is, which used to train into a directory named `~`
+        for name in ("run_dir", "init_from"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, os.path.expanduser(getattr(self, name)))
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_tokens", "log_every"):
             _require(getattr(self, name) > 0, f"train.{name}", "must be positive")
         if self.eval_batches is not None:  # configs written before eval_tokens

@@ -158,3 +158,11 @@ def test_derived_sizes():
     assert m.resolved_head_dim == 128 and m.resolved_mlp_dim == 8192
     assert ModelConfig(variant="transformer", embed_dim=3072, num_heads=24).resolved_head_dim == 128
     assert ModelConfig(variant="diff_v2", embed_dim=256, num_heads=4, head_dim=48).resolved_head_dim == 48
+
+
+def test_a_home_relative_run_dir_is_expanded(monkeypatch, tmp_path):
+    # the shell does not expand `~` in `train.run_dir=~/x`; eval.py and data.paths do
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, ["train.run_dir=~/runs/a", "train.init_from=~/export"])
+    assert cfg.train.run_dir == str(tmp_path / "runs" / "a")
+    assert cfg.train.init_from == str(tmp_path / "export")

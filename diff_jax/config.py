@@ -535,7 +535,9 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read the config file: {type(e).__name__}: {e}") from e
-    data = _parse_yaml(text, str(path)) or {}
+    data = _parse_yaml(text, str(path))
+    if data is None:  # a truncated or unsaved file would otherwise train every default silently
+        raise ConfigError(f"{path}: the config file holds no settings (it is empty or all comments)")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     base = data.pop("base", None)
@@ -550,7 +552,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b=value` -> (["a", "b"], parsed YAML value)."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"override {text!r}: expected section.key=value")
+        hint = (" (a config file is given as --config FILE)"
+                if not sep and text.endswith((".yaml", ".yml")) else "")
+        raise ConfigError(f"override {text!r}: expected section.key=value{hint}")
     value = _parse_yaml(raw, f"override {text!r}: value") if raw.strip() else None
     return key.strip().split("."), value
 

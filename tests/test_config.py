@@ -116,6 +116,10 @@ def test_file_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"override 'train\.steps=\[': value: not valid YAML: "
                        r".* at line 1, column 2$"):
         load_config(None, ["train.steps=["])
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# model:\n#   embed_dim: 64\n")
+    with pytest.raises(ConfigError, match=r"empty\.yaml: the config file holds no settings"):
+        load_config(empty)
     loop = tmp_path / "loop.yaml"
     loop.write_text("base: loop.yaml\n")
     with pytest.raises(ConfigError, match="loops back"):

@@ -381,6 +381,9 @@ def test_overrides_may_come_before_and_after_config(capsys):
     assert train_main(["train.steps=1", "--config", str(ROOT / "configs" / "tiny.yaml"),
                        "model.nope=1"]) == 2
     assert _one_error_line(capsys).startswith("error: model.nope: unknown key")
+    assert train_main([str(ROOT / "configs" / "tiny.yaml")]) == 2  # the file without --config
+    assert _one_error_line(capsys).endswith("expected section.key=value (a config file is given "
+                                            "as --config FILE)")
 
 
 def test_help_shows_the_whole_docstring_and_a_directory_is_no_config(tmp_path, capsys, monkeypatch):

@@ -61,6 +61,9 @@ def test_unknown_or_out_of_range_names_are_clear_errors():
         encoding("cl100k_first_100")
     with pytest.raises(DataError, match="cl100k_first_N"):
         encoding("cl100k_first")
+    # one spelling per tokenizer: corpora and checkpoints compare tokenizers by name
+    with pytest.raises(DataError, match="cannot load tiktoken encoding 'cl100k_first_0256'"):
+        encoding("cl100k_first_0256")
     # tiktoken's own message spans lines (its plugins, its version): one line is kept, since
     # every command prints the error as one `error:` line
     with pytest.raises(DataError, match=r"cannot load tiktoken encoding 'bogus' offline "

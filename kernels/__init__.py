@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from kernels.decode import decode_attention
 from kernels.flash import MAX_HEAD_DIM, BlockSizes, flash_attention, supports_head_dim
 from kernels.hopper import target as gpu_target
-from kernels.reference import attention_mask, attention_reference, diff_attention_reference
+from kernels.reference import (attention_mask, attention_reference, check_layout,
+                               diff_attention_reference)
 
 __all__ = ["IMPLS", "MAX_HEAD_DIM", "BlockSizes", "Impl", "decode_attention", "diff_attention",
            "dot_product_attention", "four_call_diff_attention", "gpu_target", "supports_head_dim"]
@@ -80,6 +81,7 @@ def diff_attention(
     if impl == "pallas":
         return flash_attention(q, k, v, lam, num_components=2, segment_ids=segment_ids,
                                causal=causal, block_sizes=block_sizes, interpret=interpret)
+    check_layout(q, k, v, num_components=2, segment_ids=segment_ids)
     return four_call_diff_attention(q, k, v, lam, _cudnn_attend(segment_ids, causal))
 
 
@@ -97,8 +99,11 @@ def four_call_diff_attention(
     (component c, half j, head h) and kv heads (c, j, group g), so head (c, j, h) meets K_c of
     group h // n_rep and the j-th d-wide half of V: one call with 4H heads gives P_c·V_j.
     """
+    check_layout(q, k, v, num_components=2, lam=lam)
     b, t, two_h, d = q.shape
     s, hkv = k.shape[1], v.shape[2]
+    if v.shape[3] != 2 * d:
+        raise ValueError(f"v must be (B, S, Hkv, 2d) = {(b, s, hkv, 2 * d)}, got {v.shape}")
     h = two_h // 2
     qc = jnp.moveaxis(q.reshape(b, t, h, 2, d), 3, 2)  # (B, T, c, H, d)
     kc = jnp.moveaxis(k.reshape(b, s, hkv, 2, d), 3, 2)  # (B, S, c, Hkv, d)
@@ -160,5 +165,6 @@ def dot_product_attention(
     if impl == "pallas":
         return flash_attention(q, k, v, num_components=1, segment_ids=segment_ids, causal=causal,
                                block_sizes=block_sizes, interpret=interpret)
+    check_layout(q, k, v, num_components=1, segment_ids=segment_ids)
     return _cudnn_attend(segment_ids, causal)(q, k, v)
 

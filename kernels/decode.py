@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels.reference import check_layout
+
 NEG_INF = -1e30
 DEFAULT_CHUNK = 128
 
@@ -34,10 +36,15 @@ def decode_attention(
     length 0 outputs zeros.
     """
     nc = 1 if lam is None else 2
+    check_layout(q, k, v, num_components=nc, lam=lam)
     b, t, hq, d = q.shape
     s, hkv, dv = k.shape[1], v.shape[2], v.shape[3]
     if t != 1:
         raise ValueError(f"decode_attention takes one query per row, got T = {t}")
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must be (B,) = ({b},), got {lengths.shape}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be positive, got {chunk}")
     n_rep = hq // nc // hkv
     chunk = min(chunk, s)
     f32 = jnp.float32

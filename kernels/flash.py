@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels import flash_gpu, flash_mgpu, flash_tpu, hopper
+from kernels.reference import check_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,15 +247,11 @@ def flash_attention(
     kernel (see the module docstring for the default choice).
     """
     nc = num_components
-    b, t, hq, d = q.shape
-    s = k.shape[1]
     if nc not in (1, 2):
         raise ValueError(f"num_components must be 1 or 2, got {nc}")
-    if hq % nc or k.shape[2] % nc:
-        raise ValueError(f"q and k head counts must be multiples of {nc}: {q.shape}, {k.shape}")
-    h, hkv = hq // nc, k.shape[2] // nc
-    if k.shape != (b, s, hkv * nc, d) or v.shape[:3] != (b, s, hkv) or h % hkv:
-        raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    check_layout(q, k, v, num_components=nc, segment_ids=segment_ids,
+                 lam=None if nc == 1 else lam)
+    d = q.shape[3]
     if backend not in (None, "gpu", "mosaic_gpu", "tpu"):
         raise ValueError(f"backend must be None, 'gpu', 'mosaic_gpu' or 'tpu', got {backend!r}")
     if not supports_head_dim(d):
@@ -270,8 +267,6 @@ def flash_attention(
                          f"{jnp.dtype(q.dtype).name}, d={d}, dv={dv}")
     q_seg = kv_seg = None
     if segment_ids is not None:
-        if s != t:
-            raise ValueError("segment_ids need S == T")
         q_seg = kv_seg = segment_ids.astype(jnp.int32)
     lam = jnp.asarray(0.0 if lam is None else lam, jnp.float32)
     cfg = _Config(nc, bool(causal), block_sizes, interpret, backend)

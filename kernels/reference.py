@@ -40,6 +40,53 @@ def attention_mask(
     return mask
 
 
+def check_layout(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    num_components: int,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    lam: jax.Array | float | None = None,
+) -> None:
+    """One ValueError naming the argument whose shape breaks the layouts above, if one does.
+
+    With nc = `num_components` (2: differential, 1: standard): q (B, T, H·nc, d),
+    k (B, S, Hkv·nc, d), v (B, S, Hkv, dv) with Hkv dividing H; `segment_ids` (B, T) and
+    `kv_segment_ids` (B, S), S == T when only `segment_ids` is given; `lam` a scalar.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (batch, length, heads, width), got shape {x.shape}")
+    nc = num_components
+    b, t, hq, d = q.shape
+    s, hk = k.shape[1], k.shape[2]
+    if hq % nc or hk % nc:
+        raise ValueError(f"differential attention needs even q and k head counts (sub-heads 2h, "
+                         f"2h+1 are the two components), got q {q.shape}, k {k.shape}")
+    h, hkv = hq // nc, hk // nc
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k must be (B, S, kv heads, d) with q's B = {b} and d = {d}, "
+                         f"got {k.shape}")
+    if v.shape[:3] != (b, s, hkv):
+        raise ValueError(f"v must be (B, S, Hkv, dv) = ({b}, {s}, {hkv}, dv) to match q {q.shape} "
+                         f"and k {k.shape}, got {v.shape}")
+    if h % hkv:
+        raise ValueError(f"the query heads ({h}) must be a multiple of the kv heads ({hkv}): "
+                         f"q {q.shape}, k {k.shape}")
+    if segment_ids is not None:
+        if segment_ids.shape != (b, t):
+            raise ValueError(f"segment_ids must be (B, T) = {(b, t)}, got {segment_ids.shape}")
+        if kv_segment_ids is None and s != t:
+            raise ValueError(f"segment_ids (B, T) mask the keys too, so they need S == T; got "
+                             f"T = {t}, S = {s}")
+    if kv_segment_ids is not None and kv_segment_ids.shape != (b, s):
+        raise ValueError(f"kv_segment_ids must be (B, S) = {(b, s)}, got {kv_segment_ids.shape}")
+    if lam is not None and jnp.shape(lam) != ():
+        raise ValueError(f"lam must be a scalar, got shape {jnp.shape(lam)}")
+
+
 def _softmax(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
     """float32 softmax over the last axis; masked entries get probability 0 (all-masked rows: 0)."""
     scores = scores.astype(jnp.float32)
@@ -65,14 +112,6 @@ def quantize_logits(scores: jax.Array, mask: jax.Array | None, bits: int) -> jax
     return jnp.round(scores / scale) * scale
 
 
-def _grouped(q: jax.Array, num_kv: int) -> jax.Array:
-    """(B, T, Hq, d) -> (B, T, Hkv, Hq // Hkv, d): query heads grouped by the kv head they read."""
-    b, t, hq, d = q.shape
-    if hq % num_kv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({num_kv})")
-    return q.reshape(b, t, num_kv, hq // num_kv, d)
-
-
 def diff_attention_reference(
     q: jax.Array,
     k: jax.Array,
@@ -92,6 +131,8 @@ def diff_attention_reference(
     returns {"logits", "probs"}: (B, 2H, T, S) float32 in sub-head order (map 2h is A1 of head h,
     2h+1 its A2), and "mask" (broadcastable to (B, 1, T, S), or None).
     """
+    check_layout(q, k, v, num_components=2, segment_ids=segment_ids,
+                 kv_segment_ids=kv_segment_ids, lam=lam)
     b, t, two_h, d = q.shape
     _, s, two_hkv, _ = k.shape
     hkv = two_hkv // 2
@@ -143,9 +184,11 @@ def attention_reference(
     `kv_segment_ids`, `logit_bits` and `return_maps` as in `diff_attention_reference` (maps are
     (B, Hq, T, S)).
     """
+    check_layout(q, k, v, num_components=1, segment_ids=segment_ids,
+                 kv_segment_ids=kv_segment_ids)
     b, t, hq, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
-    qg = _grouped(q, hkv)  # (B, T, Hkv, R, d)
+    qg = q.reshape(b, t, hkv, hq // hkv, d)  # query heads grouped by the kv head they read
     scores = jnp.einsum(
         "btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32,
         precision=jax.lax.Precision.HIGHEST,

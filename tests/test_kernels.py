@@ -225,6 +225,43 @@ def test_public_api_pallas_on_cpu_and_oracle_only_options():
         kernels.diff_attention(q, k, v, 0.7, impl="pallas", return_maps=True, logit_bits=8)
 
 
+def _bad_layouts():
+    """(name, call(impl), message): inputs breaking the documented layouts, each on one argument."""
+    bf16 = jnp.bfloat16  # cudnn takes only half precision (and refuses the shapes before running)
+    q, k, v = (jnp.zeros((1, 5, 4, 16), bf16), jnp.zeros((1, 5, 2, 16), bf16),
+               jnp.zeros((1, 5, 1, 32), bf16))
+    seg = jnp.ones((1, 6), jnp.int32)
+    diff, std = kernels.diff_attention, kernels.dot_product_attention
+    return [
+        ("segment_ids one too long", lambda i: diff(q, k, v, 0.5, segment_ids=seg, impl=i),
+         r"segment_ids must be \(B, T\) = \(1, 5\), got \(1, 6\)"),
+        ("standard v heads", lambda i: std(q, k, k[:, :, :1], impl=i),
+         r"v must be \(B, S, Hkv, dv\) = \(1, 5, 2, dv\)"),
+        ("odd sub-heads", lambda i: diff(q[:, :, :3], k, v, 0.5, impl=i), "even q and k head counts"),
+        ("k width", lambda i: diff(q, jnp.zeros((1, 5, 2, 32), bf16), v, 0.5, impl=i),
+         r"k must be .* d = 16, got \(1, 5, 2, 32\)"),
+        ("lam a vector", lambda i: diff(q, k, v, jnp.ones(2), impl=i), r"lam must be a scalar"),
+        ("3-D q", lambda i: diff(q[0], k, v, 0.5, impl=i), r"q must be 4-D"),
+    ]
+
+
+@pytest.mark.parametrize("impl", kernels.IMPLS)
+@pytest.mark.parametrize("case", range(len(_bad_layouts())))
+def test_bad_layouts_are_one_error_naming_the_argument(impl, case):
+    """Shapes that break the layouts are one ValueError naming the argument and the expected
+    shape, on the oracle and the kernel alike (neither computes with them, nor fails deep in
+    a reshape or broadcast)."""
+    _, call, message = _bad_layouts()[case]
+    with pytest.raises(ValueError, match=message):
+        call(impl)
+
+
+def test_decode_attention_refuses_lengths_of_another_batch():
+    q, k, v = jnp.zeros((2, 1, 4, 16)), jnp.zeros((2, 8, 2, 16)), jnp.zeros((2, 8, 1, 32))
+    with pytest.raises(ValueError, match=r"lengths must be \(B,\) = \(2,\), got \(3,\)"):
+        kernels.decode_attention(q, k, v, 0.5, lengths=jnp.ones(3, jnp.int32))
+
+
 def test_four_call_composition_equals_the_oracle():
     """The cuDNN route's layout (4H heads of width d, GQA by head // n_rep), run here with
     jax.nn.dot_product_attention's xla implementation: equal to the oracle, gradients too."""

@@ -16,14 +16,16 @@ def rope_tables(positions: jax.Array, dim: int, theta: float) -> tuple[jax.Array
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x (B, T, N, dim) by tables (T, dim/2) or (B, T, dim/2); math in float32.
+    """Rotate x (B, T, N, dim) by tables (T, dim/2) or (B or 1, T, dim/2) (any other shape: a
+    ValueError); math in float32.
 
     out[2i] = x[2i]·cos_i − x[2i+1]·sin_i,  out[2i+1] = x[2i]·sin_i + x[2i+1]·cos_i.
     """
     b, t, n, dim = x.shape
-    if cos.shape[-1] * 2 != dim or sin.shape != cos.shape:
+    if dim % 2 or sin.shape != cos.shape or cos.shape not in ((t, dim // 2), (1, t, dim // 2), (b, t, dim // 2)):
         raise ValueError(
-            f"RoPE tables {cos.shape}/{sin.shape} do not fit head dim {dim} (need (..., {dim // 2}))"
+            f"RoPE tables {cos.shape}/{sin.shape} do not fit x {x.shape}: need (T, {dim // 2}) or "
+            f"(B or 1, T, {dim // 2}) with T = {t}, B = {b} (from `positions` (B, T), one per token)"
         )
     if cos.ndim == 2:
         cos, sin = cos[None], sin[None]

@@ -171,3 +171,17 @@ def test_quantize_logits_levels():
     s2 = jnp.asarray([[[[-0.9, 0.1, 0.9, 5.0]]]])
     masked = np.asarray(quantize_logits(s2, jnp.asarray([[[[True, True, True, False]]]]), 2))
     np.testing.assert_allclose(masked[..., :3], [[[[-0.9, 0.0, 0.9]]]], atol=1e-6)
+
+
+@pytest.mark.parametrize("positions_shape", [(B, 1), (1,), (B, T + 1)])
+def test_positions_that_do_not_cover_every_token_are_refused(positions_shape):
+    """`positions` must give every token its own position ((B, T), or (T,) for all rows): a
+    (B, 1) or (1,) array used to broadcast one position over the whole row (silently wrong
+    RoPE); longer or wider ones failed deep in a broadcast. Both are one error naming them."""
+    cfg = ModelConfig(variant="diff", embed_dim=E, num_heads=4)
+    module = variants.spec(cfg.variant).module(cfg, depth=0)
+    x = jnp.ones((B, T, E))
+    variables = module.init(jax.random.key(0), x)
+    chex.assert_shape(module.apply(variables, x, positions=jnp.arange(T)), (B, T, E))
+    with pytest.raises(ValueError, match=r"do not fit x \(2, 12, 8, 8\).*from `positions` \(B, T\)"):
+        module.apply(variables, x, positions=jnp.zeros(positions_shape, jnp.int32))

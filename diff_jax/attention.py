@@ -106,7 +106,8 @@ def _kv_cache(
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Write k, v (B, T, ...) into the module's cache at `positions[:, 0]` (per row).
 
-    The cache length is the length of the `init` call's input. A call with T > 1 is a prefill
+    The cache's rows and length are those of the `init` call's input (B, S); a call with other
+    rows or T > S is a ValueError. A call with T > 1 is a prefill
     from position 0: it attends within its own tokens. A call with T == 1 attends over the cache
     up to and including each row's position: returns the cache and the (B,) filled lengths
     (position + 1).
@@ -116,6 +117,10 @@ def _kv_cache(
     cache_v = module.variable("cache", "v", jnp.zeros, v.shape, v.dtype)
     if module.is_initializing():
         return k, v, None
+    capacity = cache_k.value.shape[:2]
+    if b != capacity[0] or t > capacity[1]:
+        raise ValueError(f"the KV cache holds {capacity[0]} rows of {capacity[1]} positions (the "
+                         f"input `init` was called with); this call has {b} rows of {t} tokens")
     if positions is None:
         raise ValueError("decoding needs explicit positions (B, T)")
     start = positions[:, 0].astype(jnp.int32)

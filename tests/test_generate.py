@@ -163,3 +163,16 @@ def test_top_k_above_the_vocabulary_is_refused_naming_it():
     assert (generate(cfg, params, [[3, 4]], max_new_tokens=4, sampling=every, seed=1)
             == generate(cfg, params, [[3, 4]], max_new_tokens=4,
                         sampling=SamplingConfig(temperature=1.0), seed=1))
+
+
+@pytest.mark.parametrize("rows,tokens", [(2, 9), (3, 4)])
+def test_calls_that_do_not_fit_the_kv_cache_are_refused(rows, tokens):
+    """The cache is as long and as wide as the `init` input (2 rows of 8 here): a longer prefill
+    or another batch is one error naming both shapes, not a dynamic_update_slice bounds error."""
+    cfg, params = _setup("diff")
+    model = DecoderLM(cfg, decode=True)
+    cache = model.init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["cache"]
+    with pytest.raises(ValueError, match=rf"KV cache holds 2 rows of 8 positions .* this call "
+                                         rf"has {rows} rows of {tokens} tokens"):
+        model.apply({"params": params, "cache": cache}, jnp.ones((rows, tokens), jnp.int32),
+                    mutable=["cache"])

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Any
 
 import jax
@@ -45,7 +46,9 @@ class BlockSizes:
 
     The Triton and TPU kernels read the first eight fields; the Mosaic GPU kernel reads only
     `mosaic_gpu` (its own `flash_mgpu.Tiles`; None: the row of kernels/tuning/mosaic_gpu.json),
-    so one BlockSizes serves every platform a call may be lowered for.
+    so one BlockSizes serves every platform a call may be lowered for. Sizes are positive ints
+    (else a ValueError naming the field); the Triton kernels round a tile down to a power of two
+    (at least 16), the TPU kernels up to a multiple of 128, both to at most the padded length.
     """
 
     block_q: int | None = None
@@ -57,6 +60,13 @@ class BlockSizes:
     num_warps_bwd: int | None = None
     num_stages_bwd: int | None = None
     mosaic_gpu: flash_mgpu.Tiles | None = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "mosaic_gpu" and value is not None and (
+                    not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"BlockSizes.{f.name} must be a positive int or None, got {value!r}")
 
 
 MAX_HEAD_DIM, MAX_VALUE_DIM = 256, 512

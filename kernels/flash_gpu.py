@@ -47,8 +47,9 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _tile(requested: int, n: int) -> int:
-    """Power-of-two tile ≤ requested, no larger than n rounded up to a power of two, ≥ 16."""
-    return max(16, min(requested, pl.next_power_of_2(n)))
+    """Power-of-two tile ≤ requested (rounded down), no larger than n rounded up to a power of
+    two, ≥ 16."""
+    return max(16, min(1 << (requested.bit_length() - 1), pl.next_power_of_2(n)))
 
 
 def lanes(n: int) -> int:

@@ -309,9 +309,10 @@ def test_standard_attention_pallas_and_dispatch():
         kernels.dot_product_attention(q, k, v, impl="cudnn")
 
 
-def _fwd_bwd(impl):
+def _fwd_bwd(impl, block_sizes=None):
     def loss(q, k, v, lam, seg):
-        out = kernels.diff_attention(q, k, v, lam, segment_ids=seg, impl=impl)
+        out = kernels.diff_attention(q, k, v, lam, segment_ids=seg, impl=impl,
+                                     block_sizes=block_sizes)
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
@@ -336,6 +337,19 @@ def test_cuda_export_lowers_triton_kernels():
     text = exp.mlir_module()
     assert text.count(TRITON) == 3  # forward, dK/dV, dQ
     assert "tpu_custom_call" not in text
+
+
+def test_block_sizes_are_positive_and_triton_tiles_round_down_to_powers_of_two():
+    """Triton loads only power-of-two tiles: a request of 48 rows runs as 32 (the kernels' tile
+    rule), so the cuda lowering takes it instead of failing on a (48, 64) array; a size that is
+    not a positive int is one error naming the field."""
+    with pytest.raises(ValueError, match="BlockSizes.block_k must be a positive int or None, got 0"):
+        BlockSizes(block_k=0)
+    with kernels.gpu_target("8.0"):
+        exp = export.export(_fwd_bwd("pallas", BlockSizes(48, 48, 48, 48)), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(
+            *_abstract(t=100))
+    assert exp.mlir_module().count(TRITON) == 3
 
 
 @pytest.mark.parametrize("d", [96, 128])

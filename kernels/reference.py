@@ -137,7 +137,7 @@ def diff_attention_reference(
     _, s, two_hkv, _ = k.shape
     hkv = two_hkv // 2
     if v.shape != (b, s, hkv, 2 * d):
-        raise ValueError(f"v must have shape {(b, s, hkv, 2 * d)}, got {v.shape}")
+        raise ValueError(f"v must be (B, S, Hkv, 2d) = {(b, s, hkv, 2 * d)}, got {v.shape}")
     h = two_h // 2
     n_rep = h // hkv
     scale = d**-0.5

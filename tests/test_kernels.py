@@ -256,6 +256,15 @@ def test_bad_layouts_are_one_error_naming_the_argument(impl, case):
         call(impl)
 
 
+@pytest.mark.parametrize("impl", ["xla", "cudnn"])
+def test_differential_values_must_be_2d_wide_where_the_halves_are_split(impl):
+    """The oracle and the cuDNN composition split V into its two d-wide halves: a V of another
+    width is one error giving the shape expected (the fused kernel takes any dv)."""
+    q, k = jnp.zeros((1, 5, 4, 16), jnp.bfloat16), jnp.zeros((1, 5, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"v must be \(B, S, Hkv, 2d\) = \(1, 5, 1, 32\)"):
+        kernels.diff_attention(q, k, jnp.zeros((1, 5, 1, 16), jnp.bfloat16), 0.5, impl=impl)
+
+
 def test_decode_attention_refuses_lengths_of_another_batch():
     q, k, v = jnp.zeros((2, 1, 4, 16)), jnp.zeros((2, 8, 2, 16)), jnp.zeros((2, 8, 1, 32))
     with pytest.raises(ValueError, match=r"lengths must be \(B,\) = \(2,\), got \(3,\)"):

@@ -73,6 +73,9 @@ class ModelConfig:
         _require(h % kv == 0, "model.num_kv_heads",
                  f"num_heads ({h}) must be divisible by num_kv_heads ({kv})")
         spec = self._variant_spec
+        for name, tp in typing.get_type_hints(ModelConfig).items():  # dtype, remat, ... built
+            if typing.get_origin(tp) is Literal:  # in Python, where no YAML coercion ran
+                coerce(getattr(self, name), tp, f"model.{name}")
         n = spec.sub_heads * h
         heads = f"{spec.sub_heads}·num_heads" if spec.sub_heads > 1 else "num_heads"
         if spec.fixed_head_dim:

@@ -170,3 +170,14 @@ def test_a_home_relative_run_dir_is_expanded(monkeypatch, tmp_path):
     cfg = load_config(None, ["train.run_dir=~/runs/a", "train.init_from=~/export"])
     assert cfg.train.run_dir == str(tmp_path / "runs" / "a")
     assert cfg.train.init_from == str(tmp_path / "export")
+
+
+@pytest.mark.parametrize("field,value", [("dtype", "float16"), ("gqa_pairing", "Naive"),
+                                         ("remat", "some"), ("output_init", "xavier"),
+                                         ("attention_impl", "triton")])
+def test_model_config_built_in_python_checks_its_choices(field, value):
+    """A ModelConfig made in Python (the library API, hf_import) refuses a value outside a
+    field's choices as the YAML path does, instead of running e.g. gqa_pairing="Naive" as flash
+    or output_init="xavier" as normal."""
+    with pytest.raises(ConfigError, match=rf"model\.{field}: must be one of \[.*\], got '{value}'"):
+        ModelConfig(**{field: value})

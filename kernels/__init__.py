@@ -74,6 +74,9 @@ def diff_attention(
     """
     _check(impl, q, oracle_only={"kv_segment_ids": kv_segment_ids, "logit_bits": logit_bits,
                                  "return_maps": return_maps})
+    if lam is None:
+        raise ValueError("diff_attention needs lam (λ), a float32 scalar; standard attention is "
+                         "dot_product_attention")
     if impl == "xla":
         return diff_attention_reference(q, k, v, lam, segment_ids=segment_ids,
                                         kv_segment_ids=kv_segment_ids, causal=causal,

@@ -251,16 +251,18 @@ def flash_attention(
     """Fused attention with `num_components` softmaxes (2: differential, 1: standard).
 
     q (B, T, H·nc, d), k (B, S, Hkv·nc, d), v (B, S, Hkv, dv) -> (B, T, H, dv), d a multiple of
-    16 in [16, 256], dv a multiple of 16 up to 512. `lam` (scalar, nc = 2 only) is
-    differentiable. `segment_ids` (B, T) requires S == T. `interpret=None` interprets on
-    platforms without a kernel (CPU); `backend` forces the "gpu" (Triton), "mosaic_gpu" or "tpu"
-    kernel (see the module docstring for the default choice).
+    16 in [16, 256], dv a multiple of 16 up to 512. `lam`, a scalar, is required with nc = 2
+    (None with nc = 1) and differentiable. `segment_ids` (B, T) requires S == T.
+    `interpret=None` interprets on platforms without a kernel (CPU); `backend` forces the "gpu"
+    (Triton), "mosaic_gpu" or "tpu" kernel (see the module docstring for the default choice).
     """
     nc = num_components
     if nc not in (1, 2):
         raise ValueError(f"num_components must be 1 or 2, got {nc}")
-    check_layout(q, k, v, num_components=nc, segment_ids=segment_ids,
-                 lam=None if nc == 1 else lam)
+    if (lam is None) != (nc == 1):
+        raise ValueError(f"lam (λ) is required with num_components=2 and taken only then; got "
+                         f"num_components={nc}, lam={'None' if lam is None else 'given'}")
+    check_layout(q, k, v, num_components=nc, segment_ids=segment_ids, lam=lam)
     d = q.shape[3]
     if backend not in (None, "gpu", "mosaic_gpu", "tpu"):
         raise ValueError(f"backend must be None, 'gpu', 'mosaic_gpu' or 'tpu', got {backend!r}")
@@ -278,6 +280,6 @@ def flash_attention(
     q_seg = kv_seg = None
     if segment_ids is not None:
         q_seg = kv_seg = segment_ids.astype(jnp.int32)
-    lam = jnp.asarray(0.0 if lam is None else lam, jnp.float32)
+    lam = jnp.asarray(0.0 if lam is None else lam, jnp.float32)  # nc = 1: unused
     cfg = _Config(nc, bool(causal), block_sizes, interpret, backend)
     return _flash(cfg, q, k, v, lam, q_seg, kv_seg)

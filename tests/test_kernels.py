@@ -265,6 +265,19 @@ def test_differential_values_must_be_2d_wide_where_the_halves_are_split(impl):
         kernels.diff_attention(q, k, jnp.zeros((1, 5, 1, 16), jnp.bfloat16), 0.5, impl=impl)
 
 
+def test_lambda_is_required_exactly_for_differential_attention():
+    """Leaving λ out of differential attention used to run the kernel with λ = 0 (A1·V alone)
+    and fail in jnp.asarray(None) on the oracle; passing one to standard attention ignored it."""
+    q, k, v = jnp.zeros((1, 5, 4, 16)), jnp.zeros((1, 5, 2, 16)), jnp.zeros((1, 5, 1, 32))
+    for impl in ("xla", "pallas"):
+        with pytest.raises(ValueError, match=r"diff_attention needs lam"):
+            kernels.diff_attention(q, k, v, None, impl=impl)
+    with pytest.raises(ValueError, match=r"required with num_components=2 .* lam=None"):
+        flash_attention(q, k, v, num_components=2)
+    with pytest.raises(ValueError, match=r"num_components=1, lam=given"):
+        flash_attention(q, k, k, 0.5, num_components=1)
+
+
 def test_decode_attention_refuses_lengths_of_another_batch():
     q, k, v = jnp.zeros((2, 1, 4, 16)), jnp.zeros((2, 8, 2, 16)), jnp.zeros((2, 8, 1, 32))
     with pytest.raises(ValueError, match=r"lengths must be \(B,\) = \(2,\), got \(3,\)"):

@@ -278,6 +278,24 @@ def test_lambda_is_required_exactly_for_differential_attention():
         flash_attention(q, k, k, 0.5, num_components=1)
 
 
+@pytest.mark.parametrize("b,t,s", [(0, 5, 5), (1, 0, 0), (1, 3, 0)])
+def test_empty_batches_and_sequences_match_the_oracle(b, t, s):
+    """No rows, queries or keys: the kernel returns the oracle's (empty or zero) output and zero
+    gradients instead of failing on a tile slice larger than the array."""
+    q, k, v = jnp.ones((b, t, 4, 16)), jnp.ones((b, s, 2, 16)), jnp.ones((b, s, 1, 32))
+
+    def loss(impl):
+        return lambda q, k, v, lam: jnp.sum(kernels.diff_attention(q, k, v, lam, impl=impl,
+                                                                   causal=False) ** 2)
+
+    out = kernels.diff_attention(q, k, v, 0.5, impl="pallas", causal=False)
+    np.testing.assert_array_equal(out, kernels.diff_attention(q, k, v, 0.5, impl="xla",
+                                                              causal=False))
+    grads = jax.grad(loss("pallas"), argnums=(0, 1, 2, 3))(q, k, v, 0.5)
+    for g, r in zip(grads, jax.grad(loss("xla"), argnums=(0, 1, 2, 3))(q, k, v, 0.5)):
+        np.testing.assert_array_equal(g, r)
+
+
 def test_decode_attention_refuses_lengths_of_another_batch():
     q, k, v = jnp.zeros((2, 1, 4, 16)), jnp.zeros((2, 8, 2, 16)), jnp.zeros((2, 8, 1, 32))
     with pytest.raises(ValueError, match=r"lengths must be \(B,\) = \(2,\), got \(3,\)"):

@@ -54,7 +54,8 @@ def check_layout(
 
     With nc = `num_components` (2: differential, 1: standard): q (B, T, H·nc, d),
     k (B, S, Hkv·nc, d), v (B, S, Hkv, dv) with Hkv dividing H; `segment_ids` (B, T) and
-    `kv_segment_ids` (B, S), S == T when only `segment_ids` is given; `lam` a scalar.
+    `kv_segment_ids` (B, S) (only with `segment_ids`), S == T when only `segment_ids` is given;
+    `lam` a scalar.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
@@ -81,8 +82,13 @@ def check_layout(
         if kv_segment_ids is None and s != t:
             raise ValueError(f"segment_ids (B, T) mask the keys too, so they need S == T; got "
                              f"T = {t}, S = {s}")
-    if kv_segment_ids is not None and kv_segment_ids.shape != (b, s):
-        raise ValueError(f"kv_segment_ids must be (B, S) = {(b, s)}, got {kv_segment_ids.shape}")
+    if kv_segment_ids is not None:
+        if segment_ids is None:
+            raise ValueError("kv_segment_ids need the queries' segment_ids (B, T) too: without "
+                             "them no segment mask is applied")
+        if kv_segment_ids.shape != (b, s):
+            raise ValueError(f"kv_segment_ids must be (B, S) = {(b, s)}, got "
+                             f"{kv_segment_ids.shape}")
     if lam is not None and jnp.shape(lam) != ():
         raise ValueError(f"lam must be a scalar, got shape {jnp.shape(lam)}")
 

@@ -296,6 +296,18 @@ def test_empty_batches_and_sequences_match_the_oracle(b, t, s):
         np.testing.assert_array_equal(g, r)
 
 
+def test_key_segments_alone_are_refused_not_ignored():
+    """The oracle's key segments mask only together with the queries' segment_ids; given alone
+    they used to be dropped silently (every key visible)."""
+    q, k, v = jnp.zeros((1, 1, 4, 16)), jnp.zeros((1, 6, 2, 16)), jnp.zeros((1, 6, 1, 32))
+    visible = jnp.asarray([[1, 1, 0, 0, 0, 0]], jnp.int32)
+    with pytest.raises(ValueError, match=r"kv_segment_ids need the queries' segment_ids"):
+        kernels.diff_attention(q, k, v, 0.5, kv_segment_ids=visible, causal=False, impl="xla")
+    with pytest.raises(ValueError, match=r"kv_segment_ids need the queries' segment_ids"):
+        kernels.dot_product_attention(q, k[:, :, :1], v[..., :16], kv_segment_ids=visible,
+                                      causal=False)
+
+
 def test_decode_attention_refuses_lengths_of_another_batch():
     q, k, v = jnp.zeros((2, 1, 4, 16)), jnp.zeros((2, 8, 2, 16)), jnp.zeros((2, 8, 1, 32))
     with pytest.raises(ValueError, match=r"lengths must be \(B,\) = \(2,\), got \(3,\)"):

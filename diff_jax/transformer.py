@@ -70,6 +70,9 @@ class DecoderLM(nn.Module):
         """tokens (B, T) int32 -> logits (B, T, vocab) float32 (see the class docstring)."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be (B, T) integer ids, got {tokens.dtype} of shape "
+                             f"{tokens.shape}")
         b, t = tokens.shape
         embedding = self.param(
             "embed",

@@ -109,3 +109,11 @@ def test_layer_lambdas():
         np.testing.assert_allclose(lams[i], want, rtol=1e-6)
     with pytest.raises(ValueError, match="variant diff only"):
         layer_lambdas(params, _cfg("transformer"))
+
+
+@pytest.mark.parametrize("tokens", [jnp.zeros((T,), jnp.int32), jnp.zeros((2, T), jnp.float32)])
+def test_tokens_that_are_not_a_batch_of_ids_are_refused(tokens):
+    """One error naming `tokens` and what they must be, not a bare unpacking or gather error."""
+    model, variables, _ = _init(_cfg("diff", num_layers=1))
+    with pytest.raises(ValueError, match=r"tokens must be \(B, T\) integer ids, got "):
+        model.apply(variables, tokens)

@@ -22,7 +22,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     out[2i] = x[2i]·cos_i − x[2i+1]·sin_i,  out[2i+1] = x[2i]·sin_i + x[2i+1]·cos_i.
     """
     b, t, n, dim = x.shape
-    if dim % 2 or sin.shape != cos.shape or cos.shape not in ((t, dim // 2), (1, t, dim // 2), (b, t, dim // 2)):
+    fits = ((t, dim // 2), (1, t, dim // 2), (b, t, dim // 2))
+    if dim % 2 or sin.shape != cos.shape or cos.shape not in fits:
         raise ValueError(
             f"RoPE tables {cos.shape}/{sin.shape} do not fit x {x.shape}: need (T, {dim // 2}) or "
             f"(B or 1, T, {dim // 2}) with T = {t}, B = {b} (from `positions` (B, T), one per token)"

@@ -77,6 +77,8 @@ def diff_attention(
     if lam is None:
         raise ValueError("diff_attention needs lam (λ), a float32 scalar; standard attention is "
                          "dot_product_attention")
+    check_layout(q, k, v, num_components=2, segment_ids=segment_ids,
+                 kv_segment_ids=kv_segment_ids, lam=lam, double_width_values=True)
     if impl == "xla":
         return diff_attention_reference(q, k, v, lam, segment_ids=segment_ids,
                                         kv_segment_ids=kv_segment_ids, causal=causal,
@@ -84,7 +86,6 @@ def diff_attention(
     if impl == "pallas":
         return flash_attention(q, k, v, lam, num_components=2, segment_ids=segment_ids,
                                causal=causal, block_sizes=block_sizes, interpret=interpret)
-    check_layout(q, k, v, num_components=2, segment_ids=segment_ids)
     return four_call_diff_attention(q, k, v, lam, _cudnn_attend(segment_ids, causal))
 
 
@@ -102,11 +103,9 @@ def four_call_diff_attention(
     (component c, half j, head h) and kv heads (c, j, group g), so head (c, j, h) meets K_c of
     group h // n_rep and the j-th d-wide half of V: one call with 4H heads gives P_c·V_j.
     """
-    check_layout(q, k, v, num_components=2, lam=lam)
+    check_layout(q, k, v, num_components=2, lam=lam, double_width_values=True)
     b, t, two_h, d = q.shape
     s, hkv = k.shape[1], v.shape[2]
-    if v.shape[3] != 2 * d:
-        raise ValueError(f"v must be (B, S, Hkv, 2d) = {(b, s, hkv, 2 * d)}, got {v.shape}")
     h = two_h // 2
     qc = jnp.moveaxis(q.reshape(b, t, h, 2, d), 3, 2)  # (B, T, c, H, d)
     kc = jnp.moveaxis(k.reshape(b, s, hkv, 2, d), 3, 2)  # (B, S, c, Hkv, d)

@@ -49,13 +49,14 @@ def check_layout(
     segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     lam: jax.Array | float | None = None,
+    double_width_values: bool = False,
 ) -> None:
     """One ValueError naming the argument whose shape breaks the layouts above, if one does.
 
     With nc = `num_components` (2: differential, 1: standard): q (B, T, H·nc, d),
-    k (B, S, Hkv·nc, d), v (B, S, Hkv, dv) with Hkv dividing H; `segment_ids` (B, T) and
-    `kv_segment_ids` (B, S) (only with `segment_ids`), S == T when only `segment_ids` is given;
-    `lam` a scalar.
+    k (B, S, Hkv·nc, d), v (B, S, Hkv, dv) with Hkv dividing H, and dv = 2d if
+    `double_width_values` (a DIFF head's value); `segment_ids` (B, T) and `kv_segment_ids` (B, S)
+    (only with `segment_ids`), S == T when only `segment_ids` is given; `lam` a scalar.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
@@ -73,6 +74,8 @@ def check_layout(
     if v.shape[:3] != (b, s, hkv):
         raise ValueError(f"v must be (B, S, Hkv, dv) = ({b}, {s}, {hkv}, dv) to match q {q.shape} "
                          f"and k {k.shape}, got {v.shape}")
+    if double_width_values and v.shape[3] != 2 * d:
+        raise ValueError(f"v must be (B, S, Hkv, 2d) = {(b, s, hkv, 2 * d)}, got {v.shape}")
     if h % hkv:
         raise ValueError(f"the query heads ({h}) must be a multiple of the kv heads ({hkv}): "
                          f"q {q.shape}, k {k.shape}")
@@ -138,12 +141,10 @@ def diff_attention_reference(
     2h+1 its A2), and "mask" (broadcastable to (B, 1, T, S), or None).
     """
     check_layout(q, k, v, num_components=2, segment_ids=segment_ids,
-                 kv_segment_ids=kv_segment_ids, lam=lam)
+                 kv_segment_ids=kv_segment_ids, lam=lam, double_width_values=True)
     b, t, two_h, d = q.shape
     _, s, two_hkv, _ = k.shape
     hkv = two_hkv // 2
-    if v.shape != (b, s, hkv, 2 * d):
-        raise ValueError(f"v must be (B, S, Hkv, 2d) = {(b, s, hkv, 2 * d)}, got {v.shape}")
     h = two_h // 2
     n_rep = h // hkv
     scale = d**-0.5

@@ -256,10 +256,11 @@ def test_bad_layouts_are_one_error_naming_the_argument(impl, case):
         call(impl)
 
 
-@pytest.mark.parametrize("impl", ["xla", "cudnn"])
+@pytest.mark.parametrize("impl", ["xla", "cudnn", "pallas"])
 def test_differential_values_must_be_2d_wide_where_the_halves_are_split(impl):
-    """The oracle and the cuDNN composition split V into its two d-wide halves: a V of another
-    width is one error giving the shape expected (the fused kernel takes any dv)."""
+    """A DIFF head's value is 2d wide on every impl (the oracle and the cuDNN composition split
+    it into its two d-wide halves): a V of another width is one error giving the shape expected
+    (the fused kernel underneath, `flash_attention`, takes any dv)."""
     q, k = jnp.zeros((1, 5, 4, 16), jnp.bfloat16), jnp.zeros((1, 5, 2, 16), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"v must be \(B, S, Hkv, 2d\) = \(1, 5, 1, 32\)"):
         kernels.diff_attention(q, k, jnp.zeros((1, 5, 1, 16), jnp.bfloat16), 0.5, impl=impl)

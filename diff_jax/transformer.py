@@ -53,6 +53,9 @@ class DecoderLM(nn.Module):
     layer keeps a KV cache in the `cache` collection (see `diff_jax.generate`). `attention_op`
     (`AttentionOp.build(config, mesh, rules)`; None: built from `config` on the context mesh)
     is the one attention call of every layer.
+
+    Token ids must lie in [0, vocab_size); under jit they cannot be checked: an id ≥ vocab_size
+    embeds as NaN (every logit of its row becomes NaN), a negative id wraps around.
     """
 
     config: ModelConfig
@@ -107,11 +110,12 @@ class DecoderLM(nn.Module):
 
 
 def layer_lambdas(params: dict, config: ModelConfig) -> jax.Array:
-    """λ of every layer (num_layers,) float32, from an (unboxed) parameter tree, for a variant
-    whose λ is a layer scalar (`Variant.differential_op`: DIFF V1)."""
+    """λ of every layer (num_layers,) float32, from a parameter tree (`init`'s, boxed with its
+    logical axis names, or unboxed; with or without its "params" key), for a variant whose λ is
+    a layer scalar (`Variant.differential_op`: DIFF V1)."""
     if not variants.spec(config.variant).differential_op:
         raise ValueError(f"per-layer λ exists for variant diff only, not {config.variant!r}")
-    params = params.get("params", params)
+    params = nn.meta.unbox(params.get("params", params))
     return jnp.stack([
         diff_lambda(*(params[f"layers_{i}"]["attn"][n] for n in LAMBDA_VECTORS), i)
         for i in range(config.num_layers)

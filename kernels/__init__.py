@@ -64,7 +64,7 @@ def diff_attention(
     kv_segment_ids: jax.Array | None = None,
     logit_bits: int | None = None,
     return_maps: bool = False,
-):
+) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
     """Differential attention, (B, T, H, 2d); see `kernels.reference` for layouts and masks.
 
     q (B, T, 2H, d), k (B, S, 2Hkv, d), v (B, S, Hkv, 2d), lam a float32 scalar, segment_ids
@@ -153,7 +153,7 @@ def dot_product_attention(
     kv_segment_ids: jax.Array | None = None,
     logit_bits: int | None = None,
     return_maps: bool = False,
-):
+) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
     """Standard GQA softmax attention, q (B, T, Hq, d), k/v (B, S, Hkv, d) -> (B, T, Hq, d).
 
     impl: "xla" (oracle), "pallas" (the fused flash kernel with one softmax), "cudnn" (GPU,

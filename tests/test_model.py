@@ -107,6 +107,8 @@ def test_layer_lambdas():
         want = (np.exp(a["lambda_q1"] @ a["lambda_k1"]) - np.exp(a["lambda_q2"] @ a["lambda_k2"])
                 + 0.8 - 0.6 * np.exp(-0.3 * i))
         np.testing.assert_allclose(lams[i], want, rtol=1e-6)
+    # init's own output (boxed with logical axis names, under "params") gives the same λ
+    np.testing.assert_array_equal(np.asarray(layer_lambdas(variables, cfg)), lams)
     with pytest.raises(ValueError, match="variant diff only"):
         layer_lambdas(params, _cfg("transformer"))
 

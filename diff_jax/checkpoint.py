@@ -237,8 +237,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     (ShapeDtypeStructs) and verify its checksums; sets `data_iter`'s state.
     `DamagedCheckpointError` when it cannot be read or does not verify."""
     where = Path(mngr.directory) / str(step)
-    with _read_errors(step, where):
-        metadata = mngr.item_metadata(step)["state"]
+    metadata = _state_metadata(mngr, step, where)
     try:
         check_shapes(tree_shapes(metadata["params"]), tree_shapes(target.params), "checkpoint ")
         check_optimizer_state(metadata["opt_state"], target.opt_state, step)
@@ -392,8 +391,7 @@ def restore_inference(run_dir: str | Path, step: int | None,
         with _read_errors(step, where, hint):
             saved = mngr.restore(step, args=ocp.args.Composite(**items))
         target = make_target(saved["config"])
-        with _read_errors(step, where, hint):
-            metadata = mngr.item_metadata(step)["state"]["params"]
+        metadata = _state_metadata(mngr, step, where, hint)["params"]
         check_shapes(tree_shapes(metadata), tree_shapes(target), "checkpoint ")
         restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
         with _read_errors(step, where, hint):
@@ -407,6 +405,19 @@ def restore_inference(run_dir: str | Path, step: int | None,
             except DamagedCheckpointError as e:
                 raise DamagedCheckpointError(step, f"{e}{hint}") from None
     return step, saved["config"], state["state"]["params"]
+
+
+def _state_metadata(mngr: ocp.CheckpointManager, step: int, where: Path, hint: str = "") -> Any:
+    """The orbax metadata (array shapes and dtypes) of the `state` item of `step` (at `where`);
+    `DamagedCheckpointError` naming `state/_METADATA` when it cannot be read: orbax answers None
+    for an item whose metadata file is missing instead of raising."""
+    with _read_errors(step, where, hint):
+        metadata = mngr.item_metadata(step)["state"]
+    if metadata is None:
+        raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: cannot read "
+                                           f"{where / 'state' / '_METADATA'} (missing or "
+                                           f"unreadable: it lists the saved arrays){hint}")
+    return metadata
 
 
 @contextlib.contextmanager

@@ -325,6 +325,23 @@ def test_a_damaged_config_item_is_skipped_by_resume_as_eval_refuses_it(corpus, r
     assert (run / "damaged_checkpoints" / "20" / "config").is_dir()
 
 
+def test_a_step_whose_state_metadata_is_gone_is_damage_named_by_eval_and_skipped_by_resume(
+        corpus, run20, tmp_path, capfd):
+    """orbax answers None, not an error, for a `state` item without its `_METADATA` file (a
+    partial copy): it is a damaged step like any other, not a TypeError traceback."""
+    run = _copy(run20, tmp_path)
+    (run / "checkpoints" / "20" / "state" / "_METADATA").unlink()
+    with pytest.raises(DamagedCheckpointError, match=r"checkpoint step 20 is damaged: cannot read "
+                                                     r".*20/state/_METADATA .*other steps: \[10\]"):
+        load(*parse_args(["task=ppl", f"train.run_dir={run}"]))
+    capfd.readouterr()
+    result = train_loop.run(tiny_config(corpus, run, "train.steps=11"))
+    err = capfd.readouterr().err
+    assert result.step == 11 and _ckpt_steps(run) == [10, 11]
+    assert "skipped checkpoint step 20 is damaged: cannot read" in err and "_METADATA" in err
+    assert (run / "damaged_checkpoints" / "20" / "state").is_dir()
+
+
 def test_a_second_trainer_in_the_same_run_dir_is_refused(corpus, run20, tmp_path):
     """While a process holds the run directory's lock, another run there is refused, naming the
     holder, and changes nothing."""

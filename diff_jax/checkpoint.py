@@ -248,7 +248,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     items = {"state": ocp.args.StandardRestore(target),
              "data_iter": grain.checkpoint.CheckpointRestore(data_iter),
              "config": ocp.args.JsonRestore()}  # read as eval and export will: it must parse
-    if (where / "checksums").is_dir():
+    if _checksummed(mngr, step, where):
         items["checksums"] = ocp.args.JsonRestore()
     with _read_errors(step, where):
         restored = mngr.restore(step, args=ocp.args.Composite(**items))
@@ -386,7 +386,7 @@ def restore_inference(run_dir: str | Path, step: int | None,
         others = sorted(s for s in steps if s != step)
         hint = f"; other steps: {others}" if others else ""
         items = {"config": ocp.args.JsonRestore()}
-        if (where / "checksums").is_dir():
+        if _checksummed(mngr, step, where, hint):
             items["checksums"] = ocp.args.JsonRestore()
         with _read_errors(step, where, hint):
             saved = mngr.restore(step, args=ocp.args.Composite(**items))
@@ -418,6 +418,23 @@ def _state_metadata(mngr: ocp.CheckpointManager, step: int, where: Path, hint: s
                                            f"{where / 'state' / '_METADATA'} (missing or "
                                            f"unreadable: it lists the saved arrays){hint}")
     return metadata
+
+
+def _checksummed(mngr: ocp.CheckpointManager, step: int, where: Path, hint: str = "") -> bool:
+    """Whether `step` (at `where`) has a `checksums` item to verify against: False for a step
+    saved before diff-jax recorded them; `DamagedCheckpointError` when the step's own orbax
+    record (`_CHECKPOINT_METADATA`) lists the item but it is gone (deleted, or left out of a
+    copy), which would otherwise pass, unverified, for such an old step."""
+    if (where / "checksums").is_dir():
+        return True
+    with _read_errors(step, where, hint):
+        saved_items = mngr.metadata(step).item_handlers or {}
+    if "checksums" in saved_items:
+        raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: "
+                                           f"{where / 'checksums'} is missing (the step was "
+                                           f"saved with it), so its arrays cannot be verified"
+                                           f"{hint}")
+    return False
 
 
 @contextlib.contextmanager

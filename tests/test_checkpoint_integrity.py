@@ -342,6 +342,28 @@ def test_a_step_whose_state_metadata_is_gone_is_damage_named_by_eval_and_skipped
     assert (run / "damaged_checkpoints" / "20" / "state").is_dir()
 
 
+def test_a_step_that_lost_its_checksums_item_is_damage_not_a_step_from_before_checksums(
+        corpus, run20, tmp_path, capfd, caplog):
+    """Only a step whose orbax record lists no `checksums` item was saved before checksums
+    existed (restored unverified, with a warning); one that lost the item (a partial copy) is
+    damaged: its arrays cannot be verified."""
+    run = _copy(run20, tmp_path)
+    shutil.rmtree(run / "checkpoints" / "20" / "checksums")
+    with pytest.raises(DamagedCheckpointError, match=r"checkpoint step 20 is damaged: .*20/checksums "
+                                                     r"is missing \(the step was saved with it\)"):
+        load(*parse_args(["task=ppl", f"train.run_dir={run}"]))
+    old = run / "checkpoints" / "10"
+    record = json.loads((old / "_CHECKPOINT_METADATA").read_text())
+    del record["item_handlers"]["checksums"]
+    (old / "_CHECKPOINT_METADATA").write_text(json.dumps(record))
+    shutil.rmtree(old / "checksums")
+    capfd.readouterr()
+    result = train_loop.run(tiny_config(corpus, run, "train.steps=11"))
+    err = capfd.readouterr().err
+    assert result.step == 11 and "skipped checkpoint step 20 is damaged" in err
+    assert "resumed from step 10" in err and "has no recorded checksums" in caplog.text
+
+
 def test_a_second_trainer_in_the_same_run_dir_is_refused(corpus, run20, tmp_path):
     """While a process holds the run directory's lock, another run there is refused, naming the
     holder, and changes nothing."""

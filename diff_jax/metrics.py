@@ -14,6 +14,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from diff_jax.output_dir import write_whole
+
 # Dense bf16 peak FLOP/s per chip (vendors' datasheets; NVIDIA quotes "with sparsity", twice
 # these), matched against `device.device_kind` (lower case, substring; the longest matching key
 # wins, so "tpu v5 lite" is never taken for "tpu v5" nor "h100 pcie" for "h100", in any order).
@@ -82,9 +84,7 @@ def drop_rows_after(path: Path, step: int) -> int:
         else:
             kept.append(line)
     if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(x + "\n" for x in kept))
-        tmp.replace(path)
+        write_whole(path, "".join(x + "\n" for x in kept))
     return dropped
 
 

@@ -1,5 +1,6 @@
 """An output directory written whole or not at all, by the command lines that make one
-(`python -m diff_jax.export` and its `.hf_import`, `python -m diff_jax.data prepare`).
+(`python -m diff_jax.export` and its `.hf_import`, `python -m diff_jax.data prepare`), and a file
+of a run's record (`config.yaml`, `metrics.jsonl`) replaced whole or not at all (`write_whole`).
 
 The output is written into a hidden sibling directory and renamed into place when complete, so a
 failed or interrupted write leaves no half-written or empty directory and never touches the one
@@ -72,3 +73,17 @@ def _as_written_to(error: OSError, tmp: Path, out: Path) -> OSError:
     if file != tmp and tmp not in file.parents:
         return error
     return type(error)(error.errno, error.strerror, str(out / file.relative_to(tmp)))
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Replace the file `path` with `text` whole or not at all: `text` is written to a hidden
+    sibling that is then renamed over `path`, so a full disk or a kill part-way leaves what `path`
+    held. A failure raises `OSError` naming `path` (a failed write names no file of its own)."""
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as e:
+        raise type(e)(e.errno, e.strerror, str(path)) from e
+    finally:
+        tmp.unlink(missing_ok=True)

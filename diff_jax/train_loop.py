@@ -5,8 +5,9 @@
 `checkpoint.every_steps`, at the end and on SIGTERM/SIGINT (the current step finishes first).
 A step is saved only when its loss, its updated parameters and optimizer state, and the loss of
 the updated parameters on the step's batch are all finite; otherwise the run stops without saving,
-naming the last good checkpoint. `config.yaml` is written only once the resume checks pass, and
-`metrics.jsonl` rows beyond the step resumed from are dropped (they are run again).
+naming the last good checkpoint. `config.yaml` is written (whole or not at all) only once the
+resume checks pass, and `metrics.jsonl` rows beyond the step resumed from are dropped (they are
+run again).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from diff_jax.data.heldout import HeldOut
 from diff_jax.export.init_from import initial_params
 from diff_jax.metrics import MetricsWriter, Progress, mfu
 from diff_jax.file_errors import describe
+from diff_jax.output_dir import write_whole
 from diff_jax.sharding import ShardingError, check_process_rows, make_mesh
 from diff_jax.step import TrainState, build_steps
 from diff_jax.summary import flops_per_token
@@ -234,7 +236,7 @@ def run(config: Config) -> RunResult:
             mngr.close()
             return RunResult(start, "already done", None)
         if main:  # only now: a refused resume leaves the run's record as it was
-            (Path(t.run_dir) / "config.yaml").write_text(dump_config(_recorded(config)))
+            write_whole(Path(t.run_dir) / "config.yaml", dump_config(_recorded(config)))
         writer = MetricsWriter(t.run_dir, main, start_step=start)
         if writer.dropped:
             progress.message(f"metrics.jsonl: dropped {writer.dropped} row(s) after step {start} "

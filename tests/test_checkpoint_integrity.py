@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ import pytest
 
 from diff_jax import export, train_loop
 from diff_jax.checkpoint import CheckpointError, DamagedCheckpointError
+from diff_jax.config import dump_config
 from diff_jax.evaluation import parse_args
 from diff_jax.evaluation.loading import load
 from diff_jax.export import ExportError
@@ -362,6 +365,29 @@ def test_a_step_that_lost_its_checksums_item_is_damage_not_a_step_from_before_ch
     err = capfd.readouterr().err
     assert result.step == 11 and "skipped checkpoint step 20 is damaged" in err
     assert "resumed from step 10" in err and "has no recorded checksums" in caplog.text
+
+
+def test_a_full_disk_while_rewriting_config_yaml_leaves_the_record_whole(corpus, run20, tmp_path):
+    """A resume rewrites config.yaml; a write that fails part-way (the file-size limit standing in
+    for a full disk) leaves the previous record whole, and the error names the file."""
+    run = _copy(run20, tmp_path)
+    record = (run / "config.yaml").read_bytes()
+    config = tmp_path / "resume.yaml"
+    config.write_text(dump_config(tiny_config(corpus, run, "train.steps=21")))
+
+    limit = len(record) // 2  # SIGXFSZ ignored: the write fails (EFBIG) instead of killing
+    train_py_on_a_full_disk = (
+        "import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); sys.argv = sys.argv[1:]; "
+        "runpy.run_path('train.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", train_py_on_a_full_disk, "train.py", "--config",
+                           str(config)], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: train.run_dir={run}: {run / 'config.yaml'}: File too large")
+    assert (run / "config.yaml").read_bytes() == record
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == []
 
 
 def test_a_second_trainer_in_the_same_run_dir_is_refused(corpus, run20, tmp_path):

@@ -33,3 +33,10 @@ def describe(error: OSError, named: Sequence[tuple[str, str]]) -> str:
     if isinstance(error, FileExistsError) and not path.is_dir():  # a directory was to be made
         reason += " and is not a directory"
     return f"{prefix}{file}: {reason}"
+
+
+def naming(error: OSError, path: str | os.PathLike) -> OSError:
+    """`error` (same type, errno and reason) with `path` as its file: for a failed write or
+    flush, which names no file of its own, and for a file written under a hidden name that
+    stands for `path`; `describe` can then label it with the argument it concerns."""
+    return type(error)(error.errno, error.strerror, os.fspath(path))

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from diff_jax.file_errors import naming
 from diff_jax.output_dir import write_whole
 
 # Dense bf16 peak FLOP/s per chip (vendors' datasheets; NVIDIA quotes "with sparsity", twice
@@ -125,7 +126,10 @@ class MetricsWriter:
         if not self.enabled:
             return
         record = _plain(record)
-        self._file.write(json.dumps(record) + "\n")
+        try:
+            self._file.write(json.dumps(record) + "\n")
+        except OSError as e:  # a full disk: the failed flush names no file
+            raise naming(e, self._file.name) from e
         if self._tb is not None:
             self._write_tb(record)
 
@@ -147,10 +151,14 @@ class MetricsWriter:
 
     def close(self) -> None:
         """Close `metrics.jsonl` and the TensorBoard writer (whichever are open)."""
-        if self._file is not None:
-            self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        try:
+            if self._file is not None:
+                self._file.close()
+        except OSError as e:  # flushing what a failed write left buffered
+            raise naming(e, self._file.name) from e
+        finally:
+            if self._tb is not None:
+                self._tb.close()
 
 
 class Progress:

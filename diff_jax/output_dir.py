@@ -18,6 +18,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from diff_jax.file_errors import naming
+
 
 def refusal(out: Path, overwrite: bool, marker: str, kind: str,
             contents: frozenset[str]) -> str | None:
@@ -72,7 +74,7 @@ def _as_written_to(error: OSError, tmp: Path, out: Path) -> OSError:
     file = Path(os.fsdecode(error.filename))
     if file != tmp and tmp not in file.parents:
         return error
-    return type(error)(error.errno, error.strerror, str(out / file.relative_to(tmp)))
+    return naming(error, out / file.relative_to(tmp))
 
 
 def write_whole(path: Path, text: str) -> None:
@@ -84,6 +86,6 @@ def write_whole(path: Path, text: str) -> None:
         tmp.write_text(text)
         tmp.replace(path)
     except OSError as e:
-        raise type(e)(e.errno, e.strerror, str(path)) from e
+        raise naming(e, path) from e
     finally:
         tmp.unlink(missing_ok=True)

@@ -1,12 +1,16 @@
 """diff_jax.metrics.peak_flops / mfu against the vendors' published dense bf16 peaks per chip, for
-the `device_kind` strings jax reports, and MFU against a hand computation."""
+the `device_kind` strings jax reports, and MFU against a hand computation; a full disk under
+metrics.jsonl is named."""
 
 from __future__ import annotations
+
+import errno
+from pathlib import Path
 
 import pytest
 
 from diff_jax import metrics
-from diff_jax.metrics import mfu, peak_flops
+from diff_jax.metrics import MetricsWriter, mfu, peak_flops
 
 # device_kind (as jax reports it) -> dense bf16 FLOP/s per chip from the vendor's datasheet
 # (NVIDIA's "with sparsity" figures halved). Kinds that contain another kind's key ("TPU v5 lite"
@@ -51,3 +55,16 @@ def test_mfu_is_achieved_over_peak_of_all_devices():
     assert mfu(1.2e9, 1e5, "TPU v5 lite", 4) == pytest.approx(0.152284264, rel=1e-8)
     # one H100 SXM at 50%: 494.5e12 FLOP/s achieved
     assert mfu(6e8, 494.5e12 / 6e8, "NVIDIA H100 80GB HBM3", 1) == pytest.approx(0.5, rel=1e-12)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_full_disk_under_metrics_jsonl_names_the_file(tmp_path):
+    """A failed write or flush names no file of its own: the writer's errors name metrics.jsonl,
+    so train.py's one error line says which file of the run could not be written."""
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    writer = MetricsWriter(tmp_path, True)
+    for failing in (lambda: writer.write({"step": 1, "loss": 1.0}), writer.close):
+        with pytest.raises(OSError) as raised:
+            failing()
+        assert raised.value.errno == errno.ENOSPC
+        assert raised.value.filename == str(tmp_path / "metrics.jsonl")

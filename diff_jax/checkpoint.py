@@ -242,9 +242,10 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
         check_shapes(tree_shapes(metadata["params"]), tree_shapes(target.params), "checkpoint ")
         check_optimizer_state(metadata["opt_state"], target.opt_state, step)
     except CheckpointError as e:  # most often an override the first invocation had
-        run_dir = Path(mngr.directory).parent
+        run_dir = Path(mngr.directory).parent  # config.yaml names the directory the run was
+        # trained in: another one when the run has been moved or copied since
         raise CheckpointError(f"{e} (to resume this run as it was configured: python train.py "
-                              f"--config {run_dir / 'config.yaml'})") from e
+                              f"--config {run_dir / 'config.yaml'} train.run_dir={run_dir})") from e
     items = {"state": ocp.args.StandardRestore(target),
              "data_iter": grain.checkpoint.CheckpointRestore(data_iter),
              "config": ocp.args.JsonRestore()}  # read as eval and export will: it must parse

@@ -208,9 +208,11 @@ def test_a_resume_with_another_optimizer_structure_is_refused_as_such_not_as_dam
         corpus, run20, tmp_path):
     """optim.clip_norm=0 drops the clipping stage the run was saved with: every step's restore
     fails alike, which resume took for damage ("no checkpoint verifies ... move the damaged
-    steps away"). It is a config mismatch, named before anything is read."""
+    steps away"). It is a config mismatch, named before anything is read. The run was copied:
+    its config.yaml names the original directory, so the command given names this one."""
     run = _copy(run20, tmp_path)
     record = (run / "config.yaml").read_bytes()
+    assert f"run_dir: {run20[0]}" in record.decode()
     with pytest.raises(CheckpointError) as e:
         train_loop.run(tiny_config(corpus, run, "train.steps=30", "optim.clip_norm=0"))
     assert not isinstance(e.value, DamagedCheckpointError)
@@ -218,7 +220,8 @@ def test_a_resume_with_another_optimizer_structure_is_refused_as_such_not_as_dam
         "checkpoint step 20 holds another optimizer state than optim.* gives (first difference: "
         "opt_state/0/count is not saved); it was written with other optimizer settings "
         "(optim.clip_norm > 0 adds a clipping stage that optim.clip_norm=0 has not) (to resume "
-        f"this run as it was configured: python train.py --config {run / 'config.yaml'})")
+        f"this run as it was configured: python train.py --config {run / 'config.yaml'} "
+        f"train.run_dir={run})")
     assert _ckpt_steps(run) == [10, 20] and not (run / "damaged_checkpoints").exists()
     assert (run / "config.yaml").read_bytes() == record
 

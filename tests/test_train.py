@@ -106,7 +106,8 @@ def test_restore_onto_another_mesh_and_refuse_other_shapes(corpus, tmp_path, mon
     with pytest.raises(CheckpointError, match=r"checkpoint params\['embed'\] has shape \(64, 32\) "
                                               r"but the config gives \(64, 48\).*\(to resume this "
                                               r"run as it was configured: python train.py --config "
-                                              rf"{tmp_path / 'config.yaml'}\)$"):
+                                              rf"{tmp_path / 'config.yaml'} "
+                                              rf"train.run_dir={tmp_path}\)$"):
         train_loop.run(tiny_config(corpus, tmp_path, "train.steps=40", "model.embed_dim=48"))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping
@@ -33,6 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from diff_jax.config import CheckpointConfig, Config
+from diff_jax.file_errors import naming
 
 CHECKSUM_ALGORITHM = "fmix32-sum-x2"  # recorded with the checksums: what `array_checksums` computes
 DAMAGED_DIR = "damaged_checkpoints"  # beside checkpoints/: where a resume sets damaged steps aside
@@ -61,10 +63,20 @@ def _items(state: ocp.CheckpointHandler) -> dict[str, Any]:
 
 
 def manager(run_dir: str | Path, cfg: CheckpointConfig) -> ocp.CheckpointManager:
-    """The run's read-write checkpoint manager (`<run_dir>/checkpoints`)."""
+    """The run's read-write checkpoint manager (`<run_dir>/checkpoints`); `OSError` naming that
+    directory when a step cannot be made in it (read-only), found before any step is trained:
+    orbax's async save reports it at the first save only as a coordination timeout, minutes on."""
+    directory = Path(run_dir).resolve() / "checkpoints"
+    probe = directory / f".writable-{jax.process_index()}-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        raise naming(e, directory) from e
     options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True,
                                            enable_async_checkpointing=cfg.async_save)
-    return ocp.CheckpointManager(Path(run_dir).resolve() / "checkpoints", options=options,
+    return ocp.CheckpointManager(directory, options=options,
                                  item_handlers=_items(ocp.StandardCheckpointHandler()))
 
 

@@ -349,6 +349,29 @@ def test_a_file_system_error_while_training_keeps_the_last_checkpoint(corpus, tm
     assert _ckpt_steps(tmp_path / "run") == [10]
 
 
+def test_a_read_only_checkpoints_directory_is_refused_before_training(corpus, tmp_path):
+    """A resume into a checkpoints directory it cannot write: one line naming it, before any
+    step is trained (orbax's async save failed only at the first save, with a coordination
+    timeout five minutes later that named nothing)."""
+    unprivileged = [] if os.geteuid() != 0 else [  # root writes anywhere unless DAC is dropped
+        "setpriv", "--inh-caps=-dac_override,-dac_read_search",
+        "--bounding-set=-dac_override,-dac_read_search"]
+    if unprivileged and subprocess.run(["setpriv", "--version"], capture_output=True).returncode:
+        pytest.skip("running as root without setpriv to drop the permission override")
+    config = _config_file(corpus, tmp_path, "train.steps=10")
+    assert train_main(["--config", config]) == 0
+    run = tmp_path / "run"
+    rows = (run / "metrics.jsonl").read_bytes()
+    for path in [run / "checkpoints", *(run / "checkpoints").rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o222)
+    proc = subprocess.run([*unprivileged, sys.executable, "train.py", "--config", config,
+                           "train.steps=20"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: train.run_dir={run}: {run / 'checkpoints'}: Permission denied")
+    assert (run / "metrics.jsonl").read_bytes() == rows and _ckpt_steps(run) == [10]
+
+
 def test_a_failed_async_checkpoint_commit_is_one_line_and_the_run_resumes_from_the_last_good(
         corpus, tmp_path, monkeypatch, capsys, uninterrupted):
     """The disk fills while orbax's background thread commits step 20: the error surfaces at the

@@ -222,8 +222,9 @@ def run(config: Config) -> RunResult:
             raise
         if resumed is not None:
             progress.message(f"resumed from step {resumed} ({t.run_dir}/checkpoints)")
-            for note in resume_notes(saved, config, resumed):
-                progress.message(note)
+            if resumed < t.steps:  # a finished run changes nothing: no notes on what changes
+                for note in resume_notes(saved, config, resumed):
+                    progress.message(note)
         else:
             state = steps.init(jax.random.PRNGKey(t.seed))
             if t.init_from is not None:  # fine-tuning: parameters from an export or another run

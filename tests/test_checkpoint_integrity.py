@@ -412,7 +412,7 @@ def test_a_second_trainer_in_the_same_run_dir_is_refused(corpus, run20, tmp_path
 
 
 def test_resume_choices_are_not_recorded_and_a_run_with_nothing_to_do_changes_nothing(
-        corpus, run20, tmp_path):
+        corpus, run20, tmp_path, capsys):
     """config.yaml records no checkpoint.resume_step / discard_later (re-running from it must not
     delete checkpoints again); an invocation already past train.steps leaves the record as it
     was; a resume off the log grid writes only the rows an uninterrupted run writes."""
@@ -429,5 +429,8 @@ def test_resume_choices_are_not_recorded_and_a_run_with_nothing_to_do_changes_no
     assert steps == list(range(1, 11)) + [12, 16, 20]  # no row for step 11
 
     before = {p: p.read_bytes() for p in (run / "config.yaml", run / "metrics.jsonl")}
+    capsys.readouterr()
     assert train_loop.run(tiny_config(corpus, run, "train.steps=15")).status == "already done"
+    said = capsys.readouterr().err  # train.steps differs from the checkpoint's, but nothing runs
+    assert "nothing to do" in said and "learning rate" not in said, said
     assert {p: p.read_bytes() for p in before} == before and _ckpt_steps(run) == [10, 20]

@@ -9,9 +9,12 @@ at trace time, from
   2. else the first local CUDA device's `compute_capability`;
   3. else (no CUDA device: exporting from a CPU host) 9.0, the generation the kernel is for.
 
-Tiles come from `kernels/tuning/mosaic_gpu.json`: rows (gpu, d, dtype) where gpu is a substring
-of jax's `device_kind` ("H100", "H200") or "default"; the attached GPU's own row wins, then
-"default". `benchmarks/attention.py --tune` adds measured rows (`record`).
+Tiles come from `kernels/tuning/mosaic_gpu.json`: rows (gpu, d, dtype) where gpu is one word of
+jax's `device_kind` ("H100" for "NVIDIA H100 80GB HBM3" and "NVIDIA H100 PCIe", "H200" for
+"NVIDIA H200"; compared case-insensitively, whole words only) or "default"; the attached GPU's
+own row wins, then "default". `benchmarks/attention.py --tune` adds measured rows (`record`).
+A table that does not read, or a row without a valid gpu word, d, dtype or tiles, is one
+ValueError naming the file and the row (every pallas call reads the table while tracing).
 """
 
 from __future__ import annotations
@@ -106,21 +109,54 @@ def device_kind() -> str:
 
 
 def load_table(path: Path = TABLE) -> list[dict]:
-    """The rows ("entries") of the Mosaic GPU tile table at `path` (see `tiles_for`)."""
-    return json.loads(path.read_text())["entries"]
+    """The rows ("entries") of the Mosaic GPU tile table at `path` (see `tiles_for`), each
+    checked: one ValueError naming the file, the row and what is wrong."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"Mosaic GPU tile table {path} does not read as JSON: {e}") from None
+    rows = doc.get("entries") if isinstance(doc, dict) else None
+    if not isinstance(rows, list):
+        raise ValueError(f"Mosaic GPU tile table {path} must be an object with a list 'entries'")
+    for n, row in enumerate(rows):
+        where = f"Mosaic GPU tile table {path}, entries[{n}]"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where} must be an object, got {row!r}")
+        for key, kind, what in (("gpu", str, "a string"), ("d", int, "an integer"),
+                                ("dtype", str, "a dtype name")):
+            if not isinstance(row.get(key), kind) or isinstance(row.get(key), bool):
+                raise ValueError(f"{where}: {key} must be {what}, got {row.get(key)!r}")
+        _check_gpu(row["gpu"], where)
+        try:
+            _tiles(row).check()
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where} (gpu {row['gpu']}, d={row['d']}, {row['dtype']}): "
+                             f"{e if isinstance(e, ValueError) else f'missing field {e}'}") from None
+    return rows
+
+
+def _check_gpu(gpu: str, where: str) -> None:
+    """A row's gpu: "default" or one word of a device_kind (never empty: it would match none)."""
+    if not gpu or gpu.split() != [gpu]:
+        raise ValueError(f"{where}: gpu must be 'default' or one word of jax's device_kind "
+                         f"such as 'H100', got {gpu!r}")
+
+
+def _tiles(row: dict) -> Tiles:
+    return Tiles(row["block_kv"], row["block_kv_dq"], row["block_q_dkv"], row["stages"],
+                 row.get("dkv", "auto"), row.get("pingpong", True), row.get("dq", "rows"))
 
 
 def tiles_for(d: int, dtype, kind: str | None = None, path: Path = TABLE) -> tuple[Tiles, dict]:
     """(Tiles, table row) for head width d and dtype on GPU `kind` (default: the attached one)."""
-    kind = (device_kind() if kind is None else kind).lower()
+    words = (device_kind() if kind is None else kind).lower().split()
     name = jnp.dtype(dtype).name
     rows = [r for r in load_table(path) if r["d"] == d and r["dtype"] == name]
-    own = [r for r in rows if r["gpu"] != "default" and r["gpu"].lower() in kind]
+    own = [r for r in rows if r["gpu"] != "default" and r["gpu"].lower() in words]
     row = (own or [r for r in rows if r["gpu"] == "default"] or [None])[0]
     if row is None:
-        raise ValueError(f"kernels/tuning/mosaic_gpu.json has no row for d={d}, dtype={name}")
-    return Tiles(row["block_kv"], row["block_kv_dq"], row["block_q_dkv"], row["stages"],
-                 row.get("dkv", "auto"), row.get("pingpong", True), row.get("dq", "rows")), row
+        raise ValueError(f"{path} has no row for d={d}, dtype={name}")
+    return _tiles(row), row
 
 
 def tiles_text(tiles: Tiles) -> str:
@@ -138,6 +174,8 @@ def parse_tiles(text: str) -> Tiles:
 def record(gpu: str, d: int, dtype, tiles: Tiles, source: str, path: Path = TABLE) -> None:
     """Write a tuned row for (gpu, d, dtype), replacing an earlier one for the same key."""
     tiles.check()
+    _check_gpu(gpu, f"a tuned row for {path}")
+    load_table(path)  # refuses to add to a table that does not read
     doc = json.loads(path.read_text())
     name = jnp.dtype(dtype).name
     doc["entries"] = [r for r in doc["entries"]

@@ -14,6 +14,7 @@ swizzles, TMA slices) on this machine; only ptxas and the run itself need the GP
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import jax
@@ -239,3 +240,38 @@ def test_tuned_rows_win_for_their_gpu(tmp_path):
     assert got == tiles and row["tuned"] is True
     assert hopper.tiles_for(64, jnp.bfloat16, kind="NVIDIA H200", path=path)[0] != tiles
     assert len(hopper.load_table(path)) == len(hopper.load_table()) + 1
+
+
+def test_a_bad_tile_table_is_one_error_naming_the_file_and_row(tmp_path):
+    """Every pallas call reads the table while tracing (on any platform), so a table that does
+    not read, or a bad row, is one ValueError naming the file and the row, not a KeyError or
+    JSONDecodeError from deep in the dispatch; a row's gpu is a whole word of device_kind: an
+    empty one (what --tune-write recorded where jax saw no GPU) matched every GPU."""
+    path = tmp_path / "table.json"
+    good = json.loads(hopper.TABLE.read_text())
+    row = good["entries"][0]
+    cases = [("{", r"does not read as JSON"),
+             (json.dumps({"rows": []}), r"must be an object with a list 'entries'"),
+             (json.dumps({"entries": [row, {**row, "gpu": ""}]}),
+              r"entries\[1\]: gpu must be 'default' or one word"),
+             (json.dumps({"entries": [{**row, "d": "64"}]}), r"entries\[0\]: d must be an integer"),
+             (json.dumps({"entries": [{k: x for k, x in row.items() if k != "stages"}]}),
+              r"entries\[0\] \(gpu default, d=64, bfloat16\): missing field 'stages'"),
+             (json.dumps({"entries": [{**row, "block_kv": 96}]}),
+              r"entries\[0\] .*: Mosaic GPU tiles: block_kv must be a multiple of 64")]
+    for text, msg in cases:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(str(path)) + ".*" + msg):
+            hopper.tiles_for(64, jnp.bfloat16, kind="", path=path)
+    path.write_text(hopper.TABLE.read_text())
+    tiles = flash_mgpu.Tiles(64, 64, 64, 3)
+    with pytest.raises(ValueError, match=r"gpu must be 'default' or one word .* got ''"):
+        hopper.record("", 64, jnp.bfloat16, tiles, "test", path=path)
+    assert len(hopper.load_table(path)) == len(good["entries"])  # nothing was written
+    hopper.record("H20", 64, jnp.bfloat16, tiles, "test", path=path)
+    hopper.record("H100", 64, jnp.bfloat16, dataclasses.replace(tiles, stages=4), "test",
+                  path=path)
+    assert hopper.tiles_for(64, jnp.bfloat16, kind="NVIDIA H200", path=path)[1]["gpu"] == "default"
+    assert hopper.tiles_for(64, jnp.bfloat16, kind="NVIDIA H20", path=path)[0] == tiles
+    for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"):
+        assert hopper.tiles_for(64, jnp.bfloat16, kind=kind, path=path)[0].stages == 4

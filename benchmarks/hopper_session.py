@@ -7,7 +7,10 @@ Run on the lent H100/H200 (one command, ≤ 10 minutes each; everything lands in
     python benchmarks/hopper_session.py --out "$OUT" --stages replicate  # then, back to back
 
 Stages, each a subprocess with its own time limit whose failure or timeout is recorded and
-skipped past (so a hang or a crash in one cannot lose the others):
+skipped past (so a hang or a crash in one cannot lose the others). When the env stage finds
+that jax does not see the GPU (its backend is not "gpu", e.g. a CUDA plugin that failed to load
+and jax fell back to the CPU), the stages after it are recorded as skipped, not run on the CPU
+until their limits:
   env    nvidia-smi, jax/jaxlib versions, the GPU's compute capability and device_kind, which
          kernel the dispatch picks, whether tokamax imports;                         ~20 s
   check  `benchmarks/attention.py --check`: the real lowerings (Mosaic GPU for bf16/fp16 at
@@ -79,6 +82,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET = {"env": 40, "check": 170, "tune": 150, "bench": 200}
+GPU_STAGES = ("check", "tune", "bench", "train", "replicate")  # skipped when env finds no GPU
 TOTAL = 570  # seconds for all stages: under the device tool's 600 s per command
 GPU_MEDIUM = Path("/tmp/diff_jax_gpu_medium")  # outlives a call only while the machine is warm
 
@@ -182,13 +186,16 @@ def main(argv=None) -> int:
     def left() -> float:
         return args.total - (time.monotonic() - start)
 
+    no_gpu = None  # why the GPU stages are skipped, once the env stage found no GPU
     with open(out / "session.log", "w") as log:
         for stage in stages:
             limit = min(BUDGET.get(stage, left()), left())
             if limit < (60 if stage == "train" else 15):
                 report["stages"].append({"stage": stage, "status": f"skipped: {left():.0f} s left"})
                 continue
-            if stage == "env":
+            if no_gpu and stage in GPU_STAGES:
+                r = {"stage": stage, "status": f"skipped: {no_gpu}"}
+            elif stage == "env":
                 r = _run("env", [py, "-c", ENV_PROBE], limit, log, stub or "")
                 if shutil.which("nvidia-smi"):
                     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,"
@@ -197,6 +204,10 @@ def main(argv=None) -> int:
                     r["nvidia_smi"] = smi.stdout.strip()
                 lines = [x for x in r["tail"].splitlines() if x.startswith("ENV ")]
                 r["env"] = json.loads(lines[-1][4:]) if lines else None
+                backend = (r["env"] or {}).get("backend")
+                if backend != "gpu":
+                    no_gpu = (f"no GPU (the env stage found jax's backend {backend!r})" if backend
+                              else "no GPU (the env stage could not import jax: see its tail)")
             elif stage == "check":
                 r = _run("check", bench + ["--check", "--tag", "check", "--deadline",
                                            str(limit - 30)], limit, log, stub or "")

@@ -350,6 +350,29 @@ def test_output_init_scales_only_the_residual_projections(variant):
         assert normal[name] == pytest.approx(0.02, rel=0.1), name
 
 
+def test_gpu_session_without_a_gpu_skips_the_gpu_stages(tmp_path, monkeypatch):
+    """benchmarks/hopper_session.py where jax sees no GPU (here the CPU; on the lent machine a
+    CUDA plugin that failed to load): the env stage records the backend and the GPU stages are
+    recorded as skipped, instead of running on the CPU until their time limits (the whole
+    call's device time) and recording timeouts."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import hopper_session
+
+    for stage, limit in (("env", 120), ("check", 20), ("tune", 20), ("bench", 20)):
+        monkeypatch.setitem(hopper_session.BUDGET, stage, limit)
+    assert hopper_session.main(["--out", str(tmp_path), "--stages", "env,check,tune,bench"]) == 0
+    report = json.loads((tmp_path / "session.json").read_text())
+    env, *gpu = report["stages"]
+    assert env["status"] == "ok" and env["env"]["backend"] == "cpu"
+    assert [r["stage"] for r in gpu] == ["check", "tune", "bench"]
+    assert all(r["status"] == "skipped: no GPU (the env stage found jax's backend 'cpu')"
+               for r in gpu), gpu
+    assert "- check: skipped: no GPU" in (tmp_path / "session.md").read_text()
+
+
 def test_gpu_session_stops_a_stage_gracefully_and_copies_only_small_replication_files(tmp_path,
                                                                                      monkeypatch):
     """benchmarks/hopper_session.py: a stage past its limit gets SIGTERM first (a training loop

@@ -191,9 +191,8 @@ def main(argv=None) -> int:
         for stage in stages:
             limit = min(BUDGET.get(stage, left()), left())
             if limit < (60 if stage == "train" else 15):
-                report["stages"].append({"stage": stage, "status": f"skipped: {left():.0f} s left"})
-                continue
-            if no_gpu and stage in GPU_STAGES:
+                r = {"stage": stage, "status": f"skipped: {left():.0f} s left"}
+            elif no_gpu and stage in GPU_STAGES:
                 r = {"stage": stage, "status": f"skipped: {no_gpu}"}
             elif stage == "env":
                 r = _run("env", [py, "-c", ENV_PROBE], limit, log, stub or "")

@@ -373,6 +373,23 @@ def test_gpu_session_without_a_gpu_skips_the_gpu_stages(tmp_path, monkeypatch):
     assert "- check: skipped: no GPU" in (tmp_path / "session.md").read_text()
 
 
+def test_gpu_session_records_stages_skipped_for_time_in_session_json(tmp_path):
+    """A stage skipped because too little of the call's time is left is in session.json (the
+    record that comes back even when the call is cut off), not only in session.md."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import hopper_session
+
+    assert hopper_session.main(["--out", str(tmp_path), "--stages", "check,train",
+                                "--total", "10"]) == 0
+    report = json.loads((tmp_path / "session.json").read_text())
+    assert [r["stage"] for r in report["stages"]] == ["check", "train"]
+    assert all(r["status"].startswith("skipped: ") and r["status"].endswith(" s left")
+               for r in report["stages"])
+
+
 def test_gpu_session_stops_a_stage_gracefully_and_copies_only_small_replication_files(tmp_path,
                                                                                      monkeypatch):
     """benchmarks/hopper_session.py: a stage past its limit gets SIGTERM first (a training loop

@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> dict:
         "data_pipeline_tokens_per_sec": pipeline,
         "pipeline_over_consumption": None if pipeline is None else pipeline / consumed,
     }
-    out = Path(args.out)
+    out = Path(args.out)  # OUT.json and OUT.md; OUT may hold a dot (train_step_1.4b)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    Path(f"{out}.json").write_text(json.dumps(result, indent=1))
     md = [f"# Train step: DIFF vs Transformer ({result['device']}, jax {jax.__version__})", "",
           f"Overrides: {result['overrides']}", "",
           "Batches " + ("with segment ids (one document a row; cuDNN gets them as a dense T×T "
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     if pipeline is not None:
         md += [f"Data pipeline alone: {pipeline:,.0f} tokens/s = **{pipeline / consumed:.0f}×** what the "
                f"DIFF model consumes ({consumed:,.0f} tokens/s; target ≥ 10×)", ""]
-    out.with_suffix(".md").write_text("\n".join(md))
+    Path(f"{out}.md").write_text("\n".join(md))
     print("\n".join(md))
     return result
 

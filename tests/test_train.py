@@ -424,22 +424,26 @@ def test_help_shows_the_whole_docstring_and_a_directory_is_no_config(tmp_path, c
 
 def test_train_step_benchmark_smoke(tmp_path):
     """benchmarks/train_step.py (the GPU session's train stage) times both twins on one step each
-    and writes JSON + markdown."""
+    and writes JSON + markdown, OUT.json and OUT.md for --out OUT even where OUT holds a dot
+    (the session's train_step_1.4b: Path.with_suffix wrote train_step_1.json, which the
+    session never read and its causal run overwrote)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import train_step as bench
 
-    out = tmp_path / "ts"
+    out = tmp_path / "train_step_1.4b"
     result = bench.main(["--set", "model.num_layers=1", "train.batch_size=8", "train.seq_len=16",
                          "--steps", "1", "--no-data", "--out", str(out)])
-    assert json.loads(out.with_suffix(".json").read_text()) == json.loads(json.dumps(result))
+    assert json.loads((tmp_path / "train_step_1.4b.json").read_text()) == json.loads(
+        json.dumps(result))
     assert set(result["models"]) == {"diff", "transformer"}
     assert all(r["step_time_s"] > 0 and r["tokens_per_sec"] > 0 for r in result["models"].values())
     assert result["diff_over_transformer_step_time"] > 0 and result["pipeline_over_consumption"] is None
-    assert "DIFF / Transformer step time" in out.with_suffix(".md").read_text()
-    assert result["segment_ids"] is True and "with segment ids" in out.with_suffix(".md").read_text()
+    md = tmp_path / "train_step_1.4b.md"
+    assert "DIFF / Transformer step time" in md.read_text()
+    assert result["segment_ids"] is True and "with segment ids" in md.read_text()
     causal = bench.main(["--set", "model.num_layers=1", "train.batch_size=8", "train.seq_len=16",
                          "--steps", "1", "--no-data", "--no-segment-ids", "--out", str(out)])
-    assert causal["segment_ids"] is False and "without segment ids" in out.with_suffix(".md").read_text()
+    assert causal["segment_ids"] is False and "without segment ids" in md.read_text()
 
 
 def test_a_batch_without_segment_ids_is_one_document_a_row(tmp_path):

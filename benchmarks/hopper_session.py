@@ -27,10 +27,12 @@ until their limits:
          re-sends the working tree: its train stage then runs the tuned tiles);      ≤ 150 s
   bench  `--bench` for d = 64 and 128, T = 2K–16K at B·T = 32K, H = 16: fused Mosaic, fused
          Triton, cuDNN 2H×d, cuDNN H×2d, four cuDNN calls, two Tokamax calls;          ≤ 200 s
-  train  (its own call) `benchmarks/train_step.py`, DIFF vs its Transformer twin, batch 8:
-         1.4B (d = 128, 8 of 24 layers) with segment ids as train.py feeds them (cuDNN gets
-         them as a dense T×T mask), the same without (causal only), then 830M (d = 96, 12 of
-         24 layers) with them, each with what is left (skipped, recorded, under 60 s).
+  train  (its own call) `benchmarks/train_step.py`, DIFF vs its Transformer twin, batch 8
+         (`TRAIN_RUNS`): 1.4B (d = 128, 8 of 24 layers) with segment ids as train.py feeds
+         them (cuDNN gets them as a dense T×T mask), 830M at d = 64 (12 of 24 layers, 12 DIFF
+         heads against 24, as benchmarks/results/train_step_h100), 1.4B without segment ids
+         (causal only), then 830M as configured (d = 96), each with what is left (skipped,
+         recorded, under 60 s).
   replicate  (its own calls) the `gpu-medium` replication, one seed, init `scaled`, in
          /tmp/diff_jax_gpu_medium with all the time left; it resumes where the last call
          stopped, so issue the same call again at once (the machine keeps /tmp only while it
@@ -39,7 +41,13 @@ until their limits:
          end results.json/.md and the PNGs, to $OUT/gpu-medium/ (commit them to
          docs/results/gpu-medium/).
 Outputs: $OUT/session.json (stage status, seconds, logs' tails, and each stage's JSON, with
-`summary` = the benchmark's {"device", "jax", "d64", "d128"} at T = 4096), $OUT/session.md,
+`summary` = {"device", "jax", "d64": {fused_over_cudnn_baseline, fused_over_tokamax_two_calls,
+fwd_tflops, bwd_tflops, train_step_diff_over_transformer, ...}, "d128": {...}}: the bench
+stage's at T = 4096 and the train stage's DIFF/Transformer step time with segment ids; what
+this call did not measure is None, or comes from `--previous` FILE, an earlier call's
+session.json: copy the first call's $OUT/session.json into the working tree (e.g.
+benchmarks/results/hopper_session_1.json, committed with the tuned table) and pass it to the
+second call, whose summary is then the whole one), $OUT/session.md,
 $OUT/mosaic_gpu.json (the tile table after tuning), $OUT/session.log (all stages' output).
 `--stages` takes any comma list of these. ptxas's registers and spills need no GPU: they come
 from `benchmarks/mosaic_ptxas.py` on a CPU (the `cuda-aot` extra).
@@ -67,6 +75,9 @@ Then call the device tool with carry [".whl"] and the command
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; \\
     PYTHONUNBUFFERED=1 python3 benchmarks/hopper_session.py --out "$OUT"
+
+(the second call: `... --out "$OUT" --stages env,train --previous
+benchmarks/results/hopper_session_1.json`).
 """
 
 from __future__ import annotations
@@ -84,6 +95,14 @@ ROOT = Path(__file__).resolve().parents[1]
 BUDGET = {"env": 40, "check": 170, "tune": 150, "bench": 200}
 GPU_STAGES = ("check", "tune", "bench", "train", "replicate")  # skipped when env finds no GPU
 TOTAL = 570  # seconds for all stages: under the device tool's 600 s per command
+# (name, config size, layers, segment ids, DIFF and Transformer overrides, d of the summary)
+TRAIN_RUNS = (("1.4b", "1.4b", 8, True, [], [], 128),
+              ("830m_d64", "830m", 12, True, ["model.num_heads=12"], ["model.num_heads=24"], 64),
+              ("1.4b_causal", "1.4b", 8, False, [], [], None),
+              ("830m", "830m", 12, True, [], [], None))
+SUMMARY_DIMS = (64, 128)
+SUMMARY_FIELDS = ("fused_over_cudnn_baseline", "fused_over_tokamax_two_calls", "fwd_tflops",
+                  "bwd_tflops", "train_step_diff_over_transformer")
 GPU_MEDIUM = Path("/tmp/diff_jax_gpu_medium")  # outlives a call only while the machine is warm
 
 ENV_PROBE = """
@@ -167,12 +186,49 @@ def _read(path: Path) -> dict | None:
         return None
 
 
+def summary(report: dict, previous: dict | None = None) -> dict:
+    """{"device", "jax", "d64": {SUMMARY_FIELDS...}, "d128": {...}} from this call's env, bench
+    and train stages in `report`, over `previous` (an earlier call's summary): a value this call
+    measured replaces the earlier one; what neither measured is None."""
+    out = {"device": None, "jax": None} | {f"d{d}": dict.fromkeys(SUMMARY_FIELDS)
+                                           for d in SUMMARY_DIMS}
+
+    def fill(src: dict | None) -> None:
+        for key, value in (src or {}).items():
+            if isinstance(value, dict) and isinstance(out.get(key), dict):
+                out[key] |= {k: x for k, x in value.items() if x is not None}
+            elif value is not None and not isinstance(value, dict):
+                out[key] = value
+
+    fill(previous)
+    for r in report["stages"]:
+        if r["stage"] == "env" and r.get("env"):
+            fill({"device": r["env"]["device_kind"] or None, "jax": r["env"]["jax"]})
+        elif r["stage"] == "bench":
+            fill((r.get("result") or {}).get("summary"))
+        elif r["stage"] == "train":
+            for run in r.get("runs", []):
+                d = run.get("summary_d")
+                ratio = (run.get("result") or {}).get("diff_over_transformer_step_time")
+                if d is not None:
+                    fill({f"d{d}": {"train_step_diff_over_transformer": ratio}})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/hopper_session"))
     p.add_argument("--stages", default="env,check,tune,bench")
     p.add_argument("--total", type=float, default=TOTAL, help="seconds for all stages")
+    p.add_argument("--previous", type=Path, default=None,
+                   help="an earlier call's session.json, whose summary fills what this call "
+                        "does not measure")
     args = p.parse_args(argv)
+    previous = None
+    if args.previous is not None:
+        previous = (_read(args.previous) or {}).get("summary")
+        if previous is None:
+            p.error(f"--previous {args.previous}: not a session.json with a summary")
     out = Path(args.out)
     parts = out / "parts"
     parts.mkdir(parents=True, exist_ok=True)
@@ -223,12 +279,9 @@ def main(argv=None) -> int:
                                            "--samples", "5", "--tag", "bench", "--deadline",
                                            str(limit - 45)], limit, log, stub or "")
                 r["result"] = _read(parts / "attention_bench.json")
-                report["summary"] = (r["result"] or {}).get("summary")
             elif stage == "train":
                 r = {"stage": "train", "status": "ok", "runs": []}
-                for size, layers, segments in (("1.4b", 8, True), ("1.4b", 8, False),
-                                               ("830m", 12, True)):
-                    name = size if segments else f"{size}_causal"
+                for name, size, layers, segments, diff_set, base_set, d in TRAIN_RUNS:
                     if left() < 60:
                         r["runs"].append({"model": name, "status": f"skipped: {left():.0f} s left"})
                         continue
@@ -236,12 +289,14 @@ def main(argv=None) -> int:
                         py, "benchmarks/train_step.py", "--diff", f"configs/diff-{size}.yaml",
                         "--baseline", f"configs/transformer-{size}.yaml",
                         "--set", "train.batch_size=8", f"model.num_layers={layers}",
-                        "mesh.data=1", "mesh.fsdp=-1", "--diff-set", "model.attention_impl=pallas",
-                        "--baseline-set", "model.attention_impl=auto", "--no-data",
+                        "mesh.data=1", "mesh.fsdp=-1",
+                        "--diff-set", "model.attention_impl=pallas", *diff_set,
+                        "--baseline-set", "model.attention_impl=auto", *base_set, "--no-data",
                         *([] if segments else ["--no-segment-ids"]),
                         "--steps", "10", "--out", str(parts / f"train_step_{name}")],
                         left() - 5, log, stub or "")
                     run["result"] = _read(parts / f"train_step_{name}.json")
+                    run["summary_d"] = d
                     r["runs"].append(run)
                     r["status"] = "ok" if all(x["status"] == "ok" for x in r["runs"]) else "partial"
             elif stage == "replicate":
@@ -253,15 +308,15 @@ def main(argv=None) -> int:
             else:
                 r = {"stage": stage, "status": "unknown stage"}
             report["stages"].append(r)
+            report["summary"] = summary(report, previous)
             (out / "session.json").write_text(json.dumps(report, indent=1, default=str))
 
     md = ["# Hopper session: Mosaic GPU differential kernel", ""]
     md += [f"- {r['stage']}: {r['status']} ({r.get('seconds', 0)} s)" for r in report["stages"]]
-    if report.get("summary"):
-        md += ["", "## Summary (T = 4096)", "", "```json",
-               json.dumps(report["summary"], indent=1), "```"]
+    md += ["", "## Summary (T = 4096)", "", "```json",
+           json.dumps(summary(report, previous), indent=1), "```"]
     for name in ("attention_check.md", "attention_tune.md", "attention_bench.md",
-                 "train_step_1.4b.md", "train_step_1.4b_causal.md", "train_step_830m.md"):
+                 *(f"train_step_{run[0]}.md" for run in TRAIN_RUNS)):
         if (parts / name).exists():
             md += ["", (parts / name).read_text()]
     (out / "session.md").write_text("\n".join(md) + "\n")

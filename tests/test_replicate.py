@@ -390,6 +390,66 @@ def test_gpu_session_records_stages_skipped_for_time_in_session_json(tmp_path):
                for r in report["stages"])
 
 
+def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypatch):
+    """The session's summary has the issue's shape, {"device", "jax", "d64": {fused over cuDNN
+    and over two Tokamax calls, forward and backward TFLOP/s, train-step DIFF/Transformer},
+    "d128": ...}, every field None until measured. The train stage times a d = 64 pair (830M
+    at 12 DIFF heads against 24: it had only d = 128 and 96, so d64's train ratio could never
+    be filled), and the second call (env, train) given the first call's session.json as
+    --previous holds the whole summary. Stages are faked (no GPU here): each writes the JSON
+    its real script would."""
+    import json
+    import sys
+
+    from diff_jax.config import load_config
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import hopper_session
+
+    root = Path(__file__).resolve().parents[1]
+    for name, size, layers, segments, diff_set, base_set, d in hopper_session.TRAIN_RUNS:
+        if d is not None:  # the summary's runs are the twins at that width, with segment ids
+            diff = load_config(root / f"configs/diff-{size}.yaml", diff_set).model
+            base = load_config(root / f"configs/transformer-{size}.yaml", base_set).model
+            assert segments and diff.embed_dim // (2 * diff.num_heads) == d
+            assert base.embed_dim // base.num_heads == d
+    assert {d for *_, d in hopper_session.TRAIN_RUNS} >= set(hopper_session.SUMMARY_DIMS)
+
+    def fake_run(name, cmd, limit, log, extra_path="", grace=20.0):
+        env = {"jax": "0.11.2", "backend": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"}
+        if "--bench" in cmd:
+            entry = {"fused_over_cudnn_baseline": 0.9, "fused_over_tokamax_two_calls": 0.8,
+                     "fwd_tflops": 300.0, "bwd_tflops": 200.0, "fused_backend": "mosaic_gpu"}
+            bench = {"device": env["device_kind"], "jax": "0.11.2", "T": 4096,
+                     "d64": entry, "d128": entry | {"fwd_tflops": None}}
+            out = Path(cmd[cmd.index("--out") + 1])
+            (out / "attention_bench.json").write_text(json.dumps({"summary": bench}))
+        elif name.startswith("train"):
+            out = Path(cmd[cmd.index("--out") + 1])
+            ratio = 1.1 if "1.4b" in name else 1.2
+            Path(f"{out}.json").write_text(json.dumps(
+                {"diff_over_transformer_step_time": ratio}))
+        return {"stage": name, "status": "ok", "seconds": 0.0,
+                "tail": "ENV " + json.dumps(env) + "\n"}
+
+    monkeypatch.setattr(hopper_session, "_run", fake_run)
+    first, second = tmp_path / "first", tmp_path / "second"
+    hopper_session.main(["--out", str(first), "--stages", "env,bench"])
+    got = json.loads((first / "session.json").read_text())["summary"]
+    fields = set(hopper_session.SUMMARY_FIELDS)
+    assert got["device"] == "NVIDIA H100 80GB HBM3" and got["jax"] == "0.11.2"
+    assert fields <= set(got["d64"]) and fields <= set(got["d128"])
+    assert got["d64"]["fwd_tflops"] == 300.0 and got["d128"]["fwd_tflops"] is None
+    assert got["d64"]["train_step_diff_over_transformer"] is None
+    hopper_session.main(["--out", str(second), "--stages", "env,train",
+                         "--previous", str(first / "session.json")])
+    got = json.loads((second / "session.json").read_text())["summary"]
+    assert got["d64"]["train_step_diff_over_transformer"] == 1.2
+    assert got["d128"]["train_step_diff_over_transformer"] == 1.1
+    assert got["d64"]["fused_over_cudnn_baseline"] == 0.9 and got["d128"]["bwd_tflops"] == 200.0
+    assert '"train_step_diff_over_transformer": 1.2' in (second / "session.md").read_text()
+
+
 def test_gpu_session_stops_a_stage_gracefully_and_copies_only_small_replication_files(tmp_path,
                                                                                      monkeypatch):
     """benchmarks/hopper_session.py: a stage past its limit gets SIGTERM first (a training loop

@@ -94,6 +94,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET = {"env": 40, "check": 170, "tune": 150, "bench": 200}
 GPU_STAGES = ("check", "tune", "bench", "train", "replicate")  # skipped when env finds no GPU
+STAGES = ("env", *GPU_STAGES)
 TOTAL = 570  # seconds for all stages: under the device tool's 600 s per command
 # (name, config size, layers, segment ids, DIFF and Transformer overrides, d of the summary)
 TRAIN_RUNS = (("1.4b", "1.4b", 8, True, [], [], 128),
@@ -224,6 +225,11 @@ def main(argv=None) -> int:
                    help="an earlier call's session.json, whose summary fills what this call "
                         "does not measure")
     args = p.parse_args(argv)
+    stages = args.stages.split(",")
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:  # before any stage runs: a typo would cost the call its device time
+        p.error(f"--stages: unknown stage(s) {', '.join(map(repr, unknown))}; expected a comma "
+                f"list of {', '.join(STAGES)}")
     previous = None
     if args.previous is not None:
         previous = (_read(args.previous) or {}).get("summary")
@@ -233,7 +239,6 @@ def main(argv=None) -> int:
     parts = out / "parts"
     parts.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    stages = args.stages.split(",")
     py = sys.executable
     bench = [py, "benchmarks/attention.py", "--out", str(parts)]
     stub = _xprof_stub(Path("/tmp/diff_jax_xprof_stub"))
@@ -299,14 +304,12 @@ def main(argv=None) -> int:
                     run["summary_d"] = d
                     r["runs"].append(run)
                     r["status"] = "ok" if all(x["status"] == "ok" for x in r["runs"]) else "partial"
-            elif stage == "replicate":
+            else:  # replicate
                 r = _run("replicate", [py, "-m", "diff_jax.experiments.replicate", "--preset",
                                        "gpu-medium", "--seeds", "1", "--inits", "scaled",
                                        "--out", str(GPU_MEDIUM)], left() - 30, log, stub or "")
                 r["status"] = "done" if (GPU_MEDIUM / "results.json").exists() else r["status"]
                 r["copied"] = _copy_replication(GPU_MEDIUM, out / "gpu-medium")
-            else:
-                r = {"stage": stage, "status": "unknown stage"}
             report["stages"].append(r)
             report["summary"] = summary(report, previous)
             (out / "session.json").write_text(json.dumps(report, indent=1, default=str))

@@ -450,6 +450,21 @@ def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypa
     assert '"train_step_diff_over_transformer": 1.2' in (second / "session.md").read_text()
 
 
+def test_gpu_session_refuses_an_unknown_stage_before_running_any(tmp_path, capsys):
+    """A misspelt --stages name is refused at once, naming it and the stages there are, instead
+    of running the others (minutes of the call's device time) and recording 'unknown stage'."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import hopper_session
+
+    with pytest.raises(SystemExit) as e:
+        hopper_session.main(["--out", str(tmp_path / "out"), "--stages", "env,trian"])
+    assert e.value.code == 2 and not (tmp_path / "out").exists()
+    assert ("--stages: unknown stage(s) 'trian'; expected a comma list of env, check, tune, "
+            "bench, train, replicate") in capsys.readouterr().err
+
+
 def test_gpu_session_stops_a_stage_gracefully_and_copies_only_small_replication_files(tmp_path,
                                                                                      monkeypatch):
     """benchmarks/hopper_session.py: a stage past its limit gets SIGTERM first (a training loop

@@ -518,12 +518,14 @@ def _kv_step_mask(ops, shape, row0, k0, slot, *, boundary, causal, qs, ks_bar, k
 
 def _kv_range(row0, rows, *, causal, bk, n_kv, kv_len):
     """For query rows [row0, row0 + rows): kv steps [0, lo) are interior (no causal or length
-    mask; segment ids, where given, still mask them), [lo, hi) the boundary that needs those."""
+    mask; segment ids, where given, still mask them), [lo, hi) the boundary that needs those.
+    An interior tile holds only real keys (below kv_len) and, when causal, only keys at or
+    before row0: with fewer keys than queries (S < T) the last tile of keys is a boundary one
+    even for query rows past it."""
     hi = jnp.minimum(n_kv, pl.cdiv(row0 + rows, bk)) if causal else jnp.int32(n_kv)
+    lo = jnp.int32(kv_len // bk)
     if causal:
-        lo = (row0 + 1) // bk
-    else:
-        lo = jnp.int32(kv_len // bk)
+        lo = jnp.minimum(lo, (row0 + 1) // bk)
     return jnp.minimum(lo, hi), hi
 
 

@@ -95,6 +95,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BUDGET = {"env": 40, "check": 170, "tune": 150, "bench": 200}
 GPU_STAGES = ("check", "tune", "bench", "train", "replicate")  # skipped when env finds no GPU
 STAGES = ("env", *GPU_STAGES)
+SMI_SECONDS = 30  # nvidia-smi hangs on a wedged driver
 TOTAL = 570  # seconds for all stages: under the device tool's 600 s per command
 # (name, config size, layers, segment ids, DIFF and Transformer overrides, d of the summary)
 TRAIN_RUNS = (("1.4b", "1.4b", 8, True, [], [], 128),
@@ -258,10 +259,14 @@ def main(argv=None) -> int:
             elif stage == "env":
                 r = _run("env", [py, "-c", ENV_PROBE], limit, log, stub or "")
                 if shutil.which("nvidia-smi"):
-                    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,"
-                                          "memory.total,clocks.sm,clocks.max.sm",
-                                          "--format=csv"], capture_output=True, text=True)
-                    r["nvidia_smi"] = smi.stdout.strip()
+                    try:
+                        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,"
+                                              "memory.total,clocks.sm,clocks.max.sm",
+                                              "--format=csv"], capture_output=True, text=True,
+                                             timeout=SMI_SECONDS)
+                        r["nvidia_smi"] = smi.stdout.strip()
+                    except subprocess.TimeoutExpired:  # a wedged driver: recorded, not waited on
+                        r["nvidia_smi"] = f"timed out after {SMI_SECONDS} s"
                 lines = [x for x in r["tail"].splitlines() if x.startswith("ENV ")]
                 r["env"] = json.loads(lines[-1][4:]) if lines else None
                 backend = (r["env"] or {}).get("backend")

@@ -354,8 +354,10 @@ def test_gpu_session_without_a_gpu_skips_the_gpu_stages(tmp_path, monkeypatch):
     """benchmarks/hopper_session.py where jax sees no GPU (here the CPU; on the lent machine a
     CUDA plugin that failed to load): the env stage records the backend and the GPU stages are
     recorded as skipped, instead of running on the CPU until their time limits (the whole
-    call's device time) and recording timeouts."""
+    call's device time) and recording timeouts. An nvidia-smi that hangs is recorded as
+    timed out, not waited on for ever (the call would end with nothing recorded)."""
     import json
+    import os
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -363,14 +365,23 @@ def test_gpu_session_without_a_gpu_skips_the_gpu_stages(tmp_path, monkeypatch):
 
     for stage, limit in (("env", 120), ("check", 20), ("tune", 20), ("bench", 20)):
         monkeypatch.setitem(hopper_session.BUDGET, stage, limit)
-    assert hopper_session.main(["--out", str(tmp_path), "--stages", "env,check,tune,bench"]) == 0
-    report = json.loads((tmp_path / "session.json").read_text())
+    # an nvidia-smi that hangs (a wedged driver) is given SMI_SECONDS, not waited on for ever
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\nsleep 60\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(hopper_session, "SMI_SECONDS", 1)
+    out = tmp_path / "out"
+    assert hopper_session.main(["--out", str(out), "--stages", "env,check,tune,bench"]) == 0
+    report = json.loads((out / "session.json").read_text())
     env, *gpu = report["stages"]
     assert env["status"] == "ok" and env["env"]["backend"] == "cpu"
+    assert env["nvidia_smi"] == "timed out after 1 s"
     assert [r["stage"] for r in gpu] == ["check", "tune", "bench"]
     assert all(r["status"] == "skipped: no GPU (the env stage found jax's backend 'cpu')"
                for r in gpu), gpu
-    assert "- check: skipped: no GPU" in (tmp_path / "session.md").read_text()
+    assert "- check: skipped: no GPU" in (out / "session.md").read_text()
 
 
 def test_gpu_session_records_stages_skipped_for_time_in_session_json(tmp_path):

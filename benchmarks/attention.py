@@ -24,7 +24,8 @@ fused forward and backward TFLOP/s.
 Modes: default / --bench (GPU benchmark), --check (GPU correctness of the real lowerings vs the
 oracle), --tune (GPU sweep of the Mosaic kernel's tiles at --tune-t; --tune-write records the
 best per d in kernels/tuning/mosaic_gpu.json), --smoke (tiny shapes, CPU interpreter, for the
-tests). --deadline stops starting new measurements after that many seconds (recorded).
+tests). --deadline stops starting new measurements after that many seconds (recorded), as does
+SIGTERM (the measurement in flight finishes; the JSON and markdown are written).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import sys
 import time
@@ -72,13 +74,17 @@ SUMMARY_T = 4096
 
 
 class Deadline:
-    """Seconds left before `limit` (None: no limit); stages check it before starting work."""
+    """Seconds left before `limit` (None: no limit); stages check it before starting work.
+    `stop` (a signal handler) makes it pass at once."""
 
     def __init__(self, limit: float | None):
         self.end = None if limit is None else time.monotonic() + limit
 
     def passed(self) -> bool:
         return self.end is not None and time.monotonic() > self.end
+
+    def stop(self, *_) -> None:
+        self.end = time.monotonic() - 1.0
 
 
 def _diff_layout(h: int, d: int, hkv: int | None = None) -> HeadLayout:
@@ -516,10 +522,20 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=str, default=str(RESULTS))
     p.add_argument("--tag", type=str, default="")
     args = p.parse_args(argv)
+    deadline = Deadline(args.deadline)
+    # SIGTERM (the GPU session's stage limit) stops starting measurements; the one in flight
+    # finishes and what was measured is written, as at --deadline.
+    before = signal.signal(signal.SIGTERM, deadline.stop)
+    try:
+        return _modes(args, deadline)
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
+
+def _modes(args, deadline: Deadline) -> dict:
+    """`main`'s work for parsed `args`: the modes asked for, then the JSON and markdown."""
     triton_blocks = BlockSizes(*[int(x) for x in args.block.split(",")]) if args.block else None
     on_gpu = jax.default_backend() == "gpu"
-    deadline = Deadline(args.deadline)
     head_dims = [int(x) for x in args.head_dims.split(",")]
     env = environment() | {"triton_block_sizes": dataclasses.asdict(triton_blocks)
                            if triton_blocks else None,

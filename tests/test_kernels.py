@@ -493,6 +493,43 @@ def test_benchmark_smoke(tmp_path):
     assert result["ratios"]
 
 
+def test_benchmark_stops_on_sigterm_and_writes_what_it_measured(tmp_path, monkeypatch):
+    """The GPU session stops a stage past its limit with SIGTERM: benchmarks/attention.py then
+    starts no new measurement, finishes the one in flight and writes its JSON (whose loss lost
+    the stage's record: the session reads that JSON), and gives the handler back."""
+    import json
+    import os
+    import signal
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attention as bench
+
+    seen = []
+    signal.signal(signal.SIGTERM, lambda *_: seen.append("test"))  # not the default kill
+    mine = signal.getsignal(signal.SIGTERM)
+    measure = bench.bench_one
+
+    def term_then_measure(*args, **kwargs):
+        if not seen:
+            seen.append("sent")
+            os.kill(os.getpid(), signal.SIGTERM)
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "bench_one", term_then_measure)
+    try:
+        bench.main(["--smoke", "--out", str(tmp_path)])
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    data = json.loads((tmp_path / "attention_smoke.json").read_text())
+    first, *rest = data["bench"]
+    assert first["variant"] == "fused" and first["total_ms"] > 0
+    assert rest and all(r.get("error") == "skipped: deadline" for r in rest), rest
+    assert data["memory"] == [] and seen == ["sent"]
+
+
 @pytest.mark.parametrize("nc,h,hkv", [(2, 4, 2), (2, 2, 1), (1, 4, 2)])
 def test_decode_attention_reads_only_the_filled_cache(nc, h, hkv):
     """One query per row over the first lengths[b] cache entries equals the oracle (keys of the

@@ -18,7 +18,7 @@ until their limits:
          and the gradients of q, k, v and λ; each row names its kernel and any
          DeprecationWarning its compile raised; two more cases run the dK/dV schedule
          that "auto" does not pick and the forward without ping-pong, at d = 64 and 128;
-                                                                                     ≤ 170 s
+         the Mosaic cases run first, so its deadline cuts Triton's;                  ≤ 170 s
   tune   `--tune --tune-write` at T = 4096 for d = 64 and 128: 4 forward tile settings each
          and the best with ping-pong switched, 4 backward ones, then the best backward under
          the other dK/dV schedule ("rows" or "split") and under the other dQ schedule; the best

@@ -18,7 +18,7 @@ import pytest
 from jax import export
 
 import kernels
-from kernels import BlockSizes, cost, flash
+from kernels import BlockSizes, cost, flash, flash_mgpu
 from kernels.flash import flash_attention
 
 F32_TOL, BF16_TOL = 1e-5, 2e-2
@@ -491,6 +491,24 @@ def test_benchmark_smoke(tmp_path):
     assert data["memory"][0]["fused_bytes"] > 0 and data["env"]["jax"] == jax.__version__
     assert "| fused |" in (tmp_path / "attention_smoke.md").read_text()
     assert result["ratios"]
+
+
+def test_gpu_check_runs_the_mosaic_cases_first():
+    """attention.py --check stops at its deadline (the GPU session's check stage runs ~12
+    compiles in 140 s): the cases the Mosaic kernel takes on Hopper, the schedules --tune
+    compares among them, come before the Triton fallback's, which were last-but-two and so
+    the first a deadline skipped."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attention as bench
+
+    mosaic = [flash_mgpu.supports(dtype, d, 2) for _, _, _, _, d, _, _, dtype, *_ in
+              bench.CHECK_CASES]
+    assert mosaic == sorted(mosaic, reverse=True) and 0 < sum(mosaic) < len(mosaic)
+    schedules = [n for n, case in enumerate(bench.CHECK_CASES) if len(case) == 10]
+    assert len(schedules) == 2 and all(mosaic[n] for n in schedules)
 
 
 def test_benchmark_stops_on_sigterm_and_writes_what_it_measured(tmp_path, monkeypatch):

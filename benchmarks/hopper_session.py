@@ -272,7 +272,7 @@ def main(argv=None) -> int:
                 backend = (r["env"] or {}).get("backend")
                 if backend != "gpu":
                     no_gpu = (f"no GPU (the env stage found jax's backend {backend!r})" if backend
-                              else "no GPU (the env stage could not import jax: see its tail)")
+                              else "no GPU known (the env probe failed: see its tail)")
             elif stage == "check":
                 r = _run("check", bench + ["--check", "--tag", "check", "--deadline",
                                            str(limit - 30)], limit, log, stub or "")

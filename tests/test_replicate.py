@@ -382,6 +382,13 @@ def test_gpu_session_without_a_gpu_skips_the_gpu_stages(tmp_path, monkeypatch):
     assert all(r["status"] == "skipped: no GPU (the env stage found jax's backend 'cpu')"
                for r in gpu), gpu
     assert "- check: skipped: no GPU" in (out / "session.md").read_text()
+    # an env probe that fails (here at once; on a GPU, e.g. kernels failing to import) names
+    # itself, not jax, as the reason
+    monkeypatch.setattr(hopper_session, "ENV_PROBE", "raise SystemExit('probe broke')")
+    hopper_session.main(["--out", str(tmp_path / "broken"), "--stages", "env,check"])
+    env, check = json.loads((tmp_path / "broken" / "session.json").read_text())["stages"]
+    assert env["status"] == "exit 1" and "probe broke" in env["tail"]
+    assert check["status"] == "skipped: no GPU known (the env probe failed: see its tail)"
 
 
 def test_gpu_session_records_stages_skipped_for_time_in_session_json(tmp_path):

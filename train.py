@@ -6,7 +6,8 @@ another). train.compile_only=true compiles the step instead, for the local devic
 train.compile_topology, for a TPU slice (v5p:4x4x4, libtpu installed) or H100s (h100:8, the
 cuda-aot extra installed). Exit status: 0 done, 2 bad input (config, data, sharding, a
 refused or damaged checkpoint, a file that cannot be read or written, e.g. in train.run_dir; the
-same as eval.py and python -m diff_jax.export), 1 diverged.
+same as eval.py and python -m diff_jax.export), 1 diverged, 130 stopped at once by Ctrl-C (before
+training began, or pressed a second time: the first one finishes the step, saves it and exits 0).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from diff_jax.config import ConfigError, load_config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C stopped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     except train_loop.RUN_ERRORS as e:
         run_dir = config.train.run_dir
         return train_loop.report(e, [(f"train.run_dir={run_dir}", run_dir)])
+    except KeyboardInterrupt:  # Ctrl-C before training began, or pressed twice
+        print(f"interrupted: stopped at once; the checkpoints already committed in "
+              f"{config.train.run_dir}/checkpoints are kept (re-run to resume from the newest)",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 

@@ -94,10 +94,20 @@ def initialize_distributed(cfg: DistributedConfig) -> None:
 
 
 @contextlib.contextmanager
-def _stop_signals() -> Iterator[list[str]]:
-    """Catches SIGTERM/SIGINT into a flag list for the duration (main thread only)."""
+def _stop_signals(say: Callable[[str], None]) -> Iterator[list[str]]:
+    """Catches SIGTERM/SIGINT into a flag list for the duration (main thread only), saying what
+    happens next. A second SIGINT (Ctrl-C pressed again) raises KeyboardInterrupt at once: the
+    step in flight is not saved, and the checkpoints already committed stay as they are."""
     caught: list[str] = []
-    handler = lambda signum, _frame: caught.append(signal.Signals(signum).name)  # noqa: E731
+
+    def handler(signum: int, _frame: Any) -> None:
+        if signum == signal.SIGINT and caught:
+            raise KeyboardInterrupt
+        caught.append(signal.Signals(signum).name)
+        say(f"{caught[0]} received: finishing the step in flight, then saving it and exiting"
+            + (" (Ctrl-C again stops at once, without saving it)" if signum == signal.SIGINT
+               else ""))
+
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield caught
@@ -246,7 +256,7 @@ def run(config: Config) -> RunResult:
         loop = _Loop(config, mngr, writer, progress, step_fn, eval_fn, validation, flops, bsh,
                      held_out=inputs.validation)
         try:
-            with _stop_signals() as caught:
+            with _stop_signals(progress.message) as caught:
                 return loop.run(state, inputs.train, start, caught)
         finally:
             mngr.wait_until_finished()

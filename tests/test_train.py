@@ -35,8 +35,8 @@ def _ckpt_steps(run_dir: Path) -> list[int]:
 
 
 def _interrupt_at(monkeypatch, step: int, how: str, error: Exception | None = None) -> None:
-    """Make the loop's `step`-th batch of this invocation send SIGTERM or crash (with `error`,
-    else a RuntimeError)."""
+    """Make the loop's `step`-th batch of this invocation send SIGTERM, SIGINT twice (Ctrl-C
+    pressed again) or crash (with `error`, else a RuntimeError)."""
     real, calls = train_loop._global, []
 
     def fake(local, sharding):
@@ -44,6 +44,9 @@ def _interrupt_at(monkeypatch, step: int, how: str, error: Exception | None = No
         if len(calls) == step:
             if how == "sigterm":
                 os.kill(os.getpid(), signal.SIGTERM)
+            elif how == "sigint twice":
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
             else:
                 raise error or RuntimeError("simulated crash")
         return real(local, sharding)
@@ -91,6 +94,22 @@ def test_crash_at_25_resumes_from_20_to_the_same_step_30(corpus, tmp_path, monke
     resumed = _metrics(tmp_path)
     for key in COMPARED:
         np.testing.assert_array_equal(resumed[30][key], uninterrupted[30][key], err_msg=key)
+
+
+def test_ctrl_c_twice_stops_at_once_keeping_the_committed_checkpoints(corpus, tmp_path, monkeypatch,
+                                                                     capsys):
+    """The first Ctrl-C says it will save the step in flight; a second one stops at once (exit
+    130, one line) without saving it, and the steps already committed are kept."""
+    _interrupt_at(monkeypatch, 15, "sigint twice")
+    assert train_main(["--config", _config_file(corpus, tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert ("SIGINT received: finishing the step in flight, then saving it and exiting (Ctrl-C "
+            "again stops at once, without saving it)") in err
+    assert err.strip().splitlines()[-1] == (
+        f"interrupted: stopped at once; the checkpoints already committed in {tmp_path / 'run'}"
+        "/checkpoints are kept (re-run to resume from the newest)")
+    assert _ckpt_steps(tmp_path / "run") == [10]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_restore_onto_another_mesh_and_refuse_other_shapes(corpus, tmp_path, monkeypatch, uninterrupted):

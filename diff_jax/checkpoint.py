@@ -35,9 +35,13 @@ import orbax.checkpoint as ocp
 
 from diff_jax.config import CheckpointConfig, Config
 from diff_jax.file_errors import naming
+from diff_jax.output_dir import write_whole
 
 CHECKSUM_ALGORITHM = "fmix32-sum-x2"  # recorded with the checksums: what `array_checksums` computes
 DAMAGED_DIR = "damaged_checkpoints"  # beside checkpoints/: where a resume sets damaged steps aside
+# Beside checkpoints/ while `checkpoint.discard_later` deletes the steps after the one it holds,
+# so that deletion, interrupted, is finished by the next resume before it picks a step.
+DISCARD_FILE = "discarding_after"
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +306,41 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def _discard_after(mngr: ocp.CheckpointManager, step: int) -> None:
+    """Delete every step after `step`, recording `step` in `<run_dir>/discarding_after` until
+    all are gone: a run killed part-way leaves the record, and its next resume finishes the
+    deletion (`_finish_discard`) instead of resuming from a step that was to be discarded."""
+    journal = Path(mngr.directory).parent / DISCARD_FILE
+    if jax.process_index() == 0:
+        write_whole(journal, f"{step}\n")
+    _sync("diff_jax_discard_recorded")
+    for s in sorted(mngr.all_steps(), reverse=True):
+        if s > step:
+            mngr.delete(s)
+    _sync("diff_jax_discarded")
+    if jax.process_index() == 0:
+        journal.unlink()
+    _sync("diff_jax_discard_done")
+    mngr.reload()
+
+
+def _finish_discard(mngr: ocp.CheckpointManager, say: Callable[[str], None]) -> None:
+    """Finish a `checkpoint.discard_later` deletion that a kill or crash interrupted."""
+    journal = Path(mngr.directory).parent / DISCARD_FILE
+    if not journal.is_file():
+        return
+    text = journal.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{journal}: expected the step number an interrupted "
+                              f"checkpoint.discard_later=true deletes after, found {text[:40]!r}; "
+                              "delete the file once the checkpoints are as you want them")
+    step = int(text)
+    later = [s for s in sorted(mngr.all_steps()) if s > step]
+    _discard_after(mngr, step)
+    say(f"deleted checkpoints {later}: finishing checkpoint.discard_later=true after step {step}, "
+        "which an earlier run began and did not complete")
+
+
 def resume(mngr: ocp.CheckpointManager, cfg: CheckpointConfig, target: Any,
            data_iter: grain.DatasetIterator,
            say: Callable[[str], None]) -> tuple[int | None, Any, dict | None]:
@@ -311,9 +350,11 @@ def resume(mngr: ocp.CheckpointManager, cfg: CheckpointConfig, target: Any,
     With `cfg.resume_step` unset: the newest step that reads and verifies; each damaged newer step
     is reported through `say` and moved to `<run_dir>/damaged_checkpoints/` (when no step verifies,
     nothing is moved and `CheckpointError` says why). With it set: that step, which must verify;
-    later steps are deleted only with `cfg.discard_later`, else refused. Every process reaches the
+    later steps are deleted only with `cfg.discard_later`, else refused (a deletion that was
+    interrupted is finished first, before a step is picked). Every process reaches the
     same verdict: the checksums are global values, and read failures are agreed on.
     """
+    _finish_discard(mngr, say)
     steps = sorted(mngr.all_steps())
     where = Path(mngr.directory)
     if cfg.resume_step is not None:
@@ -327,9 +368,8 @@ def resume(mngr: ocp.CheckpointManager, cfg: CheckpointConfig, target: Any,
                                   f"{later}; add checkpoint.discard_later=true to delete them and "
                                   f"continue from step {step}")
         state, saved = restore(mngr, step, target, data_iter)
-        for s in later:
-            mngr.delete(s)
         if later:
+            _discard_after(mngr, step)
             say(f"deleted checkpoints {later} (checkpoint.discard_later=true)")
         return step, state, saved
     damaged: list[tuple[int, str]] = []  # set aside only once an intact step is found

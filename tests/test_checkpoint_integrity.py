@@ -195,6 +195,29 @@ def test_divergence_saves_only_finite_steps_and_a_sane_rerun_completes(corpus, r
     assert rows == list(range(1, 13))
 
 
+def test_a_discard_that_was_interrupted_is_finished_by_the_next_resume(corpus, run20, tmp_path,
+                                                                      monkeypatch, capsys):
+    """`resume_step=10 discard_later=true` killed before step 20 is deleted: the next run, without
+    those settings, finishes the deletion and resumes from step 10, not from step 20."""
+    run = _copy(run20, tmp_path)
+
+    def killed(self, step):
+        raise RuntimeError("killed while deleting")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "delete", killed)
+    with pytest.raises(RuntimeError, match="killed while deleting"):
+        train_loop.run(tiny_config(corpus, run, "train.steps=12", "checkpoint.resume_step=10",
+                                   "checkpoint.discard_later=true"))
+    assert _ckpt_steps(run) == [10, 20]
+    monkeypatch.undo()
+    capsys.readouterr()
+    result = train_loop.run(tiny_config(corpus, run, "train.steps=12"))
+    assert (result.status, result.step) == ("done", 12) and _ckpt_steps(run) == [10, 12]
+    assert ("deleted checkpoints [20]: finishing checkpoint.discard_later=true after step 10, "
+            "which an earlier run began and did not complete") in capsys.readouterr().err
+    assert not (run / "discarding_after").exists()
+
+
 def test_refused_resume_leaves_config_yaml_byte_identical(corpus, run20, tmp_path):
     run = _copy(run20, tmp_path)
     record = (run / "config.yaml").read_bytes()

@@ -4,10 +4,11 @@ of a run's record (`config.yaml`, `metrics.jsonl`) replaced whole or not at all 
 
 The output is written into a hidden sibling directory and renamed into place when complete, so a
 failed or interrupted write leaves no half-written or empty directory and never touches the one
-already there. An existing non-empty directory is replaced only with `--overwrite`, and only when
-it holds the command's own marker file (a previous output of the same kind) and nothing that
-output does not write (another export or corpus nested in it, a user's file), which replacing
-would delete.
+already there; what a killed write left beside it is tidied before the next write of the same
+output is judged (`refusal`). An existing non-empty directory is replaced only with
+`--overwrite`, and only when it holds the command's own marker file (a previous output of the
+same kind) and nothing that output does not write (another export or corpus nested in it, a
+user's file), which replacing would delete.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ def refusal(out: Path, overwrite: bool, marker: str, kind: str,
     `marker`: the file every output of this `kind` (e.g. "a diff_jax export") holds; a non-empty
     `out` without it is refused even with `overwrite`. `contents`: the names of every entry an
     output of this kind may hold (`marker` among them); with `overwrite`, an `out` holding any
-    other entry is refused, since replacing `out` would delete it."""
+    other entry is refused, since replacing `out` would delete it. What a killed earlier write of
+    `out` left beside it is tidied first (`_clear_leftovers`), so an output it had renamed aside
+    is back in place and judged as `out`."""
+    if out.parent.is_dir():
+        _clear_leftovers(out)
     if out.exists() and not out.is_dir():
         return "exists and is not a directory"
     if out.is_dir() and any(out.iterdir()):
@@ -63,6 +68,35 @@ def staged(out: Path) -> Iterator[Path]:
         raise _as_written_to(e, tmp, out) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _clear_leftovers(out: Path) -> None:
+    """Tidy what an earlier write of `out` killed part-way left beside it (a process that no longer
+    exists; a live one's is its work in progress): its staging directory `.<out>.partial-PID` is
+    removed, and its `.<out>.old-PID` (what `out` held, renamed aside just before the new output
+    took its place) is removed when `out` exists, or renamed back to `out` when the kill fell
+    between the two renames."""
+    prefix = f".{out.name}."
+    for entry in out.parent.iterdir():
+        kind, _, pid = entry.name[len(prefix):].rpartition("-")
+        if (not entry.name.startswith(prefix) or kind not in ("partial", "old")
+                or not pid.isdigit() or _alive(int(pid))):
+            continue
+        if kind == "old" and not out.exists():
+            entry.rename(out)
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process `pid` exists on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _as_written_to(error: OSError, tmp: Path, out: Path) -> OSError:

@@ -7,6 +7,7 @@ import errno
 import gzip
 import json
 import re
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -313,6 +314,32 @@ def test_a_write_failure_in_the_staged_corpus_names_out_dir(tmp_path, capsys, mo
     assert capsys.readouterr().err == (f"error: OUT_DIR {out}: {out / 'doc_starts.npy'}: No space "
                                        "left on device\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+def test_what_a_killed_prepare_left_is_tidied_by_the_next(tmp_path, capsys):
+    """A prepare killed part-way leaves its hidden staging directory (as large as the corpus); the
+    next prepare of that OUT_DIR removes it unless its process still runs, and puts back a corpus
+    that the kill caught renamed aside, between the two renames."""
+    src, out = _jsonl_source(tmp_path), tmp_path / "tokA"
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        for pid in (finished.pid, running.pid):
+            (tmp_path / f".tokA.partial-{pid}").mkdir()
+            (tmp_path / f".tokA.partial-{pid}" / "tokens.bin").write_bytes(b"x" * 100)
+        assert data_main(["prepare", src, str(out)]) == 0
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            ["src", "tokA", f".tokA.partial-{running.pid}"])
+    finally:
+        running.kill()
+        running.wait()
+    before = _files(out)
+    out.rename(tmp_path / f".tokA.old-{finished.pid}")  # killed between the two renames
+    capsys.readouterr()
+    assert data_main(["prepare", src, str(out)]) == 2
+    assert "already exists and is not empty" in capsys.readouterr().err
+    assert _files(out) == before and load(out).num_docs == 2
+
 
 def _jsonl_source(tmp_path, name="a.jsonl", texts=("first document", "second document")):
     (tmp_path / "src").mkdir(exist_ok=True)

@@ -219,7 +219,11 @@ def _pairs(shape: Shape) -> float:
     return shape.b * shape.h * shape.t * (shape.t + 1) / 2
 
 
-def bench_one(name, f, shape: Shape, dtype, *, reps: int, samples: int) -> dict:
+def bench_one(name, f, shape: Shape, dtype, *, reps: int, samples: int,
+              keep_outputs: bool = False) -> dict:
+    """Times of `f`'s forward and forward + backward on `shape`; with `keep_outputs`, also
+    `outputs`: (out, dq, dk, dv, dλ) from those compiled functions (for `tune`'s agreement check,
+    at no extra compile)."""
     q, k, v, do = _inputs(shape, dtype)
     lam = jnp.float32(LAM)
     fwd, step = _fwd_and_step(f)
@@ -227,10 +231,13 @@ def bench_one(name, f, shape: Shape, dtype, *, reps: int, samples: int) -> dict:
     t_tot = _time(step, (q, k, v, lam, do), reps=reps, samples=samples)
     t_bwd = t_tot - t_fwd
     ff, fb = (c * shape.d * _pairs(shape) for c in FLOPS_PER_PAIR[name])
-    return {"variant": name, "d": shape.d, "T": shape.t, "B": shape.b, "fwd_ms": t_fwd,
-            "bwd_ms": t_bwd,
-            "total_ms": t_tot, "fwd_tflops": ff / t_fwd / 1e9, "bwd_tflops": fb / t_bwd / 1e9,
-            "total_tflops": (ff + fb) / t_tot / 1e9}
+    row = {"variant": name, "d": shape.d, "T": shape.t, "B": shape.b, "fwd_ms": t_fwd,
+           "bwd_ms": t_bwd,
+           "total_ms": t_tot, "fwd_tflops": ff / t_fwd / 1e9, "bwd_tflops": fb / t_bwd / 1e9,
+           "total_tflops": (ff + fb) / t_tot / 1e9}
+    if keep_outputs:
+        row["outputs"] = (fwd(q, k, v, lam), *step(q, k, v, lam, do))
+    return row
 
 
 def peak_memory(f, shape: Shape, dtype) -> int | None:
@@ -384,7 +391,7 @@ def environment() -> dict:
 
 CHECK_COLS = ["case", "backend", "out", "dq", "dk", "dv", "dλ", "finite", "deprecations", "error"]
 TUNE_COLS = ["d", "stage", "tiles", "dkv", "fwd_ms", "total_ms", "fwd_tflops", "bwd_tflops",
-             "error"]
+             "vs_first", "error"]
 BENCH_COLS = ["variant", "d", "T", "B", "fwd_ms", "bwd_ms", "total_ms", "fwd_tflops", "bwd_tflops",
               "total_tflops", "error"]
 
@@ -446,17 +453,25 @@ def _gpu_name(kind: str) -> str:
     return m.group(1) if m else kind
 
 
+# How far the outputs and gradients of two tile settings may differ (relative norm) in `tune`:
+# the same bf16 computation summed in another order differs by ~1e-3; a masking or indexing bug
+# of one setting (the interpreter covers small shapes only) differs by far more.
+TUNE_AGREEMENT = 3e-2
+
+
 def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
     """Bounded sweep of the Mosaic kernel's tiles per d (bf16, causal, T = --tune-t): first the
     forward's (block_kv, stages), then the best of those with ping-pong switched, then the
     backward's (block_kv_dq, block_q_dkv) with the best forward, then the best backward under
     the dK/dV schedule its "auto" did not pick, then the best so far under the other dQ
-    schedule; tiles that do not fit shared memory are recorded as such. --tune-write stores the
-    best per d in the table."""
+    schedule; tiles that do not fit shared memory are recorded as such. Each setting's output
+    and gradients must agree with the first setting's to `TUNE_AGREEMENT` (`vs_first`), or it
+    is an error row and cannot win. --tune-write stores the best per d in the table."""
     rows = []
     for d in head_dims:
         shape = Shape(max(1, args.tokens // args.tune_t), args.tune_t, args.heads, d)
         base, _ = hopper.tiles_for(d, jnp.bfloat16)
+        first: list = []  # the outputs of the first setting that ran: what every later one matches
 
         def run(stage, tiles):
             r = {"d": d, "stage": stage, "tiles": hopper.tiles_text(tiles)}
@@ -465,10 +480,20 @@ def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
             try:
                 r["dkv"] = "split" if flash_mgpu.warpgroups(d, tiles)[2] else "rows"
                 f = variants(BlockSizes(mosaic_gpu=tiles), None, with_cudnn=False)["fused"]
-                m = bench_one("fused", f, shape, jnp.bfloat16, reps=3, samples=3)
+                m = bench_one("fused", f, shape, jnp.bfloat16, reps=3, samples=3,
+                              keep_outputs=True)
             except Exception as e:  # noqa: BLE001 - a config that does not fit or compile
                 return r | {"error": repr(e)[:300]}
-            return r | {k: m[k] for k in ("fwd_ms", "total_ms", "fwd_tflops", "bwd_tflops")}
+            r |= {k: m[k] for k in ("fwd_ms", "total_ms", "fwd_tflops", "bwd_tflops")}
+            if not first:
+                first.append(m["outputs"])
+                return r | {"vs_first": 0.0}
+            r["vs_first"] = max(_rel(a, b) for a, b in zip(m["outputs"], first[0]))
+            if not r["vs_first"] <= TUNE_AGREEMENT:  # NaN disagrees too
+                r["error"] = (f"disagrees with the first setting of d={d}: max relative "
+                              f"difference of out, dq, dk, dv, dλ {r['vs_first']:.3g} > "
+                              f"{TUNE_AGREEMENT}")
+            return r
 
         fwd_rows = [run("fwd", dataclasses.replace(base, block_kv=bk, stages=st, dkv="auto"))
                     for bk in (64, 128) for st in (2, 3)]

@@ -8,6 +8,7 @@ identities). Tolerances on ‖x−ref‖/‖ref‖: float32 inputs 1e-5 (observe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 
@@ -509,6 +510,52 @@ def test_gpu_check_runs_the_mosaic_cases_first():
     assert mosaic == sorted(mosaic, reverse=True) and 0 < sum(mosaic) < len(mosaic)
     schedules = [n for n, case in enumerate(bench.CHECK_CASES) if len(case) == 10]
     assert len(schedules) == 2 and all(mosaic[n] for n in schedules)
+
+
+def test_tune_refuses_a_setting_whose_results_disagree_and_records_the_best_agreeing(
+        tmp_path, monkeypatch):
+    """attention.py --tune picks tiles by speed on the GPU, where a wrong result of one setting
+    (the interpreter covers small shapes only) would be fastest and recorded: each setting's
+    output and gradients must match the first setting's. Here every setting is the oracle, one
+    is off by 10% and made the fastest: it is an error row, and the recorded tiles are another."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attention as bench
+
+    wrong = bench.hopper.tiles_text(dataclasses.replace(
+        bench.hopper.tiles_for(64, jnp.bfloat16)[0], block_kv=128, stages=2, dkv="auto"))
+
+    def oracle_variants(block_sizes, interpret, with_cudnn):
+        off = bench.hopper.tiles_text(block_sizes.mosaic_gpu) == wrong
+
+        def fused(q, k, v, lam):
+            return (1.1 if off else 1.0) * kernels.diff_attention(q, k, v, lam, impl="xla")
+
+        fused.off = off
+        return {"fused": fused}
+
+    measure = bench.bench_one
+
+    def wrong_is_fastest(name, f, shape, dtype, **kw):
+        row = measure(name, f, shape, dtype, **kw)
+        return row | ({"fwd_ms": 1e-3, "total_ms": 1e-3} if f.off else {})
+
+    recorded = []
+    monkeypatch.setattr(bench, "variants", oracle_variants)
+    monkeypatch.setattr(bench, "bench_one", wrong_is_fastest)
+    monkeypatch.setattr(bench.hopper, "record", lambda kind, d, dtype, tiles, note:
+                        recorded.append(bench.hopper.tiles_text(tiles)))
+    args = argparse.Namespace(tokens=32, tune_t=16, heads=2, tune_write=True)
+    rows = bench.tune([64], args, bench.Deadline(None))
+    bad = [r for r in rows if r["tiles"] == wrong]
+    assert bad and all("disagrees with the first setting of d=64" in r["error"] for r in bad)
+    assert 0.05 < bad[0]["vs_first"] < 0.2
+    good = [r for r in rows if "error" not in r]
+    assert good and all(r["vs_first"] < 1e-6 for r in good)
+    assert len(recorded) == 1 and recorded[0] != wrong
 
 
 def test_benchmark_stops_on_sigterm_and_writes_what_it_measured(tmp_path, monkeypatch):

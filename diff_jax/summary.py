@@ -1,6 +1,7 @@
 """Model size and cost from a config, without allocating anything.
 
     python -m diff_jax.summary CONFIG [key=value ...]
+    python -m diff_jax.summary --config CONFIG [key=value ...]   # as train.py takes it
 
 prints one JSON object. Parameter counts come from `jax.eval_shape` of the real `init`.
 
@@ -18,6 +19,7 @@ equal model FLOPs, as the paper's matched comparison intends; the fused kernel's
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -90,14 +92,25 @@ def summarize(config: Config) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m diff_jax.summary CONFIG [key=value ...]`: print `summarize` as JSON; 2 on a
-    config error (one `error:` line)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip().splitlines()[0] + "\n\nusage: python -m diff_jax.summary CONFIG [key=value ...]")
-        return 0 if argv else 2
+    """`python -m diff_jax.summary [--config] CONFIG [key=value ...]`: print `summarize` as JSON;
+    2 on a config error (one `error:` line)."""
+    doc = __doc__.strip().splitlines()
+    parser = argparse.ArgumentParser(
+        prog="python -m diff_jax.summary", description=doc[0],
+        usage="python -m diff_jax.summary [--config] CONFIG [key=value ...]")
+    parser.add_argument("--config", help="YAML config file (or give it as the first argument)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="section.key=value overrides")
+    args = parser.parse_intermixed_args(argv)  # overrides before and after --config
+    overrides = args.overrides
+    if args.config is None:
+        if not overrides or "=" in overrides[0]:
+            parser.print_usage(sys.stderr)
+            print("error: no config file: give CONFIG or --config CONFIG", file=sys.stderr)
+            return 2
+        args.config, *overrides = overrides
     try:
-        config = load_config(argv[0], argv[1:])
+        config = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

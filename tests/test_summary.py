@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from diff_jax.config import ModelConfig, load_config
-from diff_jax.summary import flops_per_token, summarize
+from diff_jax.summary import flops_per_token, main, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMED = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9}
@@ -48,6 +48,18 @@ def test_cli_prints_json():
     bad = subprocess.run([sys.executable, "-m", "diff_jax.summary", "configs/diff-1.4b.yaml",
                           "model.num_heads=7"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "model.embed_dim" in bad.stderr
+
+
+def test_cli_takes_the_config_as_train_py_does(capsys):
+    """`--config FILE` (overrides before or after it) reads as the positional CONFIG does."""
+    config = str(ROOT / "configs/tiny.yaml")
+    runs = [[config, "model.num_layers=3"], ["--config", config, "model.num_layers=3"],
+            ["model.num_layers=3", "--config", config]]
+    for argv in runs:
+        assert main(argv) == 0
+        assert json.loads(capsys.readouterr().out)["layers"] == 3
+    assert main(["model.num_layers=3"]) == 2
+    assert "no config file" in capsys.readouterr().err
 
 
 def test_abstract_params_inside_a_mesh_context():

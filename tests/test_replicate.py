@@ -277,6 +277,13 @@ def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_init
         assert message in capsys.readouterr().err
 
 
+def test_help_names_the_command_the_readme_runs(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        replicate.main(["--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m diff_jax.experiments.replicate ")
+
+
 def test_an_output_directory_that_cannot_be_made_is_one_error_line(tmp_path, capsys):
     (tmp_path / "a-file").write_text("not a directory")
     out = tmp_path / "a-file" / "out"

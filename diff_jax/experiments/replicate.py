@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     """The command line above; returns the exit status: 0, 2 on bad input (config, data, a
     refused checkpoint, a file that cannot be written in DIR: one `error:` line, as train.py),
     1 when a model diverged (or, with --jobs > 1, a model's process failed otherwise)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m diff_jax.experiments.replicate",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
     parser.add_argument("--seeds", type=int, default=None,
                         help="number of seeds (0, 1, …); default: the preset's")

@@ -145,11 +145,15 @@ def run_reference(in_path: str, out_path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m diff_jax.interop run-reference IN.npz OUT.npz`; 0 on success, 1 on bad input
-    (one `error:` line), 2 on a usage error."""
+    """`python -m diff_jax.interop run-reference IN.npz OUT.npz`; 0 on success (and for
+    --help), 1 on bad input (one `error:` line), 2 on a usage error."""
     argv = sys.argv[1:] if argv is None else argv
+    usage = "usage: python -m diff_jax.interop run-reference IN.npz OUT.npz"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if len(argv) != 3 or argv[0] != "run-reference":
-        print("usage: python -m diff_jax.interop run-reference IN.npz OUT.npz", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     try:
         run_reference(argv[1], argv[2])

@@ -98,3 +98,14 @@ def test_run_reference_malformed_input(tmp_path):
         proc = _run(_npz(tmp_path / f"bad{i}.npz", **arrays), tmp_path / f"out{i}.npz")
         assert proc.returncode != 0 and needle in proc.stderr, (needle, proc.stderr)
         assert not (tmp_path / f"out{i}.npz").exists()
+
+
+def test_help_is_the_usage_and_exit_0(capsys):
+    """`--help` answers as every other command's does (usage on stdout, status 0); a wrong
+    command line stays a usage error (status 2)."""
+    from diff_jax.interop import main
+
+    assert main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python -m diff_jax.interop run-reference")
+    assert main(["run-reference", "IN.npz"]) == 2
+    assert capsys.readouterr().err.startswith("usage: ")

@@ -301,7 +301,6 @@ class _Loop:
             wait = time.perf_counter() - t0
             batch = _global(local, self.batch_sharding)
             state, metrics = self.step_fn(state, batch)
-            trace.after(s, metrics)
             done = [pending] if pending else []
             pending = (s, metrics, wait)
             boundary = (s == t.steps or s % ck.every_steps == 0 or bool(caught)
@@ -322,6 +321,9 @@ class _Loop:
                 row = step % t.log_every == 0 or step == t.steps or step == 1
                 if row or step == start + 1:
                     self._log(step, m, window, tokens_per_step, row=row)
+            # after the previous step's metrics are read: waiting for this step first would
+            # count its time as the previous step's and leave it none (tokens/s in the millions)
+            trace.after(s, metrics)
             if not boundary:
                 continue
             if t.eval_every and (s % t.eval_every == 0 or s == t.steps) and self.validation:

@@ -313,6 +313,32 @@ def test_a_profile_window_is_traced_when_the_run_resumes_inside_it_or_ends_befor
     assert result.step == 8 and len(_traces(tmp_path)) == 2
 
 
+def test_the_last_traced_step_keeps_its_own_step_time(corpus, tmp_path, monkeypatch):
+    """Ending the trace waits for the window's last step: that wait is its step time, not the
+    previous step's. A fake clock advances one second for each step the loop waits for (the
+    first wait on a step's outputs); every metrics row of the resumed run then has 1 s."""
+    train_loop.run(tiny_config(corpus, tmp_path, "train.steps=5", "checkpoint.every_steps=5"))
+    clock, waited = [0.0], set()
+
+    def waiting(real):
+        def wait(x):
+            out = real(x)
+            key = id(jax.tree.leaves(x)[0]) if jax.tree.leaves(x) else None
+            if key is not None and key not in waited:
+                waited.add(key)
+                clock[0] += 1.0
+            return out
+        return wait
+
+    monkeypatch.setattr(train_loop, "time", type("Clock", (), {"perf_counter": lambda: clock[0]}))
+    monkeypatch.setattr(train_loop.jax, "block_until_ready", waiting(jax.block_until_ready))
+    monkeypatch.setattr(train_loop.jax, "device_get", waiting(jax.device_get))
+    train_loop.run(tiny_config(corpus, tmp_path, "train.steps=7", "train.profile_start=6",
+                               "train.profile_steps=2", "checkpoint.every_steps=5"))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["step_time_s"]) for r in rows if r["step"] > 5] == [(6, 1.0), (7, 1.0)]
+
+
 def test_a_profile_window_before_the_resumed_step_is_reported_not_traced(corpus, tmp_path, capsys):
     train_loop.run(tiny_config(corpus, tmp_path, "train.steps=5", "checkpoint.every_steps=5"))
     train_loop.run(tiny_config(corpus, tmp_path, "train.steps=6", "train.profile_start=2",

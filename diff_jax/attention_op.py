@@ -17,8 +17,11 @@ to make on the side:
   heads over those of `act_heads` (whole DIFF heads per shard; replicated, with a warning, when
   those axes do not divide the heads), kv
   heads the same when those axes divide them and replicated otherwise (each shard then gathers
-  the kv groups its own heads read), λ replicated, the sequence unsharded. Without an explicit
-  mesh and rules the op reads the context ones (`jax.set_mesh`, `nn.logical_axis_rules`).
+  the kv groups its own heads read), λ replicated, the sequence unsharded. A mesh whose axes are
+  Explicit (`jax.make_mesh`'s default on jax ≥ 0.10) works too: the kernel's inputs are first
+  resharded (`jax.reshard`) onto those specs on its Explicit axes, as shard_map requires there.
+  Without a mesh and rules given, the op reads the context ones (`jax.set_mesh`,
+  `nn.logical_axis_rules`).
 - **Capture.** `capture=True` returns the attention logits and maps with the output (for
   `eval.py`'s analyses); it runs the xla path, since the maps are the O(T²) tensors the fused
   kernel never forms. `model.attn_logit_bits` (absmax fake-quantized logits) is xla-only too.
@@ -40,7 +43,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import kernels
 from diff_jax.config import AttentionImpl, ConfigError, ModelConfig
@@ -191,6 +194,10 @@ class AttentionOp:
             args.append(segment_ids)
             specs.append(P(batch_axes, None))
 
+        if _explicit_axes(mesh):  # shard_map takes an Explicit axis only where the type has it
+            args = [jax.reshard(x, NamedSharding(mesh, _on_axes(s, _explicit_axes(mesh))))
+                    for x, s in zip(args, specs)]
+
         def body(q, k, v, *rest):
             lam_l = rest[0] if lam is not None else None
             seg_l = rest[-1] if segment_ids is not None else None
@@ -200,6 +207,19 @@ class AttentionOp:
 
         return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=act,
                              check_vma=False)(*args)
+
+
+def _explicit_axes(mesh: Any) -> set[str]:
+    """The mesh axes of type Explicit (e.g. every axis of a `jax.make_mesh` mesh by default)."""
+    return {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+
+
+def _on_axes(spec: P, axes: set[str]) -> P:
+    """`spec` with only the mesh axes in `axes` (the others' entries dropped)."""
+    def keep(entry: Any) -> Any:
+        kept = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a in axes)
+        return kept or None
+    return P(*(None if e is None else keep(e) for e in spec))
 
 
 def _local_kv(q: jax.Array, k: jax.Array, v: jax.Array, nc: int, n_rep: int,

@@ -109,6 +109,30 @@ def test_odd_batch_and_mqa_heads_on_a_mesh_equal_the_unsharded_kernel():
     np.testing.assert_allclose(sharded, unsharded, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("types", ["explicit", "mixed"])
+def test_kernel_on_a_mesh_with_explicit_axes_equals_the_unsharded_oracle(types):
+    """`jax.make_mesh` gives Explicit axes by default; shard_map refuses inputs whose sharding
+    type does not match its specs there, so the op reshards them first (forward and gradients,
+    one kv head replicated and gathered per shard)."""
+    Ex, Au = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
+    axis_types = (Ex, Ex, Ex) if types == "explicit" else (Au, Ex, Ex)
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=axis_types)
+    _, op = _mesh_op("pallas", mesh)
+    ks = jax.random.split(jax.random.key(4), 3)
+    q = jax.random.normal(ks[0], (8, 16, 4, 16))
+    k = jax.random.normal(ks[1], (8, 16, 2, 16))
+    v = jax.random.normal(ks[2], (8, 16, 1, 32))
+    lam = jnp.float32(0.3)
+
+    def loss(op, *args):
+        return jnp.sum(op(*args)[0] ** 2)
+
+    grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4))
+    got = jax.jit(functools.partial(grad, op))(q, k, v, lam)
+    want = grad(AttentionOp(impl="xla"), q, k, v, lam)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-5), got, want)
+
+
 def _cfg(**kw) -> ModelConfig:
     return ModelConfig(embed_dim=256, num_heads=4, **kw)  # DIFF d = 32
 

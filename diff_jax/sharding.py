@@ -50,6 +50,22 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=types)
 
 
+def check_mesh(mesh: Mesh) -> None:
+    """Raise `ShardingError` unless `mesh` has the axes `AXES` and all its axes are Auto: the model's
+    logical-axis constraints assert shardings on Explicit axes (`jax.make_mesh`'s default)
+    instead of applying them."""
+    missing = [a for a in AXES if a not in mesh.axis_names]
+    if missing:
+        raise ShardingError(f"mesh axes {tuple(mesh.axis_names)} lack {missing}, which mesh.rules "
+                            "map to; build the mesh with diff_jax.sharding.make_mesh")
+    kinds = dict(zip(mesh.axis_names, (t.name for t in mesh.axis_types)))
+    if any(k != AxisType.Auto.name for k in kinds.values()):
+        raise ShardingError(f"mesh axis types {kinds}: the model needs Auto axes (its logical "
+                            "sharding constraints fail on Explicit ones); build the mesh with "
+                            "diff_jax.sharding.make_mesh or jax.make_mesh(..., axis_types="
+                            "(AxisType.Auto,) * 3)")
+
+
 def _axis_size(mesh: Mesh, axes: Any) -> int:
     if axes is None:
         return 1

@@ -32,7 +32,8 @@ from diff_jax import variants
 from diff_jax.attention_op import AttentionOp
 from diff_jax.config import Config
 from diff_jax.optim import make_optimizer, schedule
-from diff_jax.sharding import batch_sharding, check_batch, check_divisible, tree_shardings
+from diff_jax.sharding import (batch_sharding, check_batch, check_divisible, check_mesh,
+                               tree_shardings)
 from diff_jax.transformer import DecoderLM, layer_lambdas
 
 # tokens, targets, positions and (optional) segment_ids and loss_mask: (B, T) int32. The data
@@ -194,11 +195,12 @@ class Steps:
 def build_steps(config: Config, mesh: Mesh) -> Steps:
     """The sharded steps of `config` on `mesh` (`diff_jax.sharding.make_mesh`).
 
-    Checks that the micro-batch and every parameter divide their mesh axes (`ShardingError`)
-    before anything compiles; nothing is allocated and nothing runs on the mesh's devices, so
+    Checks that `mesh` has Auto axes `data`, `fsdp`, `tensor`, and that the micro-batch and
+    every parameter divide their mesh axes (`ShardingError`) before anything compiles; nothing is allocated and nothing runs on the mesh's devices, so
     `mesh` may describe devices this machine does not have (AOT compilation for a TPU slice).
     """
     t, rules = config.train, config.mesh.rules
+    check_mesh(mesh)
     check_batch(t.batch_size, t.grad_accum, mesh, rules)
     model = DecoderLM(config.model, attention_op=AttentionOp.build(config.model, mesh, rules))
     tx = make_optimizer(config.optim, t.steps)

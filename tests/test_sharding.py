@@ -78,6 +78,19 @@ def test_divisibility_is_checked_before_compiling_naming_dimension_and_axis():
         check_batch(12, 2, make_mesh(MeshConfig(data=4, fsdp=2, tensor=1)), RULES)
 
 
+def test_a_mesh_with_explicit_or_other_axes_is_refused_before_tracing():
+    config = Config(model=MODEL, mesh=MeshConfig(data=2, fsdp=2, tensor=2),
+                    train=TrainConfig(steps=10, batch_size=8, seq_len=16))
+    with pytest.raises(ShardingError, match=r"mesh axis types \{'data': 'Explicit', 'fsdp': 'Auto', "
+                                            r"'tensor': 'Explicit'\}: the model needs Auto axes"):
+        Ex, Au = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
+        build_steps(config, jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
+                                          axis_types=(Ex, Au, Ex)))
+    with pytest.raises(ShardingError, match=r"mesh axes \('x', 'fsdp', 'tensor'\) lack \['data'\]"):
+        build_steps(config, jax.make_mesh((2, 2, 2), ("x", "fsdp", "tensor"),
+                                          axis_types=(jax.sharding.AxisType.Auto,) * 3))
+
+
 def test_sharded_step_equals_one_device_and_params_are_sharded_by_the_rules():
     state1, loss1, grads1, m1 = _sharded(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
     state8, loss8, grads8, m8 = _sharded(MeshConfig(data=2, fsdp=2, tensor=2))

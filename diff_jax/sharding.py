@@ -74,15 +74,16 @@ def _axis_size(mesh: Mesh, axes: Any) -> int:
 
 
 def check_divisible(boxed: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]], what: str) -> None:
-    """Raise `ShardingError` naming the leaf, dimension and mesh axes that do not divide."""
-    rule = dict(rules)
+    """Raise `ShardingError` naming the leaf, dimension and mesh axes that do not divide. Each
+    leaf's dimensions resolve as Flax shards them: where two of its logical axes map to the same
+    mesh axis, the rule listed first takes it and the other dimension stays whole."""
     leaves = jax.tree_util.tree_flatten_with_path(
         boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[0]
     for path, leaf in leaves:
         if not isinstance(leaf, nn.LogicallyPartitioned):
             continue
-        for dim, (size, name) in enumerate(zip(leaf.value.shape, leaf.names)):
-            axes = rule.get(name)
+        resolved = nn.logical_to_mesh_axes(leaf.names, rules)
+        for dim, (size, name, axes) in enumerate(zip(leaf.value.shape, leaf.names, resolved)):
             n = _axis_size(mesh, axes)
             if size % n:
                 raise ShardingError(

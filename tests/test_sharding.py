@@ -78,6 +78,19 @@ def test_divisibility_is_checked_before_compiling_naming_dimension_and_axis():
         check_batch(12, 2, make_mesh(MeshConfig(data=4, fsdp=2, tensor=1)), RULES)
 
 
+def test_two_logical_axes_of_one_array_on_one_mesh_axis_are_checked_as_flax_shards_them():
+    # the rule listed first takes `tensor`; the other dimension stays whole, so its size need
+    # not divide (vocab 100 on tensor 8 was refused although nothing shards it)
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=8))
+    model = DecoderLM(ModelConfig(vocab_size=100, embed_dim=32, num_layers=1, num_heads=2))
+    tx = make_optimizer(OptimConfig(), 10)
+    rules = (("batch", ("data", "fsdp")), ("embed", "tensor"), ("vocab", "tensor"))
+    _, shardings = state_shardings(model, tx, mesh, rules)
+    assert shardings.params["embed"].spec == P(None, "tensor")
+    with pytest.raises(ShardingError, match=r"\['embed'\]: dimension 0 \('vocab', size 100\)"):
+        state_shardings(model, tx, mesh, (rules[0], rules[2], rules[1]))  # vocab first: sharded
+
+
 def test_a_mesh_with_explicit_or_other_axes_is_refused_before_tracing():
     config = Config(model=MODEL, mesh=MeshConfig(data=2, fsdp=2, tensor=2),
                     train=TrainConfig(steps=10, batch_size=8, seq_len=16))

@@ -262,6 +262,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
         # trained in: another one when the run has been moved or copied since
         raise CheckpointError(f"{e} (to resume this run as it was configured: python train.py "
                               f"--config {run_dir / 'config.yaml'} train.run_dir={run_dir})") from e
+    _check_process_count(step, where / "data_iter")
     items = {"state": ocp.args.StandardRestore(target),
              "data_iter": grain.checkpoint.CheckpointRestore(data_iter),
              "config": ocp.args.JsonRestore()}  # read as eval and export will: it must parse
@@ -273,6 +274,22 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     if recorded is not None:
         verify_checksums(restored["state"], recorded, step, where / "state")
     return restored["state"], restored["config"]
+
+
+def _check_process_count(step: int, data_iter_dir: Path) -> None:
+    """`CheckpointError` when `step`'s data-iterator item (`data_iter_dir`, one
+    `process_I-of-N.json` per process) was saved by another number of processes than this run
+    has: each process's data position counts in its own slice of the documents, so the step is
+    intact but resumes only with N processes (it is not damage, to be set aside)."""
+    counts = {int(m.group(1)) for f in data_iter_dir.glob("process_*-of-*.json")
+              if (m := re.fullmatch(r"process_\d+-of-(\d+)\.json", f.name))}
+    if counts and jax.process_count() not in counts:
+        n = max(counts)
+        raise CheckpointError(f"checkpoint step {step} was saved by {n} processes ({data_iter_dir} "
+                              f"holds each one's data position) and this run has "
+                              f"{jax.process_count()}: resume it with {n} processes "
+                              f"(distributed.num_processes={n}); the devices per process and the "
+                              "mesh may differ")
 
 
 def _agree(ok: bool) -> bool:

@@ -304,6 +304,25 @@ def test_eta_leaves_out_the_first_step_and_paths_split_on_commas(monkeypatch):
     assert paths == ("a.txt", "b/")
 
 
+def test_a_step_saved_by_another_number_of_processes_is_refused_as_such_not_as_damage(
+        corpus, run20, tmp_path):
+    """Step 20 as two processes save it (one data-iterator state each): one process cannot
+    resume their data positions. Resume took the missing `process_0-of-1.json` for damage, set
+    the intact step aside and went back to step 10."""
+    run = _copy(run20, tmp_path)
+    data_iter = run / "checkpoints" / "20" / "data_iter"
+    state = (data_iter / "process_0-of-1.json").read_text()
+    (data_iter / "process_0-of-1.json").unlink()
+    for i in range(2):
+        (data_iter / f"process_{i}-of-2.json").write_text(state)
+    with pytest.raises(CheckpointError) as e:
+        train_loop.run(tiny_config(corpus, run, "train.steps=30"))
+    assert not isinstance(e.value, DamagedCheckpointError)
+    assert str(e.value).startswith("checkpoint step 20 was saved by 2 processes")
+    assert "resume it with 2 processes (distributed.num_processes=2)" in str(e.value)
+    assert _ckpt_steps(run) == [10, 20] and not (run / "damaged_checkpoints").exists()
+
+
 def test_when_no_checkpoint_verifies_resume_refuses_and_moves_nothing(corpus, run20, tmp_path):
     run = _copy(run20, tmp_path)
     for step in (10, 20):  # a record that disagrees with the arrays: what damaged bytes look like

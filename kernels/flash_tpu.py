@@ -15,8 +15,8 @@ padding them to 128 lanes saves no memory.
 Grids put the reduction axis last ("arbitrary") and keep float32 accumulators in VMEM scratch:
 forward (B, H, nq, nk); dK/dV (B, Hkv, nk, n_rep·nq), computed transposed, sᵀ = K·Qᵀ, so that
 lse and δ broadcast as lane-dense rows; dQ (B, H, nq, nk), reading lse and δ as columns. Causal
-runs skip fully masked tiles, and their index maps clamp to the last useful tile so that no DMA
-is issued for skipped tiles.
+runs skip fully masked tiles, and their index maps clamp to the last useful tile (dK/dV: the
+first, or the last q tile when none is) so that no DMA is issued for skipped tiles.
 """
 
 from __future__ import annotations
@@ -298,7 +298,11 @@ def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, nc: int, causal: bool, b
 
     # dK, dV over (batch, kv head, kv tile, (query head of the group, q tile)).
     def qi(j, ri):
-        return jnp.maximum(_rem(ri, nq), _div(j * bk, bq)) if causal else _rem(ri, nq)
+        # Causal: skipped q tiles re-use the first one on or below the diagonal; a kv tile past
+        # every query (S > T) has none and reads the last q tile, so the block stays in bounds.
+        if not causal:
+            return _rem(ri, nq)
+        return jnp.minimum(jnp.maximum(_rem(ri, nq), _div(j * bk, bq)), nq - 1)
 
     def head(g, ri):
         return g * n_rep + _div(ri, nq)

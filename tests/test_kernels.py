@@ -165,6 +165,31 @@ def test_fused_matches_references(name):
             assert rel(g, r) < F32_TOL
 
 
+def test_tpu_causal_with_more_keys_than_queries():
+    """Causal S > T (keys past every query, seen by none): the dK/dV kernel's kv tiles beyond the
+    last query tile read an in-bounds q tile (their steps are skipped); the q-tile index ran past
+    the array there (S = 130, T = 8: q tile 1 of 1), an out-of-bounds DMA on the TPU that the
+    TPU-semantics interpreter refuses."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    b, t, s, h, d, lam = 1, 8, 130, 2, 16, 0.6
+    q, _, _, do, _ = make_inputs(b, t, h, h, d, jnp.float32, seed=7, segments=False)
+    _, k, v, _, _ = make_inputs(b, s, h, h, d, jnp.float32, seed=8, segments=False)
+
+    def loss(q, k, v, lam):
+        out = flash_attention(q, k, v, lam, num_components=2, causal=True, backend="tpu",
+                              block_sizes=BlockSizes(128, 128, 128, 128),
+                              interpret=pltpu.InterpretParams())
+        return jnp.sum(out * do), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        q, k, v, jnp.float32(lam))
+    ref_out, ref_grads = np_diff_attention(q, k, v, lam, do, causal=True, seg=None)
+    assert rel(out, ref_out) < F32_TOL
+    for nm, g, r in zip(("dq", "dk", "dv", "dλ"), grads, ref_grads):
+        assert rel(g, r) < F32_TOL, (nm, rel(g, r))
+
+
 @pytest.mark.parametrize("d,dv,name", [(100, 200, "d"), (272, 544, "d"), (64, 520, "dv")])
 def test_head_widths_outside_the_kernels_are_refused(d, dv, name):
     """d must be a multiple of 16 in [16, 256] and dv one up to 512: one ValueError naming it."""

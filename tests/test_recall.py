@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from diff_jax import recall
 from diff_jax.data import PackedRows, load
+from diff_jax.evaluation import recall as recall_task
 from diff_jax.evaluation.options import EvalError, EvalOptions
 
 
@@ -121,3 +124,13 @@ def test_recall_options_are_checked():
     with pytest.raises(EvalError, match="distractors"):
         EvalOptions(task="recall", distractors=1.0)
     assert EvalOptions(task="recall", needles=4, queries=2, distractors=0.5).distractors == 0.5
+
+
+def test_recall_task_refuses_queries_that_would_repeat_a_pair():
+    # 4 pairs, half distractors: 2 can be queried; a third query would repeat one of them, whose
+    # value then stands in the prompt (the earlier query's triple) and would count as retrieved
+    options = EvalOptions(task="recall", needles=4, queries=3, distractors=0.5, samples=2)
+    with pytest.raises(EvalError, match=r"queries=3 exceeds the 2 of needles=4 .*queries <= 2"):
+        recall_task.cell_samples(options, 48)
+    samples = recall_task.cell_samples(dataclasses.replace(options, queries=2), 48)
+    assert all(sorted(s.queried.tolist()) == sorted(set(s.queried.tolist())) for s in samples)

@@ -4,7 +4,8 @@ query accuracy per context length, and on the same items Table 3's attention sha
 A query counts as retrieved when the argmax of the logits at its key's last token is its value
 (one answer token: the argmax is what greedy decoding would produce). Queries after the first
 see the earlier queries' correct values, as they would after correct answers. A cell's accuracy is
-the share of all its queries retrieved (every sample has R queries).
+the share of all its queries retrieved (every sample has R queries, each of a different pair: R
+is at most the N − distractors pairs that are not distractors).
 
 Attention: the rows of query 0's key tokens, their normalized attention (`analysis`) on the
 queried pair's triple in the context (`answer`) and on the rest of the context (`noise`: noise
@@ -32,7 +33,13 @@ from diff_jax.transformer import DecoderLM
 
 def cell_samples(options: EvalOptions, length: int) -> list[recall.RecallSample]:
     """The S samples of one (pairs, queries, distractor share, length) cell, from a seeded stream
-    of their own."""
+    of their own. `EvalError` when R exceeds the pairs that are not distractors: a repeated
+    query's value stands in the earlier query's triple, so copying it would count as retrieval."""
+    targets = recall.max_queries(options.needles, options.distractors)
+    if options.queries > targets:
+        raise EvalError(f"recall: queries={options.queries} exceeds the {targets} of "
+                        f"needles={options.needles} that are not distractors "
+                        f"(distractors={options.distractors:g}); pass queries <= {targets}")
     rng = recall.eval_rng(options.seed, options.needles, options.queries,
                           round(100 * options.distractors), length)
     try:

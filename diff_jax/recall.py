@@ -93,7 +93,9 @@ class RecallSample:
 
 def make_sample(rng: np.random.Generator, *, length: int, pairs: int, queries: int,
                 distractor_share: float) -> RecallSample:
-    """One sample of exactly `length` tokens (see the module docstring)."""
+    """One sample of exactly `length` tokens (see the module docstring). ValueError for sizes
+    that cannot be met, among them more distractors than the queried keys have distinct
+    near-duplicates (15 + 15 per key, fewer the keys already drawn)."""
     n_dist = num_distractors(pairs, distractor_share)
     if not 1 <= pairs - n_dist or queries < 1:
         raise ValueError(f"need a pair that is not a distractor ({pairs} pairs, {n_dist} "
@@ -110,8 +112,15 @@ def make_sample(rng: np.random.Generator, *, length: int, pairs: int, queries: i
         key = (int(rng.choice(KEY_FIRST)), int(rng.choice(KEY_SECOND)))
         if key not in keys:
             keys.append(key)
+    covered = keys[: min(queries, targets)]  # the keys the queries cover first
+    near = ({(a, int(b2)) for a, _ in covered for b2 in KEY_SECOND}
+            | {(int(a2), b) for _, b in covered for a2 in KEY_FIRST}) - set(keys)
+    if len(near) < n_dist:
+        raise ValueError(f"{n_dist} distractors need as many keys sharing one token with the "
+                         f"{len(covered)} queried key(s), which have only {len(near)}: use fewer "
+                         "distractors or more queries")
     while len(keys) < pairs:  # distractors: one token of a key the queries cover first
-        a, b = keys[int(rng.integers(min(queries, targets)))]
+        a, b = covered[int(rng.integers(len(covered)))]
         if rng.random() < 0.5:
             key = (a, int(rng.choice(KEY_SECOND)))
         else:

@@ -67,6 +67,30 @@ def test_more_queries_than_pairs_repeat_them_and_bad_sizes_are_refused():
         _sample(0, length=400, pairs=len(recall.VALUES) + 1, queries=1, share=0.0)
 
 
+class _Draws:
+    """A generator that fails the test after `limit` draws instead of looping for ever."""
+
+    def __init__(self, rng: np.random.Generator, limit: int):
+        self.rng, self.left = rng, limit
+
+    def __getattr__(self, name):
+        def draw(*args, **kwargs):
+            self.left -= 1
+            assert self.left >= 0, "make_sample kept drawing: it would never finish"
+            return getattr(self.rng, name)(*args, **kwargs)
+        return draw
+
+
+def test_more_distractors_than_a_queried_key_has_near_duplicates_are_refused():
+    # one queried key (a, b) has 15 + 15 keys sharing exactly one token; 31 distractors cannot differ
+    with pytest.raises(ValueError, match="31 distractors need as many keys sharing one token"):
+        recall.make_sample(_Draws(recall.eval_rng(0), 10_000), length=200, pairs=32, queries=1,
+                           distractor_share=31 / 32)
+    s = recall.make_sample(recall.eval_rng(0), length=200, pairs=32, queries=2,
+                           distractor_share=30 / 32)  # two queried keys leave room for 30
+    assert s.distractor.sum() == 30
+
+
 def test_samples_are_deterministic_and_training_never_reproduces_an_evaluation_item():
     np.testing.assert_array_equal(_sample(5).tokens, _sample(5).tokens)
     assert not np.array_equal(_sample(5).tokens, _sample(6).tokens)

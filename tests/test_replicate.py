@@ -62,12 +62,16 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
     assert 0 < corpus["unigram_loss"] < np.log(data["vocab_size"])
     assert data["niah_whole_in_row"] == presets.niah_whole_fraction(384, 64) == 0.0
     assert set(data["models"]) == set(presets.VARIANTS)
+    md = (out / "results.md").read_text()
     ref = data["models"]["diff"]["params"]
     assert all(abs(m["params"] - ref) <= 0.005 * ref for m in data["models"].values())
     for v in presets.VARIANTS:
         st = data["results"]["scaled"][v]["stats"]
         model = data["models"][v]
         assert model["heldout_loss"] == st["loss"] and model["heldout_tokens"] > 0
+        docs = data["results"]["scaled"][v]["seeds"][0]["heldout_documents"]
+        assert 1 < docs <= corpus["num_docs"]
+        assert f"| {model['heldout_tokens']:,} ({docs:,}) |" in md
         assert 0 < model["non_embedding_params"] < model["params"]
         assert st["loss"]["n"] == 1 and 0 < st["loss"]["mean"] < 20
         assert st["ppl"]["mean"] == pytest.approx(math.exp(st["loss"]["mean"]), rel=1e-5)

@@ -44,6 +44,7 @@ def model_results(preset: Preset, run: Path) -> dict[str, Any]:
     wall = _read(run / "wall.json")
     return {
         "loss": ppl["loss"], "ppl": ppl["ppl"], "heldout_tokens": ppl["num_tokens"],
+        "heldout_documents": ppl["num_documents"],
         "final_train_loss": train[-1]["loss"],
         "final_val_loss": val[-1]["val_loss"] if val else math.nan,
         # per (N, R): accuracy per context length (mean over depths), and the depth × length grid
@@ -72,6 +73,13 @@ def _fmt(s: dict[str, float], digits: int = 2) -> str:
         return "n/a"
     text = f"{s['mean']:.{digits}f}"
     return text + (f" ± {s['std']:.{digits}f}" if s["n"] > 1 else "")
+
+
+def _span(result: dict[str, Any], key: str) -> str:
+    """The integer `key` of every seed of one model: '12' when they agree, else '10–12'."""
+    values = [s[key] for s in result["seeds"]]
+    lo, hi = min(values), max(values)
+    return f"{lo:,}" if lo == hi else f"{lo:,}–{hi:,}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -125,10 +133,10 @@ def init_section(preset: Preset, data: dict[str, Any], init: str) -> list[str]:
     """The tables of one init: held-out loss, Tables 2, 3, 5, Figure 8 and the claims."""
     res, lengths = data["results"][init], list(preset.niah_lengths)
     lines = [f"## Init `{init}`", "", "### Language modeling (held-out)", "",
-             *_table(["model", "held-out loss", "perplexity", "held-out tokens",
+             *_table(["model", "held-out loss", "perplexity", "held-out tokens (documents)",
                       "train loss (last logged batch)", "train wall (s)", "eval wall (s)"],
                      [[LABELS[v], _fmt(res[v]["stats"]["loss"], 3), _fmt(res[v]["stats"]["ppl"], 1),
-                       f"{res[v]['seeds'][0]['heldout_tokens']:,}",
+                       f"{res[v]['seeds'][0]['heldout_tokens']:,} ({_span(res[v], 'heldout_documents')})",
                        _fmt(res[v]["stats"]["final_train_loss"], 3),
                        _fmt(res[v]["stats"]["wall_s"]["train"], 0),
                        _fmt(res[v]["stats"]["wall_s"]["eval"], 0)] for v in VARIANTS]),

@@ -31,13 +31,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from diff_jax.data.tokenizer import END_OF_TEXT
 from diff_jax.export.errors import ExportError
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-END_OF_TEXT = "<|endoftext|>"
 
 
 def byte_alphabet() -> dict[int, str]:

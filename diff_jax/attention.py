@@ -59,7 +59,8 @@ def lambda_init(depth: int | jax.Array) -> jax.Array | float:
     return 0.8 - 0.6 * jnp.exp(-0.3 * depth)
 
 
-def diff_lambda(lambda_q1, lambda_k1, lambda_q2, lambda_k2, depth: int) -> jax.Array:
+def diff_lambda(lambda_q1: jax.Array, lambda_k1: jax.Array, lambda_q2: jax.Array,
+                lambda_k2: jax.Array, depth: int) -> jax.Array:
     """The re-parameterised λ of one layer, a float32 scalar () from the four (d,) vectors:
     exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init(depth)."""
     f32 = jnp.float32

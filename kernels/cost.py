@@ -13,6 +13,7 @@ v (B, S, Hkv, dv); only their shapes and dtypes are read.
 
 from __future__ import annotations
 
+import jax
 from jax.experimental import pallas as pl
 
 F32 = 4  # bytes of the float32 logsumexp and δ rows
@@ -33,7 +34,8 @@ def _dims(q, k, v, nc):
     return b, t, s, hq // nc, hkv, d, dv, q.dtype.itemsize
 
 
-def fwd(q, k, v, *, nc: int, causal: bool, bq: int, bk: int) -> pl.CostEstimate:
+def fwd(q: jax.Array, k: jax.Array, v: jax.Array, *, nc: int, causal: bool, bq: int,
+        bk: int) -> pl.CostEstimate:
     """Forward: nc score tiles (2·d per pair each) and nc P·V products (2·dv each) per pair."""
     b, t, s, h, _, d, dv, isz = _dims(q, k, v, nc)
     tiles = b * h * visited_tiles(t, s, bq, bk, causal)
@@ -46,7 +48,8 @@ def fwd(q, k, v, *, nc: int, causal: bool, bq: int, bk: int) -> pl.CostEstimate:
     )
 
 
-def dkdv(q, k, v, *, nc: int, causal: bool, bq: int, bk: int) -> pl.CostEstimate:
+def dkdv(q: jax.Array, k: jax.Array, v: jax.Array, *, nc: int, causal: bool, bq: int,
+         bk: int) -> pl.CostEstimate:
     """dK/dV: dP = dO·Vᵀ and dV += (P1 − λP2)ᵀ·dO (2·dv each), nc recomputed scores and dKc
     products (2·d each) per pair; q, dO, lse and δ tiles are loaded per tile pair."""
     b, t, s, h, hkv, d, dv, isz = _dims(q, k, v, nc)
@@ -60,7 +63,8 @@ def dkdv(q, k, v, *, nc: int, causal: bool, bq: int, bk: int) -> pl.CostEstimate
     )
 
 
-def dq(q, k, v, *, nc: int, causal: bool, bq: int, bk: int) -> pl.CostEstimate:
+def dq(q: jax.Array, k: jax.Array, v: jax.Array, *, nc: int, causal: bool, bq: int,
+       bk: int) -> pl.CostEstimate:
     """dQ: dP = dO·Vᵀ (2·dv) and nc recomputed scores and dQc products (2·d each) per pair."""
     b, t, s, h, _, d, dv, isz = _dims(q, k, v, nc)
     tiles = b * h * visited_tiles(t, s, bq, bk, causal)

@@ -151,7 +151,8 @@ def _tpu_interpret(interpret):
     return interpret
 
 
-def mosaic_tiles(block_sizes: BlockSizes | None, head_dim: int, dtype) -> flash_mgpu.Tiles:
+def mosaic_tiles(block_sizes: BlockSizes | None, head_dim: int,
+                 dtype: jax.typing.DTypeLike) -> flash_mgpu.Tiles:
     """The Mosaic GPU kernel's tiles: `block_sizes.mosaic_gpu`, else the table's row for the
     GPU, d and dtype (`kernels.hopper`). One ValueError naming a field that is invalid or
     overflows shared memory."""
@@ -162,7 +163,7 @@ def mosaic_tiles(block_sizes: BlockSizes | None, head_dim: int, dtype) -> flash_
     return tiles
 
 
-def uses_mosaic_gpu(nc: int, q_dtype, head_dim: int, value_dim: int) -> bool:
+def uses_mosaic_gpu(nc: int, q_dtype: jax.typing.DTypeLike, head_dim: int, value_dim: int) -> bool:
     """Whether a cuda lowering with backend=None runs the Mosaic GPU kernel (else Triton)."""
     return (flash_mgpu.supports(q_dtype, head_dim, nc) and value_dim == 2 * head_dim
             and hopper.compute_capability()[0] == hopper.HOPPER[0])

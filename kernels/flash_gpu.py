@@ -179,9 +179,15 @@ def _fwd_kernel(*refs, nc, causal, has_seg, scale, bq, bk, t, s):
     _store(o_ref, (slice(None), slice(None)), o.astype(o_ref.dtype), rmask)
 
 
-def fwd(q, k, v, lam, q_seg, kv_seg, *, nc: int, causal: bool, block_q: int, block_k: int,
-        num_warps: int, num_stages: int, interpret: bool):
-    """Returns (o (B,T,H,dv), o2 (B,T,H,dv) or None, lse (B,H,nc,T) float32)."""
+def fwd(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array, q_seg: jax.Array | None,
+        kv_seg: jax.Array | None, *, nc: int, causal: bool, block_q: int, block_k: int,
+        num_warps: int, num_stages: int,
+        interpret: bool) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """Returns (o (B,T,H,dv), o2 (B,T,H,dv) or None, lse (B,H,nc,T) float32).
+
+    q (B, T, H·nc, d), k (B, S, Hkv·nc, d), v (B, S, Hkv, dv), lam a float32 scalar (read
+    when nc = 2), q_seg (B, T) and kv_seg (B, S) int32 or None.
+    """
     b, t, hq, d_true = q.shape
     s, hkv, dv_true = k.shape[1], v.shape[2], v.shape[3]
     h, n_rep = hq // nc, hq // nc // hkv
@@ -337,10 +343,13 @@ def _dq_kernel(*refs, nc, causal, has_seg, scale, bq, bk, t, s):
         _store(dq_ref, (slice(None), c, slice(None)), (dqs[c] * scale).astype(dq_ref.dtype), rm2)
 
 
-def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, nc: int, causal: bool, block_q: int,
-        block_k: int, block_q_bwd: int, block_k_bwd: int, num_warps: int, num_stages: int,
-        interpret: bool):
-    """Returns (dq, dk, dv) in the input dtypes. lse, delta: (B, H, nc, T) float32."""
+def bwd(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array, q_seg: jax.Array | None,
+        kv_seg: jax.Array | None, do: jax.Array, lse: jax.Array, delta: jax.Array, *, nc: int,
+        causal: bool, block_q: int, block_k: int, block_q_bwd: int, block_k_bwd: int,
+        num_warps: int, num_stages: int,
+        interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns (dq, dk, dv) in the input dtypes. lse, delta: (B, H, nc, T) float32; do
+    (B, T, H, dv); the rest as in `fwd`."""
     del block_q, block_k
     b, t, hq, d_true = q.shape
     s, hkv, dv_true = k.shape[1], v.shape[2], v.shape[3]

@@ -160,7 +160,7 @@ class Tiles:
                              f"got {self.dq!r}")
 
 
-def supports(dtype, head_dim: int, nc: int) -> bool:
+def supports(dtype: jax.typing.DTypeLike, head_dim: int, nc: int) -> bool:
     """Whether these kernels take the call: differential (nc = 2), bf16/fp16, d ∈ {64, 96, 128}."""
     return nc == 2 and jnp.dtype(dtype) in DTYPES and head_dim in HEAD_DIMS
 
@@ -645,7 +645,9 @@ def _fwd_body(*refs, causal, has_seg, d, bk, stages, pingpong, n_rep, kv_len, n_
         _producer(hi, issue, consumed, stages)
 
 
-def fwd(q, k, v, lam, q_seg, kv_seg, *, causal: bool, tiles: Tiles, interpret: Any = None):
+def fwd(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array, q_seg: jax.Array | None,
+        kv_seg: jax.Array | None, *, causal: bool, tiles: Tiles,
+        interpret: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Forward: (o (B,T,H,2d), o2 (B,T,H,2d), lse (B,H,2,T) float32).
 
     q (B, T, 2H, d), k (B, S, 2Hkv, d), v (B, S, Hkv, 2d) bf16/fp16; lam a float32 scalar;
@@ -913,8 +915,10 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, cta_rows, n_rep
         _producer(n_rep * per_head, issue, consumed, stages)
 
 
-def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, causal: bool, tiles: Tiles,
-        interpret: Any = None):
+def bwd(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array, q_seg: jax.Array | None,
+        kv_seg: jax.Array | None, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
+        causal: bool, tiles: Tiles,
+        interpret: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients (dq, dk, dv) in the input dtypes.
 
     q (B, T, 2H, d), k (B, S, 2Hkv, d), v (B, S, Hkv, 2d), do (B, T, H, 2d); lse and delta

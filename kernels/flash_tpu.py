@@ -22,6 +22,7 @@ first, or the last q tile when none is) so that no DMA is issued for skipped til
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -146,9 +147,14 @@ def _clamp_kv(i, j, *, causal, bq, bk):
     return jnp.minimum(j, _div(i * bq + bq - 1, bk)) if causal else j
 
 
-def fwd(q, k, v, lam, q_seg, kv_seg, *, nc: int, causal: bool, block_q: int, block_k: int,
-        interpret):
-    """Returns (o (B,T,H,dv), o2 (B,T,H,dv) or None, lse (B,H,nc,T) float32)."""
+def fwd(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array, q_seg: jax.Array | None,
+        kv_seg: jax.Array | None, *, nc: int, causal: bool, block_q: int, block_k: int,
+        interpret: Any) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """Returns (o (B,T,H,dv), o2 (B,T,H,dv) or None, lse (B,H,nc,T) float32).
+
+    q (B, T, H·nc, d), k (B, S, Hkv·nc, d), v (B, S, Hkv, dv), lam a float32 scalar (read
+    when nc = 2), q_seg (B, T) and kv_seg (B, S) int32 or None.
+    """
     b, t, hq, d = q.shape
     s, hkv, dv = k.shape[1], v.shape[2], v.shape[3]
     h, n_rep = hq // nc, hq // nc // hkv
@@ -274,9 +280,12 @@ def _dq_kernel(*refs, nc, causal, has_seg, scale, bq, bk, s, pad_s):
         dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
 
 
-def bwd(q, k, v, lam, q_seg, kv_seg, do, lse, delta, *, nc: int, causal: bool, block_q: int,
-        block_k: int, block_q_bwd: int, block_k_bwd: int, interpret):
-    """Returns (dq, dk, dv). lse, delta: (B, H, nc, T) float32."""
+def bwd(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array, q_seg: jax.Array | None,
+        kv_seg: jax.Array | None, do: jax.Array, lse: jax.Array, delta: jax.Array, *, nc: int,
+        causal: bool, block_q: int, block_k: int, block_q_bwd: int, block_k_bwd: int,
+        interpret: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns (dq, dk, dv). lse, delta: (B, H, nc, T) float32; do (B, T, H, dv); the rest as
+    in `fwd`."""
     del block_q, block_k
     b, t, hq, d = q.shape
     s, hkv, dv = k.shape[1], v.shape[2], v.shape[3]

@@ -23,6 +23,7 @@ import contextlib
 import contextvars
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -56,7 +57,7 @@ _KINDS = {(7, 5): "Tesla T4", (8, 0): "NVIDIA A100", (8, 6): "NVIDIA A10", (8, 9
 
 
 @contextlib.contextmanager
-def target(compute_capability: str | tuple[int, int]):
+def target(compute_capability: str | tuple[int, int]) -> Iterator[None]:
     """Trace the GPU kernels for this compute capability ("8.0", "sm_90", (9, 0)).
 
     With no GPU attached and no mesh set, it also names a GPU of that generation as the abstract
@@ -147,7 +148,8 @@ def _tiles(row: dict) -> Tiles:
                  row.get("dkv", "auto"), row.get("pingpong", True), row.get("dq", "rows"))
 
 
-def tiles_for(d: int, dtype, kind: str | None = None, path: Path = TABLE) -> tuple[Tiles, dict]:
+def tiles_for(d: int, dtype: jax.typing.DTypeLike, kind: str | None = None,
+              path: Path = TABLE) -> tuple[Tiles, dict]:
     """(Tiles, table row) for head width d and dtype on GPU `kind` (default: the attached one)."""
     words = (device_kind() if kind is None else kind).lower().split()
     name = jnp.dtype(dtype).name
@@ -171,7 +173,8 @@ def parse_tiles(text: str) -> Tiles:
     return Tiles(*(int(x) for x in sizes), dkv, pingpong == "True", dq)
 
 
-def record(gpu: str, d: int, dtype, tiles: Tiles, source: str, path: Path = TABLE) -> None:
+def record(gpu: str, d: int, dtype: jax.typing.DTypeLike, tiles: Tiles, source: str,
+           path: Path = TABLE) -> None:
     """Write a tuned row for (gpu, d, dtype), replacing an earlier one for the same key."""
     tiles.check()
     _check_gpu(gpu, f"a tuned row for {path}")

@@ -75,6 +75,7 @@ class KernelReport:
 
     @property
     def spills(self) -> bool:
+        """Whether ptxas reports any spill stores or loads for the kernel."""
         return self.spill_store_bytes > 0 or self.spill_load_bytes > 0
 
     @property

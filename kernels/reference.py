@@ -132,7 +132,7 @@ def diff_attention_reference(
     causal: bool = True,
     logit_bits: int | None = None,
     return_maps: bool = False,
-):
+) -> jax.Array | tuple[jax.Array, dict[str, jax.Array | None]]:
     """softmax(s·Q1K1ᵀ+M)·V − λ·softmax(s·Q2K2ᵀ+M)·V per DIFF head, s = d^-1/2; (B, T, H, 2d).
 
     `kv_segment_ids` (B, S) gives the keys their own segments (default: `segment_ids`);
@@ -185,7 +185,7 @@ def attention_reference(
     causal: bool = True,
     logit_bits: int | None = None,
     return_maps: bool = False,
-):
+) -> jax.Array | tuple[jax.Array, dict[str, jax.Array | None]]:
     """Standard (GQA) softmax attention, s = d^-1/2, float32 softmax; (B, T, Hq, dv).
 
     `kv_segment_ids`, `logit_bits` and `return_maps` as in `diff_attention_reference` (maps are

@@ -174,6 +174,20 @@ def test_cli_imports_prints_how_to_fine_tune_and_refuses_overwriting(tmp_path, c
                                        "exists and is not a directory\n")
 
 
+@pytest.mark.parametrize("name", ["absent", "a-file"])
+def test_cli_and_import_hf_refuse_an_hf_dir_that_is_not_a_directory_alike(tmp_path, capsys, name):
+    hf_dir = tmp_path / name
+    if name == "a-file":
+        hf_dir.write_text("not a checkpoint")
+    line = f"{hf_dir}: not a directory (HF_DIR is a local save_pretrained directory)"
+    with pytest.raises(ex.ExportError) as raised:
+        import_hf(hf_dir, tmp_path / "ours")
+    assert str(raised.value) == line
+    assert main([str(hf_dir), "--out", str(tmp_path / "ours")]) == 2
+    assert capsys.readouterr().err == f"error: {line}\n"
+    assert not (tmp_path / "ours").exists()
+
+
 @pytest.fixture(scope="module")
 def saved_diffllama(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("hf")

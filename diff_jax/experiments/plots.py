@@ -9,16 +9,7 @@ from typing import Any
 
 import numpy as np
 
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError:
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from diff_jax.evaluation.plots import pyplot
 
 
 def _save_lined(plt: Any, fig: Any, ax: Any, path: Path) -> None:
@@ -34,7 +25,7 @@ def loss_curves(path: Path, curves: dict[str, dict[str, tuple[list[int], list[fl
                 labels: dict[str, str]) -> bool:
     """Per model (label key) its curves by name ("train", "validation": (steps, mean loss)) on
     one axis; validation dashed."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -50,7 +41,7 @@ def loss_curves(path: Path, curves: dict[str, dict[str, tuple[list[int], list[fl
 def niah_heatmaps(path: Path, grids: dict[str, dict[str, np.ndarray]], labels: dict[str, str],
                   depths: list[int], lengths: list[int]) -> bool:
     """Accuracy heatmaps (depth × length): a row per model, a column per (N, R) name."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     models = list(grids)
@@ -81,7 +72,7 @@ def niah_heatmaps(path: Path, grids: dict[str, dict[str, np.ndarray]], labels: d
 def quantization(path: Path, bits: list[str], increase: dict[str, np.ndarray],
                  accuracy: dict[str, list[float]], labels: dict[str, str]) -> bool:
     """Perplexity increase over float (fraction) and niah accuracy per bit width, per model."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
@@ -104,7 +95,7 @@ def quantization(path: Path, bits: list[str], increase: dict[str, np.ndarray],
 
 def lambdas(path: Path, steps: list[int], lam: np.ndarray) -> bool:
     """DIFF V1's λ (steps, layers) over training."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -119,7 +110,7 @@ def learning_curves(path: Path, curves: dict[str, dict[str, dict[str, Any]]],
                     labels: dict[str, str], *, threshold: float, title: str) -> bool:
     """Recall accuracy over training: a panel per init, a line per model (mean over seeds, a
     band of ± one std), and the threshold. curves[init][model] = {"steps", "accuracy" (stats)}."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     fig, axes = plt.subplots(1, len(curves), squeeze=False, figsize=(5.5 * len(curves), 4))

@@ -43,8 +43,8 @@ def spread_rows(num_rows: int, wanted: int) -> np.ndarray:
 
 
 def counted_targets(corpus: TokenCorpus, rows: np.ndarray, seq_len: int) -> np.ndarray:
-    """Corpus positions of the targets of rows `rows` (of `seq_len`) that the loss mask counts
-    (all of them without a loss mask)."""
+    """Corpus positions, (at most n·seq_len,) integers, of the targets of rows `rows` ((n,) row
+    indices, rows of `seq_len`) that the loss mask counts (all of them without a loss mask)."""
     targets = (rows[:, None] * seq_len + 1 + np.arange(seq_len)).ravel()
     if corpus.loss_mask is None:
         return targets
@@ -52,7 +52,8 @@ def counted_targets(corpus: TokenCorpus, rows: np.ndarray, seq_len: int) -> np.n
 
 
 def documents_covered(corpus: TokenCorpus, rows: np.ndarray, seq_len: int) -> int:
-    """How many documents have at least one counted target token in rows `rows` (of `seq_len`)."""
+    """How many documents have at least one counted target token in rows `rows` ((n,) row
+    indices, rows of `seq_len`)."""
     targets = counted_targets(corpus, rows, seq_len)
     return len(np.unique(np.searchsorted(corpus.doc_starts, targets, side="right")))
 

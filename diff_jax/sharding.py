@@ -97,6 +97,14 @@ def tree_shardings(boxed: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> 
     return nn.logical_to_mesh_sharding(specs, mesh, rules)
 
 
+def unboxed(boxed: Any) -> Any:
+    """The tree of logically boxed leaves with the boxes removed and no sharding constraint added
+    (for abstract trees: it also works inside a mesh context); unboxed leaves pass through."""
+    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
+    return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if is_box(x) else x, boxed,
+                        is_leaf=is_box)
+
+
 def batch_sharding(mesh: Mesh, rules: Sequence[tuple[str, Any]], extra_leading: int = 0) -> NamedSharding:
     """(…, batch, length) arrays: batch over the rule for `batch`, length replicated."""
     return NamedSharding(mesh, P(*([None] * extra_leading), dict(rules).get("batch"), None))

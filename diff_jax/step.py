@@ -33,7 +33,7 @@ from diff_jax.attention_op import AttentionOp
 from diff_jax.config import Config
 from diff_jax.optim import make_optimizer, schedule
 from diff_jax.sharding import (batch_sharding, check_batch, check_divisible, check_mesh,
-                               tree_shardings)
+                               tree_shardings, unboxed)
 from diff_jax.transformer import DecoderLM, layer_lambdas
 
 # tokens, targets, positions and (optional) segment_ids and loss_mask: (B, T) int32. The data
@@ -74,15 +74,8 @@ def state_shardings(model: DecoderLM, tx: optax.GradientTransformation, mesh: ja
                                            transform_non_params=lambda _: replicated)
     shardings = TrainState(replicated, params, opt, replicated)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            _values(boxed), shardings)
+                            unboxed(boxed), shardings)
     return abstract, shardings
-
-
-def _values(tree: Any) -> Any:
-    """Remove logical-axis boxes without adding sharding constraints (for abstract trees)."""
-    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
-    return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if is_box(x) else x, tree,
-                        is_leaf=is_box)
 
 
 def init_state(rng: jax.Array, model: DecoderLM, tx: optax.GradientTransformation) -> TrainState:

@@ -26,11 +26,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 
 from diff_jax import variants
 from diff_jax.attention import lambda_init
 from diff_jax.config import Config, ConfigError, ModelConfig, load_config
+from diff_jax.sharding import unboxed
 from diff_jax.transformer import DecoderLM
 
 
@@ -44,11 +44,8 @@ def abstract_params(config: ModelConfig, sharding: jax.sharding.Sharding | None 
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     traced = dataclasses.replace(config, attention_impl="xla")
     boxed = jax.eval_shape(DecoderLM(traced).init, jax.random.key(0), tokens)["params"]
-    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-        jax.tree.map(lambda x: x.unbox(apply_constraint=False) if is_box(x) else x, boxed,
-                     is_leaf=is_box))
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                        unboxed(boxed))
 
 
 def flops_per_token(config: ModelConfig, seq_len: int, params: dict | None = None) -> float:

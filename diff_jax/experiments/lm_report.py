@@ -17,7 +17,7 @@ from diff_jax.experiments import paper, plots
 from diff_jax.experiments.layout import eval_json, run_dir
 from diff_jax.experiments.presets import (LABELS, VARIANTS, Preset, corpus_dir,
                                           niah_whole_fraction)
-from diff_jax.experiments.stats import describe, paired, stats
+from diff_jax.experiments.stats import describe, mean_std, paired, stats
 
 STATS = ("top1", "top2", "top3", "top10", "top100", "median")
 BITS = ("none", 16, 8, 6, 4)
@@ -66,13 +66,6 @@ def collect(preset: Preset, seeds: int, out: Path, init: str) -> dict[str, Any]:
         per_seed = [model_results(preset, run_dir(out, v, s, init)) for s in range(seeds)]
         results[v] = {"seeds": per_seed, "stats": stats(per_seed)}
     return results
-
-
-def _fmt(s: dict[str, float], digits: int = 2) -> str:
-    if not math.isfinite(s["mean"]):
-        return "n/a"
-    text = f"{s['mean']:.{digits}f}"
-    return text + (f" ± {s['std']:.{digits}f}" if s["n"] > 1 else "")
 
 
 def _span(result: dict[str, Any], key: str) -> str:
@@ -135,11 +128,12 @@ def init_section(preset: Preset, data: dict[str, Any], init: str) -> list[str]:
     lines = [f"## Init `{init}`", "", "### Language modeling (held-out)", "",
              *_table(["model", "held-out loss", "perplexity", "held-out tokens (documents)",
                       "train loss (last logged batch)", "train wall (s)", "eval wall (s)"],
-                     [[LABELS[v], _fmt(res[v]["stats"]["loss"], 3), _fmt(res[v]["stats"]["ppl"], 1),
+                     [[LABELS[v], mean_std(res[v]["stats"]["loss"], 3),
+                       mean_std(res[v]["stats"]["ppl"], 1),
                        f"{res[v]['seeds'][0]['heldout_tokens']:,} ({_span(res[v], 'heldout_documents')})",
-                       _fmt(res[v]["stats"]["final_train_loss"], 3),
-                       _fmt(res[v]["stats"]["wall_s"]["train"], 0),
-                       _fmt(res[v]["stats"]["wall_s"]["eval"], 0)] for v in VARIANTS]),
+                       mean_std(res[v]["stats"]["final_train_loss"], 3),
+                       mean_std(res[v]["stats"]["wall_s"]["train"], 0),
+                       mean_std(res[v]["stats"]["wall_s"]["eval"], 0)] for v in VARIANTS]),
              "", "### Table 2: multi-needle retrieval accuracy", "",
              f"N needles, R of them queried; answer needle at depths {list(preset.depths)}%, "
              f"{preset.samples} samples per cell; a query counts when greedy decoding gives the "
@@ -149,7 +143,8 @@ def init_section(preset: Preset, data: dict[str, Any], init: str) -> list[str]:
     for v in VARIANTS:
         for j, length in enumerate(lengths):
             rows.append([f"{LABELS[v]} (ours, {length})"]
-                        + [_fmt(res[v]["stats"]["niah"][f"N{n}R{r}"][j]) for n, r in preset.niah_grid])
+                        + [mean_std(res[v]["stats"]["niah"][f"N{n}R{r}"][j])
+                           for n, r in preset.niah_grid])
     for v in ("transformer", "diff"):
         ref = dict(zip(map(tuple, paper.TABLE2["columns"]), paper.TABLE2[v]))
         rows.append([f"{LABELS[v]} (paper, 4K)"]
@@ -163,8 +158,8 @@ def init_section(preset: Preset, data: dict[str, Any], init: str) -> list[str]:
               "depth (differential maps clipped at 0 and renormalized; see "
               "`eval.py task=attention`).", ""]
     header = ["model", *(f"answer {d}%" for d in depths), *(f"noise {d}%" for d in depths)]
-    rows = [[f"{LABELS[v]} (ours)"] + [_fmt(s) for s in res[v]["stats"]["attention"]["answer"]]
-            + [_fmt(s) for s in res[v]["stats"]["attention"]["noise"]] for v in VARIANTS]
+    rows = [[f"{LABELS[v]} (ours)"] + [mean_std(s) for s in res[v]["stats"]["attention"]["answer"]]
+            + [mean_std(s) for s in res[v]["stats"]["attention"]["noise"]] for v in VARIANTS]
     for v in ("transformer", "diff"):
         ref = paper.TABLE3[v]
         rows.append([f"{LABELS[v]} (paper)"]
@@ -180,7 +175,7 @@ def init_section(preset: Preset, data: dict[str, Any], init: str) -> list[str]:
     for act, name in (("attention_logits", "attention logits"), ("hidden_states", "hidden states")):
         for v in VARIANTS:
             rows.append([name, f"{LABELS[v]} (ours)"]
-                        + [_fmt(s) for s in res[v]["stats"]["outliers"][act]])
+                        + [mean_std(s) for s in res[v]["stats"]["outliers"][act]])
         for v in ("transformer", "diff"):
             rows.append([name, f"{LABELS[v]} (paper)"] + [f"{x:.1f}" for x in paper.TABLE5[act][v]])
     lines += [*_table(["activation", "model", *(s.replace("top", "top-") for s in STATS)], rows), ""]
@@ -196,8 +191,8 @@ def init_section(preset: Preset, data: dict[str, Any], init: str) -> list[str]:
     rows = []
     for v in VARIANTS:
         q = res[v]["stats"]["quant"]
-        rows.append([f"{LABELS[v]} perplexity"] + [_fmt(s, 1) for s in q["ppl"]])
-        rows.append([f"{LABELS[v]} niah accuracy"] + [_fmt(s) for s in q["niah_accuracy"]])
+        rows.append([f"{LABELS[v]} perplexity"] + [mean_std(s, 1) for s in q["ppl"]])
+        rows.append([f"{LABELS[v]} niah accuracy"] + [mean_std(s) for s in q["niah_accuracy"]])
     lines += [*_table(["model", *(f"{b} bits" if b != "none" else "float" for b in BITS)], rows), ""]
     lines += ["### Claims", "",
               "Each claim as a paired difference (same seed, same data order) against the "

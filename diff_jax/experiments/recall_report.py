@@ -14,7 +14,7 @@ import numpy as np
 from diff_jax.experiments import plots
 from diff_jax.experiments.layout import eval_json, recall_cell_name, run_dir
 from diff_jax.experiments.presets import LABELS, VARIANTS, RecallPreset
-from diff_jax.experiments.stats import describe, paired, stat
+from diff_jax.experiments.stats import describe, mean_std, paired, stat
 from diff_jax.recall import max_queries
 
 THRESHOLD = 0.9  # "steps to reach 90%"
@@ -104,10 +104,6 @@ def init_gaps(preset: RecallPreset, runs: dict) -> dict[str, dict[str, Any]]:
                       [grid_mean(s, "accuracy", at) for s in runs[b][v]]) for v in VARIANTS}
 
 
-def _fmt(s: dict[str, float]) -> str:
-    return f"{s['mean']:.2f}" + (f" ± {s['std']:.2f}" if s["n"] > 1 else "")
-
-
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
     return [line(header), line(["---"] * len(header)), *(line(r) for r in rows)]
@@ -149,9 +145,9 @@ def markdown(preset: RecallPreset, data: dict[str, Any]) -> str:
     curve = {i: data["learning_curve"][i]["transformer"]["accuracy"][-1] for i in preset.inits}
     lines += [f"Learnability: the Transformer's accuracy on the easiest cell (N={n0}, "
               f"distractors={d0:g}, length {length}) is "
-              + ", ".join(f"{_fmt(easiest[i])} under `{i}`" for i in preset.inits)
+              + ", ".join(f"{mean_std(easiest[i])} under `{i}`" for i in preset.inits)
               + f"; on the learning-curve cell (N={n}, distractors={d:g}) it ends at "
-              + ", ".join(f"{_fmt(curve[i])} under `{i}`" for i in preset.inits)
+              + ", ".join(f"{mean_std(curve[i])} under `{i}`" for i in preset.inits)
               + f" (the bar is {THRESHOLD:.0%}).", ""]
     for init in preset.inits:
         cells = [c for c in data["cells"] if c["init"] == init]
@@ -168,15 +164,15 @@ def markdown(preset: RecallPreset, data: dict[str, Any]) -> str:
                 diffs.append(f"{p['mean']:+.2f} [{p['min']:+.2f}, {p['max']:+.2f}]"
                              + ("*" if p["outside_spread"] else ""))
             rows.append([str(c["pairs"]), f"{c['distractors']:g}", str(c["length"]),
-                         *(_fmt(m[v]["accuracy"]) for v in VARIANTS), *diffs])
+                         *(mean_std(m[v]["accuracy"]) for v in VARIANTS), *diffs])
         lines += [*_table(["N", "distractors", "length", *(LABELS[v] for v in VARIANTS),
                            "V1 − Transformer", "V2 − Transformer"], rows), ""]
         lines += ["Attention of query 0's key tokens (Table 3's measure, normalized; same items): "
                   "share on the queried pair's triple (answer) and on the rest of the context "
                   "(noise).", ""]
         rows = [[str(c["pairs"]), f"{c['distractors']:g}", str(c["length"]),
-                 *(f"{_fmt(c['models'][v]['answer_share'])} / {_fmt(c['models'][v]['noise_share'])}"
-                   for v in VARIANTS)] for c in cells]
+                 *(f"{mean_std(c['models'][v]['answer_share'])} / "
+                   f"{mean_std(c['models'][v]['noise_share'])}" for v in VARIANTS)] for c in cells]
         lines += [*_table(["N", "distractors", "length",
                            *(f"{LABELS[v]} answer / noise" for v in VARIANTS)], rows), ""]
         n, d = preset.curve_cell
@@ -187,7 +183,7 @@ def markdown(preset: RecallPreset, data: dict[str, Any]) -> str:
                   *_table(["model", "steps to 90% (per seed)", "final accuracy"],
                           [[LABELS[v], ", ".join("—" if s is None else str(s)
                                                  for s in curve[v]["steps_to_90"]),
-                            _fmt(curve[v]["accuracy"][-1])] for v in VARIANTS]), ""]
+                            mean_std(curve[v]["accuracy"][-1])] for v in VARIANTS]), ""]
     lines += ["## Claims", "",
               "Each line is a paired difference (same seed, same data order) with its spread "
               "over seeds; a direction is stated only where every seed agrees in sign.", ""]

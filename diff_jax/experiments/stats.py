@@ -32,6 +32,15 @@ def stats(per_seed: list[Any]) -> Any:
     return stat([float(s) for s in per_seed])
 
 
+def mean_std(s: dict[str, float], digits: int = 2) -> str:
+    """A `stat` as a table cell: "0.52 ± 0.03" (the std only with more than one seed), or "n/a"
+    for a mean that is not finite."""
+    if not math.isfinite(s["mean"]):
+        return "n/a"
+    text = f"{s['mean']:.{digits}f}"
+    return text + (f" ± {s['std']:.{digits}f}" if s["n"] > 1 else "")
+
+
 def paired(a: list[float], b: list[float]) -> dict[str, Any]:
     """The per-seed differences a − b (same seed order) and their mean, std, min, max, n and
     `outside_spread`: at least two seeds and all differences of one sign."""

@@ -189,8 +189,9 @@ def build_steps(config: Config, mesh: Mesh) -> Steps:
     """The sharded steps of `config` on `mesh` (`diff_jax.sharding.make_mesh`).
 
     Checks that `mesh` has Auto axes `data`, `fsdp`, `tensor`, and that the micro-batch and
-    every parameter divide their mesh axes (`ShardingError`) before anything compiles; nothing is allocated and nothing runs on the mesh's devices, so
-    `mesh` may describe devices this machine does not have (AOT compilation for a TPU slice).
+    every parameter divide their mesh axes (`ShardingError`) before anything compiles; nothing
+    is allocated and nothing runs on the mesh's devices, so `mesh` may describe devices this
+    machine does not have (AOT compilation for a TPU slice).
     """
     t, rules = config.train, config.mesh.rules
     check_mesh(mesh)

@@ -188,4 +188,11 @@ def record(gpu: str, d: int, dtype: jax.typing.DTypeLike, tiles: Tiles, source: 
                            "stages": tiles.stages, "dkv": tiles.dkv,
                            "pingpong": tiles.pingpong, "dq": tiles.dq, "tuned": True,
                            "source": source})
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    # whole or not at all: a kill or a full disk part-way leaves the table as it was (every
+    # pallas call reads it). kernels/ does not import diff_jax, whose output_dir does the same.
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -269,6 +270,25 @@ def test_tuned_rows_win_for_their_gpu(tmp_path):
     assert got == tiles and row["tuned"] is True
     assert hopper.tiles_for(64, jnp.bfloat16, kind="NVIDIA H200", path=path)[0] != tiles
     assert len(hopper.load_table(path)) == len(hopper.load_table()) + 1
+
+
+def test_a_failed_record_leaves_the_table_as_it_was(tmp_path, monkeypatch):
+    """A write that dies part-way (full disk, kill) leaves the table whole: every pallas call
+    reads it, so a truncated table would stop the kernel everywhere."""
+    path = tmp_path / "table.json"
+    path.write_text(hopper.TABLE.read_text())
+    before = path.read_text()
+    real_write = Path.write_text
+
+    def half_then_fail(self, text, *args, **kwargs):
+        real_write(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        hopper.record("H100", 64, jnp.bfloat16, flash_mgpu.Tiles(64, 64, 64, 3), "test", path=path)
+    monkeypatch.undo()
+    assert path.read_text() == before and list(tmp_path.iterdir()) == [path]
 
 
 def test_a_bad_tile_table_is_one_error_naming_the_file_and_row(tmp_path):

@@ -33,7 +33,8 @@ def decode_attention(
 
     q (B, 1, H·nc, d), k (B, S, Hkv·nc, d), v (B, S, Hkv, dv), lengths (B,) int32 in [0, S]
     with nc = 2 when `lam` is given, else 1. Returns (B, 1, H, dv) in q's dtype; a row with
-    length 0 outputs zeros.
+    length 0 outputs zeros. Entries at and past `lengths[b]` never reach row b's output, whatever
+    they hold (NaN or Inf of an uninitialised, donated or reused cache included).
     """
     nc = 1 if lam is None else 2
     check_layout(q, k, v, num_components=nc, lam=lam)
@@ -59,6 +60,8 @@ def decode_attention(
         vc = lax.dynamic_slice_in_dim(v, start, chunk, axis=1)  # (B, C, Hkv, dv)
         pos = start + jnp.arange(chunk)
         valid = (pos[None, :] >= lo) & (pos[None, :] < lengths[:, None])  # (B, C)
+        # p = 0 does not mask V: 0·NaN is NaN, and entries past a row's length may hold anything
+        vc = jnp.where(valid[:, :, None, None], vc, 0)
         valid = valid[:, None, None, None, :]
         sc = jnp.einsum("bgrcd,bsgcd->bgrcs", qg, kc.astype(f32),
                         precision=lax.Precision.HIGHEST)

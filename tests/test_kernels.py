@@ -623,7 +623,8 @@ def test_benchmark_stops_on_sigterm_and_writes_what_it_measured(tmp_path, monkey
 @pytest.mark.parametrize("nc,h,hkv", [(2, 4, 2), (2, 2, 1), (1, 4, 2)])
 def test_decode_attention_reads_only_the_filled_cache(nc, h, hkv):
     """One query per row over the first lengths[b] cache entries equals the oracle (keys of the
-    row's own segment); chunks past the longest row are never read: NaN there changes nothing."""
+    row's own segment); entries at and past a row's length never reach its output: NaN and Inf
+    there (in the chunks read too: p = 0 times a NaN value was NaN) change nothing."""
     b, s, d, chunk = 3, 40, 16, 8
     ks = jax.random.split(jax.random.PRNGKey(21), 3)
     q = jax.random.normal(ks[0], (b, 1, h * nc, d))
@@ -636,7 +637,8 @@ def test_decode_attention_reads_only_the_filled_cache(nc, h, hkv):
                 impl="xla")
     ref = (kernels.diff_attention(q, k, v, lam, **opts) if nc == 2
            else kernels.dot_product_attention(q, k, v, **opts))
-    poisoned = (k.at[:, 2 * chunk:].set(jnp.nan), v.at[:, 2 * chunk:].set(jnp.nan))
+    past = (visible == 0)[:, :, None, None]
+    poisoned = (jnp.where(past, jnp.nan, k), jnp.where(past, jnp.inf, v))
     out = jax.jit(functools.partial(kernels.decode_attention, chunk=chunk))(
         q, *poisoned, lam, lengths=lengths)
     assert out.shape == (b, 1, h, nc * d)

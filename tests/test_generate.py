@@ -176,3 +176,23 @@ def test_calls_that_do_not_fit_the_kv_cache_are_refused(rows, tokens):
                                          rf"has {rows} rows of {tokens} tokens"):
         model.apply({"params": params, "cache": cache}, jnp.ones((rows, tokens), jnp.int32),
                     mutable=["cache"])
+
+
+@pytest.mark.parametrize("extra", [{}, {"attn_logit_bits": 16}], ids=["decode_attention", "oracle"])
+def test_unfilled_cache_entries_holding_nan_do_not_reach_the_logits(extra):
+    """A cache whose entries past each row's position hold NaN (an uninitialised, donated or
+    reused buffer) decodes as one of zeros: p = 0 masked the scores but not the values, and
+    0·NaN is NaN. `attn_logit_bits` decodes through the xla oracle with key segments instead."""
+    cfg, params = _setup("diff", **extra)
+    model = DecoderLM(cfg, decode=True)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((2, 12), jnp.int32))["cache"]
+    prompt, lengths = jnp.asarray([[5, 9, 2, 0], [7, 1, 1, 4]], jnp.int32), jnp.asarray([3, 4])
+    got = []
+    for fill in (0.0, jnp.nan):
+        cache = jax.tree.map(lambda s: jnp.full(s.shape, fill, s.dtype), shapes)
+        _, cache = _prefill(model, params, cache, prompt, lengths)
+        _, logits, _ = _decode_step(model, params, cache, jnp.asarray([3, 8], jnp.int32), lengths,
+                                    jax.random.key(0), SamplingConfig())
+        got.append(np.asarray(logits))
+    assert np.isfinite(got[1]).all()
+    np.testing.assert_array_equal(got[1], got[0])

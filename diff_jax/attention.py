@@ -103,16 +103,21 @@ def _out_std(cfg: ModelConfig) -> float:
 
 
 def _kv_cache(
-    module: nn.Module, k: jax.Array, v: jax.Array, positions: jax.Array | None
+    module: nn.Module, k: jax.Array, v: jax.Array, positions: jax.Array | None,
+    segment_ids: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Write k, v (B, T, ...) into the module's cache at `positions[:, 0]` (per row).
 
     The cache's rows and length are those of the `init` call's input (B, S); a call with other
-    rows or T > S is a ValueError. A call with T > 1 is a prefill
-    from position 0: it attends within its own tokens. A call with T == 1 attends over the cache
+    rows or T > S is a ValueError, and so are `segment_ids`: a row of the cache is one sequence
+    (its entries keep no segments, so a later step could not honour them). A call with T > 1 is
+    a prefill from position 0: it attends within its own tokens. A call with T == 1 attends over the cache
     up to and including each row's position: returns the cache and the (B,) filled lengths
     (position + 1).
     """
+    if segment_ids is not None:
+        raise ValueError("segment_ids must be None with a KV cache (decode=True): each row of the "
+                         "cache is one sequence, and its entries keep no segments")
     b, t = k.shape[:2]
     cache_k = module.variable("cache", "k", jnp.zeros, k.shape, k.dtype)
     cache_v = module.variable("cache", "v", jnp.zeros, v.shape, v.dtype)
@@ -152,7 +157,7 @@ def _attend(
     cfg: ModelConfig = module.config
     kv_lengths = None
     if module.decode:
-        k, v, kv_lengths = _kv_cache(module, k, v, positions)
+        k, v, kv_lengths = _kv_cache(module, k, v, positions, segment_ids)
     if lam is not None and cfg.gqa_pairing == "naive" and k.shape[2] < q.shape[2]:
         # The naive reference repeats the 2·Hkv K sub-heads: Q sub-head j meets K sub-head
         # j // n_rep, and head h reads V head h // n_rep. Expanding to MHA expresses that

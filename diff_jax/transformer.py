@@ -50,7 +50,8 @@ class DecoderLM(nn.Module):
 
     `positions` (B, T) restart per packed segment (default 0..T-1); `segment_ids` (B, T) confine
     attention to a segment, causally, with 0 marking padding. With `decode=True` every attention
-    layer keeps a KV cache in the `cache` collection (see `diff_jax.generate`). `attention_op`
+    layer keeps a KV cache in the `cache` collection (see `diff_jax.generate`), one sequence per
+    row: `segment_ids` are then refused. `attention_op`
     (`AttentionOp.build(config, mesh, rules)`; None: built from `config` on the context mesh)
     is the one attention call of every layer.
 

@@ -196,3 +196,16 @@ def test_unfilled_cache_entries_holding_nan_do_not_reach_the_logits(extra):
         got.append(np.asarray(logits))
     assert np.isfinite(got[1]).all()
     np.testing.assert_array_equal(got[1], got[0])
+
+
+def test_segment_ids_with_a_kv_cache_are_refused():
+    """A decode step ignored them (every entry up to the position was attended), and a prefill
+    honoured them only until the next step; the cache keeps no segments, so both are refused."""
+    cfg, params = _setup("diff")
+    model = DecoderLM(cfg, decode=True)
+    cache = model.init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["cache"]
+    for t in (1, 4):
+        with pytest.raises(ValueError, match=r"segment_ids must be None with a KV cache"):
+            model.apply({"params": params, "cache": cache}, jnp.ones((2, t), jnp.int32),
+                        positions=jnp.zeros((2, t), jnp.int32),
+                        segment_ids=jnp.ones((2, t), jnp.int32), mutable=["cache"])

@@ -111,9 +111,13 @@ def _kv_cache(
     The cache's rows and length are those of the `init` call's input (B, S); a call with other
     rows or T > S is a ValueError, and so are `segment_ids`: a row of the cache is one sequence
     (its entries keep no segments, so a later step could not honour them). A call with T > 1 is
-    a prefill from position 0: it attends within its own tokens. A call with T == 1 attends over the cache
-    up to and including each row's position: returns the cache and the (B,) filled lengths
-    (position + 1).
+    a prefill from position 0: it attends within its own tokens, never to the cache, so a prefill
+    from another position (a prompt fed in chunks) is not supported: its tokens would not see the
+    earlier ones. A call with T == 1 attends over the cache up to and including each row's
+    position p: returns the cache and the (B,) filled lengths (p + 1). p must be in [0, S):
+    positions are traced, so this cannot be checked, and `dynamic_update_slice` clamps a write
+    past the end onto the last entry (p >= S overwrites entry S − 1 and reads S entries: wrong,
+    not an error). `generate` sizes the cache to the longest prompt + max_new_tokens.
     """
     if segment_ids is not None:
         raise ValueError("segment_ids must be None with a KV cache (decode=True): each row of the "

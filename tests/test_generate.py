@@ -209,3 +209,37 @@ def test_segment_ids_with_a_kv_cache_are_refused():
             model.apply({"params": params, "cache": cache}, jnp.ones((2, t), jnp.int32),
                         positions=jnp.zeros((2, t), jnp.int32),
                         segment_ids=jnp.ones((2, t), jnp.int32), mutable=["cache"])
+
+
+def test_a_cache_filled_to_max_seq_len_matches_the_full_forward_and_one_more_is_refused():
+    """generate's cache holds longest prompt + max_new_tokens entries, at most model.max_seq_len
+    (32): a request of exactly 32 fills positions up to 30 (the last new token is not fed back)
+    and equals the uncached greedy loop; 33 is refused before anything runs. A hand-driven cache
+    of 32 filled to its last entry gives the full forward's logits (float32, rel. error <= 1e-5)."""
+    cfg, params = _setup("diff")
+    rng = np.random.default_rng(2)
+    prompts = [[int(x) for x in rng.integers(1, V, 29)], [5, 9, 2]]
+    got = generate(cfg, params, prompts, max_new_tokens=3)
+    apply = jax.jit(DecoderLM(cfg).apply)
+    for prompt, new in zip(prompts, got):
+        seq = list(prompt)
+        for _ in range(3):
+            logits = apply({"params": params}, jnp.asarray([seq], jnp.int32))
+            seq.append(int(jnp.argmax(logits[0, -1])))
+        assert new == seq[len(prompt):]
+    with pytest.raises(ValueError, match=r"longest prompt \(30 tokens\) \+ max_new_tokens \(3\) "
+                                         r"= 33 exceeds model.max_seq_len \(32\)"):
+        generate(cfg, params, [prompts[0] + [1], [5]], max_new_tokens=3)
+
+    seq = jnp.asarray(rng.integers(1, V, (2, 32)), jnp.int32)
+    full = np.asarray(apply({"params": params}, seq))
+    model = DecoderLM(cfg, decode=True)
+    cache = model.init(jax.random.key(0), jnp.zeros((2, 32), jnp.int32))["cache"]
+    logits, state = model.apply({"params": params, "cache": cache}, seq[:, :29], mutable=["cache"])
+    got = [np.asarray(logits)]
+    for p in range(29, 32):
+        logits, state = model.apply({"params": params, "cache": state["cache"]}, seq[:, p:p + 1],
+                                    positions=jnp.full((2, 1), p), mutable=["cache"])
+        got.append(np.asarray(logits))
+    got = np.concatenate(got, axis=1)
+    assert np.linalg.norm(got - full) / np.linalg.norm(full) <= 1e-5

@@ -165,7 +165,8 @@ def test_impossible_implementations_are_config_errors():
 
 
 def test_decode_step_equals_full_forward_with_the_kernel_configured():
-    """A model configured for the kernel still decodes one token over the cache (the oracle)."""
+    """A model configured for the kernel still decodes one token over the cache (through
+    `kernels.decode_attention`, which reads only the filled part)."""
     cfg = ModelConfig(vocab_size=64, embed_dim=64, num_layers=1, num_heads=2, max_seq_len=16,
                       attention_impl="pallas")
     tokens = jax.random.randint(jax.random.key(0), (1, 9), 0, 64)

@@ -2,7 +2,8 @@
 
 Tasks: ppl, score (input=FILE), niah, recall, attention, outliers, quant, generate (prompt="...");
 or checkpoint=PATH (a run, a step directory RUN/checkpoints/N, or an orbax-params export)
-instead of train.run_dir, and step=N for another step of a run. Writes RUN/eval/NAME.json. See the
+instead of train.run_dir, and step=N for another step of a run. Writes RUN/eval/NAME.json (a step
+named by step=N or its directory: RUN/eval/step-N/NAME.json; out_dir=DIR: DIR/NAME.json). See the
 README for every task's keys. Exit status: 0 done, 2 bad input (arguments, config, a missing or
 damaged checkpoint, a file that cannot be read or written), 1 a result that is NaN (the JSON is
 still written).

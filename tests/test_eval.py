@@ -101,6 +101,21 @@ def test_ppl(runs, variant):
         assert out["files"] == [] and "matplotlib is not installed" in out["notes"][0]
 
 
+def test_a_named_step_writes_beside_the_latest_steps_result(runs, tmp_path):
+    """step=N (or the step's directory) writes RUN/eval/step-N/: it replaced RUN/eval/TASK.json,
+    the latest step's result, although its JSON records another step; out_dir= still wins."""
+    run = runs["diff"]
+    latest = _run(run, "task=outliers", "tokens=64")
+    for named in (["step=1", f"train.run_dir={run}"], [f"checkpoint={run / 'checkpoints' / '1'}"]):
+        _, path = run_task(*parse_args(["task=outliers", "tokens=64", *named]))
+        assert path == run / "eval" / "step-1" / "outliers.json"
+        assert json.loads(path.read_text())["step"] == 1
+    assert json.loads((run / "eval" / "outliers.json").read_text()) == latest
+    _, path = run_task(*parse_args(["task=outliers", "tokens=64", "step=1", f"out_dir={tmp_path}",
+                                    f"train.run_dir={run}"]))
+    assert path == tmp_path / "outliers.json"
+
+
 def test_score_is_the_log_probability_of_each_next_token(runs, tmp_path):
     loaded = _params(runs["diff"])
     ids = np.asarray(ENC.encode_ordinary(" ".join(["def f(x): return x + 1"] * 12)), np.int32)[:100]

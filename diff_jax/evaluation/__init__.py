@@ -1,8 +1,8 @@
 """eval.py's tasks on a checkpoint: ppl, score, niah, attention, outliers, quant, generate, recall.
 
 `run(argv)` parses `task=NAME [key=value ...] [section.key=value ...]`, loads the checkpoint,
-runs the task, prints a table and writes `<RUN>/eval/<task>.json` (the README lists each task's
-keys and fields).
+runs the task, prints a table and writes `<RUN>/eval/<task>.json` (`<RUN>/eval/step-N/` for a step
+named by `step=N` or its directory; the README lists each task's keys and fields).
 """
 
 from __future__ import annotations

@@ -86,8 +86,11 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
         config.append(from_dict(apply_overrides(saved, overrides)))
         return abstract_params(config[0].model)
 
+    named = step is not None  # step=N or a step directory, not whichever step is the latest
     step, _, params = checkpoint.restore_inference(run_dir, step, target)
-    out_dir = Path(options.out_dir) if options.out_dir else run_dir / EVAL_DIR
+    # a named step's results beside, not over, the latest step's (which a rerun would replace)
+    default = run_dir / EVAL_DIR / f"step-{step}" if named else run_dir / EVAL_DIR
+    out_dir = Path(options.out_dir) if options.out_dir else default
     return Loaded(config[0], params, f"{run_dir}/checkpoints/{step}", step, out_dir)
 
 

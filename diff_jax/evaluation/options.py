@@ -24,7 +24,7 @@ class EvalOptions:
     task: str
     checkpoint: str | None = None  # a run dir, a step dir RUN/checkpoints/N, or an export dir
     step: int | None = None  # a step of the run (None: the latest)
-    out_dir: str | None = None  # None: RUN/eval (an export dir: DIR/eval)
+    out_dir: str | None = None  # None: RUN/eval (a named step: RUN/eval/step-N; export: DIR/eval)
     # held-out text, in rows spread over the validation split: ppl scores `held_out_tokens`
     # tokens, quant `batches` batches; both in batches of `batch_size` rows of `length` tokens
     length: int | None = None  # None: train.seq_len (score: model.max_seq_len)
@@ -33,7 +33,7 @@ class EvalOptions:
     held_out_tokens: int = 262_144  # ppl: held-out tokens scored (at most the split's)
     # score
     input: str | None = None  # .txt (encoded with data.tokenizer) or .npy of int ids
-    output: str | None = None  # None: RUN/eval/score.npy
+    output: str | None = None  # None: OUT_DIR/score.npy (out_dir or its default)
     # niah / attention (and quant with niah=true); recall: needles = key–value pairs N
     needles: int = 4
     queries: int = 1

@@ -232,6 +232,9 @@ def run(config: Config) -> RunResult:
             raise
         if resumed is not None:
             progress.message(f"resumed from step {resumed} ({t.run_dir}/checkpoints)")
+            if t.init_from is not None:  # a run's checkpoints win over its starting point
+                progress.message(f"train.init_from={t.init_from} ignored: resuming from step "
+                                 f"{resumed}")
             if resumed < t.steps:  # a finished run changes nothing: no notes on what changes
                 for note in resume_notes(saved, config, resumed):
                     progress.message(note)

@@ -199,6 +199,18 @@ def test_a_resume_with_other_data_or_schedule_settings_says_what_changes(corpus,
     assert "(train.steps 40 → 50)" in err and "data settings" not in err, err  # not log_every, mesh
 
 
+def test_init_from_ignored_by_a_resume_is_said(corpus, tmp_path, capsys):
+    """A run dir with checkpoints resumes from them, not from train.init_from: said in one line."""
+    train_loop.run(tiny_config(corpus, tmp_path / "run", "train.steps=2",
+                               "checkpoint.every_steps=2"))
+    assert "train.init_from" not in capsys.readouterr().err
+    other = tmp_path / "other"  # never read: the resume wins before it is opened
+    result = train_loop.run(tiny_config(corpus, tmp_path / "run", "train.steps=2",
+                                        f"train.init_from={other}"))
+    assert result.status == "already done"
+    assert f"train.init_from={other} ignored: resuming from step 2\n" in capsys.readouterr().err
+
+
 def test_validation_asked_for_without_a_held_out_split_is_said(corpus, tmp_path, capsys):
     train_loop.run(tiny_config(corpus, tmp_path, "train.steps=4", "train.eval_every=2"))
     assert ("train.eval_every=2: no validation, since data.validation_fraction=0 holds no "

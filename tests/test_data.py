@@ -303,6 +303,21 @@ def test_prepare_writes_a_corpus_equal_to_direct_tokenization(tmp_path, capsys):
 
 
 
+def test_prepare_errors_name_the_argument_the_user_typed(tmp_path, capsys):
+    """prepare's errors and skipped lines name SRC, --tokenizer and --text-field, not the data.*
+    config keys (data.paths, data.tokenizer, data.text_field) a prepare user never wrote."""
+    src, out = _jsonl_source(tmp_path), str(tmp_path / "out")
+    missing = tmp_path / "missing.txt"
+    assert data_main(["prepare", str(missing), out]) == 2
+    assert capsys.readouterr().err == f"error: SRC: {str(missing)!r} does not exist\n"
+    assert data_main(["prepare", src, out, "--tokenizer", "cl100k_first_5"]) == 2
+    assert capsys.readouterr().err.startswith("error: --tokenizer: cl100k_first_5: N must be in ")
+    with open(src, "a") as f:
+        f.write(json.dumps({"body": "no text field"}) + "\n")
+    assert data_main(["prepare", src, out]) == 0
+    assert capsys.readouterr().err == f"skipped: {src}:3: no string field 'text' (--text-field)\n"
+
+
 def test_a_write_failure_in_the_staged_corpus_names_out_dir(tmp_path, capsys, monkeypatch):
     src, out = _jsonl_source(tmp_path), tmp_path / "tokA"
 
@@ -361,7 +376,7 @@ def test_a_failed_prepare_leaves_an_existing_corpus_byte_identical_and_loadable(
     capsys.readouterr()
     assert data_main(["prepare", src, str(out), "--text-field", "nope", "--overwrite"]) == 2
     assert capsys.readouterr().err == (f"error: prepare {[src]}: no non-empty document (2 skipped, "
-                                       f"first: {src}:1: no string field 'nope' (data.text_field))\n")
+                                       f"first: {src}:1: no string field 'nope' (--text-field))\n")
     assert _files(out) == before
     assert load(out).num_docs == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "tokA"]  # no temporary left
@@ -413,11 +428,11 @@ def test_overwrite_refuses_a_corpus_holding_what_prepare_does_not_write(tmp_path
     assert _files(out / "sub") == before
 
 @pytest.mark.parametrize("args, error", [
-    (["{tmp}/missing.jsonl"], "data.paths: '{tmp}/missing.jsonl' does not exist"),
-    (["{tmp}/*.txt"], "data.paths: '{tmp}/*.txt' matches no file"),
-    (["{src}", "--tokenizer", "bogus"], "data.tokenizer: cannot load tiktoken encoding 'bogus'"),
+    (["{tmp}/missing.jsonl"], "SRC: '{tmp}/missing.jsonl' does not exist"),
+    (["{tmp}/*.txt"], "SRC: '{tmp}/*.txt' matches no file"),
+    (["{src}", "--tokenizer", "bogus"], "--tokenizer: cannot load tiktoken encoding 'bogus'"),
     (["{src}", "--text-field", "nope"], "prepare ['{src}']: no non-empty document"),
-    ([""], "data.paths: '' is empty; name a file, directory or glob"),  # not the working dir
+    ([""], "SRC: '' is empty; name a file, directory or glob"),  # not the working dir
 ])
 def test_a_failed_prepare_into_a_new_path_leaves_no_directory(tmp_path, capsys, args, error):
     src, out = _jsonl_source(tmp_path), tmp_path / "new" / "tokA"

@@ -12,6 +12,16 @@ from diff_jax.data.sources import DataError
 from diff_jax.data.tokenizer import BASE
 from diff_jax.file_errors import describe
 
+# The data.* keys that the data package's messages name, as this command's user types them.
+_TYPED = {"data.paths": "SRC", "data.text_field": "--text-field", "data.tokenizer": "--tokenizer"}
+
+
+def _as_typed(text: str) -> str:
+    """`text` with each data.* key of `_TYPED` named as the argument that sets it here."""
+    for key, typed in _TYPED.items():
+        text = text.replace(key, typed)
+    return text
+
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m diff_jax.data prepare SRC... OUT_DIR`; returns the exit status: 0, or 2 on bad
@@ -31,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = prepare(args.sources, args.out_dir, args.text_field, args.tokenizer,
                        overwrite=args.overwrite)
     except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_as_typed(str(e))}", file=sys.stderr)
         return 2
     except OSError as e:  # OUT_DIR cannot be made or written, or a source cannot be read
         named = [(f"OUT_DIR {args.out_dir}", args.out_dir), *((f"SRC {x}", x) for x in args.sources)]
@@ -40,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped = meta.pop("skipped")
     print(json.dumps(dict(meta, skipped=len(skipped)), indent=1))
     for line in skipped[:20]:
-        print(f"skipped: {line}", file=sys.stderr)
+        print(f"skipped: {_as_typed(line)}", file=sys.stderr)
     return 0
 
 

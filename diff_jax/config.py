@@ -245,14 +245,31 @@ class DataConfig:
         _require(self.mixture is not None or self.source in ("stdlib", "niah") or bool(self.paths),
                  "data.paths", f"data.source={self.source} needs at least one path")
         if self.mixture is not None:
-            sources = {n for n, _ in self.mixture_weights}
             named, fix = f"data.mixture={self.mixture}", "add files (or tokens) to the mixture"
         else:
-            sources = {self.source}
             named, fix = f"data.source={self.source}", "use data.source=files (or tokens)"
-        _require(not self.paths or bool(sources & {"files", "tokens"}), "data.paths",
+        _require(not self.paths or bool(self.sources & {"files", "tokens"}), "data.paths",
                  f"{list(self.paths)} is set but {named} reads no paths; {fix} to read them, "
                  "or leave data.paths empty")
+
+    @property
+    def sources(self) -> set[str]:
+        """The sources read: `data.mixture`'s, else `data.source`."""
+        return {n for n, _ in self.mixture_weights} if self.mixture is not None else {self.source}
+
+    def unread(self) -> list[str]:
+        """A line for each of the settings a user may set by mistake that differs from its
+        default but is not read with these sources (said at the start of a run, not refused)."""
+        unread = {
+            "mixture_tokens": (self.mixture is None, "data.mixture is not set"),
+            "niah_tokens": (self.sources != {"niah"}, "niah is not the only data source"),
+            "niah_doc_tokens": ("niah" not in self.sources, "no data source is niah"),
+            "text_field": ("files" not in self.sources, "no data source is files (.jsonl records)"),
+        }
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [f"data.{name}={getattr(self, name)}: not used, since {why}"
+                for name, (unused, why) in unread.items()
+                if unused and getattr(self, name) != defaults[name]]
 
     @property
     def mixture_weights(self) -> tuple[tuple[str, float], ...]:

@@ -215,6 +215,8 @@ def run(config: Config) -> RunResult:
     if t.eval_every and config.data.validation_fraction == 0:
         progress.message(f"train.eval_every={t.eval_every}: no validation, since "
                          "data.validation_fraction=0 holds no documents out")
+    for line in config.data.unread():
+        progress.message(line)
     if inputs.corpus.skipped:
         progress.message(f"data: skipped {len(inputs.corpus.skipped)} unreadable document(s), "
                          f"first: {inputs.corpus.skipped[0]}")

@@ -105,6 +105,27 @@ def test_paths_that_nothing_reads_are_refused(overrides):
         assert load_config(None, [*readers, "data.paths=/nope"]).data.paths == ("/nope",)
 
 
+def test_data_settings_the_sources_do_not_read_are_said_not_refused():
+    """data.* settings set away from their defaults that the chosen sources never read: one line
+    each (train.py prints them), the config still loads; the same values where they are read, or
+    left at their defaults, say nothing."""
+    unread = load_config(None, ["data.mixture_tokens=1000", "data.niah_tokens=5000",
+                                "data.niah_doc_tokens=400", "data.text_field=body"]).data.unread()
+    assert unread == [
+        "data.mixture_tokens=1000: not used, since data.mixture is not set",
+        "data.niah_tokens=5000: not used, since niah is not the only data source",
+        "data.niah_doc_tokens=400: not used, since no data source is niah",
+        "data.text_field=body: not used, since no data source is files (.jsonl records)"]
+    mixed = load_config(None, ["data.mixture=stdlib:1,niah:1", "data.niah_tokens=5000",
+                               "data.mixture_tokens=1000", "data.niah_doc_tokens=400"]).data
+    assert mixed.unread() == [unread[1]]  # with stdlib in the mix, niah's share sizes it
+    for read in (["data.source=niah", "data.niah_tokens=5000", "data.niah_doc_tokens=400"],
+                 ["data.source=files", "data.paths=/x", "data.text_field=body"],
+                 ["data.mixture=files:1,niah:1", "data.paths=/x", "data.text_field=body"]):
+        assert load_config(None, read).data.unread() == []
+    assert load_config(CONFIGS / "tiny.yaml").data.unread() == []
+
+
 def test_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")

@@ -212,9 +212,12 @@ def test_init_from_ignored_by_a_resume_is_said(corpus, tmp_path, capsys):
 
 
 def test_validation_asked_for_without_a_held_out_split_is_said(corpus, tmp_path, capsys):
-    train_loop.run(tiny_config(corpus, tmp_path, "train.steps=4", "train.eval_every=2"))
+    train_loop.run(tiny_config(corpus, tmp_path, "train.steps=4", "train.eval_every=2",
+                               "data.mixture_tokens=1000"))
+    err = capsys.readouterr().err
     assert ("train.eval_every=2: no validation, since data.validation_fraction=0 holds no "
-            "documents out") in capsys.readouterr().err
+            "documents out") in err
+    assert "data.mixture_tokens=1000: not used, since data.mixture is not set\n" in err
     assert not any("val_loss" in x for x in (tmp_path / "metrics.jsonl").read_text().splitlines())
 
 

@@ -41,8 +41,7 @@ def known_vocab_size(cfg: DataConfig) -> int | None:
     """The vocabulary size of `load_corpus(cfg)`, known without reading any data: the
     tokenizer's when every source is tokenized with it; None when a `tokens` corpus is read (its
     meta.json holds its size)."""
-    sources = {name for name, _ in cfg.mixture_weights} if cfg.mixture is not None else {cfg.source}
-    return None if "tokens" in sources else encoding(cfg.tokenizer).n_vocab
+    return None if "tokens" in cfg.sources else encoding(cfg.tokenizer).n_vocab
 
 
 def _source(cfg: DataConfig, name: str) -> TokenCorpus:

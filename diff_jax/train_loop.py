@@ -225,48 +225,42 @@ def run(config: Config) -> RunResult:
     with steps.context(), _claim_run_dir(t.run_dir, main):
         step_fn, eval_fn, bsh = steps.train, steps.eval, steps.batch_sharding
         check_process_rows(bsh, t.batch_size, t.seq_len)
-        mngr = checkpoint.manager(t.run_dir, config.checkpoint)
-        try:
+        # closed on every way out (it waits for an async save to commit first), a refusal too
+        with checkpoint.manager(t.run_dir, config.checkpoint) as mngr:
             resumed, state, saved = checkpoint.resume(mngr, config.checkpoint, steps.abstract,
                                                       inputs.train, progress.message)
-        except BaseException:
-            mngr.close()
-            raise
-        if resumed is not None:
-            progress.message(f"resumed from step {resumed} ({t.run_dir}/checkpoints)")
-            if t.init_from is not None:  # a run's checkpoints win over its starting point
-                progress.message(f"train.init_from={t.init_from} ignored: resuming from step "
-                                 f"{resumed}")
-            if resumed < t.steps:  # a finished run changes nothing: no notes on what changes
-                for note in resume_notes(saved, config, resumed):
-                    progress.message(note)
-        else:
-            state = steps.init(jax.random.PRNGKey(t.seed))
-            if t.init_from is not None:  # fine-tuning: parameters from an export or another run
-                state = state.replace(params=initial_params(t.init_from, config.model,
-                                                            steps.shardings.params))
-                progress.message(f"parameters initialized from {t.init_from}")
-        start = resumed or 0
-        if start >= t.steps:  # the run's record stays as it was
-            progress.message(f"already at step {start} >= train.steps={t.steps}; nothing to do")
-            mngr.close()
-            return RunResult(start, "already done", None)
-        if main:  # only now: a refused resume leaves the run's record as it was
-            write_whole(Path(t.run_dir) / "config.yaml", dump_config(_recorded(config)))
-        writer = MetricsWriter(t.run_dir, main, start_step=start)
-        if writer.dropped:
-            progress.message(f"metrics.jsonl: dropped {writer.dropped} row(s) after step {start} "
-                             "(those steps run again)")
-        validation = [_global(b, bsh) for b in inputs.validation.batches]
-        loop = _Loop(config, mngr, writer, progress, step_fn, eval_fn, validation, flops, bsh,
-                     held_out=inputs.validation)
-        try:
-            with _stop_signals(progress.message) as caught:
-                return loop.run(state, inputs.train, start, caught)
-        finally:
-            mngr.wait_until_finished()
-            mngr.close()
-            writer.close()
+            if resumed is not None:
+                progress.message(f"resumed from step {resumed} ({t.run_dir}/checkpoints)")
+                if t.init_from is not None:  # a run's checkpoints win over its starting point
+                    progress.message(f"train.init_from={t.init_from} ignored: resuming from step "
+                                     f"{resumed}")
+                if resumed < t.steps:  # a finished run changes nothing: no notes on what changes
+                    for note in resume_notes(saved, config, resumed):
+                        progress.message(note)
+            else:
+                state = steps.init(jax.random.PRNGKey(t.seed))
+                if t.init_from is not None:  # fine-tuning: parameters from an export or another run
+                    state = state.replace(params=initial_params(t.init_from, config.model,
+                                                                steps.shardings.params))
+                    progress.message(f"parameters initialized from {t.init_from}")
+            start = resumed or 0
+            if start >= t.steps:  # the run's record stays as it was
+                progress.message(f"already at step {start} >= train.steps={t.steps}; nothing to do")
+                return RunResult(start, "already done", None)
+            if main:  # only now: a refused resume leaves the run's record as it was
+                write_whole(Path(t.run_dir) / "config.yaml", dump_config(_recorded(config)))
+            writer = MetricsWriter(t.run_dir, main, start_step=start)
+            if writer.dropped:
+                progress.message(f"metrics.jsonl: dropped {writer.dropped} row(s) after step "
+                                 f"{start} (those steps run again)")
+            validation = [_global(b, bsh) for b in inputs.validation.batches]
+            loop = _Loop(config, mngr, writer, progress, step_fn, eval_fn, validation, flops, bsh,
+                         held_out=inputs.validation)
+            try:
+                with _stop_signals(progress.message) as caught:
+                    return loop.run(state, inputs.train, start, caught)
+            finally:
+                writer.close()
 
 
 @dataclasses.dataclass

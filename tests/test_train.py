@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from diff_jax import train_loop
+from diff_jax import checkpoint, train_loop
 from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import dump_config
 from tests.training_fixtures import synthetic_corpus, tiny_config, write_corpus
@@ -407,6 +407,25 @@ def test_a_file_system_error_while_training_keeps_the_last_checkpoint(corpus, tm
     assert _one_error_line(capsys) == (f"error: train.run_dir={tmp_path / 'run'}: "
                                        f"{tmp_path / 'run' / 'metrics.jsonl'}: No space left on device")
     assert _ckpt_steps(tmp_path / "run") == [10]
+
+
+def test_a_run_refused_after_its_checkpoint_manager_opened_closes_it(corpus, tmp_path,
+                                                                     monkeypatch):
+    """A refusal between the manager's opening and the first step (here config.yaml cannot be
+    written; also a refused train.init_from) closes it; it was left open with its threads."""
+    opened, closed, real = [], [], checkpoint.manager
+
+    def manager(*args, **kwargs):
+        mngr = real(*args, **kwargs)
+        opened.append(mngr)
+        mngr.close = lambda close=mngr.close: (closed.append(mngr), close())
+        return mngr
+
+    monkeypatch.setattr(checkpoint, "manager", manager)
+    (tmp_path / "config.yaml").mkdir()
+    with pytest.raises(IsADirectoryError):
+        train_loop.run(tiny_config(corpus, tmp_path, "train.steps=2"))
+    assert len(opened) == 1 and closed == opened
 
 
 def test_a_read_only_checkpoints_directory_is_refused_before_training(corpus, tmp_path):

@@ -160,6 +160,25 @@ def test_orbax_params_round_trip_from_a_step_directory(diff_run, tmp_path):
     np.testing.assert_array_equal(logits(*ex.load(again)), logits(config, params))
 
 
+
+def test_reading_an_orbax_export_closes_its_checkpointer(diff_run, tmp_path, monkeypatch):
+    """Loading an orbax-params export, and refusing a damaged one, closes the checkpointer it
+    opened (an open one keeps its threads in a long-lived process: replicate, a server)."""
+    run, config, _ = diff_run
+    out = ex.export(run, tmp_path / "export", "orbax-params")
+    opened, closed = [], []
+    init, close = ocp.PyTreeCheckpointer.__init__, ocp.PyTreeCheckpointer.close
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "__init__",
+                        lambda self, *a, **k: (opened.append(self), init(self, *a, **k))[1])
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "close", lambda self: (closed.append(self),
+                                                                        close(self))[1])
+    ex.load(out)
+    other = dataclasses.replace(config, embed_dim=2 * config.embed_dim)
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(other)))
+    with pytest.raises(ex.ExportError):
+        ex.load(out)
+    assert len(opened) == 2 and all(any(c is o for c in closed) for o in opened)
+
 @pytest.mark.parametrize("fmt", ["safetensors", "orbax-params"])
 def test_bfloat16_export_stores_bf16_and_stays_within_bf16_tolerance(fmt, diff_run, tmp_path):
     run, config, params = diff_run

@@ -168,27 +168,28 @@ def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
             _read_json(sums_file) if sums_file.exists() else None, None, path)
     except DamagedCheckpointError as e:
         raise ExportError(f"{sums_file}: {e}") from e
-    checkpointer = ocp.PyTreeCheckpointer()
-    try:
-        saved = checkpointer.metadata(path).item_metadata
-    except (OSError, ValueError) as e:
-        raise ExportError(f"{path}: not a readable orbax checkpoint: {e}") from e
-    target = abstract_params(config)
-    checkpoint.check_shapes(checkpoint.tree_shapes(saved), checkpoint.tree_shapes(target),
-                            f"{path}: ", ExportError)
-    keystr = jax.tree_util.keystr
-    dtypes = {keystr(p): leaf.dtype for p, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]}
-    stored = jax.tree_util.tree_map_with_path(  # read in the stored dtype: that is what was summed
-        lambda p, t: jax.ShapeDtypeStruct(t.shape, dtypes[keystr(p)], sharding=t.sharding),
-        target)
-    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
-                                stored)
-    try:
-        params = checkpointer.restore(path, args=ocp.args.PyTreeRestore(stored, restore_args))
-    except Exception as e:  # tensorstore raises bare Exceptions for unreadable bytes
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise ExportError(f"{path}: the export is damaged: could not read the parameters: "
-                          f"{type(e).__name__}: {first}") from e
+    with ocp.PyTreeCheckpointer() as checkpointer:  # closed on every way out
+        try:
+            saved = checkpointer.metadata(path).item_metadata
+        except (OSError, ValueError) as e:
+            raise ExportError(f"{path}: not a readable orbax checkpoint: {e}") from e
+        target = abstract_params(config)
+        checkpoint.check_shapes(checkpoint.tree_shapes(saved), checkpoint.tree_shapes(target),
+                                f"{path}: ", ExportError)
+        keystr = jax.tree_util.keystr
+        dtypes = {keystr(p): leaf.dtype
+                  for p, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]}
+        stored = jax.tree_util.tree_map_with_path(  # read in the stored dtype: what was summed
+            lambda p, t: jax.ShapeDtypeStruct(t.shape, dtypes[keystr(p)], sharding=t.sharding),
+            target)
+        restore_args = jax.tree.map(
+            lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype), stored)
+        try:
+            params = checkpointer.restore(path, args=ocp.args.PyTreeRestore(stored, restore_args))
+        except Exception as e:  # tensorstore raises bare Exceptions for unreadable bytes
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise ExportError(f"{path}: the export is damaged: could not read the parameters: "
+                              f"{type(e).__name__}: {first}") from e
     if recorded is not None:
         try:
             checkpoint.verify_checksums(params, recorded, None, path)

@@ -97,7 +97,8 @@ def initialize_distributed(cfg: DistributedConfig) -> None:
 def _stop_signals(say: Callable[[str], None]) -> Iterator[list[str]]:
     """Catches SIGTERM/SIGINT into a flag list for the duration (main thread only), saying what
     happens next. A second SIGINT (Ctrl-C pressed again) raises KeyboardInterrupt at once: the
-    step in flight is not saved, and the checkpoints already committed stay as they are."""
+    step in flight is not saved, a save already under way still commits (closing the checkpoint
+    manager waits for it), and the checkpoints already committed stay as they are."""
     caught: list[str] = []
 
     def handler(signum: int, _frame: Any) -> None:
@@ -105,7 +106,8 @@ def _stop_signals(say: Callable[[str], None]) -> Iterator[list[str]]:
             raise KeyboardInterrupt
         caught.append(signal.Signals(signum).name)
         say(f"{caught[0]} received: finishing the step in flight, then saving it and exiting"
-            + (" (Ctrl-C again stops at once, without saving it)" if signum == signal.SIGINT
+            + (" (Ctrl-C again stops without saving the step in flight; a save already under "
+               "way completes first)" if signum == signal.SIGINT
                else ""))
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}

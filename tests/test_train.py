@@ -104,7 +104,8 @@ def test_ctrl_c_twice_stops_at_once_keeping_the_committed_checkpoints(corpus, tm
     assert train_main(["--config", _config_file(corpus, tmp_path)]) == 130
     err = capsys.readouterr().err
     assert ("SIGINT received: finishing the step in flight, then saving it and exiting (Ctrl-C "
-            "again stops at once, without saving it)") in err
+            "again stops without saving the step in flight; a save already under way completes "
+            "first)") in err
     assert err.strip().splitlines()[-1] == (
         f"interrupted: stopped at once; the checkpoints already committed in {tmp_path / 'run'}"
         "/checkpoints are kept (re-run to resume from the newest)")

@@ -53,17 +53,21 @@ def test_cached_logits_equal_full_forward(variant, extra):
         pos = pos + 1
 
 
+def _uncached_greedy(cfg, params, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens after `prompt` by re-running the full forward (no cache) each step."""
+    apply = jax.jit(DecoderLM(cfg).apply)
+    seq = list(prompt)
+    for _ in range(n):
+        logits = apply({"params": params}, jnp.asarray([seq], jnp.int32))
+        seq.append(int(jnp.argmax(logits[0, -1])))
+    return seq[len(prompt):]
+
+
 def test_greedy_generate_matches_uncached_argmax_loop():
     cfg, params = _setup("diff")
     prompts = [[5, 9, 2], [7, 1, 1, 4, 30]]
     got = generate(cfg, params, prompts, max_new_tokens=5)
-    apply = jax.jit(DecoderLM(cfg).apply)
-    for prompt, new in zip(prompts, got):
-        seq = list(prompt)
-        for _ in range(5):
-            logits = apply({"params": params}, jnp.asarray([seq], jnp.int32))
-            seq.append(int(jnp.argmax(logits[0, -1])))
-        assert new == seq[len(prompt):]
+    assert got == [_uncached_greedy(cfg, params, p, 5) for p in prompts]
 
 
 def test_eos_seed_and_errors():
@@ -220,19 +224,13 @@ def test_a_cache_filled_to_max_seq_len_matches_the_full_forward_and_one_more_is_
     rng = np.random.default_rng(2)
     prompts = [[int(x) for x in rng.integers(1, V, 29)], [5, 9, 2]]
     got = generate(cfg, params, prompts, max_new_tokens=3)
-    apply = jax.jit(DecoderLM(cfg).apply)
-    for prompt, new in zip(prompts, got):
-        seq = list(prompt)
-        for _ in range(3):
-            logits = apply({"params": params}, jnp.asarray([seq], jnp.int32))
-            seq.append(int(jnp.argmax(logits[0, -1])))
-        assert new == seq[len(prompt):]
+    assert got == [_uncached_greedy(cfg, params, p, 3) for p in prompts]
     with pytest.raises(ValueError, match=r"longest prompt \(30 tokens\) \+ max_new_tokens \(3\) "
                                          r"= 33 exceeds model.max_seq_len \(32\)"):
         generate(cfg, params, [prompts[0] + [1], [5]], max_new_tokens=3)
 
     seq = jnp.asarray(rng.integers(1, V, (2, 32)), jnp.int32)
-    full = np.asarray(apply({"params": params}, seq))
+    full = np.asarray(DecoderLM(cfg).apply({"params": params}, seq))
     model = DecoderLM(cfg, decode=True)
     cache = model.init(jax.random.key(0), jnp.zeros((2, 32), jnp.int32))["cache"]
     logits, state = model.apply({"params": params, "cache": cache}, seq[:, :29], mutable=["cache"])

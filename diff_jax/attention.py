@@ -115,9 +115,9 @@ def _kv_cache(
     from another position (a prompt fed in chunks) is not supported: its tokens would not see the
     earlier ones. A call with T == 1 attends over the cache up to and including each row's
     position p: returns the cache and the (B,) filled lengths (p + 1). p must be in [0, S):
-    positions are traced, so this cannot be checked, and `dynamic_update_slice` clamps a write
-    past the end onto the last entry (p >= S overwrites entry S − 1 and reads S entries: wrong,
-    not an error). `generate` sizes the cache to the longest prompt + max_new_tokens.
+    positions are traced, so this cannot be an error; `dynamic_update_slice` clamps a write
+    past the end onto the last entry, and `_attend` makes such a row's output NaN. `generate`
+    sizes the cache to the longest prompt + max_new_tokens.
     """
     if segment_ids is not None:
         raise ValueError("segment_ids must be None with a KV cache (decode=True): each row of the "
@@ -170,6 +170,10 @@ def _attend(
         k, v = jnp.repeat(k, n_rep, axis=2), jnp.repeat(v, n_rep, axis=2)
     op = module.attention_op or AttentionOp.build(cfg)
     out, maps = op(q, k, v, lam, segment_ids=segment_ids, kv_lengths=kv_lengths)
+    if kv_lengths is not None:  # a step's position outside the cache [0, S): NaN, not the
+        # finite but wrong result of dynamic_update_slice's clamped write (traced: no error)
+        inside = (kv_lengths >= 1) & (kv_lengths <= k.shape[1])
+        out = jnp.where(inside[:, None, None, None], out, jnp.nan)
     if maps is not None:
         module.sow("intermediates", "attention", maps)
     return out

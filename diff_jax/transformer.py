@@ -54,9 +54,8 @@ class DecoderLM(nn.Module):
     row, as long as the `init` input (B, S): `segment_ids` are then refused. A call with T > 1 is
     the prompt's prefill from position 0 (it attends within its own tokens, not to the cache; a
     prompt fed in chunks is not supported); a call with T = 1 and `positions` p (B, 1) in [0, S)
-    writes entry p and attends to entries 0..p (pass them: the default is 0). A position ≥ S
-    cannot be checked under jit and overwrites the last entry (a wrong result, not an error).
-    `attention_op`
+    writes entry p and attends to entries 0..p (pass them: the default is 0). A position outside
+    [0, S) cannot be an error under jit: that row's logits are NaN. `attention_op`
     (`AttentionOp.build(config, mesh, rules)`; None: built from `config` on the context mesh)
     is the one attention call of every layer.
 

@@ -241,3 +241,22 @@ def test_a_cache_filled_to_max_seq_len_matches_the_full_forward_and_one_more_is_
         got.append(np.asarray(logits))
     got = np.concatenate(got, axis=1)
     assert np.linalg.norm(got - full) / np.linalg.norm(full) <= 1e-5
+
+
+@pytest.mark.parametrize("variant", ["diff", "transformer"])
+def test_a_step_outside_the_cache_gives_nan_logits_for_its_row_only(variant):
+    """Positions are traced, so a hand-driven step at a position outside the cache [0, S)
+    cannot be an error: its row's logits are NaN (not the finite, wrong result of the clamped
+    write onto the last entry), and the other row, at a valid position, is the full forward's."""
+    cfg, params = _setup(variant)
+    seq = jnp.asarray(np.random.default_rng(3).integers(1, V, (2, 9)), jnp.int32)
+    full = np.asarray(DecoderLM(cfg).apply({"params": params}, seq))
+    model = DecoderLM(cfg, decode=True)
+    cache = model.init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["cache"]  # S = 8
+    _, state = model.apply({"params": params, "cache": cache}, seq[:, :7], mutable=["cache"])
+    for outside in (8, -1):
+        logits, _ = model.apply({"params": params, "cache": state["cache"]}, seq[:, 7:8],
+                                positions=jnp.asarray([[7], [outside]]), mutable=["cache"])
+        logits = np.asarray(logits)
+        assert np.isnan(logits[1]).all(), outside
+        np.testing.assert_allclose(logits[0, 0], full[0, 7], rtol=1e-5, atol=1e-5)

@@ -41,19 +41,27 @@ def _masked(batch, seed=1):
     return dict(batch, loss_mask=keep.astype(np.int32))
 
 
-def _sharded(mesh_cfg, devices=None, grad_accum=1, steps=1, batch=None):
-    """(state after `steps` train steps, loss, grads of the initial params, metrics) on a mesh,
-    with the training loop's steps (`build_steps`)."""
+@functools.cache
+def _built(mesh_cfg, one_device=False, grad_accum=1):
+    """The training loop's steps (`build_steps`) of the tests' model on `mesh_cfg` (all 8
+    devices, or the first alone) and its jitted loss and grads, built once for the module: the
+    tests that compare a mesh or a grad_accum with another share what each one compiles."""
     config = Config(model=MODEL, optim=OptimConfig(warmup_steps=0), mesh=mesh_cfg,
                     train=TrainConfig(steps=10, batch_size=8, seq_len=16, grad_accum=grad_accum))
-    built = build_steps(config, make_mesh(mesh_cfg, devices))
+    built = build_steps(config, make_mesh(mesh_cfg, jax.devices()[:1] if one_device else None))
+    grads = jax.jit(functools.partial(loss_and_grads, model=built.model, grad_accum=grad_accum),
+                    in_shardings=(built.shardings.params, built.batch_sharding))
+    return built, grads
+
+
+def _sharded(mesh_cfg, one_device=False, grad_accum=1, steps=1, batch=None):
+    """(state after `steps` train steps, loss, grads of the initial params, metrics) on a mesh,
+    with the training loop's steps (`_built`), from a fresh init."""
+    built, loss_and_grads_fn = _built(mesh_cfg, one_device, grad_accum)
     with built.context():
         state = built.init(jax.random.PRNGKey(0))
         batch = jax.device_put(_batch() if batch is None else batch, built.batch_sharding)
-        loss, grads = jax.jit(functools.partial(loss_and_grads, model=built.model,
-                                                grad_accum=grad_accum),
-                              in_shardings=(built.shardings.params, built.batch_sharding))(
-            state.params, batch)
+        loss, grads = loss_and_grads_fn(state.params, batch)
         for _ in range(steps):
             state, metrics = built.train(state, batch)
     return state, float(loss), jax.device_get(grads), jax.device_get(metrics)
@@ -105,7 +113,7 @@ def test_a_mesh_with_explicit_or_other_axes_is_refused_before_tracing():
 
 
 def test_sharded_step_equals_one_device_and_params_are_sharded_by_the_rules():
-    state1, loss1, grads1, m1 = _sharded(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    state1, loss1, grads1, m1 = _sharded(MeshConfig(data=1, fsdp=1, tensor=1), one_device=True)
     state8, loss8, grads8, m8 = _sharded(MeshConfig(data=2, fsdp=2, tensor=2))
     np.testing.assert_allclose(loss8, loss1, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), grads8, grads1)

@@ -179,12 +179,14 @@ def test_paired_differences_claim_a_direction_only_outside_the_seed_spread():
 def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):
     """A shrunken cpu-recall (4 steps, one seed, both inits), its models trained two at a time in
     pinned processes: every cell and model in results.json, the learning curve at each
-    checkpoint, the claims in results.md, and one model the same as a serial run of it."""
+    checkpoint, the claims in results.md, and one model the same as a serial run of it. The
+    curve's cell is a grid cell, so its evaluations reuse the grid's compiled shapes."""
     import os
 
     full = presets.PRESETS["cpu-recall"]
     preset = dataclasses.replace(
         full, embed_dim=32, samples=4, grid_cells=((1, 0.0), (2, 0.5)), grid_lengths=(32, 48),
+        curve_cell=(2, 0.5),
         shared=(*full.shared, "train.steps=4", "checkpoint.every_steps=2"))
     out = tmp_path / "out"
     data = replicate.replicate(preset, 1, out, jobs=min(2, len(os.sched_getaffinity(0))))

@@ -47,20 +47,26 @@ from diff_jax.step import build_steps  # noqa: E402
 from diff_jax.summary import flops_per_token  # noqa: E402
 
 
-def _stepper(config: Config, segment_ids: bool = True):
-    """(run one step -> blocks, tokens per step) for `config` on all local devices; batches with
-    segment ids (one document a row) unless `segment_ids` is False."""
+def _batch(config: Config, segment_ids: bool) -> dict[str, np.ndarray]:
+    """One host batch of (train.batch_size, train.seq_len) int32 arrays: random ids in
+    [0, model.vocab_size), with segment ids (one document a row) unless `segment_ids` is False."""
     t = config.train
+    toks = np.random.default_rng(0).integers(0, config.model.vocab_size,
+                                             (t.batch_size, t.seq_len + 1), dtype=np.int32)
+    host = {"tokens": toks[:, :-1], "targets": toks[:, 1:],
+            "positions": np.tile(np.arange(t.seq_len, dtype=np.int32), (t.batch_size, 1))}
+    if segment_ids:
+        host["segment_ids"] = np.ones((t.batch_size, t.seq_len), np.int32)
+    return host
+
+
+def _stepper(config: Config, segment_ids: bool = True):
+    """(run one step -> blocks, tokens per step) for `config` on all local devices, on
+    `_batch(config, segment_ids)`."""
     steps = build_steps(config, make_mesh(config.mesh))
     with steps.context():
         state = steps.init(jax.random.PRNGKey(0))
-        rng = np.random.default_rng(0)
-        toks = rng.integers(0, 100_000, (t.batch_size, t.seq_len + 1)).astype(np.int32)
-        host = {"tokens": toks[:, :-1], "targets": toks[:, 1:],
-                "positions": np.tile(np.arange(t.seq_len, dtype=np.int32), (t.batch_size, 1))}
-        if segment_ids:
-            host["segment_ids"] = np.ones((t.batch_size, t.seq_len), np.int32)
-        batch = jax.device_put(host, steps.batch_sharding)
+        batch = jax.device_put(_batch(config, segment_ids), steps.batch_sharding)
     holder = {"state": state}
 
     def step() -> float:
@@ -70,7 +76,7 @@ def _stepper(config: Config, segment_ids: bool = True):
         jax.block_until_ready(m)
         return time.perf_counter() - t0
 
-    return step, t.batch_size * t.seq_len
+    return step, config.train.batch_size * config.train.seq_len
 
 
 def data_throughput(config: Config, batches: int = 300) -> float:

@@ -17,7 +17,7 @@ import pytest
 
 from diff_jax import checkpoint, train_loop
 from diff_jax.checkpoint import CheckpointError
-from diff_jax.config import dump_config
+from diff_jax.config import dump_config, load_config
 from tests.training_fixtures import synthetic_corpus, tiny_config, write_corpus
 from train import main as train_main
 
@@ -506,7 +506,8 @@ def test_train_step_benchmark_smoke(tmp_path):
     """benchmarks/train_step.py (the GPU session's train stage) times both twins on one step each
     and writes JSON + markdown, OUT.json and OUT.md for --out OUT even where OUT holds a dot
     (the session's train_step_1.4b: Path.with_suffix wrote train_step_1.json, which the
-    session never read and its causal run overwrote)."""
+    session never read and its causal run overwrote). Its batch's ids lie in the model's vocabulary
+    (they were drawn below 100,000 whatever the vocabulary)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import train_step as bench
 
@@ -524,6 +525,10 @@ def test_train_step_benchmark_smoke(tmp_path):
     causal = bench.main(["--set", "model.num_layers=1", "train.batch_size=8", "train.seq_len=16",
                          "--steps", "1", "--no-data", "--no-segment-ids", "--out", str(out)])
     assert causal["segment_ids"] is False and "without segment ids" in md.read_text()
+    small = load_config(str(ROOT / "configs/tiny.yaml"), ["model.vocab_size=512",
+                                                         "train.batch_size=64"])
+    ids = bench._batch(small, True)
+    assert 0 <= ids["tokens"].min() and max(ids["tokens"].max(), ids["targets"].max()) < 512
 
 
 def test_a_batch_without_segment_ids_is_one_document_a_row(tmp_path):

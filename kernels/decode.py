@@ -33,7 +33,7 @@ def decode_attention(
 
     q (B, 1, H·nc, d), k (B, S, Hkv·nc, d), v (B, S, Hkv, dv), lengths (B,) int32 in [0, S]
     with nc = 2 when `lam` is given, else 1. Returns (B, 1, H, dv) in q's dtype; a row with
-    length 0 outputs zeros. Entries at and past `lengths[b]` never reach row b's output, whatever
+    length 0 (every row of an empty cache, S = 0) outputs zeros. Entries at and past `lengths[b]` never reach row b's output, whatever
     they hold (NaN or Inf of an uninitialised, donated or reused cache included).
     """
     nc = 1 if lam is None else 2
@@ -46,6 +46,8 @@ def decode_attention(
         raise ValueError(f"lengths must be (B,) = ({b},), got {lengths.shape}")
     if chunk < 1:
         raise ValueError(f"chunk must be positive, got {chunk}")
+    if s == 0:  # an empty cache: every row has length 0
+        return jnp.zeros((b, 1, hq // nc, dv), q.dtype)
     n_rep = hq // nc // hkv
     chunk = min(chunk, s)
     f32 = jnp.float32

@@ -643,3 +643,6 @@ def test_decode_attention_reads_only_the_filled_cache(nc, h, hkv):
         q, *poisoned, lam, lengths=lengths)
     assert out.shape == (b, 1, h, nc * d)
     assert rel(out, ref) < F32_TOL
+    # an empty cache (S = 0): zeros, as a row of length 0 (the chunk loop's max had no keys)
+    empty = kernels.decode_attention(q, k[:, :0], v[:, :0], lam, lengths=jnp.zeros(b, jnp.int32))
+    assert empty.shape == out.shape and not empty.any()

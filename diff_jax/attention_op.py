@@ -141,6 +141,8 @@ class AttentionOp:
     def _decode(self, q, k, v, lam, lengths):
         if self.capture or self.logit_bits is not None:
             visible = (jnp.arange(k.shape[1])[None, :] < lengths[:, None]).astype(jnp.int32)
+            # unfilled entries may hold anything: their probability 0 does not mask a NaN value
+            v = jnp.where(visible[:, :, None, None] != 0, v, 0)
             return self._oracle(q, k, v, lam, None, visible)
         return kernels.decode_attention(q, k, v, lam, lengths=lengths), None
 

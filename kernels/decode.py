@@ -33,8 +33,9 @@ def decode_attention(
 
     q (B, 1, H·nc, d), k (B, S, Hkv·nc, d), v (B, S, Hkv, dv), lengths (B,) int32 in [0, S]
     with nc = 2 when `lam` is given, else 1. Returns (B, 1, H, dv) in q's dtype; a row with
-    length 0 (every row of an empty cache, S = 0) outputs zeros. Entries at and past `lengths[b]` never reach row b's output, whatever
-    they hold (NaN or Inf of an uninitialised, donated or reused cache included).
+    length 0 (every row of an empty cache, S = 0) outputs zeros. Entries at and past
+    `lengths[b]` never reach row b's output, whatever they hold (NaN or Inf of an uninitialised,
+    donated or reused cache included).
     """
     nc = 1 if lam is None else 2
     check_layout(q, k, v, num_components=nc, lam=lam)

@@ -7,8 +7,8 @@ Layouts (no copies needed between the model and the kernels):
 
 Masks: `causal` keeps key j for query i when j <= i (top-left aligned, as
 `jax.nn.dot_product_attention`); `segment_ids` (B, T) keeps pairs in the same segment, and a query
-or key with segment 0 (padding) sees nothing / is seen by nothing (its value never reaches the
-output, NaN or Inf included). A fully masked query row outputs zeros.
+or key with segment 0 (padding) sees nothing / is seen by nothing. A fully masked query row
+outputs zeros.
 """
 
 from __future__ import annotations
@@ -106,16 +106,6 @@ def _softmax(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
     return jnp.where(mask, probs, 0.0)
 
 
-def _seen_values(v: jax.Array, segment_ids: jax.Array | None,
-                 kv_segment_ids: jax.Array | None) -> jax.Array:
-    """v (B, S, ...) with the keys of segment 0 zeroed: their probability 0 does not mask a NaN
-    or Inf value (0·NaN is NaN), e.g. in a KV cache's unfilled entries."""
-    keys = segment_ids if kv_segment_ids is None else kv_segment_ids
-    if keys is None:
-        return v
-    return jnp.where((keys != 0).reshape(keys.shape + (1,) * (v.ndim - 2)), v, 0)
-
-
 def quantize_logits(scores: jax.Array, mask: jax.Array | None, bits: int) -> jax.Array:
     """Absmax fake-quantization to signed `bits`-bit integers, one scale per (batch, score map).
 
@@ -174,7 +164,6 @@ def diff_attention_reference(
     probs = _softmax(scores, mask)  # (B, Hkv, n_rep, 2, T, S)
     lam = jnp.asarray(lam, jnp.float32)
     diff = probs[:, :, :, 0] - lam * probs[:, :, :, 1]  # (B, Hkv, n_rep, T, S)
-    v = _seen_values(v, segment_ids, kv_segment_ids)
     out = jnp.einsum(
         "bgrts,bsge->btgre", diff, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
@@ -218,7 +207,6 @@ def attention_reference(
     if logit_bits is not None:
         scores = quantize_logits(scores, mask, logit_bits)
     probs = _softmax(scores, mask)
-    v = _seen_values(v, segment_ids, kv_segment_ids)
     out = jnp.einsum(
         "bgrts,bsge->btgre", probs, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )

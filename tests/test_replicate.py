@@ -176,6 +176,32 @@ def test_paired_differences_claim_a_direction_only_outside_the_seed_spread():
         stats.paired([1.0], [1.0, 2.0])
 
 
+def test_censored_paired_differences_use_the_sign_a_never_reached_threshold_fixes():
+    """Steps to 90% checked until step 3000 (None: never reached). A seed where one model never
+    got there and the other did has a known sign and a one-sided bound; where neither did, the
+    difference is unknown, and a direction needs every seed's sign known and equal."""
+    slower = stats.paired_censored([None, None, None], [2100, 2400, 3000], 3000)
+    assert slower["sign"] == [1, 1, 1] and slower["low"] == [900.0, 600.0, 0.0]
+    assert slower["high"] == [None] * 3 and slower["outside_spread"]
+    text = stats.describe(slower)
+    assert "per seed > +900, > +600, > 0 " in text and "zero lies outside the seed spread" in text
+    faster = stats.paired_censored([600, 300, 300], [2700, None, None], 3000)
+    assert faster["sign"] == [-1, -1, -1] and faster["low"] == [-2100.0, None, None]
+    assert faster["high"] == [-2100.0, -2700.0, -2700.0] and faster["outside_spread"]
+    assert "per seed -2100, < -2700, < -2700 " in stats.describe(faster)
+    mixed = stats.paired_censored([None, 1500, None], [2700, None, None], 3000)
+    assert mixed["sign"] == [1, -1, None] and not mixed["outside_spread"]
+    assert "> +300, < -1500, unknown" in stats.describe(mixed)
+    assert "no direction claimed" in stats.describe(mixed)
+    unknown = stats.paired_censored([None, None], [None, None], 3000)
+    assert unknown["sign"] == [None, None] and not unknown["outside_spread"]
+    one = stats.paired_censored([None], [300], 3000)  # a single seed never shows a direction
+    assert not one["outside_spread"] and "one seed" in stats.describe(one)
+    assert stats.paired_censored([300, 600], [900, 600], 3000) == stats.paired([300, 600], [900, 600])
+    with pytest.raises(ValueError, match="equal, non-zero lengths"):
+        stats.paired_censored([None], [1.0, 2.0], 3000)
+
+
 def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):
     """A shrunken cpu-recall (4 steps, one seed, both inits), its models trained two at a time in
     pinned processes: every cell and model in results.json, the learning curve at each
@@ -227,6 +253,7 @@ def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):
     # 2 inits × 2 DIFF variants, at and beyond the training length; one seed: no direction
     assert md.count(" − Transformer, grid-mean accuracy at the training length: ") == 4
     assert md.count(" − Transformer, grid-mean accuracy beyond the training length: ") == 4
+    assert md.count(" − Transformer, steps to 90%: ") == 4  # censored or not, always compared
     assert "zero lies outside" not in md and md.count("one seed: no spread") >= 8
 
 

@@ -260,3 +260,19 @@ def test_a_step_outside_the_cache_gives_nan_logits_for_its_row_only(variant):
         logits = np.asarray(logits)
         assert np.isnan(logits[1]).all(), outside
         np.testing.assert_allclose(logits[0, 0], full[0, 7], rtol=1e-5, atol=1e-5)
+
+
+def test_uniform_logits_draw_each_step_with_its_own_key_and_keep_token_0():
+    """With every parameter zero every logit is 0, so each step draws uniformly over V = 61:
+    two consecutive steps of a row agree about once in 61 rows (a step drawn with the previous
+    step's key would repeat its token in every row), and the id 0, drawn a few times here, is a
+    token like any other (not the −1 that pads a stopped row)."""
+    cfg, params = _setup("transformer")
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    rows = generate(cfg, zeros, [[3]] * 64, max_new_tokens=3,
+                    sampling=SamplingConfig(temperature=1.0), seed=0)
+    assert [len(r) for r in rows] == [3] * 64
+    rows = np.array(rows)
+    assert (rows == 0).any()  # this seed draws id 0 (192 draws, P(none) = 4%)
+    repeats = (rows[:, 1:] == rows[:, :-1]).sum(axis=0)
+    assert np.all(repeats <= 8), repeats  # 64/61 ≈ 1 expected per step pair; 64 with a reused key

@@ -276,3 +276,15 @@ def test_uniform_logits_draw_each_step_with_its_own_key_and_keep_token_0():
     assert (rows == 0).any()  # this seed draws id 0 (192 draws, P(none) = 4%)
     repeats = (rows[:, 1:] == rows[:, :-1]).sum(axis=0)
     assert np.all(repeats <= 8), repeats  # 64/61 ≈ 1 expected per step pair; 64 with a reused key
+
+
+def test_a_prefill_as_long_as_the_cache_fits_and_equals_the_full_forward():
+    """A prompt of exactly S tokens fits a cache of S positions (only T > S is refused), with
+    the full forward's logits (the same computation: float32 rounding only)."""
+    cfg, params = _setup("diff")
+    seq = jnp.asarray(np.random.default_rng(4).integers(1, V, (2, 8)), jnp.int32)
+    full = np.asarray(DecoderLM(cfg).apply({"params": params}, seq))
+    model = DecoderLM(cfg, decode=True)
+    cache = model.init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["cache"]  # S = 8
+    logits, _ = model.apply({"params": params, "cache": cache}, seq, mutable=["cache"])
+    np.testing.assert_allclose(np.asarray(logits), full, rtol=1e-6, atol=2e-6)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from diff_jax.config import ModelConfig, load_config
+from diff_jax.config import Config, ModelConfig, TrainConfig, load_config
 from diff_jax.summary import flops_per_token, main, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +37,21 @@ def test_flops_formula_by_hand():
     n_matmul = 2 * (4 * 64 * 64 + 3 * 64 * 128) + 1000 * 64
     attn = 6 * 2 * (t + 1) / 2 * (64 + 64)
     assert flops_per_token(m, t) == pytest.approx(6 * n_matmul + attn)
+
+
+def test_an_untied_head_is_counted_once_in_flops_and_in_the_embedding_parameters():
+    """Untied, the LM head is its own (E, V) parameter: the FLOPs count E·V once (as for a tied
+    head, which reuses the embedding), and the embedding parameters are embed + lm_head."""
+    m = ModelConfig(vocab_size=1000, embed_dim=64, num_layers=2, num_heads=2, mlp_dim=128,
+                    tie_embeddings=False)
+    t = 32
+    n_matmul = 2 * (4 * 64 * 64 + 3 * 64 * 128) + 1000 * 64
+    attn = 6 * 2 * (t + 1) / 2 * (64 + 64)
+    assert flops_per_token(m, t) == pytest.approx(6 * n_matmul + attn)
+    s = summarize(Config(model=m, train=TrainConfig(seq_len=t)))
+    assert s["params_embedding"] == 2 * 1000 * 64
+    assert s["params_non_embedding"] == 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64 + 6 * 16) + 64
+    assert s["params"] == s["params_embedding"] + s["params_non_embedding"]
 
 
 def test_cli_prints_json():

@@ -78,3 +78,10 @@ def test_matched_heads_give_the_presets_overrides(e, layers, h):
     count = {name: sum(math.prod(s) for s in variants.spec(name).reference_shapes(c).values())
              for name, c in configs.items()}
     assert abs(count["diff_v2"] - count["diff"]) <= 0.005 * count["diff"]
+
+
+def test_v2_shape_breaks_a_tie_towards_more_kv_heads():
+    """E = 40, h = 2: DIFF V1 has 4·40² + 6·(40/4) = 6460 attention parameters; V2 has
+    40·(d·(6 + 2·kv) + 2), nearest for d·(6 + 2·kv) = 160, reached by (kv 2, d 16) and (kv 1,
+    d 20) alike (6480, 20 over): the tie goes to more kv heads."""
+    assert variants.v2_shape(40, 2) == (2, 16)

@@ -109,6 +109,22 @@ def test_odd_batch_and_mqa_heads_on_a_mesh_equal_the_unsharded_kernel():
     np.testing.assert_allclose(sharded, unsharded, rtol=1e-5, atol=1e-6)
 
 
+def test_kv_heads_the_head_axes_do_not_divide_are_gathered_per_shard():
+    """tensor = 4 shards 4 DIFF heads one per shard, but not their 2 kv heads: kv is replicated
+    and shard i reads group i // 2 (its global head's), as the unsharded oracle does."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=4))
+    cfg = ModelConfig(vocab_size=64, embed_dim=128, num_layers=1, num_heads=4, num_kv_heads=2,
+                      max_seq_len=32, attention_impl="pallas")
+    op = AttentionOp.build(cfg, mesh, RULES)
+    ks = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(ks[0], (2, 16, 8, 16))
+    k = jax.random.normal(ks[1], (2, 16, 4, 16))
+    v = jax.random.normal(ks[2], (2, 16, 2, 32))
+    sharded = jax.jit(lambda *a: op(*a)[0])(q, k, v, jnp.float32(0.3))
+    unsharded, _ = AttentionOp(impl="xla")(q, k, v, jnp.float32(0.3))
+    np.testing.assert_allclose(sharded, unsharded, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("types", ["explicit", "mixed"])
 def test_kernel_on_a_mesh_with_explicit_axes_equals_the_unsharded_oracle(types):
     """`jax.make_mesh` gives Explicit axes by default; shard_map refuses inputs whose sharding

@@ -196,3 +196,23 @@ def test_decode_step_equals_full_forward_with_the_kernel_configured():
                           mutable=["cache"])
     # float32, cache vs full forward: measured max |Δ| 8.9e-8 (|logits| ≤ 0.7), 2e-6 ≈ 22×
     np.testing.assert_allclose(last[:, 0], full[:, 8], rtol=1e-6, atol=2e-6)
+
+
+
+def test_decode_steps_through_the_oracle_equal_the_full_forward():
+    """With `capture` (the analyses' op) a one-token step runs the xla oracle over the cache:
+    the query at position p sees the filled entries 0..p, as in the full forward."""
+    cfg = ModelConfig(vocab_size=64, embed_dim=64, num_layers=1, num_heads=2, max_seq_len=16)
+    tokens = jax.random.randint(jax.random.key(0), (2, 7), 0, 64)
+    params = nn.meta.unbox(jax.jit(DecoderLM(cfg).init)(jax.random.key(1), tokens))["params"]
+    full = np.asarray(jax.jit(DecoderLM(cfg).apply)({"params": params}, tokens))
+    model = DecoderLM(cfg, decode=True, attention_op=AttentionOp.build(cfg, capture=True))
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["cache"]
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    apply = jax.jit(lambda cache, t, p: model.apply({"params": params, "cache": cache}, t,
+                                                    positions=p, mutable=["cache"]))
+    _, state = apply(cache, tokens[:, :4], jnp.broadcast_to(jnp.arange(4), (2, 4)))
+    for p in range(4, 7):
+        last, state = apply(state["cache"], tokens[:, p:p + 1], jnp.full((2, 1), p))
+        # float32 rounding only, as in the kernel-configured decode test above; a wrong mask is O(1e-2)
+        np.testing.assert_allclose(np.asarray(last)[:, 0], full[:, p], rtol=1e-6, atol=2e-6)

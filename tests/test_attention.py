@@ -90,6 +90,19 @@ def test_baseline_matches_numpy(heads, kv):
     assert npr.rel_err(ours, ref) < F32_TOL
 
 
+def test_rope_from_positions_matches_the_numpy_tables():
+    """Given no tables, the module builds RoPE from `positions` (default 0..T-1) with
+    `model.rope_theta`: as with the float64 reference tables θ^(−2i/d) (θ = 500 here)."""
+    cfg = ModelConfig(variant="diff", embed_dim=E, num_heads=4, rope_theta=500.0)
+    d = cfg.resolved_head_dim
+    x, _, _ = _inputs(d)
+    sd = npr.random_state_dict(reference_shapes(cfg), seed=5)
+    want = _run(cfg, 0, sd, x, *npr.rope_tables(T, d, 500.0))
+    module = variants.spec("diff").module(cfg, depth=0)
+    got = np.asarray(jax.jit(module.apply)({"params": from_reference(sd, cfg)}, jnp.asarray(x)))
+    assert npr.rel_err(got, want) < F32_TOL
+
+
 def test_lambda_init_and_lambda_values():
     assert lambda_init(0) == pytest.approx(0.2)
     for depth in range(12):

@@ -288,3 +288,16 @@ def test_a_prefill_as_long_as_the_cache_fits_and_equals_the_full_forward():
     cache = model.init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["cache"]  # S = 8
     logits, _ = model.apply({"params": params, "cache": cache}, seq, mutable=["cache"])
     np.testing.assert_allclose(np.asarray(logits), full, rtol=1e-6, atol=2e-6)
+
+
+def test_a_row_that_stops_at_eos_does_not_stop_the_others():
+    """Each row stops after its own first `eos_id`; the others go on to max_new_tokens (or their
+    own eos) with the tokens they draw without it (sampled: the initial model's greedy tokens
+    repeat the last one, which hides a row that stopped being fed)."""
+    cfg, params = _setup("transformer")
+    prompts, hot = [[3, 4], [7, 1, 1, 9]], SamplingConfig(temperature=1.0)
+    alone = generate(cfg, params, prompts, max_new_tokens=6, sampling=hot, seed=1)
+    eos = alone[0][0]
+    want = [g[: g.index(eos) + 1] if eos in g else g for g in alone]
+    assert len(want[0]) == 1 and len(set(want[1])) > 2, alone  # rows stop at different steps
+    assert generate(cfg, params, prompts, max_new_tokens=6, sampling=hot, seed=1, eos_id=eos) == want

@@ -301,3 +301,11 @@ def test_a_row_that_stops_at_eos_does_not_stop_the_others():
     want = [g[: g.index(eos) + 1] if eos in g else g for g in alone]
     assert len(want[0]) == 1 and len(set(want[1])) > 2, alone  # rows stop at different steps
     assert generate(cfg, params, prompts, max_new_tokens=6, sampling=hot, seed=1, eos_id=eos) == want
+
+
+@pytest.mark.parametrize("bad", [-1, V])
+def test_prompt_ids_outside_the_vocabulary_are_refused_naming_the_prompt(bad):
+    """A negative id would wrap around and one >= V embed as NaN under jit: both are refused."""
+    cfg, params = _setup("transformer")
+    with pytest.raises(ValueError, match=rf"prompt 1 has token ids outside \[0, {V}\)"):
+        generate(cfg, params, [[3], [4, bad]], max_new_tokens=2)

@@ -166,6 +166,12 @@ def test_auto_resolves_per_platform():
     assert odd.resolved_head_dim == 8 and resolve_impl(odd, "tpu") == "xla"
 
 
+def test_auto_with_quantized_logits_resolves_to_the_oracle_on_every_platform():
+    """`model.attn_logit_bits` exists only in the xla oracle: auto must not pick a kernel that
+    would run without it."""
+    for platform in ("cpu", "gpu", "tpu"):
+        assert resolve_impl(_cfg(attention_impl="auto", attn_logit_bits=8), platform) == "xla"
+
 def test_impossible_implementations_are_config_errors():
     odd = ModelConfig(variant="transformer", embed_dim=64, num_heads=8, attention_impl="pallas")
     with pytest.raises(ConfigError, match="model.attention_impl=pallas: .*got 8"):

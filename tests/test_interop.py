@@ -38,6 +38,14 @@ def test_bad_state_dict_names_the_key():
         from_reference({**sd, "k_proj.weight": sd["k_proj.weight"][:8]}, cfg)
 
 
+def test_keys_the_variant_does_not_have_are_refused_naming_them():
+    """A tensor of another variant (DIFF V2's lambda_proj in a DIFF V1 state dict) or a misspelt
+    name is an error, not silently dropped."""
+    cfg = ModelConfig(variant="diff", embed_dim=64, num_heads=4)
+    sd = npr.random_state_dict(reference_shapes(cfg), seed=0)
+    with pytest.raises(KeyError, match=r"unexpected keys .* for diff: \['lambda_proj.weight'\]"):
+        from_reference({**sd, "lambda_proj.weight": np.zeros((4, 64), np.float32)}, cfg)
+
 def _npz(path, **arrays):
     np.savez(path, **arrays)
     return str(path)

@@ -172,6 +172,7 @@ def test_auto_with_quantized_logits_resolves_to_the_oracle_on_every_platform():
     for platform in ("cpu", "gpu", "tpu"):
         assert resolve_impl(_cfg(attention_impl="auto", attn_logit_bits=8), platform) == "xla"
 
+
 def test_impossible_implementations_are_config_errors():
     odd = ModelConfig(variant="transformer", embed_dim=64, num_heads=8, attention_impl="pallas")
     with pytest.raises(ConfigError, match="model.attention_impl=pallas: .*got 8"):
@@ -202,7 +203,6 @@ def test_decode_step_equals_full_forward_with_the_kernel_configured():
                           mutable=["cache"])
     # float32, cache vs full forward: measured max |Δ| 8.9e-8 (|logits| ≤ 0.7), 2e-6 ≈ 22×
     np.testing.assert_allclose(last[:, 0], full[:, 8], rtol=1e-6, atol=2e-6)
-
 
 
 def test_decode_steps_through_the_oracle_equal_the_full_forward():

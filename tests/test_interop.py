@@ -46,6 +46,7 @@ def test_keys_the_variant_does_not_have_are_refused_naming_them():
     with pytest.raises(KeyError, match=r"unexpected keys .* for diff: \['lambda_proj.weight'\]"):
         from_reference({**sd, "lambda_proj.weight": np.zeros((4, 64), np.float32)}, cfg)
 
+
 def _npz(path, **arrays):
     np.savez(path, **arrays)
     return str(path)

@@ -209,6 +209,17 @@ def test_held_out_on_a_masked_corpus_counts_and_weighs_only_counted_targets():
         held_out(dataclasses.replace(val, loss_mask=np.zeros_like(mask)), 16, 4, 16 * 12)
 
 
+def test_held_out_reads_whole_rows_for_the_tokens_asked_and_counts_a_document_by_any_target():
+    """T = 100 tokens in rows of L = 16 is ceil(100 / 16) = 7 rows (112 targets); a row whose only
+    target in a document is that document's first token still covers the document."""
+    corpus = TokenCorpus(np.arange(40, dtype=np.uint32), np.array([0, 5, 17, 40]), 40)
+    spread = _distinct_corpus(num_docs=40, seed=1)
+    assert held_out(spread, seq_len=16, global_batch=1, tokens=100).tokens == 112
+    # row 0 of L = 5 predicts tokens 1..5: 1..4 of document 0, 5 the first of document 1
+    first = held_out(corpus, seq_len=5, global_batch=1, tokens=5)
+    assert first.batches[0]["targets"].tolist() == [[1, 2, 3, 4, 5]] and first.documents == 2
+
+
 def test_eval_tokens_and_its_older_form():
     assert TrainConfig().eval_tokens == 32_768
     old = TrainConfig(eval_batches=4, batch_size=8, seq_len=128)

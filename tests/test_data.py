@@ -220,6 +220,11 @@ def test_held_out_reads_whole_rows_for_the_tokens_asked_and_counts_a_document_by
     assert first.batches[0]["targets"].tolist() == [[1, 2, 3, 4, 5]] and first.documents == 2
 
 
+def test_the_validation_split_holds_the_rounded_share_of_documents():
+    corpus = synthetic_corpus(num_docs=10)
+    assert [corpus.split(f)[1].num_docs for f in (0.29, 0.05, 0.5, 0.99)] == [3, 1, 5, 9]
+
+
 def test_eval_tokens_and_its_older_form():
     assert TrainConfig().eval_tokens == 32_768
     old = TrainConfig(eval_batches=4, batch_size=8, seq_len=128)

@@ -225,6 +225,16 @@ def test_the_validation_split_holds_the_rounded_share_of_documents():
     assert [corpus.split(f)[1].num_docs for f in (0.29, 0.05, 0.5, 0.99)] == [3, 1, 5, 9]
 
 
+def test_a_tokens_bin_shorter_than_its_doc_starts_is_refused(tmp_path):
+    synthetic_corpus().save(tmp_path / "c", {})
+    data = (tmp_path / "c" / "tokens.bin").read_bytes()
+    (tmp_path / "c" / "tokens.bin").write_bytes(data[:-4])  # the last token cut off
+    tokens = len(data) // 4 - 1
+    with pytest.raises(DataError, match=re.escape(
+            f"doc_starts.npy does not match tokens.bin ({tokens} tokens)")):
+        load(tmp_path / "c")
+
+
 def test_eval_tokens_and_its_older_form():
     assert TrainConfig().eval_tokens == 32_768
     old = TrainConfig(eval_batches=4, batch_size=8, seq_len=128)

@@ -235,6 +235,19 @@ def test_a_tokens_bin_shorter_than_its_doc_starts_is_refused(tmp_path):
         load(tmp_path / "c")
 
 
+def test_a_mixture_of_two_finite_sources_is_as_large_as_the_scarcer_allows():
+    """stdlib:0.5,files:0.5 with 1,000 and 10,000 tokens: 1,000 of each, not all of both."""
+    from diff_jax.data import mixed_corpus
+
+    def docs(base, n):  # n documents of 10 tokens, ids base..base+9
+        return TokenCorpus(np.tile(np.arange(base, base + 10, dtype=np.uint32), n),
+                           np.arange(0, 10 * n + 1, 10), 512)
+
+    cfg = DataConfig(mixture="stdlib:0.5,files:0.5", paths=("unread",))
+    mixed = mixed_corpus(cfg, 0, {"stdlib": docs(0, 100), "files": docs(100, 1000)})
+    assert len(mixed.tokens) == 2000 and int((mixed.tokens >= 100).sum()) == 1000
+
+
 def test_eval_tokens_and_its_older_form():
     assert TrainConfig().eval_tokens == 32_768
     old = TrainConfig(eval_batches=4, batch_size=8, seq_len=128)

@@ -5,8 +5,10 @@ metrics.jsonl is named."""
 from __future__ import annotations
 
 import errno
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from diff_jax import metrics
@@ -68,3 +70,18 @@ def test_a_full_disk_under_metrics_jsonl_names_the_file(tmp_path):
             failing()
         assert raised.value.errno == errno.ENOSPC
         assert raised.value.filename == str(tmp_path / "metrics.jsonl")
+
+
+def test_non_finite_metrics_are_written_as_json_null(tmp_path):
+    """metrics.jsonl stays strict JSON: NaN and ±inf (Python or NumPy, alone or in a list) are
+    null, which every JSON reader parses; json.dumps would write NaN / Infinity."""
+    writer = MetricsWriter(tmp_path, True)
+    writer.write({"step": 3, "loss": float("inf"), "grad_norm": np.float32(-np.inf),
+                  "lambda": np.array([0.5, np.nan], np.float32), "lr": 0.25})
+    writer.close()
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    row = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse)
+    assert row == {"step": 3, "loss": None, "grad_norm": None, "lambda": [0.5, None], "lr": 0.25}

@@ -71,22 +71,40 @@ def test_attention_shares_and_activations_match_numpy(variant):
     cfg, params, tokens = _model(variant)
     logits, maps, hidden = _numpy_layer(cfg, params, tokens)
 
-    clipped = np.maximum(maps, 0.0)
-    normalized = clipped / np.maximum(clipped.sum(-1, keepdims=True), 1e-30)
-    a0, a1, context, q0, q1 = SPANS
-    pos = np.arange(T)
-    answer = (pos >= a0) & (pos < a1)
-    noise = (pos < context) & ~answer
-    want = [normalized[..., keys].sum(-1).mean(axis=(0, 1))[q0:q1].mean() for keys in (answer, noise)]
     got = np.asarray(span_shares(cfg, params, jnp.asarray(tokens), jnp.asarray(SPANS)))
     assert got.shape == (1, 2)
-    np.testing.assert_allclose(got[0], want, rtol=1e-4)
+    np.testing.assert_allclose(got[0], _shares(maps), rtol=1e-4)
 
     ones = jnp.ones((B, T), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     got_logits, got_hidden = _activations(cfg, params, jnp.asarray(tokens), ones, positions)
     np.testing.assert_allclose(np.asarray(got_logits)[0], logits, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.asarray(got_hidden)[0], np.abs(hidden), rtol=1e-4, atol=1e-5)
+
+
+def _shares(maps: np.ndarray) -> list[float]:
+    """(answer, noise) shares of SPANS from per-head maps (B, H', T, S): clipped at 0, rows
+    rescaled to sum 1, averaged over the batch, heads and query rows."""
+    clipped = np.maximum(maps, 0.0)
+    normalized = clipped / np.maximum(clipped.sum(-1, keepdims=True), 1e-30)
+    a0, a1, context, q0, q1 = SPANS
+    pos = np.arange(T)
+    answer = (pos >= a0) & (pos < a1)
+    noise = (pos < context) & ~answer
+    return [normalized[..., keys].sum(-1).mean(axis=(0, 1))[q0:q1].mean() for keys in (answer, noise)]
+
+
+@pytest.mark.parametrize("variant", ["diff", "diff_v2"])
+def test_attention_shares_clip_the_negative_entries_of_a_differential_map(variant):
+    """Queries scaled ×100 make the maps sharp enough that A1 − λ·A2 is negative in places (at
+    initialisation it is not): those entries count as 0, not as their magnitude."""
+    cfg, params, tokens = _model(variant)
+    attn = params["layers_0"]["attn"]
+    attn["q_proj"]["kernel"] = attn["q_proj"]["kernel"] * 100
+    _, maps, _ = _numpy_layer(cfg, params, tokens)
+    assert (maps < -0.05).any()
+    got = np.asarray(span_shares(cfg, params, jnp.asarray(tokens), jnp.asarray(SPANS)))
+    np.testing.assert_allclose(got[0], _shares(maps), rtol=1e-4)
 
 
 def test_outlier_statistics_are_the_top_values_and_median():

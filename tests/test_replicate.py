@@ -202,6 +202,16 @@ def test_censored_paired_differences_use_the_sign_a_never_reached_threshold_fixe
         stats.paired_censored([None], [1.0, 2.0], 3000)
 
 
+def test_a_tie_or_a_missing_seed_never_claims_a_direction():
+    """A zero difference has no sign, and a NaN (a seed whose run diverged) is no evidence: with
+    either among the seeds, zero is not outside the spread, whatever the other seeds say."""
+    for a, b in [([1.0, 2.0], [1.0, 2.0]),  # 0, 0
+                 ([0.0, 1.0], [0.5, 1.0]),  # −0.5, 0
+                 ([2.0, float("nan"), 3.0], [1.0, 1.0, 1.0])]:  # +1, NaN, +2
+        p = stats.paired(a, b)
+        assert not p["outside_spread"] and "no direction claimed" in stats.describe(p), (a, b)
+
+
 def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):
     """A shrunken cpu-recall (4 steps, one seed, both inits), its models trained two at a time in
     pinned processes: every cell and model in results.json, the learning curve at each

@@ -551,6 +551,40 @@ def test_a_batch_without_segment_ids_is_one_document_a_row(tmp_path):
     assert float(loss_fn(params, batch, model)) != float(loss_fn(params, halves, model))
 
 
+def test_train_step_reports_the_gradient_norm_before_clipping_and_the_lr_it_applies():
+    """grad_norm is the float64 norm of the loss's gradients (here 100× clip_norm, so the
+    clipped update's norm would differ), lr the rate of the update the step makes: warmup from
+    0 over 4 steps gives 0 for the first update, which leaves the parameters unchanged, then
+    lr · 1/4."""
+    import functools
+
+    from diff_jax.config import ModelConfig, OptimConfig
+    from diff_jax.optim import make_optimizer, schedule
+    from diff_jax.step import init_state, loss_fn, train_step
+    from diff_jax.transformer import DecoderLM
+
+    model = DecoderLM(ModelConfig(vocab_size=32, embed_dim=16, num_layers=1, num_heads=1,
+                                  max_seq_len=8))
+    optim = OptimConfig(lr=0.5, warmup_steps=4, schedule="constant", clip_norm=1e-3)
+    tx = make_optimizer(optim, 10)
+    toks = np.random.default_rng(0).integers(0, 32, (2, 9)).astype(np.int32)
+    batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:],
+             "positions": np.tile(np.arange(8, dtype=np.int32), (2, 1))}
+    state = jax.jit(functools.partial(init_state, model=model, tx=tx))(jax.random.PRNGKey(0))
+    grads = jax.jit(jax.grad(functools.partial(loss_fn, model=model)))(state.params, batch)
+    norm = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
+    step = jax.jit(functools.partial(train_step, model=model, tx=tx,
+                                     lr_schedule=schedule(optim, 10), grad_accum=1))
+    first, m1 = step(state, batch)
+    assert norm > 100 * optim.clip_norm
+    assert float(m1["grad_norm"]) == pytest.approx(norm, rel=1e-5)
+    assert float(m1["lr"]) == 0.0
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params),
+                                                     jax.tree.leaves(first.params)))
+    _, m2 = step(first, batch)
+    assert float(m2["lr"]) == pytest.approx(0.5 / 4)
+
+
 def test_report_gives_one_line_and_the_exit_status_by_kind(tmp_path, capsys):
     """`train_loop.report`, shared by train.py and the replication: 1 for a diverged run, 2 for
     bad input, a file-system error labelled by the user's path it concerns."""

@@ -168,6 +168,19 @@ def test_step_time_leaves_out_validation_and_saving(corpus, tmp_path, monkeypatc
     # saves at 4, 8, 12 and validations at 6, 12: five hours on the clock, none in a step time
     assert sorted(rows) == [1, 2, 4, 6, 8, 10, 12] and offset[0] == 5 * hour
     assert all(r["step_time_s"] < 60 for r in rows.values()), rows
+    # tokens/s is the batch's 8 × 16 tokens over the row's step time
+    assert all(r["tokens_per_sec"] == pytest.approx(8 * 16 / r["step_time_s"]) for r in rows.values())
+
+
+def test_the_last_step_has_a_metrics_row_and_a_validation_off_their_grids(corpus, tmp_path):
+    """train.steps=5 with log_every=2 and eval_every=2: rows at 1, 2, 4 and the last step 5,
+    validations at 2, 4 and 5, so a run's final loss and validation loss are always recorded."""
+    train_loop.run(tiny_config(corpus, tmp_path, "train.steps=5", "train.log_every=2",
+                               "train.eval_every=2", "data.validation_fraction=0.1",
+                               "train.eval_tokens=256", "checkpoint.every_steps=5"))
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "loss" in r] == [1, 2, 4, 5]
+    assert [r["step"] for r in lines if "val_loss" in r] == [2, 4, 5]
 
 
 def test_a_resume_with_other_data_or_schedule_settings_says_what_changes(corpus, tmp_path, capsys):

@@ -338,6 +338,37 @@ def test_when_no_checkpoint_verifies_resume_refuses_and_moves_nothing(corpus, ru
     assert (run / "config.yaml").read_bytes() == config_yaml
 
 
+def _numpy_checksum(x: np.ndarray) -> str:
+    """The documented checksum in NumPy: for seeds 0x243F6A88 and 0x85A308D3, the uint32 sum of
+    fmix32(word ^ fmix32(row-major position · 0x9E3779B9 + seed)) over the array's 4-byte words."""
+    def fmix32(v):
+        v = v ^ (v >> np.uint32(16))
+        v = v * np.uint32(0x85EBCA6B)
+        v = v ^ (v >> np.uint32(13))
+        v = v * np.uint32(0xC2B2AE35)
+        return v ^ (v >> np.uint32(16))
+
+    words = np.ascontiguousarray(x).view(np.uint32).ravel()
+    position = np.arange(words.size, dtype=np.uint32)
+    sums = [int(fmix32(words ^ fmix32(position * np.uint32(0x9E3779B9) + np.uint32(seed)))
+                .sum(dtype=np.uint32)) for seed in (0x243F6A88, 0x85A308D3)]
+    return "".join(f"{v:08x}" for v in sums)
+
+
+def test_an_array_checksum_is_the_documented_sum_and_sees_values_trade_places():
+    """array_checksums equals the NumPy checksum of the module docstring's formula, so a value
+    counts with its position: two values trading places (a transposed or misplaced block) is
+    damage, as a flipped bit is."""
+    from diff_jax.checkpoint import array_checksums
+
+    x = np.random.default_rng(0).standard_normal((3, 4, 5)).astype(np.float32)
+    swapped = x.copy()
+    swapped[0, 1, 2], swapped[1, 0, 2] = x[1, 0, 2], x[0, 1, 2]
+    got = array_checksums({"x": x, "swapped": swapped})
+    assert got == {"x": _numpy_checksum(x), "swapped": _numpy_checksum(swapped)}
+    assert got["x"] != got["swapped"]
+
+
 def test_an_unreadable_array_is_named_with_the_innermost_error():
     """orbax wraps tensorstore's error in a multi-line repr of its spec; the message keeps the
     array the innermost error names and that error's first line."""

@@ -158,3 +158,21 @@ def test_recall_task_refuses_queries_that_would_repeat_a_pair():
         recall_task.cell_samples(options, 48)
     samples = recall_task.cell_samples(dataclasses.replace(options, queries=2), 48)
     assert all(sorted(s.queried.tolist()) == sorted(set(s.queried.tolist())) for s in samples)
+
+
+def test_attention_shares_read_query_0s_key_rows_over_its_pair_and_the_context(monkeypatch):
+    """The spans handed to span_shares, found from the tokens alone: the answer is the context
+    triple whose key is query 0's (a, b), the context ends at QUERY, and the rows are query 0's
+    two key tokens (not its value, which would see the answer as a token of the query)."""
+    seen = []
+    monkeypatch.setattr(recall_task, "span_shares",
+                        lambda cfg, params, tokens, spans: seen.append(np.asarray(spans))
+                        or np.zeros((1, 2)))
+    samples = [_sample(seed) for seed in range(3)]
+    recall_task.attention_shares(None, None, samples)
+    for s, spans in zip(samples, seen):
+        query = int(np.flatnonzero(s.tokens == recall.QUERY)[0])
+        a, b = s.tokens[query + 1: query + 3]
+        pair = [p for p in range(query) if s.tokens[p] == a and s.tokens[p + 1] == b]
+        assert len(pair) == 1
+        assert spans.tolist() == [pair[0], pair[0] + 3, query, query + 1, query + 3]

@@ -101,6 +101,30 @@ def test_ppl(runs, variant):
         assert out["files"] == [] and "matplotlib is not installed" in out["notes"][0]
 
 
+def test_nll_by_position_averages_the_first_documents_of_at_least_length_plus_one_tokens():
+    """Documents of 9, 8, 12, 3, 9 and 10 tokens at length 8: the first three of >= 9 tokens
+    (0, 2, 4; 8 tokens are one short) are read from their starts, in batches of 2 (the last
+    padded), and averaged per position against a float64 log-softmax of the same forward."""
+    from diff_jax.config import ModelConfig
+    from diff_jax.evaluation.scoring import nll_by_position
+
+    cfg = ModelConfig(vocab_size=32, embed_dim=16, num_layers=1, num_heads=1, max_seq_len=8)
+    lengths = [9, 8, 12, 3, 9, 10]
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = np.random.default_rng(0).integers(0, 32, starts[-1]).astype(np.uint32)
+    corpus = data.TokenCorpus(tokens, starts, 32)
+    model = DecoderLM(cfg)
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    rows = np.stack([tokens[starts[i]: starts[i] + 9].astype(np.int32) for i in (0, 2, 4)])
+    logits = np.asarray(model.apply({"params": params}, jnp.asarray(rows[:, :-1])), np.float64)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    want = -np.take_along_axis(logp, rows[:, 1:, None].astype(np.int64), -1)[..., 0].mean(0)
+    got, n = nll_by_position(cfg, params, corpus, 8, max_docs=3, batch_size=2)
+    assert n == 3
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def test_a_named_step_writes_beside_the_latest_steps_result(runs, tmp_path):
     """step=N (or the step's directory) writes RUN/eval/step-N/: it replaced RUN/eval/TASK.json,
     the latest step's result, although its JSON records another step; out_dir= still wins."""

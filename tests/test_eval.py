@@ -94,6 +94,8 @@ def test_ppl(runs, variant):
     by_pos = out["by_position"]
     assert by_pos["num_documents"] > 0 and len(by_pos["nll"]) == len(by_pos["cumulative_nll"]) == 64
     assert math.isclose(by_pos["cumulative_nll"][-1], np.mean(by_pos["nll"]), rel_tol=1e-5)
+    np.testing.assert_allclose(by_pos["cumulative_nll"],  # the mean of positions 1..i, each i
+                               np.cumsum(by_pos["nll"]) / np.arange(1, 65), rtol=1e-5)
     if importlib.util.find_spec("matplotlib"):
         assert out["files"] == [str(runs[variant] / "eval" / "ppl.png")]
         assert (runs[variant] / "eval" / "ppl.png").stat().st_size > 0

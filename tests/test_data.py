@@ -341,7 +341,6 @@ def test_prepare_writes_a_corpus_equal_to_direct_tokenization(tmp_path, capsys):
                                        "exists and is not a directory\n")
 
 
-
 def test_prepare_errors_name_the_argument_the_user_typed(tmp_path, capsys):
     """prepare's errors and skipped lines name SRC, --tokenizer and --text-field, not the data.*
     config keys (data.paths, data.tokenizer, data.text_field) a prepare user never wrote."""
@@ -368,6 +367,7 @@ def test_a_write_failure_in_the_staged_corpus_names_out_dir(tmp_path, capsys, mo
     assert capsys.readouterr().err == (f"error: OUT_DIR {out}: {out / 'doc_starts.npy'}: No space "
                                        "left on device\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
 
 def test_what_a_killed_prepare_left_is_tidied_by_the_next(tmp_path, capsys):
     """A prepare killed part-way leaves its hidden staging directory (as large as the corpus); the
@@ -452,7 +452,6 @@ def test_overwrite_replaces_a_corpus_and_leaves_no_stale_loss_mask(tmp_path, cap
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "src", "tokA"]
 
 
-
 def test_overwrite_refuses_a_corpus_holding_what_prepare_does_not_write(tmp_path, capsys):
     src, out = _jsonl_source(tmp_path), tmp_path / "tokA"
     assert data_main(["prepare", src, str(out)]) == 0
@@ -465,6 +464,7 @@ def test_overwrite_refuses_a_corpus_holding_what_prepare_does_not_write(tmp_path
                                        "would delete; move it out first, or choose another "
                                        "directory\n")
     assert _files(out / "sub") == before
+
 
 @pytest.mark.parametrize("args, error", [
     (["{tmp}/missing.jsonl"], "SRC: '{tmp}/missing.jsonl' does not exist"),

@@ -70,6 +70,24 @@ def test_niah_task_and_greedy_generate_agree(tmp_path):
     assert 0 < decoded.mean() < 1  # some queries retrieved, some not: a shift would show
 
 
+def test_niah_answers_of_different_lengths_in_one_batch_score_as_greedy_decoding():
+    """With `cl100k_first_1024` the needles' numbers encode to 6 or 7 tokens, so a batch pads the
+    shorter answers; a retrieved 6-token answer beside a 7-token one counts as retrieved (the
+    padding is not scored), as greedy decoding of its own length says."""
+    enc = encoding("cl100k_first_1024")
+    options = EvalOptions(task="niah", needles=2, queries=2, depths=(100,), lengths=(160,),
+                          samples=2, batch_size=4)
+    samples = retrieval.cell_samples(enc, options, 100, 160)
+    assert [[len(a) for a in s.answers] for s in samples] == [[7, 6], [6, 6]]
+    tokens, start = samples[1].sequence(0)  # chain a 6-token answer
+    chain = tokens[start - 1:]
+    cfg, params = lookup_model(enc.n_vocab, dict(zip(chain[:-1].tolist(), chain[1:].tolist())))
+    got = retrieval.accuracy(cfg, params, samples, 160, options.batch_size)
+    decoded = np.mean([np.mean([_decoded(cfg, params, *_split(s.sequence(r)))
+                                for r in range(s.num_queries)]) for s in samples])
+    assert got == decoded and decoded > 0
+
+
 def _split(sequence: tuple[np.ndarray, int]) -> tuple[np.ndarray, np.ndarray]:
     tokens, start = sequence
     return tokens[:start], tokens[start:]

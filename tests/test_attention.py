@@ -186,6 +186,19 @@ def test_quantize_logits_levels():
     np.testing.assert_allclose(masked[..., :3], [[[[-0.9, 0.0, 0.9]]]], atol=1e-6)
 
 
+def test_quantize_logits_scales_each_map_whole_and_rounds_to_nearest():
+    """One absmax scale per (batch, score map) over its whole (T, S) map, and round to nearest,
+    against float64 NumPy on maps of other magnitudes (batch 1 ×10, map 2 ×4); a scale per row
+    or one for the whole array, or truncation toward 0, passed the one-row test above."""
+    from kernels.reference import quantize_logits
+    s = np.random.default_rng(5).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    s *= np.float32([1.0, 10.0])[:, None, None, None] * np.float32([1.0, 0.25, 4.0])[:, None, None]
+    step = np.abs(s.astype(np.float64)).max(axis=(-2, -1), keepdims=True) / 7  # 4 bits: ±7
+    want = np.round(s / step) * step
+    got = np.asarray(quantize_logits(jnp.asarray(s), None, 4), np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("positions_shape", [(B, 1), (1,), (B, T + 1)])
 def test_positions_that_do_not_cover_every_token_are_refused(positions_shape):
     """`positions` must give every token its own position ((B, T), or (T,) for all rows): a

@@ -646,3 +646,33 @@ def test_decode_attention_reads_only_the_filled_cache(nc, h, hkv):
     # an empty cache (S = 0): zeros, as a row of length 0 (the chunk loop's max had no keys)
     empty = kernels.decode_attention(q, k[:, :0], v[:, :0], lam, lengths=jnp.zeros(b, jnp.int32))
     assert empty.shape == out.shape and not empty.any()
+
+
+@pytest.mark.parametrize("nc", [2, 1])
+def test_decode_attention_with_a_ragged_last_chunk_and_an_empty_row(nc):
+    """S = 20 in chunks of 8: the third chunk is read from entry 12, overlapping the second,
+    and counts only its new entries 16..19; a row of length 0 outputs zeros. Against float64
+    NumPy softmaxes over each row's first lengths[b] entries (lengths 20, 0, 14, 11). The test
+    above (S = 40, chunks of 8, no empty row) passed a loop that read the last chunk at 16
+    (clamped to 12 by the slice) or counted its overlap twice, and one that divided 0 by 0."""
+    b, s, h, hkv, d, chunk = 4, 20, 2, 1, 16, 8
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((b, 1, h * nc, d)).astype(np.float32)
+    k = rng.standard_normal((b, s, hkv * nc, d)).astype(np.float32)
+    v = rng.standard_normal((b, s, hkv, nc * d)).astype(np.float32)
+    lengths, lam = [20, 0, 14, 11], 0.45
+    want = np.zeros((b, 1, h, nc * d))
+    for i, n in enumerate(lengths):
+        for hh in range(h if n else 0):  # a row of length 0 stays 0
+            g = hh // (h // hkv)
+            comps = []
+            for c in range(nc):  # sub-head hh·nc + c meets key sub-head g·nc + c
+                sc = k[i, :n, g * nc + c].astype(np.float64) @ q[i, 0, hh * nc + c] / np.sqrt(d)
+                p = np.exp(sc - sc.max())
+                comps.append(p / p.sum() @ v[i, :n, g].astype(np.float64))
+            want[i, 0, hh] = comps[0] - lam * comps[1] if nc == 2 else comps[0]
+    got = kernels.decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                   jnp.float32(lam) if nc == 2 else None,
+                                   lengths=jnp.asarray(lengths, jnp.int32), chunk=chunk)
+    assert got.shape == want.shape and not np.asarray(got[1]).any()
+    assert rel(got, want) < F32_TOL

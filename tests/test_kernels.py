@@ -676,3 +676,28 @@ def test_decode_attention_with_a_ragged_last_chunk_and_an_empty_row(nc):
                                    lengths=jnp.asarray(lengths, jnp.int32), chunk=chunk)
     assert got.shape == want.shape and not np.asarray(got[1]).any()
     assert rel(got, want) < F32_TOL
+
+
+def test_cost_estimates_count_each_kernels_matmuls_and_memory_traffic():
+    """Per visited (query, key) pair: forward nc scores (2d) and nc P·V (2dv), dK/dV the nc
+    recomputed scores and dKc (2d each) and dP, dV (2dv each), dQ the nc scores and dQc (2d
+    each) and dP (2dv): 12d, 16d, 12d for DIFF (dv = 2d), 4d, 8d, 6d for one softmax (dv = d).
+    Bytes as listed in kernels/cost.py, counted here for B = 1, T = S = 64 in 32 × 32 tiles,
+    not causal (4 tiles per head), H = 2, Hkv = 1, d = 16, bf16. A dK/dV or dQ estimate of
+    half its FLOPs, or a forward without its float32 logsumexp rows, passed every test."""
+    d, pairs = 16, 2 * 4 * 32 * 32  # heads × tiles × pair per tile
+    for nc, dv, flops in ((2, 32, (12, 16, 12)), (1, 16, (4, 8, 6))):
+        q, k, v = (jax.ShapeDtypeStruct(x, jnp.bfloat16)
+                   for x in ((1, 64, 2 * nc, d), (1, 64, nc, d), (1, 64, 1, dv)))
+        est = [f(q, k, v, nc=nc, causal=False, bq=32, bk=32) for f in (cost.fwd, cost.dkdv, cost.dq)]
+        assert [e.flops for e in est] == [x * d * pairs for x in flops], nc
+        assert [e.transcendentals for e in est] == [nc * pairs] * 3
+        rows, tiles = 2 * 64, 2 * 4  # (head, position) rows of q and o; (head, tile) pairs
+        assert est[0].bytes_accessed == (2 * rows * nc * (d + dv)  # q read, o (and o2) written
+                                         + 2 * tiles * 32 * (nc * d + dv)  # a K, V tile per pair
+                                         + 4 * rows * nc)  # the logsumexps
+        assert est[1].bytes_accessed == (tiles * 32 * (2 * (nc * d + dv) + 4 * 2 * nc)  # q, dO,
+                                         + 2 * 2 * 64 * (nc * d + dv))  # lse, δ; k, v in, dk, dv out
+        assert est[2].bytes_accessed == (2 * tiles * 32 * (nc * d + dv)  # a K, V tile per pair
+                                         + 2 * rows * (2 * nc * d + dv)  # q, dO in, dq out
+                                         + 4 * 2 * rows * nc)  # lse and δ

@@ -190,6 +190,32 @@ def test_tpu_causal_with_more_keys_than_queries():
         assert rel(g, r) < F32_TOL, (nm, rel(g, r))
 
 
+
+@pytest.mark.parametrize("tiles", [BlockSizes(256, 128, 256, 128), BlockSizes(128, 256, 128, 256)])
+def test_tpu_causal_with_query_and_key_tiles_of_other_sizes(tiles):
+    """Causal tile skipping and block clamping with bq ≠ bk (TPU tiles are multiples of 128, so
+    T = 300 takes 256-row tiles): a q tile needs the kv tiles up to its last query, i·bq + bq − 1,
+    and a kv tile the q tiles from the one holding its first key, j·bk // bq. Square tiles (every
+    other case) passed a forward that clamped to the tile of i·bq, a dK/dV or dQ kernel that
+    skipped the pairs past i·bq, and a dK/dV q-tile map that started at ⌈j·bk / bq⌉."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    lam = 0.6
+    q, k, v, do, _ = make_inputs(1, 300, 1, 1, 16, jnp.float32, seed=17, segments=False)
+
+    def loss(q, k, v, lam):
+        out = flash_attention(q, k, v, lam, num_components=2, causal=True, backend="tpu",
+                              block_sizes=tiles, interpret=pltpu.InterpretParams())
+        return jnp.sum(out * do), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        q, k, v, jnp.float32(lam))
+    ref_out, ref_grads = np_diff_attention(q, k, v, lam, do, causal=True, seg=None)
+    assert rel(out, ref_out) < F32_TOL
+    for nm, g, r in zip(("dq", "dk", "dv", "dλ"), grads, ref_grads):
+        assert rel(g, r) < F32_TOL, (nm, rel(g, r))
+
+
 @pytest.mark.parametrize("d,dv,name", [(100, 200, "d"), (272, 544, "d"), (64, 520, "dv")])
 def test_head_widths_outside_the_kernels_are_refused(d, dv, name):
     """d must be a multiple of 16 in [16, 256] and dv one up to 512: one ValueError naming it."""

@@ -386,6 +386,24 @@ def test_four_call_composition_equals_the_oracle():
         assert rel(a, r) < F32_TOL
 
 
+def test_cudnn_route_keeps_the_oracles_segments_with_xla_underneath(monkeypatch):
+    """impl="cudnn" (a GPU-only call) with jax.nn.dot_product_attention's xla implementation
+    underneath: its segment mask, padding rows attending to themselves and then zeroed, equals
+    the oracle on packed documents with padding, for both entry points; padding rows output
+    exactly 0. A route that left the padding rows' self-attention in passed every test."""
+    real = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, implementation=None, **kw: real(*a, implementation="xla", **kw))
+    q, k, v, _, seg = make_inputs(2, 24, 4, 2, 16, jnp.bfloat16, seed=19, segments=True)
+    assert bool((seg == 0).any())
+    for call, args in ((kernels.diff_attention, (q, k, v, jnp.float32(0.4))),
+                       (kernels.dot_product_attention, (q, k[:, :, :2], v[..., :16]))):
+        out, ref = (jax.jit(functools.partial(call, segment_ids=seg, impl=impl))(*args)
+                    for impl in ("cudnn", "xla"))
+        assert rel(out, ref) < BF16_TOL
+        assert not np.asarray(out.astype(jnp.float32) * (seg == 0)[:, :, None, None]).any()
+
+
 def test_standard_attention_pallas_and_dispatch():
     """dot_product_attention: the one-softmax Pallas kernel (GQA, segments) matches xla; cuDNN
     refuses float32."""

@@ -205,6 +205,19 @@ def test_outliers_task_reads_the_requested_tokens(runs):
         "top1", "top2", "top3", "top10", "top100", "median"}
 
 
+def test_outliers_task_leaves_out_the_masked_logits(runs, monkeypatch):
+    """The attention logits' statistics are over the entries the masks keep (`_activations`
+    marks the others −1, here 4 of 9): top-1..3 and median of 0, 2, 5, 1, 3 are 5, 3, 2 and 2.
+    A task that kept the −1 entries (median 0) passed every test."""
+    from diff_jax.evaluation import analysis
+
+    logits = jnp.asarray([[-1.0, 0.0, 2.0], [-1.0, -1.0, 5.0], [1.0, -1.0, 3.0]])
+    monkeypatch.setattr(analysis, "_activations", lambda *a: (logits, jnp.ones(4)))
+    out = _run(runs["diff"], "task=outliers", "tokens=64")
+    assert out["attention_logits"] == {"top1": 5.0, "top2": 3.0, "top3": 2.0, "median": 2.0}
+    assert out["hidden_states"] == {"top1": 1.0, "top2": 1.0, "top3": 1.0, "median": 1.0}
+
+
 def test_quant_16_bits_equals_no_quantization_and_2_bits_differs(runs):
     # At initialization attention barely moves the loss: 4 bits left it bit-identical on jax
     # 0.11.2 (1.7e-5 apart on 0.10.2); 2 bits moves it by 4e-5 or more, tens of float32 ulps.

@@ -212,6 +212,39 @@ def test_a_tie_or_a_missing_seed_never_claims_a_direction():
         assert not p["outside_spread"] and "no direction claimed" in stats.describe(p), (a, b)
 
 
+def test_language_modeling_claims_are_paired_differences_of_the_papers_measures():
+    """lm_report.claims on two hand-made seeds: per claim the per-seed DIFF V1 − Transformer of
+    held-out loss, niah accuracy at the training length (each grid cell's first length), the
+    answer and noise shares, top-1 |logit| and |hidden state|, and the 4-bit over float
+    perplexity increase; each line states the paper's direction, the opposite, or none (a zero
+    difference). DIFF V2 equals the Transformer: no direction. The micro pipeline has one seed,
+    so it passed a report whose differences were Transformer − DIFF, whose directions were
+    inverted, or whose claims read the 16-bit perplexity or the longest niah length."""
+    def seed(loss, niah, answer, noise, logit, hidden, ppl):
+        return {"loss": loss, "niah": niah, "attention": {"answer": answer, "noise": noise},
+                "outliers": {"attention_logits": [logit, 1.0], "hidden_states": [hidden, 1.0]},
+                "quant": {"ppl": ppl}}
+
+    transformer = [seed(loss, {"N2R2": [0.5, 0.0], "N4R2": [0.25, 0.0]}, [0.2, 0.4], [0.5, 0.5],
+                        10.0, 20.0, [10.0, 10.0, 10.0, 11.0, 20.0]) for loss in (3.0, 3.2)]
+    diff = [seed(loss, {"N2R2": [1.0, 0.0], "N4R2": [0.5, 1.0]}, [0.1, 0.3], [0.5, 0.5],
+                 4.0, 30.0, [10.0, 10.5, 10.0, 10.0, 12.0]) for loss in (2.9, 3.0)]
+    results = {"transformer": {"seeds": transformer}, "diff": {"seeds": diff},
+               "diff_v2": {"seeds": transformer}}
+    claims = lm_report.claims(results)
+    # loss, niah, answer, noise, |logit|, |hidden|, 4-bit ppl increase (0.2 − 1.0)
+    want = [[-0.1, -0.2], [0.375] * 2, [-0.1] * 2, [0.0] * 2, [-6.0] * 2, [10.0] * 2, [-0.8] * 2]
+    assert [sign for _, sign, _ in claims] == [-1, 1, 1, -1, -1, -1, -1]
+    for (name, _, per_variant), d in zip(claims, want):
+        assert per_variant["diff"]["per_seed"] == pytest.approx(d, abs=1e-12), name
+        assert per_variant["diff_v2"]["per_seed"] == [0.0, 0.0], name
+    lines = lm_report.claim_lines(results)
+    paper, opposite = " — the paper's direction.", " — the opposite of the paper's direction."
+    ends = [paper, paper, opposite, "no direction claimed.", paper, opposite, paper]
+    assert len(lines) == 14 and all(x.endswith(e) for x, e in zip(lines[0::2], ends)), lines
+    assert all(x.endswith("no direction claimed.") for x in lines[1::2])
+
+
 def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):
     """A shrunken cpu-recall (4 steps, one seed, both inits), its models trained two at a time in
     pinned processes: every cell and model in results.json, the learning curve at each

@@ -475,6 +475,17 @@ def test_block_sizes_are_positive_and_triton_tiles_round_down_to_powers_of_two()
     assert exp.mlir_module().count(TRITON) == 3
 
 
+def test_triton_tiles_are_the_largest_power_of_two_within_the_request():
+    """A Triton tile is the largest power of two ≤ the requested size (48 → 32: the request bounds
+    the shared memory a setting asks for), at most the length rounded up to a power of two and at
+    least 16. The export above lowers a 64-row tile as well, so a rule rounding 48 up passed
+    every test."""
+    from kernels.flash_gpu import _tile
+
+    assert [_tile(48, 100), _tile(64, 100), _tile(127, 1000), _tile(128, 20), _tile(8, 100)] == [
+        32, 64, 64, 32, 16]
+
+
 @pytest.mark.parametrize("d", [96, 128])
 def test_cuda_export_lowers_triton_kernels_paper_widths(d):
     """d = 96 and 128 (dv = 2d) lower to Triton before Hopper; d = 96 as power-of-two tiles of

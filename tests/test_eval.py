@@ -229,6 +229,25 @@ def test_quant_16_bits_equals_no_quantization_and_2_bits_differs(runs):
     assert len(out["niah_accuracy"]) == 3 and all(0 <= a <= 1 for a in out["niah_accuracy"])
 
 
+def test_quant_measures_niah_with_the_logits_quantized_to_each_width(runs, monkeypatch):
+    """quant with niah=true scores retrieval once per bit width with that width's model (here
+    an accuracy grid that reports the bits it was given: 1/bits, 1 unquantized), in the
+    order of `bits`. A task that scored niah with the unquantized model at every width passed
+    every test (a small model's accuracy is the same at any width)."""
+    from diff_jax.evaluation import analysis
+
+    seen = []
+
+    def grid(model_cfg, *args):
+        seen.append(model_cfg.attn_logit_bits)
+        bits = model_cfg.attn_logit_bits
+        return np.full((2, 3), 1.0 if bits is None else 1 / bits), None
+
+    monkeypatch.setattr(analysis, "accuracy_grid", grid)
+    out = _run(runs["diff"], "task=quant", "batches=1", "batch_size=2", "bits=[4,2]", "niah=true")
+    assert seen == [None, 4, 2] and out["niah_accuracy"] == [1.0, 0.25, 0.5]
+
+
 def test_quant_reports_each_bit_width_the_counted_nll_with_that_width(runs, monkeypatch):
     """Each reported loss is the held-out NLL with the logits quantized to its own bit width.
     At initialization attention barely moves the loss, so the parameters are sharpened: q/k

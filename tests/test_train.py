@@ -257,8 +257,9 @@ def test_train_py_smoke_falling_loss_and_valid_metrics(tmp_path):
 
 
 def test_validation_and_ppl_on_a_masked_corpus_average_over_counted_targets(tmp_path):
-    """Periodic validation and eval.py's ppl weigh each batch by its counted targets: both equal
-    the float64 mean NLL over the loss mask's targets of the same held-out rows."""
+    """Periodic validation and eval.py's ppl and quant weigh each batch by its counted targets:
+    all equal the float64 mean NLL over the loss mask's targets of the same held-out rows, and
+    count those targets. (A quant that reported every token position passed every test.)"""
     import jax.numpy as jnp
 
     from diff_jax.data import held_out, split_corpus
@@ -298,6 +299,11 @@ def test_validation_and_ppl_on_a_masked_corpus_average_over_counted_targets(tmp_
     assert abs(report.fields["loss"] - reference) / reference < 1e-5
     assert report.fields["by_position"]["nll"] == [] and any(
         "loss mask" in n for n in report.notes)
+    # quant reads the same rows (2 batches of 8): its unquantized loss and its token count too
+    quant, _ = run_task(*parse_args(["task=quant", f"train.run_dir={run}", "batches=2",
+                                     "batch_size=8", "bits=[8]"]))
+    assert quant.fields["num_tokens"] == counted
+    assert abs(quant.fields["loss"][0] - reference) / reference < 1e-5
 
 
 def test_a_resumed_run_replaces_the_tensorboard_scalars_it_runs_again(tmp_path):

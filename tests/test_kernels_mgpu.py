@@ -272,6 +272,14 @@ def test_tuned_rows_win_for_their_gpu(tmp_path):
     assert got == tiles and row["tuned"] is True
     assert hopper.tiles_for(64, jnp.bfloat16, kind="NVIDIA H200", path=path)[0] != tiles
     assert len(hopper.load_table(path)) == len(hopper.load_table()) + 1
+    # Re-recording (gpu, d, dtype) replaces that row only: the same GPU and d's other dtype stays.
+    fp16 = dataclasses.replace(tiles, stages=2)
+    hopper.record("H100", 64, jnp.float16, fp16, "test", path=path)
+    hopper.record("H100", 64, jnp.bfloat16, dataclasses.replace(tiles, pingpong=True), "test",
+                  path=path)
+    assert hopper.tiles_for(64, jnp.float16, kind="NVIDIA H100", path=path)[0] == fp16
+    assert hopper.tiles_for(64, jnp.bfloat16, kind="NVIDIA H100", path=path)[0].pingpong
+    assert len(hopper.load_table(path)) == len(hopper.load_table()) + 2
 
 
 def test_a_failed_record_leaves_the_table_as_it_was(tmp_path, monkeypatch):

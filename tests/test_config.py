@@ -68,6 +68,15 @@ def test_overrides_parse_yaml_values():
     (["data.mixture=stdlib:.inf,niah:1"], r"data\.mixture: 'stdlib:\.inf': expected SOURCE:WEIGHT "
                                           r".* WEIGHT a finite number > 0"),
     (["optim.min_lr=1.0"], r"optim\.min_lr"),
+    (["model.num_layers=0"], r"model\.num_layers: must be positive"),
+    (["optim.b1=1.0"], r"optim\.b1/b2: must be in \[0, 1\)"),  # Adam's bias correction 1 - b1^t = 0
+    (["optim.b2=1.0"], r"optim\.b1/b2: must be in \[0, 1\)"),
+    (["data.validation_fraction=1.0"], r"data\.validation_fraction: must be in \[0, 1\)"),
+    (["data.mixture=files:1,tokens:1", "data.paths=/x"],
+     r"data\.mixture: files and tokens both read data\.paths"),
+    (["train.profile_steps=2", "train.profile_start=0"], r"train\.profile_start: must be >= 1"),
+    (["checkpoint.resume_step=0"], r"checkpoint\.resume_step: must be a positive step"),
+    (["train.steps=true"], r"train\.steps: expected an integer, got True"),
     (["optim.lr=.inf"], r"optim\.lr: expected a finite number, got inf"),
     (["optim.eps=.nan"], r"optim\.eps: expected a finite number, got nan"),
     (["model.rope_theta=1e999"], r"model\.rope_theta: expected a finite number"),

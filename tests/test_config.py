@@ -190,6 +190,13 @@ def test_a_config_file_that_is_not_utf8(tmp_path):
 def test_derived_sizes():
     m = ModelConfig(embed_dim=3072, num_heads=12)
     assert m.resolved_head_dim == 128 and m.resolved_mlp_dim == 8192
+    assert ModelConfig(embed_dim=128).resolved_mlp_dim == 384  # 8·128/3 = 341.3, rounded up
+    # the older train.eval_batches counts batches of batch_size rows of seq_len tokens
+    assert load_config(None, ["train.eval_batches=3", "train.batch_size=4",
+                              "train.seq_len=16"]).train.eval_tokens == 3 * 4 * 16
+    # mixture weights are shares: 1:3 is a quarter and three quarters
+    assert load_config(None, ["data.mixture=stdlib:1,niah:3"]).data.mixture_weights == (
+        ("stdlib", 0.25), ("niah", 0.75))
     assert ModelConfig(variant="transformer", embed_dim=3072, num_heads=24).resolved_head_dim == 128
     assert ModelConfig(variant="diff_v2", embed_dim=256, num_heads=4, head_dim=48).resolved_head_dim == 48
 

@@ -84,6 +84,12 @@ def test_divisibility_is_checked_before_compiling_naming_dimension_and_axis():
         state_shardings(model, make_optimizer(OptimConfig(), 10), mesh, RULES)
     with pytest.raises(ShardingError, match=r"micro-batch is not divisible by the batch mesh axes"):
         check_batch(12, 2, make_mesh(MeshConfig(data=4, fsdp=2, tensor=1)), RULES)
+    # a micro-batch is batch_size / grad_accum rows, over every axis of the batch rule (2 · 4)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=4, tensor=1))
+    check_batch(16, 2, mesh, RULES)
+    with pytest.raises(ShardingError, match=r"= 4 sequences a micro-batch is not divisible by the "
+                                            r"batch mesh axes \('data', 'fsdp'\) \(size 8\)"):
+        check_batch(16, 4, mesh, RULES)
 
 
 def test_two_logical_axes_of_one_array_on_one_mesh_axis_are_checked_as_flax_shards_them():

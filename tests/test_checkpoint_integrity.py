@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from diff_jax import export, train_loop
-from diff_jax.checkpoint import CheckpointError, DamagedCheckpointError
+from diff_jax.checkpoint import CheckpointError, DamagedCheckpointError, check_shapes
 from diff_jax.config import dump_config
 from diff_jax.evaluation import parse_args
 from diff_jax.evaluation.loading import load
@@ -507,3 +507,18 @@ def test_resume_choices_are_not_recorded_and_a_run_with_nothing_to_do_changes_no
     said = capsys.readouterr().err  # train.steps differs from the checkpoint's, but nothing runs
     assert "nothing to do" in said and "learning rate" not in said, said
     assert {p: p.read_bytes() for p in before} == before and _ckpt_steps(run) == [10, 20]
+
+
+def test_check_shapes_refuses_an_entry_the_model_does_not_have():
+    """check_shapes names first a missing entry, then an unexpected one, then a shape that
+    differs: a checkpoint holding a parameter the config's model lacks (lm_head saved untied,
+    resumed tied) is another model, refused as such."""
+    expected = {"params['embed']": (64, 32)}
+    with pytest.raises(CheckpointError, match=r"^checkpoint params\['lm_head'\] is not part of the "
+                                              r"model the config describes \(1 unexpected in all\)"):
+        check_shapes({**expected, "params['lm_head']": (32, 64)}, expected, "checkpoint ")
+    with pytest.raises(CheckpointError, match=r"^checkpoint params\['embed'\] is missing"):
+        check_shapes({"params['lm_head']": (32, 64)}, expected, "checkpoint ")
+    with pytest.raises(CheckpointError, match=r"^checkpoint params\['embed'\] has shape \(64, 48\)"):
+        check_shapes({"params['embed']": (64, 48)}, expected, "checkpoint ")
+    check_shapes(dict(expected), expected, "checkpoint ")

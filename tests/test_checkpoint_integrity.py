@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from diff_jax import export, train_loop
+from diff_jax import checkpoint, export, train_loop
 from diff_jax.checkpoint import CheckpointError, DamagedCheckpointError, check_shapes
 from diff_jax.config import dump_config
 from diff_jax.evaluation import parse_args
@@ -336,6 +336,20 @@ def test_when_no_checkpoint_verifies_resume_refuses_and_moves_nothing(corpus, ru
         train_loop.run(tiny_config(corpus, run, "train.steps=30"))
     assert _ckpt_steps(run) == [10, 20] and not (run / "damaged_checkpoints").exists()
     assert (run / "config.yaml").read_bytes() == config_yaml
+
+
+def test_a_resume_step_that_does_not_verify_discards_no_later_step(corpus, run20, tmp_path):
+    """checkpoint.discard_later deletes the later steps only once step N has been read and
+    verified: a damaged step 10 is refused and step 20 stays."""
+    run = _copy(run20, tmp_path)
+    record = run / "checkpoints" / "10" / "checksums" / "metadata"
+    sums = json.loads(record.read_text())
+    sums["arrays"]["params/embed"] = "0" * 16
+    record.write_text(json.dumps(sums))
+    with pytest.raises(DamagedCheckpointError, match=r"checkpoint step 10 is damaged: params/embed"):
+        train_loop.run(tiny_config(corpus, run, "train.steps=12", "checkpoint.resume_step=10",
+                                   "checkpoint.discard_later=true"))
+    assert _ckpt_steps(run) == [10, 20] and not (run / checkpoint.DISCARD_FILE).exists()
 
 
 def _numpy_checksum(x: np.ndarray) -> str:

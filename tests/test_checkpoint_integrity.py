@@ -536,3 +536,52 @@ def test_check_shapes_refuses_an_entry_the_model_does_not_have():
     with pytest.raises(CheckpointError, match=r"^checkpoint params\['embed'\] has shape \(64, 48\)"):
         check_shapes({"params['embed']": (64, 48)}, expected, "checkpoint ")
     check_shapes(dict(expected), expected, "checkpoint ")
+
+
+class _Steps:
+    """What `_set_aside` and `_finish_discard` use of an orbax CheckpointManager: the directory
+    of numbered step directories, deletion and reload."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def all_steps(self) -> list[int]:
+        return _ckpt_steps(self.directory.parent)
+
+    def delete(self, step: int) -> None:
+        shutil.rmtree(self.directory / str(step))
+
+    def reload(self) -> None:
+        pass
+
+
+def test_a_step_set_aside_twice_keeps_both_copies_side_by_side(tmp_path):
+    """A step damaged again after an earlier one of the same number was set aside goes to
+    damaged_checkpoints/20.1, beside the first copy (not into it)."""
+    mngr = _Steps(tmp_path / "checkpoints")
+    for text in ("first", "second"):
+        (tmp_path / "checkpoints" / "20").mkdir(parents=True)
+        (tmp_path / "checkpoints" / "20" / "bytes").write_text(text)
+        moved = checkpoint._set_aside(mngr, 20)
+    assert moved == tmp_path / "damaged_checkpoints" / "20.1"
+    assert sorted(p.name for p in (tmp_path / "damaged_checkpoints").iterdir()) == ["20", "20.1"]
+    assert (moved / "bytes").read_text() == "second"
+    assert (tmp_path / "damaged_checkpoints" / "20" / "bytes").read_text() == "first"
+
+
+def test_a_discard_record_that_is_not_a_step_is_one_error_naming_it(tmp_path):
+    """`discarding_after` holding anything but a step number is refused naming the file, and
+    nothing is deleted; a step number finishes the deletion of the steps after it."""
+    mngr = _Steps(tmp_path / "checkpoints")
+    for step in (10, 20, 30):
+        (tmp_path / "checkpoints" / str(step)).mkdir(parents=True)
+    (tmp_path / checkpoint.DISCARD_FILE).write_text("ten\n")
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path / checkpoint.DISCARD_FILE}: expected "
+                                              r"the step number .*found 'ten'"):
+        checkpoint._finish_discard(mngr, print)
+    assert _ckpt_steps(tmp_path) == [10, 20, 30]
+    (tmp_path / checkpoint.DISCARD_FILE).write_text("10\n")
+    said = []
+    checkpoint._finish_discard(mngr, said.append)
+    assert _ckpt_steps(tmp_path) == [10] and not (tmp_path / checkpoint.DISCARD_FILE).exists()
+    assert said[0].startswith("deleted checkpoints [20, 30]: finishing")

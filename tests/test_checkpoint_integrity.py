@@ -585,3 +585,20 @@ def test_a_discard_record_that_is_not_a_step_is_one_error_naming_it(tmp_path):
     checkpoint._finish_discard(mngr, said.append)
     assert _ckpt_steps(tmp_path) == [10] and not (tmp_path / checkpoint.DISCARD_FILE).exists()
     assert said[0].startswith("deleted checkpoints [20, 30]: finishing")
+
+
+def test_verify_checksums_refuses_an_array_without_a_recorded_checksum_or_another_record():
+    """Every array read must have a recorded checksum that matches; a record of another kind
+    (algorithm) is damage, not a record whose values are compared."""
+    tree = {"a": np.arange(4, dtype=np.float32), "b": np.ones((2, 3), np.int32)}
+    recorded = checkpoint.array_checksums(tree)
+    tmp = Path("/run/checkpoints/20/state")  # only named in the messages
+    checkpoint.verify_checksums(tree, recorded, 20, tmp)
+    with pytest.raises(DamagedCheckpointError, match=r"checkpoint step 20 is damaged: .* has no "
+                                                     r"recorded checksum for b$"):
+        checkpoint.verify_checksums(tree, {"a": recorded["a"]}, 20, tmp)
+    with pytest.raises(DamagedCheckpointError, match=r"b read from .* does not match"):
+        checkpoint.verify_checksums(tree, {**recorded, "b": recorded["a"]}, 20, tmp)
+    with pytest.raises(DamagedCheckpointError, match=r"unknown kind \(expected fmix32-sum-x2\)"):
+        checkpoint.recorded_checksums({"algorithm": "crc32", "arrays": recorded}, 20, tmp.parent)
+    assert checkpoint.recorded_checksums(checkpoint.checksums_record(tree), 20, tmp) == recorded

@@ -113,6 +113,20 @@ def test_ctrl_c_twice_stops_at_once_keeping_the_committed_checkpoints(corpus, tm
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_second_sigterm_does_not_stop_the_step_in_flight():
+    """Only Ctrl-C pressed again stops at once: a second SIGTERM (a scheduler repeating it) is
+    caught like the first, so the step in flight is still saved; the handlers are restored."""
+    said, before = [], signal.getsignal(signal.SIGTERM)
+    try:
+        with train_loop._stop_signals(said.append) as caught:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+    except KeyboardInterrupt:  # would end the whole pytest session
+        pytest.fail("a second SIGTERM stopped at once, as only a second Ctrl-C may")
+    assert caught == ["SIGTERM", "SIGTERM"] and len(said) == 2
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_restore_onto_another_mesh_and_refuse_other_shapes(corpus, tmp_path, monkeypatch, uninterrupted):
     _interrupt_at(monkeypatch, 20, "sigterm")
     train_loop.run(tiny_config(corpus, tmp_path))  # mesh data=8

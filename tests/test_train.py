@@ -127,6 +127,20 @@ def test_a_second_sigterm_does_not_stop_the_step_in_flight():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_the_run_dir_lock_admits_one_holder_and_names_its_pid(tmp_path):
+    """A second claim of a held run directory is refused naming the holder's pid, which replaces
+    what an earlier holder wrote; the lock is free again once the holder is done."""
+    (tmp_path / train_loop.LOCK_FILE).write_text("4242\n")  # an earlier holder, long gone
+    with train_loop._claim_run_dir(str(tmp_path), True):
+        assert (tmp_path / train_loop.LOCK_FILE).read_text() == f"{os.getpid()}\n"
+        with pytest.raises(train_loop.ConfigError, match=rf"is in use by another training process "
+                                                         rf"\(pid {os.getpid()}\)"):
+            with train_loop._claim_run_dir(str(tmp_path), True):
+                pass
+    with train_loop._claim_run_dir(str(tmp_path), True):
+        pass
+
+
 def test_restore_onto_another_mesh_and_refuse_other_shapes(corpus, tmp_path, monkeypatch, uninterrupted):
     _interrupt_at(monkeypatch, 20, "sigterm")
     train_loop.run(tiny_config(corpus, tmp_path))  # mesh data=8

@@ -241,6 +241,27 @@ def test_a_resume_with_other_data_or_schedule_settings_says_what_changes(corpus,
     assert "(train.steps 40 → 50)" in err and "data settings" not in err, err  # not log_every, mesh
 
 
+def test_resume_notes_name_every_data_order_and_schedule_setting_that_changed():
+    """`resume_notes` against a saved config dict (no training): batch_size, seq_len and any
+    data.* setting change the data order; train.steps and optim.* the schedule, with the rate of
+    the next step by hand (warmup 10 to 1e-2, then linear to 0 over steps - 10; step 50 of 100:
+    1e-2 · (1 − 40/90), of 200: 1e-2 · (1 − 40/190)); log_every and the mesh change neither."""
+    base = ["train.steps=100", "optim.warmup_steps=10", "optim.lr=1e-2", "optim.min_lr=0"]
+    saved = load_config(None, base).to_dict()
+    same = load_config(None, [*base, "train.log_every=5", "mesh.data=2", "mesh.fsdp=-1"])
+    assert train_loop.resume_notes(saved, same, 50) == []
+    for override, named in [("train.batch_size=16", "train.batch_size 8 → 16"),
+                            ("train.seq_len=64", "train.seq_len 128 → 64"),
+                            ("data.split_seed=3", "data.split_seed 0 → 3")]:
+        notes = train_loop.resume_notes(saved, load_config(None, [*base, override]), 50)
+        assert len(notes) == 1 and notes[0].startswith(
+            f"resumed with other data settings than step 50 was saved with ({named}): "), notes
+    notes = train_loop.resume_notes(saved, load_config(None, [*base, "train.steps=200"]), 50)
+    assert notes == [f"resumed with other optimizer settings than step 50 was saved with (train."
+                     f"steps 100 → 200): the learning rate of step 51 is {1e-2 * (1 - 40 / 190):.3g} "
+                     f"(the saved run's schedule: {1e-2 * (1 - 40 / 90):.3g})"]
+
+
 def test_init_from_ignored_by_a_resume_is_said(corpus, tmp_path, capsys):
     """A run dir with checkpoints resumes from them, not from train.init_from: said in one line."""
     train_loop.run(tiny_config(corpus, tmp_path / "run", "train.steps=2",

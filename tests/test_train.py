@@ -262,6 +262,36 @@ def test_resume_notes_name_every_data_order_and_schedule_setting_that_changed():
                      f"(the saved run's schedule: {1e-2 * (1 - 40 / 90):.3g})"]
 
 
+def test_the_profile_window_is_profile_steps_steps_from_profile_start_clipped_to_the_run(
+        monkeypatch):
+    """The steps `_Trace` has running (profile_start=5, profile_steps=3: steps 5, 6, 7) for an
+    invocation resumed after step `start`, without the profiler (no training): the rest of the
+    window when resumed inside it, up to train.steps, none (said) when it ran before."""
+    calls = []
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda directory: calls.append("start"))
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append("stop"))
+
+    def traced(start, *overrides):
+        t = load_config(None, ["train.steps=20", "train.profile_start=5", "train.profile_steps=3",
+                               *overrides]).train
+        said, steps = [], []
+        trace = train_loop._Trace.of(t, start, said.append)
+        for s in range(start + 1, t.steps + 1):
+            trace.before(s)
+            if trace.active:
+                steps.append(s)
+            trace.after(s, None)
+        trace.stop()
+        return steps, said
+
+    assert traced(0) == ([5, 6, 7], [])
+    assert traced(6) == ([7], [])
+    assert traced(0, "train.steps=6") == ([5, 6], [])
+    steps, said = traced(7)
+    assert steps == [] and "those steps ran before step 7" in said[0]
+    assert calls == ["start", "stop"] * 3
+
+
 def test_init_from_ignored_by_a_resume_is_said(corpus, tmp_path, capsys):
     """A run dir with checkpoints resumes from them, not from train.init_from: said in one line."""
     train_loop.run(tiny_config(corpus, tmp_path / "run", "train.steps=2",

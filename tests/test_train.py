@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -290,6 +291,21 @@ def test_the_profile_window_is_profile_steps_steps_from_profile_start_clipped_to
     steps, said = traced(7)
     assert steps == [] and "those steps ran before step 7" in said[0]
     assert calls == ["start", "stop"] * 3
+
+
+def test_a_state_with_one_non_finite_value_is_not_finite():
+    """`_all_finite` (what a save requires) is False when a single value of one parameter or
+    optimizer-state leaf is NaN or inf; integer leaves (Adam's count) are not floating point."""
+    from types import SimpleNamespace
+
+    params = {"a": jnp.ones((2, 3)), "b": jnp.zeros(4)}
+    opt_state = (jnp.zeros((), jnp.int32), {"mu": jnp.ones(4)})
+    assert train_loop._all_finite(SimpleNamespace(params=params, opt_state=opt_state))
+    for bad in (jnp.nan, jnp.inf):
+        assert not train_loop._all_finite(SimpleNamespace(
+            params={**params, "b": params["b"].at[2].set(bad)}, opt_state=opt_state))
+        assert not train_loop._all_finite(SimpleNamespace(
+            params=params, opt_state=(opt_state[0], {"mu": opt_state[1]["mu"].at[0].set(bad)})))
 
 
 def test_init_from_ignored_by_a_resume_is_said(corpus, tmp_path, capsys):

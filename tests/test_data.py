@@ -395,6 +395,20 @@ def test_what_a_killed_prepare_left_is_tidied_by_the_next(tmp_path, capsys):
     assert _files(out) == before and load(out).num_docs == 2
 
 
+def test_a_replaced_corpus_left_beside_its_successor_is_removed_not_put_back(tmp_path):
+    """A prepare killed after the new corpus took OUT_DIR's place but before the old one, renamed
+    aside, was removed: the next prepare removes that `.tokA.old-PID` and runs."""
+    src, out = _jsonl_source(tmp_path), tmp_path / "tokA"
+    assert data_main(["prepare", src, str(out)]) == 0
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    (tmp_path / f".tokA.old-{finished.pid}").mkdir()
+    (tmp_path / f".tokA.old-{finished.pid}" / "tokens.bin").write_bytes(b"x" * 100)
+    assert data_main(["prepare", src, str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "tokA"]
+    assert load(out).num_docs == 2
+
+
 def _jsonl_source(tmp_path, name="a.jsonl", texts=("first document", "second document")):
     (tmp_path / "src").mkdir(exist_ok=True)
     path = tmp_path / "src" / name

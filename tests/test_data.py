@@ -409,6 +409,31 @@ def test_a_replaced_corpus_left_beside_its_successor_is_removed_not_put_back(tmp
     assert load(out).num_docs == 2
 
 
+def test_staged_keeps_the_old_output_until_the_new_one_is_in_place(tmp_path, monkeypatch):
+    """`staged` renames the old output aside before the new one takes its place and removes it
+    only afterwards: a failure (or a kill) in between leaves the old output's files whole."""
+    from pathlib import Path
+
+    from diff_jax.output_dir import staged
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "m").write_text("old")
+    real = Path.rename
+
+    def rename(self, target):
+        if Path(target) == out and self.name.startswith(".out.partial-"):
+            raise OSError(errno.EIO, "Input/output error", str(target))
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(OSError):
+        with staged(out) as tmp:
+            (tmp / "m").write_text("new")
+    kept = [p for p in tmp_path.iterdir() if (p / "m").is_file()]
+    assert [(p / "m").read_text() for p in kept] == ["old"]
+
+
 def _jsonl_source(tmp_path, name="a.jsonl", texts=("first document", "second document")):
     (tmp_path / "src").mkdir(exist_ok=True)
     path = tmp_path / "src" / name

@@ -8,6 +8,7 @@ combinations raise `ConfigError` naming the key and the rule.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -581,7 +582,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
     """A copy of the config dict `data` with each `a.b=value` override set (not yet validated)."""
-    data = _merge({}, data)
+    data = copy.deepcopy(data)
     for text in overrides:
         keys, value = parse_override(text)
         node = data

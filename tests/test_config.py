@@ -1,5 +1,6 @@
 """Config loading, `base:` inheritance, overrides, and errors that name the key and the rule."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -218,3 +219,15 @@ def test_model_config_built_in_python_checks_its_choices(field, value):
     or output_init="xavier" as normal."""
     with pytest.raises(ConfigError, match=rf"model\.{field}: must be one of \[.*\], got '{value}'"):
         ModelConfig(**{field: value})
+
+
+def test_apply_overrides_leaves_the_callers_dict_as_it_was():
+    """It returns a changed copy: the dict it was given, nested sections included, is not
+    touched (its sections were shared with the copy, so an override changed both)."""
+    from diff_jax.config import apply_overrides
+
+    data = {"model": {"num_layers": 2, "rules": [["batch", ["data"]]]}, "train": {"steps": 5}}
+    before = copy.deepcopy(data)
+    out = apply_overrides(data, ["model.num_layers=4", "train.steps=7", "optim.lr=0.1"])
+    assert out["model"]["num_layers"] == 4 and out["train"]["steps"] == 7
+    assert out["optim"] == {"lr": 0.1} and data == before

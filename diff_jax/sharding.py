@@ -105,9 +105,9 @@ def unboxed(boxed: Any) -> Any:
                         is_leaf=is_box)
 
 
-def batch_sharding(mesh: Mesh, rules: Sequence[tuple[str, Any]], extra_leading: int = 0) -> NamedSharding:
-    """(…, batch, length) arrays: batch over the rule for `batch`, length replicated."""
-    return NamedSharding(mesh, P(*([None] * extra_leading), dict(rules).get("batch"), None))
+def batch_sharding(mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> NamedSharding:
+    """(batch, length) arrays: batch over the rule for `batch`, length replicated."""
+    return NamedSharding(mesh, P(dict(rules).get("batch"), None))
 
 
 def check_batch(global_batch: int, grad_accum: int, mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> None:

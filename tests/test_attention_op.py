@@ -100,10 +100,14 @@ def test_odd_batch_and_mqa_heads_on_a_mesh_equal_the_unsharded_kernel():
     """A batch the batch axes do not divide runs replicated; one kv head is gathered per shard."""
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     _, op = _mesh_op("pallas", mesh)
-    ks = jax.random.split(jax.random.key(3), 3)
-    q = jax.random.normal(ks[0], (3, 16, 4, 16))
-    k = jax.random.normal(ks[1], (3, 16, 2, 16))
-    v = jax.random.normal(ks[2], (3, 16, 1, 32))
+    _assert_sharded_equals_the_oracle(op, 3, (3, 16, 4, 16), (3, 16, 2, 16), (3, 16, 1, 32))
+
+
+def _assert_sharded_equals_the_oracle(op: AttentionOp, seed: int, *shapes) -> None:
+    """`op` (a kernel inside shard_map) on random q, k, v of `shapes` equals the unsharded
+    xla oracle, to float32 accuracy."""
+    q, k, v = (jax.random.normal(key, shape)
+               for key, shape in zip(jax.random.split(jax.random.key(seed), 3), shapes))
     sharded = jax.jit(lambda *a: op(*a)[0])(q, k, v, jnp.float32(0.3))
     unsharded, _ = AttentionOp(impl="xla")(q, k, v, jnp.float32(0.3))
     np.testing.assert_allclose(sharded, unsharded, rtol=1e-5, atol=1e-6)
@@ -116,13 +120,7 @@ def test_kv_heads_the_head_axes_do_not_divide_are_gathered_per_shard():
     cfg = ModelConfig(vocab_size=64, embed_dim=128, num_layers=1, num_heads=4, num_kv_heads=2,
                       max_seq_len=32, attention_impl="pallas")
     op = AttentionOp.build(cfg, mesh, RULES)
-    ks = jax.random.split(jax.random.key(5), 3)
-    q = jax.random.normal(ks[0], (2, 16, 8, 16))
-    k = jax.random.normal(ks[1], (2, 16, 4, 16))
-    v = jax.random.normal(ks[2], (2, 16, 2, 32))
-    sharded = jax.jit(lambda *a: op(*a)[0])(q, k, v, jnp.float32(0.3))
-    unsharded, _ = AttentionOp(impl="xla")(q, k, v, jnp.float32(0.3))
-    np.testing.assert_allclose(sharded, unsharded, rtol=1e-5, atol=1e-6)
+    _assert_sharded_equals_the_oracle(op, 5, (2, 16, 8, 16), (2, 16, 4, 16), (2, 16, 2, 32))
 
 
 @pytest.mark.parametrize("types", ["explicit", "mixed"])

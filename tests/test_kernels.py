@@ -165,43 +165,10 @@ def test_fused_matches_references(name):
             assert rel(g, r) < F32_TOL
 
 
-def test_tpu_causal_with_more_keys_than_queries():
-    """Causal S > T (keys past every query, seen by none): the dK/dV kernel's kv tiles beyond the
-    last query tile read an in-bounds q tile (their steps are skipped); the q-tile index ran past
-    the array there (S = 130, T = 8: q tile 1 of 1), an out-of-bounds DMA on the TPU that the
-    TPU-semantics interpreter refuses."""
+def _tpu_causal_matches_the_reference(q, k, v, do, lam, tiles):
+    """The TPU kernel (interpreted with TPU semantics), causal: out, dq, dk, dv and dλ against
+    the float64 reference, to float32 accuracy."""
     from jax.experimental.pallas import tpu as pltpu
-
-    b, t, s, h, d, lam = 1, 8, 130, 2, 16, 0.6
-    q, _, _, do, _ = make_inputs(b, t, h, h, d, jnp.float32, seed=7, segments=False)
-    _, k, v, _, _ = make_inputs(b, s, h, h, d, jnp.float32, seed=8, segments=False)
-
-    def loss(q, k, v, lam):
-        out = flash_attention(q, k, v, lam, num_components=2, causal=True, backend="tpu",
-                              block_sizes=BlockSizes(128, 128, 128, 128),
-                              interpret=pltpu.InterpretParams())
-        return jnp.sum(out * do), out
-
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-        q, k, v, jnp.float32(lam))
-    ref_out, ref_grads = np_diff_attention(q, k, v, lam, do, causal=True, seg=None)
-    assert rel(out, ref_out) < F32_TOL
-    for nm, g, r in zip(("dq", "dk", "dv", "dλ"), grads, ref_grads):
-        assert rel(g, r) < F32_TOL, (nm, rel(g, r))
-
-
-
-@pytest.mark.parametrize("tiles", [BlockSizes(256, 128, 256, 128), BlockSizes(128, 256, 128, 256)])
-def test_tpu_causal_with_query_and_key_tiles_of_other_sizes(tiles):
-    """Causal tile skipping and block clamping with bq ≠ bk (TPU tiles are multiples of 128, so
-    T = 300 takes 256-row tiles): a q tile needs the kv tiles up to its last query, i·bq + bq − 1,
-    and a kv tile the q tiles from the one holding its first key, j·bk // bq. Square tiles (every
-    other case) passed a forward that clamped to the tile of i·bq, a dK/dV or dQ kernel that
-    skipped the pairs past i·bq, and a dK/dV q-tile map that started at ⌈j·bk / bq⌉."""
-    from jax.experimental.pallas import tpu as pltpu
-
-    lam = 0.6
-    q, k, v, do, _ = make_inputs(1, 300, 1, 1, 16, jnp.float32, seed=17, segments=False)
 
     def loss(q, k, v, lam):
         out = flash_attention(q, k, v, lam, num_components=2, causal=True, backend="tpu",
@@ -214,6 +181,28 @@ def test_tpu_causal_with_query_and_key_tiles_of_other_sizes(tiles):
     assert rel(out, ref_out) < F32_TOL
     for nm, g, r in zip(("dq", "dk", "dv", "dλ"), grads, ref_grads):
         assert rel(g, r) < F32_TOL, (nm, rel(g, r))
+
+
+def test_tpu_causal_with_more_keys_than_queries():
+    """Causal S > T (keys past every query, seen by none): the dK/dV kernel's kv tiles beyond the
+    last query tile read an in-bounds q tile (their steps are skipped); the q-tile index ran past
+    the array there (S = 130, T = 8: q tile 1 of 1), an out-of-bounds DMA on the TPU that the
+    TPU-semantics interpreter refuses."""
+    b, t, s, h, d = 1, 8, 130, 2, 16
+    q, _, _, do, _ = make_inputs(b, t, h, h, d, jnp.float32, seed=7, segments=False)
+    _, k, v, _, _ = make_inputs(b, s, h, h, d, jnp.float32, seed=8, segments=False)
+    _tpu_causal_matches_the_reference(q, k, v, do, 0.6, BlockSizes(128, 128, 128, 128))
+
+
+@pytest.mark.parametrize("tiles", [BlockSizes(256, 128, 256, 128), BlockSizes(128, 256, 128, 256)])
+def test_tpu_causal_with_query_and_key_tiles_of_other_sizes(tiles):
+    """Causal tile skipping and block clamping with bq ≠ bk (TPU tiles are multiples of 128, so
+    T = 300 takes 256-row tiles): a q tile needs the kv tiles up to its last query, i·bq + bq − 1,
+    and a kv tile the q tiles from the one holding its first key, j·bk // bq. Square tiles (every
+    other case) passed a forward that clamped to the tile of i·bq, a dK/dV or dQ kernel that
+    skipped the pairs past i·bq, and a dK/dV q-tile map that started at ⌈j·bk / bq⌉."""
+    q, k, v, do, _ = make_inputs(1, 300, 1, 1, 16, jnp.float32, seed=17, segments=False)
+    _tpu_causal_matches_the_reference(q, k, v, do, 0.6, tiles)
 
 
 @pytest.mark.parametrize("d,dv,name", [(100, 200, "d"), (272, 544, "d"), (64, 520, "dv")])

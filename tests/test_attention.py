@@ -191,6 +191,7 @@ def test_quantize_logits_scales_each_map_whole_and_rounds_to_nearest():
     against float64 NumPy on maps of other magnitudes (batch 1 ×10, map 2 ×4); a scale per row
     or one for the whole array, or truncation toward 0, passed the one-row test above."""
     from kernels.reference import quantize_logits
+
     s = np.random.default_rng(5).standard_normal((2, 3, 4, 5)).astype(np.float32)
     s *= np.float32([1.0, 10.0])[:, None, None, None] * np.float32([1.0, 0.25, 4.0])[:, None, None]
     step = np.abs(s.astype(np.float64)).max(axis=(-2, -1), keepdims=True) / 7  # 4 bits: ±7

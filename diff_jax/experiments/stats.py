@@ -76,6 +76,7 @@ def paired_censored(a: list[float | None], b: list[float | None], bound: float) 
         if x is not None:  # y not reached: x − y < x − bound ≤ 0
             return None, float(x) - float(bound), -1
         return None, None, None
+
     low, high, sign = (list(t) for t in zip(*(bounds(x, y) for x, y in zip(a, b))))
     outside = len(sign) > 1 and sign[0] in (1, -1) and all(s == sign[0] for s in sign)
     return {"n": len(sign), "censored_at": float(bound), "low": low, "high": high, "sign": sign,
@@ -99,6 +100,7 @@ def describe(p: dict[str, Any], digits: int = 3) -> str:
 
 def _describe_censored(p: dict[str, Any]) -> str:
     """'per seed > +600, −1200, unknown (…)': a `paired_censored` result with a censored value."""
+
     def seed(lo: float | None, hi: float | None) -> str:
         if lo is not None and lo == hi:
             return f"{lo:+g}"
@@ -107,6 +109,7 @@ def _describe_censored(p: dict[str, Any]) -> str:
         if hi is not None:
             return f"< {hi:+g}" if hi else "< 0"
         return "unknown"
+
     text = (f"per seed {', '.join(seed(lo, hi) for lo, hi in zip(p['low'], p['high']))} "
             f"(a value not reached by {p['censored_at']:g} bounds the difference on one side; "
             "where neither was reached it is unknown)")

@@ -64,6 +64,17 @@ def test_training_documents_come_from_a_seed_domain_disjoint_from_evaluation():
     assert "magic number" in ENC.decode(train[0].tolist())
 
 
+def test_training_document_lengths_cover_both_ends_of_the_documented_range():
+    """With one needle and one query a document is exactly its drawn length: over ~2000 draws every
+    length in [doc_tokens/2, doc_tokens] occurs, both ends included, as `niah_whole_fraction`
+    assumes when it reports how many documents fit whole in a row."""
+    docs = niah.training_documents(niah.train_rng(0), ENC, num_tokens=2000 * 288, doc_tokens=384,
+                                   max_needles=1, max_queries=1)
+    counts = np.bincount([len(d) for d in docs], minlength=385)
+    assert counts[:192].sum() == 0 and len(counts) == 385
+    assert np.all(counts[192:] > 0)
+
+
 def test_niah_source_and_mixture_shares(text_dir):
     cfg = DataConfig(source="niah", niah_tokens=20_000)
     corpus = load_corpus(cfg, seed=1)

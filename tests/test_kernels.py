@@ -165,19 +165,28 @@ def test_fused_matches_references(name):
             assert rel(g, r) < F32_TOL
 
 
-def _tpu_causal_matches_the_reference(q, k, v, do, lam, tiles):
-    """The TPU kernel (interpreted with TPU semantics), causal: out, dq, dk, dv and dλ against
-    the float64 reference, to float32 accuracy."""
+def _interpret(backend):
+    """The interpreter for a kernel off its device: the generic one for the Triton-style kernel
+    ("gpu"), TPU semantics for the Mosaic TPU kernel ("tpu")."""
+    if backend == "gpu":
+        return True
     from jax.experimental.pallas import tpu as pltpu
 
+    return pltpu.InterpretParams()
+
+
+def _kernel_matches_the_reference(q, k, v, do, lam, tiles, *, backend="tpu", causal=True):
+    """The kernel of `backend`, interpreted: out, dq, dk, dv and dλ against the float64
+    reference, to float32 accuracy (no segments; S may differ from T)."""
+
     def loss(q, k, v, lam):
-        out = flash_attention(q, k, v, lam, num_components=2, causal=True, backend="tpu",
-                              block_sizes=tiles, interpret=pltpu.InterpretParams())
+        out = flash_attention(q, k, v, lam, num_components=2, causal=causal, backend=backend,
+                              block_sizes=tiles, interpret=_interpret(backend))
         return jnp.sum(out * do), out
 
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
         q, k, v, jnp.float32(lam))
-    ref_out, ref_grads = np_diff_attention(q, k, v, lam, do, causal=True, seg=None)
+    ref_out, ref_grads = np_diff_attention(q, k, v, lam, do, causal=causal, seg=None)
     assert rel(out, ref_out) < F32_TOL
     for nm, g, r in zip(("dq", "dk", "dv", "dλ"), grads, ref_grads):
         assert rel(g, r) < F32_TOL, (nm, rel(g, r))
@@ -191,7 +200,7 @@ def test_tpu_causal_with_more_keys_than_queries():
     b, t, s, h, d = 1, 8, 130, 2, 16
     q, _, _, do, _ = make_inputs(b, t, h, h, d, jnp.float32, seed=7, segments=False)
     _, k, v, _, _ = make_inputs(b, s, h, h, d, jnp.float32, seed=8, segments=False)
-    _tpu_causal_matches_the_reference(q, k, v, do, 0.6, BlockSizes(128, 128, 128, 128))
+    _kernel_matches_the_reference(q, k, v, do, 0.6, BlockSizes(128, 128, 128, 128))
 
 
 @pytest.mark.parametrize("tiles", [BlockSizes(256, 128, 256, 128), BlockSizes(128, 256, 128, 256)])
@@ -202,7 +211,22 @@ def test_tpu_causal_with_query_and_key_tiles_of_other_sizes(tiles):
     other case) passed a forward that clamped to the tile of i·bq, a dK/dV or dQ kernel that
     skipped the pairs past i·bq, and a dK/dV q-tile map that started at ⌈j·bk / bq⌉."""
     q, k, v, do, _ = make_inputs(1, 300, 1, 1, 16, jnp.float32, seed=17, segments=False)
-    _tpu_causal_matches_the_reference(q, k, v, do, 0.6, tiles)
+    _kernel_matches_the_reference(q, k, v, do, 0.6, tiles)
+
+
+@pytest.mark.parametrize("backend,t,s,causal",
+                         [("gpu", 64, 24, True), ("gpu", 40, 64, False), ("tpu", 40, 150, False)])
+def test_kernels_with_fewer_or_more_keys_than_queries(backend, t, s, causal):
+    """S ≠ T (no segments): T = 64 queries over S = 24 keys (queries past the last key see them
+    all), and T = 40 over S = 64 or 150 keys, not causal (every key seen). The key-bound mask,
+    the kv-tile count and the dK/dV kernel's q-tile count are S's and T's, not each other's. Every
+    other case had S = T or (TPU) causal S > T, whose keys past T are masked anyway: a Triton
+    forward masking the key tail by T, counting kv tiles by T, a dK/dV kernel counting q tiles by
+    S or masking its rows by S's raggedness, and a TPU kernel masking keys at T, passed every test."""
+    q, _, _, do, _ = make_inputs(1, t, 2, 1, 16, jnp.float32, seed=5, segments=False)
+    _, k, v, _, _ = make_inputs(1, s, 2, 1, 16, jnp.float32, seed=6, segments=False)
+    tiles = SMALL if backend == "gpu" else BlockSizes(128, 128, 128, 128)
+    _kernel_matches_the_reference(q, k, v, do, 0.6, tiles, backend=backend, causal=causal)
 
 
 @pytest.mark.parametrize("d,dv,name", [(100, 200, "d"), (272, 544, "d"), (64, 520, "dv")])

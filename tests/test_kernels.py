@@ -229,6 +229,25 @@ def test_kernels_with_fewer_or_more_keys_than_queries(backend, t, s, causal):
     _kernel_matches_the_reference(q, k, v, do, 0.6, tiles, backend=backend, causal=causal)
 
 
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_logits_far_below_zero_keep_their_softmax(backend):
+    """Rows whose logits all lie near −140 (a valid map: softmax is shift-invariant) against the
+    float64 reference: the running max starts at NEG_INF. One started at 0 underflows every
+    exp(logit − 0) to 0 in float32, and those rows came out 0; it passed every test (random
+    logits of a few units)."""
+    rng = np.random.default_rng(0)
+    k = (1.0 + 0.1 * rng.standard_normal((1, 40, 2, 16))).astype(np.float32)
+    q = (-35.0 + rng.standard_normal((1, 40, 4, 16))).astype(np.float32)  # q·k/4 ≈ −140
+    v = rng.standard_normal((1, 40, 1, 32)).astype(np.float32)
+    tiles = SMALL if backend == "gpu" else BlockSizes(128, 128, 128, 128)
+    out = flash_attention(*map(jnp.asarray, (q, k, v)), 0.6, num_components=2, causal=False,
+                          backend=backend, block_sizes=tiles, interpret=_interpret(backend))
+    ref, _ = np_diff_attention(q, k, v, 0.6, np.zeros((1, 40, 2, 32)), causal=False, seg=None)
+    # float32 logits of magnitude 140 carry ~1e-5 absolute rounding: measured 4e-6, limit 1e-4
+    # (a zero-started max gives 1)
+    assert rel(out, ref) < 1e-4
+
+
 @pytest.mark.parametrize("d,dv,name", [(100, 200, "d"), (272, 544, "d"), (64, 520, "dv")])
 def test_head_widths_outside_the_kernels_are_refused(d, dv, name):
     """d must be a multiple of 16 in [16, 256] and dv one up to 512: one ValueError naming it."""

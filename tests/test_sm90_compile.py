@@ -103,6 +103,44 @@ def test_sass_step_loops_are_the_innermost_wgmma_loops():
     assert ptxas.parse(REPORT)[0].loops is None  # no SASS read: unknown, not "no loops"
 
 
+# A wgmma loop (.L_x_1) nested in another (.L_x_0), a predicated EXIT before a second wgmma loop
+# whose branch names its target by a hexadecimal address (0xa0), then the last EXIT.
+NESTED_SASS = """//--------------------- .text.diff_flash_dkdv_mosaic_gpu_kernel --------------------------
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT ;
+.L_x_1:
+        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR12], R24, gsb0 ;
+        /*0030*/                   STL [R1+0x8], R0 ;
+        /*0040*/               @P1 BRA `(.L_x_1) ;
+        /*0050*/               @P2 BRA `(.L_x_0) ;
+        /*0060*/               @P3 EXIT ;
+        /*0070*/                   IADD3 R5, R5, 0x1, RZ ;
+        /*0080*/                   IADD3 R6, R6, 0x1, RZ ;
+        /*0090*/                   IADD3 R7, R7, 0x1, RZ ;
+        /*00a0*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR16], RZ, !UPT ;
+        /*00b0*/                   LDL R2, [R1+0xc] ;
+        /*00c0*/               @P4 BRA 0xa0 ;
+        /*00d0*/                   EXIT ;
+"""
+
+
+def test_step_loops_are_innermost_before_the_last_exit_and_every_note_is_kept():
+    """Of two nested wgmma loops only the inner one is a step loop; a loop between an early
+    (predicated) EXIT and the last one is still a step loop, its numeric target read as hex; a
+    kernel with two performance notes keeps both."""
+    inner, after_exit = ptxas.step_loops(NESTED_SASS)["diff_flash_dkdv_mosaic_gpu_kernel"]
+    assert inner == ptxas.StepLoop(3, 1, 1, 0)  # 0x20..0x40, not the outer 0x10..0x50
+    assert after_exit == ptxas.StepLoop(3, 1, 0, 1)  # 0xa0..0xc0
+    second_note = ("ptxas info    : (C7509) Potential Performance Loss: wgmma.mma_async "
+                   "instructions are serialized due to the presence of Extern calls in the "
+                   "function 'diff_flash_dkdv_mosaic_gpu_kernel'\n")
+    _, dkdv = ptxas.parse(second_note + REPORT)
+    assert dkdv.notes == (
+        "C7509: wgmma.mma_async instructions are serialized due to the presence of Extern calls",
+        "C7512: wgmma.mma_async instructions are serialized due to insufficient register resources")
+
+
 def test_gpu_topology_names_are_checked():
     for bad in ("h999:8", "h100:0", "h100:two", "h100"):
         with pytest.raises(ConfigError, match=rf"train.compile_topology='{bad}': expected NAME:N "

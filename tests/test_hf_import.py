@@ -206,6 +206,9 @@ def saved_diffllama(tmp_path_factory) -> Path:
     ({"head_dim": 16}, r"head_dim \(16\) · num_attention_heads \(8\) != hidden_size \(64\)"),
     ({"model_type": "mistral"}, "model_type 'mistral' cannot be imported"),
     ({"architectures": ["DiffLlamaForSequenceClassification"]}, "only DiffLlamaForCausalLM"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor is 0.5"),
+    ({"attention_dropout": 0.1}, "attention_dropout is 0.1"),
+    ({"sliding_window": 16}, "sliding_window is set"),
 ])
 def test_configs_without_an_exact_equivalent_are_refused(edit, reason, saved_diffllama, tmp_path):
     hf_dir = tmp_path / "edited"
@@ -216,6 +219,43 @@ def test_configs_without_an_exact_equivalent_are_refused(edit, reason, saved_dif
         import_hf(hf_dir, tmp_path / "out")
     assert "\n" not in str(info.value)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["llama", "diffllama"])
+def test_keys_absent_from_config_json_take_the_transformers_class_defaults(kind):
+    """A config.json without num_key_value_heads, head_dim or rms_norm_eps (older checkpoints and
+    hand-written configs lack them) means what transformers' config class defaults it to; an
+    explicit head_dim other than hidden_size / heads is kept (Llama only)."""
+    from diff_jax.export.hf_import import model_config_from_hf
+
+    minimal = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=8, max_position_embeddings=64)
+    n = 2 if kind == "diffllama" else 1  # DiffLlama's heads are halves of ours
+    for given in (minimal, minimal | {"num_key_value_heads": 4}):
+        theirs = {"llama": transformers.LlamaConfig, "diffllama": transformers.DiffLlamaConfig}[kind](**given)
+        ours = model_config_from_hf({"model_type": kind, **given}, "config.json")
+        assert (n * ours.num_heads, n * ours.kv_heads, ours.resolved_head_dim, ours.norm_eps) == (
+            theirs.num_attention_heads, theirs.num_key_value_heads, theirs.head_dim, theirs.rms_norm_eps)
+        assert ours.norm_eps == {"llama": 1e-6, "diffllama": 1e-5}[kind]
+        assert ours.rope_theta == theirs.rope_parameters["rope_theta"] == 10_000.0
+    if kind == "llama":
+        wide = model_config_from_hf({"model_type": kind, **minimal, "head_dim": 32}, "config.json")
+        assert wide.resolved_head_dim == 32 and wide.num_heads == 8
+
+
+def test_rotary_frequency_buffers_of_older_checkpoints_are_dropped(saved_diffllama, tmp_path):
+    """`rotary_emb.inv_freq` (saved by older transformers) is recomputed from rope_theta: the
+    checkpoint imports to the same parameters as without it."""
+    from diff_jax.export.hf_import import read_hf
+    from diff_jax.export.safetensors_io import write_safetensors
+
+    hf_dir = tmp_path / "with-inv-freq"
+    shutil.copytree(saved_diffllama, hf_dir)
+    tensors, _ = read_safetensors(hf_dir / "model.safetensors")
+    inv_freq = 1.0 / 500_000.0 ** (np.arange(0, 8, 2, dtype=np.float32) / 8)
+    buffers = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": inv_freq for i in range(2)}
+    write_safetensors(hf_dir / "model.safetensors", tensors | buffers, {"format": "pt"})
+    jax.tree.map(np.testing.assert_array_equal, read_hf(hf_dir).params, read_hf(saved_diffllama).params)
 
 
 def test_checkpoints_that_do_not_match_their_config_are_refused(saved_diffllama, tmp_path):

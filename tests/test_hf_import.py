@@ -223,8 +223,9 @@ def test_configs_without_an_exact_equivalent_are_refused(edit, reason, saved_dif
 
 @pytest.mark.parametrize("kind", ["llama", "diffllama"])
 def test_keys_absent_from_config_json_take_the_transformers_class_defaults(kind):
-    """A config.json without num_key_value_heads, head_dim or rms_norm_eps (older checkpoints and
-    hand-written configs lack them) means what transformers' config class defaults it to; an
+    """A config.json without num_key_value_heads, head_dim, rms_norm_eps or tie_word_embeddings
+    (older checkpoints and hand-written configs lack them) means what transformers' config class
+    defaults it to; an
     explicit head_dim other than hidden_size / heads is kept (Llama only)."""
     from diff_jax.export.hf_import import model_config_from_hf
 
@@ -238,6 +239,7 @@ def test_keys_absent_from_config_json_take_the_transformers_class_defaults(kind)
             theirs.num_attention_heads, theirs.num_key_value_heads, theirs.head_dim, theirs.rms_norm_eps)
         assert ours.norm_eps == {"llama": 1e-6, "diffllama": 1e-5}[kind]
         assert ours.rope_theta == theirs.rope_parameters["rope_theta"] == 10_000.0
+        assert ours.tie_embeddings is theirs.tie_word_embeddings is False  # lm_head.weight is read
     if kind == "llama":
         wide = model_config_from_hf({"model_type": kind, **minimal, "head_dim": 32}, "config.json")
         assert wide.resolved_head_dim == 32 and wide.num_heads == 8

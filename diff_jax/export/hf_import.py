@@ -128,7 +128,8 @@ def model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         vocab_size=_int(hf, "vocab_size", where), embed_dim=e,
         num_layers=_int(hf, "num_hidden_layers", where), mlp_dim=_int(hf, "intermediate_size", where),
         max_seq_len=_int(hf, "max_position_embeddings", where), rope_theta=theta,
-        norm_eps=float(eps), tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        norm_eps=float(eps),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # absent: untied, as in HF
         init_std=_number(hf, "initializer_range", 0.02))  # initialization only
     variant = variants.for_hf_model_type(model_type)
     n = variant.sub_heads  # DiffLlama counts the (Q1, Q2) and (K1, K2) halves of our heads

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -18,9 +19,11 @@ import pytest
 from flax import linen as nn
 
 from diff_jax import export as ex
-from diff_jax.config import Config, ModelConfig, TrainConfig
+from diff_jax.config import Config, ConfigError, ModelConfig, TrainConfig
 from diff_jax.export.__main__ import main
+from diff_jax.export.init_from import initial_params
 from diff_jax.export.safetensors_io import read_safetensors
+from diff_jax.export.sources import Source, abstract_params
 from diff_jax.interop import to_reference
 from diff_jax.transformer import DecoderLM
 
@@ -382,3 +385,33 @@ def test_hf_export_refuses_naive_gqa_pairing(tmp_path):
     run = write_run(tmp_path / "naive", naive, random_params(naive))
     with pytest.raises(ex.ExportError, match="gqa_pairing naive with num_kv_heads < num_heads"):
         ex.export(run, tmp_path / "hf", "hf-diffllama")
+
+
+def test_init_from_refuses_each_model_field_the_parameters_depend_on(tmp_path):
+    """`train.init_from` refuses a config that changes any field the parameters were trained for,
+    naming it with the saved value and the config's; fields that only choose how the model is
+    computed or initialized may differ."""
+    saved = CONFIGS["transformer"]  # 4 heads of width 16, 2 kv heads, mlp_dim 256, tied
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), abstract_params(saved))
+    out = ex.export(Source(saved, params, str(tmp_path / "src"), None), tmp_path / "export")
+    changes = [("variant", "diff", "model.variant=transformer", "diff"),
+               ("vocab_size", 256, "model.vocab_size=128", "256"),
+               ("embed_dim", 128, "model.embed_dim=64", "128"),
+               ("num_layers", 3, "model.num_layers=2", "3"),
+               ("num_heads", 2, "model.num_heads=4", "2"),
+               ("num_kv_heads", 4, "model.num_kv_heads=2", "4"),
+               ("head_dim", 32, "model.head_dim=16", "32"),
+               ("mlp_dim", 128, "model.mlp_dim=256", "128"),
+               ("rope_theta", 500_000.0, "model.rope_theta=10000.0", "500000.0"),
+               ("norm_eps", 1e-6, "model.norm_eps=1e-05", "1e-06"),
+               ("tie_embeddings", False, "model.tie_embeddings=True", "False")]
+    for field, value, held, given in changes:
+        config = dataclasses.replace(saved, **{field: value})
+        with pytest.raises(ConfigError, match=re.escape(f"holds a model with {held} but the config "
+                                                        f"gives {given};")):
+            initial_params(out, config, None)
+    free = dataclasses.replace(saved, dtype="bfloat16", remat="full", max_seq_len=128, init_std=0.01)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    loaded = initial_params(out, free, jax.tree.map(lambda _: device, params))
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)

@@ -3,6 +3,7 @@ and still compiles for a TPU slice."""
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import json
 import os
@@ -56,3 +57,22 @@ def test_commands_print_no_libtpu_lines_and_tpu_slices_still_compile():
     assert compiled.returncode == 0, compiled.stderr[-2000:]
     assert not any(w in compiled.stderr for w in NOISE), compiled.stderr
     assert json.loads(compiled.stdout[compiled.stdout.index("{"):])["devices"] == 8
+
+
+@pytest.mark.parametrize("node", ["/dev/accel0", "/dev/vfio/0", "/dev/nvidia0", "/dev/kfd"])
+def test_any_accelerator_node_keeps_jax_platforms_and_tpu_host_facts_unset(monkeypatch, node):
+    """A TPU (accel, vfio), NVIDIA or AMD device node: JAX picks its platforms and libtpu its host
+    facts itself. Without one, the TPU host facts are set only where unset."""
+    for name in ("JAX_PLATFORMS", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(platforms.glob, "glob", lambda p: [node] if fnmatch.fnmatch(node, p) else [])
+    platforms.default_to_cpu_without_accelerators()
+    platforms.describe_missing_tpu_host("v5p:2x2x2")
+    assert not {"JAX_PLATFORMS", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE"} & set(os.environ)
+    monkeypatch.setattr(platforms.glob, "glob", lambda p: [])
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5p-16")
+    platforms.describe_missing_tpu_host("v4:2x2x1")
+    assert (os.environ["TPU_ACCELERATOR_TYPE"], os.environ["TPU_WORKER_HOSTNAMES"]) == ("v5p-16", "localhost")
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE")
+    platforms.describe_missing_tpu_host("v4:2x2x1")
+    assert os.environ["TPU_ACCELERATOR_TYPE"] == "v4-8"

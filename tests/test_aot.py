@@ -28,6 +28,8 @@ def test_fsdp_divides_the_state_across_devices():
     assert sharded["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
     assert replicated["argument_gib"] * GiB >= state_bytes  # params + Adam moments on every device
     assert sharded["argument_gib"] * GiB < state_bytes / 4  # ~1/8 of it, plus the batch
+    for r in (replicated, sharded):  # the updated state reuses the donated argument buffers
+        assert 0 <= (r["peak_gib"] - r["argument_gib"] - r["temp_gib"]) * GiB < 4096
 
 
 def test_unknown_topology_is_a_config_error():

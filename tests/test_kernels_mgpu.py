@@ -39,12 +39,14 @@ MOSAIC = "stablehlo.custom_call @mosaic_gpu"
 # (dK/dV "auto": split at both widths; dQ "rows"; forward ping-pong on) and the other schedules
 # ("rows" dK/dV, "split" dQ) with ping-pong off; the d = 64 one with 64-key forward tiles, so
 # the last query rows have an interior tile (below the diagonal) whose keys of document 1 only
-# the segment mask removes. d = 96 differs from these in the interpreter only by shape; its
+# the segment mask removes, and with two kv heads: the only case where a head reads kv group 1
+# (with one kv head in every case, a forward, dQ or dK/dV that read group 0's K and V for every
+# head passed every test). d = 96 differs from these in the interpreter only by shape; its
 # lowering (64-byte swizzle) is exported below.
 CASES = {
     "mqa-causal-segments-neg-lam-d64": (1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5, {}),
-    "mqa-causal-segments-neg-lam-d64-rows-splitdq-nopingpong-bk64": (
-        1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5,
+    "mha-causal-segments-neg-lam-d64-rows-splitdq-nopingpong-bk64": (
+        1, 70, 2, 2, 64, True, True, jnp.bfloat16, -0.5,
         {"dkv": "rows", "pingpong": False, "dq": "split", "block_kv": 64}),
     "mha-noncausal-lam0-d128-fp16": (1, 130, 1, 1, 128, False, False, jnp.float16, 0.0, {}),
     "mha-noncausal-lam0-d128-fp16-rows-splitdq-nopingpong": (

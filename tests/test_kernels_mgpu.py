@@ -6,8 +6,8 @@ simulates the warpgroups as threads, the TMA copies and barriers (every barrier 
 awaited once by each thread, or it raises), but stands in plain loads and dots for wgmma,
 `plgpu.load` and layout casts (`flash_mgpu._Ops`). The interpreter runs the three warpgroups
 on XLA's CPU threads: it needs more than two (conftest's 8 host devices give them). Tolerances
-as tests/test_kernels.py's bf16 ones (2e-2; dλ 5e-2), against the float64 reference of the
-same rounded inputs. The CUDA exports run the real Mosaic GPU lowering (layouts, wgmma shapes,
+as tests/test_kernels.py's bf16 ones (2e-2; dλ 5e-2), 8 times tighter in float16, against the
+float64 reference of the same rounded inputs. The CUDA exports run the real Mosaic GPU lowering (layouts, wgmma shapes,
 swizzles, TMA slices) on this machine; only ptxas and the run itself need the GPU.
 """
 
@@ -85,11 +85,14 @@ def test_mosaic_kernel_matches_float64_reference(name, capsys):
     assert "RACE DETECTED" not in capsys.readouterr().out
     ref_out, ref_grads = np_diff_attention(*(x.astype(jnp.float32) for x in (q, k, v)), lam,
                                            do.astype(jnp.float32), causal=causal, seg=seg)
-    assert rel(out, ref_out) < 2e-2
+    # float16 has 3 more mantissa bits than bfloat16: 8 times tighter (its cases sit near 3e-4;
+    # one zero-padded key let into every softmax of the d = 128 case is 4.6e-3 off)
+    tol = 2e-2 * float(jnp.finfo(dtype).eps / jnp.finfo(jnp.bfloat16).eps)
+    assert rel(out, ref_out) < tol
     for nm, g, r in zip(("dq", "dk", "dv", "dλ"), grads, ref_grads):
         assert g.dtype == (jnp.float32 if nm == "dλ" else dtype), nm
         assert bool(jnp.isfinite(g.astype(jnp.float32)).all()), nm
-        assert rel(g, r) < (5e-2 if nm == "dλ" else 2e-2), (nm, rel(g, r))
+        assert rel(g, r) < (2.5 * tol if nm == "dλ" else tol), (nm, rel(g, r))
     if segments:  # padding rows output exactly 0
         assert float(jnp.abs(out.astype(jnp.float32) * (seg == 0)[:, :, None, None]).max()) == 0.0
 

@@ -4,11 +4,12 @@ dispatch and tiles.
 Numerics run `kernels/flash_mgpu.py` under Mosaic GPU's interpreter (jax 0.10.2), which
 simulates the warpgroups as threads, the TMA copies and barriers (every barrier phase must be
 awaited once by each thread, or it raises), but stands in plain loads and dots for wgmma,
-`plgpu.load` and layout casts (`flash_mgpu._Ops`). The interpreter runs the three warpgroups
-on XLA's CPU threads: it needs more than two (conftest's 8 host devices give them). Tolerances
-as tests/test_kernels.py's bf16 ones (2e-2; dλ 5e-2), 8 times tighter in float16, against the
-float64 reference of the same rounded inputs. The CUDA exports run the real Mosaic GPU lowering (layouts, wgmma shapes,
-swizzles, TMA slices) on this machine; only ptxas and the run itself need the GPU.
+`plgpu.load` and layout casts (`flash_mgpu._Ops`). The interpreter runs the three warpgroups on
+XLA's CPU threads: it needs more than two (conftest's 8 host devices give them). Tolerances as
+tests/test_kernels.py's bf16 ones (2e-2; dλ 5e-2), 8 times tighter in float16, against the
+float64 reference of the same rounded inputs. The CUDA exports run the real Mosaic GPU lowering
+(layouts, wgmma shapes, swizzles, TMA slices) on this machine; only ptxas and the run itself
+need the GPU.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import pytest
 from diff_jax import checkpoint, data
 from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import ConfigError, load_config
-from diff_jax.evaluation import EvalError, parse_args, run_task
+from diff_jax.evaluation import EvalError, EvalOptions, parse_args, run_task
 from diff_jax.evaluation.retrieval import cell_samples
 from diff_jax.generate import generate
 from diff_jax.optim import make_optimizer
@@ -557,3 +557,22 @@ def test_score_input_that_is_not_an_npy_array_is_one_error(runs, tmp_path, capsy
         err = capsys.readouterr().err
         assert err.startswith(f"error: input={path}: not a NumPy array of token ids"), err
         assert err.count("\n") == 1 and "allow_pickle" not in err, err
+
+
+def test_the_defaults_are_the_readmes():
+    """Every `key=value` default the README's table of eval.py tasks names is EvalOptions'
+    default (a default that drifted from the table, e.g. samples=2, passed every test: the
+    tests name their keys)."""
+    import re
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme[readme.index("| task | what | keys (defaults) |"):].split("\n\n")[0]
+    named = {}
+    for row in table.splitlines()[2:]:
+        keys = re.split(r"(?<!\\)\|", row)[3]
+        named.update(re.findall(r"`(\w+)=([^`]+)`", keys))
+    assert len(named) >= 14, named
+    defaults = EvalOptions(task="ppl")
+    for key, value in named.items():
+        assert getattr(parse_args(["task=ppl", f"{key}={value}"])[0], key) == getattr(
+            defaults, key), key

@@ -559,6 +559,15 @@ def test_score_input_that_is_not_an_npy_array_is_one_error(runs, tmp_path, capsy
         assert err.count("\n") == 1 and "allow_pickle" not in err, err
 
 
+@pytest.mark.parametrize("key", ["batch_size", "batches", "held_out_tokens", "needles", "queries",
+                                 "samples", "tokens", "max_new_tokens"])
+def test_counts_below_one_are_one_error(key):
+    """A zero count is refused naming it (batch_size=0 would score no rows and divide by zero);
+    a check that let 0 through passed every test, which only tried negative seeds and lengths."""
+    with pytest.raises(EvalError, match=f"^{key}=0: must be positive$"):
+        parse_args(["task=niah", f"{key}=0"])
+
+
 def test_the_defaults_are_the_readmes():
     """Every `key=value` default the README's table of eval.py tasks names is EvalOptions'
     default (a default that drifted from the table, e.g. samples=2, passed every test: the
@@ -576,3 +585,20 @@ def test_the_defaults_are_the_readmes():
     for key, value in named.items():
         assert getattr(parse_args(["task=ppl", f"{key}={value}"])[0], key) == getattr(
             defaults, key), key
+
+
+def test_a_bit_width_below_two_is_one_error_before_loading():
+    """bits=1 leaves absmax quantization no level but 0; it is refused naming bits= as parsed
+    (a check of >= 1 passed every test: the model config refuses it later, after loading, as
+    model.attn_logit_bits, which the user never typed)."""
+    with pytest.raises(EvalError, match=r"^bits=\[8, 1\]: must be >= 2$"):
+        parse_args(["task=quant", "bits=[8,1]"])
+
+
+def test_no_arguments_print_the_usage_and_are_bad_input(capsys):
+    """eval.py with no arguments prints its usage and exits 2 (nothing was evaluated); --help
+    exits 0. A bare eval.py that exited 0 passed every test."""
+    assert eval_main([]) == 2
+    assert "python eval.py task=NAME" in capsys.readouterr().out
+    assert eval_main(["--help"]) == 0
+    assert "python eval.py task=NAME" in capsys.readouterr().out

@@ -587,6 +587,35 @@ def test_the_defaults_are_the_readmes():
             defaults, key), key
 
 
+def test_one_value_for_a_list_key_is_a_list_of_one():
+    """bits=8, depths=50 and lengths=64 are bits=[8], depths=[50], lengths=[64]; without the
+    wrapping a single value was refused as not a list, which no test tried."""
+    options, _ = parse_args(["task=quant", "bits=8", "depths=50", "lengths=64"])
+    assert (options.bits, options.depths, options.lengths) == ((8,), (50,), (64,))
+
+
+def test_an_output_naming_the_input_by_another_path_is_refused(tmp_path):
+    """output= is compared with input= as files (`..`, `~` and links resolved), not as text:
+    a comparison of the strings passed every test, which named the input by the same string."""
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(10, dtype=np.int32))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.npy").symlink_to(ids)
+    for other in (tmp_path / "sub" / ".." / "ids.npy", tmp_path / "link.npy"):
+        with pytest.raises(EvalError, match=f"output={other}: is the input file"):
+            parse_args(["task=score", f"input={ids}", f"output={other}"])
+
+
+@pytest.mark.parametrize("prompt", ["42", "x: 1", "# a comment", "null", "[a, b]", "yes",
+                                    " two spaces  "])
+def test_a_prompt_is_taken_verbatim_not_as_yaml(prompt):
+    """prompt= (and every path key) is the text after the first '=', as typed: read as YAML,
+    `42` was a number, `x: 1` a mapping and `# a comment` nothing at all. A parse that sent
+    these keys through YAML passed every test (their prompts were plain text)."""
+    options, _ = parse_args(["task=generate", f"prompt={prompt}", f"out_dir={prompt}"])
+    assert (options.prompt, options.out_dir) == (prompt, prompt)
+
+
 def test_a_bit_width_below_two_is_one_error_before_loading():
     """bits=1 leaves absmax quantization no level but 0; it is refused naming bits= as parsed
     (a check of >= 1 passed every test: the model config refuses it later, after loading, as

@@ -616,6 +616,21 @@ def test_a_prompt_is_taken_verbatim_not_as_yaml(prompt):
     assert (options.prompt, options.out_dir) == (prompt, prompt)
 
 
+def test_what_to_evaluate_is_named_once_consistently(runs, tmp_path):
+    """The last train.run_dir= wins, as for every other override (train.py reads them so), and
+    a step= that contradicts the step directory named by checkpoint= is refused, not replaced by
+    that directory's step. Taking the first run_dir and ignoring the contradiction passed every
+    test."""
+    from diff_jax.evaluation.loading import load
+
+    run = runs["diff"]
+    loaded = load(*parse_args(["task=ppl", f"train.run_dir={tmp_path / 'missing'}",
+                               f"train.run_dir={run}"]))
+    assert loaded.source == f"{run}/checkpoints/1"
+    with pytest.raises(EvalError, match=f"^step=7 contradicts checkpoint={run}/checkpoints/1$"):
+        load(*parse_args(["task=ppl", "step=7", f"checkpoint={run / 'checkpoints' / '1'}"]))
+
+
 def test_a_bit_width_below_two_is_one_error_before_loading():
     """bits=1 leaves absmax quantization no level but 0; it is refused naming bits= as parsed
     (a check of >= 1 passed every test: the model config refuses it later, after loading, as
@@ -631,3 +646,16 @@ def test_no_arguments_print_the_usage_and_are_bad_input(capsys):
     assert "python eval.py task=NAME" in capsys.readouterr().out
     assert eval_main(["--help"]) == 0
     assert "python eval.py task=NAME" in capsys.readouterr().out
+
+
+def test_a_tokenizer_whose_ids_exactly_fill_the_vocabulary_is_used(tmp_path):
+    """text_encoding accepts cl100k_first_256 (257 ids) for model.vocab_size=257 and refuses it
+    for 256. Refusing the exact fit (the README's cl100k_first_4096 with vocab_size=4097, the
+    cpu-small preset's niah) passed every test: ppl checks the held-out ids by itself."""
+    from diff_jax.evaluation.loading import text_encoding
+
+    cfg = load_config(None, ["data.tokenizer=cl100k_first_256", "model.vocab_size=257"])
+    assert text_encoding(cfg).n_vocab == 257
+    cfg = load_config(None, ["data.tokenizer=cl100k_first_256", "model.vocab_size=256"])
+    with pytest.raises(EvalError, match=r"its 257 ids do not fit model.vocab_size \(256\)"):
+        text_encoding(cfg)

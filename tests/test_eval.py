@@ -198,6 +198,32 @@ def test_attention_task_averages_its_depths_and_layers(runs, variant):
     assert 0.0 < out["answer"] < 0.5 < out["noise"]
 
 
+def test_table3_task_reads_the_question_rows_over_the_queried_needle(runs, monkeypatch):
+    """The spans handed to span_shares, checked from the tokens alone: the query rows are the
+    question ("What is the magic number of CITY?" and the answer prompt), the context ends where
+    it begins, and the answer span is CITY's needle, not another of the 3. A task that took the
+    last needle's span, or every position up to the answer as query rows, passed every test
+    (at initialization any span gets about its share of keys)."""
+    import re
+
+    from diff_jax.evaluation import analysis
+
+    seen = []
+    monkeypatch.setattr(analysis, "span_shares", lambda cfg, params, tokens, spans: seen.append(
+        (np.asarray(tokens)[0], np.asarray(spans).tolist())) or np.zeros((2, 2)))
+    _run(runs["diff"], "task=attention", "samples=2", "needles=3", "depths=[0,100]",
+         "lengths=[96,128]")
+    assert len(seen) == 2 * 2
+    for tokens, (a0, a1, context_end, q0, q1) in seen:
+        assert len(tokens) == 128 and a1 <= context_end == q0 < q1
+        question = ENC.decode(tokens[q0:q1].tolist())
+        city = re.fullmatch(r"\nWhat is the magic number of (.+)\?\nThe magic number of \1 is",
+                            question)
+        assert city, question
+        needle = ENC.decode(tokens[a0:a1].tolist())
+        assert re.fullmatch(rf" The magic number of {re.escape(city[1])} is \d{{6}}\.", needle)
+
+
 def test_outliers_task_reads_the_requested_tokens(runs):
     out = _run(runs["diff"], "task=outliers", "tokens=200")
     assert out["num_tokens"] == 4 * 64  # ceil(200 / 64) = 4 rows of train.seq_len

@@ -314,6 +314,30 @@ def test_quant_reports_each_bit_width_the_counted_nll_with_that_width(runs, monk
     assert min(abs(four - none), abs(two - four), abs(two - none)) > 1e-2
 
 
+def test_quant_counts_the_scored_targets_and_plots_each_width_at_its_bits(runs, monkeypatch):
+    """quant's report from a stubbed NLL (1 + 1/bits per counted target, 1 unquantized) over
+    held-out rows whose loss masks count 5 of 8 targets: num_tokens is 5, each width's loss and
+    perplexity are its own, and the figure plots 8 and 4 bits against their perplexities (not
+    the unquantized one's). Counting every token, and a figure shifted by one width, passed
+    every test."""
+    from diff_jax.evaluation import analysis
+
+    batches = [{"tokens": np.zeros((1, 4), np.int32), "loss_mask": np.array([[1, 1, 0, 0]])},
+               {"tokens": np.zeros((1, 4), np.int32), "loss_mask": np.array([[1, 0, 1, 1]])}]
+    monkeypatch.setattr(analysis, "held_out_batches", lambda *a: batches)
+    monkeypatch.setattr(analysis, "counted_nll", lambda cfg, params, b: np.full(
+        sum(int(x["loss_mask"].sum()) for x in b),
+        1.0 + (0.0 if cfg.attn_logit_bits is None else 1 / cfg.attn_logit_bits)))
+    drawn = []
+    monkeypatch.setattr(analysis.plots, "lines",
+                        lambda path, x, series, **kw: drawn.append((list(x), series)) or True)
+    out = _run(runs["diff"], "task=quant", "bits=[8,4]")
+    assert out["num_tokens"] == 5 and out["bits"] == [None, 8, 4]
+    assert out["loss"] == [1.0, 1.125, 1.25]
+    assert out["ppl"] == pytest.approx([math.exp(x) for x in (1.0, 1.125, 1.25)], rel=1e-12)
+    assert drawn == [([8, 4], {"perplexity": out["ppl"][1:]})]
+
+
 @pytest.mark.parametrize("variant", ["diff", "transformer"])
 def test_generate_matches_the_engine(runs, variant, capsys):
     assert eval_main(["task=generate", f"train.run_dir={runs[variant]}", "prompt=def main(",
@@ -685,3 +709,9 @@ def test_a_tokenizer_whose_ids_exactly_fill_the_vocabulary_is_used(tmp_path):
     cfg = load_config(None, ["data.tokenizer=cl100k_first_256", "model.vocab_size=256"])
     with pytest.raises(EvalError, match=r"its 257 ids do not fit model.vocab_size \(256\)"):
         text_encoding(cfg)
+
+
+def test_outliers_reads_fewer_rows_than_a_batch_when_asked_for_fewer_tokens(runs):
+    """tokens=64 at length 64 is one row, not a whole batch of batch_size=4 rows; reading the
+    whole batch (4 × the tokens asked for) passed every test, whose requests filled batches."""
+    assert _run(runs["diff"], "task=outliers", "tokens=64")["num_tokens"] == 64

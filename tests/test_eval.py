@@ -350,6 +350,42 @@ def test_generate_matches_the_engine(runs, variant, capsys):
                                          max_new_tokens=5, eos_id=ENC.eot_token)[0]
 
 
+def test_sampled_continuations_follow_the_temperature_filters_and_seed(runs):
+    """temperature=1 top_k=50 top_p=0.9 seed=3 is the engine's sample with those settings and
+    that seed (not greedy, not seed 4's). A task that dropped the temperature (greedy) or the
+    seed (always 0) passed every test: the other only decodes greedily."""
+    from diff_jax.generate import SamplingConfig
+
+    loaded = _params(runs["transformer"])
+    ids = ENC.encode_ordinary("def main(")
+    out = _run(runs["transformer"], "task=generate", "prompt=def main(", "max_new_tokens=6",
+               "temperature=1.0", "top_k=50", "top_p=0.9", "seed=3")
+    assert out["sampling"] == {"temperature": 1.0, "top_k": 50, "top_p": 0.9, "seed": 3}
+
+    def engine(sampling, seed):
+        return generate(loaded.config.model, loaded.params, [ids], max_new_tokens=6,
+                        sampling=sampling, seed=seed, eos_id=ENC.eot_token)[0]
+
+    sampled = engine(SamplingConfig(1.0, 50, 0.9), 3)
+    assert out["new_tokens"] == sampled
+    assert sampled != engine(SamplingConfig(1.0, 50, 0.9), 4)
+    assert sampled != engine(SamplingConfig(), 3)
+
+
+def test_a_continuation_stopped_at_end_of_text_leaves_it_out_of_the_text(runs, monkeypatch):
+    """The engine's new tokens end with end-of-text (stubbed: " world" then it): the JSON keeps
+    every id and says it stopped there, the completion text is " world" without
+    "<|endoftext|>". A text that decoded the end-of-text id passed every test (an initialized
+    model never samples it)."""
+    from diff_jax.evaluation import generation
+
+    world = ENC.encode_ordinary(" world")
+    monkeypatch.setattr(generation, "generate", lambda *a, **k: [[*world, ENC.eot_token]])
+    out = _run(runs["diff"], "task=generate", "prompt=hello")
+    assert out["new_tokens"] == [*world, ENC.eot_token] and out["stopped_at_eos"]
+    assert out["completion"] == " world"
+
+
 def test_loading_a_training_checkpoint_reads_it_without_warnings(runs, caplog):
     """Every saved item (state, data_iter, config) has a handler: nothing is reported unreadable,
     and orbax's note on a read-only manager, which reading asks for, is not printed either."""

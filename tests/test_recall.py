@@ -176,3 +176,33 @@ def test_attention_shares_read_query_0s_key_rows_over_its_pair_and_the_context(m
         pair = [p for p in range(query) if s.tokens[p] == a and s.tokens[p + 1] == b]
         assert len(pair) == 1
         assert spans.tolist() == [pair[0], pair[0] + 3, query, query + 1, query + 3]
+
+
+def test_the_task_reports_each_lengths_means_over_its_samples(tmp_path, monkeypatch):
+    """recall_task from stubbed scorers: per length, the accuracy is the share of all its queries
+    hit and the answer / noise shares the means over its 4 samples of each sample's (answer,
+    noise) pair. A mean over each pair instead (sample 0's (answer + noise) / 2 reported as the
+    answer share) passed every test: the pipeline only checks answer + noise <= 1. A model of
+    exactly the task's 98 ids is scored (refusing it passed every test: theirs have 128), one
+    of 97 refused."""
+    from diff_jax.config import Config, ModelConfig, TrainConfig
+    from diff_jax.evaluation.loading import Loaded
+
+    shares = {48: np.array([[0.1, 0.5], [0.3, 0.7], [0.2, 0.6], [0.4, 0.2]]),
+              96: np.array([[0.0, 1.0], [0.0, 0.8], [0.2, 0.6], [0.2, 0.6]])}
+    hit = {48: np.array([[True, False], [True, True], [False, False], [True, True]]),
+           96: np.zeros((4, 2), bool)}
+    monkeypatch.setattr(recall_task, "attention_shares",
+                        lambda cfg, params, samples: shares[len(samples[0].tokens)])
+    monkeypatch.setattr(recall_task, "hits", lambda cfg, params, samples, batch: hit[
+        len(samples[0].tokens)])
+    cfg = Config(model=ModelConfig(vocab_size=recall.VOCAB_SIZE), train=TrainConfig(seq_len=48))
+    options = EvalOptions(task="recall", needles=4, queries=2, distractors=0.5, lengths=(48, 96),
+                          samples=4)
+    fields = recall_task.recall_task(Loaded(cfg, None, "stub", 0, tmp_path), options).fields
+    assert fields["lengths"] == [48, 96] and fields["accuracy"] == [0.625, 0.0]
+    assert fields["answer_share"] == pytest.approx([0.25, 0.1], abs=1e-12)
+    assert fields["noise_share"] == pytest.approx([0.5, 0.75], abs=1e-12)
+    small = dataclasses.replace(cfg, model=ModelConfig(vocab_size=recall.VOCAB_SIZE - 1))
+    with pytest.raises(EvalError, match=r"model.vocab_size \(97\) is smaller than the task's 98"):
+        recall_task.recall_task(Loaded(small, None, "stub", 0, tmp_path), options)

@@ -625,3 +625,41 @@ def test_gpu_session_stops_a_stage_gracefully_and_copies_only_small_replication_
     assert (tmp_path / "back" / "runs/diff-scaled-s0/replicate/ppl/ppl.json").read_text().endswith("ppl.json")
     assert not (tmp_path / "back" / "data/corpus-s0/tokens.bin").exists()
     assert not (tmp_path / "back" / "runs/diff-scaled-s0/checkpoints").exists()
+
+
+def test_jobs_evaluate_what_the_preset_names_and_each_seed_trains_its_own_model(tmp_path):
+    """The evaluations of a language model read the preset's sizes (ppl and quant its
+    eval_batches, niah its grid and lengths, attention and quant the training length), a recall
+    model's learning curve has every checkpoint up to the last (cpu-recall: 300, 600, …, 3000),
+    a seed's config trains under that seed on that seed's corpus, and each job's JSON is read
+    where run_task writes it. Jobs on the EvalOptions defaults, a curve without its last step,
+    configs that all trained seed 0 and a JSON named after the job passed every unit test
+    (the two pipeline tests run one seed each)."""
+    from diff_jax.experiments.layout import eval_json
+
+    micro = presets.PRESETS["micro"]
+    jobs = dict(replicate.lm_jobs(micro))
+    assert list(jobs) == ["ppl", "niah-N1R1", "niah-N2R2", "attention", "outliers", "quant"]
+    assert jobs["ppl"].batches == jobs["quant"].batches == micro.eval_batches == 1
+    for (n, r), name in zip(micro.niah_grid, ("niah-N1R1", "niah-N2R2")):
+        o = jobs[name]
+        assert (o.needles, o.queries, o.lengths, o.depths, o.samples) == (n, r, (64, 128),
+                                                                          (0, 50, 100), 1)
+    assert jobs["attention"].lengths == jobs["quant"].lengths == (micro.seq_len,) == (64,)
+    assert jobs["attention"].needles == micro.attention_needles
+    assert (jobs["quant"].bits, jobs["quant"].niah) == ((16, 8, 6, 4), True)
+    assert (jobs["quant"].needles, jobs["quant"].queries) == micro.quant_niah
+    assert jobs["outliers"].tokens == micro.outlier_tokens == 128
+    for name, options in [*jobs.items(), *replicate.recall_jobs(presets.PRESETS["cpu-recall"])]:
+        # where the skip check and the reports look is where run_task writes: OUT_DIR/TASK.json
+        assert eval_json(tmp_path, name) == tmp_path / "replicate" / name / f"{options.task}.json"
+    recall_preset = presets.PRESETS["cpu-recall"]
+    curve = [(name, o) for name, o in replicate.recall_jobs(recall_preset) if "-step" in name]
+    assert [o.step for _, o in curve] == list(range(300, 3001, 300))
+    assert all(o.lengths == (32,) and (o.needles, o.distractors, o.queries) == (2, 0.0, 2)
+               for _, o in curve)
+    for seed in (0, 2):
+        for v in presets.VARIANTS:
+            cfg = micro.config(v, seed, tmp_path / "runs" / f"{v}-normal-s{seed}", "normal")
+            assert (cfg.train.seed, cfg.model.output_init) == (seed, "normal")
+            assert cfg.data.paths == (str(presets.corpus_dir(tmp_path, seed)),)

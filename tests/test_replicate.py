@@ -663,3 +663,44 @@ def test_jobs_evaluate_what_the_preset_names_and_each_seed_trains_its_own_model(
             cfg = micro.config(v, seed, tmp_path / "runs" / f"{v}-normal-s{seed}", "normal")
             assert (cfg.train.seed, cfg.model.output_init) == (seed, "normal")
             assert cfg.data.paths == (str(presets.corpus_dir(tmp_path, seed)),)
+
+
+def test_a_rerun_evaluates_only_jobs_of_another_step_and_adds_up_the_wall_time(tmp_path,
+                                                                             monkeypatch):
+    """train_and_evaluate with training and evaluation stubbed: a job whose JSON holds the
+    model's step is skipped, one holding another step (the model trained further since) is run
+    again; wall.json adds each invocation's seconds to what earlier ones recorded. A skip on the
+    JSON's existence alone (stale results) and a wall time that replaced the earlier one passed
+    every test."""
+    import types
+
+    from diff_jax import evaluation
+
+    micro = presets.PRESETS["micro"]
+    status, evaluated = ["done"], []
+
+    def fake_train(config):
+        return types.SimpleNamespace(status=status[0], step=config.train.steps)
+
+    def fake_task(options, overrides):
+        evaluated.append(Path(options.out_dir).name)
+        path = Path(options.out_dir) / f"{options.task}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"step": 4}))
+
+    monkeypatch.setattr(replicate.train_loop, "run", fake_train)
+    monkeypatch.setattr(evaluation, "run_task", fake_task)
+    run = tmp_path / "runs" / "diff-scaled-s0"
+    run.mkdir(parents=True)
+    (run / "wall.json").write_text(json.dumps({"train_s": 100.0, "eval_ppl_s": 7.0}))
+    names = [name for name, _ in replicate.lm_jobs(micro)]
+    assert replicate.train_and_evaluate(micro, "diff", 0, "scaled", tmp_path) == run
+    assert evaluated == names
+    wall = json.loads((run / "wall.json").read_text())
+    assert wall["train_s"] > 100.0 and wall["eval_ppl_s"] > 7.0
+    status[0] = "already done"
+    (run / "replicate" / "quant" / "quant.json").write_text(json.dumps({"step": 2}))
+    evaluated.clear()
+    replicate.train_and_evaluate(micro, "diff", 0, "scaled", tmp_path)
+    assert evaluated == ["quant"]
+    assert json.loads((run / "wall.json").read_text())["train_s"] == wall["train_s"]

@@ -706,6 +706,66 @@ def test_a_rerun_evaluates_only_jobs_of_another_step_and_adds_up_the_wall_time(t
     assert json.loads((run / "wall.json").read_text())["train_s"] == wall["train_s"]
 
 
+def _recall_result(accuracy, answer, curve_end, steps_to_90):
+    """A run_results-shaped record: every grid cell the same, per length of cpu-recall's 3."""
+    cell = {"accuracy": accuracy, "answer_share": [answer] * 3, "noise_share": [0.5] * 3}
+    return {"cells": {c: cell for c in presets.PRESETS["cpu-recall"].grid_cells},
+            "curve": [(300, 0.0), (curve_end, 0.5)], "steps_to_90": steps_to_90}
+
+
+def test_recall_claims_are_diff_minus_transformer_per_seed_by_hand():
+    """recall_report on two hand-made seeds: grid-mean accuracy at the training length (the
+    first of 32, 64, 128) and beyond it (the mean of 64 and 128), the answer share, steps to
+    90% censored at the last step checked (3000: a DIFF seed that never got there is > 3000 −
+    900 slower), and the init gap `normal` − `scaled`. The recall pipeline runs one seed, so
+    it passed claims of Transformer − DIFF, a beyond-the-training-length measure of the longest
+    length only, a censoring bound at the first checked step, and an inverted init gap."""
+    from diff_jax.experiments import recall_report
+
+    preset = presets.PRESETS["cpu-recall"]
+    base = [_recall_result([0.5, 0.3, 0.1], 0.1, 3000, s) for s in (900, 1200)]
+    diff = [_recall_result([0.7, 0.5, 0.5], 0.4, 3000, None),
+            _recall_result([0.6, 0.4, 0.2], 0.4, 2400, 600)]
+    normal = [_recall_result([a, 0.0, 0.0], 0.1, 3000, None) for a in (0.8, 0.8)]
+    runs = {"scaled": {"diff": diff, "diff_v2": base, "transformer": base},
+            "normal": {"diff": normal, "diff_v2": base, "transformer": base}}
+    c = recall_report.comparisons(runs)["scaled"]["diff"]
+    assert c["accuracy at the training length"]["per_seed"] == pytest.approx([0.2, 0.1])
+    assert c["accuracy beyond the training length"]["per_seed"] == pytest.approx([0.3, 0.1])
+    assert c["answer_share at the training length"]["per_seed"] == pytest.approx([0.3, 0.3])
+    steps = c["steps_to_90"]
+    assert steps["sign"] == [1, -1] and steps["low"] == [2100.0, -600.0]
+    assert steps["high"] == [None, -600.0] and not steps["outside_spread"]
+    gap = recall_report.init_gaps(preset, runs)["diff"]
+    assert gap["per_seed"] == pytest.approx([0.1, 0.2])
+
+
+def test_recall_steps_to_90_is_the_first_checkpoint_at_or_above_it(tmp_path):
+    """run_results reads the curve cell's JSON of every checkpoint, in step order (not name
+    order: 1200 after 900), and steps to 90% is the first at or above 0.9 (exactly 0.9 counts):
+    here 900, not 1500 (the first above) nor 2700 (the last at or above)."""
+    from diff_jax.experiments import recall_report
+    from diff_jax.experiments.layout import eval_json, recall_cell_name
+
+    preset = presets.PRESETS["cpu-recall"]
+    run = tmp_path / "run"
+    for n, d in preset.grid_cells:
+        path = eval_json(run, recall_cell_name(n, d))
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({m: [n / 10, d, 0.1] for m in recall_report.MEASURES}))
+    curve = {300: 0.5, 600: 0.8, 900: 0.9, 1200: 0.6, 1500: 0.95, 2700: 1.0}
+    n, d = preset.curve_cell
+    for step, accuracy in curve.items():
+        path = eval_json(run, f"{recall_cell_name(n, d)}-step{step}")
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"accuracy": [accuracy], "step": step}))
+    (run / "wall.json").write_text(json.dumps({"train_s": 5.0, "eval_a_s": 1.0, "eval_b_s": 2.0}))
+    got = recall_report.run_results(preset, run)
+    assert got["curve"] == sorted(curve.items()) and got["steps_to_90"] == 900
+    assert got["cells"][(4, 0.5)] == {m: [0.4, 0.5, 0.1] for m in recall_report.MEASURES}
+    assert (got["train_s"], got["eval_s"]) == (5.0, 3.0)
+
+
 def test_each_preset_is_the_size_its_budget_states():
     """The budgets quote each preset's sizes (cpu-small: 300 steps × 16 rows × 256 tokens =
     1,228,800 training tokens per model; gpu-medium 49.2M of a 64M-token mixture; cpu-recall 18

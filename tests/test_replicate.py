@@ -793,6 +793,32 @@ def test_each_preset_is_the_size_its_budget_states():
     assert checked == 3
 
 
+def test_a_preset_reading_every_training_row_exactly_once_is_accepted(tmp_path, monkeypatch):
+    """prepare_corpus refuses a preset only when its training split holds fewer rows than
+    train.steps × train.batch_size (documents would repeat): on a stubbed corpus of 20
+    documents, steps equal to its rows (batch 1) is prepared, one step more is refused. A
+    refusal of the exact fit passed every test (they tried 32 of many rows, and 100,000)."""
+    from diff_jax import data
+
+    tokens = np.random.default_rng(0).integers(0, 100, 20 * 50).astype(np.uint32)
+    corpus = data.TokenCorpus(tokens, np.arange(0, 20 * 50 + 1, 50), 100_288)
+    monkeypatch.setattr(replicate.data, "load_corpus", lambda cfg, seed: corpus)
+    micro = presets.PRESETS["micro"]
+    train, _ = corpus.split(micro.corpus_config(0).data.validation_fraction,
+                            micro.corpus_config(0).data.split_seed)
+    rows = len(data.PackedRows(train, micro.seq_len, 0))
+    assert rows == (len(train.tokens) - 1) // micro.seq_len > 1
+    exact = dataclasses.replace(micro, shared=(*micro.shared, "train.batch_size=1",
+                                               f"train.steps={rows}"))
+    meta = json.loads((replicate.prepare_corpus(exact, 0, tmp_path) / "meta.json").read_text())
+    assert meta["train_rows"] == meta["rows_read"] == rows
+    over = dataclasses.replace(micro, shared=(*micro.shared, "train.batch_size=1",
+                                              f"train.steps={rows + 1}"))
+    with pytest.raises(data.DataError, match=f"holds {rows:,} rows of 64 tokens, fewer than "
+                                             f"the {rows + 1:,} × 1"):
+        replicate.prepare_corpus(over, 1, tmp_path)
+
+
 def test_parameter_counts_must_agree_within_half_a_percent(monkeypatch):
     """check_matched with stubbed summaries (DIFF V1: 100,000 parameters): V2 0.4% above and
     the Transformer 0.5% below are matched, 0.6% above is refused naming it. A tolerance of 5%

@@ -707,6 +707,75 @@ def test_benchmark_stops_on_sigterm_and_writes_what_it_measured(tmp_path, monkey
     assert data["memory"] == [] and seen == ["sent"]
 
 
+def test_benchmark_times_are_medians_per_call_and_tflops_the_floor_count(monkeypatch):
+    """attention.py's timings and TFLOP/s by hand: `_time` is the median over samples of a
+    sample's time per call (samples of 1, 3 and 20 ms a call give 3 ms; their mean is 8, their
+    max 20, and a sample's two calls together 6), the backward is (fwd + bwd) − fwd, and each
+    route's FLOPs per (query, key) pair and DIFF head are its matmuls from the equations (the
+    fused forward as kernels/cost.py counts it at 1×1 tiles) over B·H·T(T+1)/2 causal pairs.
+    A mean, a per-sample time, a backward that was the total, swapped fused FLOPs, pairs
+    without B and a backward TFLOP/s over the total time passed every test."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attention as bench
+
+    clock = [0.0]
+    calls = iter([0.0, 0.0] + [1e-3] * 2 + [3e-3] * 2 + [20e-3] * 2)  # 2 warm-ups, 3 × 2 reps
+
+    def fn():
+        clock[0] += next(calls)
+        return clock[0]
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    assert bench._time(fn, (), reps=2, samples=3) == pytest.approx(3.0)
+    monkeypatch.undo()
+
+    def standard(dqk, dv):  # one softmax: fwd QKᵀ, PV; bwd recomputed QKᵀ, dP, dV, dQ, dK
+        return 2 * dqk + 2 * dv, 6 * dqk + 4 * dv
+
+    d = 16
+    fused = (2 * (2 * d + 2 * 2 * d), 3 * 2 * 2 * d + 4 * 2 * d)  # two maps, one dP and dV (2d)
+    want = {"fused": fused, "fused_triton": fused, "xla": fused,
+            "a_two_pallas": tuple(2 * x for x in standard(d, 2 * d)),
+            "tokamax_two": tuple(2 * x for x in standard(d, 2 * d)),
+            "cudnn_four": tuple(4 * x for x in standard(d, d)),
+            "cudnn_2h_d": tuple(2 * x for x in standard(d, d)),
+            "cudnn_h_2d": standard(2 * d, 2 * d), "c_pallas_h128": standard(2 * d, 2 * d)}
+    assert {n: tuple(c * d for c in fb) for n, fb in bench.FLOPS_PER_PAIR.items()} == want
+    shape = bench.Shape(b=2, t=8, h=3, d=d)
+    pairs = 2 * 3 * 8 * 9 / 2
+    q, k, v, _ = bench._inputs(shape, jnp.float32)
+    assert fused[0] * pairs == cost.fwd(q, k, v, nc=2, causal=True, bq=1, bk=1).flops
+    times = iter([2.0, 5.0])  # ms: forward, then forward + backward
+    monkeypatch.setattr(bench, "_time", lambda *a, **kw: next(times))
+    row = bench.bench_one("fused", lambda *a: None, shape, jnp.float32, reps=1, samples=1)
+    assert (row["fwd_ms"], row["bwd_ms"], row["total_ms"]) == (2.0, 3.0, 5.0)
+    assert row["fwd_tflops"] == pytest.approx(fused[0] * pairs / 2e-3 / 1e12)
+    assert row["bwd_tflops"] == pytest.approx(fused[1] * pairs / 3e-3 / 1e12)
+    assert row["total_tflops"] == pytest.approx(sum(fused) * pairs / 5e-3 / 1e12)
+
+
+def test_benchmark_peak_memory_counts_the_step_arguments_and_outputs():
+    """peak_memory (the JSON's fused_bytes / xla_bytes) holds at least the step's own arguments
+    (q, k, v, λ, dO) and outputs (dq, dk, dv, dλ), from their shapes; one without the
+    arguments (4.6 KB of temporaries + outputs against 8.2 KB of arguments) passed every test."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attention as bench
+
+    shape = bench.Shape(b=1, t=4, h=1, d=64)
+    q, k, v, do = (int(np.prod(s)) * 4 for s in shape.operands())
+
+    def xla(q, k, v, lam):
+        return kernels.diff_attention(q, k, v, lam, impl="xla")
+
+    assert bench.peak_memory(xla, shape, jnp.float32) >= (q + k + v + do + 4) + (q + k + v + 4)
+
+
 @pytest.mark.parametrize("nc,h,hkv", [(2, 4, 2), (2, 2, 1), (1, 4, 2)])
 def test_decode_attention_reads_only_the_filled_cache(nc, h, hkv):
     """One query per row over the first lengths[b] cache entries equals the oracle (keys of the

@@ -776,6 +776,69 @@ def test_benchmark_peak_memory_counts_the_step_arguments_and_outputs():
     assert bench.peak_memory(xla, shape, jnp.float32) >= (q + k + v + do + 4) + (q + k + v + 4)
 
 
+def test_benchmark_summary_and_ratios_are_fused_over_the_named_route_at_t4096():
+    """The JSON's `summary` (what the GPU session commits) at T = 4096: the fused total time
+    over the paper's baseline (cuDNN 2H heads × d, not H × 2d) and over two Tokamax calls, the
+    fused forward and backward TFLOP/s; a route that failed is None with its reason. `ratios`
+    is fused over each route per (d, T), failed rows left out. Inverted ratios, the H × 2d
+    route as the baseline, swapped TFLOP/s and another T's rows passed every test."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attention as bench
+
+    rows = [{"variant": "fused", "d": 64, "T": 4096, "total_ms": 6.0, "fwd_tflops": 100.0,
+             "bwd_tflops": 50.0},
+            {"variant": "cudnn_2h_d", "d": 64, "T": 4096, "total_ms": 4.0},
+            {"variant": "cudnn_h_2d", "d": 64, "T": 4096, "total_ms": 3.0},
+            {"variant": "tokamax_two", "d": 64, "T": 4096, "total_ms": 12.0},
+            {"variant": "fused_triton", "d": 64, "T": 4096, "error": "boom"},
+            {"variant": "fused", "d": 64, "T": 2048, "total_ms": 1.0, "fwd_tflops": 7.0,
+             "bwd_tflops": 8.0},
+            {"variant": "cudnn_2h_d", "d": 64, "T": 2048, "total_ms": 1.0}]
+    env = {"device": "GPU", "jax": "0.11.2", "fused_backend": {64: "mosaic_gpu"}}
+    assert bench.summary(rows, env, [64], 4096) == {
+        "device": "GPU", "jax": "0.11.2", "T": 4096,
+        "d64": {"fused_backend": "mosaic_gpu", "fused_over_cudnn_baseline": 1.5,
+                "fused_over_tokamax_two_calls": 0.5, "fused_over_triton": None,
+                "why_no_fused_triton": "boom", "fwd_tflops": 100.0, "bwd_tflops": 50.0}}
+    assert bench._ratios(rows) == [
+        {"d": 64, "T": 2048, "fused/cudnn_2h_d": 1.0},
+        {"d": 64, "T": 4096, "fused/cudnn_2h_d": 1.5, "fused/cudnn_h_2d": 2.0,
+         "fused/tokamax_two": 0.5}]
+
+
+def test_benchmark_measures_the_summary_length_first(tmp_path, monkeypatch):
+    """--bench measures T = 4096, the summary's length, before the others: a deadline (here
+    SIGTERM during the first measurement) skips other lengths, not the summary's. The summary's
+    length measured last passed every test (--smoke has one length)."""
+    import os
+    import signal
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attention as bench
+
+    measured = []
+
+    def measure_then_stop(name, f, shape, dtype, **kw):
+        measured.append(shape.t)
+        os.kill(os.getpid(), signal.SIGTERM)  # main's handler: no new measurement starts
+        return {"variant": name, "d": shape.d, "T": shape.t, "B": shape.b, "fwd_ms": 1.0,
+                "bwd_ms": 1.0, "total_ms": 2.0, "fwd_tflops": 3.0, "bwd_tflops": 4.0,
+                "total_tflops": 3.5}
+
+    monkeypatch.setattr(bench, "bench_one", measure_then_stop)
+    monkeypatch.setattr(bench, "peak_memory", lambda *a: None)
+    result = bench.main(["--variants", "fused", "--seqs", "2048,4096,8192", "--head-dims", "16",
+                         "--tokens", "8192", "--heads", "1", "--out", str(tmp_path)])
+    assert measured == [4096] and result["summary"]["d16"]["fwd_tflops"] == 3.0
+    assert [r.get("error") for r in result["bench"]] == [None, "skipped: deadline",
+                                                         "skipped: deadline"]
+
+
 @pytest.mark.parametrize("nc,h,hkv", [(2, 4, 2), (2, 2, 1), (1, 4, 2)])
 def test_decode_attention_reads_only_the_filled_cache(nc, h, hkv):
     """One query per row over the first lengths[b] cache entries equals the oracle (keys of the

@@ -839,6 +839,35 @@ def test_benchmark_measures_the_summary_length_first(tmp_path, monkeypatch):
                                                          "skipped: deadline"]
 
 
+def test_gpu_check_compares_the_kernel_and_every_gradient_with_the_oracle(monkeypatch):
+    """attention.py --check's numbers, the GPU session's verdict on the kernel: a "pallas"
+    route exactly 1% off the xla oracle reads 0.01 for out, dq, dk and dv, and its dλ, made NaN
+    alone, reads NaN and makes the row not finite. An oracle that was the kernel itself (for
+    the output or the gradients), a dropped dλ and finiteness of the output only passed every
+    test (--check needs a GPU)."""
+    import math
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attention as bench
+
+    real = kernels.diff_attention
+
+    def one_percent_off(q, k, v, lam, *, impl, segment_ids=None, causal=True, **_):
+        out = real(q, k, v, lam, impl="xla", segment_ids=segment_ids, causal=causal)
+        if impl == "xla":
+            return out
+        return 1.01 * out + jnp.sqrt(0.0 * lam).astype(out.dtype)  # 0, but d/dλ is NaN
+
+    monkeypatch.setattr(bench, "CHECK_CASES", [(1, 8, 2, 1, 8, True, True, jnp.float32, 0.3)])
+    monkeypatch.setattr(bench.kernels, "diff_attention", one_percent_off)
+    row, = bench.check(None, None)
+    for name in ("out", "dq", "dk", "dv"):
+        assert row[name] == pytest.approx(0.01, rel=1e-3), (name, row)
+    assert math.isnan(row["dλ"]) and row["finite"] is False and row["backend"] == "triton"
+
+
 @pytest.mark.parametrize("nc,h,hkv", [(2, 4, 2), (2, 2, 1), (1, 4, 2)])
 def test_decode_attention_reads_only_the_filled_cache(nc, h, hkv):
     """One query per row over the first lengths[b] cache entries equals the oracle (keys of the

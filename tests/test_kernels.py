@@ -868,6 +868,75 @@ def test_gpu_check_compares_the_kernel_and_every_gradient_with_the_oracle(monkey
     assert math.isnan(row["dλ"]) and row["finite"] is False and row["backend"] == "triton"
 
 
+def test_tune_tries_each_step_on_the_fastest_agreeing_setting_and_records_it(monkeypatch):
+    """attention.py --tune's choices on scripted timings and outputs (no kernel runs): ping-pong
+    is switched on the fastest forward (by forward time) and the backward sweep runs on the
+    fastest forward; the other dK/dV schedule is tried on the fastest backward (by total time),
+    the other dQ schedule on the fastest so far, and --tune-write records the fastest. A
+    setting whose dλ alone is 10% off the first setting's, and one whose outputs are NaN, are
+    the fastest of their step and are error rows instead. A switch on the slowest forward, a
+    forward chosen by total time, a dQ switch on the setting fastest by forward time, the
+    same dK/dV schedule tried twice, the slowest recorded, NaN agreeing and dλ unchecked
+    passed every test."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attention as bench
+
+    base, _ = bench.hopper.tiles_for(64, "bfloat16")
+    assert (base.block_kv, base.stages, base.pingpong, base.dkv) == (128, 2, True, "auto")
+    fwd_ms = {(64, 2): 5.0, (64, 3): 1.0, (128, 2): 3.0, (128, 3): 6.0}  # (64, 3): dλ off
+    bwd = {(64, 64, "auto", "rows"): 0.0, (64, 128, "auto", "rows"): -10.0,  # NaN outputs
+           (128, 64, "auto", "rows"): -3.0, (128, 128, "auto", "rows"): -2.0,
+           (64, 64, "rows", "rows"): 1.0, (128, 64, "rows", "rows"): -3.5,
+           (128, 64, "rows", "split"): -3.75}
+
+    def scripted_variants(block_sizes, interpret, with_cudnn):
+        def fused(q, k, v, lam):
+            raise AssertionError("not run: bench_one is scripted")
+
+        fused.tiles = block_sizes.mosaic_gpu
+        return {"fused": fused}
+
+    def scripted(name, f, shape, dtype, **kw):
+        t = f.tiles
+        fwd = fwd_ms[(t.block_kv, t.stages)] - (0.5 if not t.pingpong else 0.0)
+        # the slowest forward has the fastest total: the forward is chosen by its own time
+        total = 20.0 - fwd + bwd[(t.block_kv_dq, t.block_q_dkv, t.dkv, t.dq)]
+        outputs = [np.ones(3)] * 5
+        if (t.block_kv, t.stages) == (64, 3):
+            outputs = outputs[:4] + [1.1 * np.ones(3)]
+        if (t.block_kv_dq, t.block_q_dkv) == (64, 128):
+            outputs = [np.full(3, np.nan)] * 5
+        return {"fwd_ms": fwd, "total_ms": total, "fwd_tflops": 1.0, "bwd_tflops": 1.0,
+                "outputs": outputs}
+
+    recorded = []
+    monkeypatch.setattr(bench, "variants", scripted_variants)
+    monkeypatch.setattr(bench, "bench_one", scripted)
+    monkeypatch.setattr(bench.hopper, "record", lambda kind, d, dtype, tiles, note:
+                        recorded.append(bench.hopper.tiles_text(tiles)))
+    args = argparse.Namespace(tokens=32, tune_t=16, heads=2, tune_write=True)
+    rows = bench.tune([64], args, bench.Deadline(None))
+    got = [(r["stage"], r["tiles"], "error" in r) for r in rows]
+    assert got == [
+        ("fwd", "64,64,64,2,auto,True,rows", False), ("fwd", "64,64,64,3,auto,True,rows", True),
+        ("fwd", "128,64,64,2,auto,True,rows", False),
+        ("fwd", "128,64,64,3,auto,True,rows", True),  # shared memory
+        ("fwd", "128,64,64,2,auto,False,rows", False),
+        ("bwd", "128,64,64,2,auto,False,rows", False),
+        ("bwd", "128,64,128,2,auto,False,rows", True),
+        ("bwd", "128,128,64,2,auto,False,rows", False),
+        ("bwd", "128,128,128,2,auto,False,rows", False),
+        ("bwd", "128,128,64,2,rows,False,rows", False),
+        ("bwd", "128,128,64,2,rows,False,split", False)], got
+    assert "disagrees with the first setting" in rows[1]["error"] and rows[1]["vs_first"] > 0.05
+    assert "disagrees with the first setting" in rows[6]["error"]
+    assert recorded == ["128,128,64,2,rows,False,split"]
+
+
 @pytest.mark.parametrize("nc,h,hkv", [(2, 4, 2), (2, 2, 1), (1, 4, 2)])
 def test_decode_attention_reads_only_the_filled_cache(nc, h, hkv):
     """One query per row over the first lengths[b] cache entries equals the oracle (keys of the

@@ -551,6 +551,45 @@ def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypa
     assert '"train_step_diff_over_transformer": 1.2' in (second / "session.md").read_text()
 
 
+def test_gpu_session_summary_merges_over_previous_and_a_failed_train_run_is_partial(
+        tmp_path, monkeypatch):
+    """hopper_session.summary: what this call measured replaces --previous's value and what it
+    left None keeps the earlier one (the bench's None for d64's bwd_tflops, d128's fwd_tflops);
+    the train stage is "partial" when one of its runs failed. --previous winning over this
+    call, a None replacing a measured value and "ok" for any run ok passed every test."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import hopper_session
+
+    previous = {"device": "old", "jax": "0.11.1",
+                "d64": {"fwd_tflops": 1.0, "bwd_tflops": 2.0,
+                        "train_step_diff_over_transformer": 1.3},
+                "d128": {"fwd_tflops": 3.0, "fused_over_cudnn_baseline": 0.9}}
+    bench = {"device": "H100", "jax": "0.11.2", "T": 4096,
+             "d64": {"fwd_tflops": 10.0, "bwd_tflops": None},
+             "d128": {"fwd_tflops": None, "fused_over_cudnn_baseline": 0.7}}
+    report = {"stages": [{"stage": "env", "env": {"device_kind": "H100", "jax": "0.11.2"}},
+                         {"stage": "bench", "result": {"summary": bench}}]}
+    got = hopper_session.summary(report, previous)
+    assert (got["device"], got["jax"]) == ("H100", "0.11.2")
+    assert got["d64"] == {"fused_over_cudnn_baseline": None, "fused_over_tokamax_two_calls": None,
+                          "fwd_tflops": 10.0, "bwd_tflops": 2.0,
+                          "train_step_diff_over_transformer": 1.3}
+    assert got["d128"]["fwd_tflops"] == 3.0 and got["d128"]["fused_over_cudnn_baseline"] == 0.7
+
+    def second_fails(name, cmd, limit, log, extra_path="", grace=20.0):
+        return {"stage": name, "status": "exit 1" if name == "train 830m_d64" else "ok",
+                "seconds": 0.0, "tail": ""}
+
+    monkeypatch.setattr(hopper_session, "_run", second_fails)
+    hopper_session.main(["--out", str(tmp_path), "--stages", "train"])
+    train, = json.loads((tmp_path / "session.json").read_text())["stages"]
+    assert [r["status"] for r in train["runs"]] == ["ok", "exit 1", "ok", "ok"]
+    assert train["status"] == "partial"
+
+
 def test_gpu_session_refuses_an_unknown_stage_before_running_any(tmp_path, capsys):
     """A misspelt --stages name is refused at once, naming it and the stages there are, instead
     of running the others (minutes of the call's device time) and recording 'unknown stage'."""

@@ -645,6 +645,32 @@ def test_train_step_benchmark_smoke(tmp_path):
     assert 0 <= ids["tokens"].min() and max(ids["tokens"].max(), ids["targets"].max()) < 512
 
 
+def test_train_step_benchmark_ratio_of_medians(tmp_path, monkeypatch):
+    """train_step.py's numbers from scripted step times: a model's step time is the median of
+    the --steps steps timed after the compiling call and one more, the ratio DIFF over
+    Transformer, tokens/s the step's tokens over that median, and the data pipeline is compared
+    with what the DIFF model consumes. An inverted ratio, a mean, one step fewer and the
+    Transformer's consumption passed every test."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import train_step as bench
+
+    scripted = {"diff": iter([100.0, 9.0, 1.0, 2.0, 60.0]),  # compile, untimed, 3 timed
+                "transformer": iter([100.0, 9.0, 1.0, 1.0, 1.0])}
+
+    def fake_stepper(config, segment_ids=True):
+        times = scripted[config.model.variant]
+        return (lambda: next(times)), 64
+
+    monkeypatch.setattr(bench, "_stepper", fake_stepper)
+    monkeypatch.setattr(bench, "data_throughput", lambda config: 1000.0)
+    result = bench.main(["--steps", "3", "--out", str(tmp_path / "ts")])
+    diff, base = result["models"]["diff"], result["models"]["transformer"]
+    assert (diff["step_time_s"], base["step_time_s"]) == (2.0, 1.0)
+    assert (diff["tokens_per_sec"], base["tokens_per_sec"]) == (32.0, 64.0)
+    assert result["diff_over_transformer_step_time"] == 2.0
+    assert result["pipeline_over_consumption"] == 1000.0 / 32.0
+
+
 def test_a_batch_without_segment_ids_is_one_document_a_row(tmp_path):
     """`loss_fn` on a batch without segment ids equals the same batch with all-ones ones (one
     document a row): the key is optional, as train_step.py --no-segment-ids uses it."""

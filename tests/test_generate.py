@@ -148,6 +148,55 @@ def test_generation_benchmark_smoke(tmp_path):
     assert "| current |" in (tmp_path / "gen.md").read_text()
 
 
+def test_generation_benchmark_medians_and_each_tree_runs_its_own_package(tmp_path, monkeypatch):
+    """generate.py: a measurement is batch × new tokens over the median of its repeats, the
+    result per tree the median over rounds, and each tree's subprocess runs in that tree with
+    it on PYTHONPATH (else a baseline tree measures the installed package). A mean, new tokens
+    of one row, the best round and a subprocess without the tree's PYTHONPATH passed every
+    test."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import diff_jax.generate
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import generate as bench
+
+    clock = [0.0]
+    took = iter([50.0, 1.0, 2.0, 9.0])  # the compiling call, then 3 repeats
+
+    def fake_generate(cfg, params, prompts, max_new_tokens):
+        clock[0] += next(took)
+        return [[0] * max_new_tokens for _ in prompts]
+
+    config = tmp_path / "small.yaml"
+    config.write_text("model: {vocab_size: 64, embed_dim: 32, num_layers: 1, num_heads: 2}\n")
+    monkeypatch.setattr(diff_jax.generate, "generate", fake_generate)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    got = bench.measure(str(config), batch=2, prompt=3, new=5, repeats=3)
+    monkeypatch.undo()
+    assert (got["first_call_s"], got["median_s"], got["tokens_per_s"]) == (50.0, 2.0, 5.0)
+
+    calls = []
+    rates = {str(root): iter([1.0, 2.0, 9.0]), str(tmp_path): iter([5.0, 4.0, 3.0])}
+
+    def fake_run(cmd, cwd, env, **kw):
+        calls.append((str(cwd), env["PYTHONPATH"]))
+        out = {"first_call_s": 1.0, "median_s": 1.0, "tokens_per_s": next(rates[str(cwd)]),
+               "times_s": [1.0], "jax": "0", "device": "cpu", "package": str(cwd)}
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(out) + "\n", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    result = bench.main(["--rounds", "3", "--baseline-tree", str(tmp_path)])
+    assert calls == [(str(root), str(root)), (str(tmp_path), str(tmp_path))] * 3
+    assert result["results"]["current"]["tokens_per_s"] == 2.0
+    assert result["results"]["baseline"]["tokens_per_s"] == 4.0
+
+
 @pytest.mark.parametrize("temperature", [float("nan"), float("inf")])
 def test_a_temperature_that_is_not_a_finite_number_is_refused(temperature):
     """NaN passed `temperature < 0` and sampled garbage (eval.py then blamed the checkpoint for

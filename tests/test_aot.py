@@ -81,3 +81,50 @@ def test_sharded_step_exports_for_cuda_with_the_kernel_inside_shard_map(embed_di
     for line in calls:  # q first: (B/4, T padded to the kernel's tiles, 2H/2, d)
         operands = line[line.rindex(": (") + 3:]
         assert re.match(rf"tensor<2x\d+x2x{d}xbf16>", operands), operands[:80]
+
+
+def test_fit_tries_a_larger_slice_after_out_of_memory_and_keeps_earlier_rows(tmp_path,
+                                                                         monkeypatch):
+    """benchmarks/fit.py: a compile refused for memory (RESOURCE_EXHAUSTED) moves on to the next
+    slice, one that fits ends the search; earlier results keep their attention impl (rows from
+    before the column are xla); the spill column names the kernels that spill. A search ended
+    by that refusal or recording it as an error, every earlier row relabelled xla and "none"
+    unless every kernel spills passed every test (no test ran fit.py)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import fit
+
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "docs").mkdir()
+    earlier = [{"config": "diff-1.4b", "impl": "pallas", "topology": "h100:8", "error": "x"},
+               {"config": "diff-1.4b", "topology": "h100:16", "error": "y"}]
+    (tmp_path / "benchmarks/results/gpu_fit.json").write_text(json.dumps(earlier))
+    kernels = [{"name": "diff_flash_fwd_mosaic_gpu_kernel", "spill_store_bytes": 0},
+               {"name": "diff_flash_dkdv_mosaic_gpu_kernel", "spill_store_bytes": 944}]
+    tried = []
+
+    def compile_one(config, topology, impl, timeout):
+        tried.append(topology)
+        key = {"config": config, "topology": topology, "impl": impl}
+        if topology == "h100:8":
+            return key | {"error": "XlaRuntimeError: RESOURCE_EXHAUSTED: out of memory"}
+        return key | {"devices": 16, "argument_gib": 1.0, "temp_gib": 2.0, "peak_gib": 3.0,
+                      "fits": True, "kernels": kernels}
+
+    monkeypatch.setattr(fit, "ROOT", tmp_path)
+    monkeypatch.setattr(fit, "compile_one", compile_one)
+    monkeypatch.setattr(sys, "argv", ["fit.py", "--target", "h100", "--configs", "diff-830m",
+                                      "--impls", "pallas"])
+    fit.main()
+    assert tried == ["h100:8", "h100:16"]
+    rows = json.loads((tmp_path / "benchmarks/results/gpu_fit.json").read_text())
+    assert [(r["config"], r["impl"], r["topology"]) for r in rows] == [
+        ("diff-830m", "pallas", "h100:8"), ("diff-830m", "pallas", "h100:16"),
+        ("diff-1.4b", "pallas", "h100:8"), ("diff-1.4b", "xla", "h100:16")]
+    md = (tmp_path / "docs/gpu-fit.md").read_text()
+    assert "| diff-830m | pallas | h100:8 | | | | | no: out of HBM |" in md
+    assert "| diff-830m | pallas | h100:16 (16) | 1.0 | 2.0 | 3.0 | dkdv 944 B | yes |" in md
+    assert fit._spills({"kernels": [dict(k, spill_store_bytes=0) for k in kernels]}) == "none"

@@ -170,6 +170,27 @@ def test_table_tiles_compile_for_sm90a(d):
         assert not any(r.spills for r in reports.values()), reports
 
 
+def test_ptxas_markdown_reports_spills_when_only_stores_or_loads_are_nonzero():
+    """mosaic_ptxas.py's summary line for the table's tiles says "no spills" only when both
+    spill stores and loads are 0; "no spills" for a kernel with spill stores but no spill
+    loads (or the reverse) passed every test (no test ran mosaic_ptxas.py)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import mosaic_ptxas
+
+    env = {"arch": "sm_90a", "target": "H100", "host": "a CPU", "jax": "0", "ptxas": "13",
+           "date": "today"}
+    row = {"d": 64, "case": "table", "tiles": "t", "seg": True, "kernel": "diff_flash_dq",
+           "spill_store_bytes": 0, "spill_load_bytes": 0, "loop_spills": 0, "notes": ""}
+    lines = [mosaic_ptxas.markdown([row | spill], env).splitlines()
+             for spill in ({}, {"spill_store_bytes": 944}, {"spill_load_bytes": 8})]
+    summaries = [[x for x in md if x.startswith("- d = 64")] for md in lines]
+    assert summaries == [["- d = 64, seg = True: diff_flash_dq no spills"],
+                         ["- d = 64, seg = True: diff_flash_dq spills 944 / 0 bytes, 0 spill "
+                          "instructions a step"],
+                         ["- d = 64, seg = True: diff_flash_dq spills 0 / 8 bytes, 0 spill "
+                          "instructions a step"]]
+
+
 @needs_cuda_aot
 def test_the_rows_schedule_spills_at_d64_so_auto_splits():
     """The check can fail, on the kernel as written: dK/dV's "rows" schedule at d = 64 (all

@@ -4,12 +4,12 @@ another checkout of the project, side by side.
     python benchmarks/generate.py [--config configs/tiny.yaml] [--batch 4] [--prompt 64] [--new 128]
         [--repeats 5] [--baseline-tree DIR --baseline-name NAME] [--out benchmarks/results/generate_cpu]
 
-The model is randomly initialised from the config (no checkpoint needed); no end-of-text stops a
-row, so every call produces batch × new tokens. Each measurement runs in its own subprocess (the
-current tree, and with `--baseline-tree` a checkout such as `git worktree add /tmp/before REV`),
-alternating between the two so that machine noise hits both; a subprocess compiles once, then
-times `repeats` calls and reports their median. Results: JSON + a markdown table with the device
-and versions.
+The model is randomly initialised from the config (no checkpoint needed) and prompted with random
+ids of its vocabulary; no end-of-text stops a row, so every call produces batch × new tokens. Each
+measurement runs in its own subprocess (the current tree, and with `--baseline-tree` a checkout
+such as `git worktree add /tmp/before REV`), alternating between the two so that machine noise
+hits both; a subprocess compiles once, then times `repeats` calls and reports their median.
+Results: JSON + a markdown table with the device and versions.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def measure(config: str, batch: int, prompt: int, new: int, repeats: int) -> dic
     cfg = load_config(config).model
     params = nn.meta.unbox(jax.jit(DecoderLM(cfg).init)(jax.random.key(0),
                                                         jnp.zeros((1, 8), jnp.int32)))["params"]
-    prompts = np.random.default_rng(0).integers(0, 50_000, (batch, prompt)).tolist()
+    prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt)).tolist()
     t0 = time.perf_counter()
     out = generate(cfg, params, prompts, max_new_tokens=new)
     first = time.perf_counter() - t0

@@ -153,7 +153,8 @@ def test_generation_benchmark_medians_and_each_tree_runs_its_own_package(tmp_pat
     result per tree the median over rounds, and each tree's subprocess runs in that tree with
     it on PYTHONPATH (else a baseline tree measures the installed package). A mean, new tokens
     of one row, the best round and a subprocess without the tree's PYTHONPATH passed every
-    test."""
+    test. The prompts' ids lie in the model's vocabulary (they were drawn below 50,000
+    whatever the vocabulary, which generate refuses for a smaller one)."""
     import json
     import subprocess
     import sys
@@ -168,9 +169,11 @@ def test_generation_benchmark_medians_and_each_tree_runs_its_own_package(tmp_pat
 
     clock = [0.0]
     took = iter([50.0, 1.0, 2.0, 9.0])  # the compiling call, then 3 repeats
+    ids = set()
 
     def fake_generate(cfg, params, prompts, max_new_tokens):
         clock[0] += next(took)
+        ids.update(x for p in prompts for x in p)
         return [[0] * max_new_tokens for _ in prompts]
 
     config = tmp_path / "small.yaml"
@@ -180,6 +183,7 @@ def test_generation_benchmark_medians_and_each_tree_runs_its_own_package(tmp_pat
     got = bench.measure(str(config), batch=2, prompt=3, new=5, repeats=3)
     monkeypatch.undo()
     assert (got["first_call_s"], got["median_s"], got["tokens_per_s"]) == (50.0, 2.0, 5.0)
+    assert 0 <= min(ids) and max(ids) < 64
 
     calls = []
     rates = {str(root): iter([1.0, 2.0, 9.0]), str(tmp_path): iter([5.0, 4.0, 3.0])}

@@ -92,9 +92,7 @@ def test_fit_tries_a_larger_slice_after_out_of_memory_and_keeps_earlier_rows(tmp
     unless every kernel spills passed every test (no test ran fit.py)."""
     import json
     import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import fit
 
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)

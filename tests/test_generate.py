@@ -135,10 +135,7 @@ def test_sampled_frequencies_match_tempered_softmax(sampling):
 def test_generation_benchmark_smoke(tmp_path):
     """benchmarks/generate.py measures in a subprocess and writes JSON + markdown."""
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import generate as bench
 
     bench.main(["--batch", "1", "--prompt", "4", "--new", "2", "--repeats", "1", "--rounds", "1",
@@ -157,15 +154,13 @@ def test_generation_benchmark_medians_and_each_tree_runs_its_own_package(tmp_pat
     whatever the vocabulary, which generate refuses for a smaller one)."""
     import json
     import subprocess
-    import sys
     import time
     from pathlib import Path
 
     import diff_jax.generate
+    import generate as bench
 
     root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "benchmarks"))
-    import generate as bench
 
     clock = [0.0]
     took = iter([50.0, 1.0, 2.0, 9.0])  # the compiling call, then 3 repeats

@@ -590,10 +590,7 @@ def test_tpu_cost_analysis_counts_the_fused_kernels():
 def test_benchmark_smoke(tmp_path):
     """benchmarks/attention.py --smoke runs the routes on tiny shapes and writes JSON + markdown."""
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import attention as bench
 
     result = bench.main(["--smoke", "--out", str(tmp_path)])
@@ -611,10 +608,6 @@ def test_gpu_check_runs_the_mosaic_cases_first():
     compiles in 140 s): the cases the Mosaic kernel takes on Hopper, the schedules --tune
     compares among them, come before the Triton fallback's, which were last-but-two and so
     the first a deadline skipped."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import attention as bench
 
     mosaic = [flash_mgpu.supports(dtype, d, 2) for _, _, _, _, d, _, _, dtype, *_ in
@@ -631,10 +624,7 @@ def test_tune_refuses_a_setting_whose_results_disagree_and_records_the_best_agre
     output and gradients must match the first setting's. Here every setting is the oracle, one
     is off by 10% and made the fastest: it is an error row, and the recorded tiles are another."""
     import argparse
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import attention as bench
 
     wrong = bench.hopper.tiles_text(dataclasses.replace(
@@ -677,10 +667,7 @@ def test_benchmark_stops_on_sigterm_and_writes_what_it_measured(tmp_path, monkey
     import json
     import os
     import signal
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import attention as bench
 
     seen = []
@@ -715,10 +702,6 @@ def test_benchmark_times_are_medians_per_call_and_tflops_the_floor_count(monkeyp
     fused forward as kernels/cost.py counts it at 1×1 tiles) over B·H·T(T+1)/2 causal pairs.
     A mean, a per-sample time, a backward that was the total, swapped fused FLOPs, pairs
     without B and a backward TFLOP/s over the total time passed every test."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import attention as bench
 
     clock = [0.0]
@@ -761,10 +744,6 @@ def test_benchmark_peak_memory_counts_the_step_arguments_and_outputs():
     """peak_memory (the JSON's fused_bytes / xla_bytes) holds at least the step's own arguments
     (q, k, v, λ, dO) and outputs (dq, dk, dv, dλ), from their shapes; one without the
     arguments (4.6 KB of temporaries + outputs against 8.2 KB of arguments) passed every test."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import attention as bench
 
     shape = bench.Shape(b=1, t=4, h=1, d=64)
@@ -782,10 +761,6 @@ def test_benchmark_summary_and_ratios_are_fused_over_the_named_route_at_t4096():
     fused forward and backward TFLOP/s; a route that failed is None with its reason. `ratios`
     is fused over each route per (d, T), failed rows left out. Inverted ratios, the H × 2d
     route as the baseline, swapped TFLOP/s and another T's rows passed every test."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import attention as bench
 
     rows = [{"variant": "fused", "d": 64, "T": 4096, "total_ms": 6.0, "fwd_tflops": 100.0,
@@ -815,10 +790,7 @@ def test_benchmark_measures_the_summary_length_first(tmp_path, monkeypatch):
     length measured last passed every test (--smoke has one length)."""
     import os
     import signal
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import attention as bench
 
     measured = []
@@ -846,10 +818,7 @@ def test_gpu_check_compares_the_kernel_and_every_gradient_with_the_oracle(monkey
     the output or the gradients), a dropped dλ and finiteness of the output only passed every
     test (--check needs a GPU)."""
     import math
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import attention as bench
 
     real = kernels.diff_attention
@@ -879,10 +848,7 @@ def test_tune_tries_each_step_on_the_fastest_agreeing_setting_and_records_it(mon
     same dK/dV schedule tried twice, the slowest recorded, NaN agreeing and dλ unchecked
     passed every test."""
     import argparse
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import attention as bench
 
     base, _ = bench.hopper.tiles_for(64, "bfloat16")

@@ -441,9 +441,7 @@ def test_gpu_session_without_a_gpu_skips_the_gpu_stages(tmp_path, monkeypatch):
     timed out, not waited on for ever (the call would end with nothing recorded)."""
     import json
     import os
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import hopper_session
 
     for stage, limit in (("env", 120), ("check", 20), ("tune", 20), ("bench", 20)):
@@ -478,9 +476,7 @@ def test_gpu_session_records_stages_skipped_for_time_in_session_json(tmp_path):
     """A stage skipped because too little of the call's time is left is in session.json (the
     record that comes back even when the call is cut off), not only in session.md."""
     import json
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import hopper_session
 
     assert hopper_session.main(["--out", str(tmp_path), "--stages", "check,train",
@@ -500,11 +496,9 @@ def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypa
     --previous holds the whole summary. Stages are faked (no GPU here): each writes the JSON
     its real script would."""
     import json
-    import sys
 
     from diff_jax.config import load_config
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import hopper_session
 
     root = Path(__file__).resolve().parents[1]
@@ -558,9 +552,7 @@ def test_gpu_session_summary_merges_over_previous_and_a_failed_train_run_is_part
     the train stage is "partial" when one of its runs failed. --previous winning over this
     call, a None replacing a measured value and "ok" for any run ok passed every test."""
     import json
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import hopper_session
 
     previous = {"device": "old", "jax": "0.11.1",
@@ -593,9 +585,6 @@ def test_gpu_session_summary_merges_over_previous_and_a_failed_train_run_is_part
 def test_gpu_session_refuses_an_unknown_stage_before_running_any(tmp_path, capsys):
     """A misspelt --stages name is refused at once, naming it and the stages there are, instead
     of running the others (minutes of the call's device time) and recording 'unknown stage'."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import hopper_session
 
     with pytest.raises(SystemExit) as e:
@@ -615,7 +604,6 @@ def test_gpu_session_stops_a_stage_gracefully_and_copies_only_small_replication_
     import sys
     import textwrap
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import hopper_session
 
     started = []  # every stage process, to read how it ended

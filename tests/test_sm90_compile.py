@@ -174,7 +174,6 @@ def test_ptxas_markdown_reports_spills_when_only_stores_or_loads_are_nonzero():
     """mosaic_ptxas.py's summary line for the table's tiles says "no spills" only when both
     spill stores and loads are 0; "no spills" for a kernel with spill stores but no spill
     loads (or the reverse) passed every test (no test ran mosaic_ptxas.py)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import mosaic_ptxas
 
     env = {"arch": "sm_90a", "target": "H100", "host": "a CPU", "jax": "0", "ptxas": "13",

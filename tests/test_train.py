@@ -622,7 +622,6 @@ def test_train_step_benchmark_smoke(tmp_path):
     (the session's train_step_1.4b: Path.with_suffix wrote train_step_1.json, which the
     session never read and its causal run overwrote). Its batch's ids lie in the model's vocabulary
     (they were drawn below 100,000 whatever the vocabulary)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import train_step as bench
 
     out = tmp_path / "train_step_1.4b"
@@ -651,7 +650,6 @@ def test_train_step_benchmark_ratio_of_medians(tmp_path, monkeypatch):
     Transformer, tokens/s the step's tokens over that median, and the data pipeline is compared
     with what the DIFF model consumes. An inverted ratio, a mean, one step fewer and the
     Transformer's consumption passed every test."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import train_step as bench
 
     scripted = {"diff": iter([100.0, 9.0, 1.0, 2.0, 60.0]),  # compile, untimed, 3 timed

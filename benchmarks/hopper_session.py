@@ -41,9 +41,11 @@ until their limits:
          end results.json/.md and the PNGs, to $OUT/gpu-medium/ (commit them to
          docs/results/gpu-medium/).
 Outputs: $OUT/session.json (stage status, seconds, logs' tails, and each stage's JSON, with
-`summary` = {"device", "jax", "d64": {fused_over_cudnn_baseline, fused_over_tokamax_two_calls,
-fwd_tflops, bwd_tflops, train_step_diff_over_transformer, ...}, "d128": {...}}: the bench
-stage's at T = 4096 and the train stage's DIFF/Transformer step time with segment ids; what
+`summary` = {"device", "jax", "check": {ok, not_ok, not_run}, "d64": {fused_over_cudnn_baseline,
+fused_over_tokamax_two_calls, fwd_tflops, bwd_tflops, train_step_diff_over_transformer, ...},
+"d128": {...}}: how many check rows are within attention.py's CHECK_TOLERANCE (the cases that
+are not, by name), the bench stage's at T = 4096 and the train stage's DIFF/Transformer step
+time with segment ids; what
 this call did not measure is None, or comes from `--previous` FILE, an earlier call's
 session.json: copy the first call's $OUT/session.json into the working tree (e.g.
 benchmarks/results/hopper_session_1.json, committed with the tuned table) and pass it to the
@@ -189,23 +191,30 @@ def _read(path: Path) -> dict | None:
 
 
 def summary(report: dict, previous: dict | None = None) -> dict:
-    """{"device", "jax", "d64": {SUMMARY_FIELDS...}, "d128": {...}} from this call's env, bench
-    and train stages in `report`, over `previous` (an earlier call's summary): a value this call
-    measured replaces the earlier one; what neither measured is None."""
-    out = {"device": None, "jax": None} | {f"d{d}": dict.fromkeys(SUMMARY_FIELDS)
-                                           for d in SUMMARY_DIMS}
+    """{"device", "jax", "check", "d64": {SUMMARY_FIELDS...}, "d128": {...}} from this call's
+    env, check, bench and train stages in `report`, over `previous` (an earlier call's summary):
+    a value this call measured replaces the earlier one; what neither measured is None. "check"
+    is {"ok": rows within attention.py's CHECK_TOLERANCE, "not_ok": the cases outside it or not
+    finite, "not_run": rows that failed to compile or run, or that the deadline skipped}."""
+    out = {"device": None, "jax": None, "check": None} | {
+        f"d{d}": dict.fromkeys(SUMMARY_FIELDS) for d in SUMMARY_DIMS}
 
     def fill(src: dict | None) -> None:
         for key, value in (src or {}).items():
             if isinstance(value, dict) and isinstance(out.get(key), dict):
                 out[key] |= {k: x for k, x in value.items() if x is not None}
-            elif value is not None and not isinstance(value, dict):
+            elif value is not None and (key in out or not isinstance(value, dict)):
                 out[key] = value
 
     fill(previous)
     for r in report["stages"]:
         if r["stage"] == "env" and r.get("env"):
             fill({"device": r["env"]["device_kind"] or None, "jax": r["env"]["jax"]})
+        elif r["stage"] == "check" and (r.get("result") or {}).get("check"):
+            rows = r["result"]["check"]
+            out["check"] = {"ok": sum(1 for x in rows if x.get("ok")),
+                            "not_ok": [x["case"] for x in rows if x.get("ok") is False],
+                            "not_run": sum(1 for x in rows if "error" in x)}
         elif r["stage"] == "bench":
             fill((r.get("result") or {}).get("summary"))
         elif r["stage"] == "train":

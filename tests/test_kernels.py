@@ -816,25 +816,36 @@ def test_gpu_check_compares_the_kernel_and_every_gradient_with_the_oracle(monkey
     route exactly 1% off the xla oracle reads 0.01 for out, dq, dk and dv, and its dλ, made NaN
     alone, reads NaN and makes the row not finite. An oracle that was the kernel itself (for
     the output or the gradients), a dropped dλ and finiteness of the output only passed every
-    test (--check needs a GPU)."""
+    test (--check needs a GPU). `ok` holds float32 to CHECK_TOLERANCE's 5e-3: 0.4% off is
+    within it, 0.6% off (finite) and the NaN row are not."""
     import math
 
     import attention as bench
 
     real = kernels.diff_attention
 
-    def one_percent_off(q, k, v, lam, *, impl, segment_ids=None, causal=True, **_):
-        out = real(q, k, v, lam, impl="xla", segment_ids=segment_ids, causal=causal)
-        if impl == "xla":
-            return out
-        return 1.01 * out + jnp.sqrt(0.0 * lam).astype(out.dtype)  # 0, but d/dλ is NaN
+    def off_by(factor, nan_dlam):
+        def route(q, k, v, lam, *, impl, segment_ids=None, causal=True, **_):
+            out = real(q, k, v, lam, impl="xla", segment_ids=segment_ids, causal=causal)
+            if impl == "xla":
+                return out
+            nan = jnp.sqrt(0.0 * lam) if nan_dlam else 0.0  # 0, but d/dλ of sqrt(0·λ) is NaN
+            return factor * out + jnp.asarray(nan, out.dtype)
+        return route
 
+    assert bench.CHECK_TOLERANCE["float32"] == 5e-3
     monkeypatch.setattr(bench, "CHECK_CASES", [(1, 8, 2, 1, 8, True, True, jnp.float32, 0.3)])
-    monkeypatch.setattr(bench.kernels, "diff_attention", one_percent_off)
+    monkeypatch.setattr(bench.kernels, "diff_attention", off_by(1.01, True))
     row, = bench.check(None, None)
     for name in ("out", "dq", "dk", "dv"):
         assert row[name] == pytest.approx(0.01, rel=1e-3), (name, row)
     assert math.isnan(row["dλ"]) and row["finite"] is False and row["backend"] == "triton"
+    assert row["ok"] is False
+    for factor, ok in ((1.004, True), (1.006, False)):
+        monkeypatch.setattr(bench.kernels, "diff_attention", off_by(factor, False))
+        row, = bench.check(None, None)
+        assert row["finite"] and row["dλ"] == pytest.approx(factor - 1, rel=1e-3), row
+        assert row["ok"] is ok, (factor, row)
 
 
 def test_tune_tries_each_step_on_the_fastest_agreeing_setting_and_records_it(monkeypatch):

@@ -488,13 +488,13 @@ def test_gpu_session_records_stages_skipped_for_time_in_session_json(tmp_path):
 
 
 def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypatch):
-    """The session's summary has the issue's shape, {"device", "jax", "d64": {fused over cuDNN
-    and over two Tokamax calls, forward and backward TFLOP/s, train-step DIFF/Transformer},
-    "d128": ...}, every field None until measured. The train stage times a d = 64 pair (830M
-    at 12 DIFF heads against 24: it had only d = 128 and 96, so d64's train ratio could never
-    be filled), and the second call (env, train) given the first call's session.json as
-    --previous holds the whole summary. Stages are faked (no GPU here): each writes the JSON
-    its real script would."""
+    """The session's summary has the issue's shape, {"device", "jax", "d64": {fused over cuDNN and
+    over two Tokamax calls, forward and backward TFLOP/s, train-step DIFF/Transformer}, "d128":
+    ...}, every field None until measured, and the check rows within tolerance. The train stage
+    times a d = 64 pair (830M at 12 DIFF heads against 24: it had only d = 128 and 96, so d64's
+    train ratio could never be filled), and the second call (env, train) given the first call's
+    session.json as --previous holds the whole summary. Stages are faked (no GPU here): each
+    writes the JSON its real script would."""
     import json
 
     from diff_jax.config import load_config
@@ -519,6 +519,11 @@ def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypa
                      "d64": entry, "d128": entry | {"fwd_tflops": None}}
             out = Path(cmd[cmd.index("--out") + 1])
             (out / "attention_bench.json").write_text(json.dumps({"summary": bench}))
+        elif "--check" in cmd:
+            out = Path(cmd[cmd.index("--out") + 1])
+            rows = [{"case": "a", "ok": True}, {"case": "b", "ok": False},
+                    {"case": "c", "error": "skipped: deadline"}]
+            (out / "attention_check.json").write_text(json.dumps({"check": rows}))
         elif name.startswith("train"):
             out = Path(cmd[cmd.index("--out") + 1])
             ratio = 1.1 if "1.4b" in name else 1.2
@@ -529,10 +534,11 @@ def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypa
 
     monkeypatch.setattr(hopper_session, "_run", fake_run)
     first, second = tmp_path / "first", tmp_path / "second"
-    hopper_session.main(["--out", str(first), "--stages", "env,bench"])
+    hopper_session.main(["--out", str(first), "--stages", "env,check,bench"])
     got = json.loads((first / "session.json").read_text())["summary"]
     fields = set(hopper_session.SUMMARY_FIELDS)
     assert got["device"] == "NVIDIA H100 80GB HBM3" and got["jax"] == "0.11.2"
+    assert got["check"] == {"ok": 1, "not_ok": ["b"], "not_run": 1}
     assert fields <= set(got["d64"]) and fields <= set(got["d128"])
     assert got["d64"]["fwd_tflops"] == 300.0 and got["d128"]["fwd_tflops"] is None
     assert got["d64"]["train_step_diff_over_transformer"] is None
@@ -542,6 +548,7 @@ def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypa
     assert got["d64"]["train_step_diff_over_transformer"] == 1.2
     assert got["d128"]["train_step_diff_over_transformer"] == 1.1
     assert got["d64"]["fused_over_cudnn_baseline"] == 0.9 and got["d128"]["bwd_tflops"] == 200.0
+    assert got["check"] == {"ok": 1, "not_ok": ["b"], "not_run": 1}  # the first call's
     assert '"train_step_diff_over_transformer": 1.2' in (second / "session.md").read_text()
 
 

@@ -464,6 +464,48 @@ def test_standard_attention_pallas_and_dispatch():
         kernels.dot_product_attention(q, k, v, impl="cudnn")
 
 
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_one_softmax_kernels_match_the_float64_softmax(backend):
+    """num_components=1 (standard attention, the Transformer baseline's kernel) on the Triton
+    and the TPU kernel, interpreted: out, dq, dk and dv against float64 softmax attention from
+    the equations, GQA with two documents and padding, causal. The TPU kernel's one-softmax path
+    ran numerically in no other test (CPU model tests take the Triton kernel, the TPU exports
+    only compile)."""
+    rng = np.random.default_rng(11)
+    b, t, hq, hkv, d = 1, 40, 4, 2, 16
+    q, k, v, do = (rng.standard_normal((b, t, n, d)) for n in (hq, hkv, hkv, hq))
+    seg = np.repeat([[1] * 15 + [2] * 20 + [0] * 5], b, 0)
+    tiles = SMALL if backend == "gpu" else BlockSizes(128, 128, 128, 128)
+
+    def loss(q, k, v):
+        out = flash_attention(q, k, v, num_components=1, segment_ids=jnp.asarray(seg, jnp.int32),
+                              causal=True, backend=backend, block_sizes=tiles,
+                              interpret=_interpret(backend))
+        return jnp.sum(out * jnp.asarray(do, jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v)))
+
+    # float64 reference: each query head reads kv head j // (hq // hkv); a query sees earlier
+    # keys of its own document; padding rows (segment 0) output 0 and pass no gradient
+    kk, vv = (np.repeat(x, hq // hkv, axis=2) for x in (k, v))
+    s = np.einsum("bthd,bshd->bhts", q, kk) / np.sqrt(d)
+    allowed = (np.tril(np.ones((t, t), bool))[None] & (seg[:, :, None] == seg[:, None, :])
+               & (seg[:, :, None] != 0))[:, None]
+    m = np.where(allowed, s, -np.inf).max(-1, keepdims=True)
+    p = np.where(allowed, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    p = p / np.maximum(p.sum(-1, keepdims=True), 1e-300)  # a padding row: all 0
+    ref = np.einsum("bhts,bshd->bthd", p, vv)
+    dp = np.einsum("bthd,bshd->bhts", do, vv)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / np.sqrt(d)
+    dq = np.einsum("bhts,bshd->bthd", ds, kk)
+    dk = np.einsum("bhts,bthd->bshd", ds, q).reshape(b, t, hkv, hq // hkv, d).sum(3)
+    dv = np.einsum("bhts,bthd->bshd", p, do).reshape(b, t, hkv, hq // hkv, d).sum(3)
+    assert rel(out, ref) < F32_TOL
+    for nm, g, r in zip(("dq", "dk", "dv"), grads, (dq, dk, dv)):
+        assert rel(g, r) < F32_TOL, (nm, rel(g, r))
+
+
 def _fwd_bwd(impl, block_sizes=None):
     def loss(q, k, v, lam, seg):
         out = kernels.diff_attention(q, k, v, lam, segment_ids=seg, impl=impl,

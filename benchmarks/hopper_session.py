@@ -45,14 +45,13 @@ Outputs: $OUT/session.json (stage status, seconds, logs' tails, and each stage's
 fused_over_tokamax_two_calls, fwd_tflops, bwd_tflops, train_step_diff_over_transformer, ...},
 "d128": {...}}: how many check rows are within attention.py's CHECK_TOLERANCE (the cases that
 are not, by name), the bench stage's at T = 4096 and the train stage's DIFF/Transformer step
-time with segment ids; what
-this call did not measure is None, or comes from `--previous` FILE, an earlier call's
-session.json: copy the first call's $OUT/session.json into the working tree (e.g.
-benchmarks/results/hopper_session_1.json, committed with the tuned table) and pass it to the
-second call, whose summary is then the whole one), $OUT/session.md,
-$OUT/mosaic_gpu.json (the tile table after tuning), $OUT/session.log (all stages' output).
-`--stages` takes any comma list of these. ptxas's registers and spills need no GPU: they come
-from `benchmarks/mosaic_ptxas.py` on a CPU (the `cuda-aot` extra).
+time with segment ids; what this call did not measure is None, or comes from `--previous` FILE,
+an earlier call's session.json: copy the first call's $OUT/session.json into the working tree
+(e.g. benchmarks/results/hopper_session_1.json, committed with the tuned table) and pass it to
+the second call, whose summary is then the whole one), $OUT/session.md, $OUT/mosaic_gpu.json
+(the tile table after tuning), $OUT/session.log (all stages' output). `--stages` takes any comma
+list of these. ptxas's registers and spills need no GPU: they come from
+`benchmarks/mosaic_ptxas.py` on a CPU (the `cuda-aot` extra).
 
 Wheels to carry, about 11 MB (the image already has jax 0.11.2, jaxlib, flax, optax, orbax,
 chex, numpy, jaxtyping, safetensors 0.8, tiktoken 0.14, etils, cloudpickle, protobuf, absl,

@@ -19,6 +19,7 @@ import pytest
 from jax import export
 
 import kernels
+import numpy_reference as npr
 from kernels import BlockSizes, cost, flash, flash_mgpu
 from kernels.flash import flash_attention
 
@@ -489,12 +490,7 @@ def test_one_softmax_kernels_match_the_float64_softmax(backend):
     # float64 reference: each query head reads kv head j // (hq // hkv); a query sees earlier
     # keys of its own document; padding rows (segment 0) output 0 and pass no gradient
     kk, vv = (np.repeat(x, hq // hkv, axis=2) for x in (k, v))
-    s = np.einsum("bthd,bshd->bhts", q, kk) / np.sqrt(d)
-    allowed = (np.tril(np.ones((t, t), bool))[None] & (seg[:, :, None] == seg[:, None, :])
-               & (seg[:, :, None] != 0))[:, None]
-    m = np.where(allowed, s, -np.inf).max(-1, keepdims=True)
-    p = np.where(allowed, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
-    p = p / np.maximum(p.sum(-1, keepdims=True), 1e-300)  # a padding row: all 0
+    p = npr.softmax(np.einsum("bthd,bshd->bhts", q, kk) / np.sqrt(d), np_mask(t, t, True, seg))
     ref = np.einsum("bhts,bshd->bthd", p, vv)
     dp = np.einsum("bthd,bshd->bhts", do, vv)
     ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / np.sqrt(d)
@@ -659,14 +655,26 @@ def test_gpu_check_runs_the_mosaic_cases_first():
     assert len(schedules) == 2 and all(mosaic[n] for n in schedules)
 
 
+def _tune_d64(monkeypatch, bench, variants, bench_one):
+    """attention.py's `tune` at d = 64 with --tune-write, its `variants` and `bench_one` replaced:
+    (its rows, the tiles text of each `hopper.record` call, which writes nothing here)."""
+    import argparse
+
+    recorded = []
+    monkeypatch.setattr(bench, "variants", variants)
+    monkeypatch.setattr(bench, "bench_one", bench_one)
+    monkeypatch.setattr(bench.hopper, "record", lambda kind, d, dtype, tiles, note:
+                        recorded.append(bench.hopper.tiles_text(tiles)))
+    args = argparse.Namespace(tokens=32, tune_t=16, heads=2, tune_write=True)
+    return bench.tune([64], args, bench.Deadline(None)), recorded
+
+
 def test_tune_refuses_a_setting_whose_results_disagree_and_records_the_best_agreeing(
         tmp_path, monkeypatch):
     """attention.py --tune picks tiles by speed on the GPU, where a wrong result of one setting
     (the interpreter covers small shapes only) would be fastest and recorded: each setting's
     output and gradients must match the first setting's. Here every setting is the oracle, one
     is off by 10% and made the fastest: it is an error row, and the recorded tiles are another."""
-    import argparse
-
     import attention as bench
 
     wrong = bench.hopper.tiles_text(dataclasses.replace(
@@ -687,13 +695,7 @@ def test_tune_refuses_a_setting_whose_results_disagree_and_records_the_best_agre
         row = measure(name, f, shape, dtype, **kw)
         return row | ({"fwd_ms": 1e-3, "total_ms": 1e-3} if f.off else {})
 
-    recorded = []
-    monkeypatch.setattr(bench, "variants", oracle_variants)
-    monkeypatch.setattr(bench, "bench_one", wrong_is_fastest)
-    monkeypatch.setattr(bench.hopper, "record", lambda kind, d, dtype, tiles, note:
-                        recorded.append(bench.hopper.tiles_text(tiles)))
-    args = argparse.Namespace(tokens=32, tune_t=16, heads=2, tune_write=True)
-    rows = bench.tune([64], args, bench.Deadline(None))
+    rows, recorded = _tune_d64(monkeypatch, bench, oracle_variants, wrong_is_fastest)
     bad = [r for r in rows if r["tiles"] == wrong]
     assert bad and all("disagrees with the first setting of d=64" in r["error"] for r in bad)
     assert 0.05 < bad[0]["vs_first"] < 0.2
@@ -900,8 +902,6 @@ def test_tune_tries_each_step_on_the_fastest_agreeing_setting_and_records_it(mon
     forward chosen by total time, a dQ switch on the setting fastest by forward time, the
     same dK/dV schedule tried twice, the slowest recorded, NaN agreeing and dλ unchecked
     passed every test."""
-    import argparse
-
     import attention as bench
 
     base, _ = bench.hopper.tiles_for(64, "bfloat16")
@@ -932,13 +932,7 @@ def test_tune_tries_each_step_on_the_fastest_agreeing_setting_and_records_it(mon
         return {"fwd_ms": fwd, "total_ms": total, "fwd_tflops": 1.0, "bwd_tflops": 1.0,
                 "outputs": outputs}
 
-    recorded = []
-    monkeypatch.setattr(bench, "variants", scripted_variants)
-    monkeypatch.setattr(bench, "bench_one", scripted)
-    monkeypatch.setattr(bench.hopper, "record", lambda kind, d, dtype, tiles, note:
-                        recorded.append(bench.hopper.tiles_text(tiles)))
-    args = argparse.Namespace(tokens=32, tune_t=16, heads=2, tune_write=True)
-    rows = bench.tune([64], args, bench.Deadline(None))
+    rows, recorded = _tune_d64(monkeypatch, bench, scripted_variants, scripted)
     got = [(r["stage"], r["tiles"], "error" in r) for r in rows]
     assert got == [
         ("fwd", "64,64,64,2,auto,True,rows", False), ("fwd", "64,64,64,3,auto,True,rows", True),

@@ -123,6 +123,24 @@ def test_kv_heads_the_head_axes_do_not_divide_are_gathered_per_shard():
     _assert_sharded_equals_the_oracle(op, 5, (2, 16, 8, 16), (2, 16, 4, 16), (2, 16, 2, 32))
 
 
+def test_heads_the_head_axes_do_not_divide_or_no_head_axes_run_whole_on_every_shard(caplog):
+    """3 DIFF heads on tensor = 2 (act_heads' axis): a warning names them, and every shard runs
+    all heads of its batch rows; a rule table without act_heads runs them whole too, without a
+    warning. Both equal the unsharded oracle."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    shapes = (4, 16, 6, 16), (4, 16, 6, 16), (4, 16, 3, 32)
+    op = AttentionOp(impl="pallas", mesh=mesh, rules=RULES)
+    with caplog.at_level("WARNING", logger="diff_jax.attention_op"):
+        _assert_sharded_equals_the_oracle(op, 6, *shapes)
+    assert "3 heads are not divisible by the mesh axes 'tensor' (size 2)" in caplog.text
+    caplog.clear()
+    rules = tuple((name, axes) for name, axes in RULES if name != "act_heads")
+    with caplog.at_level("WARNING", logger="diff_jax.attention_op"):
+        _assert_sharded_equals_the_oracle(AttentionOp(impl="pallas", mesh=mesh, rules=rules),
+                                          7, *shapes)
+    assert caplog.text == ""
+
+
 @pytest.mark.parametrize("types", ["explicit", "mixed"])
 def test_kernel_on_a_mesh_with_explicit_axes_equals_the_unsharded_oracle(types):
     """`jax.make_mesh` gives Explicit axes by default; shard_map refuses inputs whose sharding

@@ -91,8 +91,8 @@ def _dot(a, b, *, ta=False, tb=False):
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _valid(rows, cols, qs, ks, *, causal, t, s):
-    """(bq, bk) keep-mask from causal / segment / ragged-bound rules, or None if all kept."""
+def _valid(rows, cols, qs, ks, *, causal, s):
+    """(bq, bk) keep-mask from causal / segment / ragged key-bound rules, or None if all kept."""
     mask = None
 
     def both(a, b):
@@ -104,8 +104,6 @@ def _valid(rows, cols, qs, ks, *, causal, t, s):
         mask = both(mask, (qs[:, None] == ks[None, :]) & (qs[:, None] != 0))
     if s is not None:
         mask = both(mask, jnp.broadcast_to(cols[None, :] < s, (rows.shape[0], cols.shape[0])))
-    if t is not None:
-        mask = both(mask, jnp.broadcast_to(rows[:, None] < t, (rows.shape[0], cols.shape[0])))
     return mask
 
 
@@ -139,7 +137,7 @@ def _fwd_kernel(*refs, nc, causal, has_seg, scale, bq, bk, t, s):
         win = pl.ds(j * bk, bk)
         v = _load(v_ref, (win, slice(None)), cmask)  # (bk, dv)
         ks = _load(ks_ref, (win,), cmask[:, 0] if cmask is not None else None) if has_seg else None
-        mask = _valid(rows, cols, qs, ks, causal=causal, t=None,
+        mask = _valid(rows, cols, qs, ks, causal=causal,
                       s=s if smask_needed else None) if masked else None
         new = ([], [], [])
         for c in range(nc):
@@ -255,7 +253,7 @@ def _dkdv_kernel(*refs, nc, causal, has_seg, scale, bq, bk, t, s, n_rep):
         qs = _load(qs_ref, (win,), rmask) if has_seg else None
         # No bound masks: padded query rows load q = dO = lse = δ = 0 and contribute exactly 0,
         # and padded key rows only feed dK/dV rows that are never stored.
-        mask = _valid(rows, cols, qs, ks, causal=causal, t=None, s=None) if masked else None
+        mask = _valid(rows, cols, qs, ks, causal=causal, s=None) if masked else None
         do = _load(do_ref, (win, r, slice(None)), rm2)  # (bq, dv)
         dp = _dot(do, v, tb=True)  # (bq, bk): dP1 (= −dP2 / λ)
         qcs, ps = [], []
@@ -321,7 +319,7 @@ def _dq_kernel(*refs, nc, causal, has_seg, scale, bq, bk, t, s):
         win = pl.ds(j * bk, bk)
         v = _load(v_ref, (win, slice(None)), cmask)
         ks = _load(ks_ref, (win,), cmask[:, 0] if cmask is not None else None) if has_seg else None
-        mask = _valid(rows, cols, qs, ks, causal=causal, t=None,
+        mask = _valid(rows, cols, qs, ks, causal=causal,
                       s=s if smask_needed else None) if masked else None
         dp = _dot(do, v, tb=True)  # (bq, bk)
         new = []

@@ -265,6 +265,14 @@ def test_tile_table_and_invalid_tiles():
     for tiles, msg in cases:
         with pytest.raises(ValueError, match=msg):
             flash.mosaic_tiles(BlockSizes(mosaic_gpu=tiles), 128, jnp.bfloat16)
+    # backward tiles that overflow shared memory at d = 64, under each dQ and dK/dV schedule
+    for dq, dkv in (("rows", "auto"), ("split", "auto"), ("rows", "rows"), ("rows", "split")):
+        for tiles, msg in ((flash_mgpu.Tiles(64, 128, 64, 3, dkv, dq=dq), r"block_kv_dq=128 with "
+                            rf"stages=3 needs {229 + (dq == 'split')} KiB .* at d=64"),
+                           (flash_mgpu.Tiles(64, 64, 128, 3, dkv, dq=dq),
+                            r"block_q_dkv=128 with stages=3 needs 234 KiB .* at d=64")):
+            with pytest.raises(ValueError, match=msg):
+                flash_mgpu.warpgroups(64, tiles)
     with pytest.raises(ValueError, match=r"backend='mosaic_gpu' takes .* float32, d=64"):
         q, k, v = (jnp.zeros(s, jnp.float32)
                    for s in ((1, 8, 2, 64), (1, 8, 2, 64), (1, 8, 1, 128)))

@@ -166,23 +166,14 @@ def test_fused_matches_references(name):
             assert rel(g, r) < F32_TOL
 
 
-def _interpret(backend):
-    """The interpreter for a kernel off its device: the generic one for the Triton-style kernel
-    ("gpu"), TPU semantics for the Mosaic TPU kernel ("tpu")."""
-    if backend == "gpu":
-        return True
-    from jax.experimental.pallas import tpu as pltpu
-
-    return pltpu.InterpretParams()
-
-
 def _kernel_matches_the_reference(q, k, v, do, lam, tiles, *, backend="tpu", causal=True):
-    """The kernel of `backend`, interpreted: out, dq, dk, dv and dλ against the float64
+    """The kernel of `backend`, interpreted (interpret=None off its device: TPU semantics for
+    "tpu", the generic interpreter for "gpu"): out, dq, dk, dv and dλ against the float64
     reference, to float32 accuracy (no segments; S may differ from T)."""
 
     def loss(q, k, v, lam):
         out = flash_attention(q, k, v, lam, num_components=2, causal=causal, backend=backend,
-                              block_sizes=tiles, interpret=_interpret(backend))
+                              block_sizes=tiles)
         return jnp.sum(out * do), out
 
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
@@ -242,7 +233,7 @@ def test_logits_far_below_zero_keep_their_softmax(backend):
     v = rng.standard_normal((1, 40, 1, 32)).astype(np.float32)
     tiles = SMALL if backend == "gpu" else BlockSizes(128, 128, 128, 128)
     out = flash_attention(*map(jnp.asarray, (q, k, v)), 0.6, num_components=2, causal=False,
-                          backend=backend, block_sizes=tiles, interpret=_interpret(backend))
+                          backend=backend, block_sizes=tiles)
     ref, _ = np_diff_attention(q, k, v, 0.6, np.zeros((1, 40, 2, 32)), causal=False, seg=None)
     # float32 logits of magnitude 140 carry ~1e-5 absolute rounding: measured 4e-6, limit 1e-4
     # (a zero-started max gives 1)
@@ -308,6 +299,37 @@ def test_public_api_pallas_on_cpu_and_oracle_only_options():
         kernels.diff_attention(q, k, v, 0.7, impl="auto")
     with pytest.raises(ValueError, match="logit_bits, return_maps exist only on the xla path"):
         kernels.diff_attention(q, k, v, 0.7, impl="pallas", return_maps=True, logit_bits=8)
+    with pytest.raises(ValueError, match="num_components must be 1 or 2, got 3"):
+        flash_attention(q, k, v, 0.7, num_components=3)
+    with pytest.raises(ValueError, match="backend must be None, 'gpu', 'mosaic_gpu' or 'tpu', "
+                                         "got 'cuda'"):
+        flash_attention(q, k, v, 0.7, num_components=2, backend="cuda")
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_a_kernel_off_its_device_runs_under_its_own_interpreter(backend, monkeypatch):
+    """interpret=None (and True) off the kernel's device: TPU semantics (pltpu.InterpretParams:
+    uninitialized memory reads NaN, out-of-bounds reads raise) for the TPU kernel, the
+    generic interpreter for the Triton-style kernel; False and given params pass through."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    seen = []
+
+    def record(*args, interpret, **kw):
+        seen.append(interpret)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(getattr(flash, "flash_" + backend), "fwd", record)
+    q, k, v, _, _ = make_inputs(1, 16, 2, 1, 16, jnp.float32, seed=0, segments=False)
+    params = pltpu.InterpretParams(uninitialized_memory="zero")
+    for interpret in (None, True, False, params):
+        with pytest.raises(RuntimeError, match="recorded"):
+            flash_attention(q, k, v, 0.5, num_components=2, backend=backend, interpret=interpret)
+    if backend == "tpu":
+        assert [type(x) for x in seen[:2]] == [pltpu.InterpretParams] * 2
+        assert seen[2] is False and seen[3] is params
+    else:
+        assert seen == [True, True, False, True]
 
 
 def _bad_layouts():
@@ -480,8 +502,7 @@ def test_one_softmax_kernels_match_the_float64_softmax(backend):
 
     def loss(q, k, v):
         out = flash_attention(q, k, v, num_components=1, segment_ids=jnp.asarray(seg, jnp.int32),
-                              causal=True, backend=backend, block_sizes=tiles,
-                              interpret=_interpret(backend))
+                              causal=True, backend=backend, block_sizes=tiles)
         return jnp.sum(out * jnp.asarray(do, jnp.float32)), out
 
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(

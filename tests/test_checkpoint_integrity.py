@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -354,7 +355,8 @@ def test_a_resume_step_that_does_not_verify_discards_no_later_step(corpus, run20
 
 def _numpy_checksum(x: np.ndarray) -> str:
     """The documented checksum in NumPy: for seeds 0x243F6A88 and 0x85A308D3, the uint32 sum of
-    fmix32(word ^ fmix32(row-major position · 0x9E3779B9 + seed)) over the array's 4-byte words."""
+    fmix32(word ^ fmix32(row-major position · 0x9E3779B9 + seed)) over the array's words: each
+    element of a 4-byte type, or its bytes zero-extended for a 1- or 2-byte type (bool as 0/1)."""
     def fmix32(v):
         v = v ^ (v >> np.uint32(16))
         v = v * np.uint32(0x85EBCA6B)
@@ -362,7 +364,8 @@ def _numpy_checksum(x: np.ndarray) -> str:
         v = v * np.uint32(0xC2B2AE35)
         return v ^ (v >> np.uint32(16))
 
-    words = np.ascontiguousarray(x).view(np.uint32).ravel()
+    x = np.ascontiguousarray(x)
+    words = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.itemsize]).astype(np.uint32).ravel()
     position = np.arange(words.size, dtype=np.uint32)
     sums = [int(fmix32(words ^ fmix32(position * np.uint32(0x9E3779B9) + np.uint32(seed)))
                 .sum(dtype=np.uint32)) for seed in (0x243F6A88, 0x85A308D3)]
@@ -381,6 +384,11 @@ def test_an_array_checksum_is_the_documented_sum_and_sees_values_trade_places():
     got = array_checksums({"x": x, "swapped": swapped})
     assert got == {"x": _numpy_checksum(x), "swapped": _numpy_checksum(swapped)}
     assert got["x"] != got["swapped"]
+    # a bfloat16 export's arrays and a boolean leaf: each element its own word
+    half = x.astype(jnp.bfloat16)
+    mask = x > 0
+    got = array_checksums({"half": half, "mask": mask})
+    assert got == {"half": _numpy_checksum(half), "mask": _numpy_checksum(mask)}
 
 
 def test_an_unreadable_array_is_named_with_the_innermost_error():

@@ -226,6 +226,11 @@ def test_refused_resume_leaves_config_yaml_byte_identical(corpus, run20, tmp_pat
                                               r"config gives \(64, 48\)"):
         train_loop.run(tiny_config(corpus, run, "train.steps=40", "model.embed_dim=48"))
     assert (run / "config.yaml").read_bytes() == record
+    steps = _ckpt_steps(run)
+    with pytest.raises(CheckpointError, match=rf"checkpoint.resume_step=15: .*checkpoints has no "
+                                              rf"such step; complete steps: \{steps}"):
+        train_loop.run(tiny_config(corpus, run, "train.steps=40", "checkpoint.resume_step=15"))
+    assert (run / "config.yaml").read_bytes() == record and _ckpt_steps(run) == steps
 
 
 def test_a_resume_with_another_optimizer_structure_is_refused_as_such_not_as_damage(

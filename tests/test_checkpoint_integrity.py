@@ -196,6 +196,18 @@ def test_divergence_saves_only_finite_steps_and_a_sane_rerun_completes(corpus, r
     assert rows == list(range(1, 13))
 
 
+def test_a_loss_gone_non_finite_between_checkpoints_stops_at_that_step(corpus, run20, tmp_path):
+    """With no checkpoint due, the post-update check does not run: the next step's own loss is
+    the first non-finite value seen, and the run stops there naming it, saving nothing."""
+    run = _copy(run20, tmp_path)
+    with pytest.raises(train_loop.NonFiniteLossError,
+                       match=r"non-finite loss \(nan\) at step 2[1-9]; stopped without saving it; "
+                             r"the last good checkpoint is step 20 \("):
+        train_loop.run(tiny_config(corpus, run, "train.steps=40", "checkpoint.every_steps=100",
+                                   "optim.lr=1e6"))
+    assert _ckpt_steps(run) == [10, 20]
+
+
 def test_a_discard_that_was_interrupted_is_finished_by_the_next_resume(corpus, run20, tmp_path,
                                                                       monkeypatch, capsys):
     """`resume_step=10 discard_later=true` killed before step 20 is deleted: the next run, without

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from diff_jax import variants
-from diff_jax.experiments import lm_report, presets, replicate, stats
+from diff_jax.experiments import lm_report, presets, recall_report, replicate, stats
 
 
 def test_v2_shape_matches_diff_attention_parameters():
@@ -243,6 +243,41 @@ def test_language_modeling_claims_are_paired_differences_of_the_papers_measures(
     ends = [paper, paper, opposite, "no direction claimed.", paper, opposite, paper]
     assert len(lines) == 14 and all(x.endswith(e) for x, e in zip(lines[0::2], ends)), lines
     assert all(x.endswith("no direction claimed.") for x in lines[1::2])
+
+
+def test_init_gaps_are_the_second_init_minus_the_first_per_seed_and_match_cpu_small():
+    """lm_report.init_gaps by hand: per model the held-out loss under the preset's second init
+    minus its first, paired by seed ({} with one init); and the committed cpu-small report's
+    init_gap is what it computes from that report's own per-seed losses. The micro pipeline
+    has one init, so no test computed a gap."""
+    two = presets.PRESETS["cpu-small"]
+    assert two.inits == ("scaled", "normal")
+    losses = {"scaled": (3.0, 3.25), "normal": (3.5, 3.5)}
+    results = {init: {v: {"seeds": [{"loss": x + i} for x in losses[init]]}
+                      for i, v in enumerate(presets.VARIANTS)} for init in two.inits}
+    gaps = lm_report.init_gaps(two, results)
+    assert set(gaps) == set(presets.VARIANTS)
+    for gap in gaps.values():
+        assert gap["per_seed"] == [0.5, 0.25] and gap["outside_spread"]
+    assert lm_report.init_gaps(presets.PRESETS["micro"], results) == {}
+
+
+def test_committed_reports_are_what_the_reporting_code_makes_of_their_data():
+    """cpu-recall's results.md is recall_report.markdown of its results.json; cpu-small's claims
+    and init gaps are what lm_report computes from its per-seed results. The README quotes these
+    files, so what it summarises is what today's code says of the committed data. (cpu-small's
+    markdown cannot be re-made: its results.json predates the corpus and held-out document
+    fields; unigram.json holds the corpus numbers.)"""
+    results = Path(__file__).parents[1] / "docs" / "results"
+    recall = json.loads((results / "cpu-recall" / "results.json").read_text())
+    assert (recall_report.markdown(presets.PRESETS[recall["preset"]], recall)
+            == (results / "cpu-recall" / "results.md").read_text())
+    small = json.loads((results / "cpu-small" / "results.json").read_text())
+    assert lm_report.init_gaps(presets.PRESETS["cpu-small"], small["results"]) == small["init_gap"]
+    for init, per_variant in small["results"].items():
+        made = [{"claim": name, "paper_sign": sign, **by_variant}
+                for name, sign, by_variant in lm_report.claims(per_variant)]
+        assert json.loads(json.dumps(made)) == small["claims"][init], init
 
 
 def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):
@@ -754,7 +789,6 @@ def test_recall_claims_are_diff_minus_transformer_per_seed_by_hand():
     900 slower), and the init gap `normal` − `scaled`. The recall pipeline runs one seed, so
     it passed claims of Transformer − DIFF, a beyond-the-training-length measure of the longest
     length only, a censoring bound at the first checked step, and an inverted init gap."""
-    from diff_jax.experiments import recall_report
 
     preset = presets.PRESETS["cpu-recall"]
     base = [_recall_result([0.5, 0.3, 0.1], 0.1, 3000, s) for s in (900, 1200)]
@@ -778,7 +812,6 @@ def test_recall_steps_to_90_is_the_first_checkpoint_at_or_above_it(tmp_path):
     """run_results reads the curve cell's JSON of every checkpoint, in step order (not name
     order: 1200 after 900), and steps to 90% is the first at or above 0.9 (exactly 0.9 counts):
     here 900, not 1500 (the first above) nor 2700 (the last at or above)."""
-    from diff_jax.experiments import recall_report
     from diff_jax.experiments.layout import eval_json, recall_cell_name
 
     preset = presets.PRESETS["cpu-recall"]

@@ -280,6 +280,17 @@ def _plots(preset: Preset, data: dict[str, Any], out: Path, seeds: int, init: st
     return [name for name, ok in drawn.items() if ok]
 
 
+def init_gaps(preset: Preset, results: dict[str, dict]) -> dict[str, dict[str, Any]]:
+    """Per model: the paired difference of its held-out loss (same seed, same data), second
+    init minus first; {} for a preset with one init. `results[init][variant]["seeds"]` as
+    `collect` gives them."""
+    if len(preset.inits) < 2:
+        return {}
+    a, b = preset.inits[1], preset.inits[0]
+    return {v: paired([s["loss"] for s in results[a][v]["seeds"]],
+                      [s["loss"] for s in results[b][v]["seeds"]]) for v in VARIANTS}
+
+
 def write(preset: Preset, seeds: int, out: Path, summaries: dict[str, dict]) -> dict[str, Any]:
     """Collect every run's numbers, write OUT/results.json, OUT/results.md and the PNGs."""
     results = {init: collect(preset, seeds, out, init) for init in preset.inits}
@@ -287,11 +298,6 @@ def write(preset: Preset, seeds: int, out: Path, summaries: dict[str, dict]) -> 
     cfg = preset.corpus_config(0)
     meta = json.loads((corpus_dir(out, 0) / "meta.json").read_text())
     keys = ("heads", "kv_heads", "head_dim", "flops_per_token")
-    init_gap = {}
-    if len(preset.inits) > 1:
-        a, b = preset.inits[1], preset.inits[0]
-        init_gap = {v: paired([s["loss"] for s in results[a][v]["seeds"]],
-                              [s["loss"] for s in results[b][v]["seeds"]]) for v in VARIANTS}
     data = {
         "preset": preset.name, "budget": preset.budget, "seeds": list(range(seeds)),
         "inits": list(preset.inits),
@@ -317,7 +323,7 @@ def write(preset: Preset, seeds: int, out: Path, summaries: dict[str, dict]) -> 
         "results": results,
         "claims": {init: [{"claim": name, "paper_sign": sign, **per_variant}
                           for name, sign, per_variant in claims(results[init])] for init in results},
-        "init_gap": init_gap,
+        "init_gap": init_gaps(preset, results),
     }
     data["plots"] = _plots(preset, data, out, seeds, preset.inits[0])
     (out / "results.json").write_text(json.dumps(data, indent=1) + "\n")

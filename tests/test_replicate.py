@@ -382,10 +382,32 @@ def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_init
                           (["--jobs", "999"], "argument --jobs: --jobs 999: this process may use"),
                           (["--inits", "normal"], "--inits normal: expected distinct names among "
                                                   "the preset's inits scaled"),
-                          (["--inits", "scaled,scaled"], "--inits scaled,scaled: expected")):
+                          (["--inits", "scaled,scaled"], "--inits scaled,scaled: expected"),
+                          (["--jobs", "two"], "argument --jobs: expected an integer >= 1, got 'two'"),
+                          (["--seeds", "0"], "--seeds must be >= 1")):
         with pytest.raises(SystemExit):
             replicate.main(["--preset", "micro", *argv])
         assert message in capsys.readouterr().err
+
+
+def test_the_command_line_runs_the_inits_and_seeds_it_names(tmp_path, monkeypatch, capsys):
+    """--inits picks among the preset's inits (in the order given), --seeds sets their number;
+    left out, the preset's own."""
+    calls = []
+
+    def fake(preset, seeds, out, jobs):
+        calls.append((preset.name, preset.inits, seeds, out, jobs))
+        return {"plots": ["a.png"]}
+
+    monkeypatch.setattr(replicate, "replicate", fake)
+    out = tmp_path / "out"
+    assert replicate.main(["--preset", "cpu-small", "--inits", "normal", "--seeds", "2",
+                           "--out", str(out)]) == 0
+    assert replicate.main(["--preset", "cpu-recall", "--out", str(out)]) == 0
+    recall = presets.PRESETS["cpu-recall"]
+    assert calls == [("cpu-small", ("normal",), 2, out, 1),
+                     ("cpu-recall", recall.inits, recall.seeds, out, 1)]
+    assert f"wrote {out / 'results.md'}, {out / 'results.json'} and 1 plots" in capsys.readouterr().out
 
 
 def test_help_names_the_command_the_readme_runs(capsys):

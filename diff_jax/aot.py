@@ -179,9 +179,7 @@ def flops_per_chip(compiled: Any) -> float | None:
 
     Custom calls count what their kernels declare (the fused kernel's `pl.CostEstimate`).
     """
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older jax: one dict per partition
-        cost = cost[0] if cost else None
+    cost = compiled.cost_analysis()  # a dict (jax >= 0.10), None without a cost model
     return None if cost is None else float(cost.get("flops", 0.0))
 
 

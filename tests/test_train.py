@@ -320,13 +320,21 @@ def test_init_from_ignored_by_a_resume_is_said(corpus, tmp_path, capsys):
     assert f"train.init_from={other} ignored: resuming from step 2\n" in capsys.readouterr().err
 
 
-def test_validation_asked_for_without_a_held_out_split_is_said(corpus, tmp_path, capsys):
+def test_validation_without_a_held_out_split_unused_settings_and_skipped_documents_are_said(
+        tmp_path, capsys):
+    """Before training: validation asked for with nothing held out, a data setting the source
+    does not read, and the documents the corpus skipped as unreadable (counted, the first named)."""
+    skipped = ("a.txt: unreadable (UnicodeDecodeError)", "b.jsonl:2: not JSON")
+    corpus = tmp_path / "corpus"
+    dataclasses.replace(synthetic_corpus(), skipped=skipped).save(corpus, {"tokenizer": "synthetic"})
     train_loop.run(tiny_config(corpus, tmp_path, "train.steps=4", "train.eval_every=2",
                                "data.mixture_tokens=1000"))
     err = capsys.readouterr().err
     assert ("train.eval_every=2: no validation, since data.validation_fraction=0 holds no "
             "documents out") in err
     assert "data.mixture_tokens=1000: not used, since data.mixture is not set\n" in err
+    assert ("data: skipped 2 unreadable document(s), first: a.txt: unreadable "
+            "(UnicodeDecodeError)\n") in err
     assert not any("val_loss" in x for x in (tmp_path / "metrics.jsonl").read_text().splitlines())
 
 

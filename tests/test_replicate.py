@@ -247,9 +247,8 @@ def test_language_modeling_claims_are_paired_differences_of_the_papers_measures(
 
 def test_init_gaps_are_the_second_init_minus_the_first_per_seed_and_match_cpu_small():
     """lm_report.init_gaps by hand: per model the held-out loss under the preset's second init
-    minus its first, paired by seed ({} with one init); and the committed cpu-small report's
-    init_gap is what it computes from that report's own per-seed losses. The micro pipeline
-    has one init, so no test computed a gap."""
+    minus its first, paired by seed; {} with one init (and so for recall_report's). The micro
+    pipeline has one init, so no test computed a gap."""
     two = presets.PRESETS["cpu-small"]
     assert two.inits == ("scaled", "normal")
     losses = {"scaled": (3.0, 3.25), "normal": (3.5, 3.5)}
@@ -260,6 +259,8 @@ def test_init_gaps_are_the_second_init_minus_the_first_per_seed_and_match_cpu_sm
     for gap in gaps.values():
         assert gap["per_seed"] == [0.5, 0.25] and gap["outside_spread"]
     assert lm_report.init_gaps(presets.PRESETS["micro"], results) == {}
+    one = dataclasses.replace(presets.PRESETS["cpu-recall"], inits=("scaled",))
+    assert recall_report.init_gaps(one, {"scaled": {}}) == {}
 
 
 def test_committed_reports_are_what_the_reporting_code_makes_of_their_data():

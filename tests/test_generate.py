@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
+from diff_jax import variants
 from diff_jax.config import ModelConfig
 from diff_jax.generate import SamplingConfig, _decode_step, _prefill, generate, sample
 from diff_jax.transformer import DecoderLM
@@ -250,9 +251,11 @@ def test_unfilled_cache_entries_holding_nan_do_not_reach_the_logits(extra):
     np.testing.assert_array_equal(got[1], got[0])
 
 
-def test_segment_ids_with_a_kv_cache_are_refused():
+def test_segment_ids_with_a_kv_cache_are_refused_and_its_layers_need_positions():
     """A decode step ignored them (every entry up to the position was attended), and a prefill
-    honoured them only until the next step; the cache keeps no segments, so both are refused."""
+    honoured them only until the next step; the cache keeps no segments, so both are refused.
+    An attention layer with a cache, called on its own, needs the positions to write at (the
+    model passes 0..T-1 when given none)."""
     cfg, params = _setup("diff")
     model = DecoderLM(cfg, decode=True)
     cache = model.init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["cache"]
@@ -261,6 +264,11 @@ def test_segment_ids_with_a_kv_cache_are_refused():
             model.apply({"params": params, "cache": cache}, jnp.ones((2, t), jnp.int32),
                         positions=jnp.zeros((2, t), jnp.int32),
                         segment_ids=jnp.ones((2, t), jnp.int32), mutable=["cache"])
+    layer = variants.spec("diff").module(cfg, 0, decode=True)
+    x = jnp.zeros((2, 4, cfg.embed_dim))
+    variables = layer.init(jax.random.key(0), x, positions=jnp.zeros((2, 4), jnp.int32))
+    with pytest.raises(ValueError, match=r"decoding needs explicit positions \(B, T\)"):
+        layer.apply(variables, x, mutable=["cache"])
 
 
 def test_a_cache_filled_to_max_seq_len_matches_the_full_forward_and_one_more_is_refused():

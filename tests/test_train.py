@@ -251,6 +251,9 @@ def test_resume_notes_name_every_data_order_and_schedule_setting_that_changed():
     saved = load_config(None, base).to_dict()
     same = load_config(None, [*base, "train.log_every=5", "mesh.data=2", "mesh.fsdp=-1"])
     assert train_loop.resume_notes(saved, same, 50) == []
+    # a config another version saved, with a key this one does not know: nothing to compare
+    other = {**saved, "model": {**saved["model"], "no_such_key": 1}}
+    assert train_loop.resume_notes(other, load_config(None, [*base, "train.steps=200"]), 50) == []
     for override, named in [("train.batch_size=16", "train.batch_size 8 → 16"),
                             ("train.seq_len=64", "train.seq_len 128 → 64"),
                             ("data.split_seed=3", "data.split_seed 0 → 3")]:

@@ -510,10 +510,8 @@ def _checksummed(mngr: ocp.CheckpointManager, step: int, where: Path, hint: str 
 @contextlib.contextmanager
 def _read_errors(step: int, where: Path, hint: str = "") -> Iterator[None]:
     """Any failure to read `where` -> one-line `DamagedCheckpointError` naming the step."""
-    try:
+    try:  # only orbax calls run inside: none raises a CheckpointError of ours
         yield
-    except CheckpointError:
-        raise
     except Exception as e:  # orbax/tensorstore raise many types for unreadable bytes
         raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: cannot read "
                                            f"{_unreadable(e, where)}{hint}") from e

@@ -17,7 +17,9 @@ setmaxnreg are sm_90a instructions), and on Hopper the route for float32 inputs,
 attention and other widths (Triton's float32 dots run as TF32 there). rocm: Triton;
 tpu: Mosaic TPU; elsewhere (CPU) the Triton-style kernel under the Pallas interpreter.
 `backend=` forces one: "gpu" (Triton), "mosaic_gpu", "tpu" (interpreted off their device;
-"mosaic_gpu" on CPU runs under Mosaic GPU's own interpreter).
+"mosaic_gpu" on CPU runs under Mosaic GPU's own interpreter). `interpret=True` (or
+`pltpu.InterpretParams`) interprets on every platform, with no dispatch: the kernel `backend`
+names (None: the Triton-style one) under its interpreter.
 
 Head widths: d (q, k) any multiple of 16 in [16, 256], dv (v, output) any multiple of 16 up to
 512; the paper's d = 96 and 128 with dv = 2d included. Mosaic TPU takes them as they are (Mosaic
@@ -187,17 +189,18 @@ def _dispatch(cfg: _Config, gpu_fn, mgpu_fn, tpu_fn, *args, bwd: bool):
         return tpu_fn(*args, nc=nc, causal=causal, interpret=_tpu_interpret(interpret),
                       **_tpu_kwargs(cfg, bwd, itemsize, head_dim))
 
-    on_device = False if cfg.interpret is None else cfg.interpret
-    off_device = True if cfg.interpret is None else cfg.interpret
+    if cfg.interpret:  # interpreted on every platform: nothing to dispatch on
+        return {"tpu": tpu, "mosaic_gpu": mgpu}.get(cfg.backend, gpu)(cfg.interpret)
+    off_device = cfg.interpret is None  # False: compiled on every platform, CPU included
     branches = {}
     mosaic = cfg.backend == "mosaic_gpu" or (
         cfg.backend is None and uses_mosaic_gpu(nc, q.dtype, head_dim, v.shape[-1]))
     if cfg.backend in (None, "gpu", "mosaic_gpu"):
-        branches["cuda"] = (lambda: mgpu(on_device)) if mosaic else (lambda: gpu(on_device))
+        branches["cuda"] = (lambda: mgpu(False)) if mosaic else (lambda: gpu(False))
     if cfg.backend in (None, "gpu"):
-        branches["rocm"] = lambda: gpu(on_device)
+        branches["rocm"] = lambda: gpu(False)
     if cfg.backend in (None, "tpu"):
-        branches["tpu"] = lambda: tpu(on_device)
+        branches["tpu"] = lambda: tpu(False)
     default = {"tpu": lambda: tpu(off_device),
                "mosaic_gpu": lambda: mgpu(off_device)}.get(cfg.backend, lambda: gpu(off_device))
     return lax.platform_dependent(**branches, default=default)
@@ -254,8 +257,9 @@ def flash_attention(
     q (B, T, H·nc, d), k (B, S, Hkv·nc, d), v (B, S, Hkv, dv) -> (B, T, H, dv), d a multiple of
     16 in [16, 256], dv a multiple of 16 up to 512. `lam`, a scalar, is required with nc = 2
     (None with nc = 1) and differentiable. `segment_ids` (B, T) requires S == T.
-    `interpret=None` interprets on platforms without a kernel (CPU); `backend` forces the "gpu"
-    (Triton), "mosaic_gpu" or "tpu" kernel (see the module docstring for the default choice).
+    `interpret=None` interprets on platforms without a kernel (CPU), True on every platform;
+    `backend` forces the "gpu" (Triton), "mosaic_gpu" or "tpu" kernel (see the module docstring
+    for the default choice and the interpreters).
     """
     nc = num_components
     if nc not in (1, 2):

@@ -288,13 +288,15 @@ def test_numpy_reference_matches_oracle():
 
 
 def test_public_api_pallas_on_cpu_and_oracle_only_options():
-    """impl="pallas" with interpret=None interprets on CPU; unknown impls and oracle-only
-    options on a kernel are one clear error."""
+    """impl="pallas" with interpret=None interprets on CPU, and with interpret=True too (the
+    TPU branch's interpreter inside the platform dispatch failed to lower: True now interprets
+    without dispatch); unknown impls and oracle-only options on a kernel are one clear error."""
     q, k, v, do, seg = make_inputs(1, 50, 2, 2, 16, jnp.float32, seed=11, segments=False)
-    out = jax.jit(functools.partial(kernels.diff_attention, impl="pallas", block_sizes=SMALL))(
-        q, k, v, 0.7)
     ref = kernels.diff_attention(q, k, v, 0.7, impl="xla")
-    assert rel(out, ref) < F32_TOL
+    for interpret in (None, True):
+        out = jax.jit(functools.partial(kernels.diff_attention, impl="pallas", block_sizes=SMALL,
+                                        interpret=interpret))(q, k, v, 0.7)
+        assert rel(out, ref) < F32_TOL, interpret
     with pytest.raises(ValueError, match="impl must be one of"):
         kernels.diff_attention(q, k, v, 0.7, impl="auto")
     with pytest.raises(ValueError, match="logit_bits, return_maps exist only on the xla path"):
@@ -660,6 +662,41 @@ def test_benchmark_smoke(tmp_path):
     assert data["memory"][0]["fused_bytes"] > 0 and data["env"]["jax"] == jax.__version__
     assert "| fused |" in (tmp_path / "attention_smoke.md").read_text()
     assert result["ratios"]
+
+
+def test_every_benchmark_variant_computes_the_attention_its_name_says(monkeypatch):
+    """The GPU session's routes on CPU, cuDNN replaced by XLA's attention and Tokamax by the
+    oracle with V 2d wide (the calls and layouts are the benchmark's own): the DIFF routes
+    equal float64 differential attention; the baselines are causal softmax attention with H
+    heads of width 2d (c_pallas_h128, cudnn_h_2d) and with 2H heads of width d (cudnn_2h_d,
+    the paper's Transformer baseline, whose time every summary ratio divides by). bfloat16
+    inputs (cuDNN takes no float32): tolerance 2e-2."""
+    import attention as bench
+
+    xla_attention = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, implementation=None, **kw: xla_attention(*a, **kw))
+    monkeypatch.setattr(bench, "_tokamax_attend", lambda: (
+        lambda q, k, v: kernels.dot_product_attention(q, k, v, causal=True), None))
+    b, t, h, d, lam = 1, 48, 2, 16, 0.6
+    q, k, v, do, _ = make_inputs(b, t, h, h, d, jnp.bfloat16, seed=3, segments=False)
+
+    def causal(q, k, v):  # float64 softmax attention, heads matched one to one
+        q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+        p = npr.softmax(np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1]),
+                        np_mask(t, t, True, None))
+        return np.einsum("bhts,bshe->bthe", p, v)
+
+    want = {name: np_diff_attention(q, k, v, lam, do, causal=True, seg=None)[0]
+            for name in ("fused", "fused_triton", "a_two_pallas", "cudnn_four", "tokamax_two")}
+    h_2d = causal(q.reshape(b, t, h, 2 * d), k.reshape(b, t, h, 2 * d), v)
+    want |= {"c_pallas_h128": h_2d, "cudnn_h_2d": h_2d,
+             "cudnn_2h_d": causal(q, k, v.reshape(b, t, 2 * h, d)).reshape(b, t, h, 2 * d)}
+    routes = bench.variants(SMALL, True, with_cudnn=True, triton_blocks=SMALL)
+    assert set(routes) == set(want)
+    for name, f in routes.items():
+        out = jax.jit(f)(q, k, v, jnp.float32(lam))
+        assert out.shape == (b, t, h, 2 * d) and rel(out, want[name]) < BF16_TOL, name
 
 
 def test_gpu_check_runs_the_mosaic_cases_first():

@@ -439,7 +439,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
                 return coerce(value, arg, key)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{key}: unexpected value {value!r}")
+        raise ConfigError(errors[0])
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:

@@ -95,6 +95,10 @@ def test_overrides_parse_yaml_values():
      r"distributed\.process_id: must be below distributed\.num_processes \(2\)"),
     (["distributed.coordinator=h:1", "distributed.num_processes=0", "distributed.process_id=0"],
      r"distributed\.num_processes: must be positive"),
+    (["model.num_kv_heads=x"], r"model\.num_kv_heads: expected an integer, got 'x'$"),  # int | None
+    (["optim.lr=abc"], r"optim\.lr: expected a number, got 'abc'$"),  # a string, not 1e-4's
+    (["model=5"], r"model: expected a mapping, got 5$"),
+    (["train.steps=5", "train.steps.x=1"], r"override 'train\.steps\.x=1': steps is not a section$"),
 ])
 def test_errors_name_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -160,6 +164,15 @@ def test_file_errors(tmp_path):
     based.write_text("base: sub\n")  # a base that is a directory, as --config DIR
     with pytest.raises(ConfigError, match=r"sub: is a directory; expected a YAML config file"):
         load_config(based)
+    listed = tmp_path / "listed.yaml"
+    listed.write_text("- model\n- train\n")
+    with pytest.raises(ConfigError, match=r"listed\.yaml: the top level must be a mapping of "
+                       r"sections$"):
+        load_config(listed)
+    listed.write_text("model:\n  ? [a, b]\n  : 1\n")  # a list as a key: PyYAML's own refusal
+    with pytest.raises(ConfigError, match=r"listed\.yaml: not valid YAML: found unhashable key "
+                       r"at line 2, column 5$"):
+        load_config(listed)
     for base in ("3", "[a.yaml]"):
         based.write_text(f"base: {base}\n")
         with pytest.raises(ConfigError, match=r"based\.yaml: base: expected the path of a YAML "
@@ -231,3 +244,12 @@ def test_apply_overrides_leaves_the_callers_dict_as_it_was():
     out = apply_overrides(data, ["model.num_layers=4", "train.steps=7", "optim.lr=0.1"])
     assert out["model"]["num_layers"] == 4 and out["train"]["steps"] == 7
     assert out["optim"] == {"lr": 0.1} and data == before
+
+
+def test_coerce_refuses_an_annotation_it_does_not_know():
+    """A field annotated with a type `coerce` has no rule for (a dict) is a ConfigError naming
+    the key, not a value passed through unchecked."""
+    from diff_jax.config import coerce
+
+    with pytest.raises(ConfigError, match=r"model\.extra: unsupported type <class 'dict'>$"):
+        coerce({}, dict, "model.extra")

@@ -184,6 +184,8 @@ def test_quantize_logits_levels():
     s2 = jnp.asarray([[[[-0.9, 0.1, 0.9, 5.0]]]])
     masked = np.asarray(quantize_logits(s2, jnp.asarray([[[[True, True, True, False]]]]), 2))
     np.testing.assert_allclose(masked[..., :3], [[[[-0.9, 0.0, 0.9]]]], atol=1e-6)
+    with pytest.raises(ValueError, match=r"logit_bits must be >= 2, got 1$"):  # 1 bit: no level but 0
+        quantize_logits(s, None, 1)
 
 
 def test_quantize_logits_scales_each_map_whole_and_rounds_to_nearest():

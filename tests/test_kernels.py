@@ -351,6 +351,14 @@ def _bad_layouts():
          r"k must be .* d = 16, got \(1, 5, 2, 32\)"),
         ("lam a vector", lambda i: diff(q, k, v, jnp.ones(2), impl=i), r"lam must be a scalar"),
         ("3-D q", lambda i: diff(q[0], k, v, 0.5, impl=i), r"q must be 4-D"),
+        ("3 query heads on 2 kv heads", lambda i: diff(jnp.zeros((1, 5, 6, 16), bf16),
+                                                       jnp.zeros((1, 5, 4, 16), bf16),
+                                                       jnp.zeros((1, 5, 2, 32), bf16), 0.5, impl=i),
+         r"the query heads \(3\) must be a multiple of the kv heads \(2\): q \(1, 5, 6, 16\)"),
+        ("segment_ids with more keys", lambda i: diff(q, jnp.zeros((1, 6, 2, 16), bf16),
+                                                      jnp.zeros((1, 6, 1, 32), bf16), 0.5,
+                                                      segment_ids=seg[:, :5], impl=i),
+         r"segment_ids \(B, T\) mask the keys too, so they need S == T; got T = 5, S = 6"),
     ]
 
 
@@ -416,12 +424,20 @@ def test_key_segments_alone_are_refused_not_ignored():
     with pytest.raises(ValueError, match=r"kv_segment_ids need the queries' segment_ids"):
         kernels.dot_product_attention(q, k[:, :, :1], v[..., :16], kv_segment_ids=visible,
                                       causal=False)
+    with pytest.raises(ValueError, match=r"kv_segment_ids must be \(B, S\) = \(1, 6\), got \(1, 5\)"):
+        kernels.diff_attention(q, k, v, 0.5, segment_ids=jnp.ones((1, 1), jnp.int32),
+                               kv_segment_ids=visible[:, :5], causal=False, impl="xla")
 
 
-def test_decode_attention_refuses_lengths_of_another_batch():
+def test_decode_attention_refuses_lengths_of_another_batch_two_queries_and_a_chunk_of_0():
     q, k, v = jnp.zeros((2, 1, 4, 16)), jnp.zeros((2, 8, 2, 16)), jnp.zeros((2, 8, 1, 32))
+    lengths = jnp.ones(2, jnp.int32)
     with pytest.raises(ValueError, match=r"lengths must be \(B,\) = \(2,\), got \(3,\)"):
         kernels.decode_attention(q, k, v, 0.5, lengths=jnp.ones(3, jnp.int32))
+    with pytest.raises(ValueError, match=r"decode_attention takes one query per row, got T = 2$"):
+        kernels.decode_attention(jnp.concatenate([q, q], 1), k, v, 0.5, lengths=lengths)
+    with pytest.raises(ValueError, match=r"chunk must be positive, got 0$"):
+        kernels.decode_attention(q, k, v, 0.5, lengths=lengths, chunk=0)
 
 
 def test_four_call_composition_equals_the_oracle():

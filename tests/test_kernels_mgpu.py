@@ -329,6 +329,7 @@ def test_a_bad_tile_table_is_one_error_naming_the_file_and_row(tmp_path):
     row = good["entries"][0]
     cases = [("{", r"does not read as JSON"),
              (json.dumps({"rows": []}), r"must be an object with a list 'entries'"),
+             (json.dumps({"entries": [row, 5]}), r"entries\[1\] must be an object, got 5$"),
              (json.dumps({"entries": [row, {**row, "gpu": ""}]}),
               r"entries\[1\]: gpu must be 'default' or one word"),
              (json.dumps({"entries": [{**row, "d": "64"}]}), r"entries\[0\]: d must be an integer"),
@@ -341,6 +342,9 @@ def test_a_bad_tile_table_is_one_error_naming_the_file_and_row(tmp_path):
         with pytest.raises(ValueError, match=re.escape(str(path)) + ".*" + msg):
             hopper.tiles_for(64, jnp.bfloat16, kind="", path=path)
     path.write_text(hopper.TABLE.read_text())
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r" has no row for d=32, "
+                       r"dtype=bfloat16$"):  # a width the table does not tile
+        hopper.tiles_for(32, jnp.bfloat16, kind="", path=path)
     tiles = flash_mgpu.Tiles(64, 64, 64, 3)
     with pytest.raises(ValueError, match=r"gpu must be 'default' or one word .* got ''"):
         hopper.record("", 64, jnp.bfloat16, tiles, "test", path=path)

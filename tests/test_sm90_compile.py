@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,14 @@ def test_ptxas_report_is_read_per_entry_function():
     with pytest.raises(ValueError, match="diff_flash_dkdv_mosaic_gpu_kernel ends before its "
                                          "register count"):
         ptxas.parse(truncated)
+    cut = REPORT.replace("ptxas info    : Used 168 registers, used 16 barriers, 1 bytes smem\n", "", 1)
+    with pytest.raises(ValueError, match="diff_flash_fwd_mosaic_gpu_kernel ends before its "
+                                         "register count"):  # the next entry begins first
+        ptxas.parse(cut)
+    frameless = REPORT.replace("    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n", "")
+    with pytest.raises(ValueError, match="ptxas report of diff_flash_fwd_mosaic_gpu_kernel has no "
+                                         "stack frame line$"):
+        ptxas.parse(frameless)
     assert ptxas.parse("no ptxas here\n") == []
 
 
@@ -101,6 +110,7 @@ def test_sass_step_loops_are_the_innermost_wgmma_loops():
     (dq,) = ptxas.parse(REPORT.replace("fwd", "dq").split("ptxas info    : (C7512)")[0] + SASS)
     assert dq.loops == loops["diff_flash_dq_mosaic_gpu_kernel"] and dq.loop_spills == 3
     assert ptxas.parse(REPORT)[0].loops is None  # no SASS read: unknown, not "no loops"
+    assert ptxas.parse(REPORT)[0].loop_spills is None
 
 
 # A wgmma loop (.L_x_1) nested in another (.L_x_0), a predicated EXIT before a second wgmma loop
@@ -215,6 +225,35 @@ def test_a_kernel_compiled_before_is_still_reported():
     first = ptxas.mosaic_kernels(devices, 64, tiles, has_seg=False)
     again = ptxas.mosaic_kernels(devices, 64, tiles, has_seg=False)
     assert again == first and [r.name.split("_")[2] for r in first] == ["fwd", "dq", "dkdv"]
+
+
+def test_ptxas_report_restores_the_dump_variables_as_they_were(monkeypatch):
+    """The dump switches are on only while `compile` runs: one set before keeps its value, one
+    unset before is removed again (a process that set MOSAIC_GPU_DUMP_PTXAS=0 had it left at 1)."""
+    monkeypatch.setenv(ptxas.DUMP_VARIABLE, "0")
+    monkeypatch.delenv(ptxas.SASS_VARIABLE, raising=False)
+    seen = {}
+
+    def compile():
+        seen.update((name, os.environ.get(name)) for name in (ptxas.DUMP_VARIABLE,
+                                                               ptxas.SASS_VARIABLE))
+        return 7
+
+    assert ptxas.ptxas_report(compile) == (7, [])
+    assert seen == {ptxas.DUMP_VARIABLE: "1", ptxas.SASS_VARIABLE: "1"}
+    assert os.environ[ptxas.DUMP_VARIABLE] == "0" and ptxas.SASS_VARIABLE not in os.environ
+
+
+@needs_cuda_aot
+def test_a_kernel_compiled_without_a_report_is_one_error_naming_it(monkeypatch):
+    """A kernel Mosaic GPU compiled before by another path (no report read, so not in `_SEEN`)
+    is not reported again: a RuntimeError naming it, not a list one report short."""
+    monkeypatch.setattr(ptxas, "_SEEN", {})
+    monkeypatch.setattr(ptxas, "ptxas_report", lambda compile: (None, []))
+    tiles = hopper.tiles_for(64, jnp.bfloat16, kind="")[0]
+    with pytest.raises(RuntimeError, match=r"ptxas reported nothing for diff_flash_fwd \(compiled "
+                                           r"before this process read reports\?\)$"):
+        ptxas.mosaic_kernels(gpu_devices("h100:1"), 64, tiles, has_seg=False, parts=("fwd",))
 
 
 @needs_cuda_aot

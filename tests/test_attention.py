@@ -103,6 +103,15 @@ def test_rope_from_positions_matches_the_numpy_tables():
     assert npr.rel_err(got, want) < F32_TOL
 
 
+def test_rope_tables_refuse_an_odd_head_dim():
+    """RoPE rotates pairs (2i, 2i+1): an odd width has a last element without a partner (the
+    config refuses one as model.head_dim; this is the function called directly)."""
+    from diff_jax.rope import rope_tables
+
+    with pytest.raises(ValueError, match=r"RoPE needs an even head dim, got 5$"):
+        rope_tables(jnp.arange(4), 5, 10000.0)
+
+
 def test_lambda_init_and_lambda_values():
     assert lambda_init(0) == pytest.approx(0.2)
     for depth in range(12):

@@ -87,6 +87,10 @@ def test_eos_seed_and_errors():
         generate(cfg, params, [[]], max_new_tokens=3)
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(top_p=0)
+    with pytest.raises(ValueError, match=r"top_k must be >= 0, got -1$"):
+        SamplingConfig(top_k=-1)
+    with pytest.raises(ValueError, match=r"max_new_tokens must be >= 1, got 0$"):
+        generate(cfg, params, [[3, 4]], max_new_tokens=0)
 
 
 def test_sampling_filters():

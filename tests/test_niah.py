@@ -53,6 +53,8 @@ def test_too_short_context_and_bad_counts_are_refused():
         _sample(0, 0.5, length=60)
     with pytest.raises(ValueError, match="queries"):
         _sample(0, 0.5, queries=6)
+    with pytest.raises(ValueError, match=r"depth must be in \[0, 1\], got 1\.5$"):
+        _sample(0, 1.5)
 
 
 def test_training_documents_come_from_a_seed_domain_disjoint_from_evaluation():

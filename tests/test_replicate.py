@@ -176,6 +176,12 @@ def test_paired_differences_claim_a_direction_only_outside_the_seed_spread():
         stats.paired([1.0], [1.0, 2.0])
 
 
+def test_a_table_cell_is_the_mean_its_std_over_seeds_or_n_a():
+    assert stats.mean_std(stats.stat([0.5, 0.54])) == "0.52 ± 0.03"
+    assert stats.mean_std(stats.stat([0.5125]), 3) == "0.512"  # one seed: no std
+    assert stats.mean_std(stats.stat([float("nan"), 0.5])) == "n/a"  # a seed's loss diverged
+
+
 def test_censored_paired_differences_use_the_sign_a_never_reached_threshold_fixes():
     """Steps to 90% checked until step 3000 (None: never reached). A seed where one model never
     got there and the other did has a known sign and a one-sided bound; where neither did, the

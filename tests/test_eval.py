@@ -125,6 +125,20 @@ def test_nll_by_position_averages_the_first_documents_of_at_least_length_plus_on
     got, n = nll_by_position(cfg, params, corpus, 8, max_docs=3, batch_size=2)
     assert n == 3
     np.testing.assert_allclose(got, want, rtol=1e-5)
+    got, n = nll_by_position(cfg, params, corpus, 12, max_docs=3, batch_size=2)  # none of 13
+    assert n == 0 and got.shape == (0,)
+
+
+def test_ppl_with_no_document_of_length_plus_one_tokens_says_by_position_is_empty(runs, tmp_path):
+    """Held-out documents all shorter than length + 1 tokens still fill packed rows (the loss),
+    but no document is read from its start for by_position: it is empty and a note says why."""
+    for i in range(40):
+        (tmp_path / f"{i}.txt").write_text(f"note {i}: short text, a dozen tokens or so.")
+    out = _run(runs["diff"], "task=ppl", "length=32", "batch_size=2", "held_out_tokens=64",
+               f"data.paths=[{tmp_path}]", "data.validation_fraction=0.5")
+    assert out["by_position"] == {"num_documents": 0, "nll": [], "cumulative_nll": []}
+    assert "no held-out document has 33 tokens: by_position is empty" in out["notes"]
+    assert out["files"] == [] and math.isfinite(out["loss"])
 
 
 def test_a_named_step_writes_beside_the_latest_steps_result(runs, tmp_path):
@@ -483,6 +497,10 @@ def test_errors_name_what_and_where(runs, tmp_path, capsys):
         run_task(*parse_args(["task=ppl", f"checkpoint={tmp_path / 'missing'}"]))
     with pytest.raises(CheckpointError, match="train.run_dir=nope: .*/nope does not exist"):
         run_task(*parse_args(["task=ppl", "train.run_dir=nope"]))
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(CheckpointError, match=f"checkpoint={tmp_path / 'plain'}: neither a run "
+                                              "directory nor an export; expected "):
+        run_task(*parse_args(["task=ppl", f"checkpoint={tmp_path / 'plain'}"]))
     (tmp_path / "empty_run").mkdir()
     (tmp_path / "empty_run" / "config.yaml").write_text("")
     with pytest.raises(CheckpointError, match="no checkpoints directory at .*empty_run"):
@@ -643,6 +661,70 @@ def test_score_input_that_is_not_an_npy_array_is_one_error(runs, tmp_path, capsy
         err = capsys.readouterr().err
         assert err.startswith(f"error: input={path}: not a NumPy array of token ids"), err
         assert err.count("\n") == 1 and "allow_pickle" not in err, err
+
+
+@pytest.mark.parametrize("args,match", [
+    (["task=ppl", "length=0"], r"^length=0: must be positive$"),
+    (["task=ppl", "step=0"], r"^step=0: must be positive$"),
+    (["task=niah", "needles=4", "queries=5"], r"^queries=5: must be <= needles \(4\)$"),
+    (["task=niah", "depths=[50,101]"],
+     r"^depths=\[50, 101\]: expected one or more percentages in \[0, 100\]$"),
+    (["task=niah", "depths=[]"], r"^depths=\[\]: expected one or more percentages in \[0, 100\]$"),
+    (["task=generate"], r'^task=generate needs prompt="\.\.\."$'),
+    (["task=generate", "prompt="], r'^task=generate needs prompt="\.\.\."$'),
+    (["task=ppl", "batches"], r"^argument 'batches': expected key=value$"),
+    (["task=ppl", "batch_size=four"], r"^batch_size: expected an integer, got 'four'$"),
+    (["batch_size=2"], r"^missing task=NAME; tasks: ppl, score, niah"),
+])
+def test_bad_options_are_one_error_naming_the_key(args, match):
+    with pytest.raises(EvalError, match=match):
+        parse_args(args)
+
+
+def test_bad_inputs_and_lengths_are_one_error_naming_them(runs, tmp_path):
+    """score's input= (missing, not 1-D integers, another suffix, ids outside the vocabulary) and
+    length= (beyond model.max_seq_len), ppl's held-out split (none held out, shorter than a
+    row), niah's and recall's cells (lengths= too short for the needles), and generate's
+    sampling and length checks: each one error naming the key or the file, before any compile."""
+    from diff_jax.evaluation import recall, scoring
+    from diff_jax.evaluation.generation import run as generate_task
+
+    loaded = _params(runs["diff"])  # vocab_size 100288, max_seq_len 128, train.seq_len 64
+    cfg = loaded.config
+    for name, ids in (("2d.npy", np.zeros((2, 3), np.int32)), ("float.npy", np.zeros(4))):
+        np.save(tmp_path / name, ids)
+        with pytest.raises(EvalError, match=f"^input={tmp_path / name}: expected a 1-D array "
+                           r"of integer token ids, got (int32 \(2, 3\)|float64 \(4,\))$"):
+            scoring.read_tokens(tmp_path / name, cfg)
+    np.save(tmp_path / "big.npy", np.array([1, 100_288], np.int32))
+    (tmp_path / "ids.csv").write_text("1,2,3\n")
+    for name, match in (("missing.npy", "no such file"),
+                        ("ids.csv", r"expected a \.txt or \.npy file"),
+                        ("big.npy", r"token ids must be in \[0, 100288\)")):
+        with pytest.raises(EvalError, match=f"^input={tmp_path / name}: {match}$"):
+            scoring.read_tokens(tmp_path / name, cfg)
+    np.save(tmp_path / "ids.npy", np.arange(10, dtype=np.int32))
+    for task in (["task=score", f"input={tmp_path / 'ids.npy'}"], ["task=ppl"]):
+        options = parse_args([*task, "length=256"])[0]
+        with pytest.raises(EvalError, match=r"^length=256 exceeds model\.max_seq_len \(128\)$"):
+            scoring.score(loaded, options) if task[0] == "task=score" else scoring.eval_length(
+                cfg, options)
+    with pytest.raises(data.DataError, match=r"^data\.validation_fraction is 0 for this run, "
+                       r"so no text was held out; pass data\.validation_fraction"):
+        scoring.held_out_corpus(load_config(None, ["data.validation_fraction=0"]))
+    few = data.TokenCorpus(np.arange(5, dtype=np.uint32), np.array([0, 5]), 8)
+    with pytest.raises(data.DataError, match=r"^the held-out split has 5 tokens, fewer than one "
+                                             r"row of length \+ 1 = 9$"):
+        scoring.held_out_rows(few, 8, 2, 64)
+    with pytest.raises(EvalError, match=r"^niah: length 16 is too short for 4 needles"):
+        cell_samples(ENC, parse_args(["task=niah"])[0], 50, 16)
+    with pytest.raises(EvalError, match=r"^recall: length 8 is too short for 4 pairs"):
+        recall.cell_samples(parse_args(["task=recall"])[0], 8)
+    for args, match in ((["max_new_tokens=200"], r"longest prompt \(2 tokens\) \+ max_new_tokens "
+                                                 r"\(200\) = 202 exceeds model\.max_seq_len \(128\)$"),
+                        (["top_k=-1"], r"top_k must be >= 0, got -1$")):
+        with pytest.raises(EvalError, match=r"^generate: " + match):
+            generate_task(loaded, parse_args(["task=generate", "prompt=def f", *args])[0])
 
 
 @pytest.mark.parametrize("key", ["batch_size", "batches", "held_out_tokens", "needles", "queries",

@@ -12,8 +12,6 @@ def run(loaded: Loaded, options: EvalOptions) -> Report:
     """Continue `options.prompt` by up to `max_new_tokens` tokens (stops at end-of-text)."""
     enc = text_encoding(loaded.config)
     ids = enc.encode_ordinary(options.prompt)
-    if not ids:
-        raise EvalError("prompt: encodes to no tokens")
     try:
         sampling = SamplingConfig(options.temperature, options.top_k, options.top_p)
         new = generate(loaded.config.model, loaded.params, [ids], max_new_tokens=options.max_new_tokens,

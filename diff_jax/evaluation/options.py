@@ -73,7 +73,8 @@ class EvalOptions:
         if any(n < 1 for n in self.lengths):
             raise EvalError(f"lengths={list(self.lengths)}: must be positive")
         if not self.depths or any(not 0 <= d <= 100 for d in self.depths):
-            raise EvalError(f"depths={list(self.depths)}: must be percentages in [0, 100]")
+            raise EvalError(f"depths={list(self.depths)}: expected one or more percentages in "
+                            "[0, 100]")
         if any(n < 2 for n in self.bits):
             raise EvalError(f"bits={list(self.bits)}: must be >= 2")
         if self.task == "score" and self.input is None:

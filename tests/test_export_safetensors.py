@@ -4,6 +4,7 @@ file written by the former hand-written writer (tests/fixtures/safetensors_expor
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -90,3 +91,21 @@ def test_unwritable_dtype_and_damaged_files_name_the_file(tmp_path):
         path.write_bytes(damaged)
         with pytest.raises(ex.ExportError, match=r"model.safetensors: not a readable safetensors file"):
             read_safetensors(path)
+
+
+def test_a_dtype_numpy_cannot_hold_names_the_file_and_tensor(tmp_path):
+    """A float8 tensor (as in FP8 checkpoints) is one ExportError naming the file, the tensor and
+    its dtype; safetensors' numpy backend fails on it with an AttributeError."""
+    path = tmp_path / "model.safetensors"
+    header = json.dumps({"w": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0")
+    with pytest.raises(ex.ExportError, match=re.escape(
+            f"{path}: tensor 'w' has dtype F8_E4M3, which numpy cannot hold (expected one of "
+            "['float32', 'bfloat16', 'float16', 'float64', 'int32', 'int64']): ")):
+        read_safetensors(path)
+
+
+def test_a_write_that_fails_names_the_file(tmp_path):
+    path = tmp_path / "missing" / "model.safetensors"
+    with pytest.raises(ex.ExportError, match=re.escape(f"{path}: could not write safetensors: ")):
+        write_safetensors(path, {"x": np.zeros(2, np.float32)}, {})

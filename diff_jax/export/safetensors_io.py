@@ -50,7 +50,7 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str,
     """({name: numpy array in the stored dtype and shape}, metadata) of the safetensors file `path`.
 
     `ExportError` naming the file when it is missing, truncated, corrupt, or holds a dtype that
-    numpy cannot represent.
+    numpy cannot represent (naming the tensor and its dtype, e.g. F8_E4M3).
     """
     path = Path(path)
     if not path.is_file():
@@ -58,9 +58,15 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str,
     try:
         with safe_open(str(path), framework="np") as f:
             metadata = dict(f.metadata() or {})
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            tensors = {}
+            for name in f.keys():
+                try:
+                    tensors[name] = f.get_tensor(name)
+                # safetensors looks the dtype up on numpy (AttributeError for float8_*, float4_*)
+                except (AttributeError, TypeError, ValueError) as e:
+                    raise ExportError(f"{path}: tensor {name!r} has dtype "
+                                      f"{f.get_slice(name).get_dtype()}, which numpy cannot hold "
+                                      f"(expected one of {[str(d) for d in WRITABLE]}): {e}") from e
     except SafetensorError as e:
         raise ExportError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e
-    except (TypeError, ValueError) as e:  # a dtype the numpy backend cannot build
-        raise ExportError(f"{path}: a tensor cannot be read as a numpy array: {e}") from e
     return tensors, metadata

@@ -415,3 +415,80 @@ def test_init_from_refuses_each_model_field_the_parameters_depend_on(tmp_path):
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     loaded = initial_params(out, free, jax.tree.map(lambda _: device, params))
     jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+@pytest.fixture(scope="module")
+def orbax_export(diff_run, tmp_path_factory) -> Path:
+    return ex.export(diff_run[0], tmp_path_factory.mktemp("op") / "op", "orbax-params")
+
+
+def _truncate_the_largest_array_file(export_dir: Path) -> None:
+    largest = max((p for p in (export_dir / "params").rglob("*") if p.is_file()),
+                  key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:100])
+
+
+@pytest.mark.parametrize("damage, error", [
+    (lambda d: (d / "export.json").write_text("{"), "{d}/export.json: not valid JSON: "),
+    (lambda d: (d / "export.json").write_text('{"format": "hf-diffllama"}'),
+     "{d}/export.json: format 'hf-diffllama' cannot be loaded back; exports in formats "
+     "safetensors and orbax-params can"),
+    (lambda d: (d / "config.json").write_text("[1]"),
+     "{d}/config.json: expected the model config as a JSON object, got [1]"),
+    (lambda d: shutil.rmtree(d / "params"), "{d}/params: missing; the export is incomplete"),
+    (lambda d: (d / "checksums.json").write_text("{}"),
+     "{d}/checksums.json: {d}/params: the checksums record is damaged or of an unknown kind"),
+    (_truncate_the_largest_array_file,
+     "{d}/params: the export is damaged: could not read the parameters: "),
+])
+def test_a_damaged_orbax_export_is_one_error_naming_the_file(orbax_export, tmp_path, damage, error):
+    damaged = tmp_path / "op"
+    shutil.copytree(orbax_export, damaged)
+    damage(damaged)
+    with pytest.raises(ex.ExportError, match=re.escape(error.format(d=damaged))) as raised:
+        ex.load(damaged)
+    assert "\n" not in str(raised.value)
+
+
+def test_an_unreadable_orbax_checkpoint_names_it(orbax_export, monkeypatch):
+    def metadata(self, path):
+        raise ValueError("no tree metadata")
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "metadata", metadata)
+    with pytest.raises(ex.ExportError, match=re.escape(
+            f"{orbax_export / 'params'}: not a readable orbax checkpoint: no tree metadata")):
+        ex.load(orbax_export)
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda run, tmp: ex.export(run, tmp / "out", "onnx"),
+     "--format 'onnx': must be one of ['safetensors', 'orbax-params', 'hf-diffllama']"),
+    (lambda run, tmp: ex.export(run, tmp / "out", dtype="int8"),
+     "--dtype 'int8': must be one of ['float32', 'bfloat16']"),
+    (lambda run, tmp: ex.export(run, tmp / "out", "hf-diffllama", tokenizer="bogus"),
+     "--tokenizer 'bogus': data.tokenizer: cannot load tiktoken encoding 'bogus' offline"),
+    (lambda run, tmp: ex.load(run / "checkpoints" / "5" / "_CHECKPOINT_METADATA"),
+     "{run}/checkpoints/5/_CHECKPOINT_METADATA: expected a directory (a run, a checkpoint or an "
+     "export)"),
+])
+def test_bad_export_arguments_are_one_error_naming_them(diff_run, tmp_path, call, error):
+    run = diff_run[0]
+    with pytest.raises(ex.ExportError, match=re.escape(error.format(run=run))):
+        call(run, tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_init_from_a_path_that_holds_no_model_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape(
+            f"train.init_from: {tmp_path / 'nowhere'}: no such file or directory")):
+        initial_params(tmp_path / "nowhere", CONFIGS["diff"], None)
+
+
+def test_a_runs_checkpoints_directory_reads_as_the_run(diff_run):
+    from diff_jax.export.sources import read_source, run_sections
+
+    run, config, params = diff_run
+    source = read_source(run / "checkpoints")
+    assert (source.config, source.step, source.origin) == (config, 5, str(run / "checkpoints" / "5"))
+    jax.tree.map(np.testing.assert_array_equal, source.params, params)
+    assert run_sections({"model": {}}) is None and run_sections(["data"]) is None

@@ -4,6 +4,7 @@ of the default corpus exactly as our cl100k pipeline (diff_jax.data) does, end-o
 from __future__ import annotations
 
 import json
+import re
 import sysconfig
 from pathlib import Path
 
@@ -135,3 +136,19 @@ def test_the_end_of_text_id_must_fit_the_model_vocabulary(tmp_path):
         export_with_tokenizer(tmp_path, 300, tokenizer="cl100k_first_300")
     out = export_with_tokenizer(tmp_path, 301, tokenizer="cl100k_first_300")
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == 300
+
+
+@pytest.mark.parametrize("special, error", [
+    ({"a": 256, "<|endoftext|>": 257}, "--tokenizer 'stub': special token 'a' is also a BPE token"),
+    ({"<|fim|>": 256}, "--tokenizer 'stub': has no <|endoftext|> token"),
+])
+def test_an_encoding_hf_tokenizers_cannot_express_is_refused(tmp_path, monkeypatch, special, error):
+    """tiktoken encodings registered by a plugin are accepted by name: one whose special token is
+    spelt as a BPE token, or that has no end-of-text, is refused naming --tokenizer."""
+    from diff_jax.export import tokenizer
+
+    ranks = {bytes([b]): b for b in range(256)}
+    monkeypatch.setattr(tokenizer, "_encoding_parts", lambda name: (ranks, special, r"\S+|\s+"))
+    with pytest.raises(ex.ExportError, match=re.escape(error)):
+        tokenizer.write_tokenizer(tmp_path, "stub", 64)
+    assert list(tmp_path.iterdir()) == []

@@ -5,6 +5,7 @@ the identity, and what cannot be mapped exactly is refused with the reason."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -209,6 +210,12 @@ def saved_diffllama(tmp_path_factory) -> Path:
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor is 0.5"),
     ({"attention_dropout": 0.1}, "attention_dropout is 0.1"),
     ({"sliding_window": 16}, "sliding_window is set"),
+    ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
+    ({"num_hidden_layers": "2"}, "num_hidden_layers must be a positive integer, got '2'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+     "rope_theta must be a positive number, got 0"),
+    ({"rms_norm_eps": -1e-5}, r"rms_norm_eps must be a positive number, got -1e-05"),
+    ({"hidden_size": 24, "head_dim": 3}, r"gives an invalid diff-jax model config: model.head_dim: .* got 3"),
 ])
 def test_configs_without_an_exact_equivalent_are_refused(edit, reason, saved_diffllama, tmp_path):
     hf_dir = tmp_path / "edited"
@@ -322,3 +329,72 @@ def test_fine_tuning_starts_from_the_imported_parameters(tmp_path):
     with pytest.raises(ConfigError, match=r"train.init_from: .* model.variant=transformer but the "
                                           r"config gives diff"):
         check_same_model(imported_config, other.model, str(out))
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("hf")
+    save_hf("llama-gqa", directory)
+    return directory
+
+
+def _rewrite(hf_dir: Path, edit) -> None:
+    from diff_jax.export.safetensors_io import write_safetensors
+
+    tensors, _ = read_safetensors(hf_dir / "model.safetensors")
+    write_safetensors(hf_dir / "model.safetensors", edit(tensors), {"format": "pt"})
+
+
+def _shard_with_extra_name(hf_dir: Path) -> None:
+    names = read_safetensors(hf_dir / "model.safetensors")[0]
+    (hf_dir / "model.safetensors").rename(hf_dir / "model-1.safetensors")
+    weight_map = dict.fromkeys([*names, "model.extra.weight"], "model-1.safetensors")
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _index_without_weight_map(hf_dir: Path) -> None:
+    (hf_dir / "model.safetensors").unlink()
+    (hf_dir / "model.safetensors.index.json").write_text("{}")
+
+
+Q0 = "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize("kind, edit, error", [
+    ("diffllama", lambda d: (d / "config.json").unlink(),
+     "{d}/config.json: missing; HF_DIR must be a local save_pretrained directory"),
+    ("diffllama", lambda d: (d / "config.json").write_text("{"), "{d}/config.json: not valid JSON: "),
+    ("diffllama", lambda d: (d / "config.json").write_text("[]"),
+     "{d}/config.json: expected a JSON object"),
+    ("diffllama", _index_without_weight_map,
+     "{d}/model.safetensors.index.json: not a safetensors index with a weight_map: 'weight_map'"),
+    ("diffllama", _shard_with_extra_name,
+     "{d}/model.safetensors.index.json: 'model.extra.weight' is listed but in none of its shards"),
+    ("diffllama", lambda d: _rewrite(d, lambda t: t | {"model.norm.weight": np.ones(64, np.int32)}),
+     "{d}: model.norm.weight has dtype int32; expected one of ['bfloat16', 'float16', 'float32', "
+     "'float64']"),
+    ("diffllama", lambda d: _rewrite(d, lambda t: t | {Q0: t[Q0][:32]}),
+     f"{{d}}: {Q0}: shape (32, 64), expected (64, 64) for 8 heads of width 8"),
+    ("llama", lambda d: _rewrite(d, lambda t: t | {Q0: t[Q0][:32]}),
+     f"{{d}}: {Q0}: shape (32, 64), expected (64, 64) for 4 heads of width 16"),
+])
+def test_an_hf_dir_that_cannot_be_read_is_one_error_naming_the_file(kind, edit, error, saved_diffllama,
+                                                                    saved_llama, tmp_path):
+    hf_dir = tmp_path / "edited"
+    shutil.copytree({"diffllama": saved_diffllama, "llama": saved_llama}[kind], hf_dir)
+    edit(hf_dir)
+    with pytest.raises(ex.ExportError, match=re.escape(error.format(d=hf_dir))) as raised:
+        import_hf(hf_dir, tmp_path / "out")
+    assert "\n" not in str(raised.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tied_checkpoint_that_also_saves_its_lm_head_imports(saved_diffllama, tmp_path):
+    """tie_word_embeddings with lm_head.weight saved (equal to the embedding): the same parameters
+    as without it."""
+    from diff_jax.export.hf_import import read_hf
+
+    hf_dir = tmp_path / "with-head"
+    shutil.copytree(saved_diffllama, hf_dir)
+    _rewrite(hf_dir, lambda t: t | {"lm_head.weight": t["model.embed_tokens.weight"]})
+    jax.tree.map(np.testing.assert_array_equal, read_hf(hf_dir).params, read_hf(saved_diffllama).params)

@@ -243,14 +243,14 @@ def read_hf(hf_dir: str | Path) -> Source:
         raise ExportError(f"{hf_dir}: tensor {extra[0]!r} ({len(extra)} unexpected in all) has no "
                           f"place in a {ARCHITECTURES[hf_config['model_type']]} as its config.json "
                           "describes it; refusing to import")
+    for name, value in tensors.items():
+        if value.dtype not in _FLOATS:
+            raise ExportError(f"{hf_dir}: {name} has dtype {value.dtype}; expected one of "
+                              f"{sorted(str(d) for d in _FLOATS)}")
     try:
         ours = _TO_OURS[hf_config["model_type"]](tensors, config)
     except ExportError as e:
         raise ExportError(f"{hf_dir}: {e}") from e
-    for name, value in ours.items():
-        if value.dtype not in _FLOATS:
-            raise ExportError(f"{hf_dir}: {name} has dtype {value.dtype}; expected one of "
-                              f"{sorted(str(d) for d in _FLOATS)}")
     params = from_state_dict(ours, config, str(hf_dir))
     return Source(config, params, str(hf_dir), None)
 

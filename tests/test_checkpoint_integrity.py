@@ -26,7 +26,7 @@ from diff_jax.evaluation.loading import load
 from diff_jax.export import ExportError
 from diff_jax.export.__main__ import main as export_main
 from eval import main as eval_main
-from tests.training_fixtures import tiny_config, write_corpus
+from training_fixtures import tiny_config, write_corpus
 
 
 def _ckpt_steps(run_dir: Path) -> list[int]:

@@ -21,7 +21,7 @@ from diff_jax.data import (DataError, PackedRows, TokenCorpus, build, encoding, 
                            tokenize, train_iterator, unigram_loss)
 from diff_jax.data.__main__ import main as data_main
 from diff_jax.transformer import DecoderLM
-from tests.training_fixtures import EOT, synthetic_corpus
+from training_fixtures import EOT, synthetic_corpus
 
 
 def _take(it, n):

@@ -74,7 +74,7 @@ def diff_run(tmp_path_factory) -> tuple[Path, ModelConfig, dict]:
 
 def test_a_real_training_run_exports_and_loads_back(tmp_path):
     from diff_jax import train_loop
-    from tests.training_fixtures import tiny_config, write_corpus
+    from training_fixtures import tiny_config, write_corpus
 
     run = tmp_path / "run"
     result = train_loop.run(tiny_config(write_corpus(tmp_path / "corpus"), run, "train.steps=2",

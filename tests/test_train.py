@@ -19,7 +19,7 @@ import pytest
 from diff_jax import checkpoint, train_loop
 from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import dump_config, load_config
-from tests.training_fixtures import synthetic_corpus, tiny_config, write_corpus
+from training_fixtures import synthetic_corpus, tiny_config, write_corpus
 from train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.training_fixtures import write_corpus
+from training_fixtures import write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -221,6 +221,17 @@ def test_kernels_with_fewer_or_more_keys_than_queries(backend, t, s, causal):
     _kernel_matches_the_reference(q, k, v, do, 0.6, tiles, backend=backend, causal=causal)
 
 
+def test_unmasked_tiles_without_causality_segments_or_a_ragged_tail():
+    """Non-causal, no segments, S = T a multiple of the tiles: every TPU tile runs with no mask
+    at all (forward, dQ and dK/dV), as the oracle does; every other case masked each tile, by
+    causality, segments or the ragged key tail. float64 reference, float32 accuracy."""
+    q, k, v, do, _ = make_inputs(1, 256, 2, 1, 16, jnp.float32, seed=21, segments=False)
+    _kernel_matches_the_reference(q, k, v, do, 0.4, BlockSizes(128, 128, 128, 128), causal=False)
+    oracle = kernels.diff_attention(q, k, v, 0.4, causal=False, impl="xla")
+    want = np_diff_attention(q, k, v, 0.4, do, causal=False, seg=None)[0]
+    assert rel(oracle, want) < F32_TOL
+
+
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_logits_far_below_zero_keep_their_softmax(backend):
     """Rows whose logits all lie near −140 (a valid map: softmax is shift-invariant) against the

@@ -19,7 +19,8 @@ tpu: Mosaic TPU; elsewhere (CPU) the Triton-style kernel under the Pallas interp
 `backend=` forces one: "gpu" (Triton), "mosaic_gpu", "tpu" (interpreted off their device;
 "mosaic_gpu" on CPU runs under Mosaic GPU's own interpreter). `interpret=True` (or
 `pltpu.InterpretParams`) interprets on every platform, with no dispatch: the kernel `backend`
-names (None: the Triton-style one) under its interpreter.
+names (None: the Triton-style one) under its interpreter; an interpreter's own settings
+(`pltpu.InterpretParams`, Mosaic GPU's `InterpretGPUParams`) need the `backend` they are for.
 
 Head widths: d (q, k) any multiple of 16 in [16, 256], dv (v, output) any multiple of 16 up to
 512; the paper's d = 96 and 128 with dv = 2d included. Mosaic TPU takes them as they are (Mosaic
@@ -278,6 +279,9 @@ def flash_attention(
     if dv % 16 or not 16 <= dv <= MAX_VALUE_DIM:
         raise ValueError(f"the pallas kernels need the value width dv to be a multiple of 16 in "
                          f"[16, {MAX_VALUE_DIM}], got dv = {dv}")
+    if interpret is not None and not isinstance(interpret, bool) and backend is None:
+        raise ValueError(f"interpret={interpret!r} holds one kernel's interpreter settings: name "
+                         f"that kernel, flash_attention(..., backend='tpu' or 'mosaic_gpu')")
     if backend == "mosaic_gpu" and not (flash_mgpu.supports(q.dtype, d, nc) and dv == 2 * d):
         raise ValueError(f"backend='mosaic_gpu' takes differential attention in bfloat16/float16 "
                          f"with d in {flash_mgpu.HEAD_DIMS} and dv = 2d, got nc={nc}, "

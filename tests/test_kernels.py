@@ -323,7 +323,8 @@ def test_public_api_pallas_on_cpu_and_oracle_only_options():
 def test_a_kernel_off_its_device_runs_under_its_own_interpreter(backend, monkeypatch):
     """interpret=None (and True) off the kernel's device: TPU semantics (pltpu.InterpretParams:
     uninitialized memory reads NaN, out-of-bounds reads raise) for the TPU kernel, the
-    generic interpreter for the Triton-style kernel; False and given params pass through."""
+    generic interpreter for the Triton-style kernel; False and given params pass through. Params
+    with no backend named are refused: they are one kernel's."""
     from jax.experimental.pallas import tpu as pltpu
 
     seen = []
@@ -343,6 +344,9 @@ def test_a_kernel_off_its_device_runs_under_its_own_interpreter(backend, monkeyp
         assert seen[2] is False and seen[3] is params
     else:
         assert seen == [True, True, False, True]
+    with pytest.raises(ValueError, match=r"interpret=InterpretParams\(.*\) holds one kernel's "
+                                         r"interpreter settings: name that kernel"):
+        kernels.diff_attention(q, k, v, 0.5, impl="pallas", interpret=params)
 
 
 def _bad_layouts():

@@ -557,8 +557,9 @@ def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypa
     ...}, every field None until measured, and the check rows within tolerance. The train stage
     times a d = 64 pair (830M at 12 DIFF heads against 24: it had only d = 128 and 96, so d64's
     train ratio could never be filled), and the second call (env, train) given the first call's
-    session.json as --previous holds the whole summary. Stages are faked (no GPU here): each
-    writes the JSON its real script would."""
+    session.json as --previous holds the whole summary. The first call's default stages include
+    tune, whose tile table is copied out beside session.json. Stages are faked (no GPU here):
+    each writes the JSON its real script would."""
     import json
 
     from diff_jax.config import load_config
@@ -588,6 +589,11 @@ def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypa
             rows = [{"case": "a", "ok": True}, {"case": "b", "ok": False},
                     {"case": "c", "error": "skipped: deadline"}]
             (out / "attention_check.json").write_text(json.dumps({"check": rows}))
+        elif "--tune" in cmd:  # attention.py --tune-write rewrites the checked-in table
+            out = Path(cmd[cmd.index("--out") + 1])
+            assert "--tune-write" in cmd and cmd[cmd.index("--head-dims") + 1] == "64,128"
+            (out / "attention_tune.json").write_text(json.dumps({"tune": [{"d": 64}]}))
+            (out / "attention_tune.md").write_text("## tuned tiles\n")
         elif name.startswith("train"):
             out = Path(cmd[cmd.index("--out") + 1])
             ratio = 1.1 if "1.4b" in name else 1.2
@@ -598,8 +604,15 @@ def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypa
 
     monkeypatch.setattr(hopper_session, "_run", fake_run)
     first, second = tmp_path / "first", tmp_path / "second"
-    hopper_session.main(["--out", str(first), "--stages", "env,check,bench"])
-    got = json.loads((first / "session.json").read_text())["summary"]
+    hopper_session.main(["--out", str(first)])  # the first call's stages: env, check, tune, bench
+    session = json.loads((first / "session.json").read_text())
+    assert [r["stage"] for r in session["stages"]] == ["env", "check", "tune", "bench"]
+    assert session["stages"][2]["result"] == {"tune": [{"d": 64}]}
+    # the tile table to commit over kernels/tuning/, and the tuning table in session.md
+    table = root / "kernels" / "tuning" / "mosaic_gpu.json"
+    assert (first / "mosaic_gpu.json").read_bytes() == table.read_bytes()
+    assert "## tuned tiles" in (first / "session.md").read_text()
+    got = session["summary"]
     fields = set(hopper_session.SUMMARY_FIELDS)
     assert got["device"] == "NVIDIA H100 80GB HBM3" and got["jax"] == "0.11.2"
     assert got["check"] == {"ok": 1, "not_ok": ["b"], "not_run": 1}
@@ -723,6 +736,45 @@ def test_gpu_session_stops_a_stage_gracefully_and_copies_only_small_replication_
     assert (tmp_path / "back" / "runs/diff-scaled-s0/replicate/ppl/ppl.json").read_text().endswith("ppl.json")
     assert not (tmp_path / "back" / "data/corpus-s0/tokens.bin").exists()
     assert not (tmp_path / "back" / "runs/diff-scaled-s0/checkpoints").exists()
+
+
+def test_gpu_session_replicate_stage_runs_the_gpu_preset_and_brings_its_reports_back(
+        tmp_path, monkeypatch):
+    """--stages replicate runs gpu-medium (one seed, its own init) into the machine's scratch
+    directory, which outlives one call, and copies the reports back under OUT/gpu-medium; it is
+    "done" once results.json exists there, else the stage's own status (a timeout resumes in the
+    next call)."""
+    import json
+
+    import hopper_session
+
+    scratch = tmp_path / "scratch"
+    monkeypatch.setattr(hopper_session, "GPU_MEDIUM", scratch)
+    calls = []
+
+    def fake_run(name, cmd, limit, log, extra_path="", grace=20.0):
+        calls.append((name, cmd))
+        if name == "replicate" and len(calls) > 2:  # the second call finishes the preset
+            (scratch / "results.json").write_text("{}")
+        (scratch / "runs" / "diff-scaled-s0").mkdir(parents=True, exist_ok=True)
+        (scratch / "runs" / "diff-scaled-s0" / "metrics.jsonl").write_text("{}\n")
+        env = {"jax": "0.11.2", "backend": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"}
+        status = "ok" if name == "env" or len(calls) > 2 else "timeout after 500 s"
+        return {"stage": name, "status": status, "seconds": 1.0,
+                "tail": "ENV " + json.dumps(env) + "\n"}
+
+    monkeypatch.setattr(hopper_session, "_run", fake_run)
+    for call in ("a", "b"):
+        hopper_session.main(["--out", str(tmp_path / call), "--stages", "env,replicate"])
+    name, cmd = calls[1]
+    assert name == "replicate" and cmd[1:] == ["-m", "diff_jax.experiments.replicate", "--preset",
+                                               "gpu-medium", "--seeds", "1", "--inits", "scaled",
+                                               "--out", str(scratch)]
+    statuses = [json.loads((tmp_path / call / "session.json").read_text())["stages"][1]
+                for call in ("a", "b")]
+    assert [r["status"] for r in statuses] == ["timeout after 500 s", "done"]
+    assert [r["copied"] for r in statuses] == [1, 2]
+    assert (tmp_path / "b" / "gpu-medium" / "results.json").read_text() == "{}"
 
 
 def test_jobs_evaluate_what_the_preset_names_and_each_seed_trains_its_own_model(tmp_path):

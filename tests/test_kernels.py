@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import json
 
 import jax
 import jax.numpy as jnp
@@ -681,8 +682,6 @@ def test_tpu_cost_analysis_counts_the_fused_kernels():
 
 def test_benchmark_smoke(tmp_path):
     """benchmarks/attention.py --smoke runs the routes on tiny shapes and writes JSON + markdown."""
-    import json
-
     import attention as bench
 
     result = bench.main(["--smoke", "--out", str(tmp_path)])
@@ -728,6 +727,38 @@ def test_every_benchmark_variant_computes_the_attention_its_name_says(monkeypatc
     for name, f in routes.items():
         out = jax.jit(f)(q, k, v, jnp.float32(lam))
         assert out.shape == (b, t, h, 2 * d) and rel(out, want[name]) < BF16_TOL, name
+
+
+def test_the_command_line_runs_check_and_tune_as_the_gpu_session_asks_and_writes_both(
+        tmp_path, monkeypatch):
+    """attention.py with the flags the GPU session's check and tune stages pass (--check; --tune
+    --tune-write --head-dims 64,128; --tag, --deadline), here in one command: each mode gets the
+    deadline, tune the head widths and --tune-write; OUT/attention_TAG.json and .md hold both
+    tables and no benchmark (--bench not asked for). Only check() and tune() ran in tests."""
+    import attention as bench
+
+    seen = {}
+
+    def check(block_sizes, interpret, deadline):
+        seen["check"] = deadline
+        return [{"case": "fused d64", "out": 1e-3, "ok": True}]
+
+    def tune(head_dims, args, deadline):
+        seen["tune"] = (head_dims, args.tune_write, deadline)
+        return [{"d": 64, "stage": "fwd", "tiles": "64/64/64/2", "total_ms": 1.5}]
+
+    monkeypatch.setattr(bench, "check", check)
+    monkeypatch.setattr(bench, "tune", tune)
+    result = bench.main(["--check", "--tune", "--tune-write", "--head-dims", "64,128", "--tag",
+                         "T", "--deadline", "100", "--out", str(tmp_path)])
+    assert seen["check"] is seen["tune"][2] and seen["tune"][:2] == ([64, 128], True)
+    saved = json.loads((tmp_path / "attention_T.json").read_text())
+    assert saved["check"] == result["check"] and saved["tune"] == result["tune"]
+    assert "bench" not in saved
+    md = (tmp_path / "attention_T.md").read_text()
+    assert "## Correctness" in md and "| fused d64 | " in md
+    assert "## Tuning of the Mosaic GPU kernel's tiles" in md and "| 64 | fwd | 64/64/64/2 |" in md
+    assert "## Timings" not in md
 
 
 def test_gpu_check_runs_the_mosaic_cases_first():
@@ -797,7 +828,6 @@ def test_benchmark_stops_on_sigterm_and_writes_what_it_measured(tmp_path, monkey
     """The GPU session stops a stage past its limit with SIGTERM: benchmarks/attention.py then
     starts no new measurement, finishes the one in flight and writes its JSON (whose loss lost
     the stage's record: the session reads that JSON), and gives the handler back."""
-    import json
     import os
     import signal
 

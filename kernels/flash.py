@@ -17,10 +17,10 @@ setmaxnreg are sm_90a instructions), and on Hopper the route for float32 inputs,
 attention and other widths (Triton's float32 dots run as TF32 there). rocm: Triton;
 tpu: Mosaic TPU; elsewhere (CPU) the Triton-style kernel under the Pallas interpreter.
 `backend=` forces one: "gpu" (Triton), "mosaic_gpu", "tpu" (interpreted off their device;
-"mosaic_gpu" on CPU runs under Mosaic GPU's own interpreter). `interpret=True` (or
-`pltpu.InterpretParams`) interprets on every platform, with no dispatch: the kernel `backend`
-names (None: the Triton-style one) under its interpreter; an interpreter's own settings
-(`pltpu.InterpretParams`, Mosaic GPU's `InterpretGPUParams`) need the `backend` they are for.
+"mosaic_gpu" on CPU runs under Mosaic GPU's own interpreter). `interpret=True` interprets on
+every platform, with no dispatch: the kernel `backend` names (None: the Triton-style one) under
+its interpreter. An interpreter's own settings (`pltpu.InterpretParams`, Mosaic GPU's
+`InterpretGPUParams`) do the same for the kernel they are for, which `backend` must name.
 
 Head widths: d (q, k) any multiple of 16 in [16, 256], dv (v, output) any multiple of 16 up to
 512; the paper's d = 96 and 128 with dv = 2d included. Mosaic TPU takes them as they are (Mosaic

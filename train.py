@@ -45,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         train_loop.run(config)
     except train_loop.RUN_ERRORS as e:
-        run_dir = config.train.run_dir
-        return train_loop.report(e, [(f"train.run_dir={run_dir}", run_dir)])
+        t = config.train
+        named = [(f"train.run_dir={t.run_dir}", t.run_dir)]
+        if t.compile_cache_dir is not None:
+            named.append((f"train.compile_cache_dir={t.compile_cache_dir}", t.compile_cache_dir))
+        return train_loop.report(e, named)
     except KeyboardInterrupt:  # Ctrl-C before training began, or pressed twice
         print(f"interrupted: stopped at once; the checkpoints already committed in "
               f"{config.train.run_dir}/checkpoints are kept (re-run to resume from the newest)",

@@ -316,11 +316,12 @@ class TrainConfig:
     compile_only: bool = False  # AOT-compile the train step, print memory, do not train
     compile_topology: str | None = None  # v5p:4x4x4 (libtpu) or h100:8 (cuda-aot); None: local
     init_from: str | None = None  # fine-tune: a fresh run's parameters from an export/run/step dir
+    compile_cache_dir: str | None = None  # compiled programs kept for later runs (resume, seeds)
 
     def __post_init__(self) -> None:
         # `~` is the home directory, as eval.py and data.paths read it; the shell leaves a
         # `train.run_dir=~/x` argument as it is, which used to train into a directory named `~`
-        for name in ("run_dir", "init_from"):
+        for name in ("run_dir", "init_from", "compile_cache_dir"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, os.path.expanduser(getattr(self, name)))
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_tokens", "log_every"):

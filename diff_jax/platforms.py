@@ -1,4 +1,5 @@
-"""Which JAX platforms this machine initializes: the CPU alone where no accelerator is attached.
+"""How this process sets JAX up: which platforms it initializes (the CPU alone where no
+accelerator is attached), and where compiled programs are kept between runs.
 
 With libtpu installed (the `tpu` extra, for compiling TPU programs ahead of time on any machine),
 JAX initializes the TPU plugin at start-up, and on a machine without a TPU that prints errors about
@@ -7,13 +8,15 @@ missing TPU metadata before every command. `default_to_cpu_without_accelerators`
 TPU, NVIDIA or AMD device node exists, it sets `JAX_PLATFORMS=cpu`. AOT compiles for a TPU slice
 (`train.compile_topology`) do not use that backend and still work; an explicit `JAX_PLATFORMS`
 is always left as it is. `describe_missing_tpu_host` does the same for those compiles, which load
-libtpu themselves.
+libtpu themselves. `use_compile_cache` points JAX's persistent compilation cache at a directory
+(`train.compile_cache_dir`).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+from pathlib import Path
 
 ACCELERATOR_DEVICE_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
 
@@ -36,3 +39,24 @@ def describe_missing_tpu_host(topology: str) -> None:
         return
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{topology.split(':')[0]}-8")
+
+
+def use_compile_cache(path: str | None) -> None:
+    """Keep the XLA programs this process compiles in `path` (JAX's persistent compilation cache)
+    and read back those compiled before, by this or any other process, for the same program,
+    devices and versions: a resumed run, the next seed or init of a replication and its repeated
+    evaluations skip those compiles. None leaves JAX's own setting (`JAX_COMPILATION_CACHE_DIR`;
+    unset: no cache). Takes effect for the compiles that follow, also in a process that cached
+    elsewhere before. A local `path` is made here (OSError naming it when it cannot be); a
+    `scheme://` one is left to JAX. The cache is trusted, as JAX warns: a program read from it runs
+    as this user, so nobody else may write to `path`."""
+    if path is None:
+        return
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if "://" not in path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    if jax.config.jax_compilation_cache_dir != path:
+        compilation_cache.set_cache_dir(path)
+        compilation_cache.reset_cache()  # JAX opens its cache once; this re-opens it here

@@ -36,6 +36,7 @@ from diff_jax.export.init_from import initial_params
 from diff_jax.metrics import MetricsWriter, Progress, mfu
 from diff_jax.file_errors import describe
 from diff_jax.output_dir import write_whole
+from diff_jax.platforms import use_compile_cache
 from diff_jax.sharding import ShardingError, check_process_rows, make_mesh
 from diff_jax.step import TrainState, build_steps
 from diff_jax.summary import flops_per_token
@@ -206,6 +207,7 @@ def run(config: Config) -> RunResult:
     """Train (or resume) `config` to `train.steps`."""
     initialize_distributed(config.distributed)
     t = config.train
+    use_compile_cache(t.compile_cache_dir)
     main = jax.process_index() == 0
     progress = Progress(t.steps, main)
     progress.message(f"run directory: {Path(t.run_dir).resolve()}")

@@ -22,3 +22,17 @@ def text_dir(tmp_path_factory) -> Path:
     for k in sorted(topics)[:60]:
         (out / f"{k}.txt").write_text(topics[k])
     return out
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache_as_it_was():
+    """A run with `train.compile_cache_dir` (a replication's runs have one) points JAX's
+    compilation cache there for its whole process: the next test starts with the cache as it was."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    yield
+    if jax.config.jax_compilation_cache_dir != before:
+        compilation_cache.set_cache_dir(before)
+        compilation_cache.reset_cache()

@@ -218,9 +218,11 @@ def test_derived_sizes():
 def test_a_home_relative_run_dir_is_expanded(monkeypatch, tmp_path):
     # the shell does not expand `~` in `train.run_dir=~/x`; eval.py and data.paths do
     monkeypatch.setenv("HOME", str(tmp_path))
-    cfg = load_config(None, ["train.run_dir=~/runs/a", "train.init_from=~/export"])
+    cfg = load_config(None, ["train.run_dir=~/runs/a", "train.init_from=~/export",
+                             "train.compile_cache_dir=~/.cache/xla"])
     assert cfg.train.run_dir == str(tmp_path / "runs" / "a")
     assert cfg.train.init_from == str(tmp_path / "export")
+    assert cfg.train.compile_cache_dir == str(tmp_path / ".cache" / "xla")
 
 
 @pytest.mark.parametrize("field,value", [("dtype", "float16"), ("gqa_pairing", "Naive"),

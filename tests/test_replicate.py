@@ -117,6 +117,9 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
     run = out / "runs" / "diff-scaled-s0"
     assert json.loads((run / "replicate" / "ppl" / "ppl.json").read_text())["step"] == 4
     assert (run / "replicate" / "niah-N2R2" / "niah.json").is_file() and not (run / "eval").exists()
+    # The runs share one compilation cache in OUT: the seeds and inits of a model compile alike.
+    cache = presets.compile_cache_dir(out)
+    assert cache.is_dir() and f"compile_cache_dir: {cache}\n" in (run / "config.yaml").read_text()
     # Re-running trains nothing and re-evaluates nothing: walls stay as they were.
     wall = (run / "wall.json").read_text()
     assert replicate.main(["--preset", "micro", "--out", str(out)]) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -523,6 +524,55 @@ def test_a_run_dir_that_cannot_be_made_is_bad_input_naming_it(corpus, tmp_path, 
                                        f"{tmp_path / 'in.txt'}: File exists and is not a directory")
     assert train_main(["--config", config, f"train.run_dir={tmp_path / 'in.txt' / 'run'}"]) == 2
     assert _one_error_line(capsys).endswith(f"{tmp_path / 'in.txt' / 'run'}: Not a directory")
+
+
+@pytest.fixture
+def compile_cache(tmp_path):
+    """A directory for `train.compile_cache_dir`, with every compile cached however quick (JAX
+    skips those under a second; conftest puts the cache back as it was afterwards)."""
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    yield tmp_path / "xla"
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
+def test_a_compile_cache_dir_gives_the_next_run_its_compiled_programs(corpus, tmp_path,
+                                                                      compile_cache, caplog):
+    """The first run writes its compiled programs (the train step among them) to
+    train.compile_cache_dir; a second run (another run dir) reads its train step from there
+    instead of compiling it, writes nothing new, and trains exactly as the run that compiled it."""
+    def run(name):
+        return train_loop.run(tiny_config(corpus, tmp_path / name, "train.steps=10",
+                                          f"train.compile_cache_dir={compile_cache}"))
+
+    from jax.experimental.compilation_cache import compilation_cache
+
+    compilation_cache.set_cache_dir(str(tmp_path / "before"))  # this process cached elsewhere
+    jax.jit(lambda x: x * 3)(jnp.ones(3))
+    run("a")
+    written = sorted(p.name for p in compile_cache.iterdir())
+    assert [name for name in written if name.startswith("jit_train_step-")], written
+    with caplog.at_level(logging.DEBUG, logger="jax._src.compiler"):
+        run("b")
+    read = {r.args[0] for r in caplog.records
+            if r.msg.startswith("Persistent compilation cache hit") and r.args}
+    assert "jit_train_step" in read
+    assert sorted(p.name for p in compile_cache.iterdir()) == written
+    compiled, cached = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    assert sorted(cached) == list(range(1, 11))
+    assert {s: {k: cached[s][k] for k in COMPARED} for s in cached} == {
+        s: {k: compiled[s][k] for k in COMPARED} for s in compiled}
+
+
+def test_a_compile_cache_dir_that_cannot_be_made_is_bad_input_naming_it(corpus, tmp_path, capsys,
+                                                                         compile_cache):
+    config = _config_file(corpus, tmp_path)
+    (tmp_path / "in.txt").write_text("a file")
+    assert train_main(["--config", config, f"train.compile_cache_dir={tmp_path / 'in.txt'}"]) == 2
+    assert _one_error_line(capsys) == (
+        f"error: train.compile_cache_dir={tmp_path / 'in.txt'}: {tmp_path / 'in.txt'}: File "
+        "exists and is not a directory")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_file_system_error_while_training_keeps_the_last_checkpoint(corpus, tmp_path, monkeypatch,

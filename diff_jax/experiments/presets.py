@@ -55,8 +55,9 @@ class Recipe:
 
     def overrides(self, variant: str, seed: int, run_dir: Path, init: str | None = None) -> list[str]:
         """The train.py overrides of `variant` at `seed` under `init` (None: the preset's own),
-        writing to `run_dir` (OUT/runs/NAME) and reading the seed's corpus as the replication
-        prepared it once for all its models (OUT/data/corpus-sSEED: `corpus_dir`)."""
+        writing to `run_dir` (OUT/runs/NAME), reading the seed's corpus as the replication
+        prepared it once for all its models (OUT/data/corpus-sSEED: `corpus_dir`) and sharing
+        compiled programs with the other runs (OUT/compile_cache: `compile_cache_dir`)."""
         init = self.inits[0] if init is None else init
         if init not in INITS:
             raise ValueError(f"init must be one of {INITS}, got {init!r}")
@@ -64,7 +65,8 @@ class Recipe:
                                                self.diff_heads),
                 f"model.output_init={init}", f"train.seed={seed}", f"train.run_dir={run_dir}",
                 "data.mixture=null", "data.source=tokens",
-                f"data.paths=[{corpus_dir(run_dir.parent.parent, seed)}]"]
+                f"data.paths=[{corpus_dir(run_dir.parent.parent, seed)}]",
+                f"train.compile_cache_dir={compile_cache_dir(run_dir.parent.parent)}"]
 
     def corpus_config(self, seed: int) -> Config:
         """The config whose `data` section names the corpus of `seed` (the `shared` overrides and
@@ -123,6 +125,12 @@ def corpus_dir(out: Path, seed: int) -> Path:
     training samples, or a language-modeling preset's whole corpus, validation documents
     included)."""
     return out / "data" / f"corpus-s{seed}"
+
+
+def compile_cache_dir(out: Path) -> Path:
+    """The compilation cache that a replication's runs share (`train.compile_cache_dir`): the
+    seeds and inits of one model compile the same programs, so all but the first read them."""
+    return out / "compile_cache"
 
 
 def niah_whole_fraction(doc_tokens: int, seq_len: int) -> float:

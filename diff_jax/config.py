@@ -233,6 +233,7 @@ class DataConfig:
         paths = self.paths.split(",") if isinstance(self.paths, str) else self.paths
         object.__setattr__(self, "paths", tuple(p.strip() for p in paths if p.strip()))
         _require(0 <= self.validation_fraction < 1, "data.validation_fraction", "must be in [0, 1)")
+        _require(self.split_seed >= 0, "data.split_seed", "must be >= 0")  # as numpy takes them
         _require(self.read_threads > 0, "data.read_threads", "must be positive")
         _require(self.prefetch >= 0, "data.prefetch", "must be >= 0")
         _require(self.niah_tokens > 0, "data.niah_tokens", "must be positive")
@@ -333,6 +334,7 @@ class TrainConfig:
             object.__setattr__(self, "eval_tokens",
                                self.eval_batches * self.batch_size * self.seq_len)
             object.__setattr__(self, "eval_batches", None)
+        _require(self.seed >= 0, "train.seed", "must be >= 0")  # as numpy's generators take them
         _require(self.eval_every >= 0, "train.eval_every", "must be >= 0 (0 disables)")
         _require(self.profile_steps >= 0, "train.profile_steps", "must be >= 0 (0: no trace)")
         _require(self.profile_steps == 0 or self.profile_start >= 1, "train.profile_start",
@@ -464,6 +466,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if not -2**63 <= value < 2**63:  # numpy and jax take int64: a larger one overflows later
+            raise ConfigError(f"{key}: expected an integer of at most 64 bits, got {value}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string

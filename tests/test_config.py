@@ -98,6 +98,13 @@ def test_overrides_parse_yaml_values():
     (["model.num_kv_heads=x"], r"model\.num_kv_heads: expected an integer, got 'x'$"),  # int | None
     (["optim.lr=abc"], r"optim\.lr: expected a number, got 'abc'$"),  # a string, not 1e-4's
     (["model=5"], r"model: expected a mapping, got 5$"),
+    # numpy's generators refuse a negative seed, and PRNGKey an integer beyond int64: tracebacks
+    (["train.seed=-1"], r"train\.seed: must be >= 0$"),
+    (["data.split_seed=-1"], r"data\.split_seed: must be >= 0$"),
+    (["train.seed=99999999999999999999999"],
+     r"train\.seed: expected an integer of at most 64 bits, got 99999999999999999999999$"),
+    (["train.steps=-99999999999999999999999"], r"train\.steps: expected an integer of at most 64 "
+                                               r"bits, got -99999999999999999999999$"),
     (["train.steps=5", "train.steps.x=1"], r"override 'train\.steps\.x=1': steps is not a section$"),
 ])
 def test_errors_name_the_key(overrides, match):

@@ -21,6 +21,10 @@ from typing import Any, Literal
 import yaml
 
 
+MAX_LOGIT_BITS = 32
+"""The widest `model.attn_logit_bits` (eval.py's `bits=`): float32 logits hold 24 bits, so wider
+widths change nothing, and from 129 bits the absmax scale underflows to 0 and rounds to integers."""
+
 AttentionImpl = Literal["xla", "pallas", "cudnn", "auto"]
 """`model.attention_impl`: resolved per platform by `diff_jax.attention_op.resolve_impl`."""
 
@@ -92,8 +96,9 @@ class ModelConfig:
         _require(d > 0 and d % 2 == 0, "model.head_dim",
                  f"the (component) head dim must be a positive even number for RoPE, got {d}")
         _require(self.mlp_dim is None or self.mlp_dim > 0, "model.mlp_dim", "must be positive")
-        _require(self.attn_logit_bits is None or self.attn_logit_bits >= 2, "model.attn_logit_bits",
-                 "must be >= 2 (or null: no quantization)")
+        _require(self.attn_logit_bits is None or 2 <= self.attn_logit_bits <= MAX_LOGIT_BITS,
+                 "model.attn_logit_bits", f"must be in [2, {MAX_LOGIT_BITS}] (or null: no "
+                 "quantization)")
         _require(self.attn_logit_bits is None or self.attention_impl in ("xla", "auto"),
                  "model.attn_logit_bits", "quantized logits exist only on the xla path; set "
                  "model.attention_impl=xla (or auto)")

@@ -112,8 +112,8 @@ def quantize_logits(scores: jax.Array, mask: jax.Array | None, bits: int) -> jax
     scale = max|s| / (2^(bits−1) − 1) over the unmasked entries of each (T, S) map; s -> round(s /
     scale)·scale. This is the dynamic post-training quantization of the paper's Figure 8.
     """
-    if bits < 2:
-        raise ValueError(f"logit_bits must be >= 2, got {bits}")
+    if not 2 <= bits <= 32:  # float32 holds 24 bits; 2^(bits-1) overflows it from 129
+        raise ValueError(f"logit_bits must be in [2, 32], got {bits}")
     absval = jnp.abs(scores) if mask is None else jnp.where(mask, jnp.abs(scores), 0.0)
     levels = 2.0 ** (bits - 1) - 1
     scale = jnp.max(absval, axis=(-2, -1), keepdims=True) / levels

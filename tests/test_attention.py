@@ -193,8 +193,10 @@ def test_quantize_logits_levels():
     s2 = jnp.asarray([[[[-0.9, 0.1, 0.9, 5.0]]]])
     masked = np.asarray(quantize_logits(s2, jnp.asarray([[[[True, True, True, False]]]]), 2))
     np.testing.assert_allclose(masked[..., :3], [[[[-0.9, 0.0, 0.9]]]], atol=1e-6)
-    with pytest.raises(ValueError, match=r"logit_bits must be >= 2, got 1$"):  # 1 bit: no level but 0
+    with pytest.raises(ValueError, match=r"logit_bits must be in \[2, 32\], got 1$"):  # 1 bit: no level but 0
         quantize_logits(s, None, 1)
+    with pytest.raises(ValueError, match=r"logit_bits must be in \[2, 32\], got 129$"):
+        quantize_logits(s, None, 129)  # rounded to integers: 2^128 levels overflow float32
 
 
 def test_quantize_logits_scales_each_map_whole_and_rounds_to_nearest():

@@ -99,6 +99,7 @@ def test_overrides_parse_yaml_values():
     (["optim.lr=abc"], r"optim\.lr: expected a number, got 'abc'$"),  # a string, not 1e-4's
     (["model=5"], r"model: expected a mapping, got 5$"),
     # numpy's generators refuse a negative seed, and PRNGKey an integer beyond int64: tracebacks
+    (["model.attn_logit_bits=129"], r"model\.attn_logit_bits: must be in \[2, 32\]"),
     (["train.seed=-1"], r"train\.seed: must be >= 0$"),
     (["data.split_seed=-1"], r"data\.split_seed: must be >= 0$"),
     (["train.seed=99999999999999999999999"],

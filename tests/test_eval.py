@@ -670,6 +670,11 @@ def test_score_input_that_is_not_an_npy_array_is_one_error(runs, tmp_path, capsy
     (["task=niah", "depths=[50,101]"],
      r"^depths=\[50, 101\]: expected one or more percentages in \[0, 100\]$"),
     (["task=niah", "depths=[]"], r"^depths=\[\]: expected one or more percentages in \[0, 100\]$"),
+    # bits=[] wrote a report of no widths; 129 bits and more round the logits to integers (the
+    # absmax scale underflows float32) and 1025 overflowed into a traceback
+    (["task=quant", "bits=[]"], r"^bits=\[\]: expected one or more widths in \[2, 32\]$"),
+    (["task=quant", "bits=[8,129]"],
+     r"^bits=\[8, 129\]: expected one or more widths in \[2, 32\]$"),
     (["task=generate"], r'^task=generate needs prompt="\.\.\."$'),
     (["task=generate", "prompt="], r'^task=generate needs prompt="\.\.\."$'),
     (["task=ppl", "batches"], r"^argument 'batches': expected key=value$"),
@@ -803,7 +808,8 @@ def test_a_bit_width_below_two_is_one_error_before_loading():
     """bits=1 leaves absmax quantization no level but 0; it is refused naming bits= as parsed
     (a check of >= 1 passed every test: the model config refuses it later, after loading, as
     model.attn_logit_bits, which the user never typed)."""
-    with pytest.raises(EvalError, match=r"^bits=\[8, 1\]: must be >= 2$"):
+    with pytest.raises(EvalError, match=r"^bits=\[8, 1\]: expected one or more widths in "
+                       r"\[2, 32\]$"):
         parse_args(["task=quant", "bits=[8,1]"])
 
 

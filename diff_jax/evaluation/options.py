@@ -8,7 +8,7 @@ import typing
 from collections.abc import Sequence
 from pathlib import Path
 
-from diff_jax.config import ConfigError, coerce, parse_override
+from diff_jax.config import MAX_LOGIT_BITS, ConfigError, coerce, parse_override
 
 TASKS = ("ppl", "score", "niah", "attention", "outliers", "quant", "generate", "recall")
 
@@ -75,8 +75,9 @@ class EvalOptions:
         if not self.depths or any(not 0 <= d <= 100 for d in self.depths):
             raise EvalError(f"depths={list(self.depths)}: expected one or more percentages in "
                             "[0, 100]")
-        if any(n < 2 for n in self.bits):
-            raise EvalError(f"bits={list(self.bits)}: must be >= 2")
+        if not self.bits or any(not 2 <= n <= MAX_LOGIT_BITS for n in self.bits):
+            raise EvalError(f"bits={list(self.bits)}: expected one or more widths in "
+                            f"[2, {MAX_LOGIT_BITS}]")
         if self.task == "score" and self.input is None:
             raise EvalError("task=score needs input=FILE (.txt or .npy of int32 token ids)")
         if self.output is not None:

@@ -381,6 +381,11 @@ class DistributedConfig:
     process_id: int | None = None
 
     def __post_init__(self) -> None:
+        if self.coordinator is not None:  # jax indexes the port out of it: without one, IndexError
+            host, _, port = self.coordinator.rpartition(":")
+            _require(bool(host) and port.isdigit() and 0 < int(port) < 2**16,
+                     "distributed.coordinator", f"expected HOST:PORT with PORT in [1, 65535], got "
+                     f"{self.coordinator!r}")
         for name in ("num_processes", "process_id"):
             _require(getattr(self, name) is None or self.coordinator is not None,
                      f"distributed.{name}", "only used with distributed.coordinator=HOST:PORT "

@@ -93,6 +93,11 @@ def test_overrides_parse_yaml_values():
      r"distributed\.num_processes: only used with distributed\.coordinator"),
     (["distributed.coordinator=h:1", "distributed.num_processes=2", "distributed.process_id=2"],
      r"distributed\.process_id: must be below distributed\.num_processes \(2\)"),
+    # no port: jax's initialize indexed it out (an IndexError traceback); 99999: no such port
+    (["distributed.coordinator=host", "distributed.num_processes=1", "distributed.process_id=0"],
+     r"distributed\.coordinator: expected HOST:PORT with PORT in \[1, 65535\], got 'host'$"),
+    (["distributed.coordinator=host:99999"], r"distributed\.coordinator: expected HOST:PORT"),
+    (["distributed.coordinator=:1234"], r"distributed\.coordinator: expected HOST:PORT"),
     (["distributed.coordinator=h:1", "distributed.num_processes=0", "distributed.process_id=0"],
      r"distributed\.num_processes: must be positive"),
     (["model.num_kv_heads=x"], r"model\.num_kv_heads: expected an integer, got 'x'$"),  # int | None

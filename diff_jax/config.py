@@ -25,6 +25,10 @@ MAX_LOGIT_BITS = 32
 """The widest `model.attn_logit_bits` (eval.py's `bits=`): float32 logits hold 24 bits, so wider
 widths change nothing, and from 129 bits the absmax scale underflows to 0 and rounds to integers."""
 
+MAX_STEPS = 2**31 - 1
+"""The most `train.steps` (and `optim.warmup_steps`): optax counts steps in int32, and the schedule
+of a longer run fails to trace (an OverflowError at the first step)."""
+
 AttentionImpl = Literal["xla", "pallas", "cudnn", "auto"]
 """`model.attention_impl`: resolved per platform by `diff_jax.attention_op.resolve_impl`."""
 
@@ -210,7 +214,8 @@ class OptimConfig:
     def __post_init__(self) -> None:
         _require(self.lr > 0, "optim.lr", "must be positive")
         _require(0 <= self.min_lr <= self.lr, "optim.min_lr", "must be in [0, optim.lr]")
-        _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        _require(0 <= self.warmup_steps <= MAX_STEPS, "optim.warmup_steps",
+                 f"must be in [0, {MAX_STEPS}] (optax counts steps in int32)")
         _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, "optim.b1/b2", "must be in [0, 1)")
         _require(self.eps >= 0, "optim.eps", "must be >= 0")
         _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
@@ -339,6 +344,8 @@ class TrainConfig:
             object.__setattr__(self, "eval_tokens",
                                self.eval_batches * self.batch_size * self.seq_len)
             object.__setattr__(self, "eval_batches", None)
+        _require(self.steps <= MAX_STEPS, "train.steps",
+                 f"must be <= {MAX_STEPS} (optax counts steps in int32)")
         _require(self.seed >= 0, "train.seed", "must be >= 0")  # as numpy's generators take them
         _require(self.eval_every >= 0, "train.eval_every", "must be >= 0 (0 disables)")
         _require(self.profile_steps >= 0, "train.profile_steps", "must be >= 0 (0: no trace)")

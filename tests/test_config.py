@@ -109,6 +109,10 @@ def test_overrides_parse_yaml_values():
     (["data.split_seed=-1"], r"data\.split_seed: must be >= 0$"),
     (["train.seed=99999999999999999999999"],
      r"train\.seed: expected an integer of at most 64 bits, got 99999999999999999999999$"),
+    # beyond int32, optax's step count: the schedule was an OverflowError traceback at step 1
+    (["train.steps=2147483648"], r"train\.steps: must be <= 2147483647 \(optax counts steps in "
+                                 r"int32\)$"),
+    (["optim.warmup_steps=2147483648"], r"optim\.warmup_steps: must be in \[0, 2147483647\]"),
     (["train.steps=-99999999999999999999999"], r"train\.steps: expected an integer of at most 64 "
                                                r"bits, got -99999999999999999999999$"),
     (["train.steps=5", "train.steps.x=1"], r"override 'train\.steps\.x=1': steps is not a section$"),

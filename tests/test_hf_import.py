@@ -212,6 +212,9 @@ def saved_diffllama(tmp_path_factory) -> Path:
     ({"sliding_window": 16}, "sliding_window is set"),
     ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
     ({"num_hidden_layers": "2"}, "num_hidden_layers must be a positive integer, got '2'"),
+    # more layers than the tensors hold: 10**30 of them filled the memory listing their names
+    ({"num_hidden_layers": 3}, "num_hidden_layers is 3 but the checkpoint holds the tensors of 2 "
+                               "layers"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
      "rope_theta must be a positive number, got 0"),
     ({"rms_norm_eps": -1e-5}, r"rms_norm_eps must be a positive number, got -1e-05"),

@@ -238,6 +238,11 @@ def read_hf(hf_dir: str | Path) -> Source:
             raise ExportError(f"{hf_dir}: tie_word_embeddings is true but lm_head.weight differs "
                               "from model.embed_tokens.weight; refusing to import")
         del tensors["lm_head.weight"]
+    # before the names of every layer are listed: num_hidden_layers=10**30 filled the memory
+    layers = {name.split(".")[2] for name in tensors if name.startswith("model.layers.")}
+    if config.num_layers > len(layers):
+        raise ExportError(f"{config_file}: num_hidden_layers is {config.num_layers} but the "
+                          f"checkpoint holds the tensors of {len(layers)} layers; refusing to import")
     extra = sorted(set(tensors) - _expected_names(config))
     if extra:
         raise ExportError(f"{hf_dir}: tensor {extra[0]!r} ({len(extra)} unexpected in all) has no "

@@ -119,8 +119,14 @@ _REFERENCE_MODULES = {"v1": _v1_config, "v2": _v2_config}  # IN.npz `variant` ->
 
 def run_reference(in_path: str, out_path: str) -> None:
     """IN.npz (reference tensors, x, rope_cos, rope_sin, scalars) -> OUT.npz with `output` (B,T,E)."""
+    data = {}
     with np.load(in_path, allow_pickle=False) as f:
-        data = {k: f[k] for k in f.files}
+        for k in f.files:
+            try:
+                data[k] = f[k]
+            except ValueError as e:  # numpy's own text names neither the file nor the array
+                raise ValueError(f"{k}: an object array, which IN.npz cannot hold (numeric arrays "
+                                 f"and string scalars only; {e})") from e
     reference = _scalar(data, "variant", str)
     if reference not in _REFERENCE_MODULES:
         raise ValueError(f"variant: expected 'v1' or 'v2', got {reference!r}")

@@ -117,6 +117,8 @@ def _with(**arrays):
     (_with(rope_cos=np.ones((4, 3), np.float32)), "rope_cos: expected shape (4, 4), got (4, 3)"),
     (_without("rope_sin"), "IN.npz is missing 'rope_sin' (expected shape (4, 4))"),
     (_with(**{"v_proj.weight": np.zeros((3, 64), np.float32)}), "v_proj.weight: expected shape (64, 64)"),
+    # was numpy's "Object arrays cannot be loaded when allow_pickle=False", naming no array
+    (_with(x=np.array([None, 1], dtype=object)), "x: an object array, which IN.npz cannot hold"),
 ])
 def test_run_reference_malformed_input_is_one_error_line(tmp_path, capsys, edit, error):
     """Bad input: exit status 1 and one `error:` line naming the array or scalar and what was

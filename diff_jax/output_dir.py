@@ -5,7 +5,8 @@ of a run's record (`config.yaml`, `metrics.jsonl`) replaced whole or not at all 
 The output is written into a hidden sibling directory and renamed into place when complete, so a
 failed or interrupted write leaves no half-written or empty directory and never touches the one
 already there; what a killed write left beside it is tidied before the next write of the same
-output is judged (`refusal`). An existing non-empty directory is replaced only with
+output is judged (`refusal`), and what a killed `write_whole` left beside its file before the
+next write of that file. An existing non-empty directory is replaced only with
 `--overwrite`, and only when it holds the command's own marker file (a previous output of the
 same kind) and nothing that output does not write (another export or corpus nested in it, a
 user's file), which replacing would delete.
@@ -72,8 +73,8 @@ def staged(out: Path) -> Iterator[Path]:
 
 def _clear_leftovers(out: Path) -> None:
     """Tidy what an earlier write of `out` killed part-way left beside it (a process that no longer
-    exists; a live one's is its work in progress): its staging directory `.<out>.partial-PID` is
-    removed, and its `.<out>.old-PID` (what `out` held, renamed aside just before the new output
+    exists; a live one's is its work in progress): its staging directory (or, for `write_whole`,
+    file) `.<out>.partial-PID` is removed, and its `.<out>.old-PID` (what `out` held, renamed aside just before the new output
     took its place) is removed when `out` exists, or renamed back to `out` when the kill fell
     between the two renames."""
     prefix = f".{out.name}."
@@ -84,8 +85,10 @@ def _clear_leftovers(out: Path) -> None:
             continue
         if kind == "old" and not out.exists():
             entry.rename(out)
-        else:
+        elif entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:
@@ -114,9 +117,11 @@ def _as_written_to(error: OSError, tmp: Path, out: Path) -> OSError:
 def write_whole(path: Path, text: str) -> None:
     """Replace the file `path` with `text` whole or not at all: `text` is written to a hidden
     sibling that is then renamed over `path`, so a full disk or a kill part-way leaves what `path`
-    held. A failure raises `OSError` naming `path` (a failed write names no file of its own)."""
+    held (and the sibling a kill left is removed by the next write of `path`, `_clear_leftovers`).
+    A failure raises `OSError` naming `path` (a failed write names no file of its own)."""
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
+        _clear_leftovers(path)
         tmp.write_text(text)
         tmp.replace(path)
     except OSError as e:

@@ -627,3 +627,33 @@ def test_verify_checksums_refuses_an_array_without_a_recorded_checksum_or_anothe
     with pytest.raises(DamagedCheckpointError, match=r"unknown kind \(expected fmix32-sum-x2\)"):
         checkpoint.recorded_checksums({"algorithm": "crc32", "arrays": recorded}, 20, tmp.parent)
     assert checkpoint.recorded_checksums(checkpoint.checksums_record(tree), 20, tmp) == recorded
+
+
+def test_a_record_rewrite_killed_before_its_rename_leaves_nothing_that_piles_up(corpus, run20,
+                                                                              tmp_path):
+    """kill -9 between writing a record's hidden sibling and renaming it over config.yaml or
+    metrics.jsonl leaves `.NAME.partial-PID`, one more for every such kill: the next rewrite of
+    that file removes those of processes that are gone (a live writer's stays)."""
+    run = _copy(run20, tmp_path)
+    shutil.rmtree(run / "checkpoints" / "20")  # the resume from 10 rewrites metrics.jsonl
+    killed_before_rename = ("import os, pathlib, sys; from diff_jax.output_dir import write_whole; "
+                            "pathlib.Path.replace = lambda self, target: os._exit(9); "
+                            "write_whole(pathlib.Path(sys.argv[1]), 'half')")
+    for name in ("config.yaml", "metrics.jsonl"):
+        proc = subprocess.run([sys.executable, "-c", killed_before_rename, str(run / name)],
+                              cwd=Path(__file__).resolve().parents[1], timeout=120)
+        assert proc.returncode == 9
+    left = sorted(p.name for p in run.iterdir() if p.name.startswith("."))
+    assert [name.rpartition("-")[0] for name in left] == [".config.yaml.partial",
+                                                          ".metrics.jsonl.partial"]
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        (run / f".config.yaml.partial-{running.pid}").write_text("in progress")
+        assert train_loop.run(tiny_config(corpus, run, "train.steps=11")).step == 11
+        assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == [
+            f".config.yaml.partial-{running.pid}"]
+    finally:
+        running.kill()
+        running.wait()
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == (
+        list(range(1, 12)))

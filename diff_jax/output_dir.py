@@ -74,9 +74,9 @@ def staged(out: Path) -> Iterator[Path]:
 def _clear_leftovers(out: Path) -> None:
     """Tidy what an earlier write of `out` killed part-way left beside it (a process that no longer
     exists; a live one's is its work in progress): its staging directory (or, for `write_whole`,
-    file) `.<out>.partial-PID` is removed, and its `.<out>.old-PID` (what `out` held, renamed aside just before the new output
-    took its place) is removed when `out` exists, or renamed back to `out` when the kill fell
-    between the two renames."""
+    file) `.<out>.partial-PID` is removed, and its `.<out>.old-PID` (what `out` held, renamed
+    aside just before the new output took its place) is removed when `out` exists, or renamed
+    back to `out` when the kill fell between the two renames."""
     prefix = f".{out.name}."
     for entry in out.parent.iterdir():
         kind, _, pid = entry.name[len(prefix):].rpartition("-")

@@ -705,6 +705,26 @@ def test_train_step_benchmark_smoke(tmp_path):
     assert 0 <= ids["tokens"].min() and max(ids["tokens"].max(), ids["targets"].max()) < 512
 
 
+def test_compile_cache_benchmark_counts_what_each_run_compiled_and_read(corpus, tmp_path,
+                                                                        monkeypatch):
+    """benchmarks/compile_cache.py runs train.py in fresh processes without a cache, with an empty
+    one and with the one that run filled: the last reads every program the empty one wrote or
+    read (no misses), the first never looks; JSON and markdown are written."""
+    import compile_cache as bench
+
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the quick ones too
+    out = tmp_path / "cc"
+    assert bench.main(["--config", _config_file(corpus, tmp_path), "--steps", "1",
+                       "--repeats", "1", "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    none, cold, warm = (result["median"][mode] for mode in ("none", "cold", "warm"))
+    assert none["hits"] == none["misses"] == 0
+    assert cold["misses"] > 0 and warm["misses"] == 0
+    assert warm["hits"] == cold["hits"] + cold["misses"]
+    assert all(row["wall_s"] > 0 and row["compile_s"] > 0 for row in result["rows"])
+    assert f"| filled (warm) | {warm['wall_s']:.1f} |" in out.with_suffix(".md").read_text()
+
+
 def test_train_step_benchmark_ratio_of_medians(tmp_path, monkeypatch):
     """train_step.py's numbers from scripted step times: a model's step time is the median of
     the --steps steps timed after the compiling call and one more, the ratio DIFF over

@@ -1,0 +1,155 @@
+"""What `train.compile_cache_dir` saves: a run's compiles with no cache, into an empty one, and
+read back from the one an earlier run filled (a resume, the next seed or init of a replication).
+
+    python benchmarks/compile_cache.py [--config configs/tiny.yaml] [--set KEY=VALUE ...]
+        [--steps 2] [--repeats 3] [--out benchmarks/results/compile_cache_cpu]
+
+Every measurement is `train.py` in a fresh process, on a fresh run directory, for `--steps`
+steps without validation. Each repeat runs three, interleaved so that machine noise hits all:
+`none` (no cache), `cold` (an empty cache directory) and `warm` (the directory `cold` just
+filled). Each process records, from JAX's own monitoring events, the seconds its programs took
+to compile or to be read from the cache (`/jax/core/compile/backend_compile_duration`), the
+persistent cache's hits and misses and the compile seconds its hits saved, net of reading them
+(`.../compile_time_saved_sec`); the parent records the process's
+wall time (start-up, data, compiles, the steps and the final checkpoint). Medians over repeats
+are printed and saved as JSON + a markdown table with the device and versions. JAX caches only
+programs that took at least `jax_persistent_cache_min_compile_time_secs` (1 s) to compile, as in
+training. The committed results: benchmarks/results/compile_cache_cpu (the defaults) and
+compile_cache_cpu_12l (`--set model.num_layers=12 --set model.embed_dim=384 --set
+model.num_heads=6 --out benchmarks/results/compile_cache_cpu_12l`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("none", "cold", "warm")
+EVENTS = {"compile_s": "/jax/core/compile/backend_compile_duration",
+          "saved_s": "/jax/compilation_cache/compile_time_saved_sec"}
+COUNTS = {"hits": "/jax/compilation_cache/cache_hits",
+          "misses": "/jax/compilation_cache/cache_misses"}
+
+
+def child(stats_path: str, argv: list[str]) -> int:
+    """train.py's main on `argv` with JAX's compile events summed into `stats_path` (JSON)."""
+    sys.path.insert(0, str(ROOT))
+    from train import main  # imports diff_jax first: its platform default, before JAX starts
+
+    from jax import monitoring
+
+    totals = {key: 0.0 for key in EVENTS} | {key: 0 for key in COUNTS}
+
+    def duration(event: str, seconds: float, **_) -> None:
+        for key, name in EVENTS.items():
+            if event == name:
+                totals[key] += seconds
+
+    def count(event: str, **_) -> None:
+        for key, name in COUNTS.items():
+            if event == name:
+                totals[key] += 1
+
+    monitoring.register_event_duration_secs_listener(duration)
+    monitoring.register_event_listener(count)
+    status = main(argv)
+    Path(stats_path).write_text(json.dumps(totals))
+    return status
+
+
+def measure(argv: list[str], scratch: Path) -> dict:
+    """One `train.py` process on `argv`: its wall time and compile statistics."""
+    stats = scratch / "stats.json"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--child", str(stats), *argv], cwd=ROOT,
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"train.py {' '.join(argv)} exited {proc.returncode}:\n"
+                           f"{proc.stderr[-3000:]}")
+    return {"wall_s": wall, **json.loads(stats.read_text())}
+
+
+def versions() -> dict:
+    import jax
+
+    device = jax.devices()[0]
+    return {"device": f"{jax.device_count()} × {device.device_kind} ({device.platform})",
+            "host": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPU cores",
+            "python": platform.python_version(), "jax": jax.__version__}
+
+
+def run(config: str, settings: list[str], steps: int, repeats: int) -> dict:
+    """`repeats` rounds of none / cold / warm; every row and the medians per mode."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        for r in range(repeats):
+            cache = scratch / f"cache{r}"
+            for mode in MODES:
+                argv = ["--config", config, *settings, f"train.steps={steps}", "train.eval_every=0",
+                        f"train.run_dir={scratch / f'run{r}-{mode}'}"]
+                if mode != "none":
+                    argv.append(f"train.compile_cache_dir={cache}")
+                rows.append({"repeat": r, "mode": mode, **measure(argv, scratch)})
+                print(json.dumps(rows[-1]), flush=True)
+    keys = ("wall_s", *EVENTS, *COUNTS)
+    medians = {mode: {k: statistics.median(x[k] for x in rows if x["mode"] == mode) for k in keys}
+               for mode in MODES}
+    return {"config": config, "settings": settings, "steps": steps, "repeats": repeats,
+            **versions(), "rows": rows, "median": medians,
+            "warm_over_none_wall": medians["warm"]["wall_s"] / medians["none"]["wall_s"],
+            "warm_over_none_compile": medians["warm"]["compile_s"] / medians["none"]["compile_s"]}
+
+
+def markdown(result: dict) -> str:
+    m = result["median"]
+    lines = [f"# train.compile_cache_dir: {' '.join([result['config'], *result['settings']])}",
+             "",
+             f"{result['device']}, {result['host']}, Python {result['python']}, jax "
+             f"{result['jax']}; `train.py`, {result['steps']} steps, a fresh process and run "
+             f"directory each, medians of {result['repeats']} interleaved repeats.",
+             "",
+             "| cache | wall s | compile or cache read s | hits | misses | net s saved by hits |",
+             "|---|---|---|---|---|---|"]
+    for mode, label in (("none", "none"), ("cold", "empty (cold)"), ("warm", "filled (warm)")):
+        x = m[mode]
+        lines.append(f"| {label} | {x['wall_s']:.1f} | {x['compile_s']:.1f} | {x['hits']:.0f} | "
+                     f"{x['misses']:.0f} | {x['saved_s']:.1f} |")
+    lines += ["", f"Warm over none: wall {result['warm_over_none_wall']:.2f}×, compile (or cache "
+              f"read) time {result['warm_over_none_compile']:.2f}×."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        return child(argv[1], argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run (repeatable)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results/compile_cache_cpu")
+    args = parser.parse_args(argv)
+    result = run(args.config, args.set, args.steps, args.repeats)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -89,6 +89,18 @@ def drop_rows_after(path: Path, step: int) -> int:
     return dropped
 
 
+def _after_earlier_event_files(tb_dir: Path) -> None:
+    """Wait until the clock's second is past the creation second of every event file in
+    `tb_dir`. TensorBoard reads a run's event files in name order, and a name is
+    `events.out.tfevents.SECOND.HOST.PID.N` with N a per-process count that is not zero-padded:
+    a writer opened in the same second as an earlier one of the process could sort before it
+    (N 10 after 9), and then its restart would be read first and discard nothing."""
+    seconds = [int(f.name.split(".")[3]) for f in tb_dir.glob("events.out.tfevents.*")
+               if f.name.split(".")[3].isdigit()]
+    while seconds and time.time() < max(seconds) + 1:
+        time.sleep(max(seconds) + 1 - time.time())
+
+
 class MetricsWriter:
     """Appends JSON lines (and TensorBoard scalars when `tensorboard` is importable).
 
@@ -113,7 +125,9 @@ class MetricsWriter:
             from tensorboard.compat.proto import event_pb2
         except ImportError:
             return
-        self._tb = EventFileWriter(str(Path(run_dir) / "tensorboard"))
+        tb_dir = Path(run_dir) / "tensorboard"
+        _after_earlier_event_files(tb_dir)
+        self._tb = EventFileWriter(str(tb_dir))
         if start_step > 0:
             self._tb.add_event(event_pb2.Event(
                 wall_time=time.time(), step=start_step + 1,

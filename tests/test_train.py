@@ -413,14 +413,18 @@ def test_validation_and_ppl_on_a_masked_corpus_average_over_counted_targets(tmp_
     assert abs(quant.fields["loss"][0] - reference) / reference < 1e-5
 
 
-def test_a_resumed_run_replaces_the_tensorboard_scalars_it_runs_again(tmp_path):
+def test_a_resumed_run_replaces_the_tensorboard_scalars_it_runs_again(tmp_path, monkeypatch):
     """Steps 4-5 of a first invocation are run again after resuming from step 3: metrics.jsonl
-    and TensorBoard (its own reader) both show each step once, with the second run's values."""
+    and TensorBoard (its own reader) both show each step once, with the second run's values.
+    Also when the process's event-file count goes from 9 to 10 between the two (TensorBoard's
+    file names do not pad it, so in one second the second file sorted first)."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.summary.writer import event_file_writer
 
     from diff_jax.metrics import MetricsWriter
 
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
     first = MetricsWriter(tmp_path, enabled=True)
     for step in range(1, 6):
         first.write({"step": step, "loss": 10.0 + step})
@@ -540,7 +544,8 @@ def test_a_compile_cache_dir_gives_the_next_run_its_compiled_programs(corpus, tm
                                                                       compile_cache, caplog):
     """The first run writes its compiled programs (the train step among them) to
     train.compile_cache_dir; a second run (another run dir) reads its train step from there
-    instead of compiling it, writes nothing new, and trains exactly as the run that compiled it."""
+    instead of compiling it, writes nothing new, and trains exactly as the run that compiled it.
+    A damaged entry (a kill part-way through JAX's write) is compiled again, with JAX's warning."""
     def run(name):
         return train_loop.run(tiny_config(corpus, tmp_path / name, "train.steps=10",
                                           f"train.compile_cache_dir={compile_cache}"))
@@ -558,10 +563,17 @@ def test_a_compile_cache_dir_gives_the_next_run_its_compiled_programs(corpus, tm
             if r.msg.startswith("Persistent compilation cache hit") and r.args}
     assert "jit_train_step" in read
     assert sorted(p.name for p in compile_cache.iterdir()) == written
-    compiled, cached = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
-    assert sorted(cached) == list(range(1, 11))
-    assert {s: {k: cached[s][k] for k in COMPARED} for s in cached} == {
-        s: {k: compiled[s][k] for k in COMPARED} for s in compiled}
+    step = next(compile_cache.glob("jit_train_step-*"))
+    step.write_bytes(step.read_bytes()[: step.stat().st_size // 2])
+    with pytest.warns(UserWarning, match="Error reading persistent compilation cache entry for "
+                                         "'jit_train_step'"):
+        run("c")
+    compiled = _metrics(tmp_path / "a")
+    for name in ("b", "c"):
+        got = _metrics(tmp_path / name)
+        assert sorted(got) == list(range(1, 11))
+        assert {s: {k: got[s][k] for k in COMPARED} for s in got} == {
+            s: {k: compiled[s][k] for k in COMPARED} for s in compiled}
 
 
 def test_a_compile_cache_dir_that_cannot_be_made_is_bad_input_naming_it(corpus, tmp_path, capsys,

@@ -20,10 +20,8 @@ from typing import Any, Literal
 
 import yaml
 
+from kernels.reference import MAX_LOGIT_BITS
 
-MAX_LOGIT_BITS = 32
-"""The widest `model.attn_logit_bits` (eval.py's `bits=`): float32 logits hold 24 bits, so wider
-widths change nothing, and from 129 bits the absmax scale underflows to 0 and rounds to integers."""
 
 MAX_STEPS = 2**31 - 1
 """The most `train.steps` (and `optim.warmup_steps`): optax counts steps in int32, and the schedule

@@ -95,10 +95,10 @@ def _after_earlier_event_files(tb_dir: Path) -> None:
     `events.out.tfevents.SECOND.HOST.PID.N` with N a per-process count that is not zero-padded:
     a writer opened in the same second as an earlier one of the process could sort before it
     (N 10 after 9), and then its restart would be read first and discard nothing."""
-    seconds = [int(f.name.split(".")[3]) for f in tb_dir.glob("events.out.tfevents.*")
-               if f.name.split(".")[3].isdigit()]
-    while seconds and time.time() < max(seconds) + 1:
-        time.sleep(max(seconds) + 1 - time.time())
+    seconds = [part for f in tb_dir.glob("events.out.tfevents.*")
+               if (part := f.name.split(".")[3]).isdigit()]
+    if seconds:
+        time.sleep(max(0.0, max(map(int, seconds)) + 1 - time.time()))
 
 
 class MetricsWriter:

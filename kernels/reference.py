@@ -106,14 +106,20 @@ def _softmax(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
     return jnp.where(mask, probs, 0.0)
 
 
+MAX_LOGIT_BITS = 32
+"""The widest `quantize_logits` width (`model.attn_logit_bits`, eval.py's `bits=`): float32
+logits hold 24 bits, so wider widths change nothing, and from 129 bits 2^(bits−1) overflows
+float32, the scale underflows to 0 and the logits round to integers."""
+
+
 def quantize_logits(scores: jax.Array, mask: jax.Array | None, bits: int) -> jax.Array:
     """Absmax fake-quantization to signed `bits`-bit integers, one scale per (batch, score map).
 
     scale = max|s| / (2^(bits−1) − 1) over the unmasked entries of each (T, S) map; s -> round(s /
     scale)·scale. This is the dynamic post-training quantization of the paper's Figure 8.
     """
-    if not 2 <= bits <= 32:  # float32 holds 24 bits; 2^(bits-1) overflows it from 129
-        raise ValueError(f"logit_bits must be in [2, 32], got {bits}")
+    if not 2 <= bits <= MAX_LOGIT_BITS:
+        raise ValueError(f"logit_bits must be in [2, {MAX_LOGIT_BITS}], got {bits}")
     absval = jnp.abs(scores) if mask is None else jnp.where(mask, jnp.abs(scores), 0.0)
     levels = 2.0 ** (bits - 1) - 1
     scale = jnp.max(absval, axis=(-2, -1), keepdims=True) / levels

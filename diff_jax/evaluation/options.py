@@ -8,7 +8,8 @@ import typing
 from collections.abc import Sequence
 from pathlib import Path
 
-from diff_jax.config import MAX_LOGIT_BITS, ConfigError, coerce, parse_override
+from diff_jax.config import ConfigError, coerce, parse_override
+from kernels.reference import MAX_LOGIT_BITS
 
 TASKS = ("ppl", "score", "niah", "attention", "outliers", "quant", "generate", "recall")
 

@@ -95,9 +95,18 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
         assert all(s["mean"] > 1 for s in st["quant"]["ppl"])
         assert st["wall_s"]["train"]["mean"] > 0 and st["wall_s"]["eval"]["mean"] > 0
         assert _number(st["final_train_loss"]["mean"])
+        # the periodic validation at step 4 (eval_every=4): its loss is the last validation's
+        seed0 = data["results"]["scaled"][v]["seeds"][0]
+        assert seed0["val_loss_at"] == {"4": seed0["final_val_loss"]} and seed0["val_tokens"] > 0
+    for v in ("diff", "diff_v2"):
+        gap = data["val_gap"]["scaled"][v]["4"]
+        want = [s["val_loss_at"]["4"] - t["val_loss_at"]["4"] for s, t in
+                zip(data["results"]["scaled"][v]["seeds"], data["results"]["scaled"]["transformer"]["seeds"])]
+        assert gap["per_seed"] == want and not gap["outside_spread"]
+        assert f"| {presets.LABELS[v]} − Transformer | {want[0]:+.3f} |" in md
     md = (out / "results.md").read_text()
     for heading in ("### Table 2", "### Table 3", "### Table 5", "### Figure 8",
-                    "### Language modeling", "### Claims"):
+                    "### Language modeling", "### Held-out loss during training", "### Claims"):
         assert heading in md
     # One seed: every claim says so and none states a direction.
     claims = [line for line in md.splitlines() if " − Transformer: " in line]
@@ -252,6 +261,35 @@ def test_language_modeling_claims_are_paired_differences_of_the_papers_measures(
     ends = [paper, paper, opposite, "no direction claimed.", paper, opposite, paper]
     assert len(lines) == 14 and all(x.endswith(e) for x, e in zip(lines[0::2], ends)), lines
     assert all(x.endswith("no direction claimed.") for x in lines[1::2])
+
+
+def test_val_gaps_pair_each_validation_step_every_run_logged():
+    """lm_report.val_gaps on hand-made seeds: per DIFF variant and validation step, DIFF −
+    Transformer paired by seed, at the steps every seed of every model logged (a step one run
+    lacks is left out), in step order (200 before 1000); the table states each gap with its
+    seed range and stars only those of one sign."""
+    def model(*seeds):
+        return {"seeds": [{"val_loss_at": dict(s), "val_tokens": 512} for s in seeds]}
+
+    t = model({"200": 5.0, "1000": 4.0, "300": 4.5}, {"200": 5.2, "1000": 4.1})
+    results = {"transformer": t,
+               "diff": model({"200": 5.5, "1000": 4.1}, {"200": 5.6, "1000": 4.0}),
+               "diff_v2": model({"200": 4.9, "1000": 3.5}, {"200": 5.0, "1000": 3.9})}
+    gaps = lm_report.val_gaps(results)
+    assert list(gaps["diff"]) == list(gaps["diff_v2"]) == ["200", "1000"]
+    assert gaps["diff"]["200"]["per_seed"] == pytest.approx([0.5, 0.4])
+    assert gaps["diff"]["200"]["outside_spread"]
+    assert gaps["diff"]["1000"]["per_seed"] == pytest.approx([0.1, -0.1])
+    assert not gaps["diff"]["1000"]["outside_spread"]
+    assert gaps["diff_v2"]["1000"]["per_seed"] == pytest.approx([-0.5, -0.2])
+    for v in presets.VARIANTS:
+        results[v]["stats"] = stats.stats([{"val_loss_at": {k: s["val_loss_at"][k] for k in
+                                                            ("200", "1000")}}
+                                           for s in results[v]["seeds"]])
+    md = "\n".join(lm_report.val_section(results))
+    assert "| model | step 200 | step 1000 |" in md and "512 held-out tokens" in md
+    assert "| DIFF V1 − Transformer | +0.450 (+0.400 to +0.500) * | +0.000 (-0.100 to +0.100) |" in md
+    assert "| DIFF V2 − Transformer | -0.150 (-0.200 to -0.100) * | -0.350 (-0.500 to -0.200) * |" in md
 
 
 def test_init_gaps_are_the_second_init_minus_the_first_per_seed_and_match_cpu_small():

@@ -47,6 +47,9 @@ def model_results(preset: Preset, run: Path) -> dict[str, Any]:
         "heldout_documents": ppl["num_documents"],
         "final_train_loss": train[-1]["loss"],
         "final_val_loss": val[-1]["val_loss"] if val else math.nan,
+        # the periodic validations: held-out loss at each validation step, and their token count
+        "val_loss_at": {str(x["step"]): x["val_loss"] for x in val},
+        "val_tokens": val[-1]["val_tokens"] if val else 0,
         # per (N, R): accuracy per context length (mean over depths), and the depth × length grid
         "niah": {k: np.mean(v["accuracy"], axis=0).tolist() for k, v in niah.items()},
         "niah_grid": {k: v["accuracy"] for k, v in niah.items()},
@@ -115,11 +118,51 @@ def claims(results: dict[str, Any]) -> list[tuple[str, int, dict[str, dict[str, 
             for name, sign, f in measures]
 
 
+def val_gaps(results: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """{DIFF variant: {step: `paired` held-out loss against the Transformer}} at each periodic
+    validation step that every seed of every model logged (in step order), from one init's
+    `collect`: how the loss difference moves as training goes on."""
+    logged = [set(s["val_loss_at"]) for v in VARIANTS for s in results[v]["seeds"]]
+    steps = sorted(set.intersection(*logged), key=int)
+    at = lambda v, step: [s["val_loss_at"][step] for s in results[v]["seeds"]]  # noqa: E731
+    return {v: {step: paired(at(v, step), at("transformer", step)) for step in steps}
+            for v in ("diff", "diff_v2")}
+
+
+def _gap_cell(p: dict[str, Any]) -> str:
+    """A `paired` result as a table cell: "+0.80 (+0.76 to +0.86)", with " *" when zero lies
+    outside the seed spread (a single seed: the value alone)."""
+    if p["n"] == 1:
+        return f"{p['mean']:+.3f}"
+    star = " *" if p["outside_spread"] else ""
+    return f"{p['mean']:+.3f} ({p['min']:+.3f} to {p['max']:+.3f}){star}"
+
+
 def claim_lines(results: dict[str, Any]) -> list[str]:
     """One line per claim and DIFF variant: the paired difference and, only where it lies
     outside its seed spread, how its sign compares with the paper's."""
     return [f"- {name}, {LABELS[v]} − Transformer: {describe(p)}{_direction(p, sign)}."
             for name, sign, per_variant in claims(results) for v, p in per_variant.items()]
+
+
+def val_section(res: dict[str, Any]) -> list[str]:
+    """The periodic validations of one init's models: held-out loss at each validation step and
+    the paired DIFF − Transformer difference there; nothing when the runs validated never."""
+    gaps = val_gaps(res)
+    steps = list(gaps["diff"])
+    if not steps:
+        return []
+    tokens = res["transformer"]["seeds"][0]["val_tokens"]
+    rows = [[LABELS[v]] + [mean_std(res[v]["stats"]["val_loss_at"][s], 3) for s in steps]
+            for v in VARIANTS]
+    rows += [[f"{LABELS[v]} − Transformer"] + [_gap_cell(gaps[v][s]) for s in steps]
+             for v in ("diff", "diff_v2")]
+    return ["### Held-out loss during training", "",
+            f"The periodic validations (`train.eval_every`): {tokens:,} held-out tokens in rows "
+            "spread over the validation split, the same tokens at every step and for every model "
+            "of a seed. Differences are paired by seed: mean (min to max over seeds), * where "
+            "every seed has the same sign.", "",
+            *_table(["model", *(f"step {s}" for s in steps)], rows), ""]
 
 
 def init_section(preset: Preset, data: dict[str, Any], init: str) -> list[str]:
@@ -134,7 +177,7 @@ def init_section(preset: Preset, data: dict[str, Any], init: str) -> list[str]:
                        mean_std(res[v]["stats"]["final_train_loss"], 3),
                        mean_std(res[v]["stats"]["wall_s"]["train"], 0),
                        mean_std(res[v]["stats"]["wall_s"]["eval"], 0)] for v in VARIANTS]),
-             "", "### Table 2: multi-needle retrieval accuracy", "",
+             "", *val_section(res), "### Table 2: multi-needle retrieval accuracy", "",
              f"N needles, R of them queried; answer needle at depths {list(preset.depths)}%, "
              f"{preset.samples} samples per cell; a query counts when greedy decoding gives the "
              f"number. Ours at each context length (training length {preset.seq_len}; "
@@ -323,6 +366,7 @@ def write(preset: Preset, seeds: int, out: Path, summaries: dict[str, dict]) -> 
         "results": results,
         "claims": {init: [{"claim": name, "paper_sign": sign, **per_variant}
                           for name, sign, per_variant in claims(results[init])] for init in results},
+        "val_gap": {init: val_gaps(results[init]) for init in results},
         "init_gap": init_gaps(preset, results),
     }
     data["plots"] = _plots(preset, data, out, seeds, preset.inits[0])

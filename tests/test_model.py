@@ -119,3 +119,26 @@ def test_tokens_that_are_not_a_batch_of_ids_are_refused(tokens):
     model, variables, _ = _init(_cfg("diff", num_layers=1))
     with pytest.raises(ValueError, match=r"tokens must be \(B, T\) integer ids, got "):
         model.apply(variables, tokens)
+
+
+def test_the_readme_python_example_runs_as_its_comments_say(monkeypatch):
+    """The README's "From Python" block, executed as written from the repository root: the
+    shapes its comments state, 8 new tokens, and the fused kernel (here its interpreter) equal
+    to the oracle to float32 rounding (1e-5 relative)."""
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    text = (root / "README.md").read_text().split("\n## From Python\n", 1)[1]
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("    "))
+    end = next(i for i in range(start, len(lines)) if lines[i] and not lines[i].startswith("    "))
+    monkeypatch.chdir(root)
+    names: dict = {}
+    exec(compile("\n".join(line[4:] for line in lines[start:end]), "README.md", "exec"), names)
+    tokens, config = names["tokens"], names["config"]
+    assert tokens.shape == (1, 6) and names["logits"].shape == (1, 6, config.vocab_size)
+    assert len(names["new"]) == 1 and len(names["new"][0]) == 8
+    assert all(0 <= i < config.vocab_size for i in names["new"][0])
+    out, ref = names["out"], names["ref"]
+    assert out.shape == (1, 256, 2, 128)
+    assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 1e-5

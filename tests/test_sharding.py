@@ -194,6 +194,11 @@ def test_weight_decay_mask_exempts_norms_lambdas_and_embeddings():
     assert not mask["norm"]["scale"]
     everything = decay_mask(params, OptimConfig(decay_norms_and_lambdas=True, decay_embeddings=True))
     assert all(jax.tree.leaves(everything))
+    # DIFF V2's λ comes from a projection matrix, which decays like every other matrix
+    v2 = DecoderLM(dataclasses.replace(MODEL, variant="diff_v2"))
+    params = nn.meta.unbox(jax.eval_shape(v2.init, jax.random.PRNGKey(0),
+                                          jnp.zeros((1, 1), jnp.int32)))["params"]
+    assert decay_mask(params, OptimConfig())["layers_0"]["attn"]["lambda_proj"] == {"kernel": True}
 
 
 def test_schedule_warmup_then_linear_decay_to_the_floor():

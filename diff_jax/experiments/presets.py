@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from diff_jax import variants
-from diff_jax.config import Config, load_config
+from diff_jax.config import Config, DataConfig, load_config
 from diff_jax.summary import summarize
 
 VARIANTS = ("diff", "diff_v2", "transformer")
@@ -26,6 +26,11 @@ LABELS = {"diff": "DIFF V1", "diff_v2": "DIFF V2", "transformer": "Transformer"}
 PARAM_TOLERANCE = 0.005  # the issue's ±0.5%
 
 
+# What shaped the prepared corpus and a `tokens` source does not read, at its default in each
+# run's config: the corpus holds the mixture, and config.yaml should not say otherwise.
+CORPUS_ONLY = tuple(f"data.{name}={'null' if value is None else value}" for name, value in (
+    (name, DataConfig.__dataclass_fields__[name].default)
+    for name in ("mixture_tokens", "niah_tokens", "niah_doc_tokens", "text_field")))
 INITS = ("scaled", "normal")  # `model.output_init`: see `diff_jax.layers.residual_out_std`
 
 
@@ -64,7 +69,7 @@ class Recipe:
         return [*self.shared, *model_overrides(variant, self.embed_dim, self.num_layers,
                                                self.diff_heads),
                 f"model.output_init={init}", f"train.seed={seed}", f"train.run_dir={run_dir}",
-                "data.mixture=null", "data.source=tokens",
+                "data.mixture=null", "data.source=tokens", *CORPUS_ONLY,
                 f"data.paths=[{corpus_dir(run_dir.parent.parent, seed)}]",
                 f"train.compile_cache_dir={compile_cache_dir(run_dir.parent.parent)}"]
 

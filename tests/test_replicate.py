@@ -28,6 +28,20 @@ def test_v2_shape_matches_diff_attention_parameters():
             assert abs(s["params_non_embedding"] - ref) <= 0.005 * ref
 
 
+def test_runs_read_their_prepared_corpus_and_name_no_setting_they_do_not_read(tmp_path):
+    """Every preset's runs read OUT/data/corpus-sSEED (a `tokens` source) and their config has
+    no data setting that only shaped that corpus (each run printed
+    `data.niah_doc_tokens=576: not used, since no data source is niah` and recorded 576 in its
+    config.yaml); the corpus's own config keeps them."""
+    for name, preset in presets.PRESETS.items():
+        cfg = preset.config("diff", 1, tmp_path / "runs" / "diff-scaled-s1").data
+        assert cfg.source == "tokens" and cfg.mixture is None, name
+        assert cfg.paths == (str(presets.corpus_dir(tmp_path, 1)),), name
+        assert cfg.unread() == [], (name, cfg.unread())
+    assert presets.PRESETS["cpu-small"].corpus_config(0).data.niah_doc_tokens == 576
+    assert presets.PRESETS["gpu-medium"].corpus_config(0).data.mixture_tokens == 64_000_000
+
+
 def test_check_matched_rejects_unmatched_models(monkeypatch):
 
     micro = presets.PRESETS["micro"]
@@ -60,6 +74,7 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
     assert corpus["rows_read"] == 4 * 8 <= corpus["train_rows"] and corpus["num_docs"] > 1
     assert corpus["num_tokens"] == len(np.fromfile(presets.corpus_dir(out, 0) / "tokens.bin", "<u4"))
     assert 0 < corpus["unigram_loss"] < np.log(data["vocab_size"])
+    assert data["unigram_loss"] == {"0": corpus["unigram_loss"]}
     assert data["niah_whole_in_row"] == presets.niah_whole_fraction(384, 64) == 0.0
     assert set(data["models"]) == set(presets.VARIANTS)
     md = (out / "results.md").read_text()

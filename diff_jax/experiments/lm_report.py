@@ -268,7 +268,9 @@ def markdown(preset: Preset, data: dict[str, Any]) -> str:
         + f"; each model reads {corpus['rows_read']:,} of the training split's "
         f"{corpus['train_rows']:,} rows once, so no training text is read twice. Unigram loss "
         f"(the validation split's tokens under the training split's token frequencies): "
-        f"{corpus['unigram_loss']:.2f} nats.", "",
+        f"{corpus['unigram_loss']:.2f} nats"
+        + (f" (each seed's corpus: {min(data['unigram_loss'].values()):.2f}–"
+           f"{max(data['unigram_loss'].values()):.2f})." if seeds > 1 else "."), "",
         f"Synthetic retrieval documents are {data['niah_doc_tokens'] // 2}–{data['niah_doc_tokens']} "
         f"tokens long; {data['niah_whole_in_row']:.0%} of them are expected to lie whole in one "
         f"training row of {data['seq_len']} tokens (`presets.niah_whole_fraction`).", "",
@@ -349,6 +351,8 @@ def write(preset: Preset, seeds: int, out: Path, summaries: dict[str, dict]) -> 
         "data_mixture": cfg.data.mixture, "tokenizer": cfg.data.tokenizer,
         "corpus": {k: meta[k] for k in ("paths", "num_docs", "num_tokens", "train_tokens",
                                         "train_rows", "rows_read", "unigram_loss")},
+        "unigram_loss": {str(s): json.loads((corpus_dir(out, s) / "meta.json").read_text())[
+            "unigram_loss"] for s in range(seeds)},
         "vocab_size": cfg.model.vocab_size, "niah_doc_tokens": cfg.data.niah_doc_tokens,
         "niah_whole_in_row": niah_whole_fraction(cfg.data.niah_doc_tokens, cfg.train.seq_len),
         "models": {v: {"params": summaries[v]["params"],

@@ -75,6 +75,9 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
     assert corpus["num_tokens"] == len(np.fromfile(presets.corpus_dir(out, 0) / "tokens.bin", "<u4"))
     assert 0 < corpus["unigram_loss"] < np.log(data["vocab_size"])
     assert data["unigram_loss"] == {"0": corpus["unigram_loss"]}
+    scale = data["init_scale"]["scaled"]  # DIFF V1's attention writes most at init
+    assert set(scale) == set(presets.VARIANTS)
+    assert min(scale["diff"]["attn"]) > max(scale["transformer"]["attn"] + scale["diff_v2"]["attn"])
     assert data["niah_whole_in_row"] == presets.niah_whole_fraction(384, 64) == 0.0
     assert set(data["models"]) == set(presets.VARIANTS)
     md = (out / "results.md").read_text()
@@ -121,7 +124,8 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
         assert f"| {presets.LABELS[v]} − Transformer | {want[0]:+.3f} |" in md
     md = (out / "results.md").read_text()
     for heading in ("### Table 2", "### Table 3", "### Table 5", "### Figure 8",
-                    "### Language modeling", "### Held-out loss during training", "### Claims"):
+                    "### Language modeling", "### Held-out loss during training",
+                    "### At initialization", "### Claims"):
         assert heading in md
     # One seed: every claim says so and none states a direction.
     claims = [line for line in md.splitlines() if " − Transformer: " in line]
@@ -305,6 +309,31 @@ def test_val_gaps_pair_each_validation_step_every_run_logged():
     assert "| model | step 200 | step 1000 |" in md and "512 held-out tokens" in md
     assert "| DIFF V1 − Transformer | +0.450 (+0.400 to +0.500) * | +0.000 (-0.100 to +0.100) |" in md
     assert "| DIFF V2 − Transformer | -0.150 (-0.200 to -0.100) * | -0.350 (-0.500 to -0.200) * |" in md
+
+
+def test_at_init_diff_v1_attention_writes_its_normalized_scale_and_the_transformer_far_less():
+    """init_scale.residual_writes against what the layer's equations give at init: the token
+    embedding has RMS init_std; DIFF V1's attention output is its per-head RMSNorm's unit RMS
+    times (1 − λ_init(l)) through an output projection of std init_std/√(2L) (`scaled`) or
+    init_std (`normal`) over E inputs, whatever the two maps cancel (15%: random weights, eps);
+    the Transformer's mixes value vectors, over 3× smaller; the MLP's below the embedding."""
+    from diff_jax.config import ModelConfig
+    from diff_jax.experiments import init_scale
+
+    e, layers = 64, 2
+    tokens = np.random.default_rng(0).integers(0, 97, (4, 64))
+    for init, std_o in (("scaled", 0.02 / math.sqrt(2 * layers)), ("normal", 0.02)):
+        cfg = ModelConfig(variant="diff", vocab_size=97, embed_dim=e, num_layers=layers,
+                          num_heads=2, max_seq_len=64, output_init=init)
+        diff = init_scale.residual_writes(cfg, tokens)
+        assert diff["embed"] == pytest.approx(0.02, rel=0.1)
+        for depth, written in enumerate(diff["attn"]):
+            lambda_init = 0.8 - 0.6 * math.exp(-0.3 * depth)
+            assert written == pytest.approx((1 - lambda_init) * std_o * math.sqrt(e), rel=0.15)
+        base = init_scale.residual_writes(dataclasses.replace(cfg, variant="transformer",
+                                                              num_heads=4), tokens)
+        assert base["embed"] == diff["embed"] and max(base["attn"]) < min(diff["attn"]) / 3
+        assert max(diff["ffn"] + base["ffn"]) < diff["embed"]
 
 
 def test_init_gaps_are_the_second_init_minus_the_first_per_seed_and_match_cpu_small():

@@ -60,6 +60,9 @@ class ModelConfig:
     # "scaled": the residual branches' output projections (attention out, MLP down) are drawn
     # with std init_std/sqrt(2·num_layers) (GPT-2); "normal": std init_std for every matrix
     output_init: Literal["scaled", "normal"] = "scaled"
+    # DIFF V1's per-head RMSNorm (subln) scale at init: 1 is the reference's; a smaller one
+    # shrinks what V1's attention adds to the residual stream at init (an ablation, not the paper)
+    subln_init: float = 1.0
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
     attention_impl: AttentionImpl = "xla"
     # V1 with GQA: `flash` (Q1 and Q2 of head h read K1, K2 of kv group h // n_rep, as the paper's
@@ -108,6 +111,9 @@ class ModelConfig:
                  "cudnn runs bfloat16 only; set model.dtype=bfloat16")
         _require(self.gqa_pairing == "flash" or spec.differential_op, "model.gqa_pairing",
                  "only variant diff has a choice of GQA pairing")
+        _require(0 < self.subln_init < math.inf, "model.subln_init", "must be a finite number > 0")
+        _require(self.subln_init == 1.0 or spec.differential_op, "model.subln_init",
+                 "only variant diff has a per-head norm (subln)")
 
     @property
     def _variant_spec(self) -> Any:

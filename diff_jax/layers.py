@@ -39,17 +39,20 @@ def residual_out_std(cfg: ModelConfig) -> float:
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) · scale over the last axis; the core runs in float32."""
+    """x / sqrt(mean(x²) + eps) · scale over the last axis; the core runs in float32. The scale
+    starts at `init` (1: the identity scale)."""
 
     eps: float = 1e-5
     dtype: jnp.dtype = jnp.float32
     axis_name: str = "norm"
+    init: float = 1.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         """x (..., D) -> (..., D) in `dtype`, with a learned scale (D,) float32."""
         scale = self.param(
-            "scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+            "scale", nn.with_logical_partitioning(nn.initializers.constant(self.init),
+                                                  (self.axis_name,)),
             (x.shape[-1],), jnp.float32,
         )
         xf = x.astype(jnp.float32)

@@ -334,6 +334,11 @@ def test_at_init_diff_v1_attention_writes_its_normalized_scale_and_the_transform
                                                               num_heads=4), tokens)
         assert base["embed"] == diff["embed"] and max(base["attn"]) < min(diff["attn"]) / 3
         assert max(diff["ffn"] + base["ffn"]) < diff["embed"]
+        # model.subln_init scales V1's per-head norm, and so its attention write, at init (the
+        # first layer's exactly; a later layer's inputs hold the smaller writes before it)
+        small = init_scale.residual_writes(dataclasses.replace(cfg, subln_init=0.1), tokens)
+        assert small["attn"][0] == pytest.approx(0.1 * diff["attn"][0], rel=1e-5)
+        assert all(0.05 < x / y < 0.15 for x, y in zip(small["attn"], diff["attn"]))
 
 
 def test_init_gaps_are_the_second_init_minus_the_first_per_seed_and_match_cpu_small():

@@ -60,7 +60,7 @@ def _number(x: object) -> bool:
     return isinstance(x, float) and math.isfinite(x)
 
 
-def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
+def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert replicate.main(["--preset", "micro", "--out", str(tmp_path / "out")]) == 0
     out = tmp_path / "out"
@@ -152,6 +152,44 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch):
     wall = (run / "wall.json").read_text()
     assert replicate.main(["--preset", "micro", "--out", str(out)]) == 0
     assert (run / "wall.json").read_text() == wall
+    _check_ablation(out, capsys)
+
+
+def _check_ablation(out: Path, capsys) -> None:
+    """ablate on the finished micro replication: the changed run's config is the unchanged
+    run's but for the setting (so the pairing holds), and the JSON's paired differences are
+    the per-seed differences of the losses the runs' ppl files hold."""
+    from diff_jax.experiments import ablate
+
+    capsys.readouterr()
+    assert ablate.main([str(out), "--set", "model.subln_init=0.5"]) == 0
+    changed_run = out / "runs" / "diff+subln_init=0.5-scaled-s0"
+    changed = (changed_run / "config.yaml").read_text()
+    unchanged = (out / "runs" / "diff-scaled-s0" / "config.yaml").read_text()
+    assert changed.replace("subln_init: 0.5", "subln_init: 1.0").replace(
+        "diff+subln_init=0.5-scaled", "diff-scaled") == unchanged
+    data = json.loads((out / "ablations" / "diff+subln_init=0.5-scaled.json").read_text())
+    loss = lambda run: json.loads((run / "replicate" / "ppl" / "ppl.json").read_text())["loss"]  # noqa: E731
+    ours, base = loss(changed_run), loss(out / "runs" / "diff-scaled-s0")
+    tf = loss(out / "runs" / "transformer-scaled-s0")
+    assert data["heldout_loss"] == {"changed": [ours], "unchanged": [base], "transformer": [tf]}
+    assert data["paired"]["changed_minus_unchanged"]["per_seed"] == [ours - base]
+    assert data["paired"]["changed_minus_transformer"]["per_seed"] == [ours - tf]
+    assert list(data["val_paired"]) == ["4"]
+    md = (out / "ablations" / "diff+subln_init=0.5-scaled.md").read_text()
+    assert f"| 0 | {ours:.4f} | {base:.4f} | {tf:.4f} |" in md
+    # bad input: one error line each, nothing trained
+    for args, says in ((["--set", "train.steps=8"], "expected model.KEY=VALUE or optim.KEY"),
+                       (["--set", "model.subln_init=1.0"], "changes nothing"),
+                       (["--set", "model.subln_init=0.5", "--variant", "transformer"], "--variant"),
+                       (["--set", "model.subln_init=0.5", "--seeds", "2"], "has 1 seed"),
+                       ([], "give at least one")):
+        capsys.readouterr()
+        assert ablate.main([str(out), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err and err.count("\n") == 1, err
+    assert ablate.main([str(out / "runs"), "--set", "model.subln_init=0.5"]) == 2
+    assert "not a finished replication" in capsys.readouterr().err
 
 
 def test_out_of_another_preset_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):

@@ -132,7 +132,7 @@ def val_gaps(results: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
             for v in ("diff", "diff_v2")}
 
 
-def _gap_cell(p: dict[str, Any]) -> str:
+def gap_cell(p: dict[str, Any]) -> str:
     """A `paired` result as a table cell: "+0.80 (+0.76 to +0.86)", with " *" when zero lies
     outside the seed spread (a single seed: the value alone)."""
     if p["n"] == 1:
@@ -158,7 +158,7 @@ def val_section(res: dict[str, Any]) -> list[str]:
     tokens = res["transformer"]["seeds"][0]["val_tokens"]
     rows = [[LABELS[v]] + [mean_std(res[v]["stats"]["val_loss_at"][s], 3) for s in steps]
             for v in VARIANTS]
-    rows += [[f"{LABELS[v]} − Transformer"] + [_gap_cell(gaps[v][s]) for s in steps]
+    rows += [[f"{LABELS[v]} − Transformer"] + [gap_cell(gaps[v][s]) for s in steps]
              for v in ("diff", "diff_v2")]
     return ["### Held-out loss during training", "",
             f"The periodic validations (`train.eval_every`): {tokens:,} held-out tokens in rows "

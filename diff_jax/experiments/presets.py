@@ -78,9 +78,11 @@ class Recipe:
         the seed, before `overrides` points the runs at the prepared copy)."""
         return load_config(None, [*self.shared, f"train.seed={seed}"])
 
-    def config(self, variant: str, seed: int, run_dir: Path, init: str | None = None) -> Config:
-        """The full `Config` of `overrides(variant, seed, run_dir, init)`."""
-        return load_config(None, self.overrides(variant, seed, run_dir, init))
+    def config(self, variant: str, seed: int, run_dir: Path, init: str | None = None,
+               sets: tuple[str, ...] = ()) -> Config:
+        """The full `Config` of `overrides(variant, seed, run_dir, init)`, then `sets` (an
+        ablation's `section.key=value` changes)."""
+        return load_config(None, [*self.overrides(variant, seed, run_dir, init), *sets])
 
     @property
     def seq_len(self) -> int:

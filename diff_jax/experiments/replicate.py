@@ -138,10 +138,13 @@ def prepare_corpus(preset: Preset | RecallPreset, seed: int, out: Path) -> Path:
 
 
 def train_and_evaluate(preset: Preset | RecallPreset, variant: str, seed: int, init: str,
-                       out: Path) -> Path:
-    """Train (or resume) one model, then run every evaluation not yet done at its step."""
-    run = run_dir(out, variant, seed, init)
-    config = preset.config(variant, seed, run, init)
+                       out: Path, sets: tuple[str, ...] = (), label: str | None = None,
+                       only: tuple[str, ...] | None = None) -> Path:
+    """Train (or resume) one model, then run every evaluation not yet done at its step (those
+    named in `only`, when given). An ablation adds `sets` to the recipe and trains in
+    OUT/runs/LABEL-INIT-sSEED."""
+    run = run_dir(out, label or variant, seed, init)
+    config = preset.config(variant, seed, run, init, sets)
     t0 = time.perf_counter()
     result = train_loop.run(config)
     if result.status == "interrupted":
@@ -149,7 +152,7 @@ def train_and_evaluate(preset: Preset | RecallPreset, variant: str, seed: int, i
     if result.status != "already done":
         _add_wall(run, "train_s", time.perf_counter() - t0)
     jobs = recall_jobs(preset) if isinstance(preset, RecallPreset) else lm_jobs(preset)
-    for name, options in jobs:
+    for name, options in jobs if only is None else [j for j in jobs if j[0] in only]:
         path = eval_json(run, name)
         step = options.step or config.train.steps
         if path.exists() and json.loads(path.read_text()).get("step") == step:

@@ -1,0 +1,189 @@
+"""One setting changed against a finished language-modeling replication, paired by seed.
+
+    python -m diff_jax.experiments.ablate OUT --set model.KEY=VALUE [--set ...]
+                                          [--variant diff] [--init INIT] [--seeds N]
+
+OUT is a finished replication (`python -m diff_jax.experiments.replicate --out OUT`, its
+results.json written). For each of its seeds (the first N with `--seeds`) this trains
+`--variant` under the same recipe, init, corpus, data order and initialization key with the
+`--set` overrides added (`model.*` or `optim.*` only: the data, budget and schedule stay the
+replication's), in OUT/runs/LABEL-INIT-sSEED with LABEL = VARIANT+KEY=VALUE+... (re-running
+resumes), scores its held-out loss as the replication's ppl job does, and writes
+OUT/ablations/LABEL-INIT.json and .md: per seed the held-out loss and the periodic validation
+losses of the changed model, the unchanged one and the Transformer, and the paired differences
+changed − unchanged and changed − Transformer (and unchanged − Transformer) with their spread
+over seeds (`stats.paired`; a direction is measured only where every seed agrees in sign).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from diff_jax import train_loop
+from diff_jax.config import ConfigError, parse_override
+from diff_jax.experiments.layout import eval_json, run_dir
+from diff_jax.experiments.lm_report import gap_cell, read_metrics
+from diff_jax.experiments.presets import LABELS, PRESETS, VARIANTS, Preset
+from diff_jax.experiments.replicate import PRESET_MARKER, train_and_evaluate
+from diff_jax.experiments.stats import describe, paired
+
+SETTABLE = ("model", "optim")  # what an ablation may change; data, budget and schedule stay
+_LABEL_CHARS = re.compile(r"[A-Za-z0-9_.,=-]+")
+
+
+def label(variant: str, sets: tuple[str, ...]) -> str:
+    """The changed model's name: VARIANT+KEY=VALUE+... (section prefixes dropped)."""
+    return "+".join([variant, *(s.split(".", 1)[1] for s in sets)])
+
+
+def check_sets(sets: tuple[str, ...]) -> None:
+    """ConfigError unless every override is `model.KEY=VALUE` or `optim.KEY=VALUE` that can name
+    a directory (letters, digits, `_ . , = -`)."""
+    if not sets:
+        raise ConfigError("--set: give at least one model.KEY=VALUE or optim.KEY=VALUE")
+    for text in sets:
+        keys, _ = parse_override(text)
+        if len(keys) != 2 or keys[0] not in SETTABLE:
+            raise ConfigError(f"--set {text}: expected model.KEY=VALUE or optim.KEY=VALUE (the "
+                              "data, budget and schedule stay the replication's)")
+        if not _LABEL_CHARS.fullmatch(text):
+            raise ConfigError(f"--set {text}: use letters, digits and _ . , = - only (it names "
+                              "the run's directory)")
+
+
+def _replication(out: Path) -> tuple[Preset, dict[str, Any]]:
+    """The preset and results.json of the finished language-modeling replication in `out`."""
+    try:
+        name = json.loads((out / PRESET_MARKER).read_text())["preset"]
+        results = json.loads((out / "results.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{out}: not a finished replication (python -m "
+                          f"diff_jax.experiments.replicate --out {out}): {e}") from None
+    preset = PRESETS.get(name)
+    if not isinstance(preset, Preset):
+        raise ConfigError(f"{out}: holds --preset {name}, not a language-modeling replication")
+    if "val_loss_at" not in results["results"][preset.inits[0]]["transformer"]["seeds"][0]:
+        raise ConfigError(f"{out / 'results.json'} predates the validation losses it needs "
+                          "(val_loss_at); re-run the replicate command to rewrite it")
+    return preset, results
+
+
+def compare(out: Path, results: dict[str, Any], variant: str, init: str, name: str,
+            seeds: list[int]) -> dict[str, Any]:
+    """The changed runs' held-out and validation losses beside the replication's, paired."""
+    changed = []
+    for seed in seeds:
+        run = run_dir(out, name, seed, init)
+        _, val = read_metrics(run)
+        changed.append({"loss": json.loads(eval_json(run, "ppl").read_text())["loss"],
+                        "val_loss_at": {str(x["step"]): x["val_loss"] for x in val}})
+    per = {"changed": changed,
+           **{role: [results["results"][init][v]["seeds"][s] for s in seeds]
+              for role, v in (("unchanged", variant), ("transformer", "transformer"))}}
+    losses = {role: [s["loss"] for s in rows] for role, rows in per.items()}
+    pairs = (("changed", "unchanged"), ("changed", "transformer"), ("unchanged", "transformer"))
+    steps = sorted(set.intersection(*(set(s["val_loss_at"]) for rows in per.values()
+                                      for s in rows)), key=int)
+    return {
+        "heldout_loss": losses,
+        "paired": {f"{a}_minus_{b}": paired(losses[a], losses[b]) for a, b in pairs},
+        "val_loss_at": {role: [s["val_loss_at"] for s in rows] for role, rows in per.items()},
+        "val_paired": {step: {f"{a}_minus_{b}": paired([s["val_loss_at"][step] for s in per[a]],
+                                                       [s["val_loss_at"][step] for s in per[b]])
+                              for a, b in pairs} for step in steps},
+    }
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """ablation .md: the settings, the per-seed losses and the paired differences."""
+    v, names = data["variant"], {"changed": data["label"], "unchanged": LABELS[data["variant"]],
+                                 "transformer": LABELS["transformer"]}
+    loss = data["heldout_loss"]
+    lines = [f"# Ablation `{data['label']}` against the `{data['preset']}` replication", "",
+             f"Generated by `python -m diff_jax.experiments.ablate OUT "
+             f"{' '.join('--set ' + s for s in data['sets'])} --variant {v} --init {data['init']}`. "
+             f"{LABELS[v]} trained again with {', '.join(f'`{s}`' for s in data['sets'])} under "
+             f"the replication's recipe (init `{data['init']}`, each seed's corpus, data order "
+             "and initialization key), against the replication's own runs of the unchanged "
+             "model and the Transformer. Held-out loss as the replication's ppl job scores it.", "",
+             "| seed | " + " | ".join(names.values()) + " |", "|---|---|---|---|",
+             *(f"| {s} | " + " | ".join(f"{loss[r][i]:.4f}" for r in names) + " |"
+               for i, s in enumerate(data["seeds"])), "",
+             "Paired differences (same seed):", "",
+             *(f"- {names[a]} − {names[b]}: {describe(data['paired'][f'{a}_minus_{b}'])}."
+               for a, b in (("changed", "unchanged"), ("changed", "transformer"),
+                            ("unchanged", "transformer"))), ""]
+    if data["val_paired"]:
+        steps = list(data["val_paired"])
+        row = lambda a, b: " | ".join(  # noqa: E731
+            gap_cell(data["val_paired"][s][f"{a}_minus_{b}"]) for s in steps)
+        lines += ["Periodic validation (held-out loss during training), paired by seed: mean (min "
+                  "to max over seeds), * where every seed has the same sign.", "",
+                  "| difference | " + " | ".join(f"step {s}" for s in steps) + " |",
+                  "|---|" + "---|" * len(steps),
+                  *(f"| {names[a]} − {names[b]} | {row(a, b)} |"
+                    for a, b in (("changed", "unchanged"), ("changed", "transformer"),
+                                 ("unchanged", "transformer"))), ""]
+    return "\n".join(lines)
+
+
+def ablate(out: Path, sets: tuple[str, ...], variant: str, init: str | None,
+           seeds: int | None) -> dict[str, Any]:
+    """Train, score and compare (the module docstring); returns the written JSON's content."""
+    check_sets(sets)
+    preset, results = _replication(out)
+    if variant not in VARIANTS or variant == "transformer":
+        raise ConfigError(f"--variant {variant}: expected one of diff, diff_v2")
+    init = init or preset.inits[0]
+    if init not in results["inits"]:
+        raise ConfigError(f"--init {init}: {out} was run under {', '.join(results['inits'])}")
+    all_seeds = results["seeds"]
+    if seeds is not None and not 1 <= seeds <= len(all_seeds):
+        raise ConfigError(f"--seeds {seeds}: {out} has {len(all_seeds)} seed(s)")
+    chosen = all_seeds[:seeds] if seeds else all_seeds
+    if preset.config(variant, 0, out, init, sets) == preset.config(variant, 0, out, init):
+        raise ConfigError(f"--set {' '.join(sets)}: changes nothing in {variant}'s config")
+    name = label(variant, sets)
+    for seed in chosen:
+        print(f"== ablation {name}, init {init}, seed {seed} ==", flush=True)
+        train_and_evaluate(preset, variant, seed, init, out, sets, name, only=("ppl",))
+    data = {"preset": preset.name, "label": name, "variant": variant, "init": init,
+            "sets": list(sets), "seeds": chosen,
+            **compare(out, results, variant, init, name, chosen)}
+    stem = out / "ablations" / f"{name}-{init}"  # no with_suffix: the name may hold dots
+    stem.parent.mkdir(exist_ok=True)
+    Path(f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+    Path(f"{stem}.md").write_text(markdown(data))
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line above; exit status 0, 2 on bad input (one `error:` line), 1 when the
+    changed model diverged."""
+    parser = argparse.ArgumentParser(prog="python -m diff_jax.experiments.ablate",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="a finished replication's --out directory")
+    parser.add_argument("--set", action="append", default=[], dest="sets",
+                        help="model.KEY=VALUE or optim.KEY=VALUE (repeatable)")
+    parser.add_argument("--variant", default="diff", help="diff (default) or diff_v2")
+    parser.add_argument("--init", default=None, help="one of the replication's inits "
+                        "(default: the preset's own)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="the first N of the replication's seeds (default: all)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    try:
+        data = ablate(out, tuple(args.sets), args.variant, args.init, args.seeds)
+    except train_loop.RUN_ERRORS as e:
+        return train_loop.report(e, [(str(out), str(out))])
+    print(f"wrote {out / 'ablations' / (data['label'] + '-' + data['init'])}.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -398,21 +398,38 @@ def test_init_gaps_are_the_second_init_minus_the_first_per_seed_and_match_cpu_sm
 
 
 def test_committed_reports_are_what_the_reporting_code_makes_of_their_data():
-    """cpu-recall's results.md is recall_report.markdown of its results.json; cpu-small's claims
-    and init gaps are what lm_report computes from its per-seed results. The README quotes these
-    files, so what it summarises is what today's code says of the committed data. (cpu-small's
-    markdown cannot be re-made: its results.json predates the corpus and held-out document
-    fields; unigram.json holds the corpus numbers.)"""
+    """Each committed results.md is its report module's markdown of its results.json, and
+    cpu-small's claims, init gaps and validation gaps are what lm_report computes from its
+    per-seed results; each committed ablation's .md is ablate.markdown of its JSON and its
+    paired numbers are those of the held-out losses it lists. The README quotes these files, so
+    what it summarises is what today's code says of the committed data."""
+    from diff_jax.experiments import ablate
+
     results = Path(__file__).parents[1] / "docs" / "results"
     recall = json.loads((results / "cpu-recall" / "results.json").read_text())
     assert (recall_report.markdown(presets.PRESETS[recall["preset"]], recall)
             == (results / "cpu-recall" / "results.md").read_text())
     small = json.loads((results / "cpu-small" / "results.json").read_text())
-    assert lm_report.init_gaps(presets.PRESETS["cpu-small"], small["results"]) == small["init_gap"]
+    preset = presets.PRESETS["cpu-small"]
+    assert lm_report.markdown(preset, small) == (results / "cpu-small" / "results.md").read_text()
+    assert lm_report.init_gaps(preset, small["results"]) == small["init_gap"]
     for init, per_variant in small["results"].items():
         made = [{"claim": name, "paper_sign": sign, **by_variant}
                 for name, sign, by_variant in lm_report.claims(per_variant)]
         assert json.loads(json.dumps(made)) == small["claims"][init], init
+        assert json.loads(json.dumps(lm_report.val_gaps(per_variant))) == small["val_gap"][init]
+    ablations = sorted((results / "cpu-small" / "ablations").glob("*.json"))
+    assert ablations
+    for path in ablations:
+        data = json.loads(path.read_text())
+        assert ablate.markdown(data) == path.with_name(path.name[:-5] + ".md").read_text()
+        loss = data["heldout_loss"]
+        for a, b in (("changed", "unchanged"), ("changed", "transformer")):
+            assert data["paired"][f"{a}_minus_{b}"] == stats.paired(loss[a], loss[b])
+        init = data["init"]
+        for role, variant in (("unchanged", data["variant"]), ("transformer", "transformer")):
+            assert loss[role] == [small["results"][init][variant]["seeds"][s]["loss"]
+                                  for s in data["seeds"]]
 
 
 def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):

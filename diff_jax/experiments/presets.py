@@ -211,9 +211,9 @@ PRESETS: dict[str, Preset | RecallPreset] = {
         niah_grid=((1, 1), (2, 2), (4, 2)), niah_lengths=(256, 512),
         depths=(0, 25, 50, 75, 100), samples=4, attention_needles=4, quant_niah=(2, 2),
         eval_batches=8, outlier_tokens=2048, seeds=3, inits=INITS,
-        budget="2 CPU cores: 116 minutes measured for the three seeds of the three models under "
-               "both inits with other jobs on the cores part of the time (249–546 s of training "
-               "and 32–89 s of evaluation each; one seed alone: 32 minutes), 1,228,800 training "
+        budget="2 CPU cores: 76 minutes measured for the three seeds of the three models under "
+               "both inits, one model at a time, with test runs on the cores part of the time "
+               "(193–327 s of training and 19–41 s of evaluation each), 1,228,800 training "
                "tokens per model"),
     "cpu-recall": RecallPreset(
         name="cpu-recall", embed_dim=128, num_layers=2, diff_heads=2,

@@ -1077,7 +1077,8 @@ def test_each_preset_is_the_size_its_budget_states():
             assert tokens == int(exact[1].replace(",", "")), preset.name
         if millions:
             assert round(tokens / 1e6, 1) == float(millions[1]), preset.name
-            assert f"{cfg.data.mixture_tokens // 10**6}M-token mixture" in preset.budget
+            mixture = preset.corpus_config(0).data.mixture_tokens  # the corpus, not the runs
+            assert f"{mixture // 10**6}M-token mixture" in preset.budget
         if models:
             assert (int(models[1]), int(models[2]), int(models[3])) == (
                 len(presets.VARIANTS) * preset.seeds * len(preset.inits), preset.seeds,

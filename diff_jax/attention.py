@@ -250,8 +250,8 @@ class MultiheadDiffAttn(AttentionBase):
             self.depth,
         )
         o = _attend(self, q, k, v, lam=lam, segment_ids=segment_ids, positions=positions)  # (B, T, H, 2d)
-        o = RMSNorm(eps=cfg.norm_eps, dtype=dtype, axis_name="head_dim", init=cfg.subln_init,
-                    name="subln")(o)
+        o = RMSNorm(eps=cfg.norm_eps, dtype=dtype, axis_name="head_dim",
+                    scale_init=cfg.subln_init, name="subln")(o)
         o = o * jnp.asarray(1.0 - lambda_init(self.depth), dtype)
         return o.reshape(*x.shape[:2], -1)
 

@@ -40,18 +40,18 @@ def residual_out_std(cfg: ModelConfig) -> float:
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) · scale over the last axis; the core runs in float32. The scale
-    starts at `init` (1: the identity scale)."""
+    starts at `scale_init` (1: the identity scale)."""
 
     eps: float = 1e-5
     dtype: jnp.dtype = jnp.float32
     axis_name: str = "norm"
-    init: float = 1.0
+    scale_init: float = 1.0  # not `init`: that is Module.init
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         """x (..., D) -> (..., D) in `dtype`, with a learned scale (D,) float32."""
         scale = self.param(
-            "scale", nn.with_logical_partitioning(nn.initializers.constant(self.init),
+            "scale", nn.with_logical_partitioning(nn.initializers.constant(self.scale_init),
                                                   (self.axis_name,)),
             (x.shape[-1],), jnp.float32,
         )

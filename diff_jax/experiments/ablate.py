@@ -27,13 +27,15 @@ from typing import Any
 from diff_jax import train_loop
 from diff_jax.config import ConfigError, parse_override
 from diff_jax.experiments.layout import eval_json, run_dir
-from diff_jax.experiments.lm_report import gap_cell, read_metrics
+from diff_jax.experiments.lm_report import (gap_cell, read_metrics, val_gaps_between,
+                                             val_loss_at)
 from diff_jax.experiments.presets import LABELS, PRESETS, VARIANTS, Preset
 from diff_jax.experiments.replicate import PRESET_MARKER, train_and_evaluate
 from diff_jax.experiments.stats import describe, paired
 
 SETTABLE = ("model", "optim")  # what an ablation may change; data, budget and schedule stay
 _LABEL_CHARS = re.compile(r"[A-Za-z0-9_.,=-]+")
+PAIRS = (("changed", "unchanged"), ("changed", "transformer"), ("unchanged", "transformer"))
 
 
 def label(variant: str, sets: tuple[str, ...]) -> str:
@@ -81,21 +83,18 @@ def compare(out: Path, results: dict[str, Any], variant: str, init: str, name: s
         run = run_dir(out, name, seed, init)
         _, val = read_metrics(run)
         changed.append({"loss": json.loads(eval_json(run, "ppl").read_text())["loss"],
-                        "val_loss_at": {str(x["step"]): x["val_loss"] for x in val}})
+                        "val_loss_at": val_loss_at(val)})
     per = {"changed": changed,
            **{role: [results["results"][init][v]["seeds"][s] for s in seeds]
               for role, v in (("unchanged", variant), ("transformer", "transformer"))}}
     losses = {role: [s["loss"] for s in rows] for role, rows in per.items()}
-    pairs = (("changed", "unchanged"), ("changed", "transformer"), ("unchanged", "transformer"))
-    steps = sorted(set.intersection(*(set(s["val_loss_at"]) for rows in per.values()
-                                      for s in rows)), key=int)
+    gaps = {f"{a}_minus_{b}": val_gaps_between(per[a], per[b], *per.values()) for a, b in PAIRS}
+    steps = list(gaps["changed_minus_unchanged"])
     return {
         "heldout_loss": losses,
-        "paired": {f"{a}_minus_{b}": paired(losses[a], losses[b]) for a, b in pairs},
+        "paired": {f"{a}_minus_{b}": paired(losses[a], losses[b]) for a, b in PAIRS},
         "val_loss_at": {role: [s["val_loss_at"] for s in rows] for role, rows in per.items()},
-        "val_paired": {step: {f"{a}_minus_{b}": paired([s["val_loss_at"][step] for s in per[a]],
-                                                       [s["val_loss_at"][step] for s in per[b]])
-                              for a, b in pairs} for step in steps},
+        "val_paired": {step: {name: gap[step] for name, gap in gaps.items()} for step in steps},
     }
 
 
@@ -116,8 +115,7 @@ def markdown(data: dict[str, Any]) -> str:
                for i, s in enumerate(data["seeds"])), "",
              "Paired differences (same seed):", "",
              *(f"- {names[a]} − {names[b]}: {describe(data['paired'][f'{a}_minus_{b}'])}."
-               for a, b in (("changed", "unchanged"), ("changed", "transformer"),
-                            ("unchanged", "transformer"))), ""]
+               for a, b in PAIRS), ""]
     if data["val_paired"]:
         steps = list(data["val_paired"])
         row = lambda a, b: " | ".join(  # noqa: E731
@@ -127,8 +125,7 @@ def markdown(data: dict[str, Any]) -> str:
                   "| difference | " + " | ".join(f"step {s}" for s in steps) + " |",
                   "|---|" + "---|" * len(steps),
                   *(f"| {names[a]} − {names[b]} | {row(a, b)} |"
-                    for a, b in (("changed", "unchanged"), ("changed", "transformer"),
-                                 ("unchanged", "transformer"))), ""]
+                    for a, b in PAIRS), ""]
     return "\n".join(lines)
 
 

@@ -51,7 +51,7 @@ def model_results(preset: Preset, run: Path) -> dict[str, Any]:
         "final_train_loss": train[-1]["loss"],
         "final_val_loss": val[-1]["val_loss"] if val else math.nan,
         # the periodic validations: held-out loss at each validation step, and their token count
-        "val_loss_at": {str(x["step"]): x["val_loss"] for x in val},
+        "val_loss_at": val_loss_at(val),
         "val_tokens": val[-1]["val_tokens"] if val else 0,
         # per (N, R): accuracy per context length (mean over depths), and the depth × length grid
         "niah": {k: np.mean(v["accuracy"], axis=0).tolist() for k, v in niah.items()},
@@ -121,14 +121,26 @@ def claims(results: dict[str, Any]) -> list[tuple[str, int, dict[str, dict[str, 
             for name, sign, f in measures]
 
 
+def val_loss_at(val: list[dict]) -> dict[str, float]:
+    """{step: held-out loss} of a run's validation lines (`read_metrics`)."""
+    return {str(x["step"]): x["val_loss"] for x in val}
+
+
+def val_gaps_between(a: list[dict], b: list[dict], *more: list[dict]) -> dict[str, dict[str, Any]]:
+    """{step: `paired` validation loss of `a` − `b` (per-seed results with `val_loss_at`, same
+    seed order)} at each step every seed of a, b and `more` logged, in step order."""
+    logged = [set(s["val_loss_at"]) for seeds in (a, b, *more) for s in seeds]
+    steps = sorted(set.intersection(*logged), key=int)
+    return {step: paired([s["val_loss_at"][step] for s in a], [s["val_loss_at"][step] for s in b])
+            for step in steps}
+
+
 def val_gaps(results: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """{DIFF variant: {step: `paired` held-out loss against the Transformer}} at each periodic
     validation step that every seed of every model logged (in step order), from one init's
     `collect`: how the loss difference moves as training goes on."""
-    logged = [set(s["val_loss_at"]) for v in VARIANTS for s in results[v]["seeds"]]
-    steps = sorted(set.intersection(*logged), key=int)
-    at = lambda v, step: [s["val_loss_at"][step] for s in results[v]["seeds"]]  # noqa: E731
-    return {v: {step: paired(at(v, step), at("transformer", step)) for step in steps}
+    seeds = {v: results[v]["seeds"] for v in VARIANTS}
+    return {v: val_gaps_between(seeds[v], seeds["transformer"], *seeds.values())
             for v in ("diff", "diff_v2")}
 
 

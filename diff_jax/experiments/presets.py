@@ -28,9 +28,8 @@ PARAM_TOLERANCE = 0.005  # the issue's ±0.5%
 
 # What shaped the prepared corpus and a `tokens` source does not read, at its default in each
 # run's config: the corpus holds the mixture, and config.yaml should not say otherwise.
-CORPUS_ONLY = tuple(f"data.{name}={'null' if value is None else value}" for name, value in (
-    (name, DataConfig.__dataclass_fields__[name].default)
-    for name in ("mixture_tokens", "niah_tokens", "niah_doc_tokens", "text_field")))
+CORPUS_ONLY = tuple(f"data.{name}={json.dumps(getattr(DataConfig(), name))}"
+                    for name in ("mixture_tokens", "niah_tokens", "niah_doc_tokens", "text_field"))
 INITS = ("scaled", "normal")  # `model.output_init`: see `diff_jax.layers.residual_out_std`
 
 

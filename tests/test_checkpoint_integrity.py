@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -657,3 +659,57 @@ def test_a_record_rewrite_killed_before_its_rename_leaves_nothing_that_piles_up(
         running.wait()
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == (
         list(range(1, 12)))
+
+
+KILLED_IN_SAVE = """
+import os, signal, sys
+from pathlib import Path
+
+import orbax.checkpoint as ocp
+
+from diff_jax import train_loop
+from training_fixtures import tiny_config
+
+corpus, run, step = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+write_json = ocp.JsonCheckpointHandler.async_save
+
+
+async def killed_in_save(self, directory, *args, **kwargs):
+    # an item of the step being saved, before orbax commits the step: the process dies mid-save
+    if Path(directory).parent.name.split(".")[0] == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return await write_json(self, directory, *args, **kwargs)
+
+
+ocp.JsonCheckpointHandler.async_save = killed_in_save
+train_loop.run(tiny_config(corpus, run, *sys.argv[4:]))
+"""
+
+
+def test_a_kill_during_the_final_save_leaves_the_last_good_checkpoint_latest(corpus, run20,
+                                                                             tmp_path):
+    """kill -9 while the last step (20) is being saved, with `checkpoint.keep=1`: step 10 is not
+    deleted for the torn 20 (orbax removes old steps only after the new one commits), eval and
+    export read step 10, and the resume from 10 removes the torn directory, writes each metrics
+    row once and ends on parameters bit-identical to the run that was never killed."""
+    run = tmp_path / "run"
+    tests = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, "-c", KILLED_IN_SAVE, str(corpus), str(run), "20",
+                           "train.steps=20", "checkpoint.keep=1"],
+                          cwd=tests.parent, capture_output=True,
+                          env={**os.environ, "PYTHONPATH": f"{tests.parent}:{tests}"},
+                          text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    torn = sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.isdigit())
+    assert _ckpt_steps(run) == [10] and torn == ["20.orbax-checkpoint-tmp"], torn
+    assert export.read_source(run).step == 10  # what export reads
+    assert load(*parse_args(["task=ppl", f"train.run_dir={run}"])).step == 10  # and eval
+
+    result = train_loop.run(tiny_config(corpus, run, "train.steps=20", "checkpoint.keep=1"))
+    assert (result.status, result.step) == ("done", 20)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["20"]
+    rows = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(1, 21))
+    resumed, never_killed = export.read_source(run), export.read_source(run20[0])
+    assert resumed.step == never_killed.step == 20
+    jax.tree.map(np.testing.assert_array_equal, resumed.params, never_killed.params)

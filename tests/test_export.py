@@ -286,6 +286,42 @@ def test_damaged_exports_are_refused(diff_run, tmp_path):
         ex.load(op)
 
 
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_flipped_bit_in_model_safetensors_is_refused_naming_the_tensor(dtype, diff_run, tmp_path,
+                                                                         capfd):
+    """A safetensors file has no checksum of its own: one bit flipped in a tensor's bytes reads
+    back as another weight. Exports record `checksums.json` beside it (the training checkpoints'
+    checksum of every stored tensor, in the stored dtype), so `load`, `eval.py checkpoint=DIR`
+    and the import of an hf-diffllama export refuse the damaged file, naming the tensor."""
+    import struct
+
+    from diff_jax.export.hf_import import read_hf
+    from eval import main as eval_main
+
+    for fmt, read in (("safetensors", ex.load), ("hf-diffllama", read_hf)):
+        out = ex.export(diff_run[0], tmp_path / fmt, fmt, dtype=dtype, tokenizer="none")
+        recorded = json.loads((out / "checksums.json").read_text())["arrays"]
+        read(out)  # intact: verified and read
+        data = bytearray((out / "model.safetensors").read_bytes())
+        (n,) = struct.unpack("<Q", data[:8])  # the header, parsed without the package
+        header = json.loads(data[8: 8 + n])
+        name = sorted(k for k in header if k != "__metadata__")[1]
+        assert sorted(recorded) == sorted(k for k in header if k != "__metadata__")
+        begin, end = header[name]["data_offsets"]
+        data[8 + n + (begin + end) // 2] ^= 0x10
+        (out / "model.safetensors").write_bytes(bytes(data))
+        with pytest.raises(ex.ExportError, match=re.escape(
+                f"export {out} is damaged: {name} read from {out}/model.safetensors does not "
+                "match the checksum recorded when it was saved")):
+            read(out)
+    capfd.readouterr()
+    assert eval_main(["task=ppl", f"checkpoint={tmp_path / 'safetensors'}"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: checkpoint={tmp_path / 'safetensors'}: "
+                                               f"export {tmp_path / 'safetensors'} is damaged: "), err
+
+
 def test_cli_writes_an_export_and_reports_errors(diff_run, tmp_path, capsys):
     run = str(diff_run[0])
     out = str(tmp_path / "export")
@@ -437,7 +473,7 @@ def _truncate_the_largest_array_file(export_dir: Path) -> None:
      "{d}/config.json: expected the model config as a JSON object, got [1]"),
     (lambda d: shutil.rmtree(d / "params"), "{d}/params: missing; the export is incomplete"),
     (lambda d: (d / "checksums.json").write_text("{}"),
-     "{d}/checksums.json: {d}/params: the checksums record is damaged or of an unknown kind"),
+     "{d}/checksums.json: the checksums record is damaged or of an unknown kind"),
     (lambda d: (d / "params" / "_METADATA").write_text("null"),
      "{d}/params: not a readable orbax checkpoint: AttributeError: "),
     (_truncate_the_largest_array_file,

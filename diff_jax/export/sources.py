@@ -4,9 +4,9 @@ Training checkpoints (`<run_dir>/checkpoints/<step>/`) are read with
 `diff_jax.checkpoint.restore_inference`: the parameters alone, checked against the saved config.
 Exports carry `export.json` (format, dtype, source, step, the run's data.tokenizer, and `run`:
 its data section, train.seed and train.seq_len, which define its held-out split) beside
-`config.json` (the model config) and their tensors; `orbax-params` exports also carry
-`checksums.json`, the checksum of every stored array, which loading verifies (training
-checkpoints are verified the same way).
+`config.json` (the model config), their tensors and `checksums.json`: the checksum of every
+stored array (`checkpoint.checksums_record`, the training checkpoints' own), which loading
+verifies. Exports written before a format recorded them are read with a warning.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ EXPORT_MARKER = "export.json"
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 PARAMS_DIR = "params"
-CHECKSUMS_FILE = "checksums.json"  # orbax-params: `checkpoint.checksums_record` of the arrays
+CHECKSUMS_FILE = "checksums.json"  # `checkpoint.checksums_record` of the stored arrays
 EVAL_DIR = "eval"  # eval.py's output directory in a run or an export (evaluation.loading)
 
 
@@ -143,7 +143,9 @@ def _read_export(path: Path) -> Source:
         file = path / SAFETENSORS_FILE
         if not file.is_file():
             raise ExportError(f"{file}: missing; the export is incomplete")
+        recorded = recorded_checksums(path)
         tensors, _ = read_safetensors(file)
+        verify(tensors, recorded, file)
         params = jax.tree.map(jnp.asarray, from_state_dict(tensors, config, str(file)))
     else:
         params = _restore_params(path / PARAMS_DIR, config)
@@ -162,12 +164,7 @@ def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
     against the checksums recorded beside it (verified in the stored dtype, then cast)."""
     if not path.is_dir():
         raise ExportError(f"{path}: missing; the export is incomplete")
-    sums_file = path.parent / CHECKSUMS_FILE
-    try:
-        recorded = checkpoint.recorded_checksums(
-            _read_json(sums_file) if sums_file.exists() else None, None, path)
-    except DamagedCheckpointError as e:
-        raise ExportError(f"{sums_file}: {e}") from e
+    recorded = recorded_checksums(path.parent)
     with ocp.PyTreeCheckpointer() as checkpointer:  # closed on every way out
         try:
             saved = checkpointer.metadata(path).item_metadata
@@ -192,12 +189,33 @@ def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
             first = (str(e).strip().splitlines() or [""])[0][:300]
             raise ExportError(f"{path}: the export is damaged: could not read the parameters: "
                               f"{type(e).__name__}: {first}") from e
-    if recorded is not None:
-        try:
-            checkpoint.verify_checksums(params, recorded, None, path)
-        except DamagedCheckpointError as e:
-            raise ExportError(str(e)) from e
+    verify(params, recorded, path)
     return jax.tree.map(lambda x: x.astype(jnp.float32), params)
+
+
+def recorded_checksums(export_dir: Path) -> dict[str, str] | None:
+    """{array name: checksum} from the export's `checksums.json`; None, with a warning, when it has
+    none (written before its format recorded them); `ExportError` naming the file when it is
+    damaged."""
+    sums_file = export_dir / CHECKSUMS_FILE
+    if not sums_file.exists():
+        return checkpoint.recorded_checksums(None, None, export_dir)
+    try:
+        return checkpoint.recorded_checksums(_read_json(sums_file), None, sums_file)
+    except DamagedCheckpointError as e:
+        raise ExportError(str(e)) from e
+
+
+def verify(arrays: Any, recorded: dict[str, str] | None, where: Path) -> None:
+    """`ExportError` naming the first array of `arrays` (a tree as stored, read from `where`, a
+    file or directory in the export) whose checksum is not the `recorded` one; nothing to check
+    when `recorded` is None."""
+    if recorded is None:
+        return
+    try:
+        checkpoint.verify_checksums(arrays, recorded, None, where)
+    except DamagedCheckpointError as e:
+        raise ExportError(str(e)) from e
 
 
 def _read_train_checkpoint(path: Path, location: Location) -> Source:

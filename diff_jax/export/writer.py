@@ -46,10 +46,20 @@ def _config_json(config: ModelConfig) -> str:
     return json.dumps(dataclasses.asdict(config), indent=2)
 
 
+def _write_checksums(out: Path, stored: Any) -> None:
+    """The checksums of the arrays as stored (cast), committed with them by the export's rename."""
+    (out / CHECKSUMS_FILE).write_text(json.dumps(checkpoint.checksums_record(stored), indent=1))
+
+
+def _write_model_safetensors(out: Path, tensors: dict[str, np.ndarray], config: ModelConfig) -> None:
+    write_safetensors(out / SAFETENSORS_FILE, tensors,
+                      {"format": "pt", "model_config": json.dumps(dataclasses.asdict(config))})
+    _write_checksums(out, tensors)
+
+
 def _write_safetensors(out: Path, source: Source, dtype: str) -> None:
     tensors = _cast(to_state_dict(source.params, source.config), dtype)
-    write_safetensors(out / SAFETENSORS_FILE, tensors,
-                      {"format": "pt", "model_config": json.dumps(dataclasses.asdict(source.config))})
+    _write_model_safetensors(out, tensors, source.config)
     (out / CONFIG_FILE).write_text(_config_json(source.config))
 
 
@@ -57,16 +67,14 @@ def _write_orbax_params(out: Path, source: Source, dtype: str) -> None:
     params = jax.tree.map(lambda x: np.asarray(x).astype(DTYPES[dtype]), source.params)
     with ocp.PyTreeCheckpointer() as checkpointer:
         checkpointer.save((out / PARAMS_DIR).resolve(), params)
-    # The checksums of the stored (cast) arrays, committed with them by the rename of the export.
-    (out / CHECKSUMS_FILE).write_text(json.dumps(checkpoint.checksums_record(params), indent=1))
+    _write_checksums(out, params)
     (out / CONFIG_FILE).write_text(_config_json(source.config))
 
 
 def _write_hf_diffllama(out: Path, source: Source, dtype: str) -> None:
     state_dict = to_state_dict(source.params, source.config)
     tensors = _cast(hf.hf_state_dict(state_dict, source.config), dtype)
-    write_safetensors(out / SAFETENSORS_FILE, tensors,
-                      {"format": "pt", "model_config": json.dumps(dataclasses.asdict(source.config))})
+    _write_model_safetensors(out, tensors, source.config)
     (out / CONFIG_FILE).write_text(json.dumps(hf.hf_config(source.config, dtype), indent=2))
 
 

@@ -5,6 +5,7 @@ Run on the lent H100/H200 (one command, ≤ 10 minutes each; everything lands in
     python benchmarks/hopper_session.py --out "$OUT"                    # env, check, tune, bench
     python benchmarks/hopper_session.py --out "$OUT" --stages env,train  # second call
     python benchmarks/hopper_session.py --out "$OUT" --stages replicate  # then, back to back
+    python benchmarks/hopper_session.py --out "$OUT" --stages ablate     # once it is done
 
 Stages, each a subprocess with its own time limit whose failure or timeout is recorded and
 skipped past (so a hang or a crash in one cannot lose the others). When the env stage finds
@@ -40,6 +41,11 @@ until their limits:
          the corpus meta, every run's metrics.jsonl, wall.json and evaluation JSONs, and at the
          end results.json/.md and the PNGs, to $OUT/gpu-medium/ (commit them to
          docs/results/gpu-medium/).
+  ablate  (its own calls, after replicate is done) `diff_jax.experiments.ablate` on that
+         replication with `ABLATION` (DIFF V1's per-head norm started at 0.1, the setting that
+         reversed V1's deficit at cpu-small), same seed and init, resuming like replicate until
+         session.md says `done`; copies OUT/ablations/ and the run back with the rest. Skipped,
+         recorded, while the replication has no results.json.
 Outputs: $OUT/session.json (stage status, seconds, logs' tails, and each stage's JSON, with
 `summary` = {"device", "jax", "check": {ok, not_ok, not_run}, "d64": {fused_over_cudnn_baseline,
 fused_over_tokamax_two_calls, fwd_tflops, bwd_tflops, train_step_diff_over_transformer, ...},
@@ -94,7 +100,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET = {"env": 40, "check": 170, "tune": 150, "bench": 200}
-GPU_STAGES = ("check", "tune", "bench", "train", "replicate")  # skipped when env finds no GPU
+GPU_STAGES = ("check", "tune", "bench", "train", "replicate", "ablate")  # skipped without a GPU
 STAGES = ("env", *GPU_STAGES)
 SMI_SECONDS = 30  # nvidia-smi hangs on a wedged driver
 TOTAL = 570  # seconds for all stages: under the device tool's 600 s per command
@@ -107,6 +113,8 @@ SUMMARY_DIMS = (64, 128)
 SUMMARY_FIELDS = ("fused_over_cudnn_baseline", "fused_over_tokamax_two_calls", "fwd_tflops",
                   "bwd_tflops", "train_step_diff_over_transformer")
 GPU_MEDIUM = Path("/tmp/diff_jax_gpu_medium")  # outlives a call only while the machine is warm
+# the ablate stage's setting, against the replication's DIFF V1 (docs/results/cpu-small/ablations)
+ABLATION = ("model.subln_init=0.1",)
 
 ENV_PROBE = """
 import json, jax, jax.numpy as jnp
@@ -156,9 +164,10 @@ def _run(name: str, cmd: list[str], limit: float, log, extra_path: str = "",
 
 
 def _copy_replication(src: Path, dst: Path) -> int:
-    """Copy the small files of a replication directory (reports, plots, corpus meta, each run's
-    metrics, walls and evaluation JSONs; no checkpoints, no corpus) to `dst`; returns how many."""
-    patterns = ("results.*", "*.png", "data/*/meta.json", "runs/*/metrics.jsonl",
+    """Copy the small files of a replication directory (reports, plots, ablations, corpus meta,
+    each run's metrics, walls and evaluation JSONs; no checkpoints, no corpus) to `dst`; returns
+    how many."""
+    patterns = ("results.*", "*.png", "ablations/*", "data/*/meta.json", "runs/*/metrics.jsonl",
                 "runs/*/wall.json", "runs/*/config.yaml", "runs/*/replicate/*/*.json")
     files = [f for pattern in patterns for f in src.glob(pattern) if f.is_file()]
     for f in files:
@@ -317,11 +326,21 @@ def main(argv=None) -> int:
                     run["summary_d"] = d
                     r["runs"].append(run)
                     r["status"] = "ok" if all(x["status"] == "ok" for x in r["runs"]) else "partial"
-            else:  # replicate
+            elif stage == "replicate":
                 r = _run("replicate", [py, "-m", "diff_jax.experiments.replicate", "--preset",
                                        "gpu-medium", "--seeds", "1", "--inits", "scaled",
                                        "--out", str(GPU_MEDIUM)], left() - 30, log, stub or "")
                 r["status"] = "done" if (GPU_MEDIUM / "results.json").exists() else r["status"]
+                r["copied"] = _copy_replication(GPU_MEDIUM, out / "gpu-medium")
+            elif not (GPU_MEDIUM / "results.json").exists():  # ablate
+                r = {"stage": "ablate", "status": f"skipped: no {GPU_MEDIUM}/results.json (run "
+                                                  "--stages replicate until it is done)"}
+            else:
+                sets = [x for setting in ABLATION for x in ("--set", setting)]
+                r = _run("ablate", [py, "-m", "diff_jax.experiments.ablate", str(GPU_MEDIUM), *sets,
+                                    "--init", "scaled"], left() - 30, log, stub or "")
+                r["status"] = ("done" if any((GPU_MEDIUM / "ablations").glob("*-scaled.json"))
+                               else r["status"])
                 r["copied"] = _copy_replication(GPU_MEDIUM, out / "gpu-medium")
             report["stages"].append(r)
             report["summary"] = summary(report, previous)

@@ -820,7 +820,7 @@ def test_gpu_session_refuses_an_unknown_stage_before_running_any(tmp_path, capsy
         hopper_session.main(["--out", str(tmp_path / "out"), "--stages", "env,trian"])
     assert e.value.code == 2 and not (tmp_path / "out").exists()
     assert ("--stages: unknown stage(s) 'trian'; expected a comma list of env, check, tune, "
-            "bench, train, replicate") in capsys.readouterr().err
+            "bench, train, replicate, ablate") in capsys.readouterr().err
 
 
 def test_gpu_session_stops_a_stage_gracefully_and_copies_only_small_replication_files(tmp_path,
@@ -920,6 +920,53 @@ def test_gpu_session_replicate_stage_runs_the_gpu_preset_and_brings_its_reports_
     assert [r["status"] for r in statuses] == ["timeout after 500 s", "done"]
     assert [r["copied"] for r in statuses] == [1, 2]
     assert (tmp_path / "b" / "gpu-medium" / "results.json").read_text() == "{}"
+
+
+def test_gpu_session_ablate_stage_waits_for_the_replication_then_runs_the_ablation(tmp_path,
+                                                                                  monkeypatch):
+    """--stages ablate is skipped (recorded, nothing run) while the gpu-medium replication has no
+    results.json; then it runs `experiments.ablate` on it with ABLATION under the replicated init,
+    is "done" once the ablation's JSON exists, and copies the ablation and its run back."""
+    import json
+
+    import hopper_session
+
+    scratch = tmp_path / "scratch"
+    monkeypatch.setattr(hopper_session, "GPU_MEDIUM", scratch)
+    calls = []
+
+    def fake_run(name, cmd, limit, log, extra_path="", grace=20.0):
+        calls.append((name, cmd))
+        if name == "ablate":
+            run = scratch / "runs" / "diff+subln_init=0.1-scaled-s0"
+            run.mkdir(parents=True)
+            (run / "metrics.jsonl").write_text("{}\n")
+            (run / "checkpoints").mkdir()
+            (scratch / "ablations").mkdir()
+            for ext in ("json", "md"):
+                (scratch / "ablations" / f"diff+subln_init=0.1-scaled.{ext}").write_text(ext)
+        env = {"jax": "0.11.2", "backend": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"}
+        return {"stage": name, "status": "ok", "seconds": 1.0,
+                "tail": "ENV " + json.dumps(env) + "\n"}
+
+    monkeypatch.setattr(hopper_session, "_run", fake_run)
+    hopper_session.main(["--out", str(tmp_path / "a"), "--stages", "env,ablate"])
+    first = json.loads((tmp_path / "a" / "session.json").read_text())["stages"][1]
+    assert first["status"] == (f"skipped: no {scratch}/results.json (run --stages replicate until "
+                               "it is done)") and [name for name, _ in calls] == ["env"]
+    scratch.mkdir()
+    (scratch / "results.json").write_text("{}")
+    hopper_session.main(["--out", str(tmp_path / "b"), "--stages", "env,ablate"])
+    second = json.loads((tmp_path / "b" / "session.json").read_text())["stages"][1]
+    name, cmd = calls[-1]
+    assert name == "ablate" and cmd[1:] == ["-m", "diff_jax.experiments.ablate", str(scratch),
+                                            "--set", "model.subln_init=0.1", "--init", "scaled"]
+    assert hopper_session.ABLATION == ("model.subln_init=0.1",)
+    assert second["status"] == "done" and second["copied"] == 4
+    back = tmp_path / "b" / "gpu-medium"
+    assert (back / "ablations" / "diff+subln_init=0.1-scaled.md").read_text() == "md"
+    assert (back / "runs" / "diff+subln_init=0.1-scaled-s0" / "metrics.jsonl").exists()
+    assert not (back / "runs" / "diff+subln_init=0.1-scaled-s0" / "checkpoints").exists()
 
 
 def test_jobs_evaluate_what_the_preset_names_and_each_seed_trains_its_own_model(tmp_path):

@@ -36,3 +36,15 @@ def _compile_cache_as_it_was():
     if jax.config.jax_compilation_cache_dir != before:
         compilation_cache.set_cache_dir(before)
         compilation_cache.reset_cache()
+
+
+@pytest.fixture
+def compile_cache(tmp_path):
+    """A directory for `train.compile_cache_dir`, with every compile cached however quick (JAX
+    skips those under a second; `_compile_cache_as_it_was` puts the cache back afterwards)."""
+    import jax
+
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    yield tmp_path / "xla"
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)

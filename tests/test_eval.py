@@ -839,3 +839,41 @@ def test_outliers_reads_fewer_rows_than_a_batch_when_asked_for_fewer_tokens(runs
     """tokens=64 at length 64 is one row, not a whole batch of batch_size=4 rows; reading the
     whole batch (4 × the tokens asked for) passed every test, whose requests filled batches."""
     assert _run(runs["diff"], "task=outliers", "tokens=64")["num_tokens"] == 64
+
+
+def test_eval_compiles_into_the_runs_compile_cache_and_reads_it_back(runs, tmp_path, capfd):
+    """The run's `train.compile_cache_dir` (here given as an override; a replication's runs have
+    one in their config) serves all that eval compiles, the parameters' checksums included: the
+    first `eval.py task=ppl` process writes its programs there, a second reads every one of them
+    and writes nothing new, with the same result. A cache directory that cannot be made (a run
+    copied from another machine) is one warning line, and the task still runs."""
+    import os
+    import subprocess
+    import sys
+
+    run, cache = runs["diff"], tmp_path / "xla"
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # cache every program
+           "PYTHONPATH": str(root)}
+
+    def ppl(out: str) -> dict:
+        subprocess.run([sys.executable, "eval.py", "task=ppl", f"train.run_dir={run}",
+                        f"out_dir={out}", f"train.compile_cache_dir={cache}"], cwd=root, env=env,
+                       check=True, capture_output=True, timeout=300)
+        return json.loads((tmp_path / out / "ppl.json").read_text())
+
+    first = ppl(tmp_path / "a")
+    written = sorted(p.name for p in cache.iterdir())
+    assert [x for x in written if x.startswith("jit__array_checksum-")], written
+    assert [x for x in written if x.startswith("jit_token_nll-")], written
+    second = ppl(tmp_path / "b")
+    assert sorted(p.name for p in cache.iterdir()) == written
+    assert second["loss"] == first["loss"]
+    (tmp_path / "file").write_text("not a directory")
+    capfd.readouterr()
+    assert eval_main(["task=ppl", f"train.run_dir={run}", f"out_dir={tmp_path / 'c'}",
+                      f"train.compile_cache_dir={tmp_path / 'file'}"]) == 0
+    warnings = [x for x in capfd.readouterr().err.splitlines() if x.startswith("warning: ")]
+    assert warnings == [f"warning: train.compile_cache_dir={tmp_path / 'file'}: "
+                        f"{tmp_path / 'file'}: File exists and is not a directory; evaluating "
+                        "without the compilation cache"]

@@ -530,16 +530,6 @@ def test_a_run_dir_that_cannot_be_made_is_bad_input_naming_it(corpus, tmp_path, 
     assert _one_error_line(capsys).endswith(f"{tmp_path / 'in.txt' / 'run'}: Not a directory")
 
 
-@pytest.fixture
-def compile_cache(tmp_path):
-    """A directory for `train.compile_cache_dir`, with every compile cached however quick (JAX
-    skips those under a second; conftest puts the cache back as it was afterwards)."""
-    before = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    yield tmp_path / "xla"
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
-
-
 def test_a_compile_cache_dir_gives_the_next_run_its_compiled_programs(corpus, tmp_path,
                                                                       compile_cache, caplog):
     """The first run writes its compiled programs (the train step among them) to

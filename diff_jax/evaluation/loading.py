@@ -4,6 +4,7 @@ exported parameters-only directory, with the command line's config overrides app
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from diff_jax.data import encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.export import ExportError
 from diff_jax.export.sources import EVAL_DIR, LOADABLE, abstract_params, locate, read_source
+from diff_jax.file_errors import describe
+from diff_jax.platforms import use_compile_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,18 @@ def text_encoding(config: Config) -> tiktoken.Encoding:
                         f"fit model.vocab_size ({config.model.vocab_size:,}); pass the tokenizer "
                         "the model was trained with")
     return enc
+
+
+def _use_compile_cache(config: Config) -> None:
+    """Serve what eval compiles from here on from the run's `train.compile_cache_dir` (a
+    replication's runs share one), as its training did; one that cannot be made here (a run
+    copied from another machine) is a warning, and eval compiles without it."""
+    cache = config.train.compile_cache_dir
+    try:
+        use_compile_cache(cache)
+    except OSError as e:
+        where = describe(e, [(f"train.compile_cache_dir={cache}", str(cache))])
+        print(f"warning: {where}; evaluating without the compilation cache", file=sys.stderr)
 
 
 def _override_value(overrides: Sequence[str], dotted: str) -> Any:
@@ -84,6 +99,7 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
 
     def target(saved: dict) -> Any:
         config.append(from_dict(apply_overrides(saved, overrides)))
+        _use_compile_cache(config[0])  # before the parameters' checksums compile
         return abstract_params(config[0].model)
 
     named = step is not None  # step=N or a step directory, not whichever step is the latest
@@ -117,6 +133,7 @@ def _load_export(path: Path, key: str, options: EvalOptions, overrides: Sequence
     except ConfigError as e:
         raise CheckpointError(f"{key}={path}: the run's config recorded in export.json: {e}") from e
     config = from_dict(apply_overrides(saved, overrides))
+    _use_compile_cache(config)
     target = abstract_params(config.model)
     checkpoint.check_shapes(checkpoint.tree_shapes(source.params), checkpoint.tree_shapes(target),
                             f"{key}={path}: ")

@@ -12,7 +12,9 @@ resumes), scores its held-out loss as the replication's ppl job does, and writes
 OUT/ablations/LABEL-INIT.json and .md: per seed the held-out loss and the periodic validation
 losses of the changed model, the unchanged one and the Transformer, and the paired differences
 changed − unchanged and changed − Transformer (and unchanged − Transformer) with their spread
-over seeds (`stats.paired`; a direction is measured only where every seed agrees in sign).
+over seeds (`stats.paired`; a direction is measured only where every seed agrees in sign), and
+what the three write into the residual stream at initialization (`init_scale`, on the rows the
+replication's report uses).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from typing import Any
 from diff_jax import train_loop
 from diff_jax.config import ConfigError, parse_override
 from diff_jax.experiments.layout import eval_json, run_dir
-from diff_jax.experiments.lm_report import (gap_cell, read_metrics, val_gaps_between,
-                                             val_loss_at)
+from diff_jax.experiments.init_scale import residual_writes
+from diff_jax.experiments.lm_report import (gap_cell, init_rows, init_scale_table, read_metrics,
+                                             val_gaps_between, val_loss_at)
 from diff_jax.experiments.presets import LABELS, PRESETS, VARIANTS, Preset
 from diff_jax.experiments.replicate import PRESET_MARKER, train_and_evaluate
 from diff_jax.experiments.stats import describe, paired
@@ -69,9 +72,11 @@ def _replication(out: Path) -> tuple[Preset, dict[str, Any]]:
     preset = PRESETS.get(name)
     if not isinstance(preset, Preset):
         raise ConfigError(f"{out}: holds --preset {name}, not a language-modeling replication")
-    if "val_loss_at" not in results["results"][preset.inits[0]]["transformer"]["seeds"][0]:
-        raise ConfigError(f"{out / 'results.json'} predates the validation losses it needs "
-                          "(val_loss_at); re-run the replicate command to rewrite it")
+    if ("val_loss_at" not in results["results"][preset.inits[0]]["transformer"]["seeds"][0]
+            or "init_scale" not in results):
+        raise ConfigError(f"{out / 'results.json'} predates the validation losses and init "
+                          "scales it needs (val_loss_at, init_scale); re-run the replicate "
+                          "command to rewrite it")
     return preset, results
 
 
@@ -126,6 +131,10 @@ def markdown(data: dict[str, Any]) -> str:
                   "|---|" + "---|" * len(steps),
                   *(f"| {names[a]} − {names[b]} | {row(a, b)} |"
                     for a, b in PAIRS), ""]
+    lines += ["What each sublayer adds to the residual stream at initialization, as the "
+              "replication's report measures it:", "",
+              *init_scale_table([(names[r], data["init_scale"][r]) for r in names],
+                                data["seq_len"])]
     return "\n".join(lines)
 
 
@@ -149,9 +158,14 @@ def ablate(out: Path, sets: tuple[str, ...], variant: str, init: str | None,
     for seed in chosen:
         print(f"== ablation {name}, init {init}, seed {seed} ==", flush=True)
         train_and_evaluate(preset, variant, seed, init, out, sets, name, only=("ppl",))
+    seq_len = results["seq_len"]
+    changed = preset.config(variant, 0, run_dir(out, name, 0, init), init, sets).model
+    scale = {"changed": residual_writes(changed, init_rows(out, seq_len)),
+             **{role: results["init_scale"][init][v]
+                for role, v in (("unchanged", variant), ("transformer", "transformer"))}}
     data = {"preset": preset.name, "label": name, "variant": variant, "init": init,
-            "sets": list(sets), "seeds": chosen,
-            **compare(out, results, variant, init, name, chosen)}
+            "sets": list(sets), "seeds": chosen, "seq_len": seq_len,
+            **compare(out, results, variant, init, name, chosen), "init_scale": scale}
     stem = out / "ablations" / f"{name}-{init}"  # no with_suffix: the name may hold dots
     stem.parent.mkdir(exist_ok=True)
     Path(f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")

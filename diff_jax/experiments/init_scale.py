@@ -7,9 +7,21 @@ output (`subln`, unit RMS whatever the two softmax maps cancel) and scales it by
 so its attention writes about (1 − λ_init)·σ_o·√E at init (σ_o the output projection's std);
 a standard attention writes a mix of the value vectors, whose average over the prefix shrinks
 with its length. `residual_writes` measures both on real tokens.
+
+    python -m diff_jax.experiments.init_scale PRESET [--init I] [--set model.KEY=VALUE ...]
+                                                     [--variant diff|diff_v2]
+
+prints the table for every model of a preset before anything trains (the replication's report
+measures the same on its own corpus), with `--set` the changed `--variant` beside them: what an
+ablation's setting does at init, e.g. at another preset's shape.
 """
 
 from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,3 +50,94 @@ def residual_writes(config: ModelConfig, tokens: np.ndarray, seed: int = 0) -> d
     return {"embed": _rms(embed),
             **{part: [_rms(layers[f"layers_{i}"][part]["__call__"][0])
                       for i in range(config.num_layers)] for part in ("attn", "ffn")}}
+
+
+ROWS = 8  # rows of `seq_len` tokens every model is measured on
+
+
+def init_scale_table(models: list[tuple[str, dict[str, Any]]], seq_len: int,
+                     source: str = "seed 0's corpus") -> list[str]:
+    """Markdown: per (name, `residual_writes` result), what the model writes into the residual
+    stream, measured on the first ROWS rows of `seq_len` tokens of `source`."""
+    line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
+    cells = lambda xs: ", ".join(f"{x:.4f}" for x in xs)  # noqa: E731
+    return [f"RMS over the first {ROWS} rows of {seq_len} tokens of {source}, in each model "
+            "freshly initialized with key 0 (`diff_jax.experiments.init_scale`); the token "
+            "embedding is the only token-specific signal at that point. Per layer, first to "
+            "last.", "",
+            line(["model", "token embedding", "attention output", "MLP output"]),
+            line(["---"] * 4),
+            *(line([name, f"{scale['embed']:.4f}", cells(scale["attn"]), cells(scale["ffn"])])
+              for name, scale in models), ""]
+
+
+def stdlib_rows(tokenizer: str, seq_len: int) -> np.ndarray:
+    """(ROWS, seq_len) int32: the standard library's sources (`data.source=stdlib`'s documents,
+    in order) under `tokenizer`, the first ROWS · seq_len tokens."""
+    from diff_jax.data import encoding
+    from diff_jax.data.sources import stdlib_documents
+
+    enc, need, ids = encoding(tokenizer), ROWS * seq_len, []
+    for text in stdlib_documents().texts:
+        ids += enc.encode_ordinary(text)
+        if len(ids) >= need:
+            return np.asarray(ids[:need], np.int32).reshape(ROWS, seq_len)
+    raise ValueError(f"the standard library holds fewer than {need:,} tokens")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line above; exit status 0, 2 on bad input (one `error:` line)."""
+    from diff_jax import train_loop
+    from diff_jax.config import ConfigError
+    from diff_jax.experiments.ablate import check_sets, label
+    from diff_jax.experiments.presets import INITS, LABELS, PRESETS, VARIANTS, Preset
+
+    parser = argparse.ArgumentParser(prog="python -m diff_jax.experiments.init_scale",
+                                     description="What each sublayer of every model of a preset "
+                                                 "adds to the residual stream at initialization.")
+    parser.add_argument("preset", help=", ".join(p for p in PRESETS
+                                                 if isinstance(PRESETS[p], Preset)))
+    parser.add_argument("--init", default=None, help=f"one of {', '.join(INITS)} (default: the "
+                        "preset's own)")
+    parser.add_argument("--set", action="append", default=[], dest="sets",
+                        help="model.KEY=VALUE for --variant, shown beside the others (repeatable)")
+    parser.add_argument("--variant", default="diff", help="diff (default) or diff_v2")
+    args = parser.parse_args(argv)
+    try:
+        preset = PRESETS.get(args.preset)
+        if not isinstance(preset, Preset):
+            raise ConfigError(f"preset {args.preset!r}: expected one of "
+                              f"{', '.join(p for p in PRESETS if isinstance(PRESETS[p], Preset))}")
+        init = args.init or preset.inits[0]
+        if init not in INITS:
+            raise ConfigError(f"--init {init}: expected one of {', '.join(INITS)}")
+        if args.variant not in ("diff", "diff_v2"):
+            raise ConfigError(f"--variant {args.variant}: expected one of diff, diff_v2")
+        sets = tuple(args.sets)
+        if sets:
+            check_sets(sets)
+            other = [x for x in sets if not x.startswith("model.")]
+            if other:
+                raise ConfigError(f"--set {other[0]}: only model.* settings change a model at "
+                                  "initialization")
+        where = Path("init_scale")  # names no file: the configs' run directories are not made
+        configs = [(LABELS[v], preset.config(v, 0, where, init)) for v in VARIANTS]
+        if sets:
+            configs.append((label(args.variant, sets),
+                            preset.config(args.variant, 0, where, init, sets)))
+        seq_len, tokenizer = configs[0][1].train.seq_len, configs[0][1].data.tokenizer
+        rows = stdlib_rows(tokenizer, seq_len)
+        models = [(name, residual_writes(cfg.model, rows)) for name, cfg in configs]
+    except train_loop.RUN_ERRORS as e:
+        return train_loop.report(e, [])
+    command = " ".join(["python -m diff_jax.experiments.init_scale", preset.name, "--init", init,
+                        *(x for setting in sets for x in ("--set", setting)),
+                        *(["--variant", args.variant] if sets else [])])
+    print(f"# `{preset.name}`, init `{init}`: what each sublayer adds to the residual stream at "
+          f"initialization\n\nGenerated by `{command}`.\n")
+    print("\n".join(init_scale_table(models, seq_len, f"the standard library under {tokenizer}")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

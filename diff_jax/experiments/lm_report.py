@@ -15,13 +15,12 @@ import numpy as np
 
 from diff_jax.data import corpus as token_corpus
 from diff_jax.experiments import paper, plots
-from diff_jax.experiments.init_scale import residual_writes
+from diff_jax.experiments.init_scale import ROWS, init_scale_table, residual_writes
 from diff_jax.experiments.layout import eval_json, run_dir
 from diff_jax.experiments.presets import (LABELS, VARIANTS, Preset, corpus_dir,
                                           niah_whole_fraction)
 from diff_jax.experiments.stats import describe, mean_std, paired, stats
 
-INIT_ROWS = 8  # rows of seed 0's corpus on which `init_scale` measures every model at init
 STATS = ("top1", "top2", "top3", "top10", "top100", "median")
 BITS = ("none", 16, 8, 6, 4)
 
@@ -180,18 +179,18 @@ def val_section(res: dict[str, Any]) -> list[str]:
             *_table(["model", *(f"step {s}" for s in steps)], rows), ""]
 
 
+def init_rows(out: Path, seq_len: int) -> np.ndarray:
+    """(init_scale.ROWS, seq_len) int32: the first tokens of seed 0's corpus in the replication `out`,
+    on which every model of it (and of its ablations) is measured at initialization."""
+    rows = token_corpus.load(corpus_dir(out, 0)).tokens[:ROWS * seq_len]
+    return np.asarray(rows, np.int32).reshape(ROWS, seq_len)
+
+
 def init_scale_section(data: dict[str, Any], init: str) -> list[str]:
     """What each model writes into the residual stream at initialization under `init`."""
     scale = data["init_scale"][init]
-    cells = lambda xs: ", ".join(f"{x:.4f}" for x in xs)  # noqa: E731
     return ["### At initialization: what each sublayer adds to the residual stream", "",
-            f"RMS over the first {INIT_ROWS} rows of {data['seq_len']} tokens of seed 0's corpus, "
-            "in each model freshly initialized with key 0 (`diff_jax.experiments.init_scale`); "
-            "the token embedding is the only token-specific signal at that point. Per layer, "
-            "first to last.", "",
-            *_table(["model", "token embedding", "attention output", "MLP output"],
-                    [[LABELS[v], f"{scale[v]['embed']:.4f}", cells(scale[v]["attn"]),
-                      cells(scale[v]["ffn"])] for v in VARIANTS]), ""]
+            *init_scale_table([(LABELS[v], scale[v]) for v in VARIANTS], data["seq_len"])]
 
 
 def init_section(preset: Preset, data: dict[str, Any], init: str) -> list[str]:
@@ -403,8 +402,7 @@ def write(preset: Preset, seeds: int, out: Path, summaries: dict[str, dict]) -> 
         "val_gap": {init: val_gaps(results[init]) for init in results},
         "init_gap": init_gaps(preset, results),
     }
-    rows = token_corpus.load(corpus_dir(out, 0)).tokens[:INIT_ROWS * cfg.train.seq_len]
-    rows = np.asarray(rows, np.int32).reshape(INIT_ROWS, cfg.train.seq_len)
+    rows = init_rows(out, cfg.train.seq_len)
     data["init_scale"] = {init: {v: residual_writes(preset.config(v, 0, run_dir(out, v, 0, init),
                                                                   init).model, rows)
                                  for v in VARIANTS} for init in preset.inits}

@@ -72,3 +72,31 @@ def test_two_processes_match_one_process_with_four_devices_across_a_resume(tmp_p
         iter_dir = multi / "checkpoints" / str(step) / "data_iter"
         states = [json.loads((iter_dir / f"process_{i}-of-2.json").read_text()) for i in range(2)]
         assert [s["next_index"] for s in states] == [step, step]  # batches consumed
+
+
+def test_two_processes_set_a_damaged_step_aside_together_and_discard_later_steps(tmp_path):
+    """The resume paths where the processes must agree and wait for each other: step 6's
+    recorded checksums damaged, both processes refuse it (`_agree`), process 0 moves it to
+    damaged_checkpoints/ while the other waits (`_sync`), and both resume from step 3; then
+    `checkpoint.resume_step=3 discard_later=true` deletes step 6 on both sides of the journal's
+    barriers. Each time the job ends (no process left waiting) on the first job's losses."""
+    corpus = write_corpus(tmp_path / "corpus")
+    run = tmp_path / "run"
+    _two_processes(corpus, run)  # checkpoints 3 and 6
+    first = _losses(run)
+    sums = run / "checkpoints" / "6" / "checksums" / "metadata"
+    record = json.loads(sums.read_text())
+    name = sorted(record["arrays"])[0]
+    record["arrays"][name] = "0" * 16
+    sums.write_text(json.dumps(record))
+    outs = _two_processes(corpus, run)
+    assert f"skipped checkpoint step 6 is damaged: {name} read from" in outs[0], outs[0][-3000:]
+    assert "resumed from step 3" in outs[0] and "step 6/6" in outs[0]
+    assert sorted(p.name for p in (run / "damaged_checkpoints").iterdir()) == ["6"]
+    np.testing.assert_allclose(_losses(run), first, rtol=1e-6)
+    outs = _two_processes(corpus, run, "checkpoint.resume_step=3", "checkpoint.discard_later=true")
+    assert "deleted checkpoints [6] (checkpoint.discard_later=true)" in outs[0], outs[0][-3000:]
+    assert "resumed from step 3" in outs[0] and "step 6/6" in outs[0]
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [3, 6]
+    assert not (run / "discarding_after").exists()
+    np.testing.assert_allclose(_losses(run), first, rtol=1e-6)

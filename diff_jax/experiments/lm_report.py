@@ -180,8 +180,8 @@ def val_section(res: dict[str, Any]) -> list[str]:
 
 
 def init_rows(out: Path, seq_len: int) -> np.ndarray:
-    """(init_scale.ROWS, seq_len) int32: the first tokens of seed 0's corpus in the replication `out`,
-    on which every model of it (and of its ablations) is measured at initialization."""
+    """(init_scale.ROWS, seq_len) int32: the first tokens of seed 0's corpus in the replication
+    `out`, on which every model of it (and of its ablations) is measured at initialization."""
     rows = token_corpus.load(corpus_dir(out, 0)).tokens[:ROWS * seq_len]
     return np.asarray(rows, np.int32).reshape(ROWS, seq_len)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,22 +54,6 @@ def residual_writes(config: ModelConfig, tokens: np.ndarray, seed: int = 0) -> d
 ROWS = 8  # rows of `seq_len` tokens every model is measured on
 
 
-def init_scale_table(models: list[tuple[str, dict[str, Any]]], seq_len: int,
-                     source: str = "seed 0's corpus") -> list[str]:
-    """Markdown: per (name, `residual_writes` result), what the model writes into the residual
-    stream, measured on the first ROWS rows of `seq_len` tokens of `source`."""
-    line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
-    cells = lambda xs: ", ".join(f"{x:.4f}" for x in xs)  # noqa: E731
-    return [f"RMS over the first {ROWS} rows of {seq_len} tokens of {source}, in each model "
-            "freshly initialized with key 0 (`diff_jax.experiments.init_scale`); the token "
-            "embedding is the only token-specific signal at that point. Per layer, first to "
-            "last.", "",
-            line(["model", "token embedding", "attention output", "MLP output"]),
-            line(["---"] * 4),
-            *(line([name, f"{scale['embed']:.4f}", cells(scale["attn"]), cells(scale["ffn"])])
-              for name, scale in models), ""]
-
-
 def stdlib_rows(tokenizer: str, seq_len: int) -> np.ndarray:
     """(ROWS, seq_len) int32: the standard library's sources (`data.source=stdlib`'s documents,
     in order) under `tokenizer`, the first ROWS · seq_len tokens."""
@@ -90,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from diff_jax import train_loop
     from diff_jax.config import ConfigError
     from diff_jax.experiments.ablate import check_sets, label
+    from diff_jax.experiments.lm_report import init_scale_table
     from diff_jax.experiments.presets import INITS, LABELS, PRESETS, VARIANTS, Preset
 
     parser = argparse.ArgumentParser(prog="python -m diff_jax.experiments.init_scale",

@@ -15,7 +15,7 @@ import numpy as np
 
 from diff_jax.data import corpus as token_corpus
 from diff_jax.experiments import paper, plots
-from diff_jax.experiments.init_scale import ROWS, init_scale_table, residual_writes
+from diff_jax.experiments.init_scale import ROWS, residual_writes
 from diff_jax.experiments.layout import eval_json, run_dir
 from diff_jax.experiments.presets import (LABELS, VARIANTS, Preset, corpus_dir,
                                           niah_whole_fraction)
@@ -184,6 +184,21 @@ def init_rows(out: Path, seq_len: int) -> np.ndarray:
     `out`, on which every model of it (and of its ablations) is measured at initialization."""
     rows = token_corpus.load(corpus_dir(out, 0)).tokens[:ROWS * seq_len]
     return np.asarray(rows, np.int32).reshape(ROWS, seq_len)
+
+
+def init_scale_table(models: list[tuple[str, dict[str, Any]]], seq_len: int,
+                     source: str = "seed 0's corpus") -> list[str]:
+    """Markdown: per (name, `init_scale.residual_writes` result), what the model writes into the
+    residual stream, measured on the first `init_scale.ROWS` rows of `seq_len` tokens of
+    `source`."""
+    cells = lambda xs: ", ".join(f"{x:.4f}" for x in xs)  # noqa: E731
+    return [f"RMS over the first {ROWS} rows of {seq_len} tokens of {source}, in each model "
+            "freshly initialized with key 0 (`diff_jax.experiments.init_scale`); the token "
+            "embedding is the only token-specific signal at that point. Per layer, first to "
+            "last.", "",
+            *_table(["model", "token embedding", "attention output", "MLP output"],
+                    [[name, f"{scale['embed']:.4f}", cells(scale["attn"]), cells(scale["ffn"])]
+                     for name, scale in models]), ""]
 
 
 def init_scale_section(data: dict[str, Any], init: str) -> list[str]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import os
 import platform
@@ -323,6 +324,7 @@ def check(block_sizes: BlockSizes | None, interpret,
         if deadline is not None and deadline.passed():
             rows.append({"case": f"{n}", "error": "skipped: deadline"})
             continue
+        print(f"case {n}: {label}", flush=True)  # before its compile: a hang shows which
         q, k, v, do = _inputs(Shape(b, t, h, d, hkv), dtype, seed=100 + n)
         segs = None
         if seg:
@@ -336,28 +338,30 @@ def check(block_sizes: BlockSizes | None, interpret,
             return kernels.diff_attention(q, k, v, lam, segment_ids=segs, causal=causal, impl=impl,
                                           block_sizes=sizes, interpret=interpret)
 
-        def grads(impl):
+        def grads(impl):  # (output, gradients of q, k, v, λ): one compile a route
             up = (lambda x: x.astype(jnp.float32)) if impl == "xla" else (lambda x: x)
-            loss = lambda *a: jnp.sum(run(impl, *a).astype(jnp.float32) * do.astype(jnp.float32))  # noqa: E731
-            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(
+
+            def loss(*a):
+                out = run(impl, *a)
+                return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+
+            (_, out), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
                 up(q), up(k), up(v), jnp.float32(lam))
+            return out, g
 
         backend = ("mosaic_gpu" if jax.default_backend() == "gpu"
                    and flash.uses_mosaic_gpu(2, dtype, d, v.shape[-1]) else "triton")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", DeprecationWarning)
             try:
-                out = jax.jit(lambda *a: run("pallas", *a))(q, k, v, jnp.float32(lam))
-                (_, g) = grads("pallas")
+                out, g = grads("pallas")
             except Exception as e:  # noqa: BLE001 - a failing case is a row, not the end
                 rows.append({"case": label, "backend": backend, "error": repr(e)[:500]})
                 print(rows[-1], flush=True)
                 continue
         deprecations = sorted({str(w.message)[:120] for w in caught
                                if issubclass(w.category, DeprecationWarning)})
-        ref = jax.jit(lambda *a: run("xla", *a))(*(x.astype(jnp.float32) for x in (q, k, v)),
-                                                   jnp.float32(lam))
-        (_, gr) = grads("xla")
+        ref, gr = grads("xla")
         errs = {"out": _rel(out, ref)} | {f"d{nm}": _rel(a, r) for nm, a, r in
                                            zip("qkvλ", g, gr)}
         finite = bool(all(np.isfinite(np.asarray(x, np.float32)).all() for x in (out, *g)))
@@ -371,6 +375,10 @@ def check(block_sizes: BlockSizes | None, interpret,
                        for kk, hh in zip(ks, (hq, hkv, hkv, hq)))
         segs = jnp.asarray(np.repeat([[1] * 100 + [2] * 150 + [0] * 50], b, 0), jnp.int32)
         for impl in ("cudnn", "pallas"):
+            if deadline is not None and deadline.passed():  # past it, a stage limit is a hang
+                rows.append({"case": f"standard {impl}", "error": "skipped: deadline"})
+                continue
+
             def vg(impl, *xs):
                 loss = lambda q, k, v: jnp.sum(kernels.dot_product_attention(  # noqa: E731
                     q, k, v, segment_ids=segs, impl=impl).astype(jnp.float32) * do.astype(jnp.float32))
@@ -576,9 +584,13 @@ def main(argv=None) -> dict:
     # SIGTERM (the GPU session's stage limit) stops starting measurements; the one in flight
     # finishes and what was measured is written, as at --deadline.
     before = signal.signal(signal.SIGTERM, deadline.stop)
+    # A hung kernel never returns to Python, where `deadline.stop` would run: at SIGTERM every
+    # thread's stack goes to stderr first (in C), so the log names the call that hangs.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     try:
         return _modes(args, deadline)
     finally:
+        faulthandler.unregister(signal.SIGTERM)
         signal.signal(signal.SIGTERM, before)
 
 

@@ -2,38 +2,54 @@
 
 Run on the lent H100/H200 (one command, ≤ 10 minutes each; everything lands in $OUT):
 
-    python benchmarks/hopper_session.py --out "$OUT"                    # env, check, tune, bench
-    python benchmarks/hopper_session.py --out "$OUT" --stages env,train  # second call
+    python benchmarks/hopper_session.py --out "$OUT"                          # env, check, tune
+    python benchmarks/hopper_session.py --out "$OUT" --stages env,bench,train \
+        --previous benchmarks/results/hopper_session_N.json                   # second call
+    python benchmarks/hopper_session.py --out "$OUT" --stages env,train ...    # third: the rest
     python benchmarks/hopper_session.py --out "$OUT" --stages replicate  # then, back to back
     python benchmarks/hopper_session.py --out "$OUT" --stages ablate     # once it is done
+
+The first session on an H100 (2026-11-25, benchmarks/results/hopper_session_{1,2,3}.json,
+mosaic_h100.md) found every backward hanging (the split dK/dV schedule asked `setmaxnreg` for
+more registers than the CTA holds; fixed), then checked the kernel and ran the bench at T = 2K
+and 4K and the 1.4B train step; it did not tune. Three calls take about 30 minutes of device
+time with the machine's starts: if fewer are left, run the first two.
 
 Stages, each a subprocess with its own time limit whose failure or timeout is recorded and
 skipped past (so a hang or a crash in one cannot lose the others). When the env stage finds
 that jax does not see the GPU (its backend is not "gpu", e.g. a CUDA plugin that failed to load
 and jax fell back to the CPU), the stages after it are recorded as skipped, not run on the CPU
-until their limits:
+until their limits; once a kernel is seen to hang (a probe, or the check stage killed at its
+limit, past its deadline), the kernel stages after it (check, tune, bench, train) are too:
   env    nvidia-smi, jax/jaxlib versions, the GPU's compute capability and device_kind, which
-         kernel the dispatch picks, whether tokamax imports;                         ~20 s
+         kernel the dispatch picks, whether tokamax imports;                         ~10 s
+  probe  (not in the default calls) `benchmarks/mosaic_probe.py`: each Mosaic schedule's
+         forward or forward and backward once, in its own process killed at 45 s, so a hang
+         costs 45 s and is named, where it stalls a whole benchmark stage;            ≤ 150 s
   check  `benchmarks/attention.py --check`: the real lowerings (Mosaic GPU for bf16/fp16 at
          d ∈ {64, 96, 128}, Triton for float32 and d = 32) against the float32 oracle, forward
          and the gradients of q, k, v and λ; each row names its kernel and any
          DeprecationWarning its compile raised; two more cases run the dK/dV schedule
          that "auto" does not pick and the forward without ping-pong, at d = 64 and 128;
-         the Mosaic cases run first, so its deadline cuts Triton's;                  ≤ 170 s
+         the Mosaic cases run first, so its deadline cuts Triton's (a case took up to 35 s on
+         the H100: two compiles of fwd+bwd);                                         ≤ 240 s
   tune   `--tune --tune-write` at T = 4096 for d = 64 and 128: 4 forward tile settings each
          and the best with ping-pong switched, 4 backward ones, then the best backward under
          the other dK/dV schedule ("rows" or "split") and under the other dQ schedule; the best
          per d goes into kernels/tuning/mosaic_gpu.json (copied to $OUT: copy it over
-         kernels/tuning/mosaic_gpu.json here and commit it before the second call, which
-         re-sends the working tree: its train stage then runs the tuned tiles);      ≤ 150 s
+         kernels/tuning/mosaic_gpu.json here and commit it, with $OUT/session.json as
+         benchmarks/results/hopper_session_N.json, before the second call, which re-sends the
+         working tree: its bench and train stages then run the tuned tiles);        ≤ 240 s
   bench  `--bench` for d = 64 and 128, T = 2K–16K at B·T = 32K, H = 16: fused Mosaic, fused
-         Triton, cuDNN 2H×d, cuDNN H×2d, four cuDNN calls, two Tokamax calls;          ≤ 200 s
-  train  (its own call) `benchmarks/train_step.py`, DIFF vs its Transformer twin, batch 8
+         Triton, cuDNN 2H×d, cuDNN H×2d, four cuDNN calls, two Tokamax calls (about 7 s a
+         row on the H100: 48 rows);                                                  ≤ 380 s
+  train  `benchmarks/train_step.py`, DIFF vs its Transformer twin, batch 8
          (`TRAIN_RUNS`): 1.4B (d = 128, 8 of 24 layers) with segment ids as train.py feeds
          them (cuDNN gets them as a dense T×T mask), 830M at d = 64 (12 of 24 layers, 12 DIFF
          heads against 24, as benchmarks/results/train_step_h100), 1.4B without segment ids
          (causal only), then 830M as configured (d = 96), each with what is left (skipped,
-         recorded, under 60 s).
+         recorded, under 60 s); the 1.4B pair took 185 s, 100 s of it DIFF's first call,
+         before the kernels were jitted once per shape (`flash_mgpu.fwd`).
   replicate  (its own calls) the `gpu-medium` replication, one seed, init `scaled`, in
          /tmp/diff_jax_gpu_medium with all the time left; it resumes where the last call
          stopped, so issue the same call again at once (the machine keeps /tmp only while it
@@ -53,8 +69,8 @@ fused_over_tokamax_two_calls, fwd_tflops, bwd_tflops, train_step_diff_over_trans
 are not, by name), the bench stage's at T = 4096 and the train stage's DIFF/Transformer step
 time with segment ids; what this call did not measure is None, or comes from `--previous` FILE,
 an earlier call's session.json: copy the first call's $OUT/session.json into the working tree
-(e.g. benchmarks/results/hopper_session_1.json, committed with the tuned table) and pass it to
-the second call, whose summary is then the whole one), $OUT/session.md, $OUT/mosaic_gpu.json
+(benchmarks/results/hopper_session_N.json, the next free N, committed with the tuned table) and
+pass it to the next call, whose summary is then the whole one), $OUT/session.md, $OUT/mosaic_gpu.json
 (the tile table after tuning), $OUT/session.log (all stages' output). `--stages` takes any comma
 list of these. ptxas's registers and spills need no GPU: they come from
 `benchmarks/mosaic_ptxas.py` on a CPU (the `cuda-aot` extra).
@@ -83,8 +99,8 @@ Then call the device tool with carry [".whl"] and the command
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; \\
     PYTHONUNBUFFERED=1 python3 benchmarks/hopper_session.py --out "$OUT"
 
-(the second call: `... --out "$OUT" --stages env,train --previous
-benchmarks/results/hopper_session_1.json`).
+(the second call: `... --out "$OUT" --stages env,bench,train --previous
+benchmarks/results/hopper_session_N.json`).
 """
 
 from __future__ import annotations
@@ -99,8 +115,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGET = {"env": 40, "check": 170, "tune": 150, "bench": 200}
-GPU_STAGES = ("check", "tune", "bench", "train", "replicate", "ablate")  # skipped without a GPU
+BUDGET = {"env": 40, "probe": 150, "check": 240, "tune": 240, "bench": 380}
+GPU_STAGES = ("probe", "check", "tune", "bench", "train", "replicate", "ablate")
+KERNEL_STAGES = ("check", "tune", "bench", "train")  # skipped once a kernel is seen to hang  # skipped without a GPU
 STAGES = ("env", *GPU_STAGES)
 SMI_SECONDS = 30  # nvidia-smi hangs on a wedged driver
 TOTAL = 570  # seconds for all stages: under the device tool's 600 s per command
@@ -237,7 +254,7 @@ def summary(report: dict, previous: dict | None = None) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/hopper_session"))
-    p.add_argument("--stages", default="env,check,tune,bench")
+    p.add_argument("--stages", default="env,check,tune")
     p.add_argument("--total", type=float, default=TOTAL, help="seconds for all stages")
     p.add_argument("--previous", type=Path, default=None,
                    help="an earlier call's session.json, whose summary fills what this call "
@@ -266,6 +283,7 @@ def main(argv=None) -> int:
         return args.total - (time.monotonic() - start)
 
     no_gpu = None  # why the GPU stages are skipped, once the env stage found no GPU
+    hangs = None  # why the kernel stages are skipped, once a probe or the check hung
     with open(out / "session.log", "w") as log:
         for stage in stages:
             limit = min(BUDGET.get(stage, left()), left())
@@ -273,6 +291,8 @@ def main(argv=None) -> int:
                 r = {"stage": stage, "status": f"skipped: {left():.0f} s left"}
             elif no_gpu and stage in GPU_STAGES:
                 r = {"stage": stage, "status": f"skipped: {no_gpu}"}
+            elif hangs and stage in KERNEL_STAGES:
+                r = {"stage": stage, "status": f"skipped: {hangs}"}
             elif stage == "env":
                 r = _run("env", [py, "-c", ENV_PROBE], limit, log, stub or "")
                 if shutil.which("nvidia-smi"):
@@ -290,10 +310,20 @@ def main(argv=None) -> int:
                 if backend != "gpu":
                     no_gpu = (f"no GPU (the env stage found jax's backend {backend!r})" if backend
                               else "no GPU known (the env probe failed: see its tail)")
+            elif stage == "probe":
+                r = _run("probe", [py, "benchmarks/mosaic_probe.py", "--out", str(parts)],
+                         limit, log, stub or "")
+                r["result"] = _read(parts / "mosaic_probe.json")
+                hung = [x["probe"] for x in r["result"] or [] if x["status"] == "hang"]
+                hangs = f"the probe found {', '.join(hung)} hanging" if hung else None
             elif stage == "check":
+                # a case (the kernel's and the oracle's fwd+bwd compiles) took up to 35 s on an
+                # H100: one started before the deadline ends before the limit unless it hangs
                 r = _run("check", bench + ["--check", "--tag", "check", "--deadline",
-                                           str(limit - 30)], limit, log, stub or "")
+                                           str(limit - 60)], limit, log, stub or "")
                 r["result"] = _read(parts / "attention_check.json")
+                if r["status"].startswith("timeout"):  # past its deadline: a case never returned
+                    hangs = "the check stage hung (its tail names the case)"
             elif stage == "tune":
                 r = _run("tune", bench + ["--tune", "--tune-write", "--head-dims", "64,128",
                                           "--tag", "tune", "--deadline", str(limit - 40)],

@@ -36,7 +36,7 @@ slot. The producer keeps 24 registers (`setmaxnreg`), compute warpgroups take th
 
 Registers (f32, per thread of a compute warpgroup; budget `compute_registers`: 240 with two
 compute warpgroups, 256 with one; the split dK/dV schedule gives its dK warpgroup 256 and its dV
-warpgroup 232, `split_registers`): forward d (the 64 × 2d accumulator) plus bk/2 for the score
+warpgroup 224, `split_registers`): forward d (the 64 × 2d accumulator) plus bk/2 for the score
 tile; dQ d (dQ1 + dQ2) plus bk/2 for each of dP, S, dS; dK/dV 2d (dK1 + dK2 + dV) with "rows"
 plus bq/2 for each of P1ᵀ, P2ᵀ, dPᵀ and P1ᵀ − λ·P2ᵀ, with "split" d plus bq/2 for each of
 dPᵀ, Sᵀ, dSᵀ (the dK warpgroup forms dS1ᵀ before P2ᵀ, so it never holds both P tiles;
@@ -427,22 +427,30 @@ def _kernel(body, *, out, scratch, grid, names, threads, interpret, name):
                         kernel_name=name, **kw)
 
 
+def cta_registers(threads: int) -> int:
+    """Registers a lane holds across a CTA of `threads` warpgroups at launch, the pool that
+    `setmaxnreg` moves registers within: each thread starts with the 64K register file's share,
+    in units of 8, at most 256; 168 a thread with three warpgroups, so 504, not 512. A
+    `setmaxnreg.inc` that asks the pool for more than it holds waits forever (the split dK/dV
+    schedule's 256 + 232 + 24 = 512 hung every backward on an H100)."""
+    return min(256, 65536 // (128 * threads) // 8 * 8) * threads
+
+
 def compute_registers(wgs: int) -> int:
-    """Registers a thread of each of `wgs` compute warpgroups gets (`setmaxnreg`): a lane's 512
-    of the 64K register file at 128 threads a warpgroup, less the producer's
+    """Registers a thread of each of `wgs` compute warpgroups gets (`setmaxnreg`): the CTA's
+    launch pool (`cta_registers`, compute warpgroups and the producer) less the producer's
     `PRODUCER_REGISTERS`, shared out in multiples of 8 and capped at 256 (255 addressable): 240
-    with two, 256 with one. setmaxnreg.inc below what a thread already holds is undefined, and
-    a thread of a 256-thread CTA may start with up to 255."""
-    return min(256, (512 - PRODUCER_REGISTERS) // wgs // 8 * 8)
+    with two, 256 with one. setmaxnreg.inc below what a thread already holds is undefined."""
+    return min(256, (cta_registers(wgs + 1) - PRODUCER_REGISTERS) // wgs // 8 * 8)
 
 
 def split_registers() -> dict[str, int]:
     """Registers a thread of each role of the split dK/dV schedule gets: the "k" warpgroup
     (dK1 + dK2, dPᵀ, Sᵀ, dSᵀ and the per-query vectors) all 256, the "v" warpgroup (dV, P1ᵀ, P2ᵀ)
-    the rest of the lane's 512 after the producer: 232. ptxas on the d = 128 dK/dV kernel
-    (`kernels.ptxas`, no segment ids): 232 each spills 160 / 208 bytes and serializes its
-    wgmmas (C7512); 256 / 216 spilled 36 / 40 and kept them pipelined; 256 / 232 spills none."""
-    return {"k": 256, "v": (512 - PRODUCER_REGISTERS - 256) // 8 * 8}
+    the rest of the three warpgroups' launch pool after the producer: 224. ptxas on the d = 128
+    dK/dV kernel (`kernels.ptxas`, no segment ids): 232 each spills 160 / 208 bytes and
+    serializes its wgmmas (C7512); 256 / 216 spilled 36 / 40 and kept them pipelined."""
+    return {"k": 256, "v": (cta_registers(3) - PRODUCER_REGISTERS - 256) // 8 * 8}
 
 
 def _compute_registers(wgs: int, role: str | None = None) -> None:
@@ -645,6 +653,11 @@ def _fwd_body(*refs, causal, has_seg, d, bk, stages, pingpong, n_rep, kv_len, n_
         _producer(hi, issue, consumed, stages)
 
 
+# jit per (shapes, statics): a model's layers call the same kernel, and jax lowers a jitted
+# function once per module and calls it from every site, where each call site of a bare
+# `plgpu.kernel` ran Mosaic GPU's Python lowering again (0.5 s a kernel on a CPU; 3 kernels a
+# layer).
+@functools.partial(jax.jit, static_argnames=("causal", "tiles", "interpret"))
 def fwd(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array, q_seg: jax.Array | None,
         kv_seg: jax.Array | None, *, causal: bool, tiles: Tiles,
         interpret: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -915,6 +928,8 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, cta_rows, n_rep
         _producer(n_rep * per_head, issue, consumed, stages)
 
 
+# jit per (shapes, statics), as `fwd`
+@functools.partial(jax.jit, static_argnames=("causal", "tiles", "interpret"))
 def bwd(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array, q_seg: jax.Array | None,
         kv_seg: jax.Array | None, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
         causal: bool, tiles: Tiles,

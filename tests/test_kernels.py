@@ -761,6 +761,24 @@ def test_the_command_line_runs_check_and_tune_as_the_gpu_session_asks_and_writes
     assert "## Timings" not in md
 
 
+
+def test_mosaic_probe_kills_a_probe_past_its_limit_and_records_each_probe(tmp_path):
+    """benchmarks/mosaic_probe.py runs each probe in a child process killed at --limit: one past
+    it is a "hang" row, not a stalled caller (here killed while it starts). Rows are written
+    as each probe ends. Off Hopper the forward probe runs the fused op's other path, within
+    bf16 tolerance of the oracle, and says it was not Mosaic GPU."""
+    import mosaic_probe
+
+    row = mosaic_probe.probe("fwd-d64", 0.5, None)
+    assert row["status"] == "hang" and row["wall_s"] < 30 and "tail" in row
+    assert mosaic_probe.main(["--out", str(tmp_path), "--probes", "fwd-d64", "--limit",
+                              "300"]) == 0
+    (row,) = json.loads((tmp_path / "mosaic_probe.json").read_text())
+    assert row["status"] == "ok" and row["backend"] == "not mosaic_gpu" and row["finite"]
+    assert 0 < row["out"] < 1e-2
+    with pytest.raises(SystemExit):
+        mosaic_probe.main(["--probes", "fwd-d46"])
+
 def test_gpu_check_runs_the_mosaic_cases_first():
     """attention.py --check stops at its deadline (the GPU session's check stage runs ~12
     compiles in 140 s): the cases the Mosaic kernel takes on Hopper, the schedules --tune

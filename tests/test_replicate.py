@@ -722,6 +722,34 @@ def test_gpu_session_without_a_gpu_skips_the_gpu_stages(tmp_path, monkeypatch):
     assert check["status"] == "skipped: no GPU known (the env probe failed: see its tail)"
 
 
+
+def test_gpu_session_skips_the_kernel_stages_once_a_kernel_hangs(tmp_path, monkeypatch):
+    """A hung kernel never returns: on the first H100 every backward hung, and each of check,
+    tune and bench stalled until its limit, 560 s of device time for nothing. Once the probe
+    stage records a hang, or the check stage is killed at its limit (past its own deadline,
+    so a case never returned), the kernel stages after it are recorded as skipped and why."""
+    import json
+
+    import hopper_session
+
+    def fake_run(name, cmd, limit, log, extra_path="", grace=20.0):
+        out = Path(cmd[cmd.index("--out") + 1])
+        if name == "probe":
+            (out / "mosaic_probe.json").write_text(json.dumps(
+                [{"probe": "fwd-d64", "status": "ok"}, {"probe": "bwd-d64-split", "status": "hang"}]))
+        return {"stage": name, "status": f"timeout after {limit:.0f} s" if name == "check"
+                else "ok", "seconds": 0.0, "tail": ""}
+
+    monkeypatch.setattr(hopper_session, "_run", fake_run)
+    hopper_session.main(["--out", str(tmp_path / "a"), "--stages", "probe,check,tune,bench,train"])
+    stages = json.loads((tmp_path / "a" / "session.json").read_text())["stages"]
+    assert stages[0]["status"] == "ok" and [r["status"] for r in stages[1:]] == [
+        "skipped: the probe found bwd-d64-split hanging"] * 4
+    hopper_session.main(["--out", str(tmp_path / "b"), "--stages", "check,tune,bench"])
+    stages = json.loads((tmp_path / "b" / "session.json").read_text())["stages"]
+    assert stages[0]["status"].startswith("timeout") and [r["status"] for r in stages[1:]] == [
+        "skipped: the check stage hung (its tail names the case)"] * 2
+
 def test_gpu_session_records_stages_skipped_for_time_in_session_json(tmp_path):
     """A stage skipped because too little of the call's time is left is in session.json (the
     record that comes back even when the call is cut off), not only in session.md."""
@@ -790,9 +818,9 @@ def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypa
 
     monkeypatch.setattr(hopper_session, "_run", fake_run)
     first, second = tmp_path / "first", tmp_path / "second"
-    hopper_session.main(["--out", str(first)])  # the first call's stages: env, check, tune, bench
+    hopper_session.main(["--out", str(first)])  # the first call's stages: env, check, tune
     session = json.loads((first / "session.json").read_text())
-    assert [r["stage"] for r in session["stages"]] == ["env", "check", "tune", "bench"]
+    assert [r["stage"] for r in session["stages"]] == ["env", "check", "tune"]
     assert session["stages"][2]["result"] == {"tune": [{"d": 64}]}
     # the tile table to commit over kernels/tuning/, and the tuning table in session.md
     table = root / "kernels" / "tuning" / "mosaic_gpu.json"
@@ -803,11 +831,11 @@ def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypa
     assert got["device"] == "NVIDIA H100 80GB HBM3" and got["jax"] == "0.11.2"
     assert got["check"] == {"ok": 1, "not_ok": ["b"], "not_run": 1}
     assert fields <= set(got["d64"]) and fields <= set(got["d128"])
-    assert got["d64"]["fwd_tflops"] == 300.0 and got["d128"]["fwd_tflops"] is None
-    assert got["d64"]["train_step_diff_over_transformer"] is None
-    hopper_session.main(["--out", str(second), "--stages", "env,train",
+    assert got["d64"]["fwd_tflops"] is None
+    hopper_session.main(["--out", str(second), "--stages", "env,bench,train",
                          "--previous", str(first / "session.json")])
     got = json.loads((second / "session.json").read_text())["summary"]
+    assert got["d64"]["fwd_tflops"] == 300.0 and got["d128"]["fwd_tflops"] is None
     assert got["d64"]["train_step_diff_over_transformer"] == 1.2
     assert got["d128"]["train_step_diff_over_transformer"] == 1.1
     assert got["d64"]["fused_over_cudnn_baseline"] == 0.9 and got["d128"]["bwd_tflops"] == 200.0
@@ -860,7 +888,7 @@ def test_gpu_session_refuses_an_unknown_stage_before_running_any(tmp_path, capsy
     with pytest.raises(SystemExit) as e:
         hopper_session.main(["--out", str(tmp_path / "out"), "--stages", "env,trian"])
     assert e.value.code == 2 and not (tmp_path / "out").exists()
-    assert ("--stages: unknown stage(s) 'trian'; expected a comma list of env, check, tune, "
+    assert ("--stages: unknown stage(s) 'trian'; expected a comma list of env, probe, check, tune, "
             "bench, train, replicate, ablate") in capsys.readouterr().err
 
 

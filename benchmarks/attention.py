@@ -412,6 +412,8 @@ def environment() -> dict:
     return {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
             "jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__")
             else None, "python": platform.python_version(),
+            # the runtime XLA runs on: e.g. the CUDA version on a GPU, "cpu" here
+            "platform_version": getattr(dev.client, "platform_version", None),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 

@@ -281,8 +281,9 @@ def _rel(a, b) -> float:
 # (B, T, H, Hkv, d, causal, segments, dtype, λ[, Mosaic Tiles fields]): the cases the Mosaic
 # kernel takes on Hopper (bf16/fp16, d ∈ {64, 96, 128}) first, then the Triton ones (float32,
 # d = 32), so a --deadline skips the fallback (measured on an H100 before) and not the new
-# kernel. The two with Tiles fields run the dK/dV and dQ schedules the table does not pick at
-# their d and the forward without ping-pong, so `--tune` compares only checked schedules.
+# kernel. The three with Tiles fields run the dK/dV and dQ schedules the table does not pick
+# at their d ("rows" and "share" dK/dV, "split" dQ) and the forward without ping-pong, so
+# `--tune` compares only checked schedules.
 CHECK_CASES = [
     (2, 512, 4, 4, 64, True, False, jnp.bfloat16, 0.8),
     (1, 333, 8, 2, 64, True, True, jnp.bfloat16, 0.3),
@@ -291,6 +292,7 @@ CHECK_CASES = [
     (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5),  # d = 128: the 3B config's width
     (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5,
      {"dkv": "rows", "pingpong": False, "dq": "split"}),
+    (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5, {"dkv": "share"}),
     (1, 300, 4, 2, 96, False, True, jnp.bfloat16, -0.7),  # d = 96: the 830M config's width
     (2, 1000, 4, 1, 128, False, False, jnp.float16, 0.0),
     (1, 1024, 2, 2, 64, True, False, jnp.float16, 1.2),
@@ -492,7 +494,7 @@ def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
     """Bounded sweep of the Mosaic kernel's tiles per d (bf16, causal, T = --tune-t): first the
     forward's (block_kv, stages), then the best of those with ping-pong switched, then the
     backward's (block_kv_dq, block_q_dkv) with the best forward, then the best backward under
-    the dK/dV schedule its "auto" did not pick, then the best so far under the other dQ
+    each dK/dV schedule its "auto" did not pick ("rows", "split", "share"), then the best so far under the other dQ
     schedule; tiles that do not fit shared memory are recorded as such. Each setting's output
     and gradients must agree with the first setting's to `TUNE_AGREEMENT` (`vs_first`), or it
     is an error row and cannot win. --tune-write stores the best per d in the table."""
@@ -507,7 +509,8 @@ def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
             if deadline.passed():
                 return r | {"error": "skipped: deadline"}
             try:
-                r["dkv"] = "split" if flash_mgpu.warpgroups(d, tiles)[2] else "rows"
+                split = flash_mgpu.warpgroups(d, tiles)[2]
+                r["dkv"] = ("share" if tiles.dkv == "share" else "split") if split else "rows"
                 f = variants(BlockSizes(mosaic_gpu=tiles), None, with_cudnn=False)["fused"]
                 m = bench_one("fused", f, shape, jnp.bfloat16, reps=3, samples=3,
                               keep_outputs=True)
@@ -535,11 +538,11 @@ def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
         bwd_rows = [run("bwd", dataclasses.replace(best_fwd, block_kv_dq=a, block_q_dkv=c))
                     for a in (64, 128) for c in (64, 128)]
         ok = [r for r in bwd_rows if "error" not in r]
-        if ok:  # the best backward under the other dK/dV schedule
+        if ok:  # the best backward under each other dK/dV schedule
             best = min(ok, key=lambda r: r["total_ms"])
-            other = "rows" if best["dkv"] == "split" else "split"
-            bwd_rows.append(run("bwd", dataclasses.replace(hopper.parse_tiles(best["tiles"]),
-                                                           dkv=other)))
+            bwd_rows += [run("bwd", dataclasses.replace(hopper.parse_tiles(best["tiles"]),
+                                                        dkv=other))
+                         for other in ("rows", "split", "share") if other != best["dkv"]]
             ok = [r for r in bwd_rows if "error" not in r]
             best = hopper.parse_tiles(min(ok, key=lambda r: r["total_ms"])["tiles"])
             bwd_rows.append(run("bwd", dataclasses.replace(  # and under the other dQ schedule

@@ -35,7 +35,7 @@ limit, past its deadline), the kernel stages after it (check, tune, bench, train
          the H100: two compiles of fwd+bwd);                                         ≤ 240 s
   tune   `--tune --tune-write` at T = 4096 for d = 64 and 128: 4 forward tile settings each
          and the best with ping-pong switched, 4 backward ones, then the best backward under
-         the other dK/dV schedule ("rows" or "split") and under the other dQ schedule; the best
+         each other dK/dV schedule ("rows", "split", "share") and the other dQ schedule; the best
          per d goes into kernels/tuning/mosaic_gpu.json (copied to $OUT: copy it over
          kernels/tuning/mosaic_gpu.json here and commit it, with $OUT/session.json as
          benchmarks/results/hopper_session_N.json, before the second call, which re-sends the

@@ -31,9 +31,11 @@ PROBES = {
     "fwd-d64": (64, True, False, False, {}),
     "bwd-d64-rows": (64, True, False, True, {"dkv": "rows", "dq": "rows"}),
     "bwd-d64-split": (64, True, False, True, {"dkv": "split"}),
+    "bwd-d64-share": (64, True, False, True, {"dkv": "share"}),
     "bwd-d64-splitdq-nopingpong": (64, True, True, True,
                                    {"dkv": "rows", "dq": "split", "pingpong": False}),
     "bwd-d128": (128, True, True, True, {}),
+    "bwd-d128-share": (128, True, True, True, {"dkv": "share"}),
     "bwd-d96": (96, True, True, True, {}),
     "bwd-d128-fp16-noncausal": (128, False, False, True, {}),
 }

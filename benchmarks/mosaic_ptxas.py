@@ -61,8 +61,10 @@ def cases(d: int) -> list[tuple[str, object, bool, tuple[str, ...]]]:
     out += [("bwd", dataclasses.replace(base, block_kv_dq=a, block_q_dkv=c, dkv=s, dq=q), seg,
              ("bwd",))
             for seg in (False, True) for a in (64, 128) for c in (64, 128)
-            for s in ("rows", "split") for q in flash_mgpu.DQ_SCHEDULES]
+            for s in flash_mgpu.DKV_SCHEDULES if s != "auto" for q in flash_mgpu.DQ_SCHEDULES]
     out += [("table, split dQ", dataclasses.replace(base, dq="split"), seg, ("bwd",))
+            for seg in (False, True)]
+    out += [("table, share dK/dV", dataclasses.replace(base, dkv="share"), seg, ("bwd",))
             for seg in (False, True)]
     return out
 

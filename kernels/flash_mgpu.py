@@ -32,7 +32,12 @@ slot. The producer keeps 24 registers (`setmaxnreg`), compute warpgroups take th
   `wgs_dkv` warpgroups of 64 kv rows each holding all three accumulators; "split", two
   warpgroups on the same 64 kv rows (K1, K2, V loaded once), one accumulating dV, the other
   dK1 and dK2 (both compute P1 and P2: two extra QKᵀ products a step, a quarter more
-  tensor-core work, for half the accumulators a thread).
+  tensor-core work, for half the accumulators a thread); "share", as "split" but the dV
+  warpgroup alone forms P1ᵀ and P2ᵀ and passes them to the dK warpgroup through shared memory
+  in bf16 (one 64 × bq buffer each, a written and a read barrier), so each warpgroup issues
+  two of the four products a step (ptxas: the dK warpgroup's step loop holds 16 wgmmas against
+  split's 24 at d = 64, 24 against 40 at d = 128, with fewer spills). dS is then formed from
+  the bf16 P, one more rounding of a value that is rounded to bf16 for its product anyway.
 
 Registers (f32, per thread of a compute warpgroup; budget `compute_registers`: 240 with two
 compute warpgroups, 256 with one; the split dK/dV schedule gives its dK warpgroup 256 and its dV
@@ -47,9 +52,10 @@ report (`kernels.ptxas`, compiled for sm_90a on a CPU by `benchmarks/mosaic_ptxa
 check: benchmarks/results/mosaic_ptxas_sm90a_jax*.md list which kernels spill and, from the
 SASS, what each kv or q step runs of it. At the table's tiles no step spills at d = 64 and 96.
 At d = 128 "rows" dQ (one warpgroup holding dQ1 + dQ2: 128 registers) stores and reloads values
-in every step (22 spill instructions, 40 with segment ids) where "split" dQ spills nothing; dK/dV
-with segment ids, whose dK1 + dK2 + dV alone take 256 registers a thread per 64 kv rows, only
-reloads values set before its loop (16 and 18 loads a step in its two roles, no stores). Shared memory per CTA is exact:
+in every step (22 spill instructions, 40 with segment ids) where "split" dQ spills nothing; the
+split dK/dV, whose dK1 + dK2 + dV take 256 registers a thread per 64 kv rows and whose two roles
+share the CTA's 504 less the producer's (`split_registers`), runs 9 spill instructions a step
+(49 with segment ids). Shared memory per CTA is exact:
 `fwd_smem`, `dq_smem` and `dkv_smem` count each kernel's own scratch list (`_fwd_scratch`, ...)
 as the lowering allocates it (every buffer from a 1 KiB boundary, 8 bytes a barrier, the
 forward's reduction scratch; tested against the lowering's own count), at most 227 KiB: d = 64
@@ -104,11 +110,11 @@ SMEM_ALIGN = 1024  # Pallas starts every scratch buffer at a 1 KiB boundary
 BARRIER_BYTES = 8  # one mbarrier
 # A TMA warpgroup's registers a thread (`setmaxnreg`): the least setmaxnreg takes. ptxas fits
 # the producer's code in it (no kernel spills at d = 64 or 96), and the 16 it frees from 40 take
-# dQ's masked steps at d = 96 and the split dK/dV at d = 128 without segment ids to no spills.
+# dQ's masked steps at d = 96 to no spills and leave the split dK/dV's roles 480 at d = 128.
 PRODUCER_REGISTERS = 24
 HEAD_DIMS = (64, 96, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-DKV_SCHEDULES = ("auto", "rows", "split")
+DKV_SCHEDULES = ("auto", "rows", "split", "share")
 DQ_SCHEDULES = ("rows", "split")
 _PARAMS = plgpu.CompilerParams(approx_math=True)
 
@@ -121,7 +127,11 @@ class Tiles:
     stages: shared-memory ring depth. Compute tiles are 64 rows per warpgroup.
     dkv: the dK/dV kernel's schedule (`warpgroups`): "rows" (each compute warpgroup owns 64 kv
     rows and all three accumulators), "split" (two compute warpgroups share 64 kv rows: one
-    accumulates dV, the other dK1 and dK2) or "auto" (by the register plan).
+    accumulates dV, the other dK1 and dK2, each forming P1ᵀ and P2ᵀ itself), "share" (as
+    "split", but the dV warpgroup alone forms P1ᵀ and P2ᵀ and hands them to the dK one through
+    shared memory in bf16, which forms dPᵀ: 4 tile products a step each, where "split" gives
+    the dK one 6 and the dV one 4) or "auto" (by the register plan; never "share" until a GPU
+    measures it).
     pingpong: the forward's two compute warpgroups take turns on the tensor cores (one runs its
     P·V and next QKᵀ wgmmas while the other runs its softmax), ordered by a two-arrival
     schedule barrier; False lets them run unordered.
@@ -221,21 +231,25 @@ def _dq_scratch(d: int, tiles: Tiles, wgs: int, dt, has_seg: bool, split: bool =
 
 def _dkv_scratch(d: int, tiles: Tiles, wgs: int, split: bool, dt, has_seg: bool) -> list:
     """[buffers, barriers]: K1, K2 (64 × d) and V (64 × 2d) per warpgroup (once when `split`);
-    the Q1, Q2 (bq × d) and dO (bq × 2d) rings with lse, δ; λ and segment vectors."""
+    the Q1, Q2 (bq × d) and dO (bq × 2d) rings with lse, δ; λ and segment vectors; with
+    "share", P1ᵀ and P2ᵀ (64 × bq) and their two barriers (written, read)."""
     bq, stages = tiles.block_q_dkv, tiles.stages
     copies = 1 if split else wgs
+    share = split and tiles.dkv == "share"
     i32 = jnp.int32
     return [
         (_smem((copies, 2, ROWS, d), dt), _smem((copies, ROWS, 2 * d), dt),
          (_smem((stages, bq, d), dt),) * 2, _smem((stages, bq, 2 * d), dt),  # Q1, Q2 rings
          plgpu.SMEM((stages, 4, bq), jnp.float32), plgpu.SMEM((wgs, ROWS), jnp.float32),
          plgpu.SMEM((wgs, ROWS), i32) if has_seg else None,
-         plgpu.SMEM((stages, bq), i32) if has_seg else None),
+         plgpu.SMEM((stages, bq), i32) if has_seg else None,
+         _smem((2, ROWS, bq), dt) if share else None),
         (plgpu.Barrier(num_barriers=5 * wgs), plgpu.Barrier(num_barriers=2 * stages),
          plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2 * stages),
          plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-         *([plgpu.Barrier(num_arrivals=2, num_barriers=1)] if split else [])),
+         *([plgpu.Barrier(num_arrivals=2, num_barriers=1)] if split else []),
+         *([plgpu.Barrier(num_barriers=2)] if share else [])),
     ]
 
 
@@ -315,7 +329,7 @@ def warpgroups(d: int, tiles: Tiles) -> tuple[int, int, bool]:
         over = rows is None or dkv_registers(d, tiles.block_q_dkv, False) > (
             compute_registers(rows))
         schedule = "split" if over and split_fits else "rows"
-    if schedule == "split":
+    if schedule in ("split", "share"):  # the plan of "share" holds its P tiles
         if not split_fits:
             raise _overflow("block_q_dkv", tiles, dkv_smem(d, tiles, 2, split=True), d)
         return wgs_dq, 2, True
@@ -448,8 +462,9 @@ def split_registers() -> dict[str, int]:
     """Registers a thread of each role of the split dK/dV schedule gets: the "k" warpgroup
     (dK1 + dK2, dPᵀ, Sᵀ, dSᵀ and the per-query vectors) all 256, the "v" warpgroup (dV, P1ᵀ, P2ᵀ)
     the rest of the three warpgroups' launch pool after the producer: 224. ptxas on the d = 128
-    dK/dV kernel (`kernels.ptxas`, no segment ids): 232 each spills 160 / 208 bytes and
-    serializes its wgmmas (C7512); 256 / 216 spilled 36 / 40 and kept them pipelined."""
+    dK/dV kernel (`kernels.ptxas`, no segment ids): 256 / 224 spills 80 bytes, 9 spill
+    instructions a step (49 with segment ids), and keeps the wgmmas pipelined; 248 / 232 and
+    240 / 240 spill more and serialize them (C7512)."""
     return {"k": 256, "v": (cta_registers(3) - PRODUCER_REGISTERS - 256) // 8 * 8}
 
 
@@ -793,11 +808,13 @@ def _dq_body(*refs, causal, has_seg, d, bk, stages, wgs, split, n_rep, kv_len, n
         _producer(hi, issue, consumed, stages)
 
 
-def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, cta_rows, n_rep, n_q, ops):
+def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, share, cta_rows, n_rep, n_q,
+              ops):
     q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, lam_ref, *refs = refs
     qs_ref, ks_ref, *refs = refs if has_seg else (None, None, *refs)
-    dk_ref, dv_ref, (k_s, v_s, q_r, do_r, st_r, lam_s, ks_s, qs_r), bars = refs
+    dk_ref, dv_ref, (k_s, v_s, q_r, do_r, st_r, lam_s, ks_s, qs_r, p_s), bars = refs
     in_bar, q_bar, do_bar, st_bar, qs_bar, consumed, *done = bars
+    p_bar = done[1] if share else None  # P1ᵀ, P2ᵀ written (at 0) and read (at 1), "share"
     b, g, j = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("kv")
     wg = lax.axis_index("wg")
     dt = q_ref.dtype
@@ -840,6 +857,8 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, cta_rows, n_rep
         def step(i, carry, r, boundary):
             dks, dv = carry
             n = r * per_head + i - start
+            if share and role == "k":
+                return share_dk_step(n, dks), dv
             slot = lax.rem(n, stages)
             plgpu.barrier_wait(do_bar.at[slot])
             plgpu.barrier_wait(st_bar.at[2 * slot])
@@ -870,6 +889,11 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, cta_rows, n_rep
                     new.append(dk_step(c, pt))
                 else:
                     pts.append(pt)
+            if share:  # to the "k" warpgroup, once it has read the last step's
+                pl.when(n > 0)(lambda: plgpu.barrier_wait(p_bar.at[1]))
+                for c in range(2):
+                    p_s.at[c][...] = pts[c].astype(dt)
+                plgpu.barrier_arrive(p_bar.at[0])
             if role != "k":
                 pdiff = pts[0] - _bcast_rows(lam, pts[1].shape) * pts[1]  # P1ᵀ − λ·P2ᵀ
                 dv = ops.dot(pdiff.astype(dt), do_r.at[slot], acc=dv)
@@ -880,6 +904,25 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, cta_rows, n_rep
             plgpu.barrier_arrive(consumed.at[slot])
             return dks, dv
 
+        def share_dk_step(n, dks):
+            """The "k" warpgroup's step under "share": dPᵀ, then dK_c += dS_cᵀ·Q_c with the
+            "v" warpgroup's P_cᵀ (zero where masked)."""
+            slot = lax.rem(n, stages)
+            plgpu.barrier_wait(do_bar.at[slot])
+            plgpu.barrier_wait(st_bar.at[2 * slot + 1])
+            dpt = ops.dot(v_s.at[own], do_r.at[slot], transpose_b=True)  # (64, bq): dP1ᵀ
+            plgpu.barrier_wait(p_bar.at[0])
+            new = []
+            for c in range(2):
+                pt = ops.tile(p_s.at[c]).astype(jnp.float32)
+                delta = _bcast_cols(ops.vector(st_r.at[slot, 2 + c], 1), dpt.shape)
+                dsc = pt * ((dpt if c == 0 else -_bcast_rows(lam, dpt.shape) * dpt) - delta)
+                plgpu.barrier_wait(q_bar.at[c * stages + slot])
+                new.append(ops.dot(dsc.astype(dt), q_r[c].at[slot], acc=dks[c]))
+            plgpu.barrier_arrive(p_bar.at[1])
+            plgpu.barrier_arrive(consumed.at[slot])
+            return tuple(new)
+
         def head(r, carry):
             carry = lax.fori_loop(start, mid, functools.partial(step, r=r, boundary=True), carry)
             return lax.fori_loop(mid, n_q, functools.partial(step, r=r, boundary=False), carry)
@@ -887,6 +930,8 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, cta_rows, n_rep
         dks = None if role == "v" else (ops.full((ROWS, d), 0.0), ops.full((ROWS, d), 0.0))
         dv = None if role == "k" else ops.full((ROWS, 2 * d), 0.0)
         dks, dv = lax.fori_loop(0, n_rep, head, (dks, dv))
+        if share and role == "v":  # the last step's P read: every phase is awaited once
+            pl.when(n_rep * per_head > 0)(lambda: plgpu.barrier_wait(p_bar.at[1]))
         if split:  # both roles are done reading K and V before either overwrites them
             plgpu.barrier_arrive(done[0].at[0])
             plgpu.barrier_wait(done[0].at[0])
@@ -971,7 +1016,8 @@ def bwd(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array, q_seg: jax.Arr
 
     dk, dv = _kernel(
         functools.partial(_dkv_body, causal=causal, has_seg=has_seg, d=d, bq=bq, stages=stages,
-                          wgs=wgs_dkv, split=split, cta_rows=rows_dkv, n_rep=n_rep,
+                          wgs=wgs_dkv, split=split, share=split and tiles.dkv == "share",
+                          cta_rows=rows_dkv, n_rep=n_rep,
                           n_q=tp // bq, ops=ops),
         out=[jax.ShapeDtypeStruct(k.shape, dt), jax.ShapeDtypeStruct(v.shape, dt)],
         scratch=_dkv_scratch(d, tiles, wgs_dkv, split, dt, has_seg),

@@ -790,7 +790,9 @@ def test_gpu_check_runs_the_mosaic_cases_first():
               bench.CHECK_CASES]
     assert mosaic == sorted(mosaic, reverse=True) and 0 < sum(mosaic) < len(mosaic)
     schedules = [n for n, case in enumerate(bench.CHECK_CASES) if len(case) == 10]
-    assert len(schedules) == 2 and all(mosaic[n] for n in schedules)
+    assert len(schedules) == 3 and all(mosaic[n] for n in schedules)
+    checked = {bench.CHECK_CASES[n][-1].get("dkv") for n in schedules}
+    assert checked >= set(flash_mgpu.DKV_SCHEDULES) - {"auto", "split"}  # split: the table's
 
 
 def _tune_d64(monkeypatch, bench, variants, bench_one):
@@ -1032,7 +1034,7 @@ def test_gpu_check_compares_the_kernel_and_every_gradient_with_the_oracle(monkey
 def test_tune_tries_each_step_on_the_fastest_agreeing_setting_and_records_it(monkeypatch):
     """attention.py --tune's choices on scripted timings and outputs (no kernel runs): ping-pong
     is switched on the fastest forward (by forward time) and the backward sweep runs on the
-    fastest forward; the other dK/dV schedule is tried on the fastest backward (by total time),
+    fastest forward; each other dK/dV schedule is tried on the fastest backward (by total time),
     the other dQ schedule on the fastest so far, and --tune-write records the fastest. A
     setting whose dλ alone is 10% off the first setting's, and one whose outputs are NaN, are
     the fastest of their step and are error rows instead. A switch on the slowest forward, a
@@ -1047,7 +1049,7 @@ def test_tune_tries_each_step_on_the_fastest_agreeing_setting_and_records_it(mon
     bwd = {(64, 64, "auto", "rows"): 0.0, (64, 128, "auto", "rows"): -10.0,  # NaN outputs
            (128, 64, "auto", "rows"): -3.0, (128, 128, "auto", "rows"): -2.0,
            (64, 64, "rows", "rows"): 1.0, (128, 64, "rows", "rows"): -3.5,
-           (128, 64, "rows", "split"): -3.75}
+           (128, 64, "share", "rows"): -3.25, (128, 64, "rows", "split"): -3.75}
 
     def scripted_variants(block_sizes, interpret, with_cudnn):
         def fused(q, k, v, lam):
@@ -1081,6 +1083,7 @@ def test_tune_tries_each_step_on_the_fastest_agreeing_setting_and_records_it(mon
         ("bwd", "128,128,64,2,auto,False,rows", False),
         ("bwd", "128,128,128,2,auto,False,rows", False),
         ("bwd", "128,128,64,2,rows,False,rows", False),
+        ("bwd", "128,128,64,2,share,False,rows", False),
         ("bwd", "128,128,64,2,rows,False,split", False)], got
     assert "disagrees with the first setting" in rows[1]["error"] and rows[1]["vs_first"] > 0.05
     assert "disagrees with the first setting" in rows[6]["error"]

@@ -49,6 +49,8 @@ CASES = {
     "mha-causal-segments-neg-lam-d64-rows-splitdq-nopingpong-bk64": (
         1, 70, 2, 2, 64, True, True, jnp.bfloat16, -0.5,
         {"dkv": "rows", "pingpong": False, "dq": "split", "block_kv": 64}),
+    "mqa-causal-segments-neg-lam-d64-share": (1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5,
+                                               {"dkv": "share"}),
     "mha-noncausal-lam0-d128-fp16": (1, 130, 1, 1, 128, False, False, jnp.float16, 0.0, {}),
     "mha-noncausal-lam0-d128-fp16-rows-splitdq-nopingpong": (
         1, 130, 1, 1, 128, False, False, jnp.float16, 0.0,
@@ -197,7 +199,8 @@ def _lowered_smem(fn, args, limit):
 @pytest.mark.parametrize("d,tiles,seg", [
     (64, flash_mgpu.Tiles(64, 64, 64, 3, dkv="split"), True),  # bigger dQ; split dK/dV
     (128, flash_mgpu.Tiles(64, 64, 64, 2, dkv="rows", pingpong=False), False),  # bigger dK/dV
-    (128, flash_mgpu.Tiles(64, 64, 64, 2, dq="split"), True)])  # dQ's Q and dO held once
+    (128, flash_mgpu.Tiles(64, 64, 64, 2, dq="split"), True),  # dQ's Q and dO held once
+    (128, flash_mgpu.Tiles(64, 64, 64, 2, dkv="share"), True)])  # and the shared P tiles
 def test_shared_memory_plans_are_what_the_lowering_allocates(d, tiles, seg):
     """`warpgroups` judges tiles by plans built from the kernels' own scratch lists; each plan
     is the exact byte count the real lowering allocates (1 KiB-aligned buffers, barriers, the
@@ -276,6 +279,7 @@ def test_tile_table_and_invalid_tiles():
     assert flash_mgpu.warpgroups(64, dataclasses.replace(d64, block_q_dkv=128)) == (2, 2, True)
     assert flash_mgpu.warpgroups(128, dataclasses.replace(d128, dkv="rows")) == (1, 1, False)
     assert flash_mgpu.warpgroups(64, dataclasses.replace(d64, dkv="rows")) == (2, 2, False)
+    assert flash_mgpu.warpgroups(128, dataclasses.replace(d128, dkv="share")) == (1, 2, True)
     triton = BlockSizes(block_q=16, block_k=16, num_warps=4)
     assert flash.mosaic_tiles(triton, 64, jnp.bfloat16) == hopper.tiles_for(64, jnp.bfloat16)[0]
     q = jnp.ones((1, 32, 2, 64), jnp.bfloat16)

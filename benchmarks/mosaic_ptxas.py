@@ -112,8 +112,10 @@ def sweep(dims: list[int]) -> list[dict]:
 
 
 def markdown(rows: list[dict], env: dict) -> str:
-    """OUT.md: the table's tiles per d first (and with the split dQ), then every case."""
-    table = [f"- d = {r['d']}, seg = {r['seg']}{'' if r['case'] == 'table' else ', split dQ'}: "
+    """OUT.md: the table's tiles per d first (and with the split dQ, the share dK/dV), then
+    every case."""
+    table = [f"- d = {r['d']}, seg = {r['seg']}"
+             f"{'' if r['case'] == 'table' else ', ' + r['case'].removeprefix('table, ')}: "
              f"{r['kernel']} "
              + (f"spills {r['spill_store_bytes']} / {r['spill_load_bytes']} bytes, "
                 f"{r['loop_spills']} spill instructions a step"

@@ -36,7 +36,7 @@ slot. The producer keeps 24 registers (`setmaxnreg`), compute warpgroups take th
   warpgroup alone forms P1ᵀ and P2ᵀ and passes them to the dK warpgroup through shared memory
   in bf16 (one 64 × bq buffer each, a written and a read barrier), so each warpgroup issues
   two of the four products a step (ptxas: the dK warpgroup's step loop holds 16 wgmmas against
-  split's 24 at d = 64, 24 against 40 at d = 128, with fewer spills). dS is then formed from
+  split's 24 at d = 64, 24 against 40 at d = 128). dS is then formed from
   the bf16 P, one more rounding of a value that is rounded to bf16 for its product anyway.
 
 Registers (f32, per thread of a compute warpgroup; budget `compute_registers`: 240 with two
@@ -55,13 +55,15 @@ At d = 128 "rows" dQ (one warpgroup holding dQ1 + dQ2: 128 registers) stores and
 in every step (22 spill instructions, 40 with segment ids) where "split" dQ spills nothing; the
 split dK/dV, whose dK1 + dK2 + dV take 256 registers a thread per 64 kv rows and whose two roles
 share the CTA's 504 less the producer's (`split_registers`), runs 9 spill instructions a step
-(49 with segment ids). Shared memory per CTA is exact:
+on jax 0.10.2 and 6 on 0.11.2 (49 with segment ids). Shared memory per CTA is exact:
 `fwd_smem`, `dq_smem` and `dkv_smem` count each kernel's own scratch list (`_fwd_scratch`, ...)
 as the lowering allocates it (every buffer from a 1 KiB boundary, 8 bytes a barrier, the
 forward's reduction scratch; tested against the lowering's own count), at most 227 KiB: d = 64
 runs two compute warpgroups in every kernel; at d = 128 "rows" dQ holds one (`warpgroups`).
 `benchmarks/attention.py --tune` measures the tiles, the forward with and without ping-pong and
-both dK/dV and both dQ schedules on the GPU; until then the table keeps "rows" dQ everywhere.
+the three dK/dV and two dQ schedules on the GPU; until it has run (the first H100 run checked
+and benchmarked the untuned table: benchmarks/results/mosaic_h100.md) the table keeps "rows" dQ
+and "auto" dK/dV everywhere.
 
 Masks: causal tiles are skipped by the loop bounds; only tiles that cross the diagonal or hold
 a ragged tail get the position mask. Segment ids mask every tile: in the forward the interior
@@ -462,9 +464,9 @@ def split_registers() -> dict[str, int]:
     """Registers a thread of each role of the split dK/dV schedule gets: the "k" warpgroup
     (dK1 + dK2, dPᵀ, Sᵀ, dSᵀ and the per-query vectors) all 256, the "v" warpgroup (dV, P1ᵀ, P2ᵀ)
     the rest of the three warpgroups' launch pool after the producer: 224. ptxas on the d = 128
-    dK/dV kernel (`kernels.ptxas`, no segment ids): 256 / 224 spills 80 bytes, 9 spill
-    instructions a step (49 with segment ids), and keeps the wgmmas pipelined; 248 / 232 and
-    240 / 240 spill more and serialize them (C7512)."""
+    dK/dV kernel (`kernels.ptxas`, no segment ids, jax 0.10.2): 256 / 224 spills 80 bytes, 9
+    spill instructions a step (49 with segment ids), and keeps the wgmmas pipelined; 248 / 232
+    and 240 / 240 spill more and serialize them (C7512)."""
     return {"k": 256, "v": (cta_registers(3) - PRODUCER_REGISTERS - 256) // 8 * 8}
 
 

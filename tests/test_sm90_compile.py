@@ -198,6 +198,13 @@ def test_ptxas_markdown_reports_spills_when_only_stores_or_loads_are_nonzero():
                           "instructions a step"],
                          ["- d = 64, seg = True: diff_flash_dq spills 0 / 8 bytes, 0 spill "
                           "instructions a step"]]
+    # each variant of the table's tiles is named as itself (the share dK/dV rows were once all
+    # labelled "split dQ")
+    md = mosaic_ptxas.markdown([row | {"case": c} for c in ("table, split dQ",
+                                                           "table, share dK/dV")], env)
+    assert [x for x in md.splitlines() if x.startswith("- d = 64")] == [
+        "- d = 64, seg = True, split dQ: diff_flash_dq no spills",
+        "- d = 64, seg = True, share dK/dV: diff_flash_dq no spills"]
 
 
 @needs_cuda_aot

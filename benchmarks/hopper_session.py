@@ -33,8 +33,10 @@ limit, past its deadline), the kernel stages after it (check, tune, bench, train
          that "auto" does not pick and the forward without ping-pong, at d = 64 and 128;
          the Mosaic cases run first, so its deadline cuts Triton's (a case took up to 35 s on
          the H100: two compiles of fwd+bwd);                                         ≤ 240 s
-  tune   `--tune --tune-write` at T = 4096 for d = 64 and 128: 4 forward tile settings each
-         and the best with ping-pong switched, 4 backward ones, then the best backward under
+  tune   `--tune --tune-write` at T = 4096 for d = 128, then 64 (the width of the paper's
+         configs from 1.4B up, and the larger miss, first: the deadline cuts d = 64): 4 forward
+         tile settings each and the best with ping-pong switched, 4 backward ones, then the
+         best backward under
          each other dK/dV schedule ("rows", "split", "share") and the other dQ schedule; the best
          per d goes into kernels/tuning/mosaic_gpu.json (copied to $OUT: copy it over
          kernels/tuning/mosaic_gpu.json here and commit it, with $OUT/session.json as
@@ -325,7 +327,7 @@ def main(argv=None) -> int:
                 if r["status"].startswith("timeout"):  # past its deadline: a case never returned
                     hangs = "the check stage hung (its tail names the case)"
             elif stage == "tune":
-                r = _run("tune", bench + ["--tune", "--tune-write", "--head-dims", "64,128",
+                r = _run("tune", bench + ["--tune", "--tune-write", "--head-dims", "128,64",
                                           "--tag", "tune", "--deadline", str(limit - 40)],
                          limit, log, stub or "")
                 r["result"] = _read(parts / "attention_tune.json")

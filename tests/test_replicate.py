@@ -805,7 +805,7 @@ def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypa
             (out / "attention_check.json").write_text(json.dumps({"check": rows}))
         elif "--tune" in cmd:  # attention.py --tune-write rewrites the checked-in table
             out = Path(cmd[cmd.index("--out") + 1])
-            assert "--tune-write" in cmd and cmd[cmd.index("--head-dims") + 1] == "64,128"
+            assert "--tune-write" in cmd and cmd[cmd.index("--head-dims") + 1] == "128,64"
             (out / "attention_tune.json").write_text(json.dumps({"tune": [{"d": 64}]}))
             (out / "attention_tune.md").write_text("## tuned tiles\n")
         elif name.startswith("train"):

@@ -24,8 +24,9 @@ limit, past its deadline), the kernel stages after it (check, tune, bench, train
   env    nvidia-smi, jax/jaxlib versions, the GPU's compute capability and device_kind, which
          kernel the dispatch picks, whether tokamax imports;                         ~10 s
   probe  (not in the default calls) `benchmarks/mosaic_probe.py`: each Mosaic schedule's
-         forward or forward and backward once, in its own process killed at 45 s, so a hang
-         costs 45 s and is named, where it stalls a whole benchmark stage;            ≤ 150 s
+         forward or forward and backward once (9 probes, 17-40 s each on the H100), in its own
+         process killed at 45 s, so a hang costs 45 s and is named, where it stalls a whole
+         benchmark stage;                                                            ≤ 420 s
   check  `benchmarks/attention.py --check`: the real lowerings (Mosaic GPU for bf16/fp16 at
          d ∈ {64, 96, 128}, Triton for float32 and d = 32) against the float32 oracle, forward
          and the gradients of q, k, v and λ; each row names its kernel and any
@@ -117,7 +118,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGET = {"env": 40, "probe": 150, "check": 240, "tune": 240, "bench": 380}
+BUDGET = {"env": 40, "probe": 420, "check": 240, "tune": 240, "bench": 380}
 GPU_STAGES = ("probe", "check", "tune", "bench", "train", "replicate", "ablate")
 KERNEL_STAGES = ("check", "tune", "bench", "train")  # skipped once a kernel is seen to hang  # skipped without a GPU
 STAGES = ("env", *GPU_STAGES)

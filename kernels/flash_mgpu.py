@@ -34,10 +34,12 @@ slot. The producer keeps 24 registers (`setmaxnreg`), compute warpgroups take th
   dK1 and dK2 (both compute P1 and P2: two extra QKᵀ products a step, a quarter more
   tensor-core work, for half the accumulators a thread); "share", as "split" but the dV
   warpgroup alone forms P1ᵀ and P2ᵀ and passes them to the dK warpgroup through shared memory
-  in bf16 (one 64 × bq buffer each, a written and a read barrier), so each warpgroup issues
-  two of the four products a step (ptxas: the dK warpgroup's step loop holds 16 wgmmas against
-  split's 24 at d = 64, 24 against 40 at d = 128). dS is then formed from
-  the bf16 P, one more rounding of a value that is rounded to bf16 for its product anyway.
+  in bf16 (one 64 × bq buffer each, a written and a read barrier), so the warpgroups do equal
+  tensor-core work a step, 4 units of a d-wide 64 × bq product each (S1ᵀ, S2ᵀ and the 2d-wide
+  dV; the 2d-wide dPᵀ, dK1 and dK2), where "split"'s dK warpgroup does 6 and its dV one 4
+  (ptxas: the dK step loop holds 16 wgmmas against split's 24 at d = 64, 24 against 40 at
+  d = 128). dS is then formed from the bf16 P, one more rounding of a value that is rounded to
+  bf16 for its product anyway.
 
 Registers (f32, per thread of a compute warpgroup; budget `compute_registers`: 240 with two
 compute warpgroups, 256 with one; the split dK/dV schedule gives its dK warpgroup 256 and its dV
@@ -131,9 +133,9 @@ class Tiles:
     rows and all three accumulators), "split" (two compute warpgroups share 64 kv rows: one
     accumulates dV, the other dK1 and dK2, each forming P1ᵀ and P2ᵀ itself), "share" (as
     "split", but the dV warpgroup alone forms P1ᵀ and P2ᵀ and hands them to the dK one through
-    shared memory in bf16, which forms dPᵀ: 4 tile products a step each, where "split" gives
-    the dK one 6 and the dV one 4) or "auto" (by the register plan; never "share" until a GPU
-    measures it).
+    shared memory in bf16, which forms dPᵀ: equal tensor-core work a step, where "split"
+    gives the dK one half as much again as the dV one) or "auto" (by the register plan; never
+    "share" until a GPU measures it).
     pingpong: the forward's two compute warpgroups take turns on the tensor cores (one runs its
     P·V and next QKᵀ wgmmas while the other runs its softmax), ordered by a two-arrival
     schedule barrier; False lets them run unordered.

@@ -494,10 +494,10 @@ def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
     """Bounded sweep of the Mosaic kernel's tiles per d (bf16, causal, T = --tune-t): first the
     forward's (block_kv, stages), then the best of those with ping-pong switched, then the
     backward's (block_kv_dq, block_q_dkv) with the best forward, then the best backward under
-    each dK/dV schedule its "auto" did not pick ("rows", "split", "share"), then the best so far under the other dQ
-    schedule; tiles that do not fit shared memory are recorded as such. Each setting's output
-    and gradients must agree with the first setting's to `TUNE_AGREEMENT` (`vs_first`), or it
-    is an error row and cannot win. --tune-write stores the best per d in the table."""
+    each dK/dV schedule its "auto" did not pick ("rows", "split", "share"), then the best so
+    far under the other dQ schedule; tiles that do not fit shared memory are recorded as such.
+    Each setting's output and gradients must agree with the first setting's to
+    `TUNE_AGREEMENT` (`vs_first`), or it is an error row and cannot win. --tune-write stores the best per d in the table."""
     rows = []
     for d in head_dims:
         shape = Shape(max(1, args.tokens // args.tune_t), args.tune_t, args.heads, d)
@@ -542,7 +542,8 @@ def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
             best = min(ok, key=lambda r: r["total_ms"])
             bwd_rows += [run("bwd", dataclasses.replace(hopper.parse_tiles(best["tiles"]),
                                                         dkv=other))
-                         for other in ("rows", "split", "share") if other != best["dkv"]]
+                         for other in flash_mgpu.DKV_SCHEDULES if other not in ("auto",
+                                                                                 best["dkv"])]
             ok = [r for r in bwd_rows if "error" not in r]
             best = hopper.parse_tiles(min(ok, key=lambda r: r["total_ms"])["tiles"])
             bwd_rows.append(run("bwd", dataclasses.replace(  # and under the other dQ schedule

@@ -30,19 +30,20 @@ limit, past its deadline), the kernel stages after it (check, tune, bench, train
   check  `benchmarks/attention.py --check`: the real lowerings (Mosaic GPU for bf16/fp16 at
          d ∈ {64, 96, 128}, Triton for float32 and d = 32) against the float32 oracle, forward
          and the gradients of q, k, v and λ; each row names its kernel and any
-         DeprecationWarning its compile raised; two more cases run the dK/dV schedule
-         that "auto" does not pick and the forward without ping-pong, at d = 64 and 128;
+         DeprecationWarning its compile raised; three more cases run the dK/dV schedules
+         that "auto" does not pick ("rows" at d = 64 and 128, "share" at 128), the "split" dQ
+         and the forward without ping-pong;
          the Mosaic cases run first, so its deadline cuts Triton's (a case took up to 35 s on
          the H100: two compiles of fwd+bwd);                                         ≤ 240 s
   tune   `--tune --tune-write` at T = 4096 for d = 128, then 64 (the width of the paper's
          configs from 1.4B up, and the larger miss, first: the deadline cuts d = 64): 4 forward
          tile settings each and the best with ping-pong switched, 4 backward ones, then the
-         best backward under
-         each other dK/dV schedule ("rows", "split", "share") and the other dQ schedule; the best
-         per d goes into kernels/tuning/mosaic_gpu.json (copied to $OUT: copy it over
-         kernels/tuning/mosaic_gpu.json here and commit it, with $OUT/session.json as
-         benchmarks/results/hopper_session_N.json, before the second call, which re-sends the
-         working tree: its bench and train stages then run the tuned tiles);        ≤ 240 s
+         best backward under each other dK/dV schedule ("rows", "split", "share") and the
+         other dQ schedule; the best per d goes into kernels/tuning/mosaic_gpu.json (copied
+         to $OUT: copy it over kernels/tuning/mosaic_gpu.json here and commit it, with
+         $OUT/session.json as benchmarks/results/hopper_session_N.json, before the second
+         call, which re-sends the working tree: its bench and train stages then run the tuned
+         tiles);                                                                     ≤ 240 s
   bench  `--bench` for d = 64 and 128, T = 2K–16K at B·T = 32K, H = 16: fused Mosaic, fused
          Triton, cuDNN 2H×d, cuDNN H×2d, four cuDNN calls, two Tokamax calls (about 7 s a
          row on the H100: 48 rows);                                                  ≤ 380 s
@@ -73,8 +74,8 @@ are not, by name), the bench stage's at T = 4096 and the train stage's DIFF/Tran
 time with segment ids; what this call did not measure is None, or comes from `--previous` FILE,
 an earlier call's session.json: copy the first call's $OUT/session.json into the working tree
 (benchmarks/results/hopper_session_N.json, the next free N, committed with the tuned table) and
-pass it to the next call, whose summary is then the whole one), $OUT/session.md, $OUT/mosaic_gpu.json
-(the tile table after tuning), $OUT/session.log (all stages' output). `--stages` takes any comma
+pass it to the next call, whose summary is then the whole one), $OUT/session.md,
+$OUT/mosaic_gpu.json (the tile table after tuning), $OUT/session.log (all stages' output). `--stages` takes any comma
 list of these. ptxas's registers and spills need no GPU: they come from
 `benchmarks/mosaic_ptxas.py` on a CPU (the `cuda-aot` extra).
 
@@ -117,10 +118,13 @@ import sys
 import time
 from pathlib import Path
 
+from limited_run import run_limited
+
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET = {"env": 40, "probe": 420, "check": 240, "tune": 240, "bench": 380}
+# skipped when env finds no GPU
 GPU_STAGES = ("probe", "check", "tune", "bench", "train", "replicate", "ablate")
-KERNEL_STAGES = ("check", "tune", "bench", "train")  # skipped once a kernel is seen to hang  # skipped without a GPU
+KERNEL_STAGES = ("check", "tune", "bench", "train")  # skipped once a kernel is seen to hang
 STAGES = ("env", *GPU_STAGES)
 SMI_SECONDS = 30  # nvidia-smi hangs on a wedged driver
 TOTAL = 570  # seconds for all stages: under the device tool's 600 s per command
@@ -152,6 +156,7 @@ except Exception as e:
 print("ENV " + json.dumps(info))
 """
 
+
 def _run(name: str, cmd: list[str], limit: float, log, extra_path: str = "",
          grace: float = 20.0) -> dict:
     """Run one stage; its status, seconds and output tail (never raises). At `limit` seconds it
@@ -163,19 +168,10 @@ def _run(name: str, cmd: list[str], limit: float, log, extra_path: str = "",
     env = os.environ | {"PYTHONPATH": path,
                         "PYTHONUNBUFFERED": "1",
                         "JAX_COMPILATION_CACHE_DIR": "/tmp/diff_jax_jax_cache"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=max(limit, 1))
-        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # SIGTERM: a training loop checkpoints and stops (train_loop)
-        try:
-            out, _ = proc.communicate(timeout=grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-        status = f"timeout after {limit:.0f} s"
+    # at the limit, SIGTERM: a training loop checkpoints and stops (train_loop)
+    out, code = run_limited(cmd, limit, grace, env)
+    status = (f"timeout after {limit:.0f} s" if code is None else
+              "ok" if code == 0 else f"exit {code}")
     log.write(out)
     log.flush()
     print(f"[{name}] {status} in {time.monotonic() - t0:.0f} s", flush=True)

@@ -4,9 +4,10 @@ A kernel that deadlocks on the GPU (a barrier phase nobody completes, a `setmaxn
 the CTA's register pool cannot satisfy) never returns to Python: a benchmark that meets one
 stalls until it is killed and reports nothing. Neither Mosaic GPU's interpreter (no register
 file) nor ptxas (no run) shows such a hang. This runs each schedule's forward, or forward and
-backward, on small bf16 (one fp16) inputs in a child process and reports, per probe, "ok" (with the
-relative errors of the output and of dq, dk, dv against the float32 XLA path), "hang" (killed
-at --limit seconds; the child's stacks, dumped at SIGTERM, are in the row's tail) or "error".
+backward, on small bf16 (one fp16) inputs in a child process and reports, per probe, "ok"
+(with the relative errors of the output and of dq, dk, dv against the float32 XLA path), "hang"
+(killed at --limit seconds; the child's stacks, dumped at SIGTERM, are in the row's tail) or
+"error".
 
     python benchmarks/mosaic_probe.py [--out DIR] [--limit 45] [--probes a,b]
         [--split-registers K,V]   # the split dK/dV roles' setmaxnreg counts, for a probe of
@@ -20,10 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
+import re
 import sys
 import time
 from pathlib import Path
+
+from limited_run import run_limited
 
 ROOT = Path(__file__).resolve().parents[1]
 # name: (d, causal, segment ids, backward, Tiles fields over the table's)
@@ -66,7 +69,9 @@ def _child(name: str, split_registers: str | None) -> dict:
     keys = jax.random.split(jax.random.PRNGKey(len(name)), 4)
     shapes = ((b, t, 2 * h, d), (b, t, 2 * hkv, d), (b, t, hkv, 2 * d), (b, t, h, 2 * d))
     q, k, v, do = (jax.random.normal(key, s, dtype) for key, s in zip(keys, shapes))
-    segs = jnp.asarray(np.repeat([[1] * 150 + [2] * 200 + [0] * 34], b, 0), jnp.int32) if seg else None
+    segs = None
+    if seg:  # two documents and padding
+        segs = jnp.asarray(np.repeat([[1] * 150 + [2] * 200 + [0] * 34], b, 0), jnp.int32)
     lam = jnp.float32(0.4)
 
     def loss(impl, q, k, v, lam):
@@ -92,9 +97,9 @@ def _child(name: str, split_registers: str | None) -> dict:
         errs[nm] = float(np.linalg.norm(a - r) / np.linalg.norm(r))
     backend = ("mosaic_gpu" if jax.default_backend() == "gpu"
                and flash.uses_mosaic_gpu(2, dtype, d, 2 * d) else "not mosaic_gpu")
-    return {"probe": name, "status": "ok", "backend": backend, "seconds": round(seconds, 1), "tiles":
-            dataclasses.asdict(tiles), "finite": all(np.isfinite(np.asarray(x, np.float32)).all()
-                                                    for x in got), **errs}
+    finite = all(np.isfinite(np.asarray(x, np.float32)).all() for x in got)
+    return {"probe": name, "status": "ok", "backend": backend, "seconds": round(seconds, 1),
+            "tiles": dataclasses.asdict(tiles), "finite": bool(finite), **errs}
 
 
 def probe(name: str, limit: float, split_registers: str | None) -> dict:
@@ -104,22 +109,10 @@ def probe(name: str, limit: float, split_registers: str | None) -> dict:
         cmd += ["--split-registers", split_registers]
     t0 = time.monotonic()
     env = os.environ | {"PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=limit)
-        status = None
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        try:
-            out, _ = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-        status = "hang"
+    out, code = run_limited(cmd, limit, 10.0, env)
     rows = [json.loads(x[6:]) for x in out.splitlines() if x.startswith("PROBE ")]
-    row = rows[-1] if rows else {"probe": name, "status": f"error (exit {proc.returncode})"}
-    if status == "hang":  # past its limit, even where it ended in the grace after SIGTERM
+    row = rows[-1] if rows else {"probe": name, "status": f"error (exit {code})"}
+    if code is None:  # past its limit, even where it ended in the grace after SIGTERM
         row["status"] = "hang"
     row |= {"wall_s": round(time.monotonic() - t0, 1), "split_registers": split_registers}
     if row["status"] != "ok":
@@ -143,6 +136,9 @@ def main(argv=None) -> int:
     unknown = [x for x in names if x not in PROBES]
     if unknown:
         p.error(f"--probes: unknown {', '.join(unknown)}; expected some of {', '.join(PROBES)}")
+    if args.split_registers is not None and not re.fullmatch(r"\d+,\d+", args.split_registers):
+        p.error(f"--split-registers: expected K,V (two register counts), got "
+                f"{args.split_registers!r}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "mosaic_probe.json"

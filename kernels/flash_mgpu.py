@@ -239,7 +239,7 @@ def _dkv_scratch(d: int, tiles: Tiles, wgs: int, split: bool, dt, has_seg: bool)
     "share", P1ᵀ and P2ᵀ (64 × bq) and their two barriers (written, read)."""
     bq, stages = tiles.block_q_dkv, tiles.stages
     copies = 1 if split else wgs
-    share = split and tiles.dkv == "share"
+    share = tiles.dkv == "share"  # `warpgroups` takes it as split, or refuses it
     i32 = jnp.int32
     return [
         (_smem((copies, 2, ROWS, d), dt), _smem((copies, ROWS, 2 * d), dt),
@@ -1020,9 +1020,8 @@ def bwd(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array, q_seg: jax.Arr
 
     dk, dv = _kernel(
         functools.partial(_dkv_body, causal=causal, has_seg=has_seg, d=d, bq=bq, stages=stages,
-                          wgs=wgs_dkv, split=split, share=split and tiles.dkv == "share",
-                          cta_rows=rows_dkv, n_rep=n_rep,
-                          n_q=tp // bq, ops=ops),
+                          wgs=wgs_dkv, split=split, share=tiles.dkv == "share",
+                          cta_rows=rows_dkv, n_rep=n_rep, n_q=tp // bq, ops=ops),
         out=[jax.ShapeDtypeStruct(k.shape, dt), jax.ShapeDtypeStruct(v.shape, dt)],
         scratch=_dkv_scratch(d, tiles, wgs_dkv, split, dt, has_seg),
         grid=(b, hkv, sp // rows_dkv), names=("b", "g", "kv"), threads=wgs_dkv + 1,

@@ -761,7 +761,6 @@ def test_the_command_line_runs_check_and_tune_as_the_gpu_session_asks_and_writes
     assert "## Timings" not in md
 
 
-
 def test_mosaic_probe_kills_a_probe_past_its_limit_and_records_each_probe(tmp_path):
     """benchmarks/mosaic_probe.py runs each probe in a child process killed at --limit: one past
     it is a "hang" row, not a stalled caller (here killed while it starts). Rows are written
@@ -776,8 +775,10 @@ def test_mosaic_probe_kills_a_probe_past_its_limit_and_records_each_probe(tmp_pa
     (row,) = json.loads((tmp_path / "mosaic_probe.json").read_text())
     assert row["status"] == "ok" and row["backend"] == "not mosaic_gpu" and row["finite"]
     assert 0 < row["out"] < 1e-2
-    with pytest.raises(SystemExit):
-        mosaic_probe.main(["--probes", "fwd-d46"])
+    for bad in (["--probes", "fwd-d46"], ["--split-registers", "256"]):
+        with pytest.raises(SystemExit):
+            mosaic_probe.main(bad)
+
 
 def test_gpu_check_runs_the_mosaic_cases_first():
     """attention.py --check stops at its deadline (the GPU session's check stage runs ~12

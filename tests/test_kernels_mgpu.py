@@ -154,7 +154,6 @@ def test_cuda_export_before_hopper_lowers_triton_kernels():
     assert text.count(TRITON) == 3 and MOSAIC not in text
 
 
-
 def _two_layers(q, k, v, do):
     """Gradients of two fused layers of the same shapes, the second fed by the first."""
     def loss(q, k, v):
@@ -181,6 +180,7 @@ def test_layers_of_one_shape_share_one_lowering_of_each_kernel(monkeypatch):
     monkeypatch.setattr(flash_mgpu, "fwd", flash_mgpu.fwd.__wrapped__)
     monkeypatch.setattr(flash_mgpu, "bwd", flash_mgpu.bwd.__wrapped__)
     assert kernels_lowered() == 6
+
 
 def _lowered_smem(fn, args, limit):
     """The shared-memory bytes Mosaic GPU's lowering of `fn` reports against an artificial

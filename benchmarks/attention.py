@@ -281,18 +281,23 @@ def _rel(a, b) -> float:
 # (B, T, H, Hkv, d, causal, segments, dtype, λ[, Mosaic Tiles fields]): the cases the Mosaic
 # kernel takes on Hopper (bf16/fp16, d ∈ {64, 96, 128}) first, then the Triton ones (float32,
 # d = 32), so a --deadline skips the fallback (measured on an H100 before) and not the new
-# kernel. The three with Tiles fields run the dK/dV and dQ schedules the table does not pick
-# at their d ("rows" and "share" dK/dV, "split" dQ) and the forward without ping-pong, so
-# `--tune` compares only checked schedules.
+# kernel; the table's tiles at d = 64 and 128 first, each followed by dQ fused into the share
+# dK/dV kernel (no GPU has run it yet). The five with Tiles fields run the dK/dV and dQ
+# schedules the table does not pick at their d ("rows" and "share" dK/dV, "split" and "fused"
+# dQ) and the forward without ping-pong, so `--tune` compares only checked schedules.
 CHECK_CASES = [
     (2, 512, 4, 4, 64, True, False, jnp.bfloat16, 0.8),
+    # dQ fused into the share dK/dV kernel, the schedules no GPU has run yet, first: its atomic
+    # adds run only on the GPU (a read, add and write in the CPU interpreter)
+    (1, 333, 8, 2, 64, True, True, jnp.bfloat16, 0.3, {"dkv": "share", "dq": "fused"}),
+    (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5),  # d = 128: the 3B config's width
+    (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5, {"dkv": "share", "dq": "fused"}),
+    (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5, {"dkv": "share"}),
     (1, 333, 8, 2, 64, True, True, jnp.bfloat16, 0.3),
     (1, 333, 8, 2, 64, True, True, jnp.bfloat16, 0.3,
      {"dkv": "rows", "pingpong": False, "dq": "split"}),
-    (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5),  # d = 128: the 3B config's width
     (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5,
      {"dkv": "rows", "pingpong": False, "dq": "split"}),
-    (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5, {"dkv": "share"}),
     (1, 300, 4, 2, 96, False, True, jnp.bfloat16, -0.7),  # d = 96: the 830M config's width
     (2, 1000, 4, 1, 128, False, False, jnp.float16, 0.0),
     (1, 1024, 2, 2, 64, True, False, jnp.float16, 1.2),
@@ -493,11 +498,13 @@ TUNE_AGREEMENT = 3e-2
 def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
     """Bounded sweep of the Mosaic kernel's tiles per d (bf16, causal, T = --tune-t): first the
     forward's (block_kv, stages), then the best of those with ping-pong switched, then the
-    backward's (block_kv_dq, block_q_dkv) with the best forward, then the best backward under
-    each dK/dV schedule its "auto" did not pick ("rows", "split", "share"), then the best so
-    far under the other dQ schedule; tiles that do not fit shared memory are recorded as such.
-    Each setting's output and gradients must agree with the first setting's to
-    `TUNE_AGREEMENT` (`vs_first`), or it is an error row and cannot win. --tune-write stores the best per d in the table."""
+    backward's (block_kv_dq, block_q_dkv) with the best forward, then the best of those with dQ
+    fused into the "share" dK/dV kernel (block_q_dkv 64 and 128), then the best backward with a
+    dQ kernel under each dK/dV schedule its "auto" did not pick ("rows", "split", "share"), then
+    the best of those under the other dQ kernel schedule; tiles that do not fit shared memory
+    are recorded as such. Each setting's output and gradients must agree with the first
+    setting's to `TUNE_AGREEMENT` (`vs_first`), or it is an error row and cannot win.
+    --tune-write stores the best per d in the table."""
     rows = []
     for d in head_dims:
         shape = Shape(max(1, args.tokens // args.tune_t), args.tune_t, args.heads, d)
@@ -535,18 +542,30 @@ def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
             fwd_rows.append(run("fwd", dataclasses.replace(best, pingpong=not best.pingpong)))
             ok = [r for r in fwd_rows if "error" not in r]
         best_fwd = hopper.parse_tiles(min(ok, key=lambda r: r["fwd_ms"])["tiles"]) if ok else base
-        bwd_rows = [run("bwd", dataclasses.replace(best_fwd, block_kv_dq=a, block_q_dkv=c))
+        # the backward tiles with a dQ kernel (a table row tuned to fused dQ has none to vary)
+        two_kernel = dataclasses.replace(best_fwd, dq="rows" if best_fwd.dq == "fused"
+                                         else best_fwd.dq)
+        bwd_rows = [run("bwd", dataclasses.replace(two_kernel, block_kv_dq=a, block_q_dkv=c))
                     for a in (64, 128) for c in (64, 128)]
-        ok = [r for r in bwd_rows if "error" not in r]
-        if ok:  # the best backward under each other dK/dV schedule
-            best = min(ok, key=lambda r: r["total_ms"])
-            bwd_rows += [run("bwd", dataclasses.replace(hopper.parse_tiles(best["tiles"]),
-                                                        dkv=other))
-                         for other in flash_mgpu.DKV_SCHEDULES if other not in ("auto",
-                                                                                 best["dkv"])]
-            ok = [r for r in bwd_rows if "error" not in r]
-            best = hopper.parse_tiles(min(ok, key=lambda r: r["total_ms"])["tiles"])
-            bwd_rows.append(run("bwd", dataclasses.replace(  # and under the other dQ schedule
+
+        def fastest(fused: bool):  # the fastest backward row with (or without) a dQ kernel
+            ok = [r for r in bwd_rows if "error" not in r
+                  and r["tiles"].endswith(",fused") == fused]
+            return min(ok, key=lambda r: r["total_ms"]) if ok else None
+
+        if fastest(False):
+            best = hopper.parse_tiles(fastest(False)["tiles"])
+            # dQ fused into the "share" dK/dV kernel (one backward kernel) first, the setting
+            # no GPU has measured (a deadline cuts the later ones), at both of its q tiles:
+            # without the dQ kernel's shared memory and work, they trade otherwise
+            bwd_rows += [run("bwd", dataclasses.replace(best, dkv="share", dq="fused",
+                                                        block_q_dkv=c)) for c in (64, 128)]
+            # the best with a dQ kernel under each other dK/dV schedule
+            bwd_rows += [run("bwd", dataclasses.replace(best, dkv=other))
+                         for other in flash_mgpu.DKV_SCHEDULES
+                         if other not in ("auto", fastest(False)["dkv"])]
+            best = hopper.parse_tiles(fastest(False)["tiles"])
+            bwd_rows.append(run("bwd", dataclasses.replace(  # and under the other dQ kernel
                 best, dq="rows" if best.dq == "split" else "split")))
         rows += fwd_rows + bwd_rows
         ok = [r for r in bwd_rows if "error" not in r]

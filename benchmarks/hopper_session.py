@@ -5,7 +5,7 @@ Run on the lent H100/H200 (one command, ≤ 10 minutes each; everything lands in
     python benchmarks/hopper_session.py --out "$OUT"                          # env, check, tune
     python benchmarks/hopper_session.py --out "$OUT" --stages env,bench,train \
         --previous benchmarks/results/hopper_session_N.json                   # second call
-    python benchmarks/hopper_session.py --out "$OUT" --stages env,train ...    # third: the rest
+    python benchmarks/hopper_session.py --out "$OUT" --stages env,profile,train ...  # third
     python benchmarks/hopper_session.py --out "$OUT" --stages replicate  # then, back to back
     python benchmarks/hopper_session.py --out "$OUT" --stages ablate     # once it is done
 
@@ -13,7 +13,10 @@ The first session on an H100 (2026-11-25, benchmarks/results/hopper_session_{1,2
 mosaic_h100.md) found every backward hanging (the split dK/dV schedule asked `setmaxnreg` for
 more registers than the CTA holds; fixed), then checked the kernel and ran the bench at T = 2K
 and 4K and the 1.4B train step; it did not tune. Three calls take about 30 minutes of device
-time with the machine's starts: if fewer are left, run the first two.
+time with the machine's starts: if fewer are left, run the first two. Written since and not yet
+run on a GPU: the "share" dK/dV schedule and dQ fused into it (one backward kernel that adds dQ
+with atomics); the check runs the fused one right after the table's case at each d, --tune
+compares both with the rest, and the profile stage splits a step's time between the kernels.
 
 Stages, each a subprocess with its own time limit whose failure or timeout is recorded and
 skipped past (so a hang or a crash in one cannot lose the others). When the env stage finds
@@ -24,29 +27,37 @@ limit, past its deadline), the kernel stages after it (check, tune, bench, train
   env    nvidia-smi, jax/jaxlib versions, the GPU's compute capability and device_kind, which
          kernel the dispatch picks, whether tokamax imports;                         ~10 s
   probe  (not in the default calls) `benchmarks/mosaic_probe.py`: each Mosaic schedule's
-         forward or forward and backward once (9 probes, 17-40 s each on the H100), in its own
-         process killed at 45 s, so a hang costs 45 s and is named, where it stalls a whole
-         benchmark stage;                                                            ≤ 420 s
+         forward or forward and backward once (11 probes, 17-40 s each on the H100), in its
+         own process killed at 45 s, so a hang costs 45 s and is named, where it stalls a whole
+         benchmark stage;                                                            ≤ 500 s
   check  `benchmarks/attention.py --check`: the real lowerings (Mosaic GPU for bf16/fp16 at
          d ∈ {64, 96, 128}, Triton for float32 and d = 32) against the float32 oracle, forward
          and the gradients of q, k, v and λ; each row names its kernel and any
-         DeprecationWarning its compile raised; three more cases run the dK/dV schedules
-         that "auto" does not pick ("rows" at d = 64 and 128, "share" at 128), the "split" dQ
-         and the forward without ping-pong;
+         DeprecationWarning its compile raised; five more cases run the dK/dV schedules
+         that "auto" does not pick ("rows" at d = 64 and 128, "share" at 128), the "split" dQ,
+         dQ fused into the share kernel (d = 64 and 128, right after the table's case at each
+         d: the first cases, with the table's, a deadline leaves) and the forward without
+         ping-pong;
          the Mosaic cases run first, so its deadline cuts Triton's (a case took up to 35 s on
          the H100: two compiles of fwd+bwd);                                         ≤ 240 s
   tune   `--tune --tune-write` at T = 4096 for d = 128, then 64 (the width of the paper's
          configs from 1.4B up, and the larger miss, first: the deadline cuts d = 64): 4 forward
          tile settings each and the best with ping-pong switched, 4 backward ones, then the
-         best backward under each other dK/dV schedule ("rows", "split", "share") and the
-         other dQ schedule; the best per d goes into kernels/tuning/mosaic_gpu.json (copied
-         to $OUT: copy it over kernels/tuning/mosaic_gpu.json here and commit it, with
+         best backward with dQ fused into the share kernel (block_q_dkv 64 and 128), under
+         each other dK/dV schedule ("rows", "split", "share") and under the other dQ kernel
+         schedule (14 settings a d); the best per d goes into kernels/tuning/mosaic_gpu.json
+         (copied to $OUT: copy it over kernels/tuning/mosaic_gpu.json here and commit it, with
          $OUT/session.json as benchmarks/results/hopper_session_N.json, before the second
          call, which re-sends the working tree: its bench and train stages then run the tuned
          tiles);                                                                     ≤ 240 s
   bench  `--bench` for d = 64 and 128, T = 2K–16K at B·T = 32K, H = 16: fused Mosaic, fused
          Triton, cuDNN 2H×d, cuDNN H×2d, four cuDNN calls, two Tokamax calls (about 7 s a
          row on the H100: 48 rows);                                                  ≤ 380 s
+  profile  `benchmarks/kernel_profile.py`: each kernel's own time under Nsight Compute
+         (`ncu`, gpu__time_duration) in one gradient step at T = 4096, d = 128 then 64, the
+         table's tiles and dQ fused into the share kernel: the forward, dQ and dK/dV kernels'
+         split that the targets' misses are to be explained by (a child each, ≤ 90 s; a row
+         records why where ncu is absent or cannot read the GPU);                   ≤ 300 s
   train  `benchmarks/train_step.py`, DIFF vs its Transformer twin, batch 8
          (`TRAIN_RUNS`): 1.4B (d = 128, 8 of 24 layers) with segment ids as train.py feeds
          them (cuDNN gets them as a dense T×T mask), 830M at d = 64 (12 of 24 layers, 12 DIFF
@@ -121,10 +132,11 @@ from pathlib import Path
 from limited_run import run_limited
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGET = {"env": 40, "probe": 420, "check": 240, "tune": 240, "bench": 380}
+BUDGET = {"env": 40, "probe": 500, "check": 240, "tune": 240, "bench": 380, "profile": 300}
 # skipped when env finds no GPU
-GPU_STAGES = ("probe", "check", "tune", "bench", "train", "replicate", "ablate")
-KERNEL_STAGES = ("check", "tune", "bench", "train")  # skipped once a kernel is seen to hang
+GPU_STAGES = ("probe", "check", "tune", "bench", "profile", "train", "replicate", "ablate")
+# skipped once a kernel is seen to hang
+KERNEL_STAGES = ("check", "tune", "bench", "profile", "train")
 STAGES = ("env", *GPU_STAGES)
 SMI_SECONDS = 30  # nvidia-smi hangs on a wedged driver
 TOTAL = 570  # seconds for all stages: under the device tool's 600 s per command
@@ -335,6 +347,10 @@ def main(argv=None) -> int:
                                            "--samples", "5", "--tag", "bench", "--deadline",
                                            str(limit - 45)], limit, log, stub or "")
                 r["result"] = _read(parts / "attention_bench.json")
+            elif stage == "profile":
+                r = _run("profile", [py, "benchmarks/kernel_profile.py", "--out", str(parts),
+                                     "--budget", str(limit - 20)], limit, log, stub or "")
+                r["result"] = _read(parts / "kernel_profile.json")
             elif stage == "train":
                 r = {"stage": "train", "status": "ok", "runs": []}
                 for name, size, layers, segments, diff_set, base_set, d in TRAIN_RUNS:
@@ -380,6 +396,7 @@ def main(argv=None) -> int:
     md += ["", "## Summary (T = 4096)", "", "```json",
            json.dumps(summary(report, previous), indent=1), "```"]
     for name in ("attention_check.md", "attention_tune.md", "attention_bench.md",
+                 "kernel_profile.md",
                  *(f"train_step_{run[0]}.md" for run in TRAIN_RUNS)):
         if (parts / name).exists():
             md += ["", (parts / name).read_text()]

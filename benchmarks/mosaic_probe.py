@@ -39,6 +39,8 @@ PROBES = {
                                    {"dkv": "rows", "dq": "split", "pingpong": False}),
     "bwd-d128": (128, True, True, True, {}),
     "bwd-d128-share": (128, True, True, True, {"dkv": "share"}),
+    "bwd-d64-fuseddq": (64, True, False, True, {"dkv": "share", "dq": "fused"}),
+    "bwd-d128-fuseddq": (128, True, True, True, {"dkv": "share", "dq": "fused"}),
     "bwd-d96": (96, True, True, True, {}),
     "bwd-d128-fp16-noncausal": (128, False, False, True, {}),
 }

@@ -40,6 +40,20 @@ slot. The producer keeps 24 registers (`setmaxnreg`), compute warpgroups take th
   (ptxas: the dK step loop holds 16 wgmmas against split's 24 at d = 64, 24 against 40 at
   d = 128). dS is then formed from the bf16 P, one more rounding of a value that is rounded to
   bf16 for its product anyway.
+- dQ fused (`Tiles.dq` "fused", with "share"; jax ≥ 0.11): no dQ kernel. The dK warpgroup
+  writes dS1ᵀ and dS2ᵀ over P1ᵀ and P2ᵀ in shared memory (no more shared memory) and, with a
+  third barrier, hands dS2ᵀ to the dV warpgroup; each computes one component's dQ_c = dS_c·K_c
+  (a wgmma with the transposed dS_cᵀ tile from shared memory and K_c, which the CTA holds
+  anyway), bq × d, and adds it into a float32 dQ in global memory with atomic adds
+  (`plgpu.atomic_add`: red.global.add.v2.f32; the float32 sums start at zero in a `jax.Ref`
+  that the kernel takes, which jax 0.10 cannot trace; `bwd` scales and casts them). A pair
+  then costs 10 d-wide products, the backward's floor, against 14 with the dQ kernel (which
+  recomputes S and dP: 6 of its own) and "share" (16 with "split"): 5 in each warpgroup (S1ᵀ,
+  S2ᵀ, dV, dQ2; dPᵀ, dK1, dK2, dQ1). The price: the atomics' traffic, bq × d × 4 bytes a
+  component a step into L2, which only a GPU can weigh against the work saved, and the dK
+  warpgroup's registers, which hold dK1 + dK2 and the bq × d dQ1 tile (ptxas at bq = 64: no
+  spill a step at d = 64; at d = 128 a few, 19 spill instructions a step, 44 with segment ids;
+  benchmarks/results/mosaic_ptxas_sm90a_jax0.11.2.md).
 
 Registers (f32, per thread of a compute warpgroup; budget `compute_registers`: 240 with two
 compute warpgroups, 256 with one; the split dK/dV schedule gives its dK warpgroup 256 and its dV
@@ -85,7 +99,9 @@ every phase of a barrier it waits on) and optionally detects shared-memory races
 also across proxies, so a TMA refill of a slot that was read with generic loads needs the
 producer's proxy fence (`commit_smem`). It cannot run wgmma from registers or with a register
 accumulator (`run_state`), so wgmma, `plgpu.load` and layout casts become plain loads and
-`lax.dot_general` there (`_Ops`). Everything else — the schedule, the barrier protocol,
+`lax.dot_general` there (`_Ops`); it has no model of atomics either, so the fused dQ's atomic
+adds become each CTA's own sums, added up after the kernel (`_Ops.atomic_add`), and it takes the
+fused dQ's Ref argument on jax 0.11 only. Everything else — the schedule, the barrier protocol,
 indexing, masks, the softmax and the epilogues — is the code that runs on the GPU. The
 interpreter runs the warpgroups on XLA's CPU threads and hangs with fewer CPU threads than
 warpgroups (2 cores here: `--xla_force_host_platform_device_count=8` gives it enough).
@@ -119,7 +135,10 @@ PRODUCER_REGISTERS = 24
 HEAD_DIMS = (64, 96, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 DKV_SCHEDULES = ("auto", "rows", "split", "share")
-DQ_SCHEDULES = ("rows", "split")
+DQ_SCHEDULES = ("rows", "split", "fused")
+# "fused" dQ passes a float32 `jax.Ref` to the kernel to add into: plgpu.kernel takes Ref arguments
+# (aliased in and out) from jax 0.11; jax 0.10 fails to trace one.
+FUSED_DQ = jax.__version_info__ >= (0, 11)
 _PARAMS = plgpu.CompilerParams(approx_math=True)
 
 
@@ -143,7 +162,9 @@ class Tiles:
     dQ1 and dQ2; two warpgroups where shared memory holds two rows' Q and dO, else one) or
     "split" (two compute warpgroups share 64 query rows, one accumulating dQ1, the other dQ2;
     each computes dP = dO·Vᵀ: a third more tensor-core work for half the accumulators a
-    thread, where one "rows" warpgroup at d = 128 spills).
+    thread, where one "rows" warpgroup at d = 128 spills) or "fused" (no dQ kernel: the
+    "share" dK/dV kernel adds each step's dS_c·K_c into a float32 dQ in global memory with
+    atomic adds, so S and dP are computed once a pair; jax ≥ 0.11, dkv "share").
     """
 
     block_kv: int
@@ -172,6 +193,12 @@ class Tiles:
         if self.dq not in DQ_SCHEDULES:
             raise ValueError(f"Mosaic GPU tiles: dq must be one of {DQ_SCHEDULES}, "
                              f"got {self.dq!r}")
+        if self.dq == "fused" and self.dkv != "share":
+            raise ValueError(f"Mosaic GPU tiles: dq='fused' runs in the dkv='share' kernel, "
+                             f"got dkv={self.dkv!r}")
+        if self.dq == "fused" and not FUSED_DQ:
+            raise ValueError(f"Mosaic GPU tiles: dq='fused' needs jax >= 0.11 (a Ref argument "
+                             f"to plgpu.kernel), this is jax {jax.__version__}")
 
 
 def supports(dtype: jax.typing.DTypeLike, head_dim: int, nc: int) -> bool:
@@ -184,11 +211,12 @@ def supports(dtype: jax.typing.DTypeLike, head_dim: int, nc: int) -> bool:
 # and the bytes Pallas allocates for them, used to pick the warpgroup count and refuse tiles.
 
 
-def _smem(shape, dtype):
-    """A shared-memory buffer; 2-D bf16/fp16 tiles (wgmma operands) tiled and swizzled."""
+def _smem(shape, dtype, like: int | None = None):
+    """A shared-memory buffer; 2-D bf16/fp16 tiles (wgmma operands) tiled and swizzled, with
+    the swizzle of rows `like` elements wide when given (wgmma takes two shared-memory operands
+    of one swizzle)."""
     if len(shape) >= 2 and jnp.dtype(dtype).itemsize == 2:
-        bits = shape[-1] * 16
-        swizzle = plgpu.find_swizzle(bits)
+        swizzle = min(plgpu.find_swizzle(n * 16) for n in (shape[-1], like or shape[-1]))
         transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
         return plgpu.SMEM(shape, dtype, transforms=transforms)
     return plgpu.SMEM(shape, dtype)
@@ -236,7 +264,8 @@ def _dq_scratch(d: int, tiles: Tiles, wgs: int, dt, has_seg: bool, split: bool =
 def _dkv_scratch(d: int, tiles: Tiles, wgs: int, split: bool, dt, has_seg: bool) -> list:
     """[buffers, barriers]: K1, K2 (64 × d) and V (64 × 2d) per warpgroup (once when `split`);
     the Q1, Q2 (bq × d) and dO (bq × 2d) rings with lse, δ; λ and segment vectors; with
-    "share", P1ᵀ and P2ᵀ (64 × bq) and their two barriers (written, read)."""
+    "share", P1ᵀ and P2ᵀ (64 × bq) and their barriers (written, read; with "fused" dQ the
+    dS1ᵀ, dS2ᵀ that replace them written)."""
     bq, stages = tiles.block_q_dkv, tiles.stages
     copies = 1 if split else wgs
     share = tiles.dkv == "share"  # `warpgroups` takes it as split, or refuses it
@@ -247,13 +276,14 @@ def _dkv_scratch(d: int, tiles: Tiles, wgs: int, split: bool, dt, has_seg: bool)
          plgpu.SMEM((stages, 4, bq), jnp.float32), plgpu.SMEM((wgs, ROWS), jnp.float32),
          plgpu.SMEM((wgs, ROWS), i32) if has_seg else None,
          plgpu.SMEM((stages, bq), i32) if has_seg else None,
-         _smem((2, ROWS, bq), dt) if share else None),
+         # P1ᵀ, P2ᵀ: K's swizzle, as dQ "fused" multiplies the dSᵀ written over them with K
+         _smem((2, ROWS, bq), dt, like=d) if share else None),
         (plgpu.Barrier(num_barriers=5 * wgs), plgpu.Barrier(num_barriers=2 * stages),
          plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2 * stages),
          plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
          *([plgpu.Barrier(num_arrivals=2, num_barriers=1)] if split else []),
-         *([plgpu.Barrier(num_barriers=2)] if share else [])),
+         *([plgpu.Barrier(num_barriers=3 if tiles.dq == "fused" else 2)] if share else [])),
     ]
 
 
@@ -309,7 +339,7 @@ def _overflow(name: str, tiles: Tiles, need: int, d: int) -> ValueError:
 def warpgroups(d: int, tiles: Tiles) -> tuple[int, int, bool]:
     """(dQ's compute warpgroups, dK/dV's compute warpgroups, whether dK/dV splits its rows'
     accumulators across two of them). Two warpgroups where shared memory holds them, else one;
-    dQ "split" always two (on the same 64 rows).
+    dQ "split" always two (on the same 64 rows); dQ "fused" none (no dQ kernel).
 
     dK/dV "auto": "rows" while `dkv_registers` fits `compute_registers` (240 with two compute
     warpgroups, 256 with one), else "split" where shared memory holds it. Raises a ValueError
@@ -318,7 +348,9 @@ def warpgroups(d: int, tiles: Tiles) -> tuple[int, int, bool]:
     tiles.check()
     if fwd_smem(d, tiles) > SMEM_BYTES:
         raise _overflow("block_kv", tiles, fwd_smem(d, tiles), d)
-    if tiles.dq == "split":
+    if tiles.dq == "fused":
+        wgs_dq = 0
+    elif tiles.dq == "split":
         if dq_smem(d, tiles, 2, split=True) > SMEM_BYTES:
             raise _overflow("block_kv_dq", tiles, dq_smem(d, tiles, 2, split=True), d)
         wgs_dq = 2
@@ -359,20 +391,24 @@ def _load_smem(ref, layout):
 class _Ops:
     emulate: bool
 
-    def dot(self, a, b, *, transpose_b: bool = False, acc=None, issued=None):
-        """a (M, K) · b (K, N) (or bᵀ with b (N, K)) in float32, plus `acc` when given.
+    def dot(self, a, b, *, transpose_a: bool = False, transpose_b: bool = False, acc=None,
+            issued=None):
+        """a (M, K) · b (K, N) (or aᵀ with a (K, M), bᵀ with b (N, K)) in float32, plus `acc`
+        when given.
 
-        a: an SMEM ref or a (M, K) array in the WGMMA layout (registers); b: an SMEM ref.
-        issued: called once the wgmma is issued, before its result is awaited.
+        a: an SMEM ref (transpose_a: a 16-bit one) or a (M, K) array in the WGMMA layout
+        (registers); b: an SMEM ref. issued: called once the wgmma is issued, before its
+        result is awaited.
         """
         if self.emulate:
             av, bv = a[...], b[...]  # `[...]` reads a ref and leaves an array as it is
-            dims = (((1,), (1,) if transpose_b else (0,)), ((), ()))
+            dims = (((0,) if transpose_a else (1,), (1,) if transpose_b else (0,)), ((), ()))
             out = lax.dot_general(av, bv, dims, preferred_element_type=jnp.float32)
             if issued is not None:
                 issued()
             return out if acc is None else acc + out
         rhs = b.transpose((1, 0)) if transpose_b else b
+        a = a.transpose((1, 0)) if transpose_a else a
         if acc is None:
             m = a.shape[0]
             n = b.shape[0] if transpose_b else b.shape[1]
@@ -391,6 +427,16 @@ class _Ops:
                 issued()
 
         return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+    def atomic_add(self, ref, x):
+        """ref += x, element-wise atomic (a GMEM ref, x in the WGMMA layout). Interpreted, the
+        ref is a slice that this CTA alone adds to (`bwd` sums the CTAs' slices), one
+        warpgroup an element, so a plain read, add and write is the same sum and the race
+        detector still sees every access (an atomic it has no model of)."""
+        if self.emulate:
+            ref[...] = ref[...] + x
+        else:
+            plgpu.atomic_add(ref, x)
 
     def iota(self, shape, dim):
         """int32 iota in the WGMMA register layout."""
@@ -812,13 +858,16 @@ def _dq_body(*refs, causal, has_seg, d, bk, stages, wgs, split, n_rep, kv_len, n
         _producer(hi, issue, consumed, stages)
 
 
-def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, share, cta_rows, n_rep, n_q,
-              ops):
+def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, share, fused, cta_rows, n_rep,
+              n_q, ops):
     q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, lam_ref, *refs = refs
     qs_ref, ks_ref, *refs = refs if has_seg else (None, None, *refs)
+    dqa_ref, *refs = refs if fused else (None, *refs)
     dk_ref, dv_ref, (k_s, v_s, q_r, do_r, st_r, lam_s, ks_s, qs_r, p_s), bars = refs
     in_bar, q_bar, do_bar, st_bar, qs_bar, consumed, *done = bars
-    p_bar = done[1] if share else None  # P1ᵀ, P2ᵀ written (at 0) and read (at 1), "share"
+    # "share": P1ᵀ, P2ᵀ written (at 0) and read (at 1); "fused" dQ: dS1ᵀ, dS2ᵀ written over
+    # them (at 2), and "read" waits for the dQ products that read them too
+    p_bar = done[1] if share else None
     b, g, j = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("kv")
     wg = lax.axis_index("wg")
     dt = q_ref.dtype
@@ -858,11 +907,17 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, share, cta_rows
         lam = ops.vector(lam_s.at[wg], 0)
         ks = ops.vector(ks_s.at[wg], 0) if has_seg else None
 
+        def add_dq(c, i, r):
+            """dQ_c of query tile i, head r of the group += dS_c·K_c: dS_cᵀ from p_s[c]."""
+            part = ops.dot(p_s.at[c], k_s.at[own, c], transpose_a=True)  # (bq, d)
+            dq_sums = dqa_ref.at[b, j] if ops.emulate else dqa_ref.at[b]  # `bwd`: a CTA's own
+            ops.atomic_add(dq_sums.at[pl.ds(i * bq, bq), 2 * (g * n_rep + r) + c], part)
+
         def step(i, carry, r, boundary):
             dks, dv = carry
             n = r * per_head + i - start
             if share and role == "k":
-                return share_dk_step(n, dks), dv
+                return share_dk_step(n, dks, i, r), dv
             slot = lax.rem(n, stages)
             plgpu.barrier_wait(do_bar.at[slot])
             plgpu.barrier_wait(st_bar.at[2 * slot])
@@ -901,6 +956,9 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, share, cta_rows
             if role != "k":
                 pdiff = pts[0] - _bcast_rows(lam, pts[1].shape) * pts[1]  # P1ᵀ − λ·P2ᵀ
                 dv = ops.dot(pdiff.astype(dt), do_r.at[slot], acc=dv)
+            if fused:  # dQ2 here, dQ1 in the "k" warpgroup, once it has written dS1ᵀ, dS2ᵀ
+                plgpu.barrier_wait(p_bar.at[2])
+                add_dq(1, i, r)
             if role is None:
                 new = [dk_step(c, pts[c]) for c in range(2)]
             if role != "v":
@@ -908,9 +966,10 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, share, cta_rows
             plgpu.barrier_arrive(consumed.at[slot])
             return dks, dv
 
-        def share_dk_step(n, dks):
+        def share_dk_step(n, dks, i, r):
             """The "k" warpgroup's step under "share": dPᵀ, then dK_c += dS_cᵀ·Q_c with the
-            "v" warpgroup's P_cᵀ (zero where masked)."""
+            "v" warpgroup's P_cᵀ (zero where masked); with "fused" dQ, dS_cᵀ replaces P_cᵀ in
+            shared memory and this warpgroup adds dQ1."""
             slot = lax.rem(n, stages)
             plgpu.barrier_wait(do_bar.at[slot])
             plgpu.barrier_wait(st_bar.at[2 * slot + 1])
@@ -921,8 +980,15 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, share, cta_rows
                 pt = ops.tile(p_s.at[c]).astype(jnp.float32)
                 delta = _bcast_cols(ops.vector(st_r.at[slot, 2 + c], 1), dpt.shape)
                 dsc = pt * ((dpt if c == 0 else -_bcast_rows(lam, dpt.shape) * dpt) - delta)
+                dsc = dsc.astype(dt)
+                if fused:  # this thread's own elements of P_cᵀ, read above
+                    p_s.at[c][...] = dsc
                 plgpu.barrier_wait(q_bar.at[c * stages + slot])
-                new.append(ops.dot(dsc.astype(dt), q_r[c].at[slot], acc=dks[c]))
+                new.append(ops.dot(dsc, q_r[c].at[slot], acc=dks[c]))
+            if fused:
+                plgpu.commit_smem()  # dSᵀ to the tensor cores' (async) proxy, then to "v"
+                plgpu.barrier_arrive(p_bar.at[2])
+                add_dq(0, i, r)
             plgpu.barrier_arrive(p_bar.at[1])
             plgpu.barrier_arrive(consumed.at[slot])
             return tuple(new)
@@ -983,7 +1049,8 @@ def bwd(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array, q_seg: jax.Arr
         kv_seg: jax.Array | None, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
         causal: bool, tiles: Tiles,
         interpret: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Gradients (dq, dk, dv) in the input dtypes.
+    """Gradients (dq, dk, dv) in the input dtypes: two kernels (dQ, then dK/dV), or one with
+    `tiles.dq` "fused" (dK/dV adding into dQ's float32 sums).
 
     q (B, T, 2H, d), k (B, S, 2Hkv, d), v (B, S, Hkv, 2d), do (B, T, H, 2d); lse and delta
     (B, H, 2, T) float32 (natural-log lse; δ1 = rowsum(dO∘O) + λ·r2, δ2 = −λ·r2).
@@ -994,12 +1061,12 @@ def bwd(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array, q_seg: jax.Arr
     h = hq // 2
     n_rep = h // hkv
     wgs_dq, wgs_dkv, split = warpgroups(d, tiles)
-    split_dq = tiles.dq == "split"
+    split_dq, fused = tiles.dq == "split", tiles.dq == "fused"
     bk, bq, stages = tiles.block_kv_dq, tiles.block_q_dkv, tiles.stages
-    rows_dq = ROWS if split_dq else ROWS * wgs_dq  # query rows of a dQ CTA
+    rows_dq = 1 if fused else ROWS if split_dq else ROWS * wgs_dq  # query rows of a dQ CTA
     rows_dkv = ROWS if split else ROWS * wgs_dkv  # kv rows of a dK/dV CTA
     tp = _round_up(t, math.lcm(rows_dq, bq))
-    sp = _round_up(s, math.lcm(rows_dkv, bk))
+    sp = _round_up(s, math.lcm(rows_dkv, 1 if fused else bk))
     has_seg = q_seg is not None
     q, do = _pad_rows(q, tp), _pad_rows(do, tp)
     lse, delta = _pad_rows(lse, tp, axis=3), _pad_rows(delta, tp, axis=3)
@@ -1007,6 +1074,26 @@ def bwd(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array, q_seg: jax.Arr
     segs = [_pad_rows(q_seg, tp), _pad_rows(kv_seg, sp)] if has_seg else []
     dt = q.dtype
     ops = _Ops(bool(interpret))
+    lam_vec = jnp.full((ROWS,), lam, jnp.float32)
+    dkv = functools.partial(
+        _dkv_body, causal=causal, has_seg=has_seg, d=d, bq=bq, stages=stages, wgs=wgs_dkv,
+        split=split, share=tiles.dkv == "share", fused=fused, cta_rows=rows_dkv, n_rep=n_rep,
+        n_q=tp // bq, ops=ops)
+    dkv_kernel = functools.partial(
+        _kernel, dkv, out=[jax.ShapeDtypeStruct(k.shape, dt), jax.ShapeDtypeStruct(v.shape, dt)],
+        scratch=_dkv_scratch(d, tiles, wgs_dkv, split, dt, has_seg),
+        grid=(b, hkv, sp // rows_dkv), names=("b", "g", "kv"), threads=wgs_dkv + 1,
+        interpret=interpret)
+    if fused:  # one kernel; dQ's float32 sums start from zero and are added into in place,
+        # interpreted one slice a CTA (`_Ops.atomic_add`), summed here
+        n_ctas = sp // rows_dkv
+        dq_sum = jax.new_ref(jnp.zeros((b, n_ctas, *q.shape[1:]) if ops.emulate else q.shape,
+                                       jnp.float32))
+        dk, dv = dkv_kernel(name="diff_flash_dkdvdq")(q, k, v, do, lse, delta, lam_vec, *segs,
+                                                      dq_sum)
+        dq = dq_sum[...].sum(axis=1) if ops.emulate else dq_sum[...]
+        dq = (dq * d**-0.5).astype(dt)
+        return dq[:, :t], dk[:, :s], dv[:, :s]
 
     dq = _kernel(
         functools.partial(_dq_body, causal=causal, has_seg=has_seg, d=d, bk=bk, stages=stages,
@@ -1016,15 +1103,6 @@ def bwd(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array, q_seg: jax.Arr
         scratch=_dq_scratch(d, tiles, wgs_dq, dt, has_seg, split_dq),
         grid=(b, h, tp // rows_dq), names=("b", "h", "q"), threads=wgs_dq + 1,
         interpret=interpret, name="diff_flash_dq",
-    )(q, k, v, do, lse, delta, jnp.full((ROWS,), lam, jnp.float32), *segs)
-
-    dk, dv = _kernel(
-        functools.partial(_dkv_body, causal=causal, has_seg=has_seg, d=d, bq=bq, stages=stages,
-                          wgs=wgs_dkv, split=split, share=tiles.dkv == "share",
-                          cta_rows=rows_dkv, n_rep=n_rep, n_q=tp // bq, ops=ops),
-        out=[jax.ShapeDtypeStruct(k.shape, dt), jax.ShapeDtypeStruct(v.shape, dt)],
-        scratch=_dkv_scratch(d, tiles, wgs_dkv, split, dt, has_seg),
-        grid=(b, hkv, sp // rows_dkv), names=("b", "g", "kv"), threads=wgs_dkv + 1,
-        interpret=interpret, name="diff_flash_dkdv",
-    )(q, k, v, do, lse, delta, jnp.full((ROWS,), lam, jnp.float32), *segs)
+    )(q, k, v, do, lse, delta, lam_vec, *segs)
+    dk, dv = dkv_kernel(name="diff_flash_dkdv")(q, k, v, do, lse, delta, lam_vec, *segs)
     return dq[:, :t], dk[:, :s], dv[:, :s]

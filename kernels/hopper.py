@@ -29,6 +29,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from kernels import flash_mgpu
 from kernels.flash_mgpu import Tiles
 
 TABLE = Path(__file__).resolve().parent / "tuning" / "mosaic_gpu.json"
@@ -144,8 +145,14 @@ def _check_gpu(gpu: str, where: str) -> None:
 
 
 def _tiles(row: dict) -> Tiles:
+    """A row's Tiles. A row tuned to dQ "fused" (jax >= 0.11) runs its dK/dV schedule with the
+    "rows" dQ kernel on a jax without it (`flash_mgpu.FUSED_DQ`), so that a table written on
+    the GPU machine's jax still reads, and runs, on jax 0.10."""
+    dq = row.get("dq", "rows")
+    if dq == "fused" and not flash_mgpu.FUSED_DQ:
+        dq = "rows"
     return Tiles(row["block_kv"], row["block_kv_dq"], row["block_q_dkv"], row["stages"],
-                 row.get("dkv", "auto"), row.get("pingpong", True), row.get("dq", "rows"))
+                 row.get("dkv", "auto"), row.get("pingpong", True), dq)
 
 
 def tiles_for(d: int, dtype: jax.typing.DTypeLike, kind: str | None = None,

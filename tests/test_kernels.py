@@ -12,6 +12,8 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -791,9 +793,90 @@ def test_gpu_check_runs_the_mosaic_cases_first():
               bench.CHECK_CASES]
     assert mosaic == sorted(mosaic, reverse=True) and 0 < sum(mosaic) < len(mosaic)
     schedules = [n for n, case in enumerate(bench.CHECK_CASES) if len(case) == 10]
-    assert len(schedules) == 3 and all(mosaic[n] for n in schedules)
+    assert len(schedules) == 5 and all(mosaic[n] for n in schedules)
     checked = {bench.CHECK_CASES[n][-1].get("dkv") for n in schedules}
     assert checked >= set(flash_mgpu.DKV_SCHEDULES) - {"auto", "split"}  # split: the table's
+    assert {bench.CHECK_CASES[n][-1].get("dq", "rows") for n in schedules} == set(
+        flash_mgpu.DQ_SCHEDULES)
+
+
+NCU_LOG = """==PROF== Connected to process 4242 (/usr/bin/python3)
+d=128 table: 64,64,64,2,auto,True,rows
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","4242","python3","127.0.0.1","diff_flash_fwd_mosaic_gpu_kernel","1","7","(384, 1, 1)","(64, 16, 8)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","2,500,000"
+"1","4242","python3","127.0.0.1","diff_flash_dq_mosaic_gpu_kernel","1","7","(256, 1, 1)","(64, 16, 8)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","3,000"
+"2","4242","python3","127.0.0.1","other_kernel","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","9"
+"3","4242","python3","127.0.0.1","diff_flash_fwd_mosaic_gpu_kernel","1","7","(384, 1, 1)","(64, 16, 8)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","1,000,000"
+"4","4242","python3","127.0.0.1","diff_flash_dq_mosaic_gpu_kernel","1","7","(256, 1, 1)","(64, 16, 8)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","msecond","2.5"
+"5","4242","python3","127.0.0.1","diff_flash_dkdv_mosaic_gpu_kernel","1","7","(384, 1, 1)","(64, 8, 8)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","4000000"
+"6","4242","python3","127.0.0.1","diff_flash_fwd_mosaic_gpu_kernel","1","7","(384, 1, 1)","(64, 16, 8)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","1,200,000"
+"7","4242","python3","127.0.0.1","diff_flash_dq_mosaic_gpu_kernel","1","7","(256, 1, 1)","(64, 16, 8)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","2,700,000"
+"8","4242","python3","127.0.0.1","diff_flash_dkdv_mosaic_gpu_kernel","1","7","(384, 1, 1)","(64, 8, 8)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","3,000,000"
+"9","4242","python3","127.0.0.1","diff_flash_dkdv_mosaic_gpu_kernel","1","7","(384, 1, 1)","(64, 8, 8)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","3,400,000"
+==PROF== Disconnected from process 4242
+"""
+
+
+def test_kernel_profile_reads_ncu_logs_and_records_why_a_row_is_missing(tmp_path, monkeypatch):
+    """benchmarks/kernel_profile.py: ncu's CSV (after the program's own output; units and
+    thousands separators as ncu writes them; other kernels ignored) gives each Mosaic kernel's
+    launches; the first is dropped and the median of the rest kept, the backward summed. The
+    driver runs ncu with the child and reads its --log-file (here a stand-in ncu that writes
+    NCU_LOG and runs nothing); no ncu, a failing one, an unknown unit and a spent --budget are
+    rows that say so."""
+    import kernel_profile
+
+    launches = kernel_profile.parse_ncu(NCU_LOG)
+    assert launches == {"diff_flash_fwd": pytest.approx([2.5, 1.0, 1.2]),
+                        "diff_flash_dq": pytest.approx([3.0, 2.5, 2.7]),
+                        "diff_flash_dkdv": pytest.approx([4.0, 3.0, 3.4])}
+    got = kernel_profile.summarize(launches)
+    assert got["kernels_ms"] == pytest.approx({"diff_flash_fwd": 1.1, "diff_flash_dq": 2.6,
+                                               "diff_flash_dkdv": 3.2})
+    assert got["bwd_ms"] == pytest.approx(5.8) and got["total_ms"] == pytest.approx(6.9)
+    with pytest.raises(ValueError, match="unit 'cycle'"):
+        kernel_profile.parse_ncu(NCU_LOG.replace('"msecond"', '"cycle"'))
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "log.csv").write_text(NCU_LOG)
+    fake = bin_dir / "ncu"
+    fake.write_text(f"#!{sys.executable}\n"
+                    "import shutil, sys\n"
+                    "args = sys.argv[1:]\n"
+                    "run = args.index('--run')\n"
+                    "assert args[args.index('--metrics') + 1] == 'gpu__time_duration.sum'\n"
+                    "assert args[run + 1:run + 3] == ['128', 'fused']\n"
+                    f"shutil.copy({str(tmp_path / 'log.csv')!r}, "
+                    "args[args.index('--log-file') + 1])\n"
+                    f"sys.exit(int(open({str(tmp_path / 'code')!r}).read()))\n")
+    fake.chmod(0o755)
+    (tmp_path / "code").write_text("0")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "out"
+    assert kernel_profile.main(["--out", str(out), "--head-dims", "128", "--schedules",
+                                "fused"]) == 0
+    (row,) = json.loads((out / "kernel_profile.json").read_text())
+    assert row["kernels_ms"]["diff_flash_dkdv"] == pytest.approx(3.2), row
+    assert row["launches"] == {"diff_flash_fwd": 3, "diff_flash_dq": 3, "diff_flash_dkdv": 3}
+    assert "- d = 128, fused, T = 4096: fwd 1.100 ms, dq 2.600 ms, dkdv 3.200 ms; backward " \
+        "5.800 ms" in (out / "kernel_profile.md").read_text()
+    (tmp_path / "code").write_text("3")
+    row = kernel_profile.profile(128, "fused", _profile_args(), out)
+    assert row["error"].startswith("exit 3"), row
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert kernel_profile.profile(64, "table", _profile_args(), out)["error"] == "ncu not on PATH"
+    assert kernel_profile.main(["--out", str(out), "--head-dims", "64", "--budget", "10"]) == 0
+    rows = json.loads((out / "kernel_profile.json").read_text())
+    assert [r["error"] for r in rows] == ["skipped: 10 s of --budget left"] * 2
+    with pytest.raises(SystemExit):
+        kernel_profile.main(["--schedules", "fast"])
+
+
+def _profile_args():
+    import argparse
+
+    return argparse.Namespace(t=4096, tokens=32768, heads=16, reps=3, limit=60.0)
 
 
 def _tune_d64(monkeypatch, bench, variants, bench_one):
@@ -1032,17 +1115,47 @@ def test_gpu_check_compares_the_kernel_and_every_gradient_with_the_oracle(monkey
         assert row["ok"] is ok, (factor, row)
 
 
-def test_tune_tries_each_step_on_the_fastest_agreeing_setting_and_records_it(monkeypatch):
-    """attention.py --tune's choices on scripted timings and outputs (no kernel runs): ping-pong
-    is switched on the fastest forward (by forward time) and the backward sweep runs on the
-    fastest forward; each other dK/dV schedule is tried on the fastest backward (by total time),
-    the other dQ schedule on the fastest so far, and --tune-write records the fastest. A
-    setting whose dλ alone is 10% off the first setting's, and one whose outputs are NaN, are
-    the fastest of their step and are error rows instead. A switch on the slowest forward, a
-    forward chosen by total time, a dQ switch on the setting fastest by forward time, the
-    same dK/dV schedule tried twice, the slowest recorded, NaN agreeing and dλ unchecked
-    passed every test."""
+def test_tune_sweeps_backward_tiles_with_a_dq_kernel_when_the_table_fuses_dq(monkeypatch):
+    """A table row tuned to dQ "fused" has no dQ tile to vary: the backward tile sweep runs with
+    the "rows" dQ kernel, and the fused dQ is tried after it as always."""
     import attention as bench
+
+    monkeypatch.setattr(bench.flash_mgpu, "FUSED_DQ", True)
+    base = dataclasses.replace(bench.hopper.tiles_for(64, "bfloat16")[0], dkv="share",
+                               dq="fused")
+    monkeypatch.setattr(bench.hopper, "tiles_for", lambda d, dtype, kind=None: (base, {}))
+
+    def scripted_variants(block_sizes, interpret, with_cudnn):
+        def fused(q, k, v, lam):
+            raise AssertionError("not run: bench_one is scripted")
+
+        fused.tiles = block_sizes.mosaic_gpu
+        return {"fused": fused}
+
+    def scripted(name, f, shape, dtype, **kw):
+        return {"fwd_ms": 1.0, "total_ms": 2.0 + f.tiles.block_q_dkv / 64, "fwd_tflops": 1.0,
+                "bwd_tflops": 1.0, "outputs": [np.ones(3)] * 5}
+
+    rows, _ = _tune_d64(monkeypatch, bench, scripted_variants, scripted)
+    bwd = [r["tiles"].split(",")[2:] for r in rows if r["stage"] == "bwd"]
+    assert [t[-1] for t in bwd[:4]] == ["rows"] * 4 and bwd[4:6] == [
+        ["64", "2", "share", "True", "fused"], ["128", "2", "share", "True", "fused"]], bwd
+
+
+def test_tune_tries_each_step_on_the_fastest_agreeing_setting_and_records_it(monkeypatch):
+    """attention.py --tune's choices on scripted timings and outputs (no kernel runs): ping-pong is
+    switched on the fastest forward (by forward time) and the backward sweep runs on the fastest
+    forward; dQ fused into the share dK/dV kernel is tried at both q tiles on the fastest backward
+    (by total time), then each other dK/dV schedule on it, the other dQ schedule on the fastest with
+    a dQ kernel, and --tune-write records the fastest. A setting whose dλ alone is 10% off the first
+    setting's, and one whose outputs are NaN, are the fastest of their step and are error rows
+    instead. A switch on the slowest forward, a forward chosen by total time, a dQ switch on the
+    setting fastest by forward time, the same dK/dV schedule tried twice, the slowest recorded, NaN
+    agreeing and dλ unchecked passed every test. The fused dQ's jax gate is lifted (jax 0.10 refuses
+    it): the plan is what is under test."""
+    import attention as bench
+
+    monkeypatch.setattr(bench.flash_mgpu, "FUSED_DQ", True)
 
     base, _ = bench.hopper.tiles_for(64, "bfloat16")
     assert (base.block_kv, base.stages, base.pingpong, base.dkv) == (128, 2, True, "auto")
@@ -1050,7 +1163,8 @@ def test_tune_tries_each_step_on_the_fastest_agreeing_setting_and_records_it(mon
     bwd = {(64, 64, "auto", "rows"): 0.0, (64, 128, "auto", "rows"): -10.0,  # NaN outputs
            (128, 64, "auto", "rows"): -3.0, (128, 128, "auto", "rows"): -2.0,
            (64, 64, "rows", "rows"): 1.0, (128, 64, "rows", "rows"): -3.5,
-           (128, 64, "share", "rows"): -3.25, (128, 64, "rows", "split"): -3.75}
+           (128, 64, "share", "rows"): -3.25, (128, 64, "rows", "split"): -3.75,
+           (128, 64, "share", "fused"): -4.0, (128, 128, "share", "fused"): -1.0}
 
     def scripted_variants(block_sizes, interpret, with_cudnn):
         def fused(q, k, v, lam):
@@ -1083,12 +1197,14 @@ def test_tune_tries_each_step_on_the_fastest_agreeing_setting_and_records_it(mon
         ("bwd", "128,64,128,2,auto,False,rows", True),
         ("bwd", "128,128,64,2,auto,False,rows", False),
         ("bwd", "128,128,128,2,auto,False,rows", False),
+        ("bwd", "128,128,64,2,share,False,fused", False),
+        ("bwd", "128,128,128,2,share,False,fused", False),
         ("bwd", "128,128,64,2,rows,False,rows", False),
         ("bwd", "128,128,64,2,share,False,rows", False),
         ("bwd", "128,128,64,2,rows,False,split", False)], got
     assert "disagrees with the first setting" in rows[1]["error"] and rows[1]["vs_first"] > 0.05
     assert "disagrees with the first setting" in rows[6]["error"]
-    assert recorded == ["128,128,64,2,rows,False,split"]
+    assert recorded == ["128,128,64,2,share,False,fused"]
 
 
 @pytest.mark.parametrize("nc,h,hkv", [(2, 4, 2), (2, 2, 1), (1, 4, 2)])

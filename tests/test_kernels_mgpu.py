@@ -51,6 +51,10 @@ CASES = {
         {"dkv": "rows", "pingpong": False, "dq": "split", "block_kv": 64}),
     "mqa-causal-segments-neg-lam-d64-share": (1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5,
                                                {"dkv": "share"}),
+    "mha-causal-segments-neg-lam-d64-share-fuseddq": (
+        1, 130, 2, 2, 64, True, True, jnp.bfloat16, -0.5, {"dkv": "share", "dq": "fused"}),
+    "gqa-noncausal-d128-fp16-share-fuseddq": (1, 130, 4, 2, 128, False, False, jnp.float16, 0.7,
+                                              {"dkv": "share", "dq": "fused"}),
     "mha-noncausal-lam0-d128-fp16": (1, 130, 1, 1, 128, False, False, jnp.float16, 0.0, {}),
     "mha-noncausal-lam0-d128-fp16-rows-splitdq-nopingpong": (
         1, 130, 1, 1, 128, False, False, jnp.float16, 0.0,
@@ -70,6 +74,8 @@ def test_mosaic_kernel_matches_float64_reference(name, capsys):
     shared-memory race detector: every access ordered by a barrier (and, on jax 0.11, a TMA
     refill of a slot read with generic loads ordered by a proxy fence)."""
     b, t, h, hkv, d, causal, segments, dtype, lam, fields = CASES[name]
+    if fields.get("dq") == "fused" and not flash_mgpu.FUSED_DQ:
+        pytest.skip("dq='fused' needs jax >= 0.11 (CI runs this file on jax 0.11.2 too)")
     q, k, v, do, seg = make_inputs(b, t, h, hkv, d, dtype, seed=len(name), segments=segments)
     interpret = InterpretGPUParams(detect_races=True)
     tiles = dataclasses.replace(hopper.tiles_for(d, dtype, kind="")[0], **fields)
@@ -148,6 +154,19 @@ def test_cuda_export_hopper_lowers_mosaic_kernels(d, dtype):
     assert text.count(TRITON) == 3 and MOSAIC not in text
 
 
+@pytest.mark.skipif(not flash_mgpu.FUSED_DQ, reason="dq='fused' needs jax >= 0.11")
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_export_fused_dq_is_one_backward_kernel(d):
+    """dQ fused into the share dK/dV kernel: the backward is one Mosaic kernel (no dQ kernel),
+    which adds into dQ's float32 sums in place with atomic adds."""
+    tiles = dataclasses.replace(hopper.tiles_for(d, jnp.bfloat16, kind="")[0], dkv="share",
+                                dq="fused", block_q_dkv=64)
+    text = export.export(_fwd_bwd("pallas", BlockSizes(mosaic_gpu=tiles)),
+                         platforms=["cuda"])(*_abstract(d=d)).mlir_module()
+    assert text.count(MOSAIC) == 2 and TRITON not in text
+    assert "diff_flash_dkdvdq" in text and "diff_flash_dq" not in text.replace("dkdvdq", "")
+
+
 def test_cuda_export_before_hopper_lowers_triton_kernels():
     with kernels.gpu_target("8.0"):
         text = _cuda_export(*_abstract())
@@ -200,7 +219,9 @@ def _lowered_smem(fn, args, limit):
     (64, flash_mgpu.Tiles(64, 64, 64, 3, dkv="split"), True),  # bigger dQ; split dK/dV
     (128, flash_mgpu.Tiles(64, 64, 64, 2, dkv="rows", pingpong=False), False),  # bigger dK/dV
     (128, flash_mgpu.Tiles(64, 64, 64, 2, dq="split"), True),  # dQ's Q and dO held once
-    (128, flash_mgpu.Tiles(64, 64, 64, 2, dkv="share"), True)])  # and the shared P tiles
+    (128, flash_mgpu.Tiles(64, 64, 64, 2, dkv="share"), True),  # and the shared P tiles
+    pytest.param(96, flash_mgpu.Tiles(64, 64, 64, 2, dkv="share", dq="fused"), True,
+                 marks=pytest.mark.skipif(not flash_mgpu.FUSED_DQ, reason="jax >= 0.11"))])
 def test_shared_memory_plans_are_what_the_lowering_allocates(d, tiles, seg):
     """`warpgroups` judges tiles by plans built from the kernels' own scratch lists; each plan
     is the exact byte count the real lowering allocates (1 KiB-aligned buffers, barriers, the
@@ -223,8 +244,8 @@ def test_shared_memory_plans_are_what_the_lowering_allocates(d, tiles, seg):
 
     plan = flash_mgpu.fwd_smem(d, tiles, seg)
     assert _lowered_smem(fwd, (q, k, v, ids, ids), plan - 1) == plan
-    plan = max(flash_mgpu.dq_smem(d, tiles, wgs_dq, seg, split=tiles.dq == "split"),
-               flash_mgpu.dkv_smem(d, tiles, wgs_dkv, split, seg))
+    plan = max(flash_mgpu.dq_smem(d, tiles, wgs_dq, seg, split=tiles.dq == "split")
+               if wgs_dq else 0, flash_mgpu.dkv_smem(d, tiles, wgs_dkv, split, seg))
     stats = sd((b, 1, 2, t), jnp.float32)
     assert _lowered_smem(bwd, (q, k, v, ids, ids, sd((b, t, 1, 2 * d), jnp.bfloat16), stats,
                                stats), plan - 1) == plan
@@ -280,6 +301,12 @@ def test_tile_table_and_invalid_tiles():
     assert flash_mgpu.warpgroups(128, dataclasses.replace(d128, dkv="rows")) == (1, 1, False)
     assert flash_mgpu.warpgroups(64, dataclasses.replace(d64, dkv="rows")) == (2, 2, False)
     assert flash_mgpu.warpgroups(128, dataclasses.replace(d128, dkv="share")) == (1, 2, True)
+    fused = dataclasses.replace(d128, dkv="share", dq="fused")
+    if flash_mgpu.FUSED_DQ:  # no dQ kernel
+        assert flash_mgpu.warpgroups(128, fused) == (0, 2, True)
+    else:
+        with pytest.raises(ValueError, match=r"dq='fused' needs jax >= 0.11 .* this is jax 0\.10"):
+            flash_mgpu.warpgroups(128, fused)
     triton = BlockSizes(block_q=16, block_k=16, num_warps=4)
     assert flash.mosaic_tiles(triton, 64, jnp.bfloat16) == hopper.tiles_for(64, jnp.bfloat16)[0]
     q = jnp.ones((1, 32, 2, 64), jnp.bfloat16)
@@ -293,6 +320,8 @@ def test_tile_table_and_invalid_tiles():
              (flash_mgpu.Tiles(64, 64, 64, 2, "auto", "yes"),
               r"pingpong must be True or False, got 'yes'"),
              (flash_mgpu.Tiles(64, 64, 64, 2, dq="auto"), r"dq must be one of .* got 'auto'"),
+             (flash_mgpu.Tiles(64, 64, 64, 2, "split", dq="fused"),
+              r"dq='fused' runs in the dkv='share' kernel, got dkv='split'"),
              (flash_mgpu.Tiles(256, 64, 64, 2), r"block_kv=256 .* KiB of shared memory")]
     for tiles, msg in cases:
         with pytest.raises(ValueError, match=msg):
@@ -330,6 +359,22 @@ def test_tuned_rows_win_for_their_gpu(tmp_path):
     assert hopper.tiles_for(64, jnp.float16, kind="NVIDIA H100", path=path)[0] == fp16
     assert hopper.tiles_for(64, jnp.bfloat16, kind="NVIDIA H100", path=path)[0].pingpong
     assert len(hopper.load_table(path)) == len(hopper.load_table()) + 2
+
+
+def test_a_row_tuned_to_fused_dq_reads_on_every_jax(tmp_path):
+    """A row --tune wrote on the GPU machine's jax with dQ "fused" is read on jax 0.10 too (where
+    a Tiles that asks for it is refused: every pallas call reads the table) and runs its dK/dV
+    schedule with the "rows" dQ kernel there; the row itself still says what was tuned."""
+    path = tmp_path / "table.json"
+    doc = json.loads(hopper.TABLE.read_text())
+    doc["entries"].append({"gpu": "H100", "d": 64, "dtype": "bfloat16", "block_kv": 128,
+                           "block_kv_dq": 64, "block_q_dkv": 64, "stages": 2, "dkv": "share",
+                           "pingpong": True, "dq": "fused", "tuned": True, "source": "test"})
+    path.write_text(json.dumps(doc))
+    tiles, row = hopper.tiles_for(64, jnp.bfloat16, kind="NVIDIA H100 80GB HBM3", path=path)
+    assert row["dq"] == "fused" and tiles.dkv == "share"
+    assert tiles.dq == ("fused" if flash_mgpu.FUSED_DQ else "rows")
+    flash_mgpu.warpgroups(64, tiles)
 
 
 def test_a_failed_record_leaves_the_table_as_it_was(tmp_path, monkeypatch):

@@ -741,14 +741,41 @@ def test_gpu_session_skips_the_kernel_stages_once_a_kernel_hangs(tmp_path, monke
                 else "ok", "seconds": 0.0, "tail": ""}
 
     monkeypatch.setattr(hopper_session, "_run", fake_run)
-    hopper_session.main(["--out", str(tmp_path / "a"), "--stages", "probe,check,tune,bench,train"])
+    hopper_session.main(["--out", str(tmp_path / "a"), "--stages",
+                         "probe,check,tune,bench,profile,train"])
     stages = json.loads((tmp_path / "a" / "session.json").read_text())["stages"]
     assert stages[0]["status"] == "ok" and [r["status"] for r in stages[1:]] == [
-        "skipped: the probe found bwd-d64-split hanging"] * 4
+        "skipped: the probe found bwd-d64-split hanging"] * 5
     hopper_session.main(["--out", str(tmp_path / "b"), "--stages", "check,tune,bench"])
     stages = json.loads((tmp_path / "b" / "session.json").read_text())["stages"]
     assert stages[0]["status"].startswith("timeout") and [r["status"] for r in stages[1:]] == [
         "skipped: the check stage hung (its tail names the case)"] * 2
+
+def test_gpu_session_profile_stage_keeps_the_kernel_times(tmp_path, monkeypatch):
+    """The profile stage runs benchmarks/kernel_profile.py within its budget (--budget under
+    the stage's limit) and its rows and markdown come back in session.json and session.md."""
+    import json
+
+    import hopper_session
+
+    calls = []
+
+    def fake_run(name, cmd, limit, log, extra_path="", grace=20.0):
+        calls.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        (out / "kernel_profile.json").write_text(json.dumps([{"d": 128, "bwd_ms": 5.8}]))
+        (out / "kernel_profile.md").write_text("# Mosaic GPU kernels under Nsight Compute\n")
+        return {"stage": name, "status": "ok", "seconds": 0.0, "tail": ""}
+
+    monkeypatch.setattr(hopper_session, "_run", fake_run)
+    assert hopper_session.main(["--out", str(tmp_path), "--stages", "profile"]) == 0
+    (cmd,) = calls
+    assert cmd[1] == "benchmarks/kernel_profile.py"
+    assert float(cmd[cmd.index("--budget") + 1]) < hopper_session.BUDGET["profile"]
+    (stage,) = json.loads((tmp_path / "session.json").read_text())["stages"]
+    assert stage["result"] == [{"d": 128, "bwd_ms": 5.8}]
+    assert "# Mosaic GPU kernels under Nsight Compute" in (tmp_path / "session.md").read_text()
+
 
 def test_gpu_session_records_stages_skipped_for_time_in_session_json(tmp_path):
     """A stage skipped because too little of the call's time is left is in session.json (the
@@ -889,7 +916,7 @@ def test_gpu_session_refuses_an_unknown_stage_before_running_any(tmp_path, capsy
         hopper_session.main(["--out", str(tmp_path / "out"), "--stages", "env,trian"])
     assert e.value.code == 2 and not (tmp_path / "out").exists()
     assert ("--stages: unknown stage(s) 'trian'; expected a comma list of env, probe, check, tune, "
-            "bench, train, replicate, ablate") in capsys.readouterr().err
+            "bench, profile, train, replicate, ablate") in capsys.readouterr().err
 
 
 def test_gpu_session_stops_a_stage_gracefully_and_copies_only_small_replication_files(tmp_path,

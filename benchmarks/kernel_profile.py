@@ -3,7 +3,8 @@
     python benchmarks/kernel_profile.py --out DIR [--head-dims 128,64] [--t 4096] [--limit 110]
 
 For each head width and schedule (`SCHEDULES`: the table's tiles, and dQ fused into the share
-dK/dV kernel) a child process (`--run D SCHEDULE`) runs the fused kernel's gradient step (its
+dK/dV kernel with atomic or TMA reduce-adds; a schedule whose tiles the shared-memory plan
+refuses at that d is a row saying so) a child process (`--run D SCHEDULE`) runs the fused kernel's gradient step (its
 forward, then the backward kernels) at attention.py's benchmark shape (bf16, causal, λ = LAM,
 B·T = --tokens, H = --heads), `--reps` + 1 times, under
 
@@ -41,7 +42,8 @@ METRIC = "gpu__time_duration.sum"
 KERNEL = re.compile(r"(diff_flash_[a-z]+)")  # the kernel of a launch's name (any suffixes)
 UNIT_MS = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
 # name: the Tiles fields over the table's (`kernels.hopper`) for d
-SCHEDULES = {"table": {}, "fused": {"dkv": "share", "dq": "fused", "block_q_dkv": 64}}
+SCHEDULES = {"table": {}, "fused": {"dkv": "share", "dq": "fused", "block_q_dkv": 64},
+             "fused_tma": {"dkv": "share", "dq": "fused_tma", "block_q_dkv": 64}}
 BACKWARD = ("diff_flash_dq", "diff_flash_dkdv", "diff_flash_dkdvdq")
 
 
@@ -75,6 +77,18 @@ def summarize(launches: dict[str, list[float]]) -> dict:
     return {"kernels_ms": medians, "bwd_ms": bwd, "total_ms": sum(medians.values())}
 
 
+def tiles_of(d: int, schedule: str):
+    """The Tiles of `schedule` at d (bf16), checked by the shared-memory plan (a ValueError
+    naming the tile that does not fit)."""
+    import jax.numpy as jnp
+
+    from kernels import flash_mgpu, hopper
+
+    tiles = dataclasses.replace(hopper.tiles_for(d, jnp.bfloat16)[0], **SCHEDULES[schedule])
+    flash_mgpu.warpgroups(d, tiles)
+    return tiles
+
+
 def _child(d: int, schedule: str, args) -> None:
     """The profiled program: `--reps` + 1 gradient steps of the fused kernel (on the GPU)."""
     import jax
@@ -83,7 +97,7 @@ def _child(d: int, schedule: str, args) -> None:
     from attention import LAM, Shape, _fwd_and_step, _inputs, variants
     from kernels import BlockSizes, hopper
 
-    tiles = dataclasses.replace(hopper.tiles_for(d, jnp.bfloat16)[0], **SCHEDULES[schedule])
+    tiles = tiles_of(d, schedule)
     print(f"d={d} {schedule}: {hopper.tiles_text(tiles)}", flush=True)
     shape = Shape(args.tokens // args.t, args.t, args.heads, d)
     f = variants(BlockSizes(mosaic_gpu=tiles), None, with_cudnn=False)["fused"]
@@ -96,6 +110,10 @@ def _child(d: int, schedule: str, args) -> None:
 def profile(d: int, schedule: str, args, out: Path) -> dict:
     """One (d, schedule) row: the child under ncu, its log parsed and summarized."""
     row = {"d": d, "schedule": schedule, "T": args.t}
+    try:
+        tiles_of(d, schedule)
+    except ValueError as e:
+        return row | {"error": f"refused: {e}"}
     ncu = shutil.which("ncu")
     if ncu is None:
         return row | {"error": "ncu not on PATH"}
@@ -157,8 +175,8 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--schedules: unknown {', '.join(unknown)}; expected some of "
                 f"{', '.join(SCHEDULES)}")
+    sys.path.insert(0, str(ROOT))
     if args.run:
-        sys.path.insert(0, str(ROOT))
         _child(int(args.run[0]), args.run[1], args)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)

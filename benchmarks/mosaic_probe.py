@@ -41,6 +41,7 @@ PROBES = {
     "bwd-d128-share": (128, True, True, True, {"dkv": "share"}),
     "bwd-d64-fuseddq": (64, True, False, True, {"dkv": "share", "dq": "fused"}),
     "bwd-d128-fuseddq": (128, True, True, True, {"dkv": "share", "dq": "fused"}),
+    "bwd-d64-fusedtma": (64, True, True, True, {"dkv": "share", "dq": "fused_tma"}),
     "bwd-d96": (96, True, True, True, {}),
     "bwd-d128-fp16-noncausal": (128, False, False, True, {}),
 }

@@ -63,14 +63,15 @@ def cases(d: int) -> list[tuple[str, object, bool, tuple[str, ...]]]:
             for seg in (False, True) for a in (64, 128) for c in (64, 128)
             for s in flash_mgpu.DKV_SCHEDULES if s != "auto" for q in flash_mgpu.DQ_SCHEDULES
             # dQ fused: in the share kernel only (jax >= 0.11), with no dQ tile to vary
-            if q != "fused" or (flash_mgpu.FUSED_DQ and s == "share" and a == base.block_kv_dq)]
+            if q not in flash_mgpu.FUSED
+            or (flash_mgpu.FUSED_DQ and s == "share" and a == base.block_kv_dq)]
     out += [("table, split dQ", dataclasses.replace(base, dq="split"), seg, ("bwd",))
             for seg in (False, True)]
     out += [("table, share dK/dV", dataclasses.replace(base, dkv="share"), seg, ("bwd",))
             for seg in (False, True)]
     if flash_mgpu.FUSED_DQ:
-        out += [("table, fused dQ", dataclasses.replace(base, dkv="share", dq="fused"), seg,
-                 ("bwd",)) for seg in (False, True)]
+        out += [(f"table, {dq} dQ", dataclasses.replace(base, dkv="share", dq=dq), seg,
+                 ("bwd",)) for dq in flash_mgpu.FUSED for seg in (False, True)]
     return out
 
 
@@ -118,7 +119,7 @@ def sweep(dims: list[int]) -> list[dict]:
 
 def markdown(rows: list[dict], env: dict) -> str:
     """OUT.md: the table's tiles per d first (and with the split dQ, the share dK/dV, the
-    fused dQ), then every case."""
+    fused dQs), then every case."""
     table = [f"- d = {r['d']}, seg = {r['seg']}"
              f"{'' if r['case'] == 'table' else ', ' + r['case'].removeprefix('table, ')}: "
              f"{r['kernel']} "

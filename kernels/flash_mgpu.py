@@ -45,15 +45,19 @@ slot. The producer keeps 24 registers (`setmaxnreg`), compute warpgroups take th
   third barrier, hands dS2ᵀ to the dV warpgroup; each computes one component's dQ_c = dS_c·K_c
   (a wgmma with the transposed dS_cᵀ tile from shared memory and K_c, which the CTA holds
   anyway), bq × d, and adds it into a float32 dQ in global memory with atomic adds
-  (`plgpu.atomic_add`: red.global.add.v2.f32; the float32 sums start at zero in a `jax.Ref`
-  that the kernel takes, which jax 0.10 cannot trace; `bwd` scales and casts them). A pair
-  then costs 10 d-wide products, the backward's floor, against 14 with the dQ kernel (which
-  recomputes S and dP: 6 of its own) and "share" (16 with "split"): 5 in each warpgroup (S1ᵀ,
-  S2ᵀ, dV, dQ2; dPᵀ, dK1, dK2, dQ1). The price: the atomics' traffic, bq × d × 4 bytes a
-  component a step into L2, which only a GPU can weigh against the work saved, and the dK
-  warpgroup's registers, which hold dK1 + dK2 and the bq × d dQ1 tile (ptxas at bq = 64: no
-  spill a step at d = 64; at d = 128 a few, 19 spill instructions a step, 44 with segment ids;
-  benchmarks/results/mosaic_ptxas_sm90a_jax0.11.2.md).
+  (`plgpu.atomic_add`: red.global.add.f32, one an element, REDG.E.ADD.F32 in the SASS, 32 a
+  thread a step at d = 64; the float32 sums start at zero in a `jax.Ref` that the kernel
+  takes, which jax 0.10 cannot trace; `bwd` scales and casts them). "fused_tma" stages the
+  product in shared memory instead (bq × d float32 a warpgroup) and adds it with one TMA
+  reduce-add (UTMAREDG.ADD), whole lines into L2; the previous step's must have left the
+  buffer first (`wait_smem_to_gmem(read_only)`). Its buffers fit at d = 64 and 96 (bq = 64),
+  not at 128. A pair then costs 10 d-wide products, the backward's floor, against 14 with the
+  dQ kernel (which recomputes S and dP: 6 of its own) and "share" (16 with "split"): 5 in each
+  warpgroup (S1ᵀ, S2ᵀ, dV, dQ2; dPᵀ, dK1, dK2, dQ1). The price: the additions' traffic, bq × d
+  × 4 bytes a component a step into L2, which only a GPU can weigh against the work saved, and
+  the dK warpgroup's registers, which hold dK1 + dK2 and the bq × d dQ1 tile (ptxas at
+  bq = 64: no spill a step at d = 64; at d = 128 a few, 19 spill instructions a step, 44 with
+  segment ids; benchmarks/results/mosaic_ptxas_sm90a_jax0.11.2.md).
 
 Registers (f32, per thread of a compute warpgroup; budget `compute_registers`: 240 with two
 compute warpgroups, 256 with one; the split dK/dV schedule gives its dK warpgroup 256 and its dV
@@ -135,8 +139,9 @@ PRODUCER_REGISTERS = 24
 HEAD_DIMS = (64, 96, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 DKV_SCHEDULES = ("auto", "rows", "split", "share")
-DQ_SCHEDULES = ("rows", "split", "fused")
-# "fused" dQ passes a float32 `jax.Ref` to the kernel to add into: plgpu.kernel takes Ref arguments
+DQ_SCHEDULES = ("rows", "split", "fused", "fused_tma")
+FUSED = ("fused", "fused_tma")  # dQ in the dK/dV kernel: atomic adds, or TMA reduce-adds
+# fused dQ passes a float32 `jax.Ref` to the kernel to add into: plgpu.kernel takes Ref arguments
 # (aliased in and out) from jax 0.11; jax 0.10 fails to trace one.
 FUSED_DQ = jax.__version_info__ >= (0, 11)
 _PARAMS = plgpu.CompilerParams(approx_math=True)
@@ -164,7 +169,10 @@ class Tiles:
     each computes dP = dO·Vᵀ: a third more tensor-core work for half the accumulators a
     thread, where one "rows" warpgroup at d = 128 spills) or "fused" (no dQ kernel: the
     "share" dK/dV kernel adds each step's dS_c·K_c into a float32 dQ in global memory with
-    atomic adds, so S and dP are computed once a pair; jax ≥ 0.11, dkv "share").
+    atomic adds from registers, so S and dP are computed once a pair; jax ≥ 0.11, dkv
+    "share") or "fused_tma" (as "fused", the product staged in shared memory, bq × d float32
+    a warpgroup, and added by a TMA reduce-add: whole lines into L2, where each atomic covers
+    one element; shared memory holds it at d = 64 and 96).
     """
 
     block_kv: int
@@ -193,12 +201,12 @@ class Tiles:
         if self.dq not in DQ_SCHEDULES:
             raise ValueError(f"Mosaic GPU tiles: dq must be one of {DQ_SCHEDULES}, "
                              f"got {self.dq!r}")
-        if self.dq == "fused" and self.dkv != "share":
-            raise ValueError(f"Mosaic GPU tiles: dq='fused' runs in the dkv='share' kernel, "
+        if self.dq in FUSED and self.dkv != "share":
+            raise ValueError(f"Mosaic GPU tiles: dq={self.dq!r} runs in the dkv='share' kernel, "
                              f"got dkv={self.dkv!r}")
-        if self.dq == "fused" and not FUSED_DQ:
-            raise ValueError(f"Mosaic GPU tiles: dq='fused' needs jax >= 0.11 (a Ref argument "
-                             f"to plgpu.kernel), this is jax {jax.__version__}")
+        if self.dq in FUSED and not FUSED_DQ:
+            raise ValueError(f"Mosaic GPU tiles: dq={self.dq!r} needs jax >= 0.11 (a Ref "
+                             f"argument to plgpu.kernel), this is jax {jax.__version__}")
 
 
 def supports(dtype: jax.typing.DTypeLike, head_dim: int, nc: int) -> bool:
@@ -264,8 +272,9 @@ def _dq_scratch(d: int, tiles: Tiles, wgs: int, dt, has_seg: bool, split: bool =
 def _dkv_scratch(d: int, tiles: Tiles, wgs: int, split: bool, dt, has_seg: bool) -> list:
     """[buffers, barriers]: K1, K2 (64 × d) and V (64 × 2d) per warpgroup (once when `split`);
     the Q1, Q2 (bq × d) and dO (bq × 2d) rings with lse, δ; λ and segment vectors; with
-    "share", P1ᵀ and P2ᵀ (64 × bq) and their barriers (written, read; with "fused" dQ the
-    dS1ᵀ, dS2ᵀ that replace them written)."""
+    "share", P1ᵀ and P2ᵀ (64 × bq) and their barriers (written, read; with fused dQ the
+    dS1ᵀ, dS2ᵀ that replace them written); with "fused_tma" the two warpgroups' float32 dQ
+    products (bq × d)."""
     bq, stages = tiles.block_q_dkv, tiles.stages
     copies = 1 if split else wgs
     share = tiles.dkv == "share"  # `warpgroups` takes it as split, or refuses it
@@ -276,14 +285,15 @@ def _dkv_scratch(d: int, tiles: Tiles, wgs: int, split: bool, dt, has_seg: bool)
          plgpu.SMEM((stages, 4, bq), jnp.float32), plgpu.SMEM((wgs, ROWS), jnp.float32),
          plgpu.SMEM((wgs, ROWS), i32) if has_seg else None,
          plgpu.SMEM((stages, bq), i32) if has_seg else None,
-         # P1ᵀ, P2ᵀ: K's swizzle, as dQ "fused" multiplies the dSᵀ written over them with K
-         _smem((2, ROWS, bq), dt, like=d) if share else None),
+         # P1ᵀ, P2ᵀ: K's swizzle, as fused dQ multiplies the dSᵀ written over them with K
+         _smem((2, ROWS, bq), dt, like=d) if share else None,
+         (plgpu.SMEM((bq, d), jnp.float32),) * 2 if tiles.dq == "fused_tma" else None),
         (plgpu.Barrier(num_barriers=5 * wgs), plgpu.Barrier(num_barriers=2 * stages),
          plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2 * stages),
          plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
          *([plgpu.Barrier(num_arrivals=2, num_barriers=1)] if split else []),
-         *([plgpu.Barrier(num_barriers=3 if tiles.dq == "fused" else 2)] if share else [])),
+         *([plgpu.Barrier(num_barriers=3 if tiles.dq in FUSED else 2)] if share else [])),
     ]
 
 
@@ -339,7 +349,7 @@ def _overflow(name: str, tiles: Tiles, need: int, d: int) -> ValueError:
 def warpgroups(d: int, tiles: Tiles) -> tuple[int, int, bool]:
     """(dQ's compute warpgroups, dK/dV's compute warpgroups, whether dK/dV splits its rows'
     accumulators across two of them). Two warpgroups where shared memory holds them, else one;
-    dQ "split" always two (on the same 64 rows); dQ "fused" none (no dQ kernel).
+    dQ "split" always two (on the same 64 rows); fused dQ none (no dQ kernel).
 
     dK/dV "auto": "rows" while `dkv_registers` fits `compute_registers` (240 with two compute
     warpgroups, 256 with one), else "split" where shared memory holds it. Raises a ValueError
@@ -348,7 +358,7 @@ def warpgroups(d: int, tiles: Tiles) -> tuple[int, int, bool]:
     tiles.check()
     if fwd_smem(d, tiles) > SMEM_BYTES:
         raise _overflow("block_kv", tiles, fwd_smem(d, tiles), d)
-    if tiles.dq == "fused":
+    if tiles.dq in FUSED:
         wgs_dq = 0
     elif tiles.dq == "split":
         if dq_smem(d, tiles, 2, split=True) > SMEM_BYTES:
@@ -437,6 +447,14 @@ class _Ops:
             ref[...] = ref[...] + x
         else:
             plgpu.atomic_add(ref, x)
+
+    def reduce_add(self, src, dst):
+        """dst += src by a TMA reduce-add (src a float32 SMEM ref, dst a GMEM ref of its shape),
+        committed as a bulk group (`plgpu.wait_smem_to_gmem`). Interpreted, as `atomic_add`."""
+        if self.emulate:
+            dst[...] = dst[...] + src[...]
+        else:
+            plgpu.copy_smem_to_gmem(src, dst, reduction_op="add")
 
     def iota(self, shape, dim):
         """int32 iota in the WGMMA register layout."""
@@ -863,7 +881,7 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, share, fused, c
     q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, lam_ref, *refs = refs
     qs_ref, ks_ref, *refs = refs if has_seg else (None, None, *refs)
     dqa_ref, *refs = refs if fused else (None, *refs)
-    dk_ref, dv_ref, (k_s, v_s, q_r, do_r, st_r, lam_s, ks_s, qs_r, p_s), bars = refs
+    dk_ref, dv_ref, (k_s, v_s, q_r, do_r, st_r, lam_s, ks_s, qs_r, p_s, dq_s), bars = refs
     in_bar, q_bar, do_bar, st_bar, qs_bar, consumed, *done = bars
     # "share": P1ᵀ, P2ᵀ written (at 0) and read (at 1); "fused" dQ: dS1ᵀ, dS2ᵀ written over
     # them (at 2), and "read" waits for the dQ products that read them too
@@ -911,7 +929,14 @@ def _dkv_body(*refs, causal, has_seg, d, bq, stages, wgs, split, share, fused, c
             """dQ_c of query tile i, head r of the group += dS_c·K_c: dS_cᵀ from p_s[c]."""
             part = ops.dot(p_s.at[c], k_s.at[own, c], transpose_a=True)  # (bq, d)
             dq_sums = dqa_ref.at[b, j] if ops.emulate else dqa_ref.at[b]  # `bwd`: a CTA's own
-            ops.atomic_add(dq_sums.at[pl.ds(i * bq, bq), 2 * (g * n_rep + r) + c], part)
+            dst = dq_sums.at[pl.ds(i * bq, bq), 2 * (g * n_rep + r) + c]
+            if dq_s is None:
+                ops.atomic_add(dst, part)
+                return
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's has left dq_s[c]
+            dq_s[c][...] = part
+            plgpu.commit_smem()
+            ops.reduce_add(dq_s[c], dst)
 
         def step(i, carry, r, boundary):
             dks, dv = carry
@@ -1050,7 +1075,7 @@ def bwd(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array, q_seg: jax.Arr
         causal: bool, tiles: Tiles,
         interpret: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients (dq, dk, dv) in the input dtypes: two kernels (dQ, then dK/dV), or one with
-    `tiles.dq` "fused" (dK/dV adding into dQ's float32 sums).
+    `tiles.dq` "fused" or "fused_tma" (dK/dV adding into dQ's float32 sums).
 
     q (B, T, 2H, d), k (B, S, 2Hkv, d), v (B, S, Hkv, 2d), do (B, T, H, 2d); lse and delta
     (B, H, 2, T) float32 (natural-log lse; δ1 = rowsum(dO∘O) + λ·r2, δ2 = −λ·r2).
@@ -1061,7 +1086,7 @@ def bwd(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array, q_seg: jax.Arr
     h = hq // 2
     n_rep = h // hkv
     wgs_dq, wgs_dkv, split = warpgroups(d, tiles)
-    split_dq, fused = tiles.dq == "split", tiles.dq == "fused"
+    split_dq, fused = tiles.dq == "split", tiles.dq in FUSED
     bk, bq, stages = tiles.block_kv_dq, tiles.block_q_dkv, tiles.stages
     rows_dq = 1 if fused else ROWS if split_dq else ROWS * wgs_dq  # query rows of a dQ CTA
     rows_dkv = ROWS if split else ROWS * wgs_dkv  # kv rows of a dK/dV CTA

@@ -145,11 +145,11 @@ def _check_gpu(gpu: str, where: str) -> None:
 
 
 def _tiles(row: dict) -> Tiles:
-    """A row's Tiles. A row tuned to dQ "fused" (jax >= 0.11) runs its dK/dV schedule with the
+    """A row's Tiles. A row tuned to fused dQ (jax >= 0.11) runs its dK/dV schedule with the
     "rows" dQ kernel on a jax without it (`flash_mgpu.FUSED_DQ`), so that a table written on
     the GPU machine's jax still reads, and runs, on jax 0.10."""
     dq = row.get("dq", "rows")
-    if dq == "fused" and not flash_mgpu.FUSED_DQ:
+    if dq in flash_mgpu.FUSED and not flash_mgpu.FUSED_DQ:
         dq = "rows"
     return Tiles(row["block_kv"], row["block_kv_dq"], row["block_q_dkv"], row["stages"],
                  row.get("dkv", "auto"), row.get("pingpong", True), dq)

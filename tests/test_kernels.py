@@ -822,10 +822,12 @@ def test_kernel_profile_reads_ncu_logs_and_records_why_a_row_is_missing(tmp_path
     thousands separators as ncu writes them; other kernels ignored) gives each Mosaic kernel's
     launches; the first is dropped and the median of the rest kept, the backward summed. The
     driver runs ncu with the child and reads its --log-file (here a stand-in ncu that writes
-    NCU_LOG and runs nothing); no ncu, a failing one, an unknown unit and a spent --budget are
-    rows that say so."""
+    NCU_LOG and runs nothing); no ncu, a failing one, an unknown unit, tiles the shared-memory
+    plan refuses and a spent --budget are rows that say so. The fused dQ's jax gate is lifted
+    (jax 0.10 refuses it): the driver is what is under test."""
     import kernel_profile
 
+    monkeypatch.setattr(flash_mgpu, "FUSED_DQ", True)
     launches = kernel_profile.parse_ncu(NCU_LOG)
     assert launches == {"diff_flash_fwd": pytest.approx([2.5, 1.0, 1.2]),
                         "diff_flash_dq": pytest.approx([3.0, 2.5, 2.7]),
@@ -866,9 +868,12 @@ def test_kernel_profile_reads_ncu_logs_and_records_why_a_row_is_missing(tmp_path
     assert row["error"].startswith("exit 3"), row
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert kernel_profile.profile(64, "table", _profile_args(), out)["error"] == "ncu not on PATH"
+    row = kernel_profile.profile(128, "fused_tma", _profile_args(), out)
+    assert row["error"].startswith("refused: Mosaic GPU tiles: block_q_dkv=64 with stages=2 "
+                                   "needs 277 KiB"), row
     assert kernel_profile.main(["--out", str(out), "--head-dims", "64", "--budget", "10"]) == 0
     rows = json.loads((out / "kernel_profile.json").read_text())
-    assert [r["error"] for r in rows] == ["skipped: 10 s of --budget left"] * 2
+    assert [r["error"] for r in rows] == ["skipped: 10 s of --budget left"] * 3
     with pytest.raises(SystemExit):
         kernel_profile.main(["--schedules", "fast"])
 

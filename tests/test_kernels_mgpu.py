@@ -53,6 +53,8 @@ CASES = {
                                                {"dkv": "share"}),
     "mha-causal-segments-neg-lam-d64-share-fuseddq": (
         1, 130, 2, 2, 64, True, True, jnp.bfloat16, -0.5, {"dkv": "share", "dq": "fused"}),
+    "gqa-causal-segments-d64-share-fusedtma": (
+        1, 130, 4, 2, 64, True, True, jnp.bfloat16, 0.6, {"dkv": "share", "dq": "fused_tma"}),
     "gqa-noncausal-d128-fp16-share-fuseddq": (1, 130, 4, 2, 128, False, False, jnp.float16, 0.7,
                                               {"dkv": "share", "dq": "fused"}),
     "mha-noncausal-lam0-d128-fp16": (1, 130, 1, 1, 128, False, False, jnp.float16, 0.0, {}),
@@ -74,8 +76,8 @@ def test_mosaic_kernel_matches_float64_reference(name, capsys):
     shared-memory race detector: every access ordered by a barrier (and, on jax 0.11, a TMA
     refill of a slot read with generic loads ordered by a proxy fence)."""
     b, t, h, hkv, d, causal, segments, dtype, lam, fields = CASES[name]
-    if fields.get("dq") == "fused" and not flash_mgpu.FUSED_DQ:
-        pytest.skip("dq='fused' needs jax >= 0.11 (CI runs this file on jax 0.11.2 too)")
+    if fields.get("dq") in flash_mgpu.FUSED and not flash_mgpu.FUSED_DQ:
+        pytest.skip("fused dQ needs jax >= 0.11 (CI runs this file on jax 0.11.2 too)")
     q, k, v, do, seg = make_inputs(b, t, h, hkv, d, dtype, seed=len(name), segments=segments)
     interpret = InterpretGPUParams(detect_races=True)
     tiles = dataclasses.replace(hopper.tiles_for(d, dtype, kind="")[0], **fields)
@@ -154,13 +156,13 @@ def test_cuda_export_hopper_lowers_mosaic_kernels(d, dtype):
     assert text.count(TRITON) == 3 and MOSAIC not in text
 
 
-@pytest.mark.skipif(not flash_mgpu.FUSED_DQ, reason="dq='fused' needs jax >= 0.11")
-@pytest.mark.parametrize("d", [64, 128])
-def test_cuda_export_fused_dq_is_one_backward_kernel(d):
+@pytest.mark.skipif(not flash_mgpu.FUSED_DQ, reason="fused dQ needs jax >= 0.11")
+@pytest.mark.parametrize("d,dq", [(64, "fused"), (128, "fused"), (64, "fused_tma")])
+def test_cuda_export_fused_dq_is_one_backward_kernel(d, dq):
     """dQ fused into the share dK/dV kernel: the backward is one Mosaic kernel (no dQ kernel),
-    which adds into dQ's float32 sums in place with atomic adds."""
+    which adds into dQ's float32 sums in place with atomic adds or TMA reduce-adds."""
     tiles = dataclasses.replace(hopper.tiles_for(d, jnp.bfloat16, kind="")[0], dkv="share",
-                                dq="fused", block_q_dkv=64)
+                                dq=dq, block_q_dkv=64)
     text = export.export(_fwd_bwd("pallas", BlockSizes(mosaic_gpu=tiles)),
                          platforms=["cuda"])(*_abstract(d=d)).mlir_module()
     assert text.count(MOSAIC) == 2 and TRITON not in text
@@ -221,6 +223,8 @@ def _lowered_smem(fn, args, limit):
     (128, flash_mgpu.Tiles(64, 64, 64, 2, dq="split"), True),  # dQ's Q and dO held once
     (128, flash_mgpu.Tiles(64, 64, 64, 2, dkv="share"), True),  # and the shared P tiles
     pytest.param(96, flash_mgpu.Tiles(64, 64, 64, 2, dkv="share", dq="fused"), True,
+                 marks=pytest.mark.skipif(not flash_mgpu.FUSED_DQ, reason="jax >= 0.11")),
+    pytest.param(96, flash_mgpu.Tiles(64, 64, 64, 2, dkv="share", dq="fused_tma"), True,
                  marks=pytest.mark.skipif(not flash_mgpu.FUSED_DQ, reason="jax >= 0.11"))])
 def test_shared_memory_plans_are_what_the_lowering_allocates(d, tiles, seg):
     """`warpgroups` judges tiles by plans built from the kernels' own scratch lists; each plan

@@ -70,7 +70,8 @@ FLOPS_PER_PAIR = {
     "tokamax_two": (12, 28), "cudnn_four": (16, 40), "c_pallas_h128": (8, 20),
     "cudnn_h_2d": (8, 20), "cudnn_2h_d": (8, 20), "xla": (12, 20),
 }
-GPU_VARIANTS = ("fused", "fused_triton", "cudnn_2h_d", "cudnn_h_2d", "cudnn_four", "tokamax_two")
+# the summary's routes first (a --deadline cuts the rest of a T's rows)
+GPU_VARIANTS = ("fused", "cudnn_2h_d", "tokamax_two", "cudnn_h_2d", "cudnn_four", "fused_triton")
 CPU_VARIANTS = ("fused", "a_two_pallas", "c_pallas_h128")
 SUMMARY_T = 4096
 
@@ -281,18 +282,20 @@ def _rel(a, b) -> float:
 # (B, T, H, Hkv, d, causal, segments, dtype, λ[, Mosaic Tiles fields]): the cases the Mosaic
 # kernel takes on Hopper (bf16/fp16, d ∈ {64, 96, 128}) first, then the Triton ones (float32,
 # d = 32), so a --deadline skips the fallback (measured on an H100 before) and not the new
-# kernel; the table's tiles at d = 64 and 128 first, each followed by dQ fused into the share
-# dK/dV kernel (no GPU has run it yet). The five with Tiles fields run the dK/dV and dQ
-# schedules the table does not pick at their d ("rows" and "share" dK/dV, "split" and "fused"
-# dQ) and the forward without ping-pong, so `--tune` compares only checked schedules.
+# kernel. First the schedules no GPU has run (the "share" dK/dV kernel, with dQ fused into it
+# at d = 64 and 128, atomics then TMA reduce-adds, and with a dQ kernel at 128: a 15-minute
+# session's check reaches about four cases), then the table's tiles at d = 64 and 128 (checked
+# on an H100). The six with Tiles fields run the dK/dV and dQ schedules the table does not pick
+# at their d ("rows" and "share" dK/dV, "split", "fused" and "fused_tma" dQ) and the forward
+# without ping-pong, so `--tune` compares only checked schedules.
 CHECK_CASES = [
-    (2, 512, 4, 4, 64, True, False, jnp.bfloat16, 0.8),
-    # dQ fused into the share dK/dV kernel, the schedules no GPU has run yet, first: its atomic
-    # adds run only on the GPU (a read, add and write in the CPU interpreter)
+    # atomic and TMA reduce-adds run only on the GPU (a read, add and write in the interpreter)
     (1, 333, 8, 2, 64, True, True, jnp.bfloat16, 0.3, {"dkv": "share", "dq": "fused"}),
-    (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5),  # d = 128: the 3B config's width
     (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5, {"dkv": "share", "dq": "fused"}),
+    (1, 333, 8, 2, 64, True, True, jnp.bfloat16, 0.3, {"dkv": "share", "dq": "fused_tma"}),
     (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5, {"dkv": "share"}),
+    (2, 512, 4, 4, 64, True, False, jnp.bfloat16, 0.8),
+    (1, 384, 4, 2, 128, True, True, jnp.bfloat16, 0.5),  # d = 128: the 3B config's width
     (1, 333, 8, 2, 64, True, True, jnp.bfloat16, 0.3),
     (1, 333, 8, 2, 64, True, True, jnp.bfloat16, 0.3,
      {"dkv": "rows", "pingpong": False, "dq": "split"}),
@@ -495,87 +498,138 @@ def _gpu_name(kind: str) -> str:
 TUNE_AGREEMENT = 3e-2
 
 
+class _Width:
+    """One head width's tuning: its shape (bf16, causal, T = --tune-t), its rows, and the outputs
+    of its first setting that ran, which every later one must match to `TUNE_AGREEMENT`."""
+
+    def __init__(self, d: int, args, deadline: Deadline, rows: list[dict]):
+        self.d, self.deadline, self.rows = d, deadline, rows  # rows: every width's, as they ran
+        self.shape = Shape(max(1, args.tokens // args.tune_t), args.tune_t, args.heads, d)
+        self.base = hopper.tiles_for(d, jnp.bfloat16)[0]
+        self.first: list = []
+        self.tried: set[str] = set()  # resolved tiles already measured (or refused)
+
+    def run(self, stage: str, tiles) -> None:
+        """Measure `tiles` (once: a setting that resolves to one measured before is skipped) and
+        append its row: times, or the error (shared memory refuses the tiles, a failed compile,
+        disagreement with the first setting, the deadline)."""
+        r = {"d": self.d, "stage": stage, "tiles": hopper.tiles_text(tiles)}
+        if self.deadline.passed():
+            self.rows.append(r | {"error": "skipped: deadline"})
+            return
+        refused = None
+        try:
+            split = flash_mgpu.warpgroups(self.d, tiles)[2]
+        except ValueError as e:  # shared memory does not hold them: nothing to compile
+            refused, key = repr(e)[:300], r["tiles"]
+        else:
+            r["dkv"] = ("share" if tiles.dkv == "share" else "split") if split else "rows"
+            key = hopper.tiles_text(dataclasses.replace(tiles, dkv=r["dkv"]))
+        if key in self.tried:
+            return
+        self.tried.add(key)
+        if refused is not None:
+            self.rows.append(r | {"error": refused})
+            return
+        print(f"tune d={self.d} {stage}: {r['tiles']}", flush=True)  # before its compile
+        try:
+            f = variants(BlockSizes(mosaic_gpu=tiles), None, with_cudnn=False)["fused"]
+            m = bench_one("fused", f, self.shape, jnp.bfloat16, reps=3, samples=3,
+                          keep_outputs=True)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile or run
+            self.rows.append(r | {"error": repr(e)[:300]})
+            return
+        r |= {k: m[k] for k in ("fwd_ms", "total_ms", "fwd_tflops", "bwd_tflops")}
+        if not self.first:
+            self.first.append(m["outputs"])
+            self.rows.append(r | {"vs_first": 0.0})
+            return
+        r["vs_first"] = max(_rel(a, b) for a, b in zip(m["outputs"], self.first[0]))
+        if not r["vs_first"] <= TUNE_AGREEMENT:  # NaN disagrees too
+            r["error"] = (f"disagrees with the first setting of d={self.d}: max relative "
+                          f"difference of out, dq, dk, dv, dλ {r['vs_first']:.3g} > "
+                          f"{TUNE_AGREEMENT}")
+        self.rows.append(r)
+
+    def fastest(self, with_dq_kernel: bool = False):
+        """The Tiles of the fastest agreeing row by total time (with `with_dq_kernel`, among
+        those with a dQ kernel), its dK/dV schedule resolved; None before one ran."""
+        ok = [r for r in self.rows if r["d"] == self.d and "error" not in r and not (
+            with_dq_kernel and hopper.parse_tiles(r["tiles"]).dq in flash_mgpu.FUSED)]
+        if not ok:
+            return None
+        best = min(ok, key=lambda r: r["total_ms"])
+        return dataclasses.replace(hopper.parse_tiles(best["tiles"]), dkv=best["dkv"])
+
+
+def _tune_plan(w: _Width):
+    """One width's settings, a phase each `next` (a generator), each phase on the fastest
+    agreeing setting so far by total time (a phase varies only its own fields):
+      table     the table's tiles, the setting every later one must agree with;
+      fused     dQ fused into the "share" dK/dV kernel (one backward kernel): atomics at
+                block_q_dkv 64 and 128, TMA reduce-adds at 64 (a row records shared memory's
+                refusal at d = 128);
+      fwd       the forward's (block_kv, stages), then the fastest with ping-pong switched;
+      bwd       (block_kv_dq, block_q_dkv) with a dQ kernel: on the fastest setting that has one
+                (or the table's schedule with the "rows" dQ kernel) with the fastest forward's
+                fields;
+      schedule  the fastest with a dQ kernel under each dK/dV schedule it does not run, then
+                the fastest of those under the other dQ kernel schedule."""
+    w.run("table", w.base)
+    yield
+    best = w.fastest() or w.base
+    for dq, bq in (("fused", 64), ("fused", 128), ("fused_tma", 64)):
+        w.run("fused", dataclasses.replace(best, dkv="share", dq=dq, block_q_dkv=bq))
+    yield
+    best = w.fastest() or w.base
+    for bk in (64, 128):
+        for st in (2, 3):
+            w.run("fwd", dataclasses.replace(best, block_kv=bk, stages=st))
+    best = w.fastest()
+    if best is not None:
+        w.run("fwd", dataclasses.replace(best, pingpong=not best.pingpong))
+    yield
+    best = w.fastest() or w.base
+    two = w.fastest(with_dq_kernel=True) or dataclasses.replace(best, dkv="auto", dq="rows")
+    two = dataclasses.replace(two, block_kv=best.block_kv, stages=best.stages,
+                              pingpong=best.pingpong)
+    for a in (64, 128):
+        for c in (64, 128):
+            w.run("bwd", dataclasses.replace(two, block_kv_dq=a, block_q_dkv=c))
+    yield
+    two = w.fastest(with_dq_kernel=True)
+    if two is not None:
+        for other in flash_mgpu.DKV_SCHEDULES:
+            if other not in ("auto", two.dkv):
+                w.run("schedule", dataclasses.replace(two, dkv=other))
+        two = w.fastest(with_dq_kernel=True)
+        w.run("schedule", dataclasses.replace(two, dq="rows" if two.dq == "split" else "split"))
+
+
 def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
-    """Bounded sweep of the Mosaic kernel's tiles per d (bf16, causal, T = --tune-t): first the
-    forward's (block_kv, stages), then the best of those with ping-pong switched, then the
-    backward's (block_kv_dq, block_q_dkv) with the best forward, then the best of those with dQ
-    fused into the "share" dK/dV kernel (block_q_dkv 64 and 128), then the best backward with a
-    dQ kernel under each dK/dV schedule its "auto" did not pick ("rows", "split", "share"), then
-    the best of those under the other dQ kernel schedule; tiles that do not fit shared memory
-    are recorded as such. Each setting's output and gradients must agree with the first
-    setting's to `TUNE_AGREEMENT` (`vs_first`), or it is an error row and cannot win.
-    --tune-write stores the best per d in the table."""
-    rows = []
-    for d in head_dims:
-        shape = Shape(max(1, args.tokens // args.tune_t), args.tune_t, args.heads, d)
-        base, _ = hopper.tiles_for(d, jnp.bfloat16)
-        first: list = []  # the outputs of the first setting that ran: what every later one matches
-
-        def run(stage, tiles):
-            r = {"d": d, "stage": stage, "tiles": hopper.tiles_text(tiles)}
-            if deadline.passed():
-                return r | {"error": "skipped: deadline"}
+    """Bounded sweep of the Mosaic kernel's tiles (bf16, causal, T = --tune-t): a greedy descent
+    per head width (`_tune_plan`), phase-major across the widths, so that a deadline leaves
+    every width its first phases (the table's tiles and the fused dQ) rather than one width
+    all of them. Tiles that shared memory refuses are rows that say so; a setting whose output
+    and gradients differ from its width's first setting's by more than `TUNE_AGREEMENT`
+    (`vs_first`) is an error row and cannot win. --tune-write stores the fastest per d in the
+    table. Rows in the order they ran."""
+    rows: list[dict] = []
+    widths = [_Width(d, args, deadline, rows) for d in head_dims]
+    plans = [_tune_plan(w) for w in widths]
+    while plans:  # phase k of every width, then phase k + 1
+        for plan in list(plans):
             try:
-                split = flash_mgpu.warpgroups(d, tiles)[2]
-                r["dkv"] = ("share" if tiles.dkv == "share" else "split") if split else "rows"
-                f = variants(BlockSizes(mosaic_gpu=tiles), None, with_cudnn=False)["fused"]
-                m = bench_one("fused", f, shape, jnp.bfloat16, reps=3, samples=3,
-                              keep_outputs=True)
-            except Exception as e:  # noqa: BLE001 - a config that does not fit or compile
-                return r | {"error": repr(e)[:300]}
-            r |= {k: m[k] for k in ("fwd_ms", "total_ms", "fwd_tflops", "bwd_tflops")}
-            if not first:
-                first.append(m["outputs"])
-                return r | {"vs_first": 0.0}
-            r["vs_first"] = max(_rel(a, b) for a, b in zip(m["outputs"], first[0]))
-            if not r["vs_first"] <= TUNE_AGREEMENT:  # NaN disagrees too
-                r["error"] = (f"disagrees with the first setting of d={d}: max relative "
-                              f"difference of out, dq, dk, dv, dλ {r['vs_first']:.3g} > "
-                              f"{TUNE_AGREEMENT}")
-            return r
-
-        fwd_rows = [run("fwd", dataclasses.replace(base, block_kv=bk, stages=st, dkv="auto"))
-                    for bk in (64, 128) for st in (2, 3)]
-        ok = [r for r in fwd_rows if "error" not in r]
-        if ok:  # the best forward with ping-pong switched
-            best = hopper.parse_tiles(min(ok, key=lambda r: r["fwd_ms"])["tiles"])
-            fwd_rows.append(run("fwd", dataclasses.replace(best, pingpong=not best.pingpong)))
-            ok = [r for r in fwd_rows if "error" not in r]
-        best_fwd = hopper.parse_tiles(min(ok, key=lambda r: r["fwd_ms"])["tiles"]) if ok else base
-        # the backward tiles with a dQ kernel (a table row tuned to fused dQ has none to vary)
-        two_kernel = dataclasses.replace(best_fwd, dq="rows" if best_fwd.dq == "fused"
-                                         else best_fwd.dq)
-        bwd_rows = [run("bwd", dataclasses.replace(two_kernel, block_kv_dq=a, block_q_dkv=c))
-                    for a in (64, 128) for c in (64, 128)]
-
-        def fastest(fused: bool):  # the fastest backward row with (or without) a dQ kernel
-            ok = [r for r in bwd_rows if "error" not in r
-                  and r["tiles"].endswith(",fused") == fused]
-            return min(ok, key=lambda r: r["total_ms"]) if ok else None
-
-        if fastest(False):
-            best = hopper.parse_tiles(fastest(False)["tiles"])
-            # dQ fused into the "share" dK/dV kernel (one backward kernel) first, the setting
-            # no GPU has measured (a deadline cuts the later ones), at both of its q tiles:
-            # without the dQ kernel's shared memory and work, they trade otherwise
-            bwd_rows += [run("bwd", dataclasses.replace(best, dkv="share", dq="fused",
-                                                        block_q_dkv=c)) for c in (64, 128)]
-            # the best with a dQ kernel under each other dK/dV schedule
-            bwd_rows += [run("bwd", dataclasses.replace(best, dkv=other))
-                         for other in flash_mgpu.DKV_SCHEDULES
-                         if other not in ("auto", fastest(False)["dkv"])]
-            best = hopper.parse_tiles(fastest(False)["tiles"])
-            bwd_rows.append(run("bwd", dataclasses.replace(  # and under the other dQ kernel
-                best, dq="rows" if best.dq == "split" else "split")))
-        rows += fwd_rows + bwd_rows
-        ok = [r for r in bwd_rows if "error" not in r]
-        if ok and args.tune_write:
-            best = min(ok, key=lambda r: r["total_ms"])
-            tiles = dataclasses.replace(hopper.parse_tiles(best["tiles"]), dkv=best["dkv"])
+                next(plan)
+            except StopIteration:
+                plans.remove(plan)
+    for w in widths:
+        best = w.fastest()
+        if best is not None and args.tune_write:
             kind = _gpu_name(hopper.device_kind())
-            hopper.record(kind, d, jnp.bfloat16, tiles, f"benchmarks/attention.py --tune, "
+            hopper.record(kind, w.d, jnp.bfloat16, best, f"benchmarks/attention.py --tune, "
                           f"T={args.tune_t}, {environment()['date']}")
-            print(f"recorded {kind} d={d}: {tiles}", flush=True)
+            print(f"recorded {kind} d={w.d}: {best}", flush=True)
     return rows
 
 

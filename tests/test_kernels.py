@@ -783,17 +783,22 @@ def test_mosaic_probe_kills_a_probe_past_its_limit_and_records_each_probe(tmp_pa
 
 
 def test_gpu_check_runs_the_mosaic_cases_first():
-    """attention.py --check stops at its deadline (the GPU session's check stage runs ~12
-    compiles in 140 s): the cases the Mosaic kernel takes on Hopper, the schedules --tune
-    compares among them, come before the Triton fallback's, which were last-but-two and so
-    the first a deadline skipped."""
+    """attention.py --check stops at its deadline (a case took 35 s on an H100: a 15-minute
+    GPU session's check reaches about four): the cases the Mosaic kernel takes on Hopper, the
+    schedules --tune compares among them, come before the Triton fallback's, which were
+    last-but-two and so the first a deadline skipped; the share dK/dV schedule no GPU has run,
+    with fused dQ at both widths first, comes before the table's tiles (checked on an H100)."""
     import attention as bench
 
     mosaic = [flash_mgpu.supports(dtype, d, 2) for _, _, _, _, d, _, _, dtype, *_ in
               bench.CHECK_CASES]
     assert mosaic == sorted(mosaic, reverse=True) and 0 < sum(mosaic) < len(mosaic)
     schedules = [n for n, case in enumerate(bench.CHECK_CASES) if len(case) == 10]
-    assert len(schedules) == 5 and all(mosaic[n] for n in schedules)
+    assert len(schedules) == 6 and all(mosaic[n] for n in schedules)
+    first = [(case[4], case[-1]) for case in bench.CHECK_CASES[:4]]
+    assert first[:2] == [(64, {"dkv": "share", "dq": "fused"}),
+                         (128, {"dkv": "share", "dq": "fused"})]
+    assert all(fields.get("dkv") == "share" for _, fields in first)
     checked = {bench.CHECK_CASES[n][-1].get("dkv") for n in schedules}
     assert checked >= set(flash_mgpu.DKV_SCHEDULES) - {"auto", "split"}  # split: the table's
     assert {bench.CHECK_CASES[n][-1].get("dq", "rows") for n in schedules} == set(
@@ -884,9 +889,10 @@ def _profile_args():
     return argparse.Namespace(t=4096, tokens=32768, heads=16, reps=3, limit=60.0)
 
 
-def _tune_d64(monkeypatch, bench, variants, bench_one):
-    """attention.py's `tune` at d = 64 with --tune-write, its `variants` and `bench_one` replaced:
-    (its rows, the tiles text of each `hopper.record` call, which writes nothing here)."""
+def _tune(monkeypatch, bench, variants, bench_one, dims=(64,)):
+    """attention.py's `tune` over head widths `dims` with --tune-write, its `variants` and
+    `bench_one` replaced: (its rows, the tiles text of each `hopper.record` call, which writes
+    nothing here)."""
     import argparse
 
     recorded = []
@@ -895,7 +901,7 @@ def _tune_d64(monkeypatch, bench, variants, bench_one):
     monkeypatch.setattr(bench.hopper, "record", lambda kind, d, dtype, tiles, note:
                         recorded.append(bench.hopper.tiles_text(tiles)))
     args = argparse.Namespace(tokens=32, tune_t=16, heads=2, tune_write=True)
-    return bench.tune([64], args, bench.Deadline(None)), recorded
+    return bench.tune(list(dims), args, bench.Deadline(None)), recorded
 
 
 def test_tune_refuses_a_setting_whose_results_disagree_and_records_the_best_agreeing(
@@ -907,7 +913,7 @@ def test_tune_refuses_a_setting_whose_results_disagree_and_records_the_best_agre
     import attention as bench
 
     wrong = bench.hopper.tiles_text(dataclasses.replace(
-        bench.hopper.tiles_for(64, jnp.bfloat16)[0], block_kv=128, stages=2, dkv="auto"))
+        bench.hopper.tiles_for(64, jnp.bfloat16)[0], block_kv=64, stages=2, dkv="split"))
 
     def oracle_variants(block_sizes, interpret, with_cudnn):
         off = bench.hopper.tiles_text(block_sizes.mosaic_gpu) == wrong
@@ -924,7 +930,7 @@ def test_tune_refuses_a_setting_whose_results_disagree_and_records_the_best_agre
         row = measure(name, f, shape, dtype, **kw)
         return row | ({"fwd_ms": 1e-3, "total_ms": 1e-3} if f.off else {})
 
-    rows, recorded = _tune_d64(monkeypatch, bench, oracle_variants, wrong_is_fastest)
+    rows, recorded = _tune(monkeypatch, bench, oracle_variants, wrong_is_fastest)
     bad = [r for r in rows if r["tiles"] == wrong]
     assert bad and all("disagrees with the first setting of d=64" in r["error"] for r in bad)
     assert 0.05 < bad[0]["vs_first"] < 0.2
@@ -1120,9 +1126,19 @@ def test_gpu_check_compares_the_kernel_and_every_gradient_with_the_oracle(monkey
         assert row["ok"] is ok, (factor, row)
 
 
+def _scripted_variants(block_sizes, interpret, with_cudnn):
+    """`variants` whose "fused" only carries its tiles, for a scripted `bench_one`."""
+    def fused(q, k, v, lam):
+        raise AssertionError("not run: bench_one is scripted")
+
+    fused.tiles = block_sizes.mosaic_gpu
+    return {"fused": fused}
+
+
 def test_tune_sweeps_backward_tiles_with_a_dq_kernel_when_the_table_fuses_dq(monkeypatch):
-    """A table row tuned to dQ "fused" has no dQ tile to vary: the backward tile sweep runs with
-    the "rows" dQ kernel, and the fused dQ is tried after it as always."""
+    """A table row tuned to fused dQ has no dQ tile to vary: the backward tile sweep runs with
+    the "rows" dQ kernel on the table's dK/dV resolution ("auto"); the fused settings the table
+    already is are not measured twice."""
     import attention as bench
 
     monkeypatch.setattr(bench.flash_mgpu, "FUSED_DQ", True)
@@ -1130,86 +1146,87 @@ def test_tune_sweeps_backward_tiles_with_a_dq_kernel_when_the_table_fuses_dq(mon
                                dq="fused")
     monkeypatch.setattr(bench.hopper, "tiles_for", lambda d, dtype, kind=None: (base, {}))
 
-    def scripted_variants(block_sizes, interpret, with_cudnn):
-        def fused(q, k, v, lam):
-            raise AssertionError("not run: bench_one is scripted")
-
-        fused.tiles = block_sizes.mosaic_gpu
-        return {"fused": fused}
-
     def scripted(name, f, shape, dtype, **kw):
         return {"fwd_ms": 1.0, "total_ms": 2.0 + f.tiles.block_q_dkv / 64, "fwd_tflops": 1.0,
                 "bwd_tflops": 1.0, "outputs": [np.ones(3)] * 5}
 
-    rows, _ = _tune_d64(monkeypatch, bench, scripted_variants, scripted)
-    bwd = [r["tiles"].split(",")[2:] for r in rows if r["stage"] == "bwd"]
-    assert [t[-1] for t in bwd[:4]] == ["rows"] * 4 and bwd[4:6] == [
-        ["64", "2", "share", "True", "fused"], ["128", "2", "share", "True", "fused"]], bwd
+    rows, recorded = _tune(monkeypatch, bench, _scripted_variants, scripted)
+    tiles = [r["tiles"] for r in rows]
+    assert len(tiles) == len(set(tiles)), tiles
+    assert [r["tiles"] for r in rows if r["stage"] in ("table", "fused")] == [
+        "128,64,64,2,share,True,fused", "128,64,128,2,share,True,fused",
+        "128,64,64,2,share,True,fused_tma"]
+    bwd = [r["tiles"] for r in rows if r["stage"] == "bwd"]
+    assert bwd == [f"128,{a},{c},2,auto,True,rows" for a in (64, 128) for c in (64, 128)], bwd
+    assert recorded == ["128,64,64,2,share,True,fused"]
 
 
-def test_tune_tries_each_step_on_the_fastest_agreeing_setting_and_records_it(monkeypatch):
-    """attention.py --tune's choices on scripted timings and outputs (no kernel runs): ping-pong is
-    switched on the fastest forward (by forward time) and the backward sweep runs on the fastest
-    forward; dQ fused into the share dK/dV kernel is tried at both q tiles on the fastest backward
-    (by total time), then each other dK/dV schedule on it, the other dQ schedule on the fastest with
-    a dQ kernel, and --tune-write records the fastest. A setting whose dλ alone is 10% off the first
-    setting's, and one whose outputs are NaN, are the fastest of their step and are error rows
-    instead. A switch on the slowest forward, a forward chosen by total time, a dQ switch on the
-    setting fastest by forward time, the same dK/dV schedule tried twice, the slowest recorded, NaN
-    agreeing and dλ unchecked passed every test. The fused dQ's jax gate is lifted (jax 0.10 refuses
-    it): the plan is what is under test."""
+def test_tune_descends_phase_by_phase_across_widths_and_records_the_fastest(monkeypatch):
+    """attention.py --tune's choices on scripted timings and outputs (no kernel runs), two head
+    widths: every width runs a phase before any runs the next (table, fused, fwd, bwd,
+    schedule: a deadline leaves each width the first ones), each phase on the fastest agreeing
+    setting so far by total time. At d = 64: dQ fused into the share kernel beats the table
+    (its TMA variant, faster still, returns NaN: an error row); the forward sweep's fastest
+    (dλ 10% off) is an error row and block_kv = 128 at 3 stages does not fit; ping-pong
+    switched wins; the backward sweep runs with a dQ kernel on the winner's forward fields and
+    beats the fused dQ; each other dK/dV schedule and then the other dQ schedule run on the
+    fastest of those, and --tune-write records the fastest of all. The fused dQ's jax gate is
+    lifted (jax 0.10 refuses it): the plan is what is under test."""
     import attention as bench
 
     monkeypatch.setattr(bench.flash_mgpu, "FUSED_DQ", True)
-
     base, _ = bench.hopper.tiles_for(64, "bfloat16")
     assert (base.block_kv, base.stages, base.pingpong, base.dkv) == (128, 2, True, "auto")
-    fwd_ms = {(64, 2): 5.0, (64, 3): 1.0, (128, 2): 3.0, (128, 3): 6.0}  # (64, 3): dλ off
-    bwd = {(64, 64, "auto", "rows"): 0.0, (64, 128, "auto", "rows"): -10.0,  # NaN outputs
-           (128, 64, "auto", "rows"): -3.0, (128, 128, "auto", "rows"): -2.0,
-           (64, 64, "rows", "rows"): 1.0, (128, 64, "rows", "rows"): -3.5,
-           (128, 64, "share", "rows"): -3.25, (128, 64, "rows", "split"): -3.75,
-           (128, 64, "share", "fused"): -4.0, (128, 128, "share", "fused"): -1.0}
-
-    def scripted_variants(block_sizes, interpret, with_cudnn):
-        def fused(q, k, v, lam):
-            raise AssertionError("not run: bench_one is scripted")
-
-        fused.tiles = block_sizes.mosaic_gpu
-        return {"fused": fused}
+    fwd_ms = {(64, 2, True): 5.0, (64, 3, True): 1.0, (128, 2, True): 3.0,
+              (128, 2, False): 2.5}  # (64, 3): dλ off
+    bwd_ms = {(64, 64, "split", "rows"): 10.0, (64, 64, "share", "fused"): 8.0,
+              (64, 128, "share", "fused"): 9.0, (64, 64, "share", "fused_tma"): 1.0,  # NaN
+              (64, 128, "split", "rows"): 7.0, (128, 64, "split", "rows"): 9.8,
+              (128, 128, "split", "rows"): 0.5,  # NaN
+              (64, 128, "rows", "rows"): 6.5, (64, 128, "share", "rows"): 7.5,
+              (64, 128, "rows", "split"): 6.0}
 
     def scripted(name, f, shape, dtype, **kw):
         t = f.tiles
-        fwd = fwd_ms[(t.block_kv, t.stages)] - (0.5 if not t.pingpong else 0.0)
-        # the slowest forward has the fastest total: the forward is chosen by its own time
-        total = 20.0 - fwd + bwd[(t.block_kv_dq, t.block_q_dkv, t.dkv, t.dq)]
+        if shape.d == 128:  # every setting alike: the table's stays the fastest
+            return {"fwd_ms": 1.0, "total_ms": 3.0, "fwd_tflops": 1.0, "bwd_tflops": 1.0,
+                    "outputs": [np.ones(3)] * 5}
+        dkv = "share" if t.dkv == "share" else "split" if bench.flash_mgpu.warpgroups(
+            64, t)[2] else "rows"
+        fwd = fwd_ms[(t.block_kv, t.stages, t.pingpong)]
+        bwd = bwd_ms[(t.block_kv_dq, t.block_q_dkv, dkv, t.dq)]
         outputs = [np.ones(3)] * 5
         if (t.block_kv, t.stages) == (64, 3):
             outputs = outputs[:4] + [1.1 * np.ones(3)]
-        if (t.block_kv_dq, t.block_q_dkv) == (64, 128):
+        if t.dq == "fused_tma" or (t.block_kv_dq, t.block_q_dkv) == (128, 128):
             outputs = [np.full(3, np.nan)] * 5
-        return {"fwd_ms": fwd, "total_ms": total, "fwd_tflops": 1.0, "bwd_tflops": 1.0,
+        return {"fwd_ms": fwd, "total_ms": fwd + bwd, "fwd_tflops": 1.0, "bwd_tflops": 1.0,
                 "outputs": outputs}
 
-    rows, recorded = _tune_d64(monkeypatch, bench, scripted_variants, scripted)
-    got = [(r["stage"], r["tiles"], "error" in r) for r in rows]
+    rows, recorded = _tune(monkeypatch, bench, _scripted_variants, scripted, dims=(64, 128))
+    phases = [(r["d"], r["stage"]) for r in rows]
+    runs = [x for n, x in enumerate(phases) if n == 0 or phases[n - 1] != x]
+    assert runs == [(d, stage) for stage in ("table", "fused", "fwd", "bwd", "schedule")
+                    for d in (64, 128)], runs
+    got = [(r["stage"], r["tiles"], "error" in r) for r in rows if r["d"] == 64]
     assert got == [
-        ("fwd", "64,64,64,2,auto,True,rows", False), ("fwd", "64,64,64,3,auto,True,rows", True),
-        ("fwd", "128,64,64,2,auto,True,rows", False),
-        ("fwd", "128,64,64,3,auto,True,rows", True),  # shared memory
-        ("fwd", "128,64,64,2,auto,False,rows", False),
-        ("bwd", "128,64,64,2,auto,False,rows", False),
-        ("bwd", "128,64,128,2,auto,False,rows", True),
-        ("bwd", "128,128,64,2,auto,False,rows", False),
-        ("bwd", "128,128,128,2,auto,False,rows", False),
-        ("bwd", "128,128,64,2,share,False,fused", False),
-        ("bwd", "128,128,128,2,share,False,fused", False),
-        ("bwd", "128,128,64,2,rows,False,rows", False),
-        ("bwd", "128,128,64,2,share,False,rows", False),
-        ("bwd", "128,128,64,2,rows,False,split", False)], got
-    assert "disagrees with the first setting" in rows[1]["error"] and rows[1]["vs_first"] > 0.05
-    assert "disagrees with the first setting" in rows[6]["error"]
-    assert recorded == ["128,128,64,2,share,False,fused"]
+        ("table", "128,64,64,2,auto,True,rows", False),
+        ("fused", "128,64,64,2,share,True,fused", False),
+        ("fused", "128,64,128,2,share,True,fused", False),
+        ("fused", "128,64,64,2,share,True,fused_tma", True),  # NaN
+        ("fwd", "64,64,64,2,share,True,fused", False),
+        ("fwd", "64,64,64,3,share,True,fused", True),  # dλ off
+        ("fwd", "128,64,64,3,share,True,fused", True),  # shared memory
+        ("fwd", "128,64,64,2,share,False,fused", False),
+        ("bwd", "128,64,64,2,split,False,rows", False),
+        ("bwd", "128,64,128,2,split,False,rows", False),
+        ("bwd", "128,128,64,2,split,False,rows", False),
+        ("bwd", "128,128,128,2,split,False,rows", True),  # NaN
+        ("schedule", "128,64,128,2,rows,False,rows", False),
+        ("schedule", "128,64,128,2,share,False,rows", False),
+        ("schedule", "128,64,128,2,rows,False,split", False)], got
+    assert "disagrees with the first setting" in rows[phases.index((64, "fwd")) + 1]["error"]
+    assert recorded == ["128,64,128,2,rows,False,split", "64,64,64,2,split,True,rows"]
 
 
 @pytest.mark.parametrize("nc,h,hkv", [(2, 4, 2), (2, 2, 1), (1, 4, 2)])

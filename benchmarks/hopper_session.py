@@ -1,22 +1,31 @@
 """One Hopper GPU session for the Mosaic GPU differential kernel: check, tune, bench, train step.
 
-Run on the lent H100/H200 (one command, ≤ 10 minutes each; everything lands in $OUT):
+Run on the lent H100/H200 (one command, ≤ 10 minutes each; everything lands in $OUT). A task
+lent a GPU now has 15 minutes of device time, the machine's start (1-2 minutes) included, so
+a session makes one full call and, at once while the machine is warm (30 s), a short one:
 
-    python benchmarks/hopper_session.py --out "$OUT"                          # env, check, tune
-    python benchmarks/hopper_session.py --out "$OUT" --stages env,bench,train \
-        --previous benchmarks/results/hopper_session_N.json                   # second call
-    python benchmarks/hopper_session.py --out "$OUT" --stages env,profile,train ...  # third
-    python benchmarks/hopper_session.py --out "$OUT" --stages replicate  # then, back to back
+    python benchmarks/hopper_session.py --out "$OUT"            # env, check, tune, bench: 570 s
+    python benchmarks/hopper_session.py --out "$OUT" --stages env,train \
+        --total SECONDS --previous benchmarks/results/hopper_session_N.json  # what is left
+    python benchmarks/hopper_session.py --out "$OUT" --stages replicate  # a session of its own
     python benchmarks/hopper_session.py --out "$OUT" --stages ablate     # once it is done
+
+Before the second call copy the first's $OUT/mosaic_gpu.json over kernels/tuning/ and its
+session.json to benchmarks/results/hopper_session_N.json (the next free N): the call re-sends
+the working tree, so its train step then runs the tuned tiles. SECONDS: `status`'s
+budget_left_s less about 40 (transfers); the 1.4B pair is TRAIN_RUNS' first. The profile
+stage (ncu) and the probes have no room in such a session: they are for one whose check hung
+or whose tune left the targets missed without a reason. The replication (about 11-13 minutes,
+an estimate) does not fit beside the kernel work: a later session spends its whole budget on
+it.
 
 The first session on an H100 (2026-11-25, benchmarks/results/hopper_session_{1,2,3}.json,
 mosaic_h100.md) found every backward hanging (the split dK/dV schedule asked `setmaxnreg` for
 more registers than the CTA holds; fixed), then checked the kernel and ran the bench at T = 2K
-and 4K and the 1.4B train step; it did not tune. Three calls take about 30 minutes of device
-time with the machine's starts: if fewer are left, run the first two. Written since and not yet
-run on a GPU: the "share" dK/dV schedule and dQ fused into it (one backward kernel that adds dQ
-with atomics); the check runs the fused one right after the table's case at each d, --tune
-compares both with the rest, and the profile stage splits a step's time between the kernels.
+and 4K and the 1.4B train step; it did not tune. Written since and not yet run on a GPU: the
+"share" dK/dV schedule and dQ fused into it (one backward kernel that adds dQ with atomics, or
+with TMA reduce-adds); the check runs those first, --tune compares them with the table's tiles
+first at both widths, and the profile stage splits a step's time between the kernels.
 
 Stages, each a subprocess with its own time limit whose failure or timeout is recorded and
 skipped past (so a hang or a crash in one cannot lose the others). When the env stage finds
@@ -27,32 +36,28 @@ limit, past its deadline), the kernel stages after it (check, tune, bench, train
   env    nvidia-smi, jax/jaxlib versions, the GPU's compute capability and device_kind, which
          kernel the dispatch picks, whether tokamax imports;                         ~10 s
   probe  (not in the default calls) `benchmarks/mosaic_probe.py`: each Mosaic schedule's
-         forward or forward and backward once (11 probes, 17-40 s each on the H100), in its
+         forward or forward and backward once (12 probes, 17-40 s each on the H100), in its
          own process killed at 45 s, so a hang costs 45 s and is named, where it stalls a whole
-         benchmark stage;                                                            ≤ 500 s
+         benchmark stage;                                                            ≤ 540 s
   check  `benchmarks/attention.py --check`: the real lowerings (Mosaic GPU for bf16/fp16 at
          d ∈ {64, 96, 128}, Triton for float32 and d = 32) against the float32 oracle, forward
          and the gradients of q, k, v and λ; each row names its kernel and any
-         DeprecationWarning its compile raised; five more cases run the dK/dV schedules
-         that "auto" does not pick ("rows" at d = 64 and 128, "share" at 128), the "split" dQ,
-         dQ fused into the share kernel (d = 64 and 128, right after the table's case at each
-         d: the first cases, with the table's, a deadline leaves) and the forward without
-         ping-pong;
-         the Mosaic cases run first, so its deadline cuts Triton's (a case took up to 35 s on
-         the H100: two compiles of fwd+bwd);                                         ≤ 240 s
-  tune   `--tune --tune-write` at T = 4096 for d = 128, then 64 (the width of the paper's
-         configs from 1.4B up, and the larger miss, first: the deadline cuts d = 64): 4 forward
-         tile settings each and the best with ping-pong switched, 4 backward ones, then the
-         best backward with dQ fused into the share kernel (block_q_dkv 64 and 128), under
-         each other dK/dV schedule ("rows", "split", "share") and under the other dQ kernel
-         schedule (14 settings a d); the best per d goes into kernels/tuning/mosaic_gpu.json
-         (copied to $OUT: copy it over kernels/tuning/mosaic_gpu.json here and commit it, with
-         $OUT/session.json as benchmarks/results/hopper_session_N.json, before the second
-         call, which re-sends the working tree: its bench and train stages then run the tuned
-         tiles);                                                                     ≤ 240 s
-  bench  `--bench` for d = 64 and 128, T = 2K–16K at B·T = 32K, H = 16: fused Mosaic, fused
-         Triton, cuDNN 2H×d, cuDNN H×2d, four cuDNN calls, two Tokamax calls (about 7 s a
-         row on the H100: 48 rows);                                                  ≤ 380 s
+         DeprecationWarning its compile raised. First the schedules no GPU has run: dQ fused
+         into the share dK/dV kernel (atomics at d = 64 and 128, TMA reduce-adds at 64) and
+         the share kernel with a dQ kernel at 128 (a case took 35 s on the H100, two compiles
+         of fwd+bwd: the deadline leaves about these four), then the table's tiles, the other
+         schedules ("rows" dK/dV, "split" dQ, no ping-pong), Triton's;                ≤ 180 s
+  tune   `--tune --tune-write` at T = 4096 for d = 128 and 64: a greedy descent per width,
+         phase by phase across both (attention.py's `_tune_plan`): the table's tiles, dQ fused
+         into the share kernel (atomics at block_q_dkv 64 and 128, TMA reduce-adds at 64), the
+         forward's tiles and ping-pong, the backward's tiles with a dQ kernel, the other
+         dK/dV and dQ schedules; a deadline cuts the later phases of both widths, not a whole
+         width. The fastest per d goes into kernels/tuning/mosaic_gpu.json (copied to $OUT;
+         the bench stage after it, in the same call, runs it);                        ≤ 200 s
+  bench  `--bench` for d = 64 and 128, T = 4K first (the summary's), then 2K, 8K, 16K at
+         B·T = 32K, H = 16: fused Mosaic, cuDNN 2H×d, two Tokamax calls (the summary's routes
+         first), cuDNN H×2d, four cuDNN calls, fused Triton (about 7 s a row on the H100);
+         the default call's last stage: what check and tune left;
   profile  `benchmarks/kernel_profile.py`: each kernel's own time under Nsight Compute
          (`ncu`, gpu__time_duration) in one gradient step at T = 4096, d = 128 then 64, the
          table's tiles and dQ fused into the share kernel: the forward, dQ and dK/dV kernels'
@@ -86,8 +91,8 @@ time with segment ids; what this call did not measure is None, or comes from `--
 an earlier call's session.json: copy the first call's $OUT/session.json into the working tree
 (benchmarks/results/hopper_session_N.json, the next free N, committed with the tuned table) and
 pass it to the next call, whose summary is then the whole one), $OUT/session.md,
-$OUT/mosaic_gpu.json (the tile table after tuning), $OUT/session.log (all stages' output). `--stages` takes any comma
-list of these. ptxas's registers and spills need no GPU: they come from
+$OUT/mosaic_gpu.json (the tile table after tuning), $OUT/session.log (all stages' output).
+`--stages` takes any comma list of these. ptxas's registers and spills need no GPU: they come from
 `benchmarks/mosaic_ptxas.py` on a CPU (the `cuda-aot` extra).
 
 Wheels to carry, about 11 MB (the image already has jax 0.11.2, jaxlib, flax, optax, orbax,
@@ -114,7 +119,7 @@ Then call the device tool with carry [".whl"] and the command
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; \\
     PYTHONUNBUFFERED=1 python3 benchmarks/hopper_session.py --out "$OUT"
 
-(the second call: `... --out "$OUT" --stages env,bench,train --previous
+(the second call: `... --out "$OUT" --stages env,train --total SECONDS --previous
 benchmarks/results/hopper_session_N.json`).
 """
 
@@ -132,7 +137,9 @@ from pathlib import Path
 from limited_run import run_limited
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGET = {"env": 40, "probe": 500, "check": 240, "tune": 240, "bench": 380, "profile": 300}
+# a stage's limit (the last stage of a call gets what is left of --total): the default call
+# (env, check, tune, bench) fits 570 s, a 15-minute session's first call
+BUDGET = {"env": 40, "probe": 540, "check": 180, "tune": 200, "bench": 150, "profile": 300}
 # skipped when env finds no GPU
 GPU_STAGES = ("probe", "check", "tune", "bench", "profile", "train", "replicate", "ablate")
 # skipped once a kernel is seen to hang
@@ -265,7 +272,7 @@ def summary(report: dict, previous: dict | None = None) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/hopper_session"))
-    p.add_argument("--stages", default="env,check,tune")
+    p.add_argument("--stages", default="env,check,tune,bench")
     p.add_argument("--total", type=float, default=TOTAL, help="seconds for all stages")
     p.add_argument("--previous", type=Path, default=None,
                    help="an earlier call's session.json, whose summary fills what this call "
@@ -297,7 +304,8 @@ def main(argv=None) -> int:
     hangs = None  # why the kernel stages are skipped, once a probe or the check hung
     with open(out / "session.log", "w") as log:
         for stage in stages:
-            limit = min(BUDGET.get(stage, left()), left())
+            # the call's last stage gets what its earlier ones left
+            limit = left() if stage == stages[-1] else min(BUDGET.get(stage, left()), left())
             if limit < (60 if stage == "train" else 15):
                 r = {"stage": stage, "status": f"skipped: {left():.0f} s left"}
             elif no_gpu and stage in GPU_STAGES:

@@ -761,7 +761,7 @@ def test_gpu_session_profile_stage_keeps_the_kernel_times(tmp_path, monkeypatch)
     calls = []
 
     def fake_run(name, cmd, limit, log, extra_path="", grace=20.0):
-        calls.append(cmd)
+        calls.append((cmd, limit))
         out = Path(cmd[cmd.index("--out") + 1])
         (out / "kernel_profile.json").write_text(json.dumps([{"d": 128, "bwd_ms": 5.8}]))
         (out / "kernel_profile.md").write_text("# Mosaic GPU kernels under Nsight Compute\n")
@@ -769,9 +769,9 @@ def test_gpu_session_profile_stage_keeps_the_kernel_times(tmp_path, monkeypatch)
 
     monkeypatch.setattr(hopper_session, "_run", fake_run)
     assert hopper_session.main(["--out", str(tmp_path), "--stages", "profile"]) == 0
-    (cmd,) = calls
+    ((cmd, limit),) = calls
     assert cmd[1] == "benchmarks/kernel_profile.py"
-    assert float(cmd[cmd.index("--budget") + 1]) < hopper_session.BUDGET["profile"]
+    assert float(cmd[cmd.index("--budget") + 1]) < limit
     (stage,) = json.loads((tmp_path / "session.json").read_text())["stages"]
     assert stage["result"] == [{"d": 128, "bwd_ms": 5.8}]
     assert "# Mosaic GPU kernels under Nsight Compute" in (tmp_path / "session.md").read_text()
@@ -798,8 +798,8 @@ def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypa
     ...}, every field None until measured, and the check rows within tolerance. The train stage
     times a d = 64 pair (830M at 12 DIFF heads against 24: it had only d = 128 and 96, so d64's
     train ratio could never be filled), and the second call (env, train) given the first call's
-    session.json as --previous holds the whole summary. The first call's default stages include
-    tune, whose tile table is copied out beside session.json. Stages are faked (no GPU here):
+    session.json as --previous holds the whole summary. The first call's default stages are
+    env, check, tune and bench; tune's tile table is copied out beside session.json. Stages are faked (no GPU here):
     each writes the JSON its real script would."""
     import json
 
@@ -816,7 +816,10 @@ def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypa
             assert base.embed_dim // base.num_heads == d
     assert {d for *_, d in hopper_session.TRAIN_RUNS} >= set(hopper_session.SUMMARY_DIMS)
 
+    limits = {}
+
     def fake_run(name, cmd, limit, log, extra_path="", grace=20.0):
+        limits[name] = limit
         env = {"jax": "0.11.2", "backend": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"}
         if "--bench" in cmd:
             entry = {"fused_over_cudnn_baseline": 0.9, "fused_over_tokamax_two_calls": 0.8,
@@ -845,9 +848,12 @@ def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypa
 
     monkeypatch.setattr(hopper_session, "_run", fake_run)
     first, second = tmp_path / "first", tmp_path / "second"
-    hopper_session.main(["--out", str(first)])  # the first call's stages: env, check, tune
+    hopper_session.main(["--out", str(first)])  # the first call: env, check, tune, bench
     session = json.loads((first / "session.json").read_text())
-    assert [r["stage"] for r in session["stages"]] == ["env", "check", "tune"]
+    assert [r["stage"] for r in session["stages"]] == ["env", "check", "tune", "bench"]
+    # each stage within its budget, the last with what the others (here at once) left
+    assert limits["check"] == hopper_session.BUDGET["check"]
+    assert hopper_session.BUDGET["bench"] < limits["bench"] <= hopper_session.TOTAL
     assert session["stages"][2]["result"] == {"tune": [{"d": 64}]}
     # the tile table to commit over kernels/tuning/, and the tuning table in session.md
     table = root / "kernels" / "tuning" / "mosaic_gpu.json"
@@ -858,8 +864,8 @@ def test_gpu_session_summary_has_every_field_for_d64_and_d128(tmp_path, monkeypa
     assert got["device"] == "NVIDIA H100 80GB HBM3" and got["jax"] == "0.11.2"
     assert got["check"] == {"ok": 1, "not_ok": ["b"], "not_run": 1}
     assert fields <= set(got["d64"]) and fields <= set(got["d128"])
-    assert got["d64"]["fwd_tflops"] is None
-    hopper_session.main(["--out", str(second), "--stages", "env,bench,train",
+    assert got["d64"]["fwd_tflops"] == 300.0 and got["d64"]["train_step_diff_over_transformer"] is None
+    hopper_session.main(["--out", str(second), "--stages", "env,train",
                          "--previous", str(first / "session.json")])
     got = json.loads((second / "session.json").read_text())["summary"]
     assert got["d64"]["fwd_tflops"] == 300.0 and got["d128"]["fwd_tflops"] is None

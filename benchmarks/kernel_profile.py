@@ -4,8 +4,8 @@
 
 For each head width and schedule (`SCHEDULES`: the table's tiles, and dQ fused into the share
 dK/dV kernel with atomic or TMA reduce-adds; a schedule whose tiles the shared-memory plan
-refuses at that d is a row saying so) a child process (`--run D SCHEDULE`) runs the fused kernel's gradient step (its
-forward, then the backward kernels) at attention.py's benchmark shape (bf16, causal, λ = LAM,
+refuses at that d is a row saying so) a child process (`--run D SCHEDULE`) runs the fused
+kernel's gradient step (its forward, then the backward kernels) at attention.py's benchmark shape (bf16, causal, λ = LAM,
 B·T = --tokens, H = --heads), `--reps` + 1 times, under
 
     ncu --clock-control none --cache-control none --print-units base --csv

@@ -49,8 +49,8 @@ slot. The producer keeps 24 registers (`setmaxnreg`), compute warpgroups take th
   thread a step at d = 64; the float32 sums start at zero in a `jax.Ref` that the kernel
   takes, which jax 0.10 cannot trace; `bwd` scales and casts them). "fused_tma" stages the
   product in shared memory instead (bq × d float32 a warpgroup) and adds it with one TMA
-  reduce-add (UTMAREDG.ADD), whole lines into L2; the previous step's must have left the
-  buffer first (`wait_smem_to_gmem(read_only)`). Its buffers fit at d = 64 and 96 (bq = 64),
+  reduce-add (UTMAREDG.5D.ADD in the SASS), whole lines into L2; the previous step's must
+  have left the buffer first (`wait_smem_to_gmem(read_only)`). Its buffers fit at d = 64 and 96 (bq = 64),
   not at 128. A pair then costs 10 d-wide products, the backward's floor, against 14 with the
   dQ kernel (which recomputes S and dP: 6 of its own) and "share" (16 with "split"): 5 in each
   warpgroup (S1ᵀ, S2ᵀ, dV, dQ2; dPᵀ, dK1, dK2, dQ1). The price: the additions' traffic, bq × d

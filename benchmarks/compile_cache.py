@@ -6,15 +6,15 @@ read back from the one an earlier run filled (a resume, the next seed or init of
 
 Every measurement is `train.py` in a fresh process, on a fresh run directory, for `--steps`
 steps without validation. Each repeat runs three, interleaved so that machine noise hits all:
-`none` (no cache), `cold` (an empty cache directory) and `warm` (the directory `cold` just
-filled). Each process records, from JAX's own monitoring events, the seconds its programs took
-to compile or to be read from the cache (`/jax/core/compile/backend_compile_duration`), the
-persistent cache's hits and misses and the compile seconds its hits saved, net of reading them
-(`.../compile_time_saved_sec`); the parent records the process's
-wall time (start-up, data, compiles, the steps and the final checkpoint). Medians over repeats
-are printed and saved as JSON + a markdown table with the device and versions. JAX caches only
-programs that took at least `jax_persistent_cache_min_compile_time_secs` (1 s) to compile, as in
-training. The committed results: benchmarks/results/compile_cache_cpu (the defaults) and
+`none` (no cache, even where the environment names one in `JAX_COMPILATION_CACHE_DIR`), `cold`
+(an empty cache directory) and `warm` (the directory `cold` just filled). Each process records,
+from JAX's own monitoring events, the seconds its programs took to compile or to be read from
+the cache (`/jax/core/compile/backend_compile_duration`), the persistent cache's hits and misses
+and the compile seconds its hits saved, net of reading them (`.../compile_time_saved_sec`); the
+parent records the process's wall time (start-up, data, compiles, the steps and the final
+checkpoint). Medians over repeats are printed and saved as JSON + a markdown table with the
+device and versions. JAX caches only programs that took at least
+`jax_persistent_cache_min_compile_time_secs` (1 s) to compile, as in training. The committed results: benchmarks/results/compile_cache_cpu (the defaults) and
 compile_cache_cpu_12l (`--set model.num_layers=12 --set model.embed_dim=384 --set
 model.num_heads=6 --out benchmarks/results/compile_cache_cpu_12l`).
 """
@@ -70,8 +70,9 @@ def measure(argv: list[str], scratch: Path) -> dict:
     """One `train.py` process on `argv`: its wall time and compile statistics."""
     stats = scratch / "stats.json"
     t0 = time.perf_counter()
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # none is none
     proc = subprocess.run([sys.executable, __file__, "--child", str(stats), *argv], cwd=ROOT,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"train.py {' '.join(argv)} exited {proc.returncode}:\n"

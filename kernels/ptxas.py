@@ -20,6 +20,7 @@ its instruction count and the local-memory stores (STL) and loads (LDL) it runs 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import glob
@@ -28,7 +29,7 @@ import re
 import shutil
 import sys
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 DUMP_VARIABLE = "MOSAIC_GPU_DUMP_PTXAS"
 SASS_VARIABLE = "MOSAIC_GPU_DUMP_SASS"
@@ -158,12 +159,31 @@ def parse(text: str) -> list[KernelReport]:
     return reports
 
 
+@contextlib.contextmanager
+def _persistent_cache_off() -> Iterator[None]:
+    """JAX's persistent compilation cache off for the block, then as it was (JAX decides whether
+    it uses the cache once, so each switch re-opens it)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()
+
+
 def ptxas_report(compile: Callable[[], Any]) -> tuple[Any, list[KernelReport]]:
     """Run `compile` (a call that makes XLA compile Mosaic GPU kernels, e.g.
     `jax.jit(f).lower(*args).compile`) with ptxas's report and the SASS listing switched on:
     what it returned, and the report parsed.
     Kernels this process compiled before are cached by Mosaic GPU and not reported again
-    (`mosaic_kernels` remembers them)."""
+    (`mosaic_kernels` remembers them). JAX's persistent compilation cache is off meanwhile: a
+    program read from it runs no ptxas, and one compiled for GPUs described to a machine
+    without them cannot be read back (JAX warns and compiles)."""
     libc = ctypes.CDLL(None)
     sys.stdout.flush()
     libc.fflush(None)
@@ -174,7 +194,8 @@ def ptxas_report(compile: Callable[[], Any]) -> tuple[Any, list[KernelReport]]:
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 1)
         try:
-            result = compile()
+            with _persistent_cache_off():
+                result = compile()
         finally:
             libc.fflush(None)
             os.dup2(saved, 1)

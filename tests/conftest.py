@@ -1,6 +1,8 @@
 """Test set-up: 8 fake CPU devices (before JAX initializes) so sharding tests need no hardware."""
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,21 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The TPU tests only compile (AOT, with the `tpu` extra): let libtpu load even when another
 # process on the machine holds its lockfile (e.g. a training run in the same environment).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# One XLA compilation cache for the session (JAX's persistent cache, programs that took ≥ 1 s to
+# compile): the pytest process makes it before it starts its xdist workers, which inherit it, as
+# do the train.py / eval.py processes tests start, so a train step one test compiled is read back
+# by the next test that compiles the same one. A test that sets its own `train.compile_cache_dir`
+# is put back by `_compile_cache_as_it_was`. A JAX_COMPILATION_CACHE_DIR already set is used as is.
+_SESSION_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _SESSION_CACHE = tempfile.mkdtemp(prefix="diff_jax_tests_xla_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _SESSION_CACHE
+
+
+def pytest_unconfigure(config):
+    """The session's compilation cache goes with the process that made it."""
+    if _SESSION_CACHE is not None:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -31,8 +31,8 @@ from diff_jax.config import ModelConfig
 from diff_jax.transformer import DecoderLM
 
 
-def _rms(x: jax.Array) -> float:
-    return float(jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32)))))
+def _rms(x: jax.Array) -> jax.Array:
+    return jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
 
 
 def residual_writes(config: ModelConfig, tokens: np.ndarray, seed: int = 0) -> dict[str, object]:
@@ -40,15 +40,21 @@ def residual_writes(config: ModelConfig, tokens: np.ndarray, seed: int = 0) -> d
     on `tokens` (B, T) int: {"embed": the token embeddings', "attn": [per layer, the attention
     sublayer's output], "ffn": [per layer, the MLP's]}, each over every position and channel."""
     model = DecoderLM(config)
-    tokens = jnp.asarray(tokens, jnp.int32)
-    params = model.init(jax.random.key(seed), tokens[:1, :2])["params"]
-    _, state = model.apply({"params": params}, tokens, capture_intermediates=lambda module, method:
-                           method == "__call__" and module.name in ("attn", "ffn"))
-    layers = state["intermediates"]
-    embed = nn.meta.unbox(params)["embed"][tokens]
-    return {"embed": _rms(embed),
-            **{part: [_rms(layers[f"layers_{i}"][part]["__call__"][0])
-                      for i in range(config.num_layers)] for part in ("attn", "ffn")}}
+
+    @jax.jit  # one compile (op by op, a model's init and forward take seconds even when tiny)
+    def rms(tokens: jax.Array) -> dict[str, jax.Array]:
+        params = model.init(jax.random.key(seed), tokens[:1, :2])["params"]
+        _, state = model.apply({"params": params}, tokens, capture_intermediates=lambda module,
+                               method: method == "__call__" and module.name in ("attn", "ffn"))
+        layers = state["intermediates"]
+        return {"embed": _rms(nn.meta.unbox(params)["embed"][tokens]),
+                **{part: jnp.stack([_rms(layers[f"layers_{i}"][part]["__call__"][0])
+                                    for i in range(config.num_layers)])
+                   for part in ("attn", "ffn")}}
+
+    out = rms(jnp.asarray(tokens, jnp.int32))
+    return {"embed": float(out["embed"]), "attn": [float(x) for x in out["attn"]],
+            "ffn": [float(x) for x in out["ffn"]]}
 
 
 ROWS = 8  # rows of `seq_len` tokens every model is measured on

@@ -26,12 +26,16 @@ oracle; each row's `ok` says whether every error is within `CHECK_TOLERANCE`), -
 of the Mosaic kernel's tiles at --tune-t; --tune-write records the best per d in
 kernels/tuning/mosaic_gpu.json), --smoke (tiny shapes, CPU interpreter, for the tests).
 --deadline stops starting new measurements after that many seconds (recorded), as does SIGTERM
-(the measurement in flight finishes; the JSON and markdown are written).
+(the measurement in flight finishes; the JSON and markdown are written). On a GPU, --check's
+cases and each length's --bench rows are lowered first and compile on the host's cores
+(--compile-threads, `CompileAhead`), then run one at a time: on the H100 a check case took
+about 35 s and a bench row 7 s, nearly all of it compiling, one program after another.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import faulthandler
 import json
@@ -44,6 +48,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -204,6 +209,35 @@ def _fwd_and_step(f):
     return fwd, step
 
 
+class CompileAhead:
+    """Programs compiled on a pool of threads while the caller lowers the next ones: XLA and
+    Mosaic GPU compile without holding the GIL, so a batch's compiles overlap on the host's
+    cores (four Mosaic GPU forward kernels compiled for an H100 on a 2-core CPU: 3.4 s one after
+    another, 1.9 s on 2 threads). Lowering (tracing) stays in the caller's thread, where the
+    warnings it raises are caught; the caller runs and times the programs afterwards, one at a
+    time, with no compile beside them."""
+
+    def __init__(self, threads: int):
+        self.pool = concurrent.futures.ThreadPoolExecutor(threads)
+
+    def submit(self, lowered) -> Callable[[], Any]:
+        """A thunk that waits for `lowered` (a `jax.stages.Lowered`) compiled and returns it,
+        or raises what its compile raised."""
+        return self.pool.submit(lowered.compile).result
+
+    def programs(self, f, shape: Shape, dtype) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        """`f`'s forward and fwd+bwd step (as `bench_one` times them) lowered here on `shape`'s
+        operands in `dtype`, compiling in the pool: a `submit` thunk each."""
+        fwd, step = _fwd_and_step(f)
+        q, k, v, do = (jax.ShapeDtypeStruct(s, dtype) for s in shape.operands())
+        lam = jax.ShapeDtypeStruct((), jnp.float32)
+        return self.submit(fwd.lower(q, k, v, lam)), self.submit(step.lower(q, k, v, lam, do))
+
+    def close(self) -> None:
+        """Drop the compiles not started (a deadline passed); those running finish."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 def _time(fn, args, *, reps: int, samples: int) -> float:
     """Median ms per call over `samples` batches of `reps` back-to-back calls (after warm-up)."""
     jax.block_until_ready(fn(*args))
@@ -223,13 +257,14 @@ def _pairs(shape: Shape) -> float:
 
 
 def bench_one(name, f, shape: Shape, dtype, *, reps: int, samples: int,
-              keep_outputs: bool = False) -> dict:
+              keep_outputs: bool = False, programs: tuple[Callable, Callable] | None = None) -> dict:
     """Times of `f`'s forward and forward + backward on `shape`; with `keep_outputs`, also
     `outputs`: (out, dq, dk, dv, dλ) from those compiled functions (for `tune`'s agreement check,
-    at no extra compile)."""
+    at no extra compile). `programs`: the two compiled ahead (`CompileAhead.programs`), else
+    they compile at their first call."""
     q, k, v, do = _inputs(shape, dtype)
     lam = jnp.float32(LAM)
-    fwd, step = _fwd_and_step(f)
+    fwd, step = _fwd_and_step(f) if programs is None else (programs[0](), programs[1]())
     t_fwd = _time(fwd, (q, k, v, lam), reps=reps, samples=samples)
     t_tot = _time(step, (q, k, v, lam, do), reps=reps, samples=samples)
     t_bwd = t_tot - t_fwd
@@ -311,73 +346,110 @@ CHECK_CASES = [
 ]
 
 
+def _check_case(n: int, block_sizes: BlockSizes | None, interpret,
+                compile_program: Callable[[Any], Callable[[], Any]]) -> dict:
+    """`CHECK_CASES[n]` lowered: its row so far ("case", "backend") and, unless lowering the
+    kernel's route failed (then "error"), under "run" a thunk that gets both programs compiled
+    (`compile_program(lowered)` is a thunk returning it) and returns (out, grads) of the kernel's
+    route and of the oracle's; "deprecations": the DeprecationWarnings lowering raised."""
+    b, t, h, hkv, d, causal, seg, dtype, lam, *fields = CHECK_CASES[n]
+    fields = fields[0] if fields else {}
+    label = (f"B{b} T{t} H{h} Hkv{hkv} d{d} causal={causal} seg={seg} "
+             f"{jnp.dtype(dtype).name} λ={lam}" + "".join(f" {k}={x}" for k, x in fields.items()))
+    sizes = block_sizes
+    if fields:  # this case's Mosaic schedules, on the given (or the table's) tiles
+        sizes = block_sizes or BlockSizes()
+        tiles = sizes.mosaic_gpu or hopper.tiles_for(d, dtype)[0]
+        sizes = dataclasses.replace(sizes, mosaic_gpu=dataclasses.replace(tiles, **fields))
+    q, k, v, do = _inputs(Shape(b, t, h, d, hkv), dtype, seed=100 + n)
+    segs = None
+    if seg:
+        cut = np.sort(np.random.default_rng(n).integers(1, t, size=2))
+        s = np.ones((b, t), np.int32)
+        s[:, cut[0]:] = 2
+        s[:, cut[1]:] = 0
+        segs = jnp.asarray(s)
+
+    def lowered(impl):  # (output, gradients of q, k, v, λ): one program a route
+        up = (lambda x: x.astype(jnp.float32)) if impl == "xla" else (lambda x: x)
+
+        def loss(*a):
+            out = kernels.diff_attention(*a, segment_ids=segs, causal=causal, impl=impl,
+                                         block_sizes=sizes, interpret=interpret)
+            return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+
+        args = (up(q), up(k), up(v), jnp.float32(lam))
+        program = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+        return compile_program(program.lower(*args)), args
+
+    def run(route):
+        compiled, args = route
+        (_, out), g = compiled()(*args)
+        return out, g
+
+    backend = ("mosaic_gpu" if jax.default_backend() == "gpu"
+               and flash.uses_mosaic_gpu(2, dtype, d, v.shape[-1]) else "triton")
+    row = {"case": label, "backend": backend}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        try:
+            kernel = lowered("pallas")
+        except Exception as e:  # noqa: BLE001 - a failing case is a row, not the end
+            return row | {"error": repr(e)[:500]}
+    row["deprecations"] = "; ".join(sorted({str(w.message)[:120] for w in caught
+                                            if issubclass(w.category, DeprecationWarning)}))
+    oracle = lowered("xla")
+    return row | {"run": lambda: (run(kernel), run(oracle)), "dtype": dtype}
+
+
 def check(block_sizes: BlockSizes | None, interpret,
-          deadline: Deadline | None = None) -> list[dict]:
+          deadline: Deadline | None = None, threads: int = 1) -> list[dict]:
     """Fused fwd + grads (q, k, v, λ) and the standard kernels vs the oracle on fresh inputs
     (`CHECK_CASES`, in order, until `deadline`).
 
     Each row names the kernel the dispatch picked ("mosaic_gpu" on Hopper for bf16/fp16 at
-    d ∈ {64, 96, 128}, else "triton") and the DeprecationWarnings its compile raised. Off
-    Hopper the cases with Tiles fields are two more cases.
+    d ∈ {64, 96, 128}, else "triton") and the DeprecationWarnings its lowering raised. Off
+    Hopper the cases with Tiles fields are two more cases. With `threads` > 1 every case is
+    lowered first and the programs compile on that many threads (`CompileAhead`), then the
+    cases run in order; with 1 each case compiles when it runs.
     """
-    rows = []
-    for n, (b, t, h, hkv, d, causal, seg, dtype, lam, *fields) in enumerate(CHECK_CASES):
-        fields = fields[0] if fields else {}
-        label = (f"B{b} T{t} H{h} Hkv{hkv} d{d} causal={causal} seg={seg} "
-                 f"{jnp.dtype(dtype).name} λ={lam}"
-                 + "".join(f" {k}={x}" for k, x in fields.items()))
-        sizes = block_sizes
-        if fields:  # this case's Mosaic schedules, on the given (or the table's) tiles
-            sizes = block_sizes or BlockSizes()
-            tiles = sizes.mosaic_gpu or hopper.tiles_for(d, dtype)[0]
-            sizes = dataclasses.replace(sizes, mosaic_gpu=dataclasses.replace(tiles, **fields))
-        if deadline is not None and deadline.passed():
-            rows.append({"case": f"{n}", "error": "skipped: deadline"})
-            continue
-        print(f"case {n}: {label}", flush=True)  # before its compile: a hang shows which
-        q, k, v, do = _inputs(Shape(b, t, h, d, hkv), dtype, seed=100 + n)
-        segs = None
-        if seg:
-            cut = np.sort(np.random.default_rng(n).integers(1, t, size=2))
-            s = np.ones((b, t), np.int32)
-            s[:, cut[0]:] = 2
-            s[:, cut[1]:] = 0
-            segs = jnp.asarray(s)
+    ahead = CompileAhead(threads) if threads > 1 else None
+    compile_program = ahead.submit if ahead is not None else (lambda low: low.compile)
 
-        def run(impl, q, k, v, lam):
-            return kernels.diff_attention(q, k, v, lam, segment_ids=segs, causal=causal, impl=impl,
-                                          block_sizes=sizes, interpret=interpret)
-
-        def grads(impl):  # (output, gradients of q, k, v, λ): one compile a route
-            up = (lambda x: x.astype(jnp.float32)) if impl == "xla" else (lambda x: x)
-
-            def loss(*a):
-                out = run(impl, *a)
-                return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
-
-            (_, out), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-                up(q), up(k), up(v), jnp.float32(lam))
-            return out, g
-
-        backend = ("mosaic_gpu" if jax.default_backend() == "gpu"
-                   and flash.uses_mosaic_gpu(2, dtype, d, v.shape[-1]) else "triton")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", DeprecationWarning)
-            try:
-                out, g = grads("pallas")
-            except Exception as e:  # noqa: BLE001 - a failing case is a row, not the end
-                rows.append({"case": label, "backend": backend, "error": repr(e)[:500]})
-                print(rows[-1], flush=True)
+    def lowered_cases():
+        for n in range(len(CHECK_CASES)):
+            if deadline is not None and deadline.passed():
+                yield {"case": f"{n}", "error": "skipped: deadline"}
                 continue
-        deprecations = sorted({str(w.message)[:120] for w in caught
-                               if issubclass(w.category, DeprecationWarning)})
-        ref, gr = grads("xla")
+            print(f"lowering case {n}", flush=True)
+            yield _check_case(n, block_sizes, interpret, compile_program)
+
+    cases = lowered_cases() if ahead is None else list(lowered_cases())
+    rows = []
+    for case in cases:
+        if "run" in case and deadline is not None and deadline.passed():
+            case = {"case": case["case"], "error": "skipped: deadline"}
+        if "run" not in case:
+            rows.append(case)
+            print(rows[-1], flush=True)
+            continue
+        print(f"case: {case['case']}", flush=True)  # before it compiles or runs: a hang says which
+        try:
+            (out, g), (ref, gr) = case.pop("run")()
+        except Exception as e:  # noqa: BLE001 - a failing case is a row, not the end
+            rows.append({"case": case["case"], "backend": case["backend"],
+                         "error": repr(e)[:500]})
+            print(rows[-1], flush=True)
+            continue
         errs = {"out": _rel(out, ref)} | {f"d{nm}": _rel(a, r) for nm, a, r in
                                            zip("qkvλ", g, gr)}
         finite = bool(all(np.isfinite(np.asarray(x, np.float32)).all() for x in (out, *g)))
-        rows.append({"case": label, "backend": backend, **errs, "finite": finite,
-                     "ok": _within(errs, finite, dtype), "deprecations": "; ".join(deprecations)})
+        deprecations, dtype = case.pop("deprecations"), case.pop("dtype")
+        rows.append(case | errs | {"finite": finite, "ok": _within(errs, finite, dtype),
+                                   "deprecations": deprecations})
         print(rows[-1], flush=True)
+    if ahead is not None:
+        ahead.close()
     if jax.default_backend() == "gpu":  # standard attention on cuDNN / Pallas with segments
         b, t, hq, hkv, d = 2, 300, 8, 2, 64
         ks = jax.random.split(jax.random.PRNGKey(7), 4)
@@ -654,11 +726,20 @@ def main(argv=None) -> dict:
                         "stages_bwd")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--samples", type=int, default=7)
+    p.add_argument("--compile-threads", type=int, default=None,
+                   help="threads that compile a batch of --check cases or of one length's "
+                        "--bench rows before they run (default: the host's cores on a GPU, "
+                        "else 1: each compiles at its first call)")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds after which no new measurement starts (skips are recorded)")
     p.add_argument("--out", type=str, default=str(RESULTS))
     p.add_argument("--tag", type=str, default="")
     args = p.parse_args(argv)
+    if args.compile_threads is None:
+        args.compile_threads = (len(os.sched_getaffinity(0)) if jax.default_backend() == "gpu"
+                                else 1)
+    if args.compile_threads < 1:
+        p.error(f"--compile-threads must be at least 1, got {args.compile_threads}")
     deadline = Deadline(args.deadline)
     # SIGTERM (the GPU session's stage limit) stops starting measurements; the one in flight
     # finishes and what was measured is written, as at --deadline.
@@ -686,7 +767,7 @@ def _modes(args, deadline: Deadline) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     if args.check:
-        result["check"] = check(None, None, deadline)
+        result["check"] = check(None, None, deadline, args.compile_threads)
         print(_table(result["check"], CHECK_COLS))
 
     if args.tune:
@@ -707,22 +788,38 @@ def _modes(args, deadline: Deadline) -> dict:
         fns = variants(None, None, with_cudnn=on_gpu, triton_blocks=triton_blocks)
         rows, mem = [], []
         t_sum = SUMMARY_T if not args.smoke else seqs[0]
+        ahead = CompileAhead(args.compile_threads) if args.compile_threads > 1 else None
         for t in sorted(seqs, key=lambda x: x != t_sum):  # the summary's T first
+            # one length's rows: lowered (and, with compile threads, compiling) first, then
+            # timed one by one in this order
+            batch = []
             for d in dims:
                 shape = Shape(max(1, tokens // t), t, heads, d)
                 for name in names:
                     f = fns.get(name, f"unknown here (on_gpu={on_gpu})")
-                    if isinstance(f, str) or deadline.passed():
-                        r = {"variant": name, "d": d, "T": t, "B": shape.b,
-                             "error": "skipped: deadline" if not isinstance(f, str) else f}
-                    else:
+                    r = {"variant": name, "d": d, "T": t, "B": shape.b}
+                    if isinstance(f, str):
+                        r["error"] = f
+                    elif ahead is not None and not deadline.passed():
                         try:
-                            r = bench_one(name, f, shape, dtype, reps=reps, samples=samples)
-                        except Exception as e:  # noqa: BLE001 - e.g. cuDNN refusing a shape
-                            r = {"variant": name, "d": d, "T": t, "B": shape.b,
-                                 "error": repr(e)[:300]}
-                    rows.append(r)
-                    print(r, flush=True)
+                            r["programs"] = ahead.programs(f, shape, dtype)
+                        except Exception as e:  # noqa: BLE001 - e.g. tiles refused
+                            r["error"] = repr(e)[:300]
+                    batch.append((r, f, shape))
+            for r, f, shape in batch:
+                programs = r.pop("programs", None)
+                if "error" not in r and deadline.passed():
+                    r["error"] = "skipped: deadline"
+                elif "error" not in r:
+                    try:
+                        r = bench_one(r["variant"], f, shape, dtype, reps=reps, samples=samples,
+                                      programs=programs)
+                    except Exception as e:  # noqa: BLE001 - e.g. cuDNN refusing a shape
+                        r["error"] = repr(e)[:300]
+                rows.append(r)
+                print(r, flush=True)
+        if ahead is not None:
+            ahead.close()
 
         def xla(q, k, v, lam):
             return kernels.diff_attention(q, k, v, lam, impl="xla")

@@ -44,9 +44,11 @@ limit, past its deadline), the kernel stages after it (check, tune, bench, train
          and the gradients of q, k, v and λ; each row names its kernel and any
          DeprecationWarning its compile raised. First the schedules no GPU has run: dQ fused
          into the share dK/dV kernel (atomics at d = 64 and 128, TMA reduce-adds at 64) and
-         the share kernel with a dQ kernel at 128 (a case took 35 s on the H100, two compiles
-         of fwd+bwd: the deadline leaves about these four), then the table's tiles, the other
-         schedules ("rows" dK/dV, "split" dQ, no ping-pong), Triton's;                ≤ 180 s
+         the share kernel with a dQ kernel at 128, then the table's tiles, the other
+         schedules ("rows" dK/dV, "split" dQ, no ping-pong), Triton's. A case took 35 s on
+         the H100 (two compiles of fwd+bwd, one after another: the deadline left four); now
+         every case is lowered first and all compile on the host's 16 cores (attention.py
+         --compile-threads), then they run in order;                                  ≤ 180 s
   tune   `--tune --tune-write` at T = 4096 for d = 128 and 64: a greedy descent per width,
          phase by phase across both (attention.py's `_tune_plan`): the table's tiles, dQ fused
          into the share kernel (atomics at block_q_dkv 64 and 128, TMA reduce-adds at 64), the
@@ -56,8 +58,10 @@ limit, past its deadline), the kernel stages after it (check, tune, bench, train
          the bench stage after it, in the same call, runs it);                        ≤ 200 s
   bench  `--bench` for d = 64 and 128, T = 4K first (the summary's), then 2K, 8K, 16K at
          B·T = 32K, H = 16: fused Mosaic, cuDNN 2H×d, two Tokamax calls (the summary's routes
-         first), cuDNN H×2d, four cuDNN calls, fused Triton (about 7 s a row on the H100);
-         the default call's last stage: what check and tune left;
+         first), cuDNN H×2d, four cuDNN calls, fused Triton (about 7 s a row on the H100,
+         compiling one after another; now each length's rows compile together on the host's
+         cores before they are timed); the default call's last stage: what check and tune
+         left;
   profile  `benchmarks/kernel_profile.py`: each kernel's own time under Nsight Compute
          (`ncu`, gpu__time_duration) in one gradient step at T = 4096, d = 128 then 64, the
          table's tiles and dQ fused into the share kernel: the forward, dQ and dK/dV kernels'

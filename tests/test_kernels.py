@@ -683,10 +683,11 @@ def test_tpu_cost_analysis_counts_the_fused_kernels():
 
 
 def test_benchmark_smoke(tmp_path):
-    """benchmarks/attention.py --smoke runs the routes on tiny shapes and writes JSON + markdown."""
+    """benchmarks/attention.py --smoke runs the routes on tiny shapes (compiled ahead on two
+    threads) and writes JSON + markdown."""
     import attention as bench
 
-    result = bench.main(["--smoke", "--out", str(tmp_path)])
+    result = bench.main(["--smoke", "--compile-threads", "2", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "attention_smoke.json").read_text())
     names = {r["variant"] for r in data["bench"]}
     assert {"fused", "a_two_pallas", "c_pallas_h128"} <= names
@@ -694,6 +695,33 @@ def test_benchmark_smoke(tmp_path):
     assert data["memory"][0]["fused_bytes"] > 0 and data["env"]["jax"] == jax.__version__
     assert "| fused |" in (tmp_path / "attention_smoke.md").read_text()
     assert result["ratios"]
+
+
+def test_programs_compiled_ahead_time_and_compute_what_jit_does():
+    """`CompileAhead` (the GPU's --compile-threads): a bench row's forward and step compiled on
+    a thread pool give the outputs and gradients jax.jit gives (the same programs); a compile
+    that fails raises from its thunk, for its own row."""
+    import attention as bench
+
+    def xla(q, k, v, lam):
+        return kernels.diff_attention(q, k, v, lam, impl="xla")
+
+    shape = bench.Shape(b=1, t=16, h=2, d=8)
+    ahead = bench.CompileAhead(2)
+    row = bench.bench_one("fused", xla, shape, jnp.float32, reps=1, samples=1, keep_outputs=True,
+                          programs=ahead.programs(xla, shape, jnp.float32))
+    want = bench.bench_one("fused", xla, shape, jnp.float32, reps=1, samples=1, keep_outputs=True)
+    for a, b in zip(row["outputs"], want["outputs"]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert row["total_ms"] > 0
+
+    class Refused:
+        def compile(self):
+            raise ValueError("tiles do not fit")
+
+    with pytest.raises(ValueError, match="tiles do not fit"):
+        ahead.submit(Refused())()
+    ahead.close()
 
 
 def test_every_benchmark_variant_computes_the_attention_its_name_says(monkeypatch):
@@ -741,8 +769,9 @@ def test_the_command_line_runs_check_and_tune_as_the_gpu_session_asks_and_writes
 
     seen = {}
 
-    def check(block_sizes, interpret, deadline):
+    def check(block_sizes, interpret, deadline, threads):
         seen["check"] = deadline
+        seen["threads"] = threads
         return [{"case": "fused d64", "out": 1e-3, "ok": True}]
 
     def tune(head_dims, args, deadline):
@@ -754,6 +783,7 @@ def test_the_command_line_runs_check_and_tune_as_the_gpu_session_asks_and_writes
     result = bench.main(["--check", "--tune", "--tune-write", "--head-dims", "64,128", "--tag",
                          "T", "--deadline", "100", "--out", str(tmp_path)])
     assert seen["check"] is seen["tune"][2] and seen["tune"][:2] == ([64, 128], True)
+    assert seen["threads"] == 1  # on the GPU: the host's cores
     saved = json.loads((tmp_path / "attention_T.json").read_text())
     assert saved["check"] == result["check"] and saved["tune"] == result["tune"]
     assert "bench" not in saved
@@ -1089,13 +1119,15 @@ def test_benchmark_measures_the_summary_length_first(tmp_path, monkeypatch):
                                                          "skipped: deadline"]
 
 
-def test_gpu_check_compares_the_kernel_and_every_gradient_with_the_oracle(monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gpu_check_compares_the_kernel_and_every_gradient_with_the_oracle(monkeypatch, threads):
     """attention.py --check's numbers, the GPU session's verdict on the kernel: a "pallas"
     route exactly 1% off the xla oracle reads 0.01 for out, dq, dk and dv, and its dλ, made NaN
     alone, reads NaN and makes the row not finite. An oracle that was the kernel itself (for
     the output or the gradients), a dropped dλ and finiteness of the output only passed every
     test (--check needs a GPU). `ok` holds float32 to CHECK_TOLERANCE's 5e-3: 0.4% off is
-    within it, 0.6% off (finite) and the NaN row are not."""
+    within it, 0.6% off (finite) and the NaN row are not. The same with the cases compiled
+    ahead on two threads (the GPU's default)."""
     import math
 
     import attention as bench
@@ -1114,14 +1146,14 @@ def test_gpu_check_compares_the_kernel_and_every_gradient_with_the_oracle(monkey
     assert bench.CHECK_TOLERANCE["float32"] == 5e-3
     monkeypatch.setattr(bench, "CHECK_CASES", [(1, 8, 2, 1, 8, True, True, jnp.float32, 0.3)])
     monkeypatch.setattr(bench.kernels, "diff_attention", off_by(1.01, True))
-    row, = bench.check(None, None)
+    row, = bench.check(None, None, threads=threads)
     for name in ("out", "dq", "dk", "dv"):
         assert row[name] == pytest.approx(0.01, rel=1e-3), (name, row)
     assert math.isnan(row["dλ"]) and row["finite"] is False and row["backend"] == "triton"
     assert row["ok"] is False
     for factor, ok in ((1.004, True), (1.006, False)):
         monkeypatch.setattr(bench.kernels, "diff_attention", off_by(factor, False))
-        row, = bench.check(None, None)
+        row, = bench.check(None, None, threads=threads)
         assert row["finite"] and row["dλ"] == pytest.approx(factor - 1, rel=1e-3), row
         assert row["ok"] is ok, (factor, row)
 

@@ -28,8 +28,9 @@ kernels/tuning/mosaic_gpu.json), --smoke (tiny shapes, CPU interpreter, for the 
 --deadline stops starting new measurements after that many seconds (recorded), as does SIGTERM
 (the measurement in flight finishes; the JSON and markdown are written). On a GPU, --check's
 cases and each length's --bench rows are lowered first and compile on the host's cores
-(--compile-threads, `CompileAhead`), then run one at a time: on the H100 a check case took
-about 35 s and a bench row 7 s, nearly all of it compiling, one program after another.
+(--compile-threads, `CompileAhead`), as do each --tune phase's settings, then run one at a
+time: on the H100 a check case took about 35 s and a bench row 7 s, nearly all of it
+compiling, one program after another.
 """
 
 from __future__ import annotations
@@ -572,42 +573,65 @@ TUNE_AGREEMENT = 3e-2
 
 class _Width:
     """One head width's tuning: its shape (bf16, causal, T = --tune-t), its rows, and the outputs
-    of its first setting that ran, which every later one must match to `TUNE_AGREEMENT`."""
+    of its first setting that ran, which every later one must match to `TUNE_AGREEMENT`.
+    `ahead`: a `CompileAhead` that compiles a phase's settings together (None: one by one)."""
 
-    def __init__(self, d: int, args, deadline: Deadline, rows: list[dict]):
+    def __init__(self, d: int, args, deadline: Deadline, rows: list[dict],
+                 ahead: CompileAhead | None = None):
         self.d, self.deadline, self.rows = d, deadline, rows  # rows: every width's, as they ran
         self.shape = Shape(max(1, args.tokens // args.tune_t), args.tune_t, args.heads, d)
         self.base = hopper.tiles_for(d, jnp.bfloat16)[0]
+        self.ahead = ahead
         self.first: list = []
         self.tried: set[str] = set()  # resolved tiles already measured (or refused)
 
-    def run(self, stage: str, tiles) -> None:
-        """Measure `tiles` (once: a setting that resolves to one measured before is skipped) and
-        append its row: times, or the error (shared memory refuses the tiles, a failed compile,
-        disagreement with the first setting, the deadline)."""
-        r = {"d": self.d, "stage": stage, "tiles": hopper.tiles_text(tiles)}
-        if self.deadline.passed():
-            self.rows.append(r | {"error": "skipped: deadline"})
-            return
-        refused = None
-        try:
-            split = flash_mgpu.warpgroups(self.d, tiles)[2]
-        except ValueError as e:  # shared memory does not hold them: nothing to compile
-            refused, key = repr(e)[:300], r["tiles"]
-        else:
-            r["dkv"] = ("share" if tiles.dkv == "share" else "split") if split else "rows"
-            key = hopper.tiles_text(dataclasses.replace(tiles, dkv=r["dkv"]))
-        if key in self.tried:
-            return
-        self.tried.add(key)
-        if refused is not None:
-            self.rows.append(r | {"error": refused})
-            return
-        print(f"tune d={self.d} {stage}: {r['tiles']}", flush=True)  # before its compile
-        try:
+    def run(self, stage: str, *settings) -> None:
+        """Measure each of `settings` (Tiles; once: one that resolves to a setting measured
+        before is skipped) and append its row: times, or the error (shared memory refuses the
+        tiles, a failed compile, disagreement with the first setting, the deadline). With
+        `ahead`, all are lowered and compile together first, then run in order."""
+        slots = []  # per setting in order: its finished row, or (row, f, programs) to run
+        for tiles in settings:
+            r = {"d": self.d, "stage": stage, "tiles": hopper.tiles_text(tiles)}
+            if self.deadline.passed():
+                slots.append(r | {"error": "skipped: deadline"})
+                continue
+            refused = None
+            try:
+                split = flash_mgpu.warpgroups(self.d, tiles)[2]
+            except ValueError as e:  # shared memory does not hold them: nothing to compile
+                refused, key = repr(e)[:300], r["tiles"]
+            else:
+                r["dkv"] = ("share" if tiles.dkv == "share" else "split") if split else "rows"
+                key = hopper.tiles_text(dataclasses.replace(tiles, dkv=r["dkv"]))
+            if key in self.tried:
+                continue
+            self.tried.add(key)
+            if refused is not None:
+                slots.append(r | {"error": refused})
+                continue
             f = variants(BlockSizes(mosaic_gpu=tiles), None, with_cudnn=False)["fused"]
+            programs = None
+            if self.ahead is not None:
+                try:
+                    programs = self.ahead.programs(f, self.shape, jnp.bfloat16)
+                except Exception as e:  # noqa: BLE001 - a config that does not lower
+                    slots.append(r | {"error": repr(e)[:300]})
+                    continue
+            slots.append((r, f, programs))
+        for slot in slots:
+            if isinstance(slot, dict):
+                self.rows.append(slot)
+            elif self.deadline.passed():
+                self.rows.append(slot[0] | {"error": "skipped: deadline"})
+            else:
+                self._measure(*slot)
+
+    def _measure(self, r: dict, f, programs) -> None:
+        print(f"tune d={self.d} {r['stage']}: {r['tiles']}", flush=True)  # before it runs
+        try:
             m = bench_one("fused", f, self.shape, jnp.bfloat16, reps=3, samples=3,
-                          keep_outputs=True)
+                          keep_outputs=True, programs=programs)
         except Exception as e:  # noqa: BLE001 - a config that does not compile or run
             self.rows.append(r | {"error": repr(e)[:300]})
             return
@@ -650,13 +674,12 @@ def _tune_plan(w: _Width):
     w.run("table", w.base)
     yield
     best = w.fastest() or w.base
-    for dq, bq in (("fused", 64), ("fused", 128), ("fused_tma", 64)):
-        w.run("fused", dataclasses.replace(best, dkv="share", dq=dq, block_q_dkv=bq))
+    w.run("fused", *(dataclasses.replace(best, dkv="share", dq=dq, block_q_dkv=bq)
+                     for dq, bq in (("fused", 64), ("fused", 128), ("fused_tma", 64))))
     yield
     best = w.fastest() or w.base
-    for bk in (64, 128):
-        for st in (2, 3):
-            w.run("fwd", dataclasses.replace(best, block_kv=bk, stages=st))
+    w.run("fwd", *(dataclasses.replace(best, block_kv=bk, stages=st)
+                   for bk in (64, 128) for st in (2, 3)))
     best = w.fastest()
     if best is not None:
         w.run("fwd", dataclasses.replace(best, pingpong=not best.pingpong))
@@ -665,15 +688,13 @@ def _tune_plan(w: _Width):
     two = w.fastest(with_dq_kernel=True) or dataclasses.replace(best, dkv="auto", dq="rows")
     two = dataclasses.replace(two, block_kv=best.block_kv, stages=best.stages,
                               pingpong=best.pingpong)
-    for a in (64, 128):
-        for c in (64, 128):
-            w.run("bwd", dataclasses.replace(two, block_kv_dq=a, block_q_dkv=c))
+    w.run("bwd", *(dataclasses.replace(two, block_kv_dq=a, block_q_dkv=c)
+                   for a in (64, 128) for c in (64, 128)))
     yield
     two = w.fastest(with_dq_kernel=True)
     if two is not None:
-        for other in flash_mgpu.DKV_SCHEDULES:
-            if other not in ("auto", two.dkv):
-                w.run("schedule", dataclasses.replace(two, dkv=other))
+        w.run("schedule", *(dataclasses.replace(two, dkv=other) for other in
+                            flash_mgpu.DKV_SCHEDULES if other not in ("auto", two.dkv)))
         two = w.fastest(with_dq_kernel=True)
         w.run("schedule", dataclasses.replace(two, dq="rows" if two.dq == "split" else "split"))
 
@@ -685,9 +706,11 @@ def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
     all of them. Tiles that shared memory refuses are rows that say so; a setting whose output
     and gradients differ from its width's first setting's by more than `TUNE_AGREEMENT`
     (`vs_first`) is an error row and cannot win. --tune-write stores the fastest per d in the
-    table. Rows in the order they ran."""
+    table. Rows in the order they ran. With --compile-threads > 1 a phase's settings compile
+    together (`CompileAhead`) before they run."""
     rows: list[dict] = []
-    widths = [_Width(d, args, deadline, rows) for d in head_dims]
+    ahead = CompileAhead(args.compile_threads) if args.compile_threads > 1 else None
+    widths = [_Width(d, args, deadline, rows, ahead) for d in head_dims]
     plans = [_tune_plan(w) for w in widths]
     while plans:  # phase k of every width, then phase k + 1
         for plan in list(plans):
@@ -695,6 +718,8 @@ def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
                 next(plan)
             except StopIteration:
                 plans.remove(plan)
+    if ahead is not None:
+        ahead.close()
     for w in widths:
         best = w.fastest()
         if best is not None and args.tune_write:

@@ -54,8 +54,9 @@ limit, past its deadline), the kernel stages after it (check, tune, bench, train
          into the share kernel (atomics at block_q_dkv 64 and 128, TMA reduce-adds at 64), the
          forward's tiles and ping-pong, the backward's tiles with a dQ kernel, the other
          dK/dV and dQ schedules; a deadline cuts the later phases of both widths, not a whole
-         width. The fastest per d goes into kernels/tuning/mosaic_gpu.json (copied to $OUT;
-         the bench stage after it, in the same call, runs it);                        ≤ 200 s
+         width; each phase's settings compile together on the host's cores, then run. The
+         fastest per d goes into kernels/tuning/mosaic_gpu.json (copied to $OUT; the bench
+         stage after it, in the same call, runs it);                                  ≤ 200 s
   bench  `--bench` for d = 64 and 128, T = 4K first (the summary's), then 2K, 8K, 16K at
          B·T = 32K, H = 16: fused Mosaic, cuDNN 2H×d, two Tokamax calls (the summary's routes
          first), cuDNN H×2d, four cuDNN calls, fused Triton (about 7 s a row on the H100,

@@ -919,10 +919,12 @@ def _profile_args():
     return argparse.Namespace(t=4096, tokens=32768, heads=16, reps=3, limit=60.0)
 
 
-def _tune(monkeypatch, bench, variants, bench_one, dims=(64,)):
+def _tune(monkeypatch, bench, variants, bench_one, dims=(64,), threads=1, lowered=None):
     """attention.py's `tune` over head widths `dims` with --tune-write, its `variants` and
     `bench_one` replaced: (its rows, the tiles text of each `hopper.record` call, which writes
-    nothing here)."""
+    nothing here). `threads` > 1: with --compile-threads, its `CompileAhead` replaced by one
+    that lowers nothing (`programs` gives the tiles and appends ("lower", tiles) to
+    `lowered`)."""
     import argparse
 
     recorded = []
@@ -930,7 +932,21 @@ def _tune(monkeypatch, bench, variants, bench_one, dims=(64,)):
     monkeypatch.setattr(bench, "bench_one", bench_one)
     monkeypatch.setattr(bench.hopper, "record", lambda kind, d, dtype, tiles, note:
                         recorded.append(bench.hopper.tiles_text(tiles)))
-    args = argparse.Namespace(tokens=32, tune_t=16, heads=2, tune_write=True)
+    class Ahead:
+        def __init__(self, threads):
+            pass
+
+        def programs(self, f, shape, dtype):
+            if lowered is not None:
+                lowered.append(("lower", bench.hopper.tiles_text(f.tiles)))
+            return ("lowered", bench.hopper.tiles_text(f.tiles))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench, "CompileAhead", Ahead)
+    args = argparse.Namespace(tokens=32, tune_t=16, heads=2, tune_write=True,
+                              compile_threads=threads)
     return bench.tune(list(dims), args, bench.Deadline(None)), recorded
 
 
@@ -1193,7 +1209,8 @@ def test_tune_sweeps_backward_tiles_with_a_dq_kernel_when_the_table_fuses_dq(mon
     assert recorded == ["128,64,64,2,share,True,fused"]
 
 
-def test_tune_descends_phase_by_phase_across_widths_and_records_the_fastest(monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tune_descends_phase_by_phase_across_widths_and_records_the_fastest(monkeypatch, threads):
     """attention.py --tune's choices on scripted timings and outputs (no kernel runs), two head
     widths: every width runs a phase before any runs the next (table, fused, fwd, bwd,
     schedule: a deadline leaves each width the first ones), each phase on the fastest agreeing
@@ -1203,10 +1220,13 @@ def test_tune_descends_phase_by_phase_across_widths_and_records_the_fastest(monk
     switched wins; the backward sweep runs with a dQ kernel on the winner's forward fields and
     beats the fused dQ; each other dK/dV schedule and then the other dQ schedule run on the
     fastest of those, and --tune-write records the fastest of all. The fused dQ's jax gate is
-    lifted (jax 0.10 refuses it): the plan is what is under test."""
+    lifted (jax 0.10 refuses it): the plan is what is under test. With compile threads (the
+    GPU's default) the same rows, and each phase's settings are all lowered (compiling) before
+    the first of them runs."""
     import attention as bench
 
     monkeypatch.setattr(bench.flash_mgpu, "FUSED_DQ", True)
+    measured, events = [], []  # (d, tiles) per measurement; "lower" and "run" events
     base, _ = bench.hopper.tiles_for(64, "bfloat16")
     assert (base.block_kv, base.stages, base.pingpong, base.dkv) == (128, 2, True, "auto")
     fwd_ms = {(64, 2, True): 5.0, (64, 3, True): 1.0, (128, 2, True): 3.0,
@@ -1218,8 +1238,11 @@ def test_tune_descends_phase_by_phase_across_widths_and_records_the_fastest(monk
               (64, 128, "rows", "rows"): 6.5, (64, 128, "share", "rows"): 7.5,
               (64, 128, "rows", "split"): 6.0}
 
-    def scripted(name, f, shape, dtype, **kw):
+    def scripted(name, f, shape, dtype, programs=None, **kw):
         t = f.tiles
+        assert programs == (None if threads == 1 else ("lowered", bench.hopper.tiles_text(t)))
+        measured.append((shape.d, bench.hopper.tiles_text(t)))
+        events.append(("run", bench.hopper.tiles_text(t)))
         if shape.d == 128:  # every setting alike: the table's stays the fastest
             return {"fwd_ms": 1.0, "total_ms": 3.0, "fwd_tflops": 1.0, "bwd_tflops": 1.0,
                     "outputs": [np.ones(3)] * 5}
@@ -1235,7 +1258,20 @@ def test_tune_descends_phase_by_phase_across_widths_and_records_the_fastest(monk
         return {"fwd_ms": fwd, "total_ms": fwd + bwd, "fwd_tflops": 1.0, "bwd_tflops": 1.0,
                 "outputs": outputs}
 
-    rows, recorded = _tune(monkeypatch, bench, _scripted_variants, scripted, dims=(64, 128))
+    rows, recorded = _tune(monkeypatch, bench, _scripted_variants, scripted, dims=(64, 128),
+                           threads=threads, lowered=events)
+    # runs come in blocks, each running exactly what the "lower" block before it lowered
+    blocks = [[events[0]]]
+    for e in events[1:]:
+        (blocks[-1].append if e[0] == blocks[-1][-1][0] else lambda x: blocks.append([x]))(e)
+    runs = [sorted(t for _, t in b) for b in blocks if b[0][0] == "run"]
+    lows = [sorted(t for _, t in b) for b in blocks if b[0][0] == "lower"]
+    if threads > 1:  # one block a phase's batch (the backward tiles: four), one a width's
+        assert runs == lows and len(runs) >= 10 and max(len(r) for r in runs) == 4
+    else:
+        assert not lows
+    assert measured == [(r["d"], r["tiles"]) for r in rows if "fwd_ms" in r or "vs_first" in r
+                        or r.get("error", "").startswith("disagrees")]
     phases = [(r["d"], r["stage"]) for r in rows]
     runs = [x for n, x in enumerate(phases) if n == 0 or phases[n - 1] != x]
     assert runs == [(d, stage) for stage in ("table", "fused", "fwd", "bwd", "schedule")

@@ -40,15 +40,16 @@ limit, past its deadline), the kernel stages after it (check, tune, bench, train
          own process killed at 45 s, so a hang costs 45 s and is named, where it stalls a whole
          benchmark stage;                                                            ≤ 540 s
   check  `benchmarks/attention.py --check`: the real lowerings (Mosaic GPU for bf16/fp16 at
-         d ∈ {64, 96, 128}, Triton for float32 and d = 32) against the float32 oracle, forward
+         d ∈ {64, 96, 128}, Triton for float32 and d = 32) against the float64 NumPy
+         reference (`kernels.float64_reference`, on the host: no oracle to compile), forward
          and the gradients of q, k, v and λ; each row names its kernel and any
-         DeprecationWarning its compile raised. First the schedules no GPU has run: dQ fused
+         DeprecationWarning its lowering raised. First the schedules no GPU has run: dQ fused
          into the share dK/dV kernel (atomics at d = 64 and 128, TMA reduce-adds at 64) and
          the share kernel with a dQ kernel at 128, then the table's tiles, the other
          schedules ("rows" dK/dV, "split" dQ, no ping-pong), Triton's. A case took 35 s on
-         the H100 (two compiles of fwd+bwd, one after another: the deadline left four); now
-         every case is lowered first and all compile on the host's 16 cores (attention.py
-         --compile-threads), then they run in order;                                  ≤ 180 s
+         the H100 (the kernel's and the xla oracle's fwd+bwd compiles, one after another:
+         the deadline left four); now every case is lowered first and all compile on the
+         host's 16 cores (attention.py --compile-threads), then they run in order;    ≤ 180 s
   tune   `--tune --tune-write` at T = 4096 for d = 128 and 64: a greedy descent per width,
          phase by phase across both (attention.py's `_tune_plan`): the table's tiles, dQ fused
          into the share kernel (atomics at block_q_dkv 64 and 128, TMA reduce-adds at 64), the

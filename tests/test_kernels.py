@@ -1,9 +1,10 @@
 """Fused differential flash attention (kernels/): numerics in the CPU interpreter, hardware lowerings.
 
 References: `impl="xla"` (kernels/reference.py) and an independent float64 NumPy implementation
-written here from the equations (forward and the plain softmax-Jacobian backward, no flash
-identities). Tolerances on ‖x−ref‖/‖ref‖: float32 inputs 1e-5 (observed ~3e-7), bfloat16 inputs
-2e-2 vs the float64 reference of the same bf16 values (observed ~3e-3; the scalar dλ 5e-2).
+from the equations (kernels/float64_reference.py: forward and the plain softmax-Jacobian
+backward, no flash identities). Tolerances on ‖x−ref‖/‖ref‖: float32 inputs 1e-5 (observed
+~3e-7), bfloat16 inputs 2e-2 vs the float64 reference of the same bf16 values (observed ~3e-3;
+the scalar dλ 5e-2).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import kernels
 import numpy_reference as npr
 from kernels import BlockSizes, cost, flash, flash_mgpu
 from kernels.flash import flash_attention
+from kernels.float64_reference import diff_attention as np_diff_attention
+from kernels.float64_reference import mask as np_mask
 
 F32_TOL, BF16_TOL = 1e-5, 2e-2
 SMALL = BlockSizes(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)  # several ragged tiles
@@ -33,55 +36,6 @@ SMALL = BlockSizes(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)  # se
 def rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def np_mask(t, s, causal, seg):
-    m = np.ones((seg.shape[0] if seg is not None else 1, t, s), bool)
-    if causal:
-        m &= np.arange(t)[:, None] >= np.arange(s)[None, :]
-    if seg is not None:
-        m &= (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
-    return m[:, None]  # (B|1, 1, T, S)
-
-
-def np_diff_attention(q, k, v, lam, do, *, causal, seg):
-    """float64 forward and gradients (dq, dk, dv, dλ) of Σ out·do, from the definitions."""
-    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
-    b, t, h2, d = q.shape
-    s, hkv = k.shape[1], v.shape[2]
-    h, rep, scale = h2 // 2, h2 // 2 // hkv, d**-0.5
-    g = np.arange(h) // rep  # kv group of each DIFF head
-    qc = [q[:, :, 0::2].transpose(0, 2, 1, 3), q[:, :, 1::2].transpose(0, 2, 1, 3)]  # (B,H,T,d)
-    kc = [k[:, :, 0::2][:, :, g].transpose(0, 2, 1, 3), k[:, :, 1::2][:, :, g].transpose(0, 2, 1, 3)]
-    vh = v[:, :, g].transpose(0, 2, 1, 3)  # (B, H, S, 2d)
-    dob = do.transpose(0, 2, 1, 3)  # (B, H, T, 2d)
-    mask = np_mask(t, s, causal, None if seg is None else np.asarray(seg))
-    probs = []
-    for c in range(2):
-        sc = np.where(mask, np.einsum("bhtd,bhsd->bhts", qc[c], kc[c]) * scale, -np.inf)
-        mx = np.max(sc, -1, keepdims=True)
-        e = np.where(mask, np.exp(sc - np.where(np.isfinite(mx), mx, 0.0)), 0.0)
-        z = e.sum(-1, keepdims=True)
-        probs.append(np.where(z > 0, e / np.where(z > 0, z, 1.0), 0.0))
-    coef = [1.0, -float(lam)]
-    a = probs[0] + coef[1] * probs[1]
-    out = np.einsum("bhts,bhse->bhte", a, vh)
-    dvh = np.einsum("bhts,bhte->bhse", a, dob)
-    da = np.einsum("bhte,bhse->bhts", dob, vh)
-    dlam = -np.sum(np.einsum("bhts,bhse->bhte", probs[1], vh) * dob)
-    dq = np.zeros_like(q)
-    dk = np.zeros_like(k)
-    for c in range(2):
-        dac = coef[c] * da
-        ds = probs[c] * (dac - np.sum(dac * probs[c], -1, keepdims=True)) * scale
-        dq[:, :, c::2] = np.einsum("bhts,bhsd->bthd", ds, kc[c])
-        dkh = np.einsum("bhts,bhtd->bhsd", ds, qc[c])  # per DIFF head, summed into its group
-        for hh in range(h):
-            dk[:, :, 2 * g[hh] + c] += dkh[:, hh]
-    dv = np.zeros_like(v)
-    for hh in range(h):
-        dv[:, :, g[hh]] += dvh[:, hh]
-    return out.transpose(0, 2, 1, 3), (dq, dk, dv, dlam)
 
 
 def make_inputs(b, t, h, hkv, d, dtype, seed, segments):

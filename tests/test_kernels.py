@@ -676,6 +676,8 @@ def test_programs_compiled_ahead_time_and_compute_what_jit_does():
     with pytest.raises(ValueError, match="tiles do not fit"):
         ahead.submit(Refused())()
     ahead.close()
+    with pytest.raises(SystemExit):  # one line naming --compile-threads and what it must be
+        bench.main(["--smoke", "--compile-threads", "0"])
 
 
 def test_every_benchmark_variant_computes_the_attention_its_name_says(monkeypatch):

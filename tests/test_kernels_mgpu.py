@@ -30,7 +30,8 @@ from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 import kernels
 from kernels import BlockSizes, flash, flash_mgpu, hopper
 from kernels.flash import flash_attention
-from test_kernels import TRITON, _abstract, _fwd_bwd, make_inputs, np_diff_attention, rel
+from kernels.float64_reference import diff_attention as np_diff_attention
+from test_kernels import TRITON, _abstract, _fwd_bwd, make_inputs, rel
 
 MOSAIC = "stablehlo.custom_call @mosaic_gpu"
 

@@ -17,7 +17,8 @@ budget_left_s less about 40 (transfers); the 1.4B pair is TRAIN_RUNS' first. The
 stage (ncu) and the probes have no room in such a session: they are for one whose check hung
 or whose tune left the targets missed without a reason. The replication (about 11-13 minutes,
 an estimate) does not fit beside the kernel work: a later session spends its whole budget on
-it.
+it, and commits what it brought back even when unfinished, since the next one takes the
+models it finished (`--finished-from`, the replicate stage below).
 
 The first session on an H100 (2026-11-25, benchmarks/results/hopper_session_{1,2,3}.json,
 mosaic_h100.md) found every backward hanging (the split dK/dV schedule asked `setmaxnreg` for
@@ -80,9 +81,13 @@ limit, past its deadline), the kernel stages after it (check, tune, bench, train
          /tmp/diff_jax_gpu_medium with all the time left; it resumes where the last call
          stopped, so issue the same call again at once (the machine keeps /tmp only while it
          stays warm, about 30 s after a call) until session.md says `done`. Each call copies
-         the corpus meta, every run's metrics.jsonl, wall.json and evaluation JSONs, and at the
-         end results.json/.md and the PNGs, to $OUT/gpu-medium/ (commit them to
-         docs/results/gpu-medium/).
+         the corpus meta, every run's config, metrics.jsonl, wall.json, device.json and
+         evaluation JSONs, and at the end results.json/.md and the PNGs, to $OUT/gpu-medium/:
+         commit them to docs/results/gpu-medium/ even when the session ends before `done`. A
+         later session's replicate passes that directory as `--finished-from`: the models an
+         earlier session finished (every evaluation written) are taken when this machine's
+         corpus has the same digest, and only the rest train, so the replication finishes
+         over several 15-minute sessions (a model cut short by a session's end trains again).
   ablate  (its own calls, after replicate is done) `diff_jax.experiments.ablate` on that
          replication with `ABLATION` (DIFF V1's per-head norm started at 0.1, the setting that
          reversed V1's deficit at cpu-small), same seed and init, resuming like replicate until
@@ -162,6 +167,8 @@ SUMMARY_DIMS = (64, 128)
 SUMMARY_FIELDS = ("fused_over_cudnn_baseline", "fused_over_tokamax_two_calls", "fwd_tflops",
                   "bwd_tflops", "train_step_diff_over_transformer")
 GPU_MEDIUM = Path("/tmp/diff_jax_gpu_medium")  # outlives a call only while the machine is warm
+# what earlier sessions brought back and were committed: their finished models are taken
+GPU_MEDIUM_RESULTS = ROOT / "docs" / "results" / "gpu-medium"
 # the ablate stage's setting, against the replication's DIFF V1 (docs/results/cpu-small/ablations)
 ABLATION = ("model.subln_init=0.1",)
 
@@ -208,8 +215,9 @@ def _copy_replication(src: Path, dst: Path) -> int:
     """Copy the small files of a replication directory (reports, plots, ablations, corpus meta,
     each run's metrics, walls and evaluation JSONs; no checkpoints, no corpus) to `dst`; returns
     how many."""
-    patterns = ("results.*", "*.png", "ablations/*", "data/*/meta.json", "runs/*/metrics.jsonl",
-                "runs/*/wall.json", "runs/*/config.yaml", "runs/*/replicate/*/*.json")
+    patterns = ("replicate.json", "results.*", "*.png", "ablations/*", "data/*/meta.json",
+                "runs/*/metrics.jsonl", "runs/*/wall.json", "runs/*/config.yaml",
+                "runs/*/device.json", "runs/*/adopted.json", "runs/*/replicate/*/*.json")
     files = [f for pattern in patterns for f in src.glob(pattern) if f.is_file()]
     for f in files:
         target = dst / f.relative_to(src)
@@ -386,9 +394,12 @@ def main(argv=None) -> int:
                     r["runs"].append(run)
                     r["status"] = "ok" if all(x["status"] == "ok" for x in r["runs"]) else "partial"
             elif stage == "replicate":
+                earlier = (["--finished-from", str(GPU_MEDIUM_RESULTS)]
+                           if any(GPU_MEDIUM_RESULTS.glob("runs/*/metrics.jsonl")) else [])
                 r = _run("replicate", [py, "-m", "diff_jax.experiments.replicate", "--preset",
                                        "gpu-medium", "--seeds", "1", "--inits", "scaled",
-                                       "--out", str(GPU_MEDIUM)], left() - 30, log, stub or "")
+                                       "--out", str(GPU_MEDIUM), *earlier], left() - 30, log,
+                         stub or "")
                 r["status"] = "done" if (GPU_MEDIUM / "results.json").exists() else r["status"]
                 r["copied"] = _copy_replication(GPU_MEDIUM, out / "gpu-medium")
             elif not (GPU_MEDIUM / "results.json").exists():  # ablate

@@ -152,6 +152,25 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch, capsy
     wall = (run / "wall.json").read_text()
     assert replicate.main(["--preset", "micro", "--out", str(out)]) == 0
     assert (run / "wall.json").read_text() == wall
+    # Each run records the machine it ran on; the report names it.
+    assert data["device"] == "cpu" and all(m["devices"] == ["cpu"] for m in data["models"].values())
+    assert "\nDevice: cpu.\n" in md
+    # The small files a GPU session brings back (no checkpoints, no corpus) finish a replication
+    # in another directory: nothing trains or evaluates again, and the report is the same.
+    import hopper_session
+
+    hopper_session._copy_replication(out, tmp_path / "back")
+    with monkeypatch.context() as m:
+        def never(*args, **kwargs):
+            raise AssertionError("a finished model was trained or evaluated again")
+
+        m.setattr(replicate.train_loop, "run", never)
+        m.setattr(replicate.evaluation, "run_task", never)
+        assert replicate.main(["--preset", "micro", "--out", str(tmp_path / "again"),
+                               "--finished-from", str(tmp_path / "back")]) == 0
+    assert json.loads((tmp_path / "again" / "results.json").read_text()) == data
+    assert (tmp_path / "again" / "results.md").read_text() == md
+    assert "--finished-from: diff-scaled-s0: taken as finished from " in capsys.readouterr().out
     _check_ablation(out, capsys)
 
 
@@ -552,18 +571,136 @@ def test_prepared_corpus_is_the_corpus_the_runs_would_load_and_refuses_repeats(t
     assert meta["sources"] == "files:0.5,niah:0.5" and meta["seed"] == 1
     assert meta["train_rows"] == (len(a.tokens) - 1) // 64
     assert meta["unigram_loss"] == pytest.approx(data.unigram_loss(a, va), rel=1e-12)
-    # a corpus prepared before meta.json carried the unigram loss gets it added, nothing else
-    del meta["unigram_loss"]
+    # the content digest: the runs' corpus's, and another seed's corpus has another
+    assert meta["sha256"] == prepared.sha256() == fresh.sha256()
+    shifted = dataclasses.replace(fresh, tokens=np.roll(fresh.tokens, 1))
+    assert shifted.sha256() != meta["sha256"]
+    # a corpus prepared before meta.json carried the unigram loss and the digest gets them
+    # added, nothing else
+    del meta["unigram_loss"], meta["sha256"]
     (path / "meta.json").write_text(json.dumps(meta))
     assert replicate.prepare_corpus(micro, 1, tmp_path) == path
     again = json.loads((path / "meta.json").read_text())
     assert again.pop("unigram_loss") == pytest.approx(data.unigram_loss(a, va), rel=1e-12)
+    assert again.pop("sha256") == fresh.sha256()
     assert again == meta
     greedy = dataclasses.replace(micro, shared=(*micro.shared, "train.steps=100000"))
     with pytest.raises(data.DataError, match=r"micro: the training split of files:0.5,niah:0.5 .* "
                                              r"fewer than the 100,000 × 8 the preset reads"):
         replicate.prepare_corpus(greedy, 2, tmp_path)
     assert not presets.corpus_dir(tmp_path, 2).exists()
+
+
+def _finished_copy(src: Path, preset) -> None:
+    """`src` as a GPU session brings a finished replication back: the corpus meta, and each
+    model's config, metrics, wall, device record and evaluation JSONs at its final step; no
+    checkpoint, no corpus tokens."""
+    from diff_jax.config import dump_config
+    from diff_jax.experiments.layout import eval_json, run_dir
+
+    corpus = replicate.prepare_corpus(preset, 0, src)
+    for f in ("tokens.bin", "doc_starts.npy"):
+        (corpus / f).unlink()
+    for v in presets.VARIANTS:
+        run = run_dir(src, v, 0, "scaled")
+        run.mkdir(parents=True)
+        config = preset.config(v, 0, run, "scaled")
+        steps = config.train.steps
+        (run / "config.yaml").write_text(dump_config(config))
+        (run / "metrics.jsonl").write_text(json.dumps({"step": steps, "loss": 1.0}) + "\n")
+        (run / "wall.json").write_text(json.dumps({"train_s": 9.0}))
+        (run / "device.json").write_text(json.dumps([{"device_kind": "NVIDIA H100 80GB HBM3"}]))
+        for name, options in replicate.lm_jobs(preset):
+            path = eval_json(run, name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"step": steps, "job": name}))
+
+
+def test_finished_models_of_another_machine_are_taken_only_on_the_same_corpus_and_config(
+        tmp_path, monkeypatch):
+    """adopt_finished: a model another session finished (every evaluation at the final step)
+    is taken without its checkpoint when this corpus has its corpus's digest and this preset
+    gives it its recorded config (its training directory read as ours); train_and_evaluate then
+    neither trains nor evaluates it. Anything else is not taken, with the reason: an evaluation
+    missing, another config, another corpus, no digest to compare, a run started here. Taking
+    a model whose corpus differed would pair models that read different data."""
+    from diff_jax import evaluation
+    from diff_jax.config import ConfigError
+    from diff_jax.experiments.layout import eval_json, run_dir
+
+    micro = presets.PRESETS["micro"]
+    src, out = tmp_path / "back", tmp_path / "out"
+    _finished_copy(src, micro)
+    replicate.prepare_corpus(micro, 0, out)
+    notes = replicate.adopt_finished(micro, 0, "scaled", out, src)
+    assert notes == [f"{v}-scaled-s0: taken as finished from {run_dir(src, v, 0, 'scaled')}"
+                     for v in presets.VARIANTS]
+    for v in presets.VARIANTS:
+        run, there = run_dir(out, v, 0, "scaled"), run_dir(src, v, 0, "scaled")
+        assert json.loads(eval_json(run, "quant").read_text()) == {"step": 4, "job": "quant"}
+        for name in replicate.FINISHED_FILES:
+            assert (run / name).read_text() == (there / name).read_text()
+        assert json.loads((run / "adopted.json").read_text())["from"] == str(there.resolve())
+        assert not (run / "checkpoints").exists()
+
+    def never(*args, **kwargs):
+        raise AssertionError("a finished model was trained or evaluated again")
+
+    monkeypatch.setattr(replicate.train_loop, "run", never)
+    monkeypatch.setattr(evaluation, "run_task", never)
+    finished = replicate.train_and_evaluate(micro, "diff", 0, "scaled", out)
+    assert finished == run_dir(out, "diff", 0, "scaled")
+    assert replicate.adopt_finished(micro, 0, "scaled", out, src) == []  # finished here now
+
+    def refused(change, says):
+        bad, fresh = tmp_path / f"bad-{says[:5]}", tmp_path / f"out-{says[:5]}"
+        _finished_copy(bad, micro)
+        replicate.prepare_corpus(micro, 0, fresh)
+        change(bad, fresh)
+        notes = replicate.adopt_finished(micro, 0, "scaled", fresh, bad)
+        assert len(notes) == 3 and notes[0].startswith("diff-scaled-s0: not taken: "), notes
+        assert says in notes[0], notes
+        assert not (run_dir(fresh, "diff", 0, "scaled") / "metrics.jsonl").exists()
+        return notes
+
+    def drop_quant(bad, fresh):
+        for v in presets.VARIANTS:
+            eval_json(run_dir(bad, v, 0, "scaled"), "quant").unlink()
+
+    def other_lr(bad, fresh):
+        for v in presets.VARIANTS:
+            cfg = run_dir(bad, v, 0, "scaled") / "config.yaml"
+            cfg.write_text(cfg.read_text().replace("  lr: 0.003\n", "  lr: 0.001\n"))
+
+    def other_corpus(bad, fresh):
+        meta = presets.corpus_dir(bad, 0) / "meta.json"
+        meta.write_text(json.dumps(json.loads(meta.read_text()) | {"sha256": "0" * 64}))
+
+    def no_digest(bad, fresh):
+        meta = presets.corpus_dir(bad, 0) / "meta.json"
+        data = json.loads(meta.read_text())
+        del data["sha256"]
+        meta.write_text(json.dumps(data))
+
+    refused(drop_quant, "not finished there (no quant at step 4)")
+    notes = refused(other_lr, "another config: optim.lr: 0.001 there, 0.003 here")
+    assert notes[0].endswith("here") and "run_dir" not in notes[0]  # its directory reads as ours
+    refused(other_corpus, "trained on another corpus (sha256 000000000000… there")
+    refused(no_digest, "records no corpus digest (sha256) to compare")
+    refused(lambda bad, fresh: (run_dir(bad, "diff", 0, "scaled") / "config.yaml").write_text(
+        "model: {}\n"), "config.yaml names no train.run_dir (KeyError('train'))")
+    started = refused(lambda bad, fresh: run_dir(fresh, "diff", 0, "scaled").mkdir(parents=True),
+                      "diff-scaled-s0 exists: a run of it started here")
+    assert started[1].startswith("diff_v2-scaled-s0: taken")
+    # the command line refuses a source that is --out itself or holds another preset's runs
+    with pytest.raises(ConfigError, match="is --out itself"):
+        replicate.replicate(micro, 1, out, finished_from=out)
+    (src / "replicate.json").write_text(json.dumps({"preset": "cpu-small"}))
+    with pytest.raises(ConfigError, match=r"--finished-from .*back: holds the runs of --preset "
+                                          r"cpu-small .*, not micro"):
+        replicate.replicate(micro, 1, out, finished_from=src)
+    with pytest.raises(ConfigError, match="no such directory"):
+        replicate.replicate(micro, 1, out, finished_from=tmp_path / "nowhere")
 
 
 def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_inits(capsys):
@@ -585,21 +722,22 @@ def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_init
 
 def test_the_command_line_runs_the_inits_and_seeds_it_names(tmp_path, monkeypatch, capsys):
     """--inits picks among the preset's inits (in the order given), --seeds sets their number;
-    left out, the preset's own."""
+    left out, the preset's own; --finished-from passes its directory on."""
     calls = []
 
-    def fake(preset, seeds, out, jobs):
-        calls.append((preset.name, preset.inits, seeds, out, jobs))
+    def fake(preset, seeds, out, jobs, finished_from):
+        calls.append((preset.name, preset.inits, seeds, out, jobs, finished_from))
         return {"plots": ["a.png"]}
 
     monkeypatch.setattr(replicate, "replicate", fake)
     out = tmp_path / "out"
     assert replicate.main(["--preset", "cpu-small", "--inits", "normal", "--seeds", "2",
                            "--out", str(out)]) == 0
-    assert replicate.main(["--preset", "cpu-recall", "--out", str(out)]) == 0
+    assert replicate.main(["--preset", "cpu-recall", "--out", str(out), "--finished-from",
+                           str(tmp_path / "back")]) == 0
     recall = presets.PRESETS["cpu-recall"]
-    assert calls == [("cpu-small", ("normal",), 2, out, 1),
-                     ("cpu-recall", recall.inits, recall.seeds, out, 1)]
+    assert calls == [("cpu-small", ("normal",), 2, out, 1, None),
+                     ("cpu-recall", recall.inits, recall.seeds, out, 1, tmp_path / "back")]
     assert f"wrote {out / 'results.md'}, {out / 'results.json'} and 1 plots" in capsys.readouterr().out
 
 
@@ -642,7 +780,7 @@ def test_side_by_side_names_a_failed_run_and_starts_nothing_after_it(tmp_path, c
 @pytest.mark.parametrize("status", [1, 2])
 def test_failed_side_by_side_runs_are_one_error_line_with_their_status(tmp_path, capsys,
                                                                       monkeypatch, status):
-    def fails(preset, seeds, out, jobs):
+    def fails(preset, seeds, out, jobs, finished_from):
         raise replicate.RunsFailed("micro: diff-scaled-s0 (exit 9) failed", status)
 
     monkeypatch.setattr(replicate, "replicate", fails)
@@ -992,11 +1130,13 @@ def test_gpu_session_replicate_stage_runs_the_gpu_preset_and_brings_its_reports_
     "done" once results.json exists there, else the stage's own status (a timeout resumes in the
     next call)."""
     import json
+    import shutil
 
     import hopper_session
 
-    scratch = tmp_path / "scratch"
+    scratch, committed = tmp_path / "scratch", tmp_path / "committed"
     monkeypatch.setattr(hopper_session, "GPU_MEDIUM", scratch)
+    monkeypatch.setattr(hopper_session, "GPU_MEDIUM_RESULTS", committed)
     calls = []
 
     def fake_run(name, cmd, limit, log, extra_path="", grace=20.0):
@@ -1022,6 +1162,13 @@ def test_gpu_session_replicate_stage_runs_the_gpu_preset_and_brings_its_reports_
     assert [r["status"] for r in statuses] == ["timeout after 500 s", "done"]
     assert [r["copied"] for r in statuses] == [1, 2]
     assert (tmp_path / "b" / "gpu-medium" / "results.json").read_text() == "{}"
+    # A later session, on a fresh machine, takes the models an earlier one finished: what it
+    # brought back, committed under docs/results/gpu-medium.
+    shutil.copytree(tmp_path / "a" / "gpu-medium", committed)
+    shutil.rmtree(scratch)
+    hopper_session.main(["--out", str(tmp_path / "c"), "--stages", "env,replicate"])
+    name, cmd = calls[-1]
+    assert name == "replicate" and cmd[-2:] == ["--finished-from", str(committed)]
 
 
 def test_gpu_session_ablate_stage_waits_for_the_replication_then_runs_the_ablation(tmp_path,
@@ -1030,11 +1177,13 @@ def test_gpu_session_ablate_stage_waits_for_the_replication_then_runs_the_ablati
     results.json; then it runs `experiments.ablate` on it with ABLATION under the replicated init,
     is "done" once the ablation's JSON exists, and copies the ablation and its run back."""
     import json
+    import shutil
 
     import hopper_session
 
-    scratch = tmp_path / "scratch"
+    scratch, committed = tmp_path / "scratch", tmp_path / "committed"
     monkeypatch.setattr(hopper_session, "GPU_MEDIUM", scratch)
+    monkeypatch.setattr(hopper_session, "GPU_MEDIUM_RESULTS", committed)
     calls = []
 
     def fake_run(name, cmd, limit, log, extra_path="", grace=20.0):

@@ -12,6 +12,7 @@ from the whole corpus, so it copies both parts into memory (4 bytes a token).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -73,9 +74,21 @@ class TokenCorpus:
         keep[held] = False
         return self.documents(np.flatnonzero(keep)), self.documents(held)
 
+    def sha256(self) -> str:
+        """Hex SHA-256 of the token ids (little-endian uint32), the document offsets (int64) and
+        the loss mask (uint8) if any: equal digests mean the same documents, in the same order,
+        with the same counted targets."""
+        h = hashlib.sha256()
+        h.update(np.ascontiguousarray(self.tokens, TOKEN_DTYPE).tobytes())
+        h.update(np.ascontiguousarray(self.doc_starts, "<i8").tobytes())
+        if self.loss_mask is not None:
+            h.update(b"loss_mask")
+            h.update(np.ascontiguousarray(self.loss_mask, np.uint8).tobytes())
+        return h.hexdigest()
+
     def save(self, out_dir: str | Path, meta: dict) -> None:
         """Write the corpus to `out_dir` (the layout of the module docstring), `meta` merged into
-        meta.json."""
+        meta.json with the counts and the content digest (`sha256`)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.tokens.astype(TOKEN_DTYPE).tofile(out / "tokens.bin")
@@ -83,7 +96,7 @@ class TokenCorpus:
         if self.loss_mask is not None:
             self.loss_mask.astype(np.uint8).tofile(out / "loss_mask.bin")
         info = dict(meta, num_docs=self.num_docs, num_tokens=int(len(self.tokens)),
-                    vocab_size=self.vocab_size, skipped=list(self.skipped))
+                    vocab_size=self.vocab_size, skipped=list(self.skipped), sha256=self.sha256())
         (out / "meta.json").write_text(json.dumps(info, indent=1))
 
 

@@ -1,9 +1,13 @@
-"""Where a replication keeps its runs and their evaluations (one place for `replicate` and the
-reports that read them)."""
+"""Where a replication keeps its runs, their evaluations and the machines they ran on (one
+place for `replicate` and the reports that read them)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
+
+from diff_jax.experiments.presets import LABELS, VARIANTS
 
 
 def run_dir(out: Path, variant: str, seed: int, init: str) -> Path:
@@ -21,3 +25,41 @@ def eval_json(run: Path, name: str) -> Path:
 def recall_cell_name(pairs: int, distractors: float) -> str:
     """The eval job name of a recall grid cell, e.g. recall-N4-D50 (4 pairs, half distractors)."""
     return f"recall-N{pairs}-D{round(100 * distractors)}"
+
+
+def device_json(run: Path) -> Path:
+    """RUN/device.json: the machines that trained or evaluated the run (`replicate.record_device`),
+    a list of {"device_kind", "platform", "devices", "jax"}."""
+    return run / "device.json"
+
+
+def device_kinds(runs: list[Path]) -> list[str]:
+    """The distinct device kinds (jax's `device_kind`) recorded by `runs`, sorted; runs without
+    a record add none."""
+    kinds = set()
+    for run in runs:
+        path = device_json(run)
+        if path.is_file():
+            kinds.update(entry["device_kind"] for entry in json.loads(path.read_text()))
+    return sorted(kinds)
+
+
+def run_devices(inits: tuple[str, ...], seeds: int, out: Path
+                ) -> tuple[str | None, dict[str, list[str]]]:
+    """(the device kinds of every run in `out` under `inits` and `seeds`, comma-joined, or None
+    where no run recorded one; per variant, its runs' device kinds)."""
+    runs = {v: [run_dir(out, v, s, i) for i in inits for s in range(seeds)] for v in VARIANTS}
+    every = device_kinds([r for rs in runs.values() for r in rs])
+    return ", ".join(every) or None, {v: device_kinds(rs) for v, rs in runs.items()}
+
+
+def device_line(data: dict[str, Any]) -> list[str]:
+    """Markdown lines naming the device of results.json `data` (per model where the models ran
+    on different ones); none for a results.json that names no device."""
+    if not data.get("device"):
+        return []
+    per_model = {v: ", ".join(m.get("devices", [])) for v, m in data["models"].items()}
+    if len(set(per_model.values())) > 1:
+        return ["Device: " + "; ".join(f"{LABELS[v]} on {d or 'an unrecorded device'}"
+                                       for v, d in per_model.items()) + ".", ""]
+    return [f"Device: {data['device']}.", ""]

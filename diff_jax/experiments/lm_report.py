@@ -16,7 +16,7 @@ import numpy as np
 from diff_jax.data import corpus as token_corpus
 from diff_jax.experiments import paper, plots
 from diff_jax.experiments.init_scale import ROWS, residual_writes
-from diff_jax.experiments.layout import eval_json, run_dir
+from diff_jax.experiments.layout import device_line, eval_json, run_devices, run_dir
 from diff_jax.experiments.presets import (LABELS, VARIANTS, Preset, corpus_dir,
                                           niah_whole_fraction)
 from diff_jax.experiments.stats import describe, mean_std, paired, stats
@@ -306,6 +306,7 @@ def markdown(preset: Preset, data: dict[str, Any]) -> str:
         f"`{data['tokenizer']}` tokenizer (model vocabulary {data['vocab_size']:,}), identical data "
         "order, optimizer and schedule for all three models, hyperparameters fixed before any "
         f"comparison. Sized for: {preset.budget}.", "",
+        *device_line(data),
         f"Corpus (seed 0, prepared once for all models): {corpus['num_docs']:,} documents, "
         f"{corpus['num_tokens']:,} tokens"
         + (f" (`data.paths`: {', '.join(f'`{p}`' for p in corpus['paths'])})" if corpus["paths"] else "")
@@ -387,6 +388,7 @@ def write(preset: Preset, seeds: int, out: Path, summaries: dict[str, dict]) -> 
     cfg = preset.corpus_config(0)
     meta = json.loads((corpus_dir(out, 0) / "meta.json").read_text())
     keys = ("heads", "kv_heads", "head_dim", "flops_per_token")
+    device, devices = run_devices(preset.inits, seeds, out)
     data = {
         "preset": preset.name, "budget": preset.budget, "seeds": list(range(seeds)),
         "inits": list(preset.inits),
@@ -399,8 +401,10 @@ def write(preset: Preset, seeds: int, out: Path, summaries: dict[str, dict]) -> 
             "unigram_loss"] for s in range(seeds)},
         "vocab_size": cfg.model.vocab_size, "niah_doc_tokens": cfg.data.niah_doc_tokens,
         "niah_whole_in_row": niah_whole_fraction(cfg.data.niah_doc_tokens, cfg.train.seq_len),
+        "device": device,
         "models": {v: {"params": summaries[v]["params"],
                        "non_embedding_params": summaries[v]["params_non_embedding"],
+                       "devices": devices[v],
                        "heldout_tokens": own[v]["seeds"][0]["heldout_tokens"],
                        "heldout_loss": own[v]["stats"]["loss"],
                        "heldout_loss_by_init": {i: results[i][v]["stats"]["loss"] for i in results},

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from diff_jax.experiments import plots
-from diff_jax.experiments.layout import eval_json, recall_cell_name, run_dir
+from diff_jax.experiments.layout import (device_line, eval_json, recall_cell_name,
+                                         run_devices, run_dir)
 from diff_jax.experiments.presets import LABELS, VARIANTS, RecallPreset
 from diff_jax.experiments.stats import describe, mean_std, paired, paired_censored, stat
 from diff_jax.recall import max_queries
@@ -134,6 +135,7 @@ def markdown(preset: RecallPreset, data: dict[str, Any]) -> str:
         f"samples per cell (a seed domain disjoint from training), lengths "
         f"{list(preset.grid_lengths)} ({preset.grid_lengths[0]} is the training length). "
         f"Sized for: {preset.budget}.", "",
+        *device_line(data),
         *_table(["model", "params", "non-embedding", "heads", "kv heads", "head dim"],
                 [[LABELS[v], f"{m['params']:,}", f"{m['non_embedding_params']:,}",
                   str(m["heads"]), str(m["kv_heads"]), str(m["head_dim"])]
@@ -216,14 +218,17 @@ def write(preset: RecallPreset, seeds: int, out: Path, summaries: dict[str, dict
     drawn = plots.learning_curves(out / "learning_curves.png", curves, LABELS, threshold=THRESHOLD,
                                   title=f"Recall accuracy on N={n}, distractors={d:g}")
     plot_names = ["learning_curves.png"] if drawn else []
+    device, devices = run_devices(preset.inits, seeds, out)
     data = {
         "preset": preset.name, "budget": preset.budget, "seeds": list(range(seeds)),
         "inits": list(preset.inits), "train_loss": preset.train_loss, "steps": cfg.train.steps,
         "batch_size": cfg.train.batch_size,
         "seq_len": cfg.train.seq_len, "checkpoint_every": cfg.checkpoint.every_steps,
         "train_tokens": cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len,
+        "device": device,
         "models": {v: {"params": summaries[v]["params"],
                        "non_embedding_params": summaries[v]["params_non_embedding"],
+                       "devices": devices[v],
                        "heads": summaries[v]["heads"], "kv_heads": summaries[v]["kv_heads"],
                        "head_dim": summaries[v]["head_dim"]} for v in VARIANTS},
         "grid": {"cells": [list(c) for c in preset.grid_cells],

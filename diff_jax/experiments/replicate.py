@@ -2,6 +2,7 @@
 
     python -m diff_jax.experiments.replicate [--preset micro|cpu-small|cpu-recall|gpu-medium]
                                              [--seeds N] [--inits I,...] [--out DIR] [--jobs J]
+                                             [--finished-from SRC]
 
 For each init of the preset (`model.output_init`; `--inits` picks some of them), seed and model
 it runs `train.py`'s loop (DIR/runs/VARIANT-INIT-sSEED; re-running resumes from the latest
@@ -14,6 +15,15 @@ quant; a recall preset runs recall once per grid cell and once per checkpoint on
 learning-curve cell. Then `lm_report` or `recall_report` writes DIR/results.json,
 DIR/results.md and the PNGs. The models of a seed share data order, token budget and
 optimizer; their parameter counts are checked to agree within ±0.5% before anything trains.
+Each run lists the machines that trained or evaluated it in RUN/device.json; the reports name
+them (`device`). A run whose every evaluation holds the final step is finished: it is neither
+trained nor evaluated again, and needs no checkpoint.
+
+`--finished-from SRC` takes the models another directory of the preset finished (SRC can be a
+copy of its small files: configs, metrics, walls, evaluation JSONs, corpus meta) when they
+trained on a corpus with the same digest under the same config (`adopt_finished`): a
+replication longer than one machine's session (a lent GPU's 15 minutes) finishes over several,
+and only the model a session cut short trains again.
 
 `--jobs J` (CPU only) trains and evaluates J models at a time, each in a process of its own pinned
 to its share of this process's CPU cores: small models use a second core poorly (the cpu-recall
@@ -32,15 +42,19 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from diff_jax import data, evaluation, recall, train_loop
-from diff_jax.config import ConfigError
+from diff_jax.config import ConfigError, dump_config
 from diff_jax.evaluation import EvalOptions
 from diff_jax.experiments import lm_report, recall_report
-from diff_jax.experiments.layout import eval_json, recall_cell_name, run_dir
+from diff_jax.experiments.layout import device_json, eval_json, recall_cell_name, run_dir
 from diff_jax.experiments.presets import (PRESETS, VARIANTS, Preset, RecallPreset, check_matched,
                                           corpus_dir)
 
@@ -104,12 +118,16 @@ def prepare_corpus(preset: Preset | RecallPreset, seed: int, out: Path) -> Path:
     cfg = preset.corpus_config(seed)
     if (path / "meta.json").exists():
         meta = json.loads((path / "meta.json").read_text())
+        # prepared before meta.json carried these: add them from the saved corpus
+        added = {}
         if not isinstance(preset, RecallPreset) and "unigram_loss" not in meta:
-            # prepared before meta.json carried it: add it from the saved corpus
             train, held_out = data.load(path).split(cfg.data.validation_fraction,
                                                     cfg.data.split_seed)
-            meta["unigram_loss"] = data.unigram_loss(train, held_out)
-            (path / "meta.json").write_text(json.dumps(meta, indent=1))
+            added["unigram_loss"] = data.unigram_loss(train, held_out)
+        if "sha256" not in meta:
+            added["sha256"] = data.load(path).sha256()
+        if added:
+            (path / "meta.json").write_text(json.dumps(meta | added, indent=1))
         return path
     t = cfg.train
     if isinstance(preset, RecallPreset):
@@ -145,22 +163,137 @@ def train_and_evaluate(preset: Preset | RecallPreset, variant: str, seed: int, i
     OUT/runs/LABEL-INIT-sSEED."""
     run = run_dir(out, label or variant, seed, init)
     config = preset.config(variant, seed, run, init, sets)
+    jobs = [j for j in _jobs_of(preset) if only is None or j[0] in only]
+    todo = [(name, options) for name, options in jobs
+            if not _evaluated(run, name, options.step or config.train.steps)]
+    if not todo:  # finished: here, or on another machine (`adopt_finished`, no checkpoints)
+        return run
     t0 = time.perf_counter()
     result = train_loop.run(config)
     if result.status == "interrupted":
         raise KeyboardInterrupt(f"{run}: training interrupted at step {result.step}")
     if result.status != "already done":
         _add_wall(run, "train_s", time.perf_counter() - t0)
-    jobs = recall_jobs(preset) if isinstance(preset, RecallPreset) else lm_jobs(preset)
-    for name, options in jobs if only is None else [j for j in jobs if j[0] in only]:
-        path = eval_json(run, name)
-        step = options.step or config.train.steps
-        if path.exists() and json.loads(path.read_text()).get("step") == step:
-            continue
+    record_device(run)
+    for name, options in todo:
         t0 = time.perf_counter()
-        evaluation.run_task(_at(options, run, path.parent), [])
+        evaluation.run_task(_at(options, run, eval_json(run, name).parent), [])
         _add_wall(run, f"eval_{name}_s", time.perf_counter() - t0)
     return run
+
+
+def _jobs_of(preset: Preset | RecallPreset) -> list[tuple[str, EvalOptions]]:
+    return recall_jobs(preset) if isinstance(preset, RecallPreset) else lm_jobs(preset)
+
+
+def _evaluated(run: Path, name: str, step: int) -> bool:
+    """Whether eval job `name` of `run` has its JSON, written at `step`."""
+    path = eval_json(run, name)
+    return path.is_file() and json.loads(path.read_text()).get("step") == step
+
+
+def record_device(run: Path) -> None:
+    """Add this process's machine (jax's device_kind and platform of its first device, the device
+    count, the jax version) to RUN/device.json (`layout.device_json`), unless listed."""
+    import jax
+
+    dev = jax.devices()[0]
+    entry = {"device_kind": dev.device_kind, "platform": dev.platform,
+             "devices": jax.device_count(), "jax": jax.__version__}
+    path = device_json(run)
+    seen = json.loads(path.read_text()) if path.is_file() else []
+    if entry not in seen:
+        path.write_text(json.dumps([*seen, entry], indent=1) + "\n")
+
+
+# What a finished model's directory holds that its report reads (`adopt_finished` copies them):
+# no checkpoint, which a finished model's report never reads.
+FINISHED_FILES = ("config.yaml", "metrics.jsonl", "wall.json", "device.json")
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
+
+
+def _config_differences(recorded: dict, expected: dict, recorded_out: Path, out: Path) -> list[str]:
+    """'section.key: RECORDED there, EXPECTED here' for every setting of two config dicts that
+    differs once `recorded_out` (the directory the recorded run was trained in) reads as `out`
+    in its paths."""
+    def here(value: Any) -> Any:
+        if isinstance(value, str):
+            return value.replace(str(recorded_out), str(out))
+        return [here(x) for x in value] if isinstance(value, list) else value
+
+    a, b = _flat(recorded), _flat(expected)
+    return [f"{k}: {a.get(k)!r} there, {b.get(k)!r} here" for k in sorted(a.keys() | b.keys())
+            if here(a.get(k)) != b.get(k)]
+
+
+def adopt_finished(preset: Preset | RecallPreset, seed: int, init: str, out: Path,
+                   source: Path) -> list[str]:
+    """Take the models of (`seed`, `init`) that `source` finished as finished in `out`; one
+    line per model of `source` saying what was taken, or why not.
+
+    `source` is another directory of this preset's replication, or a copy of its small files
+    (`benchmarks/hopper_session.py` brings them back from a GPU machine: no checkpoints, no
+    corpus). A model is finished there when its metrics.jsonl and config.yaml exist and every
+    evaluation holds the final step. It is taken when `out`'s corpus of the seed is the one it
+    trained on (meta.json's `sha256`, which `prepare_corpus` writes), its recorded config is the
+    one this preset gives it (its training directory read as `out`'s), and `out` holds no run of
+    it yet. Taking copies `FINISHED_FILES` and its evaluations (RUN/replicate/) and writes
+    RUN/adopted.json naming `source`; `train_and_evaluate` then neither trains nor evaluates it.
+    So a replication too long for one machine's session finishes over several: each session's
+    finished models are kept, and only a model cut short is trained again.
+    """
+    notes = []
+    ours = json.loads((corpus_dir(out, seed) / "meta.json").read_text()).get("sha256")
+    theirs_path = corpus_dir(source, seed) / "meta.json"
+    theirs = json.loads(theirs_path.read_text()).get("sha256") if theirs_path.is_file() else None
+    for variant in VARIANTS:
+        src, dst = run_dir(source, variant, seed, init), run_dir(out, variant, seed, init)
+        if not src.is_dir():
+            continue
+        config = preset.config(variant, seed, dst, init)
+        steps = {name: options.step or config.train.steps for name, options in _jobs_of(preset)}
+        if all(_evaluated(dst, name, step) for name, step in steps.items()):
+            continue  # finished here
+        missing = [name for name, step in steps.items() if not _evaluated(src, name, step)]
+        missing += [f for f in FINISHED_FILES[:2] if not (src / f).is_file()]
+        why = None
+        if missing:
+            why = f"not finished there (no {', '.join(missing)} at step {config.train.steps})"
+        elif dst.exists():
+            why = f"{dst} exists: a run of it started here"
+        elif theirs is None:
+            why = f"{theirs_path} records no corpus digest (sha256) to compare"
+        elif theirs != ours:
+            why = (f"trained on another corpus (sha256 {theirs[:12]}… there, {str(ours)[:12]}… "
+                   "here)")
+        else:
+            try:
+                recorded = yaml.safe_load((src / "config.yaml").read_text())
+                recorded_out = Path(recorded["train"]["run_dir"]).parents[1]
+            except (yaml.YAMLError, KeyError, TypeError, IndexError) as e:
+                recorded, why = None, f"{src / 'config.yaml'} names no train.run_dir ({e!r})"
+            if recorded is not None:
+                diffs = _config_differences(recorded, yaml.safe_load(dump_config(config)),
+                                            recorded_out, out)
+                if diffs:
+                    why = "another config: " + "; ".join(diffs)
+        if why is not None:
+            notes.append(f"{src.name}: not taken: {why}")
+            continue
+        dst.mkdir(parents=True)
+        for name in FINISHED_FILES:
+            if (src / name).is_file():
+                shutil.copy(src / name, dst / name)
+        shutil.copytree(src / "replicate", dst / "replicate")
+        (dst / "adopted.json").write_text(json.dumps(
+            {"from": str(src.resolve()), "corpus_sha256": ours}, indent=1) + "\n")
+        notes.append(f"{src.name}: taken as finished from {src}")
+    return notes
 
 
 def _at(options: EvalOptions, run: Path, out_dir: Path) -> EvalOptions:
@@ -171,35 +304,52 @@ def _at(options: EvalOptions, run: Path, out_dir: Path) -> EvalOptions:
 PRESET_MARKER = "replicate.json"  # {"preset": NAME}: the preset whose corpora and runs OUT holds
 
 
-def claim_out(preset: Preset | RecallPreset, out: Path) -> None:
-    """Mark `out` as `preset`'s (`PRESET_MARKER`), or ConfigError (nothing written) when it
-    already holds another preset's corpora and runs (its marker, or the `preset` of its
-    results.json), which this one would otherwise read as its own and resume."""
-    for name in (PRESET_MARKER, "results.json"):
-        path = out / name
+def _recorded_presets(directory: Path) -> list[tuple[Path, str]]:
+    """(file, preset name) for each of `directory`'s `PRESET_MARKER` and results.json that names
+    a preset (an unreadable one names none)."""
+    named = []
+    for path in (directory / PRESET_MARKER, directory / "results.json"):
         if path.is_file():
             try:
                 recorded = json.loads(path.read_text()).get("preset")
             except (ValueError, AttributeError):
                 recorded = None
-            if recorded is not None and recorded != preset.name:
-                raise ConfigError(f"--out {out}: holds the runs of --preset {recorded} ({path}); "
-                                  f"choose another --out for --preset {preset.name}")
+            if recorded is not None:
+                named.append((path, recorded))
+    return named
+
+
+def claim_out(preset: Preset | RecallPreset, out: Path) -> None:
+    """Mark `out` as `preset`'s (`PRESET_MARKER`), or ConfigError (nothing written) when it
+    already holds another preset's corpora and runs (its marker, or the `preset` of its
+    results.json), which this one would otherwise read as its own and resume."""
+    for path, recorded in _recorded_presets(out):
+        if recorded != preset.name:
+            raise ConfigError(f"--out {out}: holds the runs of --preset {recorded} ({path}); "
+                              f"choose another --out for --preset {preset.name}")
     out.mkdir(parents=True, exist_ok=True)
     (out / PRESET_MARKER).write_text(json.dumps({"preset": preset.name}) + "\n")
 
 
-def replicate(preset: Preset | RecallPreset, seeds: int, out: Path, jobs: int = 1) -> dict:
+def replicate(preset: Preset | RecallPreset, seeds: int, out: Path, jobs: int = 1,
+              finished_from: Path | None = None) -> dict:
     """Every (init, seed, model) trained and evaluated, `jobs` models at a time (`side_by_side`),
-    then the report; returns results.json's content. ValueError (before any work) when this
-    process cannot give `jobs` models a core each."""
+    then the report; returns results.json's content. With `finished_from`, the models it
+    finished are taken first (`adopt_finished`). ValueError (before any work) when this
+    process cannot give `jobs` models a core each; ConfigError when `finished_from` is `out` or
+    holds another preset's runs."""
     shares = cpu_shares(jobs) if jobs > 1 else None
     summaries = check_matched(preset)
+    if finished_from is not None:
+        _check_source(preset, finished_from, out)
     claim_out(preset, out)
     runs = []
     for init in preset.inits:
         for seed in range(seeds):
             prepare_corpus(preset, seed, out)
+            if finished_from is not None:
+                for note in adopt_finished(preset, seed, init, out, finished_from):
+                    print(f"--finished-from: {note}", flush=True)
             runs += [(variant, seed, init) for variant in VARIANTS]
     if shares is None:
         for variant, seed, init in runs:
@@ -209,6 +359,20 @@ def replicate(preset: Preset | RecallPreset, seeds: int, out: Path, jobs: int = 
     if isinstance(preset, RecallPreset):
         return recall_report.write(preset, seeds, out, summaries)
     return lm_report.write(preset, seeds, out, summaries)
+
+
+def _check_source(preset: Preset | RecallPreset, source: Path, out: Path) -> None:
+    """ConfigError unless `source` is a directory other than `out` that holds no other preset's
+    runs (its `PRESET_MARKER` or results.json)."""
+    if not source.is_dir():
+        raise ConfigError(f"--finished-from {source}: no such directory")
+    if source.resolve() == out.resolve():
+        raise ConfigError(f"--finished-from {source}: is --out itself; its finished models are "
+                          "kept anyway")
+    for path, recorded in _recorded_presets(source):
+        if recorded != preset.name:
+            raise ConfigError(f"--finished-from {source}: holds the runs of --preset "
+                              f"{recorded} ({path}), not {preset.name}")
 
 
 def _train_and_evaluate_one(preset: Preset | RecallPreset, variant: str, seed: int, init: str,
@@ -322,6 +486,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inits", default=None,
                         help="comma list of the preset's inits to run (default: all of them)")
     parser.add_argument("--out", default=None, help="output directory (default: runs/replicate-PRESET)")
+    parser.add_argument("--finished-from", default=None, metavar="DIR",
+                        help="another directory of this preset's replication (or a copy of its "
+                             "small files, no checkpoints needed): its finished models trained "
+                             "on the same corpus with the same config are taken, not trained "
+                             "again")
     parser.add_argument("--jobs", type=_jobs, default=1,
                         help="models trained at a time, each pinned to its share of the CPU cores "
                              "(CPU only; default 1)")
@@ -338,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         preset = dataclasses.replace(preset, inits=inits)
     out = Path(args.out or f"runs/replicate-{preset.name}")
     try:
-        results = replicate(preset, seeds, out, args.jobs)
+        results = replicate(preset, seeds, out, args.jobs,
+                            None if args.finished_from is None else Path(args.finished_from))
     except train_loop.RUN_ERRORS as e:  # what is saved stays; re-running resumes
         return train_loop.report(e, [(f"--out {out}", str(out))])
     except RunsFailed as e:

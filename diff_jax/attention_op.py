@@ -98,7 +98,7 @@ class AttentionOp:
     mesh: Mesh | None = None
     rules: Rules | None = None
     capture: bool = False
-    logit_bits: int | None = None
+    logit_bits: int | jax.Array | None = None  # an int32 array only inside a trace (`quantized`)
     block_sizes: kernels.BlockSizes | None = None
 
     @classmethod
@@ -108,6 +108,16 @@ class AttentionOp:
         impl = "xla" if capture else resolve_impl(config, _platform(mesh))
         return cls(impl=impl, mesh=mesh, rules=None if rules is None else tuple(rules),
                    capture=capture, logit_bits=config.attn_logit_bits, block_sizes=block_sizes)
+
+    def quantized(self, bits: jax.Array) -> AttentionOp:
+        """This op with its logits absmax fake-quantized to `bits`, an int32 scalar that may be
+        traced (one compiled program serves every width; `model.attn_logit_bits` is the static
+        form): for use inside the traced function only. ValueError unless the op runs the xla
+        path, the only one that forms the logits."""
+        if self.impl != "xla":
+            raise ValueError(f"quantized logits exist only on the xla path; this op runs "
+                             f"{self.impl}")
+        return dataclasses.replace(self, logit_bits=bits)
 
     def __call__(
         self,

@@ -67,6 +67,15 @@ class DecoderLM(nn.Module):
     decode: bool = False
     attention_op: AttentionOp | None = None
 
+    def quantized(self, bits: jax.Array | None) -> DecoderLM:
+        """This model with every layer's attention logits absmax fake-quantized to `bits`
+        (`AttentionOp.quantized`: an int32 scalar, traceable, so build the model inside the
+        traced function); itself when `bits` is None."""
+        if bits is None:
+            return self
+        op = self.attention_op or AttentionOp.build(self.config)
+        return self.clone(attention_op=op.quantized(bits))
+
     @nn.compact
     def __call__(
         self,

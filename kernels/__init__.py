@@ -62,7 +62,7 @@ def diff_attention(
     interpret: Any = None,
     block_sizes: BlockSizes | None = None,
     kv_segment_ids: jax.Array | None = None,
-    logit_bits: int | None = None,
+    logit_bits: int | jax.Array | None = None,
     return_maps: bool = False,
 ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
     """Differential attention, (B, T, H, 2d); see `kernels.reference` for layouts and masks.
@@ -151,7 +151,7 @@ def dot_product_attention(
     interpret: Any = None,
     block_sizes: BlockSizes | None = None,
     kv_segment_ids: jax.Array | None = None,
-    logit_bits: int | None = None,
+    logit_bits: int | jax.Array | None = None,
     return_maps: bool = False,
 ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
     """Standard GQA softmax attention, q (B, T, Hq, d), k/v (B, S, Hkv, d) -> (B, T, Hq, d).

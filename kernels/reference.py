@@ -112,13 +112,15 @@ logits hold 24 bits, so wider widths change nothing, and from 129 bits 2^(bits�
 float32, the scale underflows to 0 and the logits round to integers."""
 
 
-def quantize_logits(scores: jax.Array, mask: jax.Array | None, bits: int) -> jax.Array:
+def quantize_logits(scores: jax.Array, mask: jax.Array | None, bits: int | jax.Array) -> jax.Array:
     """Absmax fake-quantization to signed `bits`-bit integers, one scale per (batch, score map).
 
     scale = max|s| / (2^(bits−1) − 1) over the unmasked entries of each (T, S) map; s -> round(s /
     scale)·scale. This is the dynamic post-training quantization of the paper's Figure 8.
+    `bits` may be an int32 scalar array (traced: one compiled program serves every width), which
+    the caller keeps in [2, MAX_LOGIT_BITS]; a Python int outside it is a ValueError.
     """
-    if not 2 <= bits <= MAX_LOGIT_BITS:
+    if isinstance(bits, int) and not 2 <= bits <= MAX_LOGIT_BITS:
         raise ValueError(f"logit_bits must be in [2, {MAX_LOGIT_BITS}], got {bits}")
     absval = jnp.abs(scores) if mask is None else jnp.where(mask, jnp.abs(scores), 0.0)
     levels = 2.0 ** (bits - 1) - 1
@@ -136,7 +138,7 @@ def diff_attention_reference(
     segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     causal: bool = True,
-    logit_bits: int | None = None,
+    logit_bits: int | jax.Array | None = None,
     return_maps: bool = False,
 ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array | None]]:
     """softmax(s·Q1K1ᵀ+M)·V − λ·softmax(s·Q2K2ᵀ+M)·V per DIFF head, s = d^-1/2; (B, T, H, 2d).
@@ -189,7 +191,7 @@ def attention_reference(
     segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     causal: bool = True,
-    logit_bits: int | None = None,
+    logit_bits: int | jax.Array | None = None,
     return_maps: bool = False,
 ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array | None]]:
     """Standard (GQA) softmax attention, s = d^-1/2, float32 softmax; (B, T, Hq, dv).

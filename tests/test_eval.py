@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -278,10 +279,10 @@ def test_quant_measures_niah_with_the_logits_quantized_to_each_width(runs, monke
 
     seen = []
 
-    def grid(model_cfg, *args):
-        seen.append(model_cfg.attn_logit_bits)
-        bits = model_cfg.attn_logit_bits
-        return np.full((2, 3), 1.0 if bits is None else 1 / bits), None
+    def grid(model_cfg, params, enc, options, lengths, logit_bits):
+        assert (model_cfg.attention_impl, model_cfg.attn_logit_bits) == ("xla", None)
+        seen.append(logit_bits)
+        return np.full((2, 3), 1.0 if logit_bits is None else 1 / logit_bits), None
 
     monkeypatch.setattr(analysis, "accuracy_grid", grid)
     out = _run(runs["diff"], "task=quant", "batches=1", "batch_size=2", "bits=[4,2]", "niah=true")
@@ -328,6 +329,46 @@ def test_quant_reports_each_bit_width_the_counted_nll_with_that_width(runs, monk
     assert min(abs(four - none), abs(two - four), abs(two - none)) > 1e-2
 
 
+def test_quantized_widths_share_one_compiled_program_and_need_the_xla_path(caplog):
+    """The width is a traced argument of the quant task's scorers: after one quantized width has
+    compiled, the others compile nothing, and each gives what the model built with that width
+    (`model.attn_logit_bits`, a compile of its own) gives. Before, each width compiled its own
+    forward: 10 programs of the 12-layer gpu-medium model per quant job. A kernel path has no
+    logits to quantize: refused."""
+    from diff_jax.attention_op import AttentionOp
+    from diff_jax.config import ModelConfig
+    from diff_jax.evaluation.retrieval import _greedy_hits
+    from diff_jax.evaluation.scoring import batch_nll
+
+    cfg = ModelConfig(variant="diff", vocab_size=64, embed_dim=32, num_layers=1, num_heads=2,
+                      max_seq_len=16, attention_impl="xla")
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+    params = DecoderLM(cfg).init(jax.random.key(0), tokens)["params"]
+    # sharpened q/k: peaked attention, whose logits a few bits visibly coarsen
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * (8.0 if any(getattr(k, "key", "") in ("q_proj", "k_proj")
+                                        for k in path) else 1.0), params)
+    batch = {"tokens": np.asarray(tokens), "targets": np.roll(np.asarray(tokens), -1, 1),
+             "segment_ids": np.ones((2, 16), np.int32),
+             "positions": np.tile(np.arange(16, dtype=np.int32), (2, 1))}
+    batch_nll(cfg, params, batch, 8)  # the quantized program, compiled once
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        caplog.clear()
+        traced = {b: batch_nll(cfg, params, batch, b) for b in (2, 4, 16)}
+        compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+    assert not compiled, compiled
+    for b, nll in traced.items():
+        static = batch_nll(dataclasses.replace(cfg, attn_logit_bits=b), params, batch)
+        np.testing.assert_allclose(nll, static, rtol=1e-6)
+    assert np.abs(traced[2] - batch_nll(cfg, params, batch)).max() > 1e-3
+    with pytest.raises(ValueError, match="quantized logits exist only on the xla path; this op "
+                                         "runs pallas"):
+        DecoderLM(cfg, attention_op=AttentionOp(impl="pallas")).quantized(jnp.int32(4))
+    hits = _greedy_hits(DecoderLM(cfg), params, tokens, jnp.zeros((2, 1), jnp.int32),
+                        tokens[:, :1], jnp.ones((2, 1), bool), jnp.int32(4))
+    assert hits.shape == (2,)
+
+
 def test_quant_counts_the_scored_targets_and_plots_each_width_at_its_bits(runs, monkeypatch):
     """quant's report from a stubbed NLL (1 + 1/bits per counted target, 1 unquantized) over
     held-out rows whose loss masks count 5 of 8 targets: num_tokens is 5, each width's loss and
@@ -339,9 +380,8 @@ def test_quant_counts_the_scored_targets_and_plots_each_width_at_its_bits(runs, 
     batches = [{"tokens": np.zeros((1, 4), np.int32), "loss_mask": np.array([[1, 1, 0, 0]])},
                {"tokens": np.zeros((1, 4), np.int32), "loss_mask": np.array([[1, 0, 1, 1]])}]
     monkeypatch.setattr(analysis, "held_out_batches", lambda *a: batches)
-    monkeypatch.setattr(analysis, "counted_nll", lambda cfg, params, b: np.full(
-        sum(int(x["loss_mask"].sum()) for x in b),
-        1.0 + (0.0 if cfg.attn_logit_bits is None else 1 / cfg.attn_logit_bits)))
+    monkeypatch.setattr(analysis, "counted_nll", lambda cfg, params, b, bits: np.full(
+        sum(int(x["loss_mask"].sum()) for x in b), 1.0 + (0.0 if bits is None else 1 / bits)))
     drawn = []
     monkeypatch.setattr(analysis.plots, "lines",
                         lambda path, x, series, **kw: drawn.append((list(x), series)) or True)

@@ -161,18 +161,21 @@ def outliers(loaded: Loaded, options: EvalOptions) -> Report:
 
 def quant(loaded: Loaded, options: EvalOptions) -> Report:
     """Held-out perplexity (and niah accuracy with niah=true) with the attention logits
-    absmax-quantized to each of `bits` (null: not quantized)."""
+    absmax-quantized to each of `bits` (null: not quantized), on the xla path. The width is a
+    traced argument (`DecoderLM.quantized`), so all quantized widths share one compiled program
+    per scorer (NLL, retrieval) and shape: with niah=true, 4 programs for any number of widths,
+    not 2 per width."""
     cfg = loaded.config
     length = eval_length(cfg, options)
     batches = held_out_batches(held_out_corpus(cfg), length, options.batch_size, options.batches)
     bits: list[int | None] = [None, *options.bits]
+    model_cfg = dataclasses.replace(cfg.model, attn_logit_bits=None, attention_impl="xla")
     losses, accuracies = [], []
     for b in bits:
-        model_cfg = dataclasses.replace(cfg.model, attn_logit_bits=b, attention_impl="xla")
-        losses.append(float(counted_nll(model_cfg, loaded.params, batches).mean()))
+        losses.append(float(counted_nll(model_cfg, loaded.params, batches, b).mean()))
         if options.niah:
             grid, _ = accuracy_grid(model_cfg, loaded.params, text_encoding(cfg),
-                                    options, niah_lengths(cfg, options))
+                                    options, niah_lengths(cfg, options), b)
             accuracies.append(float(grid.mean()))
     ppls = [math.exp(x) for x in losses]
     counted = sum(int(np.count_nonzero(x["loss_mask"])) for x in batches)

@@ -51,17 +51,20 @@ def cell_samples(enc: tiktoken.Encoding, options: EvalOptions, depth: int,
 
 @functools.partial(jax.jit, static_argnames=("model",))
 def _greedy_hits(model: DecoderLM, params: Any, tokens: jax.Array, answer_pos: jax.Array,
-                 answer_tok: jax.Array, answer_mask: jax.Array) -> jax.Array:
-    """(B,) bool: the argmax at every answer position (B, K) predicts its answer token."""
-    logits = model.apply({"params": params}, tokens)
+                 answer_tok: jax.Array, answer_mask: jax.Array,
+                 logit_bits: jax.Array | None = None) -> jax.Array:
+    """(B,) bool: the argmax at every answer position (B, K) predicts its answer token;
+    `logit_bits` as in `scoring.token_nll`."""
+    logits = model.quantized(logit_bits).apply({"params": params}, tokens)
     pred = jnp.argmax(jnp.take_along_axis(logits, answer_pos[..., None], axis=1), axis=-1)
     return jnp.all((pred == answer_tok) | ~answer_mask, axis=-1)
 
 
 def accuracy(model_cfg: ModelConfig, params: Any, samples: list[needles.NiahSample],
-             length: int, batch_size: int) -> float:
+             length: int, batch_size: int, logit_bits: int | None = None) -> float:
     """Mean over samples of the share of queried needles retrieved by greedy decoding; the
-    samples are scored in batches (batch_size, length) of token rows."""
+    samples are scored in batches (batch_size, length) of token rows, with the attention logits
+    quantized to `logit_bits` when given (an xla-path `model_cfg`)."""
     rows = [(s, r) for s, sample in enumerate(samples) for r in range(sample.num_queries)]
     k = max(len(a) for sample in samples for a in sample.answers)
     n = len(rows) + -len(rows) % batch_size  # whole batches: one compiled shape
@@ -75,22 +78,26 @@ def accuracy(model_cfg: ModelConfig, params: Any, samples: list[needles.NiahSamp
         tok[i, : len(answer)] = answer
         mask[i, : len(answer)] = 1
     model = DecoderLM(model_cfg)
+    bits = None if logit_bits is None else jnp.int32(logit_bits)
     hits = np.concatenate([np.asarray(_greedy_hits(model, params, *map(jnp.asarray, (
         tokens[i: i + batch_size], pos[i: i + batch_size], tok[i: i + batch_size],
-        mask[i: i + batch_size].astype(bool))))) for i in range(0, n, batch_size)])[: len(rows)]
+        mask[i: i + batch_size].astype(bool))), bits)) for i in range(0, n, batch_size)])[: len(rows)]
     per_sample = [np.mean([h for (s, _), h in zip(rows, hits) if s == j]) for j in range(len(samples))]
     return float(np.mean(per_sample))
 
 
 def accuracy_grid(model_cfg: ModelConfig, params: Any, enc: tiktoken.Encoding,
-                  options: EvalOptions, lengths: tuple[int, ...]) -> tuple[np.ndarray, list[dict]]:
-    """(accuracy (depths, lengths), per-cell records with the answer needles' start positions)."""
+                  options: EvalOptions, lengths: tuple[int, ...],
+                  logit_bits: int | None = None) -> tuple[np.ndarray, list[dict]]:
+    """(accuracy (depths, lengths), per-cell records with the answer needles' start positions);
+    `logit_bits` as in `accuracy`."""
     grid = np.zeros((len(options.depths), len(lengths)))
     cells = []
     for i, depth in enumerate(options.depths):
         for j, length in enumerate(lengths):
             samples = cell_samples(enc, options, depth, length)
-            grid[i, j] = accuracy(model_cfg, params, samples, length, options.batch_size)
+            grid[i, j] = accuracy(model_cfg, params, samples, length, options.batch_size,
+                                  logit_bits)
             cells.append({"depth": depth, "length": length, "accuracy": grid[i, j],
                           "context_tokens": [len(s.context) for s in samples],
                           "answer_starts": [s.needles[0].start for s in samples]})

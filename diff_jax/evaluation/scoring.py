@@ -23,24 +23,33 @@ from diff_jax.transformer import DecoderLM
 
 @functools.partial(jax.jit, static_argnames=("model",))
 def token_nll(model: DecoderLM, params: Any, tokens: jax.Array, targets: jax.Array,
-              segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
-    """−log p(target | prefix) per position (B, T), normalized over the full output vocabulary."""
-    logits = model.apply({"params": params}, tokens, positions=positions, segment_ids=segment_ids)
+              segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+              logit_bits: jax.Array | None = None) -> jax.Array:
+    """−log p(target | prefix) per position (B, T), normalized over the full output vocabulary;
+    `logit_bits` (int32 scalar) quantizes an xla-path model's attention logits
+    (`DecoderLM.quantized`), one program for every width."""
+    logits = model.quantized(logit_bits).apply({"params": params}, tokens, positions=positions,
+                                               segment_ids=segment_ids)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
-def batch_nll(model_cfg: ModelConfig, params: Any, batch: Batch) -> np.ndarray:
-    """Per-token NLL (B, T) of a packed batch (segments and positions as in training)."""
+def batch_nll(model_cfg: ModelConfig, params: Any, batch: Batch,
+              logit_bits: int | None = None) -> np.ndarray:
+    """Per-token NLL (B, T) of a packed batch (segments and positions as in training), with the
+    attention logits quantized to `logit_bits` (`token_nll`) when given."""
+    bits = None if logit_bits is None else jnp.int32(logit_bits)
     return np.asarray(token_nll(DecoderLM(model_cfg), params, jnp.asarray(batch["tokens"]),
                                 jnp.asarray(batch["targets"]), jnp.asarray(batch["segment_ids"]),
-                                jnp.asarray(batch["positions"])))
+                                jnp.asarray(batch["positions"]), bits))
 
 
-def counted_nll(model_cfg: ModelConfig, params: Any, batches: list[Batch]) -> np.ndarray:
+def counted_nll(model_cfg: ModelConfig, params: Any, batches: list[Batch],
+                logit_bits: int | None = None) -> np.ndarray:
     """(n,) the NLL of every counted target of `batches` (`loss_mask`: all targets of a corpus
-    without a loss mask), batch by batch in row-major order."""
-    return np.concatenate([batch_nll(model_cfg, params, b)[b["loss_mask"] != 0] for b in batches])
+    without a loss mask), batch by batch in row-major order; `logit_bits` as in `batch_nll`."""
+    return np.concatenate([batch_nll(model_cfg, params, b, logit_bits)[b["loss_mask"] != 0]
+                           for b in batches])
 
 
 def eval_length(config: Config, options: EvalOptions) -> int:

@@ -1130,6 +1130,41 @@ def test_gpu_check_compares_the_kernel_and_every_gradient_with_the_oracle(monkey
         assert row["ok"] is ok, (factor, row)
 
 
+def test_gpu_check_cotangent_keeps_dlambda_from_cancelling():
+    """--check's cotangent (`_lambda_conditioned`) on a bf16 case's inputs: under the random one
+    alone dλ = −Σ dO·O2 cancels (Σ|dO·O2| > 10³·|dλ|), and O2 rounded to bf16 (the residual
+    every fused kernel keeps) moves dλ by more than 1%, more than the kernel errors the check
+    is after; along O2 it does not cancel, the same rounding moves it by < 1e-4, and the other
+    gradients still see the random part (the cotangent is not O2 alone). Measured: 4.2% and
+    5.6e-6. With the random cotangent the CPU --check read dλ 0.055 and 0.153 (bound 0.05) on two
+    bf16 rows; with this one, ≤ 5.8e-5."""
+    import attention as bench
+
+    from kernels import float64_reference as ref
+
+    b, t, h, hkv, d, causal, _, dtype, _ = bench.CHECK_CASES[4]
+    q, k, v, g = bench._inputs(bench.Shape(b, t, h, d, hkv), dtype, seed=104)
+    do = bench._lambda_conditioned(g, q, k, v, causal, None)
+    assert do.dtype == g.dtype == jnp.bfloat16 and do.shape == g.shape
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    o2 = ref.second_softmax_output(*(np.asarray(x, np.float32) for x in (q, k, v)), causal=causal,
+                                   seg=None)
+    o2_bf16 = f64(jnp.asarray(o2, jnp.bfloat16).astype(jnp.float32))
+    for cot, cancels in ((f64(g), True), (f64(do), False)):
+        dlam = -(cot * o2).sum()
+        _, (*_, dlam_ref) = ref.diff_attention(q, k, v, 0.5, np.asarray(cot, np.float32),
+                                               causal=causal, seg=None)
+        assert dlam == pytest.approx(dlam_ref, rel=1e-5)  # dλ is −Σ dO·O2
+        moved = abs(-(cot * o2_bf16).sum() - dlam) / abs(dlam)
+        ratio = np.abs(cot * o2).sum() / abs(dlam)
+        if cancels:
+            assert ratio > 1e3 and moved > 1e-2, (ratio, moved)
+        else:
+            assert ratio < 3 and moved < 1e-4, (ratio, moved)
+    random_part = f64(do) - o2 * (np.linalg.norm(f64(g)) / np.linalg.norm(o2))
+    assert np.abs(random_part - f64(g)).max() < 0.1  # G survives, up to bf16 rounding of the sum
+
+
 def _scripted_variants(block_sizes, interpret, with_cudnn):
     """`variants` whose "fused" only carries its tiles, for a scripted `bench_one`."""
     def fused(q, k, v, lam):

@@ -9,10 +9,14 @@ a session makes one full call and, at once while the machine is warm (30 s), a s
         --total SECONDS --previous benchmarks/results/hopper_session_N.json  # what is left
     python benchmarks/hopper_session.py --out "$OUT" --stages replicate  # a session of its own
     python benchmarks/hopper_session.py --out "$OUT" --stages ablate     # once it is done
+    python benchmarks/hopper_session.py --land FILES_AT  # here, between and after the calls
 
-Before the second call copy the first's $OUT/mosaic_gpu.json over kernels/tuning/ and its
-session.json to benchmarks/results/hopper_session_N.json (the next free N): the call re-sends
-the working tree, so its train step then runs the tuned tiles. SECONDS: `status`'s
+Before the second call (the machine goes back after 30 s idle) run `--land` on the first's
+returned files (the device tool's files_at): it copies $OUT/mosaic_gpu.json over
+kernels/tuning/, session.json and .md to benchmarks/results/hopper_session_N.* (the next free
+N) and gpu-medium/ into docs/results/gpu-medium/, and prints the --previous path the second call
+takes. The call re-sends the working tree, so its train step then runs the tuned tiles; commit
+what `--land` copied after each call. SECONDS: `status`'s
 budget_left_s less about 40 (transfers); the 1.4B pair is TRAIN_RUNS' first. The profile
 stage (ncu) and the probes have no room in such a session: they are for one whose check hung
 or whose tune left the targets missed without a reason. The replication (about 11-13 minutes,
@@ -83,7 +87,8 @@ limit, past its deadline), the kernel stages after it (check, tune, bench, train
          stays warm, about 30 s after a call) until session.md says `done`. Each call copies
          the corpus meta, every run's config, metrics.jsonl, wall.json, device.json and
          evaluation JSONs, and at the end results.json/.md and the PNGs, to $OUT/gpu-medium/:
-         commit them to docs/results/gpu-medium/ even when the session ends before `done`. A
+         `--land` puts them in docs/results/gpu-medium/; commit them even when the session
+         ends before `done`. A
          later session's replicate passes that directory as `--finished-from`: the models an
          earlier session finished (every evaluation written) are taken when this machine's
          corpus has the same digest, and only the rest train, so the replication finishes
@@ -226,6 +231,34 @@ def _copy_replication(src: Path, dst: Path) -> int:
     return len(files)
 
 
+def land(returned: Path, root: Path) -> list[str]:
+    """Copy what a call brought back (`returned`, its $OUT) into the working tree `root`:
+    mosaic_gpu.json over kernels/tuning/ (when the call tuned), session.json and session.md to
+    benchmarks/results/hopper_session_N.* (N one past the highest there), gpu-medium/ merged into
+    docs/results/gpu-medium/ (its files replace those of the same name). Returns one line per
+    copy, the last naming the --previous argument of the session's next call."""
+    lines = []
+    table = returned / "mosaic_gpu.json"
+    if table.is_file():
+        shutil.copy(table, root / "kernels" / "tuning" / "mosaic_gpu.json")
+        lines.append(f"{table} -> kernels/tuning/mosaic_gpu.json")
+    results = root / "benchmarks" / "results"
+    taken = [int(f.stem.rpartition("_")[2]) for f in results.glob("hopper_session_*.json")
+             if f.stem.rpartition("_")[2].isdigit()]
+    n = max(taken, default=0) + 1
+    for suffix in (".json", ".md"):
+        if (returned / f"session{suffix}").is_file():
+            shutil.copy(returned / f"session{suffix}", results / f"hopper_session_{n}{suffix}")
+            lines.append(f"{returned / f'session{suffix}'} -> benchmarks/results/"
+                         f"hopper_session_{n}{suffix}")
+    if (returned / "gpu-medium").is_dir():
+        shutil.copytree(returned / "gpu-medium", root / "docs" / "results" / "gpu-medium",
+                        dirs_exist_ok=True)
+        lines.append(f"{returned / 'gpu-medium'} -> docs/results/gpu-medium/")
+    lines.append(f"next call: --previous benchmarks/results/hopper_session_{n}.json")
+    return lines
+
+
 def _xprof_stub(root: Path) -> str | None:
     """An empty `xprof.cli.tools` under root when xprof is not installed; the path, or None."""
     import importlib.util
@@ -291,7 +324,16 @@ def main(argv=None) -> int:
     p.add_argument("--previous", type=Path, default=None,
                    help="an earlier call's session.json, whose summary fills what this call "
                         "does not measure")
+    p.add_argument("--land", type=Path, default=None, metavar="FILES_AT",
+                   help="run here, not on the GPU: copy a call's returned $OUT into the working "
+                        "tree (tile table, session JSON/markdown, gpu-medium results) and exit")
     args = p.parse_args(argv)
+    if args.land is not None:
+        if not (args.land / "session.json").is_file():
+            p.error(f"--land {args.land}: no session.json there (expected a call's returned $OUT)")
+        for line in land(args.land, ROOT):
+            print(line)
+        return 0
     stages = args.stages.split(",")
     unknown = [s for s in stages if s not in STAGES]
     if unknown:  # before any stage runs: a typo would cost the call its device time

@@ -1171,6 +1171,47 @@ def test_gpu_session_replicate_stage_runs_the_gpu_preset_and_brings_its_reports_
     assert name == "replicate" and cmd[-2:] == ["--finished-from", str(committed)]
 
 
+def test_gpu_session_land_puts_a_calls_files_where_the_next_call_and_the_commit_want_them(
+        tmp_path, capsys):
+    """--land FILES_AT (run here, between calls: the machine goes back after 30 s idle) copies
+    the tuned table over kernels/tuning/, the session JSON and markdown to the next free
+    benchmarks/results/hopper_session_N, merges gpu-medium/ into docs/results/gpu-medium/, and
+    names the --previous file of the next call; a directory without session.json is one error
+    line, and nothing is copied."""
+    import hopper_session
+
+    returned, root = tmp_path / "files_at", tmp_path / "tree"
+    for name, text in (("session.json", '{"summary": {}}'), ("session.md", "# s"),
+                       ("mosaic_gpu.json", '{"tuned": 1}'),
+                       ("gpu-medium/runs/diff-scaled-s0/metrics.jsonl", "{}")):
+        (returned / name).parent.mkdir(parents=True, exist_ok=True)
+        (returned / name).write_text(text)
+    for name in ("kernels/tuning/mosaic_gpu.json", "benchmarks/results/hopper_session_3.json",
+                 "benchmarks/results/hopper_session_3.md",
+                 "docs/results/gpu-medium/init_scale-scaled.md"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("before")
+    lines = hopper_session.land(returned, root)
+    assert (root / "kernels/tuning/mosaic_gpu.json").read_text() == '{"tuned": 1}'
+    assert (root / "benchmarks/results/hopper_session_4.json").read_text() == '{"summary": {}}'
+    assert (root / "benchmarks/results/hopper_session_4.md").read_text() == "# s"
+    assert (root / "benchmarks/results/hopper_session_3.json").read_text() == "before"
+    medium = root / "docs/results/gpu-medium"
+    assert (medium / "runs/diff-scaled-s0/metrics.jsonl").read_text() == "{}"
+    assert (medium / "init_scale-scaled.md").read_text() == "before"
+    assert len(lines) == 5
+    assert lines[-1] == "next call: --previous benchmarks/results/hopper_session_4.json"
+    # a second call's files go to N = 5; a call that did not tune leaves the table alone
+    (returned / "mosaic_gpu.json").unlink()
+    (root / "kernels/tuning/mosaic_gpu.json").write_text("committed")
+    assert hopper_session.land(returned, root)[-1].endswith("hopper_session_5.json")
+    assert (root / "kernels/tuning/mosaic_gpu.json").read_text() == "committed"
+    with pytest.raises(SystemExit) as exit_:
+        hopper_session.main(["--land", str(tmp_path / "nowhere")])
+    assert exit_.value.code == 2
+    assert "--land " in capsys.readouterr().err
+
+
 def test_gpu_session_ablate_stage_waits_for_the_replication_then_runs_the_ablation(tmp_path,
                                                                                   monkeypatch):
     """--stages ablate is skipped (recorded, nothing run) while the gpu-medium replication has no

@@ -120,12 +120,14 @@ def prepare_corpus(preset: Preset | RecallPreset, seed: int, out: Path) -> Path:
         meta = json.loads((path / "meta.json").read_text())
         # prepared before meta.json carried these: add them from the saved corpus
         added = {}
-        if not isinstance(preset, RecallPreset) and "unigram_loss" not in meta:
-            train, held_out = data.load(path).split(cfg.data.validation_fraction,
-                                                    cfg.data.split_seed)
-            added["unigram_loss"] = data.unigram_loss(train, held_out)
-        if "sha256" not in meta:
-            added["sha256"] = data.load(path).sha256()
+        needs_loss = not isinstance(preset, RecallPreset) and "unigram_loss" not in meta
+        if needs_loss or "sha256" not in meta:
+            saved = data.load(path)
+            if needs_loss:
+                train, held_out = saved.split(cfg.data.validation_fraction, cfg.data.split_seed)
+                added["unigram_loss"] = data.unigram_loss(train, held_out)
+            if "sha256" not in meta:
+                added["sha256"] = saved.sha256()
         if added:
             (path / "meta.json").write_text(json.dumps(meta | added, indent=1))
         return path
@@ -206,9 +208,10 @@ def record_device(run: Path) -> None:
         path.write_text(json.dumps([*seen, entry], indent=1) + "\n")
 
 
-# What a finished model's directory holds that its report reads (`adopt_finished` copies them):
-# no checkpoint, which a finished model's report never reads.
-FINISHED_FILES = ("config.yaml", "metrics.jsonl", "wall.json", "device.json")
+# What a finished model's directory holds that its report reads (`adopt_finished` copies them,
+# the first two required): no checkpoint, which a finished model's report never reads.
+REQUIRED_FILES = ("config.yaml", "metrics.jsonl")
+FINISHED_FILES = (*REQUIRED_FILES, "wall.json", "device.json")
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -260,7 +263,7 @@ def adopt_finished(preset: Preset | RecallPreset, seed: int, init: str, out: Pat
         if all(_evaluated(dst, name, step) for name, step in steps.items()):
             continue  # finished here
         missing = [name for name, step in steps.items() if not _evaluated(src, name, step)]
-        missing += [f for f in FINISHED_FILES[:2] if not (src / f).is_file()]
+        missing += [f for f in REQUIRED_FILES if not (src / f).is_file()]
         why = None
         if missing:
             why = f"not finished there (no {', '.join(missing)} at step {config.train.steps})"

@@ -211,6 +211,15 @@ def _fwd_and_step(f):
     return fwd, step
 
 
+def _lowered(f, shape: Shape, dtype) -> tuple[Any, Any]:
+    """`f`'s forward and fwd+bwd step (`_fwd_and_step`) lowered on `shape`'s operands in
+    `dtype`: two `jax.stages.Lowered`."""
+    fwd, step = _fwd_and_step(f)
+    q, k, v, do = (jax.ShapeDtypeStruct(s, dtype) for s in shape.operands())
+    lam = jax.ShapeDtypeStruct((), jnp.float32)
+    return fwd.lower(q, k, v, lam), step.lower(q, k, v, lam, do)
+
+
 class CompileAhead:
     """Programs compiled on a pool of threads while the caller lowers the next ones: XLA and
     Mosaic GPU compile without holding the GIL, so a batch's compiles overlap on the host's
@@ -230,10 +239,8 @@ class CompileAhead:
     def programs(self, f, shape: Shape, dtype) -> tuple[Callable[[], Any], Callable[[], Any]]:
         """`f`'s forward and fwd+bwd step (as `bench_one` times them) lowered here on `shape`'s
         operands in `dtype`, compiling in the pool: a `submit` thunk each."""
-        fwd, step = _fwd_and_step(f)
-        q, k, v, do = (jax.ShapeDtypeStruct(s, dtype) for s in shape.operands())
-        lam = jax.ShapeDtypeStruct((), jnp.float32)
-        return self.submit(fwd.lower(q, k, v, lam)), self.submit(step.lower(q, k, v, lam, do))
+        fwd, step = _lowered(f, shape, dtype)
+        return self.submit(fwd), self.submit(step)
 
     def close(self) -> None:
         """Drop the compiles not started (a deadline passed); those running finish."""
@@ -280,13 +287,28 @@ def bench_one(name, f, shape: Shape, dtype, *, reps: int, samples: int,
     return row
 
 
-def peak_memory(f, shape: Shape, dtype) -> int | None:
-    """Bytes XLA plans for one fwd+bwd step (temp + arguments + outputs), None if unavailable."""
-    q, k, v, do = (jax.ShapeDtypeStruct(s, dtype) for s in shape.operands())
-    args = (q, k, v, jax.ShapeDtypeStruct((), jnp.float32), do)
-    _, step = _fwd_and_step(f)
+def step_compiler(f, shape: Shape, dtype,
+                  ahead: CompileAhead | None = None) -> Callable[[], Any]:
+    """A thunk returning `f`'s fwd+bwd step compiled on `shape` (for `peak_memory`, which
+    reports what it raises): compiling in `ahead`'s pool from now, else at the call."""
+
+    def compile_here():
+        return _lowered(f, shape, dtype)[1].compile()
+
+    if ahead is None:
+        return compile_here
     try:
-        m = step.lower(*args).compile().memory_analysis()
+        return ahead.submit(_lowered(f, shape, dtype)[1])
+    except Exception:  # noqa: BLE001 - refused at lowering: compile_here raises it again
+        return compile_here
+
+
+def peak_memory(compiled_step: Callable[[], Any]) -> int | None:
+    """Bytes XLA plans for one fwd+bwd step (temp + arguments + outputs), None if unavailable.
+    `compiled_step`: a thunk returning the compiled step (`step_compiler`, or the step a bench
+    row compiled ahead and timed: `CompileAhead.programs`' second thunk, no second compile)."""
+    try:
+        m = compiled_step().memory_analysis()
     except Exception as e:  # noqa: BLE001 - report, do not die, on a backend without analysis
         print(f"memory analysis failed: {e!r}"[:300])
         return None
@@ -840,6 +862,13 @@ def _modes(args, deadline: Deadline) -> dict:
         rows, mem = [], []
         t_sum = SUMMARY_T if not args.smoke else seqs[0]
         ahead = CompileAhead(args.compile_threads) if args.compile_threads > 1 else None
+
+        def xla(q, k, v, lam):
+            return kernels.diff_attention(q, k, v, lam, impl="xla")
+
+        # per d at the summary's T: thunks of the fused and xla steps whose planned memory is
+        # read at the end (the fused one is the step its bench row compiled, when compiled ahead)
+        steps: dict[int, dict[str, Callable[[], Any]]] = {}
         for t in sorted(seqs, key=lambda x: x != t_sum):  # the summary's T first
             # one length's rows: lowered (and, with compile threads, compiling) first, then
             # timed one by one in this order
@@ -857,6 +886,13 @@ def _modes(args, deadline: Deadline) -> dict:
                         except Exception as e:  # noqa: BLE001 - e.g. tiles refused
                             r["error"] = repr(e)[:300]
                     batch.append((r, f, shape))
+                    if t == t_sum and name == "fused" and "programs" in r:
+                        steps.setdefault(d, {})["fused"] = r["programs"][1]
+                if t == t_sum and not deadline.passed():
+                    if "fused" not in steps.get(d, {}):
+                        steps.setdefault(d, {})["fused"] = step_compiler(fns["fused"], shape,
+                                                                         dtype, ahead)
+                    steps[d]["xla"] = step_compiler(xla, shape, dtype, ahead)
             for r, f, shape in batch:
                 programs = r.pop("programs", None)
                 if "error" not in r and deadline.passed():
@@ -869,19 +905,14 @@ def _modes(args, deadline: Deadline) -> dict:
                         r["error"] = repr(e)[:300]
                 rows.append(r)
                 print(r, flush=True)
+        for d, step in steps.items():
+            if not deadline.passed():
+                mem.append({"d": d, "T": t_sum, "B": max(1, tokens // t_sum),
+                            "fused_bytes": peak_memory(step["fused"]),
+                            "xla_bytes": peak_memory(step["xla"])})
+                print(mem[-1], flush=True)
         if ahead is not None:
             ahead.close()
-
-        def xla(q, k, v, lam):
-            return kernels.diff_attention(q, k, v, lam, impl="xla")
-
-        for d in dims:
-            if t_sum in seqs and not deadline.passed():
-                shape = Shape(max(1, tokens // t_sum), t_sum, heads, d)
-                mem.append({"d": d, "T": t_sum, "B": shape.b,
-                            "fused_bytes": peak_memory(fns["fused"], shape, dtype),
-                            "xla_bytes": peak_memory(xla, shape, dtype)})
-                print(mem[-1], flush=True)
         ratios = _ratios(rows)
         result |= {"bench": rows, "memory": mem, "ratios": ratios,
                    "summary": summary(rows, env, dims, t_sum),

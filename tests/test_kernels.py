@@ -636,17 +636,30 @@ def test_tpu_cost_analysis_counts_the_fused_kernels():
     assert 0.5 < fused / oracle < 2.0, (fused, oracle)
 
 
-def test_benchmark_smoke(tmp_path):
+def test_benchmark_smoke(tmp_path, monkeypatch):
     """benchmarks/attention.py --smoke runs the routes on tiny shapes (compiled ahead on two
-    threads) and writes JSON + markdown."""
+    threads) and writes JSON + markdown. The planned memory compiles only the xla oracle's
+    step: the fused one is the step its bench row compiled and timed (each row's two programs
+    and one oracle step per d are all the pool compiles), and reads what a fresh compile
+    reads."""
     import attention as bench
 
+    submitted = []
+    submit = bench.CompileAhead.submit
+    monkeypatch.setattr(bench.CompileAhead, "submit",
+                        lambda self, lowered: submitted.append(lowered) or submit(self, lowered))
     result = bench.main(["--smoke", "--compile-threads", "2", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "attention_smoke.json").read_text())
     names = {r["variant"] for r in data["bench"]}
     assert {"fused", "a_two_pallas", "c_pallas_h128"} <= names
     assert all(r["total_ms"] > 0 for r in data["bench"])
-    assert data["memory"][0]["fused_bytes"] > 0 and data["env"]["jax"] == jax.__version__
+    assert len(submitted) == 2 * len(data["bench"]) + len(data["memory"])
+    mem = data["memory"][0]
+    shape = bench.Shape(mem["B"], mem["T"], 2, mem["d"])
+    fused = bench.variants(None, None, with_cudnn=False, triton_blocks=None)["fused"]
+    assert mem["fused_bytes"] == bench.peak_memory(bench.step_compiler(fused, shape,
+                                                                       jnp.float32)) > 0
+    assert data["env"]["jax"] == jax.__version__
     assert "| fused |" in (tmp_path / "attention_smoke.md").read_text()
     assert result["ratios"]
 
@@ -1032,7 +1045,8 @@ def test_benchmark_peak_memory_counts_the_step_arguments_and_outputs():
     def xla(q, k, v, lam):
         return kernels.diff_attention(q, k, v, lam, impl="xla")
 
-    assert bench.peak_memory(xla, shape, jnp.float32) >= (q + k + v + do + 4) + (q + k + v + 4)
+    assert (bench.peak_memory(bench.step_compiler(xla, shape, jnp.float32))
+            >= (q + k + v + do + 4) + (q + k + v + 4))
 
 
 def test_benchmark_summary_and_ratios_are_fused_over_the_named_route_at_t4096():

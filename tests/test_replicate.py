@@ -492,11 +492,12 @@ def test_committed_reports_are_what_the_reporting_code_makes_of_their_data():
             assert data["init_scale"][role] == small["init_scale"][init][variant]
 
 
-def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):
+def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path, monkeypatch, capsys):
     """A shrunken cpu-recall (4 steps, one seed, both inits), its models trained two at a time in
     pinned processes: every cell and model in results.json, the learning curve at each
     checkpoint, the claims in results.md, and one model the same as a serial run of it. The
-    curve's cell is a grid cell, so its evaluations reuse the grid's compiled shapes."""
+    curve's cell is a grid cell, so its evaluations reuse the grid's compiled shapes. Then an
+    ablation of it (`_check_recall_ablation`)."""
     import os
 
     full = presets.PRESETS["cpu-recall"]
@@ -545,6 +546,73 @@ def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path):
     assert md.count(" − Transformer, grid-mean accuracy beyond the training length: ") == 4
     assert md.count(" − Transformer, steps to 90%: ") == 4  # censored or not, always compared
     assert "zero lies outside" not in md and md.count("one seed: no spread") >= 8
+    monkeypatch.setitem(presets.PRESETS, "cpu-recall", preset)  # what ablate reads from OUT
+    _check_recall_ablation(out, capsys)
+
+
+def _check_recall_ablation(out: Path, capsys) -> None:
+    """ablate on a finished recall replication: the changed V1 runs the whole recall evaluation
+    under the unchanged run's config but for the setting; the JSON's grid-mean accuracies are
+    the means of the runs' recall.json accuracies (at the training length: the first length of
+    every cell; beyond it: the others), its claims their per-seed differences, its steps to 90%
+    the first checkpoint at or above 0.9, and the init scales are measured here (a recall
+    report records none). A replication whose Transformer run lacks an evaluation is one error
+    line and trains nothing."""
+    from diff_jax.experiments import ablate
+
+    capsys.readouterr()
+    assert ablate.main([str(out), "--set", "model.subln_init=0.5"]) == 0
+    runs = {"changed": out / "runs" / "diff+subln_init=0.5-scaled-s0",
+            "unchanged": out / "runs" / "diff-scaled-s0",
+            "transformer": out / "runs" / "transformer-scaled-s0"}
+    assert (runs["changed"] / "config.yaml").read_text().replace(
+        "subln_init: 0.5", "subln_init: 1.0").replace("diff+subln_init=0.5-scaled", "diff-scaled") \
+        == (runs["unchanged"] / "config.yaml").read_text()
+    data = json.loads((out / "ablations" / "diff+subln_init=0.5-scaled.json").read_text())
+
+    def accuracies(run, measure="accuracy"):
+        cells = [json.loads((run / "replicate" / job / "recall.json").read_text())[measure]
+                 for job in ("recall-N1-D0", "recall-N2-D50")]  # the grid; 32 and 48 tokens
+        return float(np.mean([c[0] for c in cells])), float(np.mean([c[1:] for c in cells]))
+
+    def steps_to_90(run):
+        curve = sorted((int(p.parent.name.rpartition("step")[2]), json.loads(p.read_text())["accuracy"][0])
+                       for p in (run / "replicate").glob("recall-N2-D50-step*/recall.json"))
+        assert [step for step, _ in curve] == [2, 4]
+        return next((step for step, acc in curve if acc >= 0.9), None)
+
+    acc = {role: accuracies(run) for role, run in runs.items()}
+    assert data["grid_mean_accuracy"] == {
+        "at the training length": {role: [a[0]] for role, a in acc.items()},
+        "beyond the training length": {role: [a[1]] for role, a in acc.items()}}
+    assert data["steps_to_90"] == {role: [steps_to_90(run)] for role, run in runs.items()}
+    claims = data["claims"]["changed_minus_transformer"]
+    assert claims["accuracy at the training length"]["per_seed"] == [acc["changed"][0]
+                                                                     - acc["transformer"][0]]
+    # 4 steps retrieve nothing; the attention shares tell the three models apart
+    share = {role: accuracies(run, "answer_share") for role, run in runs.items()}
+    assert len({a for a, _ in share.values()}) == 3
+    for a, b in (("changed", "unchanged"), ("changed", "transformer"), ("unchanged", "transformer")):
+        for scope, i in (("at", 0), ("beyond", 1)):
+            assert data["claims"][f"{a}_minus_{b}"][f"answer_share {scope} the training length"][
+                "per_seed"] == [pytest.approx(share[a][i] - share[b][i], abs=1e-12)]
+    assert set(data["claims"]) == {"changed_minus_unchanged", "changed_minus_transformer",
+                                   "unchanged_minus_transformer"}
+    md = (out / "ablations" / "diff+subln_init=0.5-scaled.md").read_text()
+    assert f"| 0 | {acc['changed'][0]:.3f} | {acc['unchanged'][0]:.3f} | {acc['transformer'][0]:.3f} |" in md
+    assert md.count("\n- ") == 3 * len(claims) and "steps to 90%: " in md
+    scale = data["init_scale"]
+    assert scale["changed"]["attn"][0] == pytest.approx(0.5 * scale["unchanged"]["attn"][0], rel=1e-5)
+    assert scale["changed"]["embed"] == scale["unchanged"]["embed"] > 0
+    assert scale["transformer"]["attn"][0] < scale["unchanged"]["attn"][0]
+    # the Transformer's run under `normal` lacks an evaluation: refused before training
+    job = out / "runs" / "transformer-normal-s0" / "replicate" / "recall-N1-D0" / "recall.json"
+    job.rename(job.with_suffix(".moved"))
+    capsys.readouterr()
+    assert ablate.main([str(out), "--set", "model.subln_init=0.5", "--init", "normal"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"{job} is missing" in err and err.count("\n") == 1, err
+    assert not (out / "runs" / "diff+subln_init=0.5-normal-s0").exists()
 
 
 def test_prepared_corpus_is_the_corpus_the_runs_would_load_and_refuses_repeats(tmp_path):

@@ -1,4 +1,4 @@
-"""One setting changed against a finished language-modeling replication, paired by seed.
+"""One setting changed against a finished replication, paired by seed.
 
     python -m diff_jax.experiments.ablate OUT --set model.KEY=VALUE [--set ...]
                                           [--variant diff] [--init INIT] [--seeds N]
@@ -8,13 +8,19 @@ results.json written). For each of its seeds (the first N with `--seeds`) this t
 `--variant` under the same recipe, init, corpus, data order and initialization key with the
 `--set` overrides added (`model.*` or `optim.*` only: the data, budget and schedule stay the
 replication's), in OUT/runs/LABEL-INIT-sSEED with LABEL = VARIANT+KEY=VALUE+... (re-running
-resumes), scores its held-out loss as the replication's ppl job does, and writes
-OUT/ablations/LABEL-INIT.json and .md: per seed the held-out loss and the periodic validation
-losses of the changed model, the unchanged one and the Transformer, and the paired differences
-changed − unchanged and changed − Transformer (and unchanged − Transformer) with their spread
-over seeds (`stats.paired`; a direction is measured only where every seed agrees in sign), and
-what the three write into the residual stream at initialization (`init_scale`, on the rows the
-replication's report uses).
+resumes), scores it, and writes OUT/ablations/LABEL-INIT.json and .md: per seed the measures of
+the changed model, the unchanged one and the Transformer, the paired differences changed −
+unchanged and changed − Transformer (and unchanged − Transformer) with their spread over seeds
+(`stats.paired`; a direction is measured only where every seed agrees in sign), and what the
+three write into the residual stream at initialization (`init_scale`, on the first rows of seed
+0's corpus).
+
+A language-modeling replication: the held-out loss as its ppl job scores it and the periodic
+validation losses (the unchanged model's and the Transformer's from its results.json). An
+associative-recall one (`cpu-recall`): its whole evaluation (the grid and the learning-curve
+checkpoints), the claims of its report (`recall_report.pair_claims`: grid-mean accuracy and
+attention shares at and beyond the training length, steps to 90%), the unchanged model's and
+the Transformer's read from their runs in OUT, which must be there.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from diff_jax.experiments.layout import eval_json, run_dir
 from diff_jax.experiments.init_scale import residual_writes
 from diff_jax.experiments.lm_report import (gap_cell, init_rows, init_scale_table, read_metrics,
                                              val_gaps_between, val_loss_at)
-from diff_jax.experiments.presets import LABELS, PRESETS, VARIANTS, Preset
+from diff_jax.experiments.presets import LABELS, PRESETS, VARIANTS, Preset, RecallPreset
+from diff_jax.experiments.recall_report import SCOPES, claim_line, grid_mean, pair_claims, run_results
 from diff_jax.experiments.replicate import PRESET_MARKER, train_and_evaluate
 from diff_jax.experiments.stats import describe, paired
 
@@ -61,8 +68,8 @@ def check_sets(sets: tuple[str, ...]) -> None:
                               "the run's directory)")
 
 
-def _replication(out: Path) -> tuple[Preset, dict[str, Any]]:
-    """The preset and results.json of the finished language-modeling replication in `out`."""
+def _replication(out: Path) -> tuple[Preset | RecallPreset, dict[str, Any]]:
+    """The preset and results.json of the finished replication in `out`."""
     try:
         name = json.loads((out / PRESET_MARKER).read_text())["preset"]
         results = json.loads((out / "results.json").read_text())
@@ -70,8 +77,10 @@ def _replication(out: Path) -> tuple[Preset, dict[str, Any]]:
         raise ConfigError(f"{out}: not a finished replication (python -m "
                           f"diff_jax.experiments.replicate --out {out}): {e}") from None
     preset = PRESETS.get(name)
+    if isinstance(preset, RecallPreset):
+        return preset, results
     if not isinstance(preset, Preset):
-        raise ConfigError(f"{out}: holds --preset {name}, not a language-modeling replication")
+        raise ConfigError(f"{out}: holds --preset {name}, which this version does not know")
     if ("val_loss_at" not in results["results"][preset.inits[0]]["transformer"]["seeds"][0]
             or "init_scale" not in results):
         raise ConfigError(f"{out / 'results.json'} predates the validation losses and init "
@@ -103,21 +112,87 @@ def compare(out: Path, results: dict[str, Any], variant: str, init: str, name: s
     }
 
 
+def _recall_runs(preset: RecallPreset, out: Path, models: dict[str, str], init: str,
+                 seeds: list[int]) -> dict[str, list[dict[str, Any]]]:
+    """{role: [`run_results` of each seed]} of the runs in `out` named by `models` {role: run
+    name}; a ConfigError naming the first whose evaluation is missing."""
+    try:
+        return {role: [run_results(preset, run_dir(out, name, s, init)) for s in seeds]
+                for role, name in models.items()}
+    except FileNotFoundError as e:
+        raise ConfigError(f"{out}: {e.filename} is missing (an ablation of a recall replication "
+                          "reads its runs' evaluations; run it where the replication ran)") from None
+
+
+def compare_recall(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per role ("changed", "unchanged", "transformer") each seed's grid-mean accuracy at and
+    beyond the training length and steps to 90%; per pair of `PAIRS` its `pair_claims`."""
+    return {
+        "grid_mean_accuracy": {scope: {role: [grid_mean(r, "accuracy", at) for r in rs]
+                                       for role, rs in runs.items()}
+                               for scope, at in SCOPES.items()},
+        "steps_to_90": {role: [r["steps_to_90"] for r in rs] for role, rs in runs.items()},
+        "claims": {f"{a}_minus_{b}": pair_claims(runs[a], runs[b]) for a, b in PAIRS},
+    }
+
+
+def _names(data: dict[str, Any]) -> dict[str, str]:
+    return {"changed": data["label"], "unchanged": LABELS[data["variant"]],
+            "transformer": LABELS["transformer"]}
+
+
+def _header(data: dict[str, Any], scored: str) -> list[str]:
+    """An ablation .md's title and what it ran, `scored` saying how the models are measured."""
+    v = data["variant"]
+    return [f"# Ablation `{data['label']}` against the `{data['preset']}` replication", "",
+            f"Generated by `python -m diff_jax.experiments.ablate OUT "
+            f"{' '.join('--set ' + s for s in data['sets'])} --variant {v} --init {data['init']}`. "
+            f"{LABELS[v]} trained again with {', '.join(f'`{s}`' for s in data['sets'])} under "
+            f"the replication's recipe (init `{data['init']}`, each seed's corpus, data order "
+            "and initialization key), against the replication's own runs of the unchanged "
+            f"model and the Transformer. {scored}", ""]
+
+
+def _seed_table(data: dict[str, Any], values: dict[str, list[Any]], fmt) -> list[str]:
+    """| seed | changed | unchanged | Transformer | rows of `values` {role: per seed}."""
+    names = _names(data)
+    return ["| seed | " + " | ".join(names.values()) + " |", "|---|---|---|---|",
+            *(f"| {s} | " + " | ".join(fmt(values[r][i]) for r in names) + " |"
+              for i, s in enumerate(data["seeds"])), ""]
+
+
+def _init_scale_lines(data: dict[str, Any]) -> list[str]:
+    names = _names(data)
+    return ["What each sublayer adds to the residual stream at initialization, as the "
+            "replication's report measures it:", "",
+            *init_scale_table([(names[r], data["init_scale"][r]) for r in names],
+                              data["seq_len"])]
+
+
+def markdown_recall(data: dict[str, Any]) -> str:
+    """A recall ablation's .md: per seed the grid-mean accuracies and steps to 90%, then the
+    paired claims."""
+    names = _names(data)
+    lines = _header(data, "Scored on the replication's whole recall grid, as its report "
+                          "scores it (accuracy: the share of queries greedy decoding "
+                          "retrieves).")
+    for scope, values in data["grid_mean_accuracy"].items():
+        lines += [f"Grid-mean accuracy {scope}, per seed:", "",
+                  *_seed_table(data, values, lambda x: f"{x:.3f}")]
+    lines += ["Steps to 90% on the learning-curve cell, per seed (— : not reached):", "",
+              *_seed_table(data, data["steps_to_90"], lambda x: "—" if x is None else str(x)),
+              "Paired differences (same seed); a direction is stated only where every seed "
+              "agrees in sign:", "",
+              *(claim_line(f"{names[a]} − {names[b]}", key, p)
+                for a, b in PAIRS for key, p in data["claims"][f"{a}_minus_{b}"].items()), ""]
+    return "\n".join(lines + _init_scale_lines(data))
+
+
 def markdown(data: dict[str, Any]) -> str:
     """ablation .md: the settings, the per-seed losses and the paired differences."""
-    v, names = data["variant"], {"changed": data["label"], "unchanged": LABELS[data["variant"]],
-                                 "transformer": LABELS["transformer"]}
-    loss = data["heldout_loss"]
-    lines = [f"# Ablation `{data['label']}` against the `{data['preset']}` replication", "",
-             f"Generated by `python -m diff_jax.experiments.ablate OUT "
-             f"{' '.join('--set ' + s for s in data['sets'])} --variant {v} --init {data['init']}`. "
-             f"{LABELS[v]} trained again with {', '.join(f'`{s}`' for s in data['sets'])} under "
-             f"the replication's recipe (init `{data['init']}`, each seed's corpus, data order "
-             "and initialization key), against the replication's own runs of the unchanged "
-             "model and the Transformer. Held-out loss as the replication's ppl job scores it.", "",
-             "| seed | " + " | ".join(names.values()) + " |", "|---|---|---|---|",
-             *(f"| {s} | " + " | ".join(f"{loss[r][i]:.4f}" for r in names) + " |"
-               for i, s in enumerate(data["seeds"])), "",
+    names = _names(data)
+    lines = [*_header(data, "Held-out loss as the replication's ppl job scores it."),
+             *_seed_table(data, data["heldout_loss"], lambda x: f"{x:.4f}"),
              "Paired differences (same seed):", "",
              *(f"- {names[a]} − {names[b]}: {describe(data['paired'][f'{a}_minus_{b}'])}."
                for a, b in PAIRS), ""]
@@ -131,11 +206,7 @@ def markdown(data: dict[str, Any]) -> str:
                   "|---|" + "---|" * len(steps),
                   *(f"| {names[a]} − {names[b]} | {row(a, b)} |"
                     for a, b in PAIRS), ""]
-    lines += ["What each sublayer adds to the residual stream at initialization, as the "
-              "replication's report measures it:", "",
-              *init_scale_table([(names[r], data["init_scale"][r]) for r in names],
-                                data["seq_len"])]
-    return "\n".join(lines)
+    return "\n".join(lines + _init_scale_lines(data))
 
 
 def ablate(out: Path, sets: tuple[str, ...], variant: str, init: str | None,
@@ -155,21 +226,31 @@ def ablate(out: Path, sets: tuple[str, ...], variant: str, init: str | None,
     if preset.config(variant, 0, out, init, sets) == preset.config(variant, 0, out, init):
         raise ConfigError(f"--set {' '.join(sets)}: changes nothing in {variant}'s config")
     name = label(variant, sets)
+    recall = isinstance(preset, RecallPreset)
+    baseline = {"unchanged": variant, "transformer": "transformer"}
+    if recall:  # before training: the runs compared against are here
+        _recall_runs(preset, out, baseline, init, chosen)
     for seed in chosen:
         print(f"== ablation {name}, init {init}, seed {seed} ==", flush=True)
-        train_and_evaluate(preset, variant, seed, init, out, sets, name, only=("ppl",))
+        train_and_evaluate(preset, variant, seed, init, out, sets, name,
+                           only=None if recall else ("ppl",))
     seq_len = results["seq_len"]
+    rows = init_rows(out, seq_len)
     changed = preset.config(variant, 0, run_dir(out, name, 0, init), init, sets).model
-    scale = {"changed": residual_writes(changed, init_rows(out, seq_len)),
-             **{role: results["init_scale"][init][v]
-                for role, v in (("unchanged", variant), ("transformer", "transformer"))}}
+    scale = {"changed": residual_writes(changed, rows)}
+    for role, v in baseline.items():  # a recall report records no init scales
+        scale[role] = (residual_writes(preset.config(v, 0, out, init).model, rows) if recall
+                       else results["init_scale"][init][v])
     data = {"preset": preset.name, "label": name, "variant": variant, "init": init,
             "sets": list(sets), "seeds": chosen, "seq_len": seq_len,
-            **compare(out, results, variant, init, name, chosen), "init_scale": scale}
+            **(compare_recall(_recall_runs(preset, out, {"changed": name, **baseline}, init,
+                                           chosen)) if recall
+               else compare(out, results, variant, init, name, chosen)),
+            "init_scale": scale}
     stem = out / "ablations" / f"{name}-{init}"  # no with_suffix: the name may hold dots
     stem.parent.mkdir(exist_ok=True)
     Path(f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
-    Path(f"{stem}.md").write_text(markdown(data))
+    Path(f"{stem}.md").write_text(markdown_recall(data) if recall else markdown(data))
     return data
 
 

@@ -75,24 +75,34 @@ def cells_json(preset: RecallPreset, runs: dict) -> list[dict[str, Any]]:
     return out
 
 
+def pair_claims(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
+    """Paired differences a − b of two models' `run_results` (the same seeds, in order): the
+    grid-mean of each of `MEASURES` at and beyond the training length (keys "MEASURE SCOPE")
+    and steps to 90% (`paired_censored`: a seed that never reached 90% is known only to need
+    more than the last step checked)."""
+    c = {f"{m} {scope}": paired([grid_mean(s, m, at) for s in a], [grid_mean(s, m, at) for s in b])
+         for scope, at in SCOPES.items() for m in MEASURES}
+    last = max(s["curve"][-1][0] for s in a + b)  # the last step checked
+    c["steps_to_90"] = paired_censored([s["steps_to_90"] for s in a],
+                                       [s["steps_to_90"] for s in b], last)
+    return c
+
+
 def comparisons(runs: dict) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per init, per DIFF variant: paired differences against the Transformer of the grid-mean
-    accuracy, answer share and noise share at and beyond the training length (keys "MEASURE
-    SCOPE"), and of steps to 90% (`paired_censored`: a seed that never reached 90% is known
-    only to need more than the last step checked)."""
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    for init, per_variant in runs.items():
-        base = per_variant["transformer"]
-        out[init] = {}
-        for v in ("diff", "diff_v2"):
-            c = {f"{m} {scope}": paired([grid_mean(s, m, at) for s in per_variant[v]],
-                                        [grid_mean(s, m, at) for s in base])
-                 for scope, at in SCOPES.items() for m in MEASURES}
-            last = max(s["curve"][-1][0] for s in per_variant[v] + base)  # the last step checked
-            c["steps_to_90"] = paired_censored([s["steps_to_90"] for s in per_variant[v]],
-                                               [s["steps_to_90"] for s in base], last)
-            out[init][v] = c
-    return out
+    """Per init, per DIFF variant: `pair_claims` against the Transformer."""
+    return {init: {v: pair_claims(per_variant[v], per_variant["transformer"])
+                   for v in ("diff", "diff_v2")} for init, per_variant in runs.items()}
+
+
+CLAIM_NAMES = {"accuracy": "grid-mean accuracy", "answer_share": "grid-mean answer attention share",
+               "noise_share": "grid-mean noise attention share", "steps_to_90": "steps to 90%"}
+
+
+def claim_line(what: str, key: str, p: dict[str, Any]) -> str:
+    """One markdown claim: `what` (e.g. "DIFF V1 − Transformer"), the measure and scope `key`
+    names (a `pair_claims` key) and its paired difference."""
+    measure, _, scope = key.partition(" ")
+    return f"- {what}, {CLAIM_NAMES[measure]}{' ' + scope if scope else ''}: {describe(p)}."
 
 
 def init_gaps(preset: RecallPreset, runs: dict) -> dict[str, dict[str, Any]]:
@@ -190,14 +200,10 @@ def markdown(preset: RecallPreset, data: dict[str, Any]) -> str:
     lines += ["## Claims", "",
               "Each line is a paired difference (same seed, same data order) with its spread "
               "over seeds; a direction is stated only where every seed agrees in sign.", ""]
-    names = {"accuracy": "grid-mean accuracy", "answer_share": "grid-mean answer attention share",
-             "noise_share": "grid-mean noise attention share", "steps_to_90": "steps to 90%"}
     for init, per_variant in data["paired"].items():
         for v, c in per_variant.items():
-            for key, p in c.items():
-                measure, _, scope = key.partition(" ")
-                lines.append(f"- `{init}` init, {LABELS[v]} − Transformer, {names[measure]}"
-                             f"{' ' + scope if scope else ''}: {describe(p)}.")
+            lines += [claim_line(f"`{init}` init, {LABELS[v]} − Transformer", key, p)
+                      for key, p in c.items()]
     for v, p in data["init_gap"].items():
         lines.append(f"- {LABELS[v]}, grid-mean accuracy at the training length "
                      f"`{preset.inits[1]}` − `{preset.inits[0]}` init: {describe(p)}.")

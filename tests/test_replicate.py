@@ -465,9 +465,12 @@ def test_committed_reports_are_what_the_reporting_code_makes_of_their_data():
     from diff_jax.experiments import ablate
 
     results = Path(__file__).parents[1] / "docs" / "results"
-    recall = json.loads((results / "cpu-recall" / "results.json").read_text())
-    assert (recall_report.markdown(presets.PRESETS[recall["preset"]], recall)
-            == (results / "cpu-recall" / "results.md").read_text())
+    for report in (results / "cpu-recall", results / "cpu-recall" / "rerun-scaled"):
+        recall = json.loads((report / "results.json").read_text())
+        preset = dataclasses.replace(presets.PRESETS[recall["preset"]],
+                                     inits=tuple(recall["inits"]))  # --inits ran a subset
+        assert recall_report.markdown(preset, recall) == (report / "results.md").read_text()
+    _check_committed_recall_ablations(results / "cpu-recall" / "rerun-scaled", recall)
     small = json.loads((results / "cpu-small" / "results.json").read_text())
     preset = presets.PRESETS["cpu-small"]
     assert lm_report.markdown(preset, small) == (results / "cpu-small" / "results.md").read_text()
@@ -490,6 +493,32 @@ def test_committed_reports_are_what_the_reporting_code_makes_of_their_data():
             assert loss[role] == [small["results"][init][variant]["seeds"][s]["loss"]
                                   for s in data["seeds"]]
             assert data["init_scale"][role] == small["init_scale"][init][variant]
+
+
+def _check_committed_recall_ablations(report: Path, recall: dict) -> None:
+    """Each committed recall ablation's .md is ablate.markdown_recall of its JSON; its unchanged
+    and Transformer grid-mean accuracies are the replication's (`recall`, its results.json:
+    per seed, the mean over cells of each length scope) and its accuracy claims the paired
+    differences of the accuracies it lists."""
+    from diff_jax.experiments import ablate
+
+    ablations = sorted((report / "ablations").glob("*.json"))
+    assert ablations
+    lengths = recall["grid"]["lengths"]
+    for path in ablations:
+        data = json.loads(path.read_text())
+        assert ablate.markdown_recall(data) == path.with_name(path.name[:-5] + ".md").read_text()
+        cells = [c for c in recall["cells"] if c["init"] == data["init"]]
+        for scope, at in (("at", lengths[:1]), ("beyond", lengths[1:])):
+            acc = data["grid_mean_accuracy"][f"{scope} the training length"]
+            for role, variant in (("unchanged", data["variant"]), ("transformer", "transformer")):
+                for s in data["seeds"]:
+                    assert acc[role][s] == pytest.approx(np.mean(
+                        [c["models"][variant]["accuracy_per_seed"][s] for c in cells
+                         if c["length"] in at]), abs=1e-12)
+            for a, b in (("changed", "unchanged"), ("changed", "transformer")):
+                assert data["claims"][f"{a}_minus_{b}"][f"accuracy {scope} the training length"] \
+                    == stats.paired(acc[a], acc[b])
 
 
 def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path, monkeypatch, capsys):

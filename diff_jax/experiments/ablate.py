@@ -228,8 +228,8 @@ def ablate(out: Path, sets: tuple[str, ...], variant: str, init: str | None,
     name = label(variant, sets)
     recall = isinstance(preset, RecallPreset)
     baseline = {"unchanged": variant, "transformer": "transformer"}
-    if recall:  # before training: the runs compared against are here
-        _recall_runs(preset, out, baseline, init, chosen)
+    # a recall ablation reads the runs it compares against from OUT: before training, they are
+    baseline_runs = _recall_runs(preset, out, baseline, init, chosen) if recall else {}
     for seed in chosen:
         print(f"== ablation {name}, init {init}, seed {seed} ==", flush=True)
         train_and_evaluate(preset, variant, seed, init, out, sets, name,
@@ -241,11 +241,13 @@ def ablate(out: Path, sets: tuple[str, ...], variant: str, init: str | None,
     for role, v in baseline.items():  # a recall report records no init scales
         scale[role] = (residual_writes(preset.config(v, 0, out, init).model, rows) if recall
                        else results["init_scale"][init][v])
+    if recall:
+        runs = {**_recall_runs(preset, out, {"changed": name}, init, chosen), **baseline_runs}
+        measured = compare_recall(runs)
+    else:
+        measured = compare(out, results, variant, init, name, chosen)
     data = {"preset": preset.name, "label": name, "variant": variant, "init": init,
-            "sets": list(sets), "seeds": chosen, "seq_len": seq_len,
-            **(compare_recall(_recall_runs(preset, out, {"changed": name, **baseline}, init,
-                                           chosen)) if recall
-               else compare(out, results, variant, init, name, chosen)),
+            "sets": list(sets), "seeds": chosen, "seq_len": seq_len, **measured,
             "init_scale": scale}
     stem = out / "ablations" / f"{name}-{init}"  # no with_suffix: the name may hold dots
     stem.parent.mkdir(exist_ok=True)

@@ -465,12 +465,13 @@ def test_committed_reports_are_what_the_reporting_code_makes_of_their_data():
     from diff_jax.experiments import ablate
 
     results = Path(__file__).parents[1] / "docs" / "results"
-    for report in (results / "cpu-recall", *(results / "cpu-recall").glob("rerun-*")):
+    for report in (results / "cpu-recall", results / "cpu-recall" / "rerun"):
         recall = json.loads((report / "results.json").read_text())
-        preset = dataclasses.replace(presets.PRESETS[recall["preset"]],
-                                     inits=tuple(recall["inits"]))  # --inits ran a subset
+        preset = presets.PRESETS[recall["preset"]]
+        assert recall["inits"] == list(preset.inits)
         assert recall_report.markdown(preset, recall) == (report / "results.md").read_text()
-    rerun = results / "cpu-recall" / "rerun-scaled"
+        _check_committed_init_gaps(recall)
+    rerun = results / "cpu-recall" / "rerun"
     _check_committed_recall_ablations(rerun, json.loads((rerun / "results.json").read_text()))
     small = json.loads((results / "cpu-small" / "results.json").read_text())
     preset = presets.PRESETS["cpu-small"]
@@ -494,6 +495,20 @@ def test_committed_reports_are_what_the_reporting_code_makes_of_their_data():
             assert loss[role] == [small["results"][init][variant]["seeds"][s]["loss"]
                                   for s in data["seeds"]]
             assert data["init_scale"][role] == small["init_scale"][init][variant]
+
+
+def _check_committed_init_gaps(recall: dict) -> None:
+    """A recall replication's init gaps are, per model and seed, its grid-mean accuracy at the
+    training length under the second init minus the first, as its cells list them."""
+    first, second = recall["inits"]
+    at = recall["grid"]["lengths"][0]
+    for variant, gap in recall["init_gap"].items():
+        def grid_mean(init, seed):
+            return np.mean([c["models"][variant]["accuracy_per_seed"][seed]
+                            for c in recall["cells"] if c["init"] == init and c["length"] == at])
+
+        want = [grid_mean(second, s) - grid_mean(first, s) for s in range(len(recall["seeds"]))]
+        assert gap["per_seed"] == pytest.approx(want, abs=1e-12), variant
 
 
 def _check_committed_recall_ablations(report: Path, recall: dict) -> None:

@@ -738,7 +738,7 @@ def test_train_step_benchmark_ratio_of_medians(tmp_path, monkeypatch):
     scripted = {"diff": iter([100.0, 9.0, 1.0, 2.0, 60.0]),  # compile, untimed, 3 timed
                 "transformer": iter([100.0, 9.0, 1.0, 1.0, 1.0])}
 
-    def fake_stepper(config, segment_ids=True):
+    def fake_stepper(config, segment_ids, pool):
         times = scripted[config.model.variant]
         return (lambda: next(times)), 64
 

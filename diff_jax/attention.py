@@ -51,22 +51,26 @@ class HeadLayout:
 LAMBDA_VECTORS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")  # DIFF V1's λ parameters
 
 
-def lambda_init(depth: int | jax.Array) -> jax.Array | float:
-    """λ_init = 0.8 − 0.6·exp(−0.3·depth), 0-based layer index (depth 0 gives 0.2): a float for
-    an int depth, else an array shaped like `depth`."""
+def lambda_init(depth: int | jax.Array, fixed: float | None = None) -> jax.Array | float:
+    """λ_init of the layer at 0-based index `depth`: `fixed` when given (`model.lambda_init`, one
+    value for every layer, as the paper's Table 6 ablates 0.8 and 0.5), else the paper's
+    0.8 − 0.6·exp(−0.3·depth) (depth 0 gives 0.2); a float for an int depth, else an array
+    shaped like `depth`."""
+    if fixed is not None:
+        return fixed if isinstance(depth, int) else jnp.full_like(depth, fixed, jnp.float32)
     if isinstance(depth, int):
         return 0.8 - 0.6 * math.exp(-0.3 * depth)
     return 0.8 - 0.6 * jnp.exp(-0.3 * depth)
 
 
 def diff_lambda(lambda_q1: jax.Array, lambda_k1: jax.Array, lambda_q2: jax.Array,
-                lambda_k2: jax.Array, depth: int) -> jax.Array:
-    """The re-parameterised λ of one layer, a float32 scalar () from the four (d,) vectors:
-    exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init(depth)."""
+                lambda_k2: jax.Array, init: float) -> jax.Array:
+    """The re-parameterised λ of one layer, a float32 scalar () from the four (d,) vectors and
+    the layer's λ_init (`lambda_init`): exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + init."""
     f32 = jnp.float32
     l1 = jnp.exp(jnp.sum(lambda_q1.astype(f32) * lambda_k1.astype(f32)))
     l2 = jnp.exp(jnp.sum(lambda_q2.astype(f32) * lambda_k2.astype(f32)))
-    return l1 - l2 + lambda_init(depth)
+    return l1 - l2 + init
 
 
 def _rope(cfg: ModelConfig, t: int, dim: int, rope: Rope | None, positions: jax.Array | None) -> Rope:
@@ -245,14 +249,12 @@ class MultiheadDiffAttn(AttentionBase):
         cfg = self.config
         d, dtype = cfg.resolved_head_dim, jnp.dtype(cfg.dtype)
         vec = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("head_dim",))
-        lam = diff_lambda(
-            *(self.param(n, vec, (d,), jnp.float32) for n in LAMBDA_VECTORS),
-            self.depth,
-        )
+        init = lambda_init(self.depth, cfg.lambda_init)
+        lam = diff_lambda(*(self.param(n, vec, (d,), jnp.float32) for n in LAMBDA_VECTORS), init)
         o = _attend(self, q, k, v, lam=lam, segment_ids=segment_ids, positions=positions)  # (B, T, H, 2d)
         o = RMSNorm(eps=cfg.norm_eps, dtype=dtype, axis_name="head_dim",
                     scale_init=cfg.subln_init, name="subln")(o)
-        o = o * jnp.asarray(1.0 - lambda_init(self.depth), dtype)
+        o = o * jnp.asarray(1.0 - init, dtype)
         return o.reshape(*x.shape[:2], -1)
 
 

@@ -63,6 +63,10 @@ class ModelConfig:
     # DIFF V1's per-head RMSNorm (subln) scale at init: 1 is the reference's; a smaller one
     # shrinks what V1's attention adds to the residual stream at init (an ablation, not the paper)
     subln_init: float = 1.0
+    # DIFF V1's λ_init, one value for every layer (the paper's Table 6 ablates 0.8 and 0.5); null:
+    # the paper's 0.8 − 0.6·exp(−0.3·depth) per 0-based layer index. It sets λ's offset and the
+    # (1 − λ_init) output scale, so it changes the model's function, not only its init
+    lambda_init: float | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
     attention_impl: AttentionImpl = "xla"
     # V1 with GQA: `flash` (Q1 and Q2 of head h read K1, K2 of kv group h // n_rep, as the paper's
@@ -114,6 +118,11 @@ class ModelConfig:
         _require(0 < self.subln_init < math.inf, "model.subln_init", "must be a finite number > 0")
         _require(self.subln_init == 1.0 or spec.differential_op, "model.subln_init",
                  "only variant diff has a per-head norm (subln)")
+        _require(self.lambda_init is None or 0 <= self.lambda_init < 1, "model.lambda_init",
+                 "must be in [0, 1) (the output is scaled by 1 − λ_init), or null: the paper's "
+                 "per-layer 0.8 − 0.6·exp(−0.3·depth)")
+        _require(self.lambda_init is None or spec.differential_op, "model.lambda_init",
+                 "only variant diff has a layer λ (diff_v2's is a per-token sigmoid)")
 
     @property
     def _variant_spec(self) -> Any:

@@ -83,7 +83,7 @@ def summarize(config: Config) -> dict:
         "seq_len": config.train.seq_len,
         "flops_per_token": flops_per_token(m, config.train.seq_len, params),
         "tokens_per_step": config.train.batch_size * config.train.seq_len,
-        "lambda_init": ([lambda_init(i) for i in range(m.num_layers)]
+        "lambda_init": ([lambda_init(i, m.lambda_init) for i in range(m.num_layers)]
                         if variants.spec(m.variant).differential_op else None),
     }
 

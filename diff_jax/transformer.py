@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from diff_jax import variants
-from diff_jax.attention import LAMBDA_VECTORS, Rope, diff_lambda
+from diff_jax.attention import LAMBDA_VECTORS, Rope, diff_lambda, lambda_init
 from diff_jax.attention_op import AttentionOp
 from diff_jax.config import ModelConfig
 from diff_jax.layers import RMSNorm, SwiGLU, residual_out_std
@@ -131,6 +131,7 @@ def layer_lambdas(params: dict, config: ModelConfig) -> jax.Array:
         raise ValueError(f"per-layer λ exists for variant diff only, not {config.variant!r}")
     params = nn.meta.unbox(params.get("params", params))
     return jnp.stack([
-        diff_lambda(*(params[f"layers_{i}"]["attn"][n] for n in LAMBDA_VECTORS), i)
+        diff_lambda(*(params[f"layers_{i}"]["attn"][n] for n in LAMBDA_VECTORS),
+                    lambda_init(i, config.lambda_init))
         for i in range(config.num_layers)
     ])

@@ -50,8 +50,10 @@ def lambda_init(depth: int) -> float:
     return 0.8 - 0.6 * np.exp(-0.3 * depth)
 
 
-def diff_v1(sd, x, cos, sin, *, num_heads, num_kv_heads, depth, pairing="flash", segment_ids=None):
-    """DIFF attention V1 output (B, T, E) and the maps A1, A2 (B, H, T, T)."""
+def diff_v1(sd, x, cos, sin, *, num_heads, num_kv_heads, depth, pairing="flash", segment_ids=None,
+            fixed_lambda_init=None):
+    """DIFF attention V1 output (B, T, E) and the maps A1, A2 (B, H, T, T); λ_init is
+    `fixed_lambda_init` when given, else the depth schedule."""
     sd = {k: np.asarray(v, np.float64) for k, v in sd.items()}
     x = np.asarray(x, np.float64)
     b, t, e = x.shape
@@ -61,8 +63,9 @@ def diff_v1(sd, x, cos, sin, *, num_heads, num_kv_heads, depth, pairing="flash",
     q = rope((x @ sd["q_proj.weight"].T).reshape(b, t, 2 * h, d), cos, sin)
     k = rope((x @ sd["k_proj.weight"].T).reshape(b, t, 2 * hkv, d), cos, sin)
     v = (x @ sd["v_proj.weight"].T).reshape(b, t, hkv, 2 * d)
+    init = lambda_init(depth) if fixed_lambda_init is None else fixed_lambda_init
     lam = (np.exp(np.dot(sd["lambda_q1"], sd["lambda_k1"]))
-           - np.exp(np.dot(sd["lambda_q2"], sd["lambda_k2"])) + lambda_init(depth))
+           - np.exp(np.dot(sd["lambda_q2"], sd["lambda_k2"])) + init)
     m = mask(t, segment_ids, b)
     heads, a1s, a2s = [], [], []
     for hd in range(h):
@@ -75,7 +78,7 @@ def diff_v1(sd, x, cos, sin, *, num_heads, num_kv_heads, depth, pairing="flash",
         s2 = np.einsum("btd,bsd->bts", q[:, :, 2 * hd + 1], k2) / np.sqrt(d)
         a1, a2 = softmax(s1, m), softmax(s2, m)
         o = np.einsum("bts,bse->bte", a1 - lam * a2, vh)
-        o = rmsnorm(o, sd["subln.weight"]) * (1 - lambda_init(depth))
+        o = rmsnorm(o, sd["subln.weight"]) * (1 - init)
         heads.append(o)
         a1s.append(a1)
         a2s.append(a2)

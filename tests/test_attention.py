@@ -129,8 +129,29 @@ def test_lambda_init_and_lambda_values():
     from diff_jax.attention import diff_lambda
     want = (np.exp(params["lambda_q1"] @ params["lambda_k1"])
             - np.exp(params["lambda_q2"] @ params["lambda_k2"]) + lambda_init(3))
-    got = diff_lambda(*(params[n] for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")), 3)
+    got = diff_lambda(*(params[n] for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")),
+                      lambda_init(3))
     np.testing.assert_allclose(float(got), want, rtol=1e-6)
+    # model.lambda_init: one value for every layer, int depth or array
+    assert lambda_init(0, 0.5) == lambda_init(7, 0.5) == 0.5
+    np.testing.assert_array_equal(np.asarray(lambda_init(jnp.arange(3.0), 0.8)),
+                                  np.full(3, 0.8, np.float32))
+
+
+@pytest.mark.parametrize("fixed,depth", [(0.5, 0), (0.8, 5), (0.0, 2)])
+def test_diff_v1_with_a_fixed_lambda_init_matches_numpy(fixed, depth):
+    """model.lambda_init replaces the depth schedule in λ's offset and in the (1 − λ_init)
+    output scale (the float64 reference with that λ_init), and differs from the schedule's
+    output: the setting is not ignored."""
+    cfg = ModelConfig(variant="diff", embed_dim=E, num_heads=4, num_kv_heads=2, lambda_init=fixed)
+    sd = npr.random_state_dict(reference_shapes(cfg), seed=5)
+    x, cos, sin = _inputs(cfg.resolved_head_dim)
+    ours = _run(cfg, depth, sd, x, cos, sin, None)
+    ref, *_ = npr.diff_v1(sd, x, cos, sin, num_heads=4, num_kv_heads=2, depth=depth,
+                          fixed_lambda_init=fixed)
+    assert npr.rel_err(ours, ref) < F32_TOL
+    scheduled, *_ = npr.diff_v1(sd, x, cos, sin, num_heads=4, num_kv_heads=2, depth=depth)
+    assert npr.rel_err(scheduled, ref) > 1e-2
 
 
 @pytest.mark.parametrize("variant,heads", [("diff", 4), ("diff_v2", 4), ("transformer", 8)])

@@ -423,6 +423,17 @@ def test_hf_export_refuses_naive_gqa_pairing(tmp_path):
         ex.export(run, tmp_path / "hf", "hf-diffllama")
 
 
+def test_hf_export_refuses_a_fixed_lambda_init(tmp_path):
+    """DiffLlama's λ_init is always the depth schedule: a model trained with model.lambda_init
+    would compute another function there."""
+    fixed = dataclasses.replace(CONFIGS["diff"], lambda_init=0.5)
+    run = write_run(tmp_path / "fixed", fixed, random_params(fixed))
+    with pytest.raises(ex.ExportError, match=r"model\.lambda_init=0\.5 cannot be exported to "
+                                             r"DiffLlama"):
+        ex.export(run, tmp_path / "hf", "hf-diffllama")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_init_from_refuses_each_model_field_the_parameters_depend_on(tmp_path):
     """`train.init_from` refuses a config that changes any field the parameters were trained for,
     naming it with the saved value and the config's; fields that only choose how the model is
@@ -447,6 +458,15 @@ def test_init_from_refuses_each_model_field_the_parameters_depend_on(tmp_path):
         with pytest.raises(ConfigError, match=re.escape(f"holds a model with {held} but the config "
                                                         f"gives {given};")):
             initial_params(out, config, None)
+    # model.lambda_init changes what V1 computes from the same parameters
+    diff = CONFIGS["diff"]
+    diff_params = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32),
+                               abstract_params(diff))
+    fixed = ex.export(Source(dataclasses.replace(diff, lambda_init=0.5), diff_params,
+                             str(tmp_path / "src"), None), tmp_path / "fixed")
+    with pytest.raises(ConfigError, match=re.escape("holds a model with model.lambda_init=0.5 but "
+                                                    "the config gives None;")):
+        initial_params(fixed, diff, None)
     free = dataclasses.replace(saved, dtype="bfloat16", remat="full", max_seq_len=128, init_std=0.01)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     loaded = initial_params(out, free, jax.tree.map(lambda _: device, params))

@@ -111,6 +111,10 @@ def test_layer_lambdas():
     np.testing.assert_array_equal(np.asarray(layer_lambdas(variables, cfg)), lams)
     with pytest.raises(ValueError, match="variant diff only"):
         layer_lambdas(params, _cfg("transformer"))
+    # model.lambda_init moves every layer's λ to the same offset
+    fixed = np.asarray(layer_lambdas(params, _cfg("diff", num_layers=3, lambda_init=0.5)))
+    np.testing.assert_allclose(fixed, lams - (0.8 - 0.6 * np.exp(-0.3 * np.arange(3))) + 0.5,
+                               rtol=1e-6)
 
 
 @pytest.mark.parametrize("tokens", [jnp.zeros((T,), jnp.int32), jnp.zeros((2, T), jnp.float32)])

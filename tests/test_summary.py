@@ -1,6 +1,8 @@
 """Parameter counts of the paper's configs and the FLOPs formula, checked by hand."""
 
+import dataclasses
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +54,15 @@ def test_an_untied_head_is_counted_once_in_flops_and_in_the_embedding_parameters
     assert s["params_embedding"] == 2 * 1000 * 64
     assert s["params_non_embedding"] == 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64 + 6 * 16) + 64
     assert s["params"] == s["params_embedding"] + s["params_non_embedding"]
+
+
+def test_lambda_init_per_layer_follows_the_schedule_or_model_lambda_init():
+    m = ModelConfig(vocab_size=1000, embed_dim=64, num_layers=3, num_heads=2)
+    scheduled = summarize(Config(model=m, train=TrainConfig(seq_len=32)))["lambda_init"]
+    assert scheduled == pytest.approx([0.8 - 0.6 * math.exp(-0.3 * i) for i in range(3)])
+    fixed = summarize(Config(model=dataclasses.replace(m, lambda_init=0.5),
+                             train=TrainConfig(seq_len=32)))["lambda_init"]
+    assert fixed == [0.5, 0.5, 0.5]
 
 
 def test_cli_prints_json():

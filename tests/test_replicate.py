@@ -497,17 +497,21 @@ def test_committed_reports_are_what_the_reporting_code_makes_of_their_data():
             assert data["init_scale"][role] == small["init_scale"][init][variant]
 
 
+def _cells_mean(recall: dict, variant: str, init: str, seed: int, lengths: list[int]) -> float:
+    """`variant`'s accuracy in `seed`, averaged over the cells of a recall results.json (`recall`)
+    under `init` whose length is one of `lengths`."""
+    return float(np.mean([c["models"][variant]["accuracy_per_seed"][seed] for c in recall["cells"]
+                          if c["init"] == init and c["length"] in lengths]))
+
+
 def _check_committed_init_gaps(recall: dict) -> None:
     """A recall replication's init gaps are, per model and seed, its grid-mean accuracy at the
     training length under the second init minus the first, as its cells list them."""
     first, second = recall["inits"]
-    at = recall["grid"]["lengths"][0]
+    at = recall["grid"]["lengths"][:1]
     for variant, gap in recall["init_gap"].items():
-        def grid_mean(init, seed):
-            return np.mean([c["models"][variant]["accuracy_per_seed"][seed]
-                            for c in recall["cells"] if c["init"] == init and c["length"] == at])
-
-        want = [grid_mean(second, s) - grid_mean(first, s) for s in range(len(recall["seeds"]))]
+        want = [_cells_mean(recall, variant, second, s, at) - _cells_mean(recall, variant, first, s, at)
+                for s in range(len(recall["seeds"]))]
         assert gap["per_seed"] == pytest.approx(want, abs=1e-12), variant
 
 
@@ -524,14 +528,12 @@ def _check_committed_recall_ablations(report: Path, recall: dict) -> None:
     for path in ablations:
         data = json.loads(path.read_text())
         assert ablate.markdown_recall(data) == path.with_name(path.name[:-5] + ".md").read_text()
-        cells = [c for c in recall["cells"] if c["init"] == data["init"]]
         for scope, at in (("at", lengths[:1]), ("beyond", lengths[1:])):
             acc = data["grid_mean_accuracy"][f"{scope} the training length"]
             for role, variant in (("unchanged", data["variant"]), ("transformer", "transformer")):
                 for s in data["seeds"]:
-                    assert acc[role][s] == pytest.approx(np.mean(
-                        [c["models"][variant]["accuracy_per_seed"][s] for c in cells
-                         if c["length"] in at]), abs=1e-12)
+                    assert acc[role][s] == pytest.approx(
+                        _cells_mean(recall, variant, data["init"], s, at), abs=1e-12)
             for a, b in (("changed", "unchanged"), ("changed", "transformer")):
                 assert data["claims"][f"{a}_minus_{b}"][f"accuracy {scope} the training length"] \
                     == stats.paired(acc[a], acc[b])

@@ -94,16 +94,22 @@ def initialize_distributed(cfg: DistributedConfig) -> None:
             raise
 
 
+STOP_AT_ONCE = "SIGINT again"  # in `_stop_signals`' list: Ctrl-C was pressed a second time
+
+
 @contextlib.contextmanager
 def _stop_signals(say: Callable[[str], None]) -> Iterator[list[str]]:
     """Catches SIGTERM/SIGINT into a flag list for the duration (main thread only), saying what
     happens next. A second SIGINT (Ctrl-C pressed again) raises KeyboardInterrupt at once: the
     step in flight is not saved, a save already under way still commits (closing the checkpoint
-    manager waits for it), and the checkpoints already committed stay as they are."""
+    manager waits for it), and the checkpoints already committed stay as they are. It also
+    appends `STOP_AT_ONCE`, which the loop raises on where Python swallowed the handler's
+    exception (a handler that runs inside a gc callback, such as jax's, only prints it)."""
     caught: list[str] = []
 
     def handler(signum: int, _frame: Any) -> None:
         if signum == signal.SIGINT and caught:
+            caught.append(STOP_AT_ONCE)
             raise KeyboardInterrupt
         caught.append(signal.Signals(signum).name)
         say(f"{caught[0]} received: finishing the step in flight, then saving it and exiting"
@@ -304,6 +310,8 @@ class _Loop:
             wait = time.perf_counter() - t0
             batch = _global(local, self.batch_sharding)
             state, metrics = self.step_fn(state, batch)
+            if STOP_AT_ONCE in caught:  # the handler's KeyboardInterrupt was swallowed
+                raise KeyboardInterrupt
             done = [pending] if pending else []
             pending = (s, metrics, wait)
             boundary = (s == t.steps or s % ck.every_steps == 0 or bool(caught)

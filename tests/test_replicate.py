@@ -465,14 +465,21 @@ def test_committed_reports_are_what_the_reporting_code_makes_of_their_data():
     from diff_jax.experiments import ablate
 
     results = Path(__file__).parents[1] / "docs" / "results"
-    for report in (results / "cpu-recall", results / "cpu-recall" / "rerun"):
-        recall = json.loads((report / "results.json").read_text())
-        preset = presets.PRESETS[recall["preset"]]
-        assert recall["inits"] == list(preset.inits)
+    recalls = {}
+    for name in ("", "rerun", "six-seeds"):
+        report = results / "cpu-recall" / name
+        recall = recalls[name] = json.loads((report / "results.json").read_text())
+        full = presets.PRESETS[recall["preset"]]
+        assert recall["inits"] in (list(full.inits), list(full.inits[:1]))  # all, or --inits scaled
+        preset = dataclasses.replace(full, inits=tuple(recall["inits"]))
         assert recall_report.markdown(preset, recall) == (report / "results.md").read_text()
-        _check_committed_init_gaps(recall)
-    rerun = results / "cpu-recall" / "rerun"
-    _check_committed_recall_ablations(rerun, json.loads((rerun / "results.json").read_text()))
+        if len(recall["inits"]) == 2:
+            _check_committed_init_gaps(recall)
+        else:
+            assert recall["init_gap"] == {}
+    for name in ("rerun", "six-seeds"):
+        _check_committed_recall_ablations(results / "cpu-recall" / name, recalls[name])
+    _check_six_seeds_took_the_rerun_as_it_was(recalls["rerun"], recalls["six-seeds"])
     small = json.loads((results / "cpu-small" / "results.json").read_text())
     preset = presets.PRESETS["cpu-small"]
     assert lm_report.markdown(preset, small) == (results / "cpu-small" / "results.md").read_text()
@@ -537,6 +544,22 @@ def _check_committed_recall_ablations(report: Path, recall: dict) -> None:
             for a, b in (("changed", "unchanged"), ("changed", "transformer")):
                 assert data["claims"][f"{a}_minus_{b}"][f"accuracy {scope} the training length"] \
                     == stats.paired(acc[a], acc[b])
+
+
+def _check_six_seeds_took_the_rerun_as_it_was(rerun: dict, six: dict) -> None:
+    """cpu-recall/six-seeds adds seeds 3-5 to the re-run's `scaled` runs of seeds 0-2, which it
+    took as they were (docs/results/cpu-recall/six-seeds/PLAN.md): every cell's per-seed accuracy
+    of those seeds is the re-run's, and so is each model's parameter count."""
+    assert six["seeds"] == list(range(6)) and six["inits"] == ["scaled"]
+    kept = [c for c in rerun["cells"] if c["init"] == "scaled"]
+    assert len(kept) == len(six["cells"])
+    for old, new in zip(kept, six["cells"]):
+        assert {k: old[k] for k in ("pairs", "distractors", "length")} == \
+            {k: new[k] for k in ("pairs", "distractors", "length")}
+        for variant, model in old["models"].items():
+            assert new["models"][variant]["accuracy_per_seed"][:3] == model["accuracy_per_seed"]
+    for variant, model in rerun["models"].items():
+        assert six["models"][variant]["params"] == model["params"]
 
 
 def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path, monkeypatch, capsys):

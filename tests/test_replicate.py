@@ -469,14 +469,10 @@ def test_committed_reports_are_what_the_reporting_code_makes_of_their_data():
     for name in ("", "rerun", "six-seeds"):
         report = results / "cpu-recall" / name
         recall = recalls[name] = json.loads((report / "results.json").read_text())
-        full = presets.PRESETS[recall["preset"]]
-        assert recall["inits"] in (list(full.inits), list(full.inits[:1]))  # all, or --inits scaled
-        preset = dataclasses.replace(full, inits=tuple(recall["inits"]))
+        preset = presets.PRESETS[recall["preset"]]
+        assert recall["inits"] == list(preset.inits)
         assert recall_report.markdown(preset, recall) == (report / "results.md").read_text()
-        if len(recall["inits"]) == 2:
-            _check_committed_init_gaps(recall)
-        else:
-            assert recall["init_gap"] == {}
+        _check_committed_init_gaps(recall)
     for name in ("rerun", "six-seeds"):
         _check_committed_recall_ablations(results / "cpu-recall" / name, recalls[name])
     _check_six_seeds_took_the_rerun_as_it_was(recalls["rerun"], recalls["six-seeds"])
@@ -547,17 +543,20 @@ def _check_committed_recall_ablations(report: Path, recall: dict) -> None:
 
 
 def _check_six_seeds_took_the_rerun_as_it_was(rerun: dict, six: dict) -> None:
-    """cpu-recall/six-seeds adds seeds 3-5 to the re-run's `scaled` runs of seeds 0-2, which it
-    took as they were (docs/results/cpu-recall/six-seeds/PLAN.md): every cell's per-seed accuracy
-    of those seeds is the re-run's, and so is each model's parameter count."""
-    assert six["seeds"] == list(range(6)) and six["inits"] == ["scaled"]
-    kept = [c for c in rerun["cells"] if c["init"] == "scaled"]
-    assert len(kept) == len(six["cells"])
-    for old, new in zip(kept, six["cells"]):
-        assert {k: old[k] for k in ("pairs", "distractors", "length")} == \
-            {k: new[k] for k in ("pairs", "distractors", "length")}
-        for variant, model in old["models"].items():
-            assert new["models"][variant]["accuracy_per_seed"][:3] == model["accuracy_per_seed"]
+    """cpu-recall/six-seeds adds seeds 3-5 to the re-run's runs of seeds 0-2 under both inits,
+    which it took as they were (docs/results/cpu-recall/six-seeds/PLAN.md): every cell's per-seed
+    accuracy of those seeds is the re-run's, and so is each model's parameter count."""
+    assert six["seeds"] == list(range(6)) and six["inits"] == rerun["inits"]
+
+    def cells(report: dict) -> dict:
+        return {(c["init"], c["pairs"], c["distractors"], c["length"]): c["models"]
+                for c in report["cells"]}
+
+    kept, new = cells(rerun), cells(six)
+    assert kept.keys() == new.keys()
+    for key, models in kept.items():
+        for variant, model in models.items():
+            assert new[key][variant]["accuracy_per_seed"][:3] == model["accuracy_per_seed"], key
     for variant, model in rerun["models"].items():
         assert six["models"][variant]["params"] == model["params"]
 

@@ -310,8 +310,6 @@ class _Loop:
             wait = time.perf_counter() - t0
             batch = _global(local, self.batch_sharding)
             state, metrics = self.step_fn(state, batch)
-            if STOP_AT_ONCE in caught:  # the handler's KeyboardInterrupt was swallowed
-                raise KeyboardInterrupt
             done = [pending] if pending else []
             pending = (s, metrics, wait)
             boundary = (s == t.steps or s % ck.every_steps == 0 or bool(caught)
@@ -345,6 +343,10 @@ class _Loop:
                                    "val_documents": docs})
                 self.progress.message(f"step {s}: validation loss {val:.4f} ({tokens:,} held-out "
                                       f"tokens from {docs} documents)")
+            # the handler's KeyboardInterrupt was swallowed: stop before saving (after a signal
+            # every step is a boundary, so the step in flight gets here and is not saved)
+            if STOP_AT_ONCE in caught:
+                raise KeyboardInterrupt
             if s % ck.every_steps == 0 or s == t.steps or caught:
                 self._check_saveable(s, state, batch)
                 checkpoint.save(self.mngr, s, state, it, self.config)

@@ -245,15 +245,17 @@ class MultiheadDiffAttn(AttentionBase):
 
     def combine(self, x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, *,
                 segment_ids: jax.Array | None, positions: jax.Array | None) -> jax.Array:
-        """(B, T, 2H·d): the differential heads, normalised and scaled by (1 − λ_init)."""
+        """(B, T, 2H·d): the differential heads, normalised (unless `model.head_norm` is false)
+        and scaled by (1 − λ_init)."""
         cfg = self.config
         d, dtype = cfg.resolved_head_dim, jnp.dtype(cfg.dtype)
         vec = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("head_dim",))
         init = lambda_init(self.depth, cfg.lambda_init)
         lam = diff_lambda(*(self.param(n, vec, (d,), jnp.float32) for n in LAMBDA_VECTORS), init)
         o = _attend(self, q, k, v, lam=lam, segment_ids=segment_ids, positions=positions)  # (B, T, H, 2d)
-        o = RMSNorm(eps=cfg.norm_eps, dtype=dtype, axis_name="head_dim",
-                    scale_init=cfg.subln_init, name="subln")(o)
+        if cfg.head_norm:  # false: the paper's "w/o GroupNorm" ablation, the scale kept
+            o = RMSNorm(eps=cfg.norm_eps, dtype=dtype, axis_name="head_dim",
+                        scale_init=cfg.subln_init, name="subln")(o)
         o = o * jnp.asarray(1.0 - init, dtype)
         return o.reshape(*x.shape[:2], -1)
 

@@ -63,6 +63,9 @@ class ModelConfig:
     # DIFF V1's per-head RMSNorm (subln) scale at init: 1 is the reference's; a smaller one
     # shrinks what V1's attention adds to the residual stream at init (an ablation, not the paper)
     subln_init: float = 1.0
+    # DIFF V1's per-head RMSNorm (subln) at all: false drops it (the paper's Table 6 "w/o
+    # GroupNorm" ablation) and keeps the (1 − λ_init) scale; an ablation, not the paper's model
+    head_norm: bool = True
     # DIFF V1's λ_init, one value for every layer (the paper's Table 6 ablates 0.8 and 0.5); null:
     # the paper's 0.8 − 0.6·exp(−0.3·depth) per 0-based layer index. It sets λ's offset and the
     # (1 − λ_init) output scale, so it changes the model's function, not only its init
@@ -118,6 +121,10 @@ class ModelConfig:
         _require(0 < self.subln_init < math.inf, "model.subln_init", "must be a finite number > 0")
         _require(self.subln_init == 1.0 or spec.differential_op, "model.subln_init",
                  "only variant diff has a per-head norm (subln)")
+        _require(self.head_norm or spec.differential_op, "model.head_norm",
+                 "only variant diff has a per-head norm (subln) to drop")
+        _require(self.head_norm or self.subln_init == 1.0, "model.subln_init",
+                 "sets the per-head norm's scale, which model.head_norm=false drops; leave it 1.0")
         _require(self.lambda_init is None or 0 <= self.lambda_init < 1, "model.lambda_init",
                  "must be in [0, 1) (the output is scaled by 1 − λ_init), or null: the paper's "
                  "per-layer 0.8 − 0.6·exp(−0.3·depth)")

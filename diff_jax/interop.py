@@ -34,7 +34,8 @@ def from_reference(state_dict: Mapping[str, np.ndarray], config: ModelConfig) ->
     """Reference attention state_dict (numpy, reference names) -> our attention parameter tree."""
     expected = reference_shapes(config)
     params: dict = {}
-    for key, ((*parents, leaf), transpose) in variants.spec(config.variant).reference_layout.items():
+    layout = variants.spec(config.variant).reference_layout(config)
+    for key, ((*parents, leaf), transpose) in layout.items():
         if key not in state_dict:
             raise KeyError(f"reference state_dict is missing {key!r} (expected shape {expected[key]})")
         value = np.asarray(state_dict[key], np.float32)
@@ -53,7 +54,7 @@ def from_reference(state_dict: Mapping[str, np.ndarray], config: ModelConfig) ->
 def to_reference(params: Mapping, config: ModelConfig) -> dict[str, np.ndarray]:
     """Our attention parameter tree -> reference state_dict (numpy, (out, in) weights)."""
     out = {}
-    for key, (path, transpose) in variants.spec(config.variant).reference_layout.items():
+    for key, (path, transpose) in variants.spec(config.variant).reference_layout(config).items():
         node = params
         for p in path:
             node = node[p]

@@ -39,7 +39,7 @@ class Variant:
     module: type[AttentionBase]  # the attention module of each decoder layer; owns `layout`
     fixed_head_dim: bool  # d is always E / (sub_heads · H): `model.head_dim` may not differ
     extra_reference_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
-    extra_reference_layout: ReferenceLayout
+    extra_reference_layout: Callable[[ModelConfig], ReferenceLayout]
     rebuild_maps: Callable[[dict], jax.Array]  # a layer's `attn` intermediates -> (B, H, T, S)
     hf_model_type: str | None  # the `transformers` model_type with the same computation
     hf_export_refusal: str | None  # None: `hf-diffllama` writes it exactly; else why not
@@ -75,12 +75,12 @@ class Variant:
             **self.extra_reference_shapes(config),
         }
 
-    @property
-    def reference_layout(self) -> ReferenceLayout:
-        """Reference key -> (path in our attention parameter tree, transpose?)."""
+    def reference_layout(self, config: ModelConfig) -> ReferenceLayout:
+        """Reference key -> (path in our attention parameter tree, transpose?) of `config`
+        (whose variant is this one)."""
         projections = ("q_proj", "k_proj", "v_proj", self.output_proj)
         table = {f"{p}.weight": ((p, "kernel"), True) for p in projections}
-        return {**table, **self.extra_reference_layout}
+        return {**table, **self.extra_reference_layout(config)}
 
     def matched_heads(self, embed_dim: int, diff_heads: int) -> dict[str, int]:
         """This variant's `model.*` head fields matched to DIFF V1 with H = `diff_heads` heads at
@@ -132,7 +132,13 @@ def _diff_v2_matched(embed_dim: int, heads: int) -> dict[str, int]:
 
 def _diff_extras(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     d = config.resolved_head_dim
-    return {**{n: (d,) for n in LAMBDA_VECTORS}, "subln.weight": (2 * d,)}
+    norm = {"subln.weight": (2 * d,)} if config.head_norm else {}
+    return {**{n: (d,) for n in LAMBDA_VECTORS}, **norm}
+
+
+def _diff_extra_layout(config: ModelConfig) -> ReferenceLayout:
+    norm = {"subln.weight": (("subln", "scale"), False)} if config.head_norm else {}
+    return {**{n: ((n,), False) for n in LAMBDA_VECTORS}, **norm}
 
 
 def _diff_v2_extras(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -141,15 +147,14 @@ def _diff_v2_extras(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 DIFF = Variant(
     name="diff", module=MultiheadDiffAttn, fixed_head_dim=True, extra_reference_shapes=_diff_extras,
-    extra_reference_layout={**{n: ((n,), False) for n in LAMBDA_VECTORS},
-                            "subln.weight": (("subln", "scale"), False)},
+    extra_reference_layout=_diff_extra_layout,
     rebuild_maps=_diff_maps, hf_model_type="diffllama", hf_export_refusal=None,
     matched=lambda _, h: {"num_heads": h})
 
 DIFF_V2 = Variant(
     name="diff_v2", module=MultiheadDiffAttnV2, fixed_head_dim=False,
     extra_reference_shapes=_diff_v2_extras,
-    extra_reference_layout={"lambda_proj.weight": (("lambda_proj", "kernel"), True)},
+    extra_reference_layout=lambda _: {"lambda_proj.weight": (("lambda_proj", "kernel"), True)},
     rebuild_maps=_diff_v2_maps, hf_model_type=None,
     hf_export_refusal="its λ is a per-token sigmoid of lambda_proj and it has no per-head norm; "
                       "DiffLlama implements DIFF V1 only",
@@ -158,7 +163,7 @@ DIFF_V2 = Variant(
 TRANSFORMER = Variant(
     name="transformer", module=MultiheadAttention, fixed_head_dim=False,
     extra_reference_shapes=lambda _: {},
-    extra_reference_layout={}, rebuild_maps=_standard_maps, hf_model_type="llama",
+    extra_reference_layout=lambda _: {}, rebuild_maps=_standard_maps, hf_model_type="llama",
     hf_export_refusal="DiffLlama always subtracts a second attention map and RMS-normalises each "
                       "head; use --format safetensors",
     matched=lambda _, h: {"num_heads": 2 * h})

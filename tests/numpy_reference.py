@@ -51,9 +51,10 @@ def lambda_init(depth: int) -> float:
 
 
 def diff_v1(sd, x, cos, sin, *, num_heads, num_kv_heads, depth, pairing="flash", segment_ids=None,
-            fixed_lambda_init=None):
+            fixed_lambda_init=None, head_norm=True):
     """DIFF attention V1 output (B, T, E) and the maps A1, A2 (B, H, T, T); λ_init is
-    `fixed_lambda_init` when given, else the depth schedule."""
+    `fixed_lambda_init` when given, else the depth schedule; `head_norm` False skips the
+    per-head RMSNorm (the (1 − λ_init) scale stays)."""
     sd = {k: np.asarray(v, np.float64) for k, v in sd.items()}
     x = np.asarray(x, np.float64)
     b, t, e = x.shape
@@ -78,7 +79,7 @@ def diff_v1(sd, x, cos, sin, *, num_heads, num_kv_heads, depth, pairing="flash",
         s2 = np.einsum("btd,bsd->bts", q[:, :, 2 * hd + 1], k2) / np.sqrt(d)
         a1, a2 = softmax(s1, m), softmax(s2, m)
         o = np.einsum("bts,bse->bte", a1 - lam * a2, vh)
-        o = rmsnorm(o, sd["subln.weight"]) * (1 - init)
+        o = (rmsnorm(o, sd["subln.weight"]) if head_norm else o) * (1 - init)
         heads.append(o)
         a1s.append(a1)
         a2s.append(a2)

@@ -154,6 +154,24 @@ def test_diff_v1_with_a_fixed_lambda_init_matches_numpy(fixed, depth):
     assert npr.rel_err(scheduled, ref) > 1e-2
 
 
+@pytest.mark.parametrize("depth,segmented", [(0, False), (3, True)])
+def test_diff_v1_without_its_head_norm_matches_numpy(depth, segmented):
+    """model.head_norm=false (the paper's "w/o GroupNorm" ablation) drops the per-head RMSNorm
+    and its weight and keeps the (1 − λ_init) scale: the float64 reference without the norm."""
+    cfg = ModelConfig(variant="diff", embed_dim=E, num_heads=4, num_kv_heads=2, head_norm=False)
+    sd = npr.random_state_dict(reference_shapes(cfg), seed=7)
+    assert "subln.weight" not in sd
+    x, cos, sin = _inputs(cfg.resolved_head_dim)
+    seg = SEGMENTS if segmented else None
+    ours = _run(cfg, depth, sd, x, cos, sin, None if seg is None else jnp.asarray(seg))
+    ref, *_ = npr.diff_v1(sd, x, cos, sin, num_heads=4, num_kv_heads=2, depth=depth,
+                          segment_ids=seg, head_norm=False)
+    assert npr.rel_err(ours, ref) < F32_TOL
+    normed, *_ = npr.diff_v1({**sd, "subln.weight": np.ones(cfg.resolved_head_dim * 2)}, x, cos,
+                             sin, num_heads=4, num_kv_heads=2, depth=depth, segment_ids=seg)
+    assert npr.rel_err(normed, ref) > 1e-1
+
+
 @pytest.mark.parametrize("variant,heads", [("diff", 4), ("diff_v2", 4), ("transformer", 8)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_shapes_dtypes_causality(variant, heads, dtype):

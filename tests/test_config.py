@@ -57,6 +57,9 @@ def test_overrides_parse_yaml_values():
     (["model.variant=diff_v2", "model.lambda_init=0.5"], r"model\.lambda_init: only variant diff "),
     (["model.lambda_init=1.0"], r"model\.lambda_init: must be in \[0, 1\)"),
     (["model.lambda_init=-0.1"], r"model\.lambda_init: must be in \[0, 1\)"),
+    (["model.variant=transformer", "model.head_norm=false"], r"model\.head_norm: only variant diff"),
+    (["model.head_norm=false", "model.subln_init=0.1"], r"model\.subln_init: sets the per-head "
+                                                        r"norm's scale, which model\.head_norm=false"),
     (["train.seq_len=4096"], r"train\.seq_len: must be <= model\.max_seq_len"),
     (["train.batch_size=6", "train.grad_accum=4"], r"train\.grad_accum: must divide"),
     (["mesh.data=-1", "mesh.fsdp=-1"], r"mesh: at most one axis may be -1"),

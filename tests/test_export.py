@@ -133,9 +133,9 @@ def test_attention_names_of_v2_and_baseline_and_tied_head_absent(variant, attn_n
     assert "lm_head.weight" not in sd and "embed.weight" in sd
 
 
-@pytest.mark.parametrize("variant", list(CONFIGS))
+@pytest.mark.parametrize("variant", [*CONFIGS, "diff-without-head-norm"])
 def test_safetensors_round_trip_gives_identical_logits(variant, tmp_path):
-    config = CONFIGS[variant]
+    config = CONFIGS.get(variant) or dataclasses.replace(CONFIGS["diff"], head_norm=False)
     params = random_params(config)
     run = write_run(tmp_path / "run", config, params)
     out = ex.export(run, tmp_path / "export", "safetensors")
@@ -423,13 +423,17 @@ def test_hf_export_refuses_naive_gqa_pairing(tmp_path):
         ex.export(run, tmp_path / "hf", "hf-diffllama")
 
 
-def test_hf_export_refuses_a_fixed_lambda_init(tmp_path):
-    """DiffLlama's λ_init is always the depth schedule: a model trained with model.lambda_init
-    would compute another function there."""
-    fixed = dataclasses.replace(CONFIGS["diff"], lambda_init=0.5)
+@pytest.mark.parametrize("change, error", [
+    ({"lambda_init": 0.5}, r"model\.lambda_init=0\.5 cannot be exported to DiffLlama"),
+    ({"head_norm": False}, r"model\.head_norm=false cannot be exported to DiffLlama: it always "
+                           r"RMS-normalises each head"),
+])
+def test_hf_export_refuses_a_v1_that_diffllama_computes_differently(change, error, tmp_path):
+    """DiffLlama's λ_init is always the depth schedule and it always normalises each head: a
+    model trained with model.lambda_init or model.head_norm=false computes another function."""
+    fixed = dataclasses.replace(CONFIGS["diff"], **change)
     run = write_run(tmp_path / "fixed", fixed, random_params(fixed))
-    with pytest.raises(ex.ExportError, match=r"model\.lambda_init=0\.5 cannot be exported to "
-                                             r"DiffLlama"):
+    with pytest.raises(ex.ExportError, match=error):
         ex.export(run, tmp_path / "hf", "hf-diffllama")
     assert not (tmp_path / "hf").exists()
 
@@ -467,6 +471,13 @@ def test_init_from_refuses_each_model_field_the_parameters_depend_on(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("holds a model with model.lambda_init=0.5 but "
                                                     "the config gives None;")):
         initial_params(fixed, diff, None)
+    # model.head_norm: the parameters of V1 without its per-head norm lack `subln`
+    unnormed = dataclasses.replace(diff, head_norm=False)
+    no_norm = ex.export(Source(unnormed, random_params(unnormed), str(tmp_path / "src"), None),
+                        tmp_path / "no_norm")
+    with pytest.raises(ConfigError, match=re.escape("holds a model with model.head_norm=False but "
+                                                    "the config gives True;")):
+        initial_params(no_norm, diff, None)
     free = dataclasses.replace(saved, dtype="bfloat16", remat="full", max_seq_len=128, init_std=0.01)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     loaded = initial_params(out, free, jax.tree.map(lambda _: device, params))

@@ -24,23 +24,28 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("name", list(EXPECTED))
-def test_layout_widths_and_reference_shapes(name):
+@pytest.mark.parametrize("name,extra", [*((n, {}) for n in EXPECTED),
+                                        ("diff", {"head_norm": False})])
+def test_layout_widths_and_reference_shapes(name, extra):
+    """Each variant's widths; its reference layout names every parameter once, with the reference
+    shape (V1 without its per-head norm has no `subln.weight`)."""
     spec = variants.spec(name)
-    cfg = ModelConfig(variant=name, embed_dim=E, num_heads=H, num_kv_heads=KV)
+    cfg = ModelConfig(variant=name, embed_dim=E, num_heads=H, num_kv_heads=KV, **extra)
     lay = spec.layout(cfg)
     *heads, widths = EXPECTED[name]
     assert (lay.q_heads, lay.k_heads, lay.v_heads, lay.v_width, lay.op_heads, lay.out_width) == tuple(heads)
     assert lay.attention_widths == widths
     params = nn.meta.unbox(spec.module(cfg, depth=0).init(
         jax.random.key(0), jnp.zeros((1, 3, E))))["params"]
-    for key, (path, transpose) in spec.reference_layout.items():
+    for key, (path, transpose) in spec.reference_layout(cfg).items():
         leaf = params
         for p in path:
             leaf = leaf[p]
         shape = leaf.shape[::-1] if transpose else leaf.shape
         assert shape == spec.reference_shapes(cfg)[key], key
-    assert len(jax.tree.leaves(params)) == len(spec.reference_layout)  # every parameter mapped
+    assert set(spec.reference_layout(cfg)) == set(spec.reference_shapes(cfg))
+    assert ("subln.weight" in spec.reference_shapes(cfg)) == (name == "diff" and cfg.head_norm)
+    assert len(jax.tree.leaves(params)) == len(spec.reference_layout(cfg))  # every parameter mapped
 
 
 def test_lookups():

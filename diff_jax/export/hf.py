@@ -13,8 +13,9 @@ layernorms, SwiGLU mlp (gate/up/down), final norm, lm_head (absent when tied).
 Refused (no exact DiffLlama equivalent), with each variant's reason in its spec
 (`diff_jax.variants.Variant.hf_export_refusal`): `diff_v2` (per-token sigmoid λ), `transformer`
 (no differential map, no per-head norm); `gqa_pairing: naive` with num_kv_heads < num_heads
-(Q1 and Q2 of one head may meet the same K component); and a `lambda_init` set (DiffLlama's is
-always the per-layer 0.8 − 0.6·exp(−0.3·depth)).
+(Q1 and Q2 of one head may meet the same K component); a `lambda_init` set (DiffLlama's is
+always the per-layer 0.8 − 0.6·exp(−0.3·depth)); and `head_norm: false` (DiffLlama always
+normalises each head).
 
 `from_hf_state_dict` is the exact inverse (used by `diff_jax.export.hf_import`): rows back to
 [Q1 | Q2] per head and interleaved RoPE order, o_proj as out_proj, `subln.weight` ones. On
@@ -44,6 +45,9 @@ def check_mappable(config: ModelConfig) -> None:
         raise ExportError(
             "gqa_pairing naive with num_kv_heads < num_heads cannot be exported to DiffLlama: "
             "DiffLlama pairs Q1/Q2 of a head with K1/K2 of one kv group (the flash pairing)")
+    if not config.head_norm:
+        raise ExportError("model.head_norm=false cannot be exported to DiffLlama: it always "
+                          "RMS-normalises each head; use --format safetensors")
     if config.lambda_init is not None:
         raise ExportError(
             f"model.lambda_init={config.lambda_init} cannot be exported to DiffLlama: it derives "

@@ -762,7 +762,7 @@ def test_finished_models_of_another_machine_are_taken_only_on_the_same_corpus_an
     missing, another config, another corpus, no digest to compare, a run started here. Taking
     a model whose corpus differed would pair models that read different data."""
     from diff_jax import evaluation
-    from diff_jax.config import ConfigError
+    from diff_jax.config import ConfigError, load_config
     from diff_jax.experiments.layout import eval_json, run_dir
 
     micro = presets.PRESETS["micro"]
@@ -790,7 +790,8 @@ def test_finished_models_of_another_machine_are_taken_only_on_the_same_corpus_an
     assert replicate.adopt_finished(micro, 0, "scaled", out, src) == []  # finished here now
 
     def refused(change, says):
-        bad, fresh = tmp_path / f"bad-{says[:5]}", tmp_path / f"out-{says[:5]}"
+        case = len(list(tmp_path.glob("bad-*")))
+        bad, fresh = tmp_path / f"bad-{case}", tmp_path / f"out-{case}"
         _finished_copy(bad, micro)
         replicate.prepare_corpus(micro, 0, fresh)
         change(bad, fresh)
@@ -822,6 +823,31 @@ def test_finished_models_of_another_machine_are_taken_only_on_the_same_corpus_an
     refused(drop_quant, "not finished there (no quant at step 4)")
     notes = refused(other_lr, "another config: optim.lr: 0.001 there, 0.003 here")
     assert notes[0].endswith("here") and "run_dir" not in notes[0]  # its directory reads as ours
+    # a setting added to the code after the run trained is absent from its config.yaml: taken
+    # where the preset gives it the default (the behaviour before the setting existed) ...
+    def without_head_norm(bad, fresh):
+        for v in presets.VARIANTS:
+            cfg = run_dir(bad, v, 0, "scaled") / "config.yaml"
+            text = cfg.read_text()
+            assert "  head_norm: true\n" in text
+            cfg.write_text(text.replace("  head_norm: true\n", ""))
+
+    older, fresh = tmp_path / "older", tmp_path / "out-older"
+    _finished_copy(older, micro)
+    replicate.prepare_corpus(micro, 0, fresh)
+    without_head_norm(older, fresh)
+    assert all(n.endswith(" taken as finished from " + str(run_dir(older, v, 0, "scaled")))
+               for n, v in zip(replicate.adopt_finished(micro, 0, "scaled", fresh, older),
+                               presets.VARIANTS, strict=True))
+    # ... and read as the default: refused where the preset gives another value
+    def without_lr(bad, fresh):
+        for v in presets.VARIANTS:
+            cfg = run_dir(bad, v, 0, "scaled") / "config.yaml"
+            cfg.write_text(cfg.read_text().replace("  lr: 0.003\n", ""))
+
+    default_lr = load_config(None, []).optim.lr
+    assert default_lr != 0.003
+    refused(without_lr, f"another config: optim.lr: {default_lr!r} there, 0.003 here")
     refused(other_corpus, "trained on another corpus (sha256 000000000000… there")
     refused(no_digest, "records no corpus digest (sha256) to compare")
     refused(lambda bad, fresh: (run_dir(bad, "diff", 0, "scaled") / "config.yaml").write_text(

@@ -51,7 +51,7 @@ from typing import Any
 import yaml
 
 from diff_jax import data, evaluation, recall, train_loop
-from diff_jax.config import ConfigError, dump_config
+from diff_jax.config import ConfigError, dump_config, load_config
 from diff_jax.evaluation import EvalOptions
 from diff_jax.experiments import lm_report, recall_report
 from diff_jax.experiments.layout import device_json, eval_json, recall_cell_name, run_dir
@@ -223,13 +223,17 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 def _config_differences(recorded: dict, expected: dict, recorded_out: Path, out: Path) -> list[str]:
     """'section.key: RECORDED there, EXPECTED here' for every setting of two config dicts that
     differs once `recorded_out` (the directory the recorded run was trained in) reads as `out`
-    in its paths."""
+    in its paths. A setting the recorded config lacks was added to the code after that run
+    trained; it differs only where `expected` gives it a value other than its default (a new
+    setting's default is the behaviour the code had before it)."""
     def here(value: Any) -> Any:
         if isinstance(value, str):
             return value.replace(str(recorded_out), str(out))
         return [here(x) for x in value] if isinstance(value, list) else value
 
     a, b = _flat(recorded), _flat(expected)
+    defaults = _flat(yaml.safe_load(dump_config(load_config(None, []))))
+    a |= {k: defaults[k] for k in b.keys() - a.keys() if k in defaults}
     return [f"{k}: {a.get(k)!r} there, {b.get(k)!r} here" for k in sorted(a.keys() | b.keys())
             if here(a.get(k)) != b.get(k)]
 

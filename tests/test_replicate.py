@@ -466,16 +466,20 @@ def test_committed_reports_are_what_the_reporting_code_makes_of_their_data():
 
     results = Path(__file__).parents[1] / "docs" / "results"
     recalls = {}
-    for name in ("", "rerun", "six-seeds"):
+    # each report's inits: the preset's two, or `scaled` alone where its plan says so
+    both, scaled = list(presets.PRESETS["cpu-recall"].inits), ["scaled"]
+    for name, inits in (("", both), ("rerun", both), ("six-seeds", both), ("twelve-seeds", scaled)):
         report = results / "cpu-recall" / name
         recall = recalls[name] = json.loads((report / "results.json").read_text())
-        preset = presets.PRESETS[recall["preset"]]
-        assert recall["inits"] == list(preset.inits)
+        preset = dataclasses.replace(presets.PRESETS[recall["preset"]], inits=tuple(inits))
+        assert recall["inits"] == inits
         assert recall_report.markdown(preset, recall) == (report / "results.md").read_text()
-        _check_committed_init_gaps(recall)
-    for name in ("rerun", "six-seeds"):
+        if len(inits) == 2:
+            _check_committed_init_gaps(recall)
+    for name in ("rerun", "six-seeds", "twelve-seeds"):
         _check_committed_recall_ablations(results / "cpu-recall" / name, recalls[name])
-    _check_six_seeds_took_the_rerun_as_it_was(recalls["rerun"], recalls["six-seeds"])
+    _check_took_the_earlier_seeds_as_they_were(recalls["rerun"], recalls["six-seeds"])
+    _check_took_the_earlier_seeds_as_they_were(recalls["six-seeds"], recalls["twelve-seeds"])
     small = json.loads((results / "cpu-small" / "results.json").read_text())
     preset = presets.PRESETS["cpu-small"]
     assert lm_report.markdown(preset, small) == (results / "cpu-small" / "results.md").read_text()
@@ -542,23 +546,26 @@ def _check_committed_recall_ablations(report: Path, recall: dict) -> None:
                     == stats.paired(acc[a], acc[b])
 
 
-def _check_six_seeds_took_the_rerun_as_it_was(rerun: dict, six: dict) -> None:
-    """cpu-recall/six-seeds adds seeds 3-5 to the re-run's runs of seeds 0-2 under both inits,
-    which it took as they were (docs/results/cpu-recall/six-seeds/PLAN.md): every cell's per-seed
-    accuracy of those seeds is the re-run's, and so is each model's parameter count."""
-    assert six["seeds"] == list(range(6)) and six["inits"] == rerun["inits"]
+def _check_took_the_earlier_seeds_as_they_were(earlier: dict, later: dict) -> None:
+    """A recall report that added seeds to an earlier one's (cpu-recall/six-seeds to the re-run's
+    seeds 0-2, twelve-seeds to six-seeds' 0-5 under `scaled`; each directory's PLAN.md) took the
+    earlier seeds as they were: under each init of the later report, every cell's per-seed
+    accuracy of those seeds is the earlier report's, and so is each model's parameter count."""
+    n = len(earlier["seeds"])
+    assert later["seeds"][:n] == earlier["seeds"] and len(later["seeds"]) == 2 * n
+    assert set(later["inits"]) <= set(earlier["inits"])
 
     def cells(report: dict) -> dict:
         return {(c["init"], c["pairs"], c["distractors"], c["length"]): c["models"]
-                for c in report["cells"]}
+                for c in report["cells"] if c["init"] in later["inits"]}
 
-    kept, new = cells(rerun), cells(six)
-    assert kept.keys() == new.keys()
+    kept, new = cells(earlier), cells(later)
+    assert kept.keys() == new.keys() and kept
     for key, models in kept.items():
         for variant, model in models.items():
-            assert new[key][variant]["accuracy_per_seed"][:3] == model["accuracy_per_seed"], key
-    for variant, model in rerun["models"].items():
-        assert six["models"][variant]["params"] == model["params"]
+            assert new[key][variant]["accuracy_per_seed"][:n] == model["accuracy_per_seed"], key
+    for variant, model in earlier["models"].items():
+        assert later["models"][variant]["params"] == model["params"]
 
 
 def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path, monkeypatch, capsys):

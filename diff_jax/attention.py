@@ -249,9 +249,16 @@ class MultiheadDiffAttn(AttentionBase):
         and scaled by (1 − λ_init)."""
         cfg = self.config
         d, dtype = cfg.resolved_head_dim, jnp.dtype(cfg.dtype)
-        vec = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("head_dim",))
+        # model.learn_lambda=false: the vectors start at zero (λ = λ_init) and get no gradient
+        # (zero is a stationary point, exp(q·k)'s gradient being exp(q·k)·k; the stop holds λ
+        # where train.init_from sets it)
+        vec_init = nn.initializers.normal(0.1) if cfg.learn_lambda else nn.initializers.zeros
+        vec = nn.with_logical_partitioning(vec_init, ("head_dim",))
+        vectors = [self.param(n, vec, (d,), jnp.float32) for n in LAMBDA_VECTORS]
+        if not cfg.learn_lambda:
+            vectors = [jax.lax.stop_gradient(v) for v in vectors]
         init = lambda_init(self.depth, cfg.lambda_init)
-        lam = diff_lambda(*(self.param(n, vec, (d,), jnp.float32) for n in LAMBDA_VECTORS), init)
+        lam = diff_lambda(*vectors, init)
         o = _attend(self, q, k, v, lam=lam, segment_ids=segment_ids, positions=positions)  # (B, T, H, 2d)
         if cfg.head_norm:  # false: the paper's "w/o GroupNorm" ablation, the scale kept
             o = RMSNorm(eps=cfg.norm_eps, dtype=dtype, axis_name="head_dim",

@@ -70,6 +70,10 @@ class ModelConfig:
     # the paper's 0.8 − 0.6·exp(−0.3·depth) per 0-based layer index. It sets λ's offset and the
     # (1 − λ_init) output scale, so it changes the model's function, not only its init
     lambda_init: float | None = None
+    # DIFF V1's λ learned (the paper's) or held: false starts λ's four vectors at zero, so
+    # λ = λ_init in every layer, and gives them no gradient (with train.init_from λ stays at the
+    # checkpoint's value); an ablation, not the paper's model
+    learn_lambda: bool = True
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
     attention_impl: AttentionImpl = "xla"
     # V1 with GQA: `flash` (Q1 and Q2 of head h read K1, K2 of kv group h // n_rep, as the paper's
@@ -130,6 +134,8 @@ class ModelConfig:
                  "per-layer 0.8 − 0.6·exp(−0.3·depth)")
         _require(self.lambda_init is None or spec.differential_op, "model.lambda_init",
                  "only variant diff has a layer λ (diff_v2's is a per-token sigmoid)")
+        _require(self.learn_lambda or spec.differential_op, "model.learn_lambda",
+                 "only variant diff has a layer λ to hold (diff_v2's is a per-token sigmoid)")
 
     @property
     def _variant_spec(self) -> Any:
@@ -448,6 +454,9 @@ class Config:
                  "checkpoint.resume_step", f"{ck.resume_step} with checkpoint.discard_later=true "
                  f"must be below train.steps={self.train.steps}: it would delete the later "
                  "checkpoints and train nothing")
+        _require(self.model.learn_lambda or not self.optim.decay_norms_and_lambdas,
+                 "optim.decay_norms_and_lambdas", "would decay λ's vectors, which "
+                 "model.learn_lambda=false holds fixed; leave it false")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dicts and lists (tuples as lists), as YAML and JSON write them."""

@@ -60,6 +60,10 @@ def test_overrides_parse_yaml_values():
     (["model.variant=transformer", "model.head_norm=false"], r"model\.head_norm: only variant diff"),
     (["model.head_norm=false", "model.subln_init=0.1"], r"model\.subln_init: sets the per-head "
                                                         r"norm's scale, which model\.head_norm=false"),
+    (["model.variant=diff_v2", "model.learn_lambda=false"], r"model\.learn_lambda: only variant "
+                                                           r"diff has a layer λ to hold"),
+    (["model.learn_lambda=false", "optim.decay_norms_and_lambdas=true"],
+     r"optim\.decay_norms_and_lambdas: would decay λ's vectors, which model\.learn_lambda=false"),
     (["train.seq_len=4096"], r"train\.seq_len: must be <= model\.max_seq_len"),
     (["train.batch_size=6", "train.grad_accum=4"], r"train\.grad_accum: must divide"),
     (["mesh.data=-1", "mesh.fsdp=-1"], r"mesh: at most one axis may be -1"),

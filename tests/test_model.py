@@ -7,6 +7,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import linen as nn
 
@@ -115,6 +116,67 @@ def test_layer_lambdas():
     fixed = np.asarray(layer_lambdas(params, _cfg("diff", num_layers=3, lambda_init=0.5)))
     np.testing.assert_allclose(fixed, lams - (0.8 - 0.6 * np.exp(-0.3 * np.arange(3))) + 0.5,
                                rtol=1e-6)
+
+
+def test_a_held_lambda_is_lambda_init_and_no_optimizer_step_moves_it():
+    """model.learn_lambda=false: λ's vectors start at zero (λ = λ_init in every layer, exactly)
+    and get no gradient, so AdamW steps leave λ where it was; every other parameter is drawn as
+    with a learned λ (same key), and on the same parameters both settings compute the same
+    loss and the same gradients for everything but λ's vectors, whose gradient is non-zero
+    only when learned."""
+    from diff_jax.attention import LAMBDA_VECTORS
+    from diff_jax.config import OptimConfig
+    from diff_jax.optim import make_optimizer
+
+    learned = _cfg("diff", num_layers=3)
+    held = dataclasses.replace(learned, learn_lambda=False)
+    _, learned_vars, tokens = _init(learned)
+    _, held_vars, _ = _init(held)
+    params = nn.meta.unbox(held_vars)["params"]
+    is_lambda = lambda path: path[-1].key in LAMBDA_VECTORS  # noqa: E731
+    flat_learned = dict(jax.tree_util.tree_leaves_with_path(nn.meta.unbox(learned_vars)["params"]))
+    n_lambda = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if is_lambda(path):
+            n_lambda += 1
+            np.testing.assert_array_equal(leaf, np.zeros_like(leaf))
+            assert np.any(flat_learned[path] != 0)
+        else:
+            np.testing.assert_array_equal(leaf, flat_learned[path])
+    assert n_lambda == 3 * len(LAMBDA_VECTORS)
+    np.testing.assert_array_equal(np.asarray(layer_lambdas(params, held)),
+                                  np.asarray([0.8 - 0.6 * np.exp(-0.3 * i) for i in range(3)],
+                                             np.float32))
+
+    def loss(cfg, p):
+        logits = DecoderLM(cfg).apply({"params": p}, tokens)
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    # on the learned init's parameters (non-zero vectors, as train.init_from may bring): at zero
+    # vectors λ's gradient is zero whether learned or not (d exp(q·k)/dq = exp(q·k)·k)
+    learned_params = nn.meta.unbox(learned_vars)["params"]
+    (v_held, g_held), (v_learned, g_learned) = (
+        jax.jit(jax.value_and_grad(functools.partial(loss, cfg)))(learned_params)
+        for cfg in (held, learned))
+    np.testing.assert_array_equal(v_held, v_learned)
+    for (path, gh), (_, gl) in zip(jax.tree_util.tree_leaves_with_path(g_held),
+                                   jax.tree_util.tree_leaves_with_path(g_learned)):
+        if is_lambda(path):
+            np.testing.assert_array_equal(gh, np.zeros_like(gh))
+            assert np.any(gl != 0), path
+        else:
+            chex.assert_trees_all_close(gh, gl, rtol=1e-6, atol=1e-9)
+
+    opt = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0), total_steps=10)
+    params = start = learned_params
+    state = opt.init(params)
+    grad = jax.jit(jax.grad(functools.partial(loss, held)))
+    for _ in range(3):
+        updates, state = opt.update(grad(params), state, params)
+        params = optax.apply_updates(params, updates)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        moved = not np.array_equal(leaf, dict(jax.tree_util.tree_leaves_with_path(start))[path])
+        assert moved != is_lambda(path), path
 
 
 @pytest.mark.parametrize("tokens", [jnp.zeros((T,), jnp.int32), jnp.zeros((2, T), jnp.float32)])

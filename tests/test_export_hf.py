@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -45,6 +46,19 @@ def test_diffllama_logits_equal_ours_in_float32(num_kv_heads, tie, attn_implemen
     ours = logits(config, params)
     # float32 in both frameworks, rounding only: measured ≤ 4.9e-7 of max|logit| (20×)
     assert np.abs(theirs - ours).max() / np.abs(ours).max() < 1e-5
+
+
+def test_a_held_lambda_v1_exports_to_diffllama(tmp_path):
+    """model.learn_lambda=false computes what DiffLlama computes: its λ vectors (zero at init,
+    λ = λ_init; or where train.init_from left them) follow the same formula, so the export is
+    not refused and gives our logits."""
+    config = dataclasses.replace(diff_config(2, True), learn_lambda=False)
+    params = random_params(config, seed=5)
+    out = ex.export(write_run(tmp_path / "run", config, params), tmp_path / "hf", "hf-diffllama",
+                    tokenizer="none")
+    theirs = hf_logits(out, dtype=torch.float32, attn_implementation="eager")
+    ours = logits(config, params)
+    assert np.abs(theirs - ours).max() / np.abs(ours).max() < 1e-5  # as the test above
 
 
 def test_diffllama_bfloat16_export_is_close(tmp_path):

@@ -51,7 +51,7 @@ from typing import Any
 import yaml
 
 from diff_jax import data, evaluation, recall, train_loop
-from diff_jax.config import ConfigError, dump_config, load_config
+from diff_jax.config import Config, ConfigError, dump_config
 from diff_jax.evaluation import EvalOptions
 from diff_jax.experiments import lm_report, recall_report
 from diff_jax.experiments.layout import device_json, eval_json, recall_cell_name, run_dir
@@ -232,7 +232,7 @@ def _config_differences(recorded: dict, expected: dict, recorded_out: Path, out:
         return [here(x) for x in value] if isinstance(value, list) else value
 
     a, b = _flat(recorded), _flat(expected)
-    defaults = _flat(yaml.safe_load(dump_config(load_config(None, []))))
+    defaults = _flat(Config().to_dict())
     a |= {k: defaults[k] for k in b.keys() - a.keys() if k in defaults}
     return [f"{k}: {a.get(k)!r} there, {b.get(k)!r} here" for k in sorted(a.keys() | b.keys())
             if here(a.get(k)) != b.get(k)]

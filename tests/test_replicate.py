@@ -216,7 +216,7 @@ def _check_ablation(out: Path, capsys) -> None:
         err = capsys.readouterr().err
         assert err.startswith("error: ") and says in err and err.count("\n") == 1, err
     assert ablate.main([str(out / "runs"), "--set", "model.subln_init=0.5"]) == 2
-    assert "not a finished replication" in capsys.readouterr().err
+    assert "runs: holds no replication" in capsys.readouterr().err
 
 
 def test_out_of_another_preset_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
@@ -234,6 +234,71 @@ def test_out_of_another_preset_is_refused_before_anything_is_written(tmp_path, m
                                        f"({out / 'results.json'}); choose another --out for "
                                        "--preset cpu-recall\n")
     assert sorted(p.name for p in out.iterdir()) == ["results.json"]
+
+
+def test_steps_stretch_the_recipe_and_a_directory_keeps_to_its_steps(tmp_path, monkeypatch,
+                                                                     capsys):
+    """--steps S: every model's train.steps is S and nothing else of the recipe changes but a
+    recall preset's kept checkpoints, which cover its learning curve (evaluated at every
+    checkpoint up to S); the budget says so. replicate.json records the steps; an --out or
+    --finished-from of the preset at other steps (a record without steps being at the preset's
+    own) is refused before anything is written, and ablate reads the steps back."""
+    from diff_jax.experiments.ablate import _replication
+
+    recall = presets.PRESETS["cpu-recall"]
+    long = recall.with_steps(2 * recall.steps)
+    assert recall.with_steps(recall.steps) is recall and long.steps == 2 * recall.steps
+    for variant in presets.VARIANTS:
+        a = recall.config(variant, 1, tmp_path / "runs" / "r").to_dict()
+        b = long.config(variant, 1, tmp_path / "runs" / "r").to_dict()
+        kept = -(-b["train"]["steps"] // b["checkpoint"]["every_steps"])
+        assert b["train"]["steps"] == 2 * a["train"]["steps"] and b["checkpoint"]["keep"] == kept
+        a["train"]["steps"], a["checkpoint"]["keep"] = b["train"]["steps"], kept
+        assert a == b
+    curve = [o.step for _, o in replicate.recall_jobs(long) if o.step is not None]
+    every = long.config("diff", 0, tmp_path).checkpoint.every_steps
+    assert curve == list(range(every, long.steps + 1, every)) and len(curve) == kept
+    assert long.budget.startswith(f"train.steps={long.steps:,} instead of the preset's "
+                                  f"{recall.steps:,} (--steps)") and recall.budget in long.budget
+    assert presets.replicate_command(long, 4) == ("python -m diff_jax.experiments.replicate "
+                                                  f"--preset cpu-recall --seeds 4 --steps {long.steps}")
+    assert presets.replicate_command(recall, 4).endswith("--preset cpu-recall --seeds 4")
+    small = presets.PRESETS["cpu-small"].with_steps(7)
+    assert small.config("diff", 0, tmp_path).checkpoint.keep == 1  # no curve: the preset's own
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a corpus was prepared in a directory of other steps")
+
+    monkeypatch.setattr(replicate, "prepare_corpus", refused)
+    out = tmp_path / "out"
+    replicate.claim_out(long, out)
+    assert json.loads((out / "replicate.json").read_text()) == {"preset": "cpu-recall",
+                                                                "steps": long.steps}
+    (out / "results.json").write_text(json.dumps({"preset": "cpu-recall", "steps": long.steps}))
+    assert replicate.recorded_preset(out) == long
+    assert _replication(out)[0] == long
+    assert replicate.main(["--preset", "cpu-recall", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {out}: holds the runs of --preset cpu-recall --steps {long.steps} "
+        f"({out / 'replicate.json'}); choose another --out for --preset cpu-recall\n")
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "replicate.json").write_text(json.dumps({"preset": "cpu-recall"}))  # before --steps
+    assert replicate.recorded_preset(old) == recall
+    argv = ["--preset", "cpu-recall", "--steps", str(long.steps)]
+    assert replicate.main([*argv, "--out", str(old)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {old}: holds the runs of --preset cpu-recall ({old / 'replicate.json'}); "
+        f"choose another --out for --preset cpu-recall --steps {long.steps}\n")
+    assert replicate.main([*argv, "--out", str(tmp_path / "new"), "--finished-from",
+                           str(old)]) == 2
+    assert f"--finished-from {old}: holds the runs of --preset cpu-recall (" in capsys.readouterr().err
+    assert sorted(p.name for p in old.iterdir()) == ["replicate.json"]
+    assert not (tmp_path / "new").exists()
+    for bad in ("0", "x"):
+        with pytest.raises(SystemExit):
+            replicate.main([*argv[:2], "--steps", bad])
+        assert "argument --steps: expected an integer" in capsys.readouterr().err
 
 
 def test_niah_whole_fraction_matches_a_packed_corpus():
@@ -867,7 +932,7 @@ def test_finished_models_of_another_machine_are_taken_only_on_the_same_corpus_an
         replicate.replicate(micro, 1, out, finished_from=out)
     (src / "replicate.json").write_text(json.dumps({"preset": "cpu-small"}))
     with pytest.raises(ConfigError, match=r"--finished-from .*back: holds the runs of --preset "
-                                          r"cpu-small .*, not micro"):
+                                          r"cpu-small .*, not --preset micro"):
         replicate.replicate(micro, 1, out, finished_from=src)
     with pytest.raises(ConfigError, match="no such directory"):
         replicate.replicate(micro, 1, out, finished_from=tmp_path / "nowhere")
@@ -892,11 +957,13 @@ def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_init
 
 def test_the_command_line_runs_the_inits_and_seeds_it_names(tmp_path, monkeypatch, capsys):
     """--inits picks among the preset's inits (in the order given), --seeds sets their number;
-    left out, the preset's own; --finished-from passes its directory on."""
-    calls = []
+    left out, the preset's own; --finished-from passes its directory on, --steps the preset at
+    its steps."""
+    calls, fake_presets = [], []
 
     def fake(preset, seeds, out, jobs, finished_from):
         calls.append((preset.name, preset.inits, seeds, out, jobs, finished_from))
+        fake_presets.append(preset)
         return {"plots": ["a.png"]}
 
     monkeypatch.setattr(replicate, "replicate", fake)
@@ -905,9 +972,12 @@ def test_the_command_line_runs_the_inits_and_seeds_it_names(tmp_path, monkeypatc
                            "--out", str(out)]) == 0
     assert replicate.main(["--preset", "cpu-recall", "--out", str(out), "--finished-from",
                            str(tmp_path / "back")]) == 0
+    assert replicate.main(["--preset", "cpu-recall", "--steps", "6000", "--out", str(out)]) == 0
     recall = presets.PRESETS["cpu-recall"]
     assert calls == [("cpu-small", ("normal",), 2, out, 1, None),
-                     ("cpu-recall", recall.inits, recall.seeds, out, 1, tmp_path / "back")]
+                     ("cpu-recall", recall.inits, recall.seeds, out, 1, tmp_path / "back"),
+                     ("cpu-recall", recall.inits, recall.seeds, out, 1, None)]
+    assert fake_presets[-1] == recall.with_steps(6000)
     assert f"wrote {out / 'results.md'}, {out / 'results.json'} and 1 plots" in capsys.readouterr().out
 
 

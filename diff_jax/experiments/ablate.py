@@ -38,9 +38,9 @@ from diff_jax.experiments.layout import eval_json, run_dir
 from diff_jax.experiments.init_scale import residual_writes
 from diff_jax.experiments.lm_report import (gap_cell, init_rows, init_scale_table, read_metrics,
                                              val_gaps_between, val_loss_at)
-from diff_jax.experiments.presets import LABELS, PRESETS, VARIANTS, Preset, RecallPreset
+from diff_jax.experiments.presets import LABELS, VARIANTS, Preset, RecallPreset
 from diff_jax.experiments.recall_report import SCOPES, claim_line, grid_mean, pair_claims, run_results
-from diff_jax.experiments.replicate import PRESET_MARKER, train_and_evaluate
+from diff_jax.experiments.replicate import recorded_preset, train_and_evaluate
 from diff_jax.experiments.stats import describe, paired
 
 SETTABLE = ("model", "optim")  # what an ablation may change; data, budget and schedule stay
@@ -69,18 +69,16 @@ def check_sets(sets: tuple[str, ...]) -> None:
 
 
 def _replication(out: Path) -> tuple[Preset | RecallPreset, dict[str, Any]]:
-    """The preset and results.json of the finished replication in `out`."""
+    """The preset (at the training steps it ran) and results.json of the finished replication
+    in `out`."""
+    preset = recorded_preset(out)
     try:
-        name = json.loads((out / PRESET_MARKER).read_text())["preset"]
         results = json.loads((out / "results.json").read_text())
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         raise ConfigError(f"{out}: not a finished replication (python -m "
                           f"diff_jax.experiments.replicate --out {out}): {e}") from None
-    preset = PRESETS.get(name)
     if isinstance(preset, RecallPreset):
         return preset, results
-    if not isinstance(preset, Preset):
-        raise ConfigError(f"{out}: holds --preset {name}, which this version does not know")
     if ("val_loss_at" not in results["results"][preset.inits[0]]["transformer"]["seeds"][0]
             or "init_scale" not in results):
         raise ConfigError(f"{out / 'results.json'} predates the validation losses and init "

@@ -88,6 +88,26 @@ class Recipe:
         """The training sequence length (`train.seq_len`) of every model of the preset."""
         return self.config("diff", 0, Path("unused")).train.seq_len
 
+    @property
+    def steps(self) -> int:
+        """The training steps (`train.steps`) of every model of the preset."""
+        return self.config("diff", 0, Path("unused")).train.steps
+
+    def with_steps(self, steps: int) -> Recipe:
+        """This recipe with every model trained `steps` steps (`replicate --steps`: is a
+        difference a matter of budget?); the learning-rate schedule stretches with them, the
+        rest (shapes, data, optimizer, evaluation) stays. Its `budget` says so."""
+        if steps == self.steps:
+            return self
+        return dataclasses.replace(
+            self, shared=(*self.shared, f"train.steps={steps}", *self._kept_checkpoints(steps)),
+            budget=f"train.steps={steps:,} instead of the preset's {self.steps:,} (--steps); "
+                   f"the preset is sized for {self.budget}")
+
+    def _kept_checkpoints(self, steps: int) -> tuple[str, ...]:
+        """Overrides that keep the checkpoints the evaluation of `steps` steps reads."""
+        return ()
+
 
 @dataclasses.dataclass(frozen=True)
 class Preset(Recipe):
@@ -124,6 +144,20 @@ class RecallPreset(Recipe):
     samples: int
     curve_cell: tuple[int, float]  # (pairs, distractor share)
     train_loss: str  # "queries": only the query part is a training target; "all": every token
+
+    def _kept_checkpoints(self, steps: int) -> tuple[str, ...]:
+        """The learning curve evaluates every checkpoint: keep them all."""
+        every = self.config("diff", 0, Path("unused")).checkpoint.every_steps
+        return (f"checkpoint.keep={-(-steps // every)}",)
+
+
+def replicate_command(preset: Recipe, seeds: int) -> str:
+    """The command that replicates `preset` over `seeds` seeds (for a report to name): with
+    `--steps` where its steps are not the preset's own (`Recipe.with_steps`)."""
+    own = PRESETS[preset.name].steps if preset.name in PRESETS else preset.steps
+    steps = "" if preset.steps == own else f" --steps {preset.steps}"
+    return (f"python -m diff_jax.experiments.replicate --preset {preset.name} --seeds "
+            f"{seeds}{steps}")
 
 
 def corpus_dir(out: Path, seed: int) -> Path:

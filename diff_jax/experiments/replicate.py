@@ -2,7 +2,7 @@
 
     python -m diff_jax.experiments.replicate [--preset micro|cpu-small|cpu-recall|gpu-medium]
                                              [--seeds N] [--inits I,...] [--out DIR] [--jobs J]
-                                             [--finished-from SRC]
+                                             [--finished-from SRC] [--steps S]
 
 For each init of the preset (`model.output_init`; `--inits` picks some of them), seed and model
 it runs `train.py`'s loop (DIR/runs/VARIANT-INIT-sSEED; re-running resumes from the latest
@@ -24,6 +24,11 @@ copy of its small files: configs, metrics, walls, evaluation JSONs, corpus meta)
 trained on a corpus with the same digest under the same config (`adopt_finished`): a
 replication longer than one machine's session (a lent GPU's 15 minutes) finishes over several,
 and only the model a session cut short trains again.
+
+`--steps S` trains every model S steps instead of the preset's, its learning-rate schedule
+stretched to them and everything else the preset's (a recall preset keeps every checkpoint for
+its learning curve): whether a difference at the preset's budget is one of budget. DIR's
+replicate.json records the steps, and a DIR or SRC of the preset at other steps is refused.
 
 `--jobs J` (CPU only) trains and evaluates J models at a time, each in a process of its own pinned
 to its share of this process's CPU cores: small models use a second core poorly (the cpu-recall
@@ -51,7 +56,7 @@ from typing import Any
 import yaml
 
 from diff_jax import data, evaluation, recall, train_loop
-from diff_jax.config import Config, ConfigError, dump_config
+from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config
 from diff_jax.evaluation import EvalOptions
 from diff_jax.experiments import lm_report, recall_report
 from diff_jax.experiments.layout import device_json, eval_json, recall_cell_name, run_dir
@@ -308,34 +313,71 @@ def _at(options: EvalOptions, run: Path, out_dir: Path) -> EvalOptions:
     return dataclasses.replace(options, checkpoint=str(run), out_dir=str(out_dir))
 
 
-PRESET_MARKER = "replicate.json"  # {"preset": NAME}: the preset whose corpora and runs OUT holds
+# {"preset": NAME, "steps": N}: the preset whose corpora and runs OUT holds, at N training
+# steps (`--steps`; a marker without them is at the preset's own)
+PRESET_MARKER = "replicate.json"
 
 
-def _recorded_presets(directory: Path) -> list[tuple[Path, str]]:
-    """(file, preset name) for each of `directory`'s `PRESET_MARKER` and results.json that names
-    a preset (an unreadable one names none)."""
+def _recorded_presets(directory: Path) -> list[tuple[Path, str, int | None]]:
+    """(file, preset name, steps) for each of `directory`'s `PRESET_MARKER` and results.json
+    that names a preset (an unreadable one names none; steps None where it records none)."""
     named = []
     for path in (directory / PRESET_MARKER, directory / "results.json"):
         if path.is_file():
             try:
-                recorded = json.loads(path.read_text()).get("preset")
+                recorded = json.loads(path.read_text())
+                name, steps = recorded.get("preset"), recorded.get("steps")
             except (ValueError, AttributeError):
-                recorded = None
-            if recorded is not None:
-                named.append((path, recorded))
+                name = steps = None
+            if name is not None:
+                named.append((path, name, steps if isinstance(steps, int) else None))
     return named
 
 
+def _named(name: str, steps: int | None) -> str:
+    """'--preset NAME', with ' --steps N' where N is not the preset's own number of steps."""
+    own = PRESETS[name].steps if name in PRESETS else None
+    return f"--preset {name}" + ("" if steps in (None, own) else f" --steps {steps}")
+
+
+def _holds_other(preset: Preset | RecallPreset, directory: Path) -> str | None:
+    """'--preset NAME [--steps N] (FILE)' of the first record in `directory` of another preset,
+    or of this one at other training steps (a record without steps is at its preset's own);
+    None when there is none."""
+    for path, name, steps in _recorded_presets(directory):
+        if steps is None and name in PRESETS:
+            steps = PRESETS[name].steps
+        if (name, steps) != (preset.name, preset.steps):
+            return f"{_named(name, steps)} ({path})"
+    return None
+
+
+def recorded_preset(out: Path) -> Preset | RecallPreset:
+    """The preset whose runs `out` holds, at the training steps its `PRESET_MARKER` records;
+    ConfigError when it has no readable marker or names a preset this version does not know."""
+    try:
+        marker = json.loads((out / PRESET_MARKER).read_text())
+        name, steps = marker["preset"], marker.get("steps")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{out}: holds no replication (python -m diff_jax.experiments."
+                          f"replicate --out {out} writes its {PRESET_MARKER}): {e}") from None
+    if name not in PRESETS:
+        raise ConfigError(f"{out}: holds --preset {name}, which this version does not know")
+    return PRESETS[name] if steps is None else PRESETS[name].with_steps(steps)
+
+
 def claim_out(preset: Preset | RecallPreset, out: Path) -> None:
-    """Mark `out` as `preset`'s (`PRESET_MARKER`), or ConfigError (nothing written) when it
-    already holds another preset's corpora and runs (its marker, or the `preset` of its
-    results.json), which this one would otherwise read as its own and resume."""
-    for path, recorded in _recorded_presets(out):
-        if recorded != preset.name:
-            raise ConfigError(f"--out {out}: holds the runs of --preset {recorded} ({path}); "
-                              f"choose another --out for --preset {preset.name}")
+    """Mark `out` as `preset`'s at its training steps (`PRESET_MARKER`), or ConfigError (nothing
+    written) when it already holds another preset's corpora and runs, or this preset's at other
+    steps (its marker, or the `preset` and `steps` of its results.json), which this one would
+    otherwise read as its own and resume."""
+    other = _holds_other(preset, out)
+    if other is not None:
+        raise ConfigError(f"--out {out}: holds the runs of {other}; choose another --out for "
+                          f"{_named(preset.name, preset.steps)}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / PRESET_MARKER).write_text(json.dumps({"preset": preset.name}) + "\n")
+    (out / PRESET_MARKER).write_text(json.dumps({"preset": preset.name,
+                                                 "steps": preset.steps}) + "\n")
 
 
 def replicate(preset: Preset | RecallPreset, seeds: int, out: Path, jobs: int = 1,
@@ -370,16 +412,16 @@ def replicate(preset: Preset | RecallPreset, seeds: int, out: Path, jobs: int = 
 
 def _check_source(preset: Preset | RecallPreset, source: Path, out: Path) -> None:
     """ConfigError unless `source` is a directory other than `out` that holds no other preset's
-    runs (its `PRESET_MARKER` or results.json)."""
+    runs, nor this one's at other training steps (its `PRESET_MARKER` or results.json)."""
     if not source.is_dir():
         raise ConfigError(f"--finished-from {source}: no such directory")
     if source.resolve() == out.resolve():
         raise ConfigError(f"--finished-from {source}: is --out itself; its finished models are "
                           "kept anyway")
-    for path, recorded in _recorded_presets(source):
-        if recorded != preset.name:
-            raise ConfigError(f"--finished-from {source}: holds the runs of --preset "
-                              f"{recorded} ({path}), not {preset.name}")
+    other = _holds_other(preset, source)
+    if other is not None:
+        raise ConfigError(f"--finished-from {source}: holds the runs of {other}, not "
+                          f"{_named(preset.name, preset.steps)}")
 
 
 def _train_and_evaluate_one(preset: Preset | RecallPreset, variant: str, seed: int, init: str,
@@ -481,6 +523,17 @@ def _jobs(text: str) -> int:
     return jobs
 
 
+def _steps(text: str) -> int:
+    """`--steps`: an integer in [1, MAX_STEPS]."""
+    try:
+        steps = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if not 1 <= steps <= MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_STEPS}], got {steps}")
+    return steps
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line above; returns the exit status: 0, 2 on bad input (config, data, a
     refused checkpoint, a file that cannot be written in DIR: one `error:` line, as train.py),
@@ -498,6 +551,10 @@ def main(argv: list[str] | None = None) -> int:
                              "small files, no checkpoints needed): its finished models trained "
                              "on the same corpus with the same config are taken, not trained "
                              "again")
+    parser.add_argument("--steps", type=_steps, default=None,
+                        help="train every model this many steps instead of the preset's (the "
+                             "schedule stretches with them; is a difference a matter of "
+                             "budget?); --out must not hold the preset's runs at other steps")
     parser.add_argument("--jobs", type=_jobs, default=1,
                         help="models trained at a time, each pinned to its share of the CPU cores "
                              "(CPU only; default 1)")
@@ -512,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--inits {args.inits}: expected distinct names among the preset's "
                          f"inits {','.join(preset.inits)}")
         preset = dataclasses.replace(preset, inits=inits)
+    if args.steps is not None:
+        preset = preset.with_steps(args.steps)
     out = Path(args.out or f"runs/replicate-{preset.name}")
     try:
         results = replicate(preset, seeds, out, args.jobs,

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import sysconfig
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
@@ -93,7 +94,7 @@ class Recipe:
         """The training steps (`train.steps`) of every model of the preset."""
         return self.config("diff", 0, Path("unused")).train.steps
 
-    def with_steps(self, steps: int) -> Recipe:
+    def with_steps(self, steps: int) -> Self:
         """This recipe with every model trained `steps` steps (`replicate --steps`: is a
         difference a matter of budget?); the learning-rate schedule stretches with them, the
         rest (shapes, data, optimizer, evaluation) stays. Its `budget` says so."""

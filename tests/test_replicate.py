@@ -533,10 +533,12 @@ def test_committed_reports_are_what_the_reporting_code_makes_of_their_data():
     recalls = {}
     # each report's inits: the preset's two, or `scaled` alone where its plan says so
     both, scaled = list(presets.PRESETS["cpu-recall"].inits), ["scaled"]
-    for name, inits in (("", both), ("rerun", both), ("six-seeds", both), ("twelve-seeds", scaled)):
+    for name, inits in (("", both), ("rerun", both), ("six-seeds", both), ("twelve-seeds", scaled),
+                        ("twice-the-steps", scaled)):
         report = results / "cpu-recall" / name
         recall = recalls[name] = json.loads((report / "results.json").read_text())
-        preset = dataclasses.replace(presets.PRESETS[recall["preset"]], inits=tuple(inits))
+        preset = dataclasses.replace(presets.PRESETS[recall["preset"]].with_steps(recall["steps"]),
+                                     inits=tuple(inits))
         assert recall["inits"] == inits
         assert recall_report.markdown(preset, recall) == (report / "results.md").read_text()
         if len(inits) == 2:

@@ -100,9 +100,11 @@ CLAIM_NAMES = {"accuracy": "grid-mean accuracy", "answer_share": "grid-mean answ
 
 def claim_line(what: str, key: str, p: dict[str, Any]) -> str:
     """One markdown claim: `what` (e.g. "DIFF V1 − Transformer"), the measure and scope `key`
-    names (a `pair_claims` key) and its paired difference."""
+    names (a `pair_claims` key) and its paired difference (steps in whole steps)."""
     measure, _, scope = key.partition(" ")
-    return f"- {what}, {CLAIM_NAMES[measure]}{' ' + scope if scope else ''}: {describe(p)}."
+    digits = 0 if measure == "steps_to_90" else 3
+    return (f"- {what}, {CLAIM_NAMES[measure]}{' ' + scope if scope else ''}: "
+            f"{describe(p, digits)}.")
 
 
 def init_gaps(preset: RecallPreset, runs: dict) -> dict[str, dict[str, Any]]:

@@ -261,7 +261,7 @@ def test_steps_stretch_the_recipe_and_a_directory_keeps_to_its_steps(tmp_path, m
     assert long.budget.startswith(f"train.steps={long.steps:,} instead of the preset's "
                                   f"{recall.steps:,} (--steps)") and recall.budget in long.budget
     assert presets.replicate_command(long, 4) == ("python -m diff_jax.experiments.replicate "
-                                                  f"--preset cpu-recall --seeds 4 --steps {long.steps}")
+                                                  f"--preset cpu-recall --steps {long.steps} --seeds 4")
     assert presets.replicate_command(recall, 4).endswith("--preset cpu-recall --seeds 4")
     small = presets.PRESETS["cpu-small"].with_steps(7)
     assert small.config("diff", 0, tmp_path).checkpoint.keep == 1  # no curve: the preset's own

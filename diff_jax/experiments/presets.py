@@ -152,13 +152,17 @@ class RecallPreset(Recipe):
         return (f"checkpoint.keep={-(-steps // every)}",)
 
 
+def preset_args(name: str, steps: int | None) -> str:
+    """'--preset NAME', with ' --steps N' where `steps` is given and not the preset's own
+    (`Recipe.with_steps`)."""
+    own = PRESETS[name].steps if name in PRESETS else None
+    return f"--preset {name}" + ("" if steps in (None, own) else f" --steps {steps}")
+
+
 def replicate_command(preset: Recipe, seeds: int) -> str:
-    """The command that replicates `preset` over `seeds` seeds (for a report to name): with
-    `--steps` where its steps are not the preset's own (`Recipe.with_steps`)."""
-    own = PRESETS[preset.name].steps if preset.name in PRESETS else preset.steps
-    steps = "" if preset.steps == own else f" --steps {preset.steps}"
-    return (f"python -m diff_jax.experiments.replicate --preset {preset.name} --seeds "
-            f"{seeds}{steps}")
+    """The command that replicates `preset` over `seeds` seeds (for a report to name)."""
+    return (f"python -m diff_jax.experiments.replicate {preset_args(preset.name, preset.steps)} "
+            f"--seeds {seeds}")
 
 
 def corpus_dir(out: Path, seed: int) -> Path:

@@ -61,7 +61,7 @@ from diff_jax.evaluation import EvalOptions
 from diff_jax.experiments import lm_report, recall_report
 from diff_jax.experiments.layout import device_json, eval_json, recall_cell_name, run_dir
 from diff_jax.experiments.presets import (PRESETS, VARIANTS, Preset, RecallPreset, check_matched,
-                                          corpus_dir)
+                                          corpus_dir, preset_args)
 
 
 def lm_jobs(preset: Preset) -> list[tuple[str, EvalOptions]]:
@@ -334,12 +334,6 @@ def _recorded_presets(directory: Path) -> list[tuple[Path, str, int | None]]:
     return named
 
 
-def _named(name: str, steps: int | None) -> str:
-    """'--preset NAME', with ' --steps N' where N is not the preset's own number of steps."""
-    own = PRESETS[name].steps if name in PRESETS else None
-    return f"--preset {name}" + ("" if steps in (None, own) else f" --steps {steps}")
-
-
 def _holds_other(preset: Preset | RecallPreset, directory: Path) -> str | None:
     """'--preset NAME [--steps N] (FILE)' of the first record in `directory` of another preset,
     or of this one at other training steps (a record without steps is at its preset's own);
@@ -348,7 +342,7 @@ def _holds_other(preset: Preset | RecallPreset, directory: Path) -> str | None:
         if steps is None and name in PRESETS:
             steps = PRESETS[name].steps
         if (name, steps) != (preset.name, preset.steps):
-            return f"{_named(name, steps)} ({path})"
+            return f"{preset_args(name, steps)} ({path})"
     return None
 
 
@@ -374,7 +368,7 @@ def claim_out(preset: Preset | RecallPreset, out: Path) -> None:
     other = _holds_other(preset, out)
     if other is not None:
         raise ConfigError(f"--out {out}: holds the runs of {other}; choose another --out for "
-                          f"{_named(preset.name, preset.steps)}")
+                          f"{preset_args(preset.name, preset.steps)}")
     out.mkdir(parents=True, exist_ok=True)
     (out / PRESET_MARKER).write_text(json.dumps({"preset": preset.name,
                                                  "steps": preset.steps}) + "\n")
@@ -421,7 +415,7 @@ def _check_source(preset: Preset | RecallPreset, source: Path, out: Path) -> Non
     other = _holds_other(preset, source)
     if other is not None:
         raise ConfigError(f"--finished-from {source}: holds the runs of {other}, not "
-                          f"{_named(preset.name, preset.steps)}")
+                          f"{preset_args(preset.name, preset.steps)}")
 
 
 def _train_and_evaluate_one(preset: Preset | RecallPreset, variant: str, seed: int, init: str,

@@ -278,7 +278,8 @@ class MultiheadDiffAttnV2(AttentionBase):
 
     def combine(self, x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, *,
                 segment_ids: jax.Array | None, positions: jax.Array | None) -> jax.Array:
-        """(B, T, h·d): head pairs combined with the per-token λ (sown as `intermediates/lambda`)."""
+        """(B, T, h·d): head pairs combined with the per-token λ (sown as `intermediates/lambda`),
+        each head RMS-normalised when `model.v2_head_norm` (an ablation)."""
         cfg = self.config
         b, t, _ = x.shape
         h, d, dtype = cfg.num_heads, cfg.resolved_head_dim, jnp.dtype(cfg.dtype)
@@ -289,7 +290,10 @@ class MultiheadDiffAttnV2(AttentionBase):
         )  # (B, T, h)
         self.sow("intermediates", "lambda", lam)
         o = o.reshape(b, t, h, 2, d).astype(jnp.float32)
-        return (o[:, :, :, 0] - lam[..., None] * o[:, :, :, 1]).astype(dtype).reshape(b, t, h * d)
+        o = o[:, :, :, 0] - lam[..., None] * o[:, :, :, 1]  # (B, T, h, d) float32
+        if cfg.v2_head_norm:
+            o = RMSNorm(eps=cfg.norm_eps, dtype=dtype, axis_name="head_dim", name="subln")(o)
+        return o.astype(dtype).reshape(b, t, h * d)
 
 
 class MultiheadAttention(AttentionBase):

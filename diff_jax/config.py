@@ -66,6 +66,10 @@ class ModelConfig:
     # DIFF V1's per-head RMSNorm (subln) at all: false drops it (the paper's Table 6 "w/o
     # GroupNorm" ablation) and keeps the (1 − λ_init) scale; an ablation, not the paper's model
     head_norm: bool = True
+    # DIFF V2 with a per-head RMSNorm like V1's: each head's O[2i] − λ·O[2i+1] normalised over its
+    # d channels with a learned scale (1 at init); V2 has no λ_init, so no (1 − λ_init) factor.
+    # An ablation, not the published V2, which has no per-head norm
+    v2_head_norm: bool = False
     # DIFF V1's λ_init, one value for every layer (the paper's Table 6 ablates 0.8 and 0.5); null:
     # the paper's 0.8 − 0.6·exp(−0.3·depth) per 0-based layer index. It sets λ's offset and the
     # (1 − λ_init) output scale, so it changes the model's function, not only its init
@@ -127,6 +131,9 @@ class ModelConfig:
                  "only variant diff has a per-head norm (subln)")
         _require(self.head_norm or spec.differential_op, "model.head_norm",
                  "only variant diff has a per-head norm (subln) to drop")
+        _require(not self.v2_head_norm or self.variant == "diff_v2", "model.v2_head_norm",
+                 "only variant diff_v2 takes it (variant diff has its per-head norm: "
+                 "model.head_norm)")
         _require(self.head_norm or self.subln_init == 1.0, "model.subln_init",
                  "sets the per-head norm's scale, which model.head_norm=false drops; leave it 1.0")
         _require(self.lambda_init is None or 0 <= self.lambda_init < 1, "model.lambda_init",

@@ -142,7 +142,13 @@ def _diff_extra_layout(config: ModelConfig) -> ReferenceLayout:
 
 
 def _diff_v2_extras(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return {"lambda_proj.weight": (config.num_heads, config.embed_dim)}
+    norm = {"subln.weight": (config.resolved_head_dim,)} if config.v2_head_norm else {}
+    return {"lambda_proj.weight": (config.num_heads, config.embed_dim), **norm}
+
+
+def _diff_v2_extra_layout(config: ModelConfig) -> ReferenceLayout:
+    norm = {"subln.weight": (("subln", "scale"), False)} if config.v2_head_norm else {}
+    return {"lambda_proj.weight": (("lambda_proj", "kernel"), True), **norm}
 
 
 DIFF = Variant(
@@ -154,7 +160,7 @@ DIFF = Variant(
 DIFF_V2 = Variant(
     name="diff_v2", module=MultiheadDiffAttnV2, fixed_head_dim=False,
     extra_reference_shapes=_diff_v2_extras,
-    extra_reference_layout=lambda _: {"lambda_proj.weight": (("lambda_proj", "kernel"), True)},
+    extra_reference_layout=_diff_v2_extra_layout,
     rebuild_maps=_diff_v2_maps, hf_model_type=None,
     hf_export_refusal="its λ is a per-token sigmoid of lambda_proj and it has no per-head norm; "
                       "DiffLlama implements DIFF V1 only",

@@ -87,7 +87,10 @@ def diff_v1(sd, x, cos, sin, *, num_heads, num_kv_heads, depth, pairing="flash",
     return out, np.stack(a1s, 1), np.stack(a2s, 1), lam
 
 
-def diff_v2(sd, x, cos, sin, *, num_heads, num_kv_heads, head_dim, segment_ids=None):
+def diff_v2(sd, x, cos, sin, *, num_heads, num_kv_heads, head_dim, segment_ids=None,
+            head_norm=False):
+    """DIFF attention V2 output (B, T, E); `head_norm` RMS-normalises each head's difference
+    with `subln.weight` (model.v2_head_norm)."""
     sd = {k: np.asarray(v, np.float64) for k, v in sd.items()}
     x = np.asarray(x, np.float64)
     b, t, e = x.shape
@@ -103,6 +106,8 @@ def diff_v2(sd, x, cos, sin, *, num_heads, num_kv_heads, head_dim, segment_ids=N
         s = np.einsum("btd,bsd->bts", q[:, :, j], k[:, :, j // group]) / np.sqrt(d)
         outs.append(np.einsum("bts,bsd->btd", softmax(s, m), v[:, :, j // group]))
     heads = [outs[2 * i] - lam[:, :, i:i + 1] * outs[2 * i + 1] for i in range(h)]
+    if head_norm:
+        heads = [rmsnorm(o, sd["subln.weight"]) for o in heads]
     return np.concatenate(heads, -1) @ sd["o_proj.weight"].T
 
 

@@ -80,6 +80,21 @@ def test_diff_v2_matches_numpy(heads, kv, head_dim):
     assert npr.rel_err(ours, ref) < F32_TOL
 
 
+def test_diff_v2_with_a_head_norm_matches_numpy():
+    """model.v2_head_norm (an ablation): each head's O[2i] − λ·O[2i+1] RMS-normalised over its d
+    channels with the learned scale `subln`, against the float64 reference (the scale drawn
+    1 ± 0.1, so a norm that ignored it would fail)."""
+    cfg = ModelConfig(variant="diff_v2", embed_dim=E, num_heads=4, num_kv_heads=2, head_dim=8,
+                      v2_head_norm=True)
+    assert reference_shapes(cfg)["subln.weight"] == (8,)
+    sd = npr.random_state_dict(reference_shapes(cfg), seed=7)
+    x, cos, sin = _inputs(8, seed=3)
+    ours = _run(cfg, 0, sd, x, cos, sin, jnp.asarray(SEGMENTS))
+    kwargs = dict(num_heads=4, num_kv_heads=2, head_dim=8, segment_ids=SEGMENTS)
+    assert npr.rel_err(ours, npr.diff_v2(sd, x, cos, sin, head_norm=True, **kwargs)) < F32_TOL
+    assert npr.rel_err(ours, npr.diff_v2(sd, x, cos, sin, **kwargs)) > 0.05
+
+
 @pytest.mark.parametrize("heads,kv", [(8, 8), (8, 2)])
 def test_baseline_matches_numpy(heads, kv):
     cfg = ModelConfig(variant="transformer", embed_dim=E, num_heads=heads, num_kv_heads=kv)

@@ -478,6 +478,14 @@ def test_init_from_refuses_each_model_field_the_parameters_depend_on(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("holds a model with model.head_norm=False but "
                                                     "the config gives True;")):
         initial_params(no_norm, diff, None)
+    # model.v2_head_norm: the parameters of V2 with a per-head norm hold `subln`
+    v2 = CONFIGS["diff_v2"]
+    normed = dataclasses.replace(v2, v2_head_norm=True)
+    v2_norm = ex.export(Source(normed, random_params(normed), str(tmp_path / "src"), None),
+                        tmp_path / "v2_norm")
+    with pytest.raises(ConfigError, match=re.escape("holds a model with model.v2_head_norm=True "
+                                                    "but the config gives False;")):
+        initial_params(v2_norm, v2, None)
     free = dataclasses.replace(saved, dtype="bfloat16", remat="full", max_seq_len=128, init_std=0.01)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     loaded = initial_params(out, free, jax.tree.map(lambda _: device, params))

@@ -25,10 +25,11 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("name,extra", [*((n, {}) for n in EXPECTED),
-                                        ("diff", {"head_norm": False})])
+                                        ("diff", {"head_norm": False}),
+                                        ("diff_v2", {"v2_head_norm": True})])
 def test_layout_widths_and_reference_shapes(name, extra):
     """Each variant's widths; its reference layout names every parameter once, with the reference
-    shape (V1 without its per-head norm has no `subln.weight`)."""
+    shape (V1 without its per-head norm has no `subln.weight`; V2 with `v2_head_norm` has one)."""
     spec = variants.spec(name)
     cfg = ModelConfig(variant=name, embed_dim=E, num_heads=H, num_kv_heads=KV, **extra)
     lay = spec.layout(cfg)
@@ -44,7 +45,8 @@ def test_layout_widths_and_reference_shapes(name, extra):
         shape = leaf.shape[::-1] if transpose else leaf.shape
         assert shape == spec.reference_shapes(cfg)[key], key
     assert set(spec.reference_layout(cfg)) == set(spec.reference_shapes(cfg))
-    assert ("subln.weight" in spec.reference_shapes(cfg)) == (name == "diff" and cfg.head_norm)
+    assert ("subln.weight" in spec.reference_shapes(cfg)) == (
+        (name == "diff" and cfg.head_norm) or cfg.v2_head_norm)
     assert len(jax.tree.leaves(params)) == len(spec.reference_layout(cfg))  # every parameter mapped
 
 

@@ -28,7 +28,8 @@ _SEMANTIC = (("variant", "model.variant"), ("vocab_size", "model.vocab_size"),
              ("resolved_head_dim", "model.head_dim"), ("resolved_mlp_dim", "model.mlp_dim"),
              ("rope_theta", "model.rope_theta"), ("norm_eps", "model.norm_eps"),
              ("tie_embeddings", "model.tie_embeddings"), ("gqa_pairing", "model.gqa_pairing"),
-             ("lambda_init", "model.lambda_init"), ("head_norm", "model.head_norm"))
+             ("lambda_init", "model.lambda_init"), ("head_norm", "model.head_norm"),
+             ("v2_head_norm", "model.v2_head_norm"))
 
 
 def check_same_model(saved: ModelConfig, config: ModelConfig, where: str) -> None:

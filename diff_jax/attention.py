@@ -292,7 +292,8 @@ class MultiheadDiffAttnV2(AttentionBase):
         o = o.reshape(b, t, h, 2, d).astype(jnp.float32)
         o = o[:, :, :, 0] - lam[..., None] * o[:, :, :, 1]  # (B, T, h, d) float32
         if cfg.v2_head_norm:
-            o = RMSNorm(eps=cfg.norm_eps, dtype=dtype, axis_name="head_dim", name="subln")(o)
+            o = RMSNorm(eps=cfg.norm_eps, dtype=dtype, axis_name="head_dim",
+                        scale_init=cfg.subln_init, name="subln")(o)
         return o.astype(dtype).reshape(b, t, h * d)
 
 

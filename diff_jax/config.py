@@ -60,8 +60,9 @@ class ModelConfig:
     # "scaled": the residual branches' output projections (attention out, MLP down) are drawn
     # with std init_std/sqrt(2·num_layers) (GPT-2); "normal": std init_std for every matrix
     output_init: Literal["scaled", "normal"] = "scaled"
-    # DIFF V1's per-head RMSNorm (subln) scale at init: 1 is the reference's; a smaller one
-    # shrinks what V1's attention adds to the residual stream at init (an ablation, not the paper)
+    # The per-head RMSNorm's (subln's) scale at init, V1's or V2's with v2_head_norm: 1 is the
+    # reference's; a smaller one shrinks what the attention adds to the residual stream at init
+    # (an ablation, not the paper)
     subln_init: float = 1.0
     # DIFF V1's per-head RMSNorm (subln) at all: false drops it (the paper's Table 6 "w/o
     # GroupNorm" ablation) and keeps the (1 − λ_init) scale; an ablation, not the paper's model
@@ -127,8 +128,9 @@ class ModelConfig:
         _require(self.gqa_pairing == "flash" or spec.differential_op, "model.gqa_pairing",
                  "only variant diff has a choice of GQA pairing")
         _require(0 < self.subln_init < math.inf, "model.subln_init", "must be a finite number > 0")
-        _require(self.subln_init == 1.0 or spec.differential_op, "model.subln_init",
-                 "only variant diff has a per-head norm (subln)")
+        _require(self.subln_init == 1.0 or spec.differential_op or self.v2_head_norm,
+                 "model.subln_init", "only variant diff, or diff_v2 with model.v2_head_norm=true, "
+                 "has a per-head norm (subln)")
         _require(self.head_norm or spec.differential_op, "model.head_norm",
                  "only variant diff has a per-head norm (subln) to drop")
         _require(not self.v2_head_norm or self.variant == "diff_v2", "model.v2_head_norm",

@@ -4,11 +4,14 @@ Tolerance: the modules run in float32; against float64 the relative error ‖out
 a few 1e-7, so 2e-6 leaves room for summation order without hiding a layout bug (those are O(1)).
 """
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 import numpy_reference as npr
 from diff_jax import variants
@@ -93,6 +96,11 @@ def test_diff_v2_with_a_head_norm_matches_numpy():
     kwargs = dict(num_heads=4, num_kv_heads=2, head_dim=8, segment_ids=SEGMENTS)
     assert npr.rel_err(ours, npr.diff_v2(sd, x, cos, sin, head_norm=True, **kwargs)) < F32_TOL
     assert npr.rel_err(ours, npr.diff_v2(sd, x, cos, sin, **kwargs)) > 0.05
+    # model.subln_init starts that scale elsewhere, as V1's
+    small = dataclasses.replace(cfg, subln_init=0.05)
+    params = variants.spec("diff_v2").module(small, depth=0).init(
+        jax.random.key(0), jnp.zeros((1, 3, E)))["params"]
+    np.testing.assert_array_equal(nn.meta.unbox(params)["subln"]["scale"], np.full(8, 0.05, np.float32))
 
 
 @pytest.mark.parametrize("heads,kv", [(8, 8), (8, 2)])

@@ -61,6 +61,8 @@ def test_overrides_parse_yaml_values():
     (["model.head_norm=false", "model.subln_init=0.1"], r"model\.subln_init: sets the per-head "
                                                         r"norm's scale, which model\.head_norm=false"),
     (["model.v2_head_norm=true"], r"model\.v2_head_norm: only variant diff_v2 takes it"),
+    (["model.variant=diff_v2", "model.subln_init=0.1"], r"model\.subln_init: only variant diff, "
+                                                         r"or diff_v2 with model\.v2_head_norm"),
     (["model.variant=diff_v2", "model.learn_lambda=false"], r"model\.learn_lambda: only variant "
                                                            r"diff has a layer λ to hold"),
     (["model.learn_lambda=false", "optim.decay_norms_and_lambdas=true"],

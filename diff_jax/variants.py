@@ -162,7 +162,7 @@ DIFF_V2 = Variant(
     extra_reference_shapes=_diff_v2_extras,
     extra_reference_layout=_diff_v2_extra_layout,
     rebuild_maps=_diff_v2_maps, hf_model_type=None,
-    hf_export_refusal="its λ is a per-token sigmoid of lambda_proj and it has no per-head norm; "
+    hf_export_refusal="its λ is a per-token sigmoid of lambda_proj, not a layer scalar; "
                       "DiffLlama implements DIFF V1 only",
     matched=_diff_v2_matched)
 

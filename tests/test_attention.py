@@ -100,7 +100,8 @@ def test_diff_v2_with_a_head_norm_matches_numpy():
     small = dataclasses.replace(cfg, subln_init=0.05)
     params = variants.spec("diff_v2").module(small, depth=0).init(
         jax.random.key(0), jnp.zeros((1, 3, E)))["params"]
-    np.testing.assert_array_equal(nn.meta.unbox(params)["subln"]["scale"], np.full(8, 0.05, np.float32))
+    np.testing.assert_array_equal(nn.meta.unbox(params)["subln"]["scale"],
+                                  np.full(8, 0.05, np.float32))
 
 
 @pytest.mark.parametrize("heads,kv", [(8, 8), (8, 2)])

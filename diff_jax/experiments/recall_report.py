@@ -136,7 +136,8 @@ def markdown(preset: RecallPreset, data: dict[str, Any]) -> str:
         f"Transformer at matched parameters, {seeds} seeds each, under the inits "
         f"{', '.join(f'`{i}`' for i in preset.inits)} (`model.output_init`). Task: "
         "`diff_jax.recall` (keys of two tokens, near-duplicate distractor keys, a counting "
-        "haystack); accuracy = share of queries whose value greedy decoding retrieves. Cells are mean ± sample std over seeds.", "",
+        "haystack); accuracy = share of queries whose value greedy decoding retrieves. Cells "
+        "are mean ± sample std over seeds.", "",
         f"Setup: {data['train_tokens']:,} training tokens per model ({data['steps']} steps × "
         f"{data['batch_size']} rows × {data['seq_len']} tokens, one recall sample of "
         f"{data['seq_len'] - 1} tokens a row, pairs 1–{preset.max_pairs}, distractor shares "

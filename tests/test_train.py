@@ -697,12 +697,13 @@ def test_train_step_benchmark_smoke(tmp_path):
     and writes JSON + markdown, OUT.json and OUT.md for --out OUT even where OUT holds a dot
     (the session's train_step_1.4b: Path.with_suffix wrote train_step_1.json, which the
     session never read and its causal run overwrote). Its batch's ids lie in the model's vocabulary
-    (they were drawn below 100,000 whatever the vocabulary)."""
+    (they were drawn below 100,000 whatever the vocabulary). The models are shrunk to one layer and
+    a 512-row vocabulary: the script's plumbing is under test, not the tiny config's speed."""
     import train_step as bench
 
     out = tmp_path / "train_step_1.4b"
-    result = bench.main(["--set", "model.num_layers=1", "train.batch_size=8", "train.seq_len=16",
-                         "--steps", "1", "--no-data", "--out", str(out)])
+    shrink = ["model.num_layers=1", "model.vocab_size=512", "train.batch_size=8", "train.seq_len=16"]
+    result = bench.main(["--set", *shrink, "--steps", "1", "--no-data", "--out", str(out)])
     assert json.loads((tmp_path / "train_step_1.4b.json").read_text()) == json.loads(
         json.dumps(result))
     assert set(result["models"]) == {"diff", "transformer"}
@@ -711,8 +712,8 @@ def test_train_step_benchmark_smoke(tmp_path):
     md = tmp_path / "train_step_1.4b.md"
     assert "DIFF / Transformer step time" in md.read_text()
     assert result["segment_ids"] is True and "with segment ids" in md.read_text()
-    causal = bench.main(["--set", "model.num_layers=1", "train.batch_size=8", "train.seq_len=16",
-                         "--steps", "1", "--no-data", "--no-segment-ids", "--out", str(out)])
+    causal = bench.main(["--set", *shrink, "--steps", "1", "--no-data", "--no-segment-ids",
+                         "--out", str(out)])
     assert causal["segment_ids"] is False and "without segment ids" in md.read_text()
     small = load_config(str(ROOT / "configs/tiny.yaml"), ["model.vocab_size=512",
                                                          "train.batch_size=64"])

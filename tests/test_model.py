@@ -170,10 +170,14 @@ def test_a_held_lambda_is_lambda_init_and_no_optimizer_step_moves_it():
     opt = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0), total_steps=10)
     params = start = learned_params
     state = opt.init(params)
-    grad = jax.jit(jax.grad(functools.partial(loss, held)))
+
+    @jax.jit  # one program for the step: optax op by op would compile each of its small ops
+    def step(params, state):
+        updates, state = opt.update(jax.grad(functools.partial(loss, held))(params), state, params)
+        return optax.apply_updates(params, updates), state
+
     for _ in range(3):
-        updates, state = opt.update(grad(params), state, params)
-        params = optax.apply_updates(params, updates)
+        params, state = step(params, state)
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         moved = not np.array_equal(leaf, dict(jax.tree_util.tree_leaves_with_path(start))[path])
         assert moved != is_lambda(path), path

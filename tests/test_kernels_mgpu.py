@@ -1,11 +1,12 @@
 """The Mosaic GPU (Hopper) differential kernel on a CPU: interpreter numerics, CUDA lowerings,
 dispatch and tiles.
 
-Numerics run `kernels/flash_mgpu.py` under Mosaic GPU's interpreter (jax 0.10.2), which
-simulates the warpgroups as threads, the TMA copies and barriers (every barrier phase must be
-awaited once by each thread, or it raises), but stands in plain loads and dots for wgmma,
-`plgpu.load` and layout casts (`flash_mgpu._Ops`). The interpreter runs the three warpgroups on
-XLA's CPU threads: it needs more than two (conftest's 8 host devices give them). Tolerances as
+Numerics run `kernels/flash_mgpu.py` under Mosaic GPU's interpreter (jax 0.11: every case;
+jax 0.10.2: the table's schedule at each width, `ON_JAX_0_10`), which simulates the warpgroups as
+threads, the TMA copies and barriers (every barrier phase must be awaited once by each thread, or
+it raises), but stands in plain loads and dots for wgmma, `plgpu.load` and layout casts
+(`flash_mgpu._Ops`). The interpreter runs the three warpgroups on XLA's CPU threads: it needs
+more than two (conftest's 8 host devices give them). Tolerances as
 tests/test_kernels.py's bf16 ones (2e-2; dλ 5e-2), 8 times tighter in float16, against the
 float64 reference of the same rounded inputs. The CUDA exports run the real Mosaic GPU lowering
 (layouts, wgmma shapes, swizzles, TMA slices) on this machine; only ptxas and the run itself
@@ -45,6 +46,13 @@ MOSAIC = "stablehlo.custom_call @mosaic_gpu"
 # (with one kv head in every case, a forward, dQ or dK/dV that read group 0's K and V for every
 # head passed every test). d = 96 differs from these in the interpreter only by shape; its
 # lowering (64-byte swizzle) is exported below.
+#
+# Under jax 0.10.2 only the table's own schedule at each width runs (`ON_JAX_0_10`): the kernel
+# code is the same on both versions but for the fused dQ, and jax 0.11's interpreter checks more
+# (the proxy fences of TMA refills), so the other schedules' numerics are left to the jax 0.11
+# check (README; CI's second stage runs this whole file there), which saves the suite about
+# 3 minutes of interpretation.
+ON_JAX_0_10 = ("mqa-causal-segments-neg-lam-d64", "mha-noncausal-lam0-d128-fp16")
 CASES = {
     "mqa-causal-segments-neg-lam-d64": (1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5, {}),
     "mha-causal-segments-neg-lam-d64-rows-splitdq-nopingpong-bk64": (
@@ -64,6 +72,7 @@ CASES = {
         {"dkv": "rows", "pingpong": False, "dq": "split"}),
 }
 
+assert set(ON_JAX_0_10) <= set(CASES), "ON_JAX_0_10 names a case CASES lacks"
 
 needs_threads = pytest.mark.skipif(
     len(jax.devices("cpu")) < 3, reason="the Mosaic GPU interpreter's three warpgroups block "
@@ -79,6 +88,8 @@ def test_mosaic_kernel_matches_float64_reference(name, capsys):
     b, t, h, hkv, d, causal, segments, dtype, lam, fields = CASES[name]
     if fields.get("dq") in flash_mgpu.FUSED and not flash_mgpu.FUSED_DQ:
         pytest.skip("fused dQ needs jax >= 0.11 (CI runs this file on jax 0.11.2 too)")
+    if name not in ON_JAX_0_10 and jax.__version_info__ < (0, 11):
+        pytest.skip("another schedule: its numerics run in the jax 0.11 check (README)")
     q, k, v, do, seg = make_inputs(b, t, h, hkv, d, dtype, seed=len(name), segments=segments)
     interpret = InterpretGPUParams(detect_races=True)
     tiles = dataclasses.replace(hopper.tiles_for(d, dtype, kind="")[0], **fields)

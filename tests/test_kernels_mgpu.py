@@ -1,8 +1,8 @@
 """The Mosaic GPU (Hopper) differential kernel on a CPU: interpreter numerics, CUDA lowerings,
 dispatch and tiles.
 
-Numerics run `kernels/flash_mgpu.py` under Mosaic GPU's interpreter (jax 0.11: every case;
-jax 0.10.2: the table's schedule at each width, `ON_JAX_0_10`), which simulates the warpgroups as
+Numerics run `kernels/flash_mgpu.py` under Mosaic GPU's interpreter (jax 0.10.2 with jax 0.11's
+caching of its thread bodies, `_run_jaxpr`; and jax 0.11), which simulates the warpgroups as
 threads, the TMA copies and barriers (every barrier phase must be awaited once by each thread, or
 it raises), but stands in plain loads and dots for wgmma, `plgpu.load` and layout casts
 (`flash_mgpu._Ops`). The interpreter runs the three warpgroups on XLA's CPU threads: it needs
@@ -46,13 +46,6 @@ MOSAIC = "stablehlo.custom_call @mosaic_gpu"
 # (with one kv head in every case, a forward, dQ or dK/dV that read group 0's K and V for every
 # head passed every test). d = 96 differs from these in the interpreter only by shape; its
 # lowering (64-byte swizzle) is exported below.
-#
-# Under jax 0.10.2 only the table's own schedule at each width runs (`ON_JAX_0_10`): the kernel
-# code is the same on both versions but for the fused dQ, and jax 0.11's interpreter checks more
-# (the proxy fences of TMA refills), so the other schedules' numerics are left to the jax 0.11
-# check (README; CI's second stage runs this whole file there), which saves the suite about
-# 3 minutes of interpretation.
-ON_JAX_0_10 = ("mqa-causal-segments-neg-lam-d64", "mha-noncausal-lam0-d128-fp16")
 CASES = {
     "mqa-causal-segments-neg-lam-d64": (1, 70, 2, 1, 64, True, True, jnp.bfloat16, -0.5, {}),
     "mha-causal-segments-neg-lam-d64-rows-splitdq-nopingpong-bk64": (
@@ -72,7 +65,33 @@ CASES = {
         {"dkv": "rows", "pingpong": False, "dq": "split"}),
 }
 
-assert set(ON_JAX_0_10) <= set(CASES), "ON_JAX_0_10 names a case CASES lacks"
+
+def _run(jaxpr, consts, *args):
+    jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+
+def _run_jaxpr(jaxpr, consts, *args):
+    """jax 0.11's `thread_map._run_jaxpr`: `_run` at module level, so the interpreter's
+    `jit(...).trace().lower().compile()` of a kernel body hits JAX's caches. jax 0.10.2 defines
+    `_run` inside `_run_jaxpr`, a new function each call, so every warpgroup thread of every grid
+    point compiled the same body again (its callbacks keep it out of the persistent cache too):
+    6 to 12 identical compiles of several seconds each per case."""
+    jax.jit(_run, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()(consts, *args)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_compiles_each_kernel_body_once():
+    """Under jax 0.10.2, the interpreter with jax 0.11's caching of thread bodies (`_run_jaxpr`);
+    what the threads run is unchanged."""
+    if jax.__version_info__ >= (0, 11):
+        yield
+        return
+    from jax._src.pallas.mosaic.interpret import thread_map
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(thread_map, "_run_jaxpr", _run_jaxpr)
+        yield
+
 
 needs_threads = pytest.mark.skipif(
     len(jax.devices("cpu")) < 3, reason="the Mosaic GPU interpreter's three warpgroups block "
@@ -88,8 +107,6 @@ def test_mosaic_kernel_matches_float64_reference(name, capsys):
     b, t, h, hkv, d, causal, segments, dtype, lam, fields = CASES[name]
     if fields.get("dq") in flash_mgpu.FUSED and not flash_mgpu.FUSED_DQ:
         pytest.skip("fused dQ needs jax >= 0.11 (CI runs this file on jax 0.11.2 too)")
-    if name not in ON_JAX_0_10 and jax.__version_info__ < (0, 11):
-        pytest.skip("another schedule: its numerics run in the jax 0.11 check (README)")
     q, k, v, do, seg = make_inputs(b, t, h, hkv, d, dtype, seed=len(name), segments=segments)
     interpret = InterpretGPUParams(detect_races=True)
     tiles = dataclasses.replace(hopper.tiles_for(d, dtype, kind="")[0], **fields)

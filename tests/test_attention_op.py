@@ -22,6 +22,7 @@ from diff_jax.config import Config, ConfigError, MeshConfig, ModelConfig, TrainC
 from diff_jax.sharding import make_mesh
 from diff_jax.step import build_steps, loss_and_grads
 from diff_jax.transformer import DecoderLM
+from test_kernels import normals
 
 RULES = MeshConfig().rules
 B, T = 8, 24
@@ -106,8 +107,7 @@ def test_odd_batch_and_mqa_heads_on_a_mesh_equal_the_unsharded_kernel():
 def _assert_sharded_equals_the_oracle(op: AttentionOp, seed: int, *shapes) -> None:
     """`op` (a kernel inside shard_map) on random q, k, v of `shapes` equals the unsharded
     xla oracle, to float32 accuracy."""
-    q, k, v = (jax.random.normal(key, shape)
-               for key, shape in zip(jax.random.split(jax.random.key(seed), 3), shapes))
+    q, k, v = normals(seed, *shapes)
     sharded = jax.jit(lambda *a: op(*a)[0])(q, k, v, jnp.float32(0.3))
     unsharded, _ = AttentionOp(impl="xla")(q, k, v, jnp.float32(0.3))
     np.testing.assert_allclose(sharded, unsharded, rtol=1e-5, atol=1e-6)
@@ -150,10 +150,7 @@ def test_kernel_on_a_mesh_with_explicit_axes_equals_the_unsharded_oracle(types):
     axis_types = (Ex, Ex, Ex) if types == "explicit" else (Au, Ex, Ex)
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=axis_types)
     _, op = _mesh_op("pallas", mesh)
-    ks = jax.random.split(jax.random.key(4), 3)
-    q = jax.random.normal(ks[0], (8, 16, 4, 16))
-    k = jax.random.normal(ks[1], (8, 16, 2, 16))
-    v = jax.random.normal(ks[2], (8, 16, 1, 32))
+    q, k, v = normals(4, (8, 16, 4, 16), (8, 16, 2, 16), (8, 16, 1, 32))
     lam = jnp.float32(0.3)
 
     def loss(op, *args):

@@ -38,12 +38,19 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def normals(seed: int, *shapes: tuple[int, ...], dtype=jnp.float32) -> tuple[jax.Array, ...]:
+    """Standard normal arrays of `shapes` from NumPy's generator at `seed`, rounded to `dtype`
+    (float32 draws; ml_dtypes rounds to nearest even, as XLA's convert). Not jax.random: each
+    new shape compiled its own threefry program, about a second apiece, some 3 minutes over
+    this file."""
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(shape, np.float32).astype(dtype))
+                 for shape in shapes)
+
+
 def make_inputs(b, t, h, hkv, d, dtype, seed, segments):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(ks[0], (b, t, 2 * h, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (b, t, 2 * hkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, t, hkv, 2 * d), jnp.float32).astype(dtype)
-    do = jax.random.normal(ks[3], (b, t, h, 2 * d), jnp.float32).astype(dtype)
+    q, k, v, do = normals(seed, (b, t, 2 * h, d), (b, t, 2 * hkv, d), (b, t, hkv, 2 * d),
+                          (b, t, h, 2 * d), dtype=dtype)
     seg = None
     if segments:  # two packed documents, then padding (segment 0), different per batch row
         s = np.zeros((b, t), np.int32)
@@ -452,12 +459,8 @@ def test_cudnn_route_keeps_the_oracles_segments_with_xla_underneath(monkeypatch)
 def test_standard_attention_pallas_and_dispatch():
     """dot_product_attention: the one-softmax Pallas kernel (GQA, segments) matches xla; cuDNN
     refuses float32."""
-    ks = jax.random.split(jax.random.PRNGKey(5), 4)
     b, t, hq, hkv, d = 2, 40, 4, 2, 16
-    q = jax.random.normal(ks[0], (b, t, hq, d))
-    k = jax.random.normal(ks[1], (b, t, hkv, d))
-    v = jax.random.normal(ks[2], (b, t, hkv, d))
-    do = jax.random.normal(ks[3], (b, t, hq, d))
+    q, k, v, do = normals(5, (b, t, hq, d), (b, t, hkv, d), (b, t, hkv, d), (b, t, hq, d))
     seg = jnp.asarray(np.repeat([[1] * 15 + [2] * 20 + [0] * 5], b, 0), jnp.int32)
 
     def vg(impl):
@@ -1312,10 +1315,7 @@ def test_decode_attention_reads_only_the_filled_cache(nc, h, hkv):
     row's own segment); entries at and past a row's length never reach its output: NaN and Inf
     there (in the chunks read too: p = 0 times a NaN value was NaN) change nothing."""
     b, s, d, chunk = 3, 40, 16, 8
-    ks = jax.random.split(jax.random.PRNGKey(21), 3)
-    q = jax.random.normal(ks[0], (b, 1, h * nc, d))
-    k = jax.random.normal(ks[1], (b, s, hkv * nc, d))
-    v = jax.random.normal(ks[2], (b, s, hkv, nc * d))
+    q, k, v = normals(21, (b, 1, h * nc, d), (b, s, hkv * nc, d), (b, s, hkv, nc * d))
     lengths = jnp.asarray([13, 1, 9], jnp.int32)  # the longest ends inside the second chunk
     lam = jnp.float32(0.45) if nc == 2 else None
     visible = (jnp.arange(s)[None, :] < lengths[:, None]).astype(jnp.int32)

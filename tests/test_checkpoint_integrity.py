@@ -177,7 +177,8 @@ def test_divergence_saves_only_finite_steps_and_a_sane_rerun_completes(corpus, r
         assert math.isfinite(_max_abs_params(run, step)), step
     capfd.readouterr()
     assert eval_main(["task=ppl", f"train.run_dir={run}", "batches=1", "batch_size=2",
-                      "data.validation_fraction=0.2"]) == 0, capfd.readouterr().err
+                      "held_out_tokens=256", "data.validation_fraction=0.2"]) == 0, \
+        capfd.readouterr().err
     loss = json.loads((run / "eval" / "ppl.json").read_text())["loss"]
     assert math.isfinite(loss) and loss < 10, loss
 

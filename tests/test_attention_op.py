@@ -22,6 +22,7 @@ from diff_jax.config import Config, ConfigError, MeshConfig, ModelConfig, TrainC
 from diff_jax.sharding import make_mesh
 from diff_jax.step import build_steps, loss_and_grads
 from diff_jax.transformer import DecoderLM
+from test_generate import zero_cache
 from test_kernels import normals
 
 RULES = MeshConfig().rules
@@ -209,8 +210,7 @@ def test_decode_step_equals_full_forward_with_the_kernel_configured():
     params = nn.meta.unbox(jax.jit(DecoderLM(cfg).init)(jax.random.key(1), tokens))["params"]
     full = jax.jit(DecoderLM(cfg).apply)({"params": params}, tokens)
     model = DecoderLM(cfg, decode=True)
-    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["cache"]
-    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    cache = zero_cache(model, 1, 16)
     apply = jax.jit(lambda cache, t, p: model.apply({"params": params, "cache": cache}, t,
                                                     positions=p, mutable=["cache"]))
     _, state = apply(cache, tokens[:, :8], jnp.arange(8)[None])
@@ -227,8 +227,7 @@ def test_decode_steps_through_the_oracle_equal_the_full_forward():
     params = nn.meta.unbox(jax.jit(DecoderLM(cfg).init)(jax.random.key(1), tokens))["params"]
     full = np.asarray(jax.jit(DecoderLM(cfg).apply)({"params": params}, tokens))
     model = DecoderLM(cfg, decode=True, attention_op=AttentionOp.build(cfg, capture=True))
-    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["cache"]
-    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    cache = zero_cache(model, 2, 8)
     apply = jax.jit(lambda cache, t, p: model.apply({"params": params, "cache": cache}, t,
                                                     positions=p, mutable=["cache"]))
     _, state = apply(cache, tokens[:, :4], jnp.broadcast_to(jnp.arange(4), (2, 4)))

@@ -24,7 +24,7 @@ def _setup(variant: str, **kw):
     return cfg, params
 
 
-def _zero_cache(model: DecoderLM, rows: int, length: int):
+def zero_cache(model: DecoderLM, rows: int, length: int):
     """The (rows, length) KV cache `model.init` makes (zeros: attention.py's cache variables),
     without initializing parameters op by op to get it."""
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((rows, length), jnp.int32))
@@ -44,7 +44,7 @@ def test_cached_logits_equal_full_forward(variant, extra):
 
     model = DecoderLM(cfg, decode=True)
     total = 7 + steps
-    cache = _zero_cache(model, 2, total)
+    cache = zero_cache(model, 2, total)
     prompt = np.where(np.arange(7)[None] < lengths[:, None], seqs[:, :7], 0)
     last, cache = _prefill(model, params, cache, jnp.asarray(prompt), jnp.asarray(lengths))
     # Cached vs full-sequence attention differ only in float32 summation order: measured max
@@ -235,7 +235,7 @@ def test_calls_that_do_not_fit_the_kv_cache_are_refused(rows, tokens):
     or another batch is one error naming both shapes, not a dynamic_update_slice bounds error."""
     cfg, params = _setup("diff")
     model = DecoderLM(cfg, decode=True)
-    cache = _zero_cache(model, 2, 8)
+    cache = zero_cache(model, 2, 8)
     with pytest.raises(ValueError, match=rf"KV cache holds 2 rows of 8 positions .* this call "
                                          rf"has {rows} rows of {tokens} tokens"):
         model.apply({"params": params, "cache": cache}, jnp.ones((rows, tokens), jnp.int32),
@@ -269,7 +269,7 @@ def test_segment_ids_with_a_kv_cache_are_refused_and_its_layers_need_positions()
     model passes 0..T-1 when given none)."""
     cfg, params = _setup("diff")
     model = DecoderLM(cfg, decode=True)
-    cache = _zero_cache(model, 2, 8)
+    cache = zero_cache(model, 2, 8)
     for t in (1, 4):
         with pytest.raises(ValueError, match=r"segment_ids must be None with a KV cache"):
             model.apply({"params": params, "cache": cache}, jnp.ones((2, t), jnp.int32),
@@ -299,7 +299,7 @@ def test_a_cache_filled_to_max_seq_len_matches_the_full_forward_and_one_more_is_
     seq = jnp.asarray(rng.integers(1, V, (2, 32)), jnp.int32)
     full = np.asarray(jax.jit(DecoderLM(cfg).apply)({"params": params}, seq))
     model = DecoderLM(cfg, decode=True)
-    cache = _zero_cache(model, 2, 32)
+    cache = zero_cache(model, 2, 32)
     step = jax.jit(functools.partial(model.apply, mutable=["cache"]))  # one compile per shape
     logits, state = step({"params": params, "cache": cache}, seq[:, :29])
     got = [np.asarray(logits)]
@@ -320,7 +320,7 @@ def test_a_step_outside_the_cache_gives_nan_logits_for_its_row_only(variant):
     seq = jnp.asarray(np.random.default_rng(3).integers(1, V, (2, 9)), jnp.int32)
     full = np.asarray(jax.jit(DecoderLM(cfg).apply)({"params": params}, seq))
     model = DecoderLM(cfg, decode=True)
-    cache = _zero_cache(model, 2, 8)  # S = 8
+    cache = zero_cache(model, 2, 8)  # S = 8
     step = jax.jit(functools.partial(model.apply, mutable=["cache"]))  # one compile per shape
     _, state = step({"params": params, "cache": cache}, seq[:, :7])
     for outside in (8, -1):

@@ -6,9 +6,9 @@ caching of its thread bodies, `_run_jaxpr`; and jax 0.11), which simulates the w
 threads, the TMA copies and barriers (every barrier phase must be awaited once by each thread, or
 it raises), but stands in plain loads and dots for wgmma, `plgpu.load` and layout casts
 (`flash_mgpu._Ops`). The interpreter runs the three warpgroups on XLA's CPU threads: it needs
-more than two (conftest's 8 host devices give them). Tolerances as
-tests/test_kernels.py's bf16 ones (2e-2; dλ 5e-2), 8 times tighter in float16, against the
-float64 reference of the same rounded inputs. The CUDA exports run the real Mosaic GPU lowering
+more than two (conftest's 8 host devices give them). Tolerances as tests/test_kernels.py's bf16
+ones (2e-2; dλ 5e-2), 8 times tighter in float16, against the float64 reference of the same
+rounded inputs. The CUDA exports run the real Mosaic GPU lowering
 (layouts, wgmma shapes, swizzles, TMA slices) on this machine; only ptxas and the run itself
 need the GPU.
 """

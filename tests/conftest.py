@@ -1,14 +1,4 @@
-"""Test set-up: the CPU devices each test runs on, one compilation cache for the session, shared
-fixtures.
-
-A test runs on the CPU devices the environment gives (one, as on a user's CPU machine and in the
-`train.py` / `eval.py` processes tests start); one marked `eight_devices` runs on eight fake ones
-(the sharding tests' 2×2×2 meshes), so the sharding tests need no hardware. Before each test
-`pytest_runtest_setup` makes the process's CPU backend again with the count it needs when that
-differs from the one in use (arrays made before keep their old backend). Under pytest-xdist,
-`--dist loadgroup` (the README's test command) runs the marked tests on one worker, one after
-another, so each worker switches at most twice.
-"""
+"""Test set-up: 8 fake CPU devices (before JAX initializes) so sharding tests need no hardware."""
 
 import os
 import shutil
@@ -17,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The TPU tests only compile (AOT, with the `tpu` extra): let libtpu load even when another
 # process on the machine holds its lockfile (e.g. a training run in the same environment).
@@ -30,31 +21,6 @@ _SESSION_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _SESSION_CACHE = tempfile.mkdtemp(prefix="diff_jax_tests_xla_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _SESSION_CACHE
-
-
-EIGHT_DEVICES = 8  # the sharding tests' meshes: data × fsdp × tensor = 2 × 2 × 2
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(config, items):
-    """The tests marked `eight_devices` form one xdist group (one worker, one after another,
-    under `--dist loadgroup`)."""
-    for item in items:
-        if item.get_closest_marker("eight_devices"):
-            item.add_marker(pytest.mark.xdist_group("eight_devices"))
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item):
-    """Before the test's fixtures: the CPU devices it needs (`eight_devices`: 8; else the
-    environment's own, `jax_num_cpu_devices` -1), the backend made again when that changes."""
-    import jax
-    from jax.extend.backend import clear_backends
-
-    count = EIGHT_DEVICES if item.get_closest_marker("eight_devices") else -1
-    if jax.config.jax_num_cpu_devices != count:
-        clear_backends()  # JAX takes a new device count only before its backend starts
-        jax.config.update("jax_num_cpu_devices", count)
 
 
 def pytest_unconfigure(config):

@@ -19,7 +19,6 @@ MODEL = ["model.vocab_size=512", "model.embed_dim=64", "model.num_layers=2", "mo
          "model.max_seq_len=64", "train.seq_len=16", "train.batch_size=8"]
 
 
-@pytest.mark.eight_devices
 def test_fsdp_divides_the_state_across_devices():
     config = load_config(None, MODEL + ["mesh.data=8"])
     state_bytes = 3 * 4 * sum(x.size for x in jax.tree.leaves(abstract_params(config.model)))
@@ -61,7 +60,6 @@ def test_sharded_pallas_step_compiles_for_a_tpu_slice(d):
     assert abs(fused["flops_per_chip"] / oracle["flops_per_chip"] - 1) < 0.15, (fused, oracle)
 
 
-@pytest.mark.eight_devices
 @pytest.mark.parametrize("embed_dim,kernel", [(256, "mosaic_gpu"), (64, TRITON)],
                          ids=["hopper-mosaic-d64", "triton-d16"])
 def test_sharded_step_exports_for_cuda_with_the_kernel_inside_shard_map(embed_dim, kernel):

@@ -64,7 +64,6 @@ SHARDED_CASES = {  # name: (variant, heads, kv heads)
 }
 
 
-@pytest.mark.eight_devices
 @pytest.mark.parametrize("name", list(SHARDED_CASES))
 def test_sharded_pallas_step_equals_one_device_xla(name):
     variant, heads, kv = SHARDED_CASES[name]
@@ -85,7 +84,6 @@ def _mesh_op(impl: str, mesh):
     return cfg, AttentionOp.build(cfg, mesh, RULES)
 
 
-@pytest.mark.eight_devices
 def test_kernel_runs_inside_shard_map_and_xla_does_not():
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     q = jax.ShapeDtypeStruct((8, 16, 4, 16), jnp.float32)
@@ -100,7 +98,6 @@ def test_kernel_runs_inside_shard_map_and_xla_does_not():
     assert "shard_map" not in texts["xla"] and "manual_computation" not in texts["xla"]
 
 
-@pytest.mark.eight_devices
 def test_odd_batch_and_mqa_heads_on_a_mesh_equal_the_unsharded_kernel():
     """A batch the batch axes do not divide runs replicated; one kv head is gathered per shard."""
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
@@ -117,7 +114,6 @@ def _assert_sharded_equals_the_oracle(op: AttentionOp, seed: int, *shapes) -> No
     np.testing.assert_allclose(sharded, unsharded, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.eight_devices
 def test_kv_heads_the_head_axes_do_not_divide_are_gathered_per_shard():
     """tensor = 4 shards 4 DIFF heads one per shard, but not their 2 kv heads: kv is replicated
     and shard i reads group i // 2 (its global head's), as the unsharded oracle does."""
@@ -128,7 +124,6 @@ def test_kv_heads_the_head_axes_do_not_divide_are_gathered_per_shard():
     _assert_sharded_equals_the_oracle(op, 5, (2, 16, 8, 16), (2, 16, 4, 16), (2, 16, 2, 32))
 
 
-@pytest.mark.eight_devices
 def test_heads_the_head_axes_do_not_divide_or_no_head_axes_run_whole_on_every_shard(caplog):
     """3 DIFF heads on tensor = 2 (act_heads' axis): a warning names them, and every shard runs
     all heads of its batch rows; a rule table without act_heads runs them whole too, without a
@@ -147,7 +142,6 @@ def test_heads_the_head_axes_do_not_divide_or_no_head_axes_run_whole_on_every_sh
     assert caplog.text == ""
 
 
-@pytest.mark.eight_devices
 @pytest.mark.parametrize("types", ["explicit", "mixed"])
 def test_kernel_on_a_mesh_with_explicit_axes_equals_the_unsharded_oracle(types):
     """`jax.make_mesh` gives Explicit axes by default; shard_map refuses inputs whose sharding

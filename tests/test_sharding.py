@@ -18,8 +18,6 @@ from diff_jax.sharding import ShardingError, check_batch, make_mesh, mesh_shape
 from diff_jax.step import build_steps, loss_and_grads, loss_fn, state_shardings
 from diff_jax.transformer import DecoderLM
 
-pytestmark = pytest.mark.eight_devices
-
 MODEL = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=2, max_seq_len=64)
 RULES = MeshConfig().rules
 

@@ -8,9 +8,8 @@ it raises), but stands in plain loads and dots for wgmma, `plgpu.load` and layou
 (`flash_mgpu._Ops`). The interpreter runs the three warpgroups on XLA's CPU threads: it needs
 more than two (conftest's 8 host devices give them). Tolerances as tests/test_kernels.py's bf16
 ones (2e-2; dλ 5e-2), 8 times tighter in float16, against the float64 reference of the same
-rounded inputs. The CUDA exports run the real Mosaic GPU lowering
-(layouts, wgmma shapes, swizzles, TMA slices) on this machine; only ptxas and the run itself
-need the GPU.
+rounded inputs. The CUDA exports run the real Mosaic GPU lowering (layouts, wgmma shapes,
+swizzles, TMA slices) on this machine; only ptxas and the run itself need the GPU.
 """
 
 from __future__ import annotations

@@ -72,23 +72,12 @@ def corpus(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def _uninterrupted_runs() -> dict[int, dict[int, dict]]:
-    return {}
-
-
-@pytest.fixture
-def uninterrupted(corpus, tmp_path_factory, _uninterrupted_runs) -> dict[int, dict]:
-    """The metrics rows of the tiny config's uninterrupted 30 steps on the test's CPU devices
-    (the `eight_devices` tests have 8): trained once per device count, since rows compared
-    exactly must come from the same reduction order."""
-    devices = jax.device_count()
-    if devices not in _uninterrupted_runs:
-        run = tmp_path_factory.mktemp("full")
-        result = train_loop.run(tiny_config(corpus, run))
-        assert result.status == "done" and result.step == 30
-        assert _ckpt_steps(run) == [10, 20, 30]
-        _uninterrupted_runs[devices] = _metrics(run)
-    return _uninterrupted_runs[devices]
+def uninterrupted(corpus, tmp_path_factory) -> dict[int, dict]:
+    run = tmp_path_factory.mktemp("full")
+    result = train_loop.run(tiny_config(corpus, run))
+    assert result.status == "done" and result.step == 30
+    assert _ckpt_steps(run) == [10, 20, 30]
+    return _metrics(run)
 
 
 def test_sigterm_at_20_then_resume_to_30_equals_uninterrupted(corpus, tmp_path, monkeypatch, uninterrupted):
@@ -167,7 +156,6 @@ def test_the_run_dir_lock_admits_one_holder_and_names_its_pid(tmp_path):
         pass
 
 
-@pytest.mark.eight_devices
 def test_restore_onto_another_mesh_and_refuse_other_shapes(corpus, tmp_path, monkeypatch, uninterrupted):
     _interrupt_at(monkeypatch, 20, "sigterm")
     train_loop.run(tiny_config(corpus, tmp_path))  # mesh data=8

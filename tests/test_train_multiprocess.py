@@ -27,9 +27,12 @@ def _args(corpus: Path, run: Path) -> list[str]:
 
 
 def _env(devices: int) -> dict[str, str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    return env
+    """The session's environment with `devices` CPU devices; its other XLA flags (conftest's LLVM
+    level) are kept."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count=")]
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
 
 
 def _losses(run: Path) -> list[float]:

@@ -1,5 +1,10 @@
 """Test set-up: 8 fake CPU devices (before JAX initializes) so sharding tests need no hardware,
-and XLA's quicker LLVM level."""
+and XLA's quicker LLVM level.
+
+The eight devices are a JAX setting of the pytest processes (`jax_num_cpu_devices`), not an
+environment variable: the `train.py`, `eval.py` and benchmark processes tests start, and the
+workers `replicate --jobs` spawns, see one CPU device, as on a user's CPU machine. A test that
+needs more in a process it starts says so (test_train_multiprocess.py)."""
 
 import os
 import shutil
@@ -13,8 +18,7 @@ import pytest
 # 70 s against 86 s, a tiny model's init 3.2 s against 4.2 s to compile, while the tiny config's
 # train step runs as fast (1.95 s against 1.98 s, benchmarks/train_step.py); -O0 compiled faster
 # still but ran that step in 4.2 s. The whole suite passes at -O1 as at -O2.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                                   "--xla_backend_optimization_level=1")
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The TPU tests only compile (AOT, with the `tpu` extra): let libtpu load even when another
 # process on the machine holds its lockfile (e.g. a training run in the same environment).
@@ -28,6 +32,14 @@ _SESSION_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _SESSION_CACHE = tempfile.mkdtemp(prefix="diff_jax_tests_xla_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _SESSION_CACHE
+
+
+import jax  # noqa: E402  (after the environment above; its backend starts at the first use)
+
+# A fresh train.py process on one device against eight, the tests' tiny config for one step:
+# 18.2–18.4 s against 24.3–24.6 s (2 cores, 2026-11-29): no 8-way partitioning to compile, no
+# replica slices for orbax to copy.
+jax.config.update("jax_num_cpu_devices", 8)
 
 
 def pytest_unconfigure(config):

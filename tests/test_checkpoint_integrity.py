@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import signal
 import subprocess
@@ -28,7 +27,7 @@ from diff_jax.evaluation.loading import load
 from diff_jax.export import ExportError
 from diff_jax.export.__main__ import main as export_main
 from eval import main as eval_main
-from training_fixtures import tiny_config, write_corpus
+from training_fixtures import process_env, tiny_config, write_corpus
 
 
 def _ckpt_steps(run_dir: Path) -> list[int]:
@@ -697,8 +696,8 @@ def test_a_kill_during_the_final_save_leaves_the_last_good_checkpoint_latest(cor
     tests = Path(__file__).resolve().parent
     proc = subprocess.run([sys.executable, "-c", KILLED_IN_SAVE, str(corpus), str(run), "20",
                            "train.steps=20", "checkpoint.keep=1"],
-                          cwd=tests.parent, capture_output=True,
-                          env={**os.environ, "PYTHONPATH": f"{tests.parent}:{tests}"},
+                          cwd=tests.parent, capture_output=True,  # eight devices, as this one
+                          env=process_env(8, PYTHONPATH=f"{tests.parent}:{tests}"),
                           text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     torn = sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.isdigit())

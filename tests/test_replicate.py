@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import multiprocessing
 from pathlib import Path
 
 import numpy as np
@@ -653,9 +654,16 @@ def test_recall_pipeline_writes_cells_curves_and_claims(tmp_path, monkeypatch, c
     # A worker trains the model the serial path trains (same config, corpus, seed and step):
     # at this width XLA does not split the matmuls over threads, so one pinned core and two
     # give the same losses bit for bit (wider models round differently: see replicate's doc).
+    # The serial path runs in an unpinned process of its own: one CPU device, as the workers
+    # and a user's machine (this pytest process has eight, which round otherwise).
     serial = tmp_path / "serial"
     replicate.prepare_corpus(preset, 0, serial)
-    one = replicate.train_and_evaluate(preset, "transformer", 0, "normal", serial)
+    alone = multiprocessing.get_context("spawn").Process(
+        target=replicate.train_and_evaluate, args=(preset, "transformer", 0, "normal", serial))
+    alone.start()
+    alone.join()
+    assert alone.exitcode == 0
+    one = replicate.run_dir(serial, "transformer", 0, "normal")
     run = out / "runs" / one.name
 
     def losses(r):
@@ -1459,9 +1467,6 @@ def test_gpu_session_ablate_stage_waits_for_the_replication_then_runs_the_ablati
     """--stages ablate is skipped (recorded, nothing run) while the gpu-medium replication has no
     results.json; then it runs `experiments.ablate` on it with ABLATION under the replicated init,
     is "done" once the ablation's JSON exists, and copies the ablation and its run back."""
-    import json
-    import shutil
-
     import hopper_session
 
     scratch, committed = tmp_path / "scratch", tmp_path / "committed"

@@ -4,7 +4,6 @@ across a stop and a resume, and past a damaged checkpoint both processes set asi
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training_fixtures import write_corpus
+from training_fixtures import process_env, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,15 +23,6 @@ def _args(corpus: Path, run: Path) -> list[str]:
             "data.source=tokens", f"data.paths=[{corpus}]", "data.validation_fraction=0",
             "checkpoint.every_steps=3", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=1",
             f"train.run_dir={run}"]
-
-
-def _env(devices: int) -> dict[str, str]:
-    """The session's environment with `devices` CPU devices; its other XLA flags (conftest's LLVM
-    level) are kept."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count=")]
-    flags.append(f"--xla_force_host_platform_device_count={devices}")
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
 
 
 def _losses(run: Path) -> list[float]:
@@ -47,7 +37,7 @@ def _two_processes(corpus: Path, run: Path, *overrides: str) -> list[str]:
         port = s.getsockname()[1]
     procs = [subprocess.Popen(_args(corpus, run) + [
         f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
-        f"distributed.process_id={i}", *overrides], cwd=ROOT, env=_env(2),
+        f"distributed.process_id={i}", *overrides], cwd=ROOT, env=process_env(2),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     for p, out in zip(procs, outs):
@@ -66,7 +56,7 @@ def test_two_processes_match_one_process_resume_and_set_a_damaged_step_aside_tog
     losses. One job's checkpoints serve both parts: each two-process job starts two JAX
     processes, the slowest part of the suite's multi-host checks."""
     corpus = write_corpus(tmp_path / "corpus")
-    single = subprocess.Popen(_args(corpus, tmp_path / "single"), cwd=ROOT, env=_env(4),
+    single = subprocess.Popen(_args(corpus, tmp_path / "single"), cwd=ROOT, env=process_env(4),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     run = tmp_path / "multi"
     first = _two_processes(corpus, run, "train.steps=4")

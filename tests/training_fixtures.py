@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -40,3 +41,14 @@ def tiny_config(corpus_dir: Path, run_dir: Path, *overrides: str) -> Config:
         "optim.warmup_steps=5", "optim.lr=1e-2", "checkpoint.every_steps=10", "mesh.data=-1",
         *overrides,
     ])
+
+
+def process_env(devices: int, **extra: str) -> dict[str, str]:
+    """The environment for a JAX process a test starts that must see `devices` CPU devices (the
+    pytest processes' eight, where its results are compared bit for bit with theirs; a process
+    started with the session's own environment sees one): the session's XLA flags (conftest's
+    LLVM level) are kept, and `extra` added."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count=")]
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags), **extra)

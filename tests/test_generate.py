@@ -16,6 +16,7 @@ from diff_jax.transformer import DecoderLM
 V = 61
 
 
+@functools.cache  # one initialization per model for the module's tests (arrays are immutable)
 def _setup(variant: str, **kw):
     cfg = ModelConfig(variant=variant, vocab_size=V, embed_dim=32, num_layers=2,
                       num_heads=4 if variant != "transformer" else 8, num_kv_heads=2,
@@ -62,12 +63,16 @@ def test_cached_logits_equal_full_forward(variant, extra):
 
 
 def _uncached_greedy(cfg, params, prompt: list[int], n: int) -> list[int]:
-    """n greedy tokens after `prompt` by re-running the full forward (no cache) each step."""
+    """n greedy tokens after `prompt` by re-running the full forward (no cache) each step, on
+    the sequence so far padded to `max_seq_len` (causal: the padding cannot reach the last
+    token's logits; one compiled forward for every length)."""
     apply = jax.jit(DecoderLM(cfg).apply)
     seq = list(prompt)
     for _ in range(n):
-        logits = apply({"params": params}, jnp.asarray([seq], jnp.int32))
-        seq.append(int(jnp.argmax(logits[0, -1])))
+        row = np.zeros((1, cfg.max_seq_len), np.int32)
+        row[0, :len(seq)] = seq
+        logits = apply({"params": params}, jnp.asarray(row))
+        seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
     return seq[len(prompt):]
 
 

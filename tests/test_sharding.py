@@ -165,22 +165,24 @@ def test_grad_accumulation_with_a_loss_mask_equals_one_step_on_the_whole_batch()
 
 def test_loss_is_the_mean_cross_entropy_over_the_masked_targets():
     model = DecoderLM(MODEL)
-    params = nn.meta.unbox(model.init(jax.random.PRNGKey(3), jnp.zeros((1, 1), jnp.int32)))["params"]
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.PRNGKey(3),
+                                               jnp.zeros((1, 1), jnp.int32)))["params"]
     batch = _masked(_batch(b=4))
-    logits = np.asarray(model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
-                                    segment_ids=batch["segment_ids"]), np.float64)
+    logits = np.asarray(jax.jit(model.apply)({"params": params}, batch["tokens"],
+                                             positions=batch["positions"],
+                                             segment_ids=batch["segment_ids"]), np.float64)
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
         - logits.max(-1, keepdims=True)
     nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
     mask = batch["loss_mask"]
+    loss = jax.jit(lambda p, b: loss_fn(p, b, model))  # one compile per batch structure
     # float32 logits and sums: ~1e-6 relative
-    np.testing.assert_allclose(float(loss_fn(params, batch, model)),
-                               (nll * mask).sum() / mask.sum(), rtol=2e-6)
+    np.testing.assert_allclose(float(loss(params, batch)), (nll * mask).sum() / mask.sum(),
+                               rtol=2e-6)
     unmasked = {k: v for k, v in batch.items() if k != "loss_mask"}
-    np.testing.assert_allclose(float(loss_fn(params, unmasked, model)), nll.mean(), rtol=2e-6)
+    np.testing.assert_allclose(float(loss(params, unmasked)), nll.mean(), rtol=2e-6)
     ones = dict(unmasked, loss_mask=np.ones_like(mask))
-    assert float(loss_fn(params, ones, model)) == pytest.approx(float(loss_fn(params, unmasked, model)),
-                                                                rel=1e-7)
+    assert float(loss(params, ones)) == pytest.approx(float(loss(params, unmasked)), rel=1e-7)
 
 
 def test_weight_decay_mask_exempts_norms_lambdas_and_embeddings():

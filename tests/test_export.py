@@ -45,8 +45,14 @@ def random_params(config: ModelConfig, seed: int = 0) -> dict:
     return jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
 
 
+@functools.cache
+def _forward(config: ModelConfig):
+    """The model's jitted forward, one per config for the module (compiled once, not op by op)."""
+    return jax.jit(DecoderLM(config).apply)
+
+
 def logits(config: ModelConfig, params: dict) -> np.ndarray:
-    return np.asarray(DecoderLM(config).apply({"params": params}, TOKENS))
+    return np.asarray(_forward(config)({"params": params}, TOKENS))
 
 
 def write_run(run_dir: Path, config: ModelConfig, params: dict, step: int = 5,

@@ -117,9 +117,10 @@ def test_nll_by_position_averages_the_first_documents_of_at_least_length_plus_on
     tokens = np.random.default_rng(0).integers(0, 32, starts[-1]).astype(np.uint32)
     corpus = data.TokenCorpus(tokens, starts, 32)
     model = DecoderLM(cfg)
-    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
     rows = np.stack([tokens[starts[i]: starts[i] + 9].astype(np.int32) for i in (0, 2, 4)])
-    logits = np.asarray(model.apply({"params": params}, jnp.asarray(rows[:, :-1])), np.float64)
+    logits = np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(rows[:, :-1])),
+                        np.float64)
     top = logits.max(-1, keepdims=True)
     logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
     want = -np.take_along_axis(logp, rows[:, 1:, None].astype(np.int64), -1)[..., 0].mean(0)

@@ -4,7 +4,7 @@ and XLA's quicker LLVM level.
 The eight devices are a JAX setting of the pytest processes (`jax_num_cpu_devices`), not an
 environment variable: the `train.py`, `eval.py` and benchmark processes tests start, and the
 workers `replicate --jobs` spawns, see one CPU device, as on a user's CPU machine. A test that
-needs more in a process it starts says so (test_train_multiprocess.py)."""
+needs more in a process it starts gives it `training_fixtures.process_env(N)`."""
 
 import os
 import shutil

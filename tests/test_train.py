@@ -546,8 +546,13 @@ def test_a_compile_cache_dir_gives_the_next_run_its_compiled_programs(corpus, tm
     """The first run writes its compiled programs (the train step among them) to
     train.compile_cache_dir; a second run (another run dir) reads its train step from there
     instead of compiling it, writes nothing new, and trains exactly as the run that compiled it.
-    A damaged entry (a kill part-way through JAX's write) is compiled again, with JAX's warning."""
+    A damaged entry (a kill part-way through JAX's write) is compiled again, with JAX's warning.
+    Each run stands for a new process: it builds its steps anew (in one process, a run with the
+    same settings reuses the steps `build_steps` already compiled)."""
+    import diff_jax.step
+
     def run(name):
+        diff_jax.step._build_steps.cache_clear()
         return train_loop.run(tiny_config(corpus, tmp_path / name, "train.steps=10",
                                           f"train.compile_cache_dir={compile_cache}"))
 

@@ -421,6 +421,7 @@ class _Trace:
     first: int
     last: int
     directory: Path
+    python: bool = False  # `train.profile_python`: JAX's Python tracer too
     active: bool = False
 
     @classmethod
@@ -434,12 +435,15 @@ class _Trace:
         if last <= start:
             say(f"train.profile_start={first}, profile_steps={t.profile_steps}: those steps ran "
                 f"before step {start}, which this run resumes from; no trace")
-        return cls(max(first, start + 1), min(last, t.steps), Path(t.run_dir) / "profile")
+        return cls(max(first, start + 1), min(last, t.steps), Path(t.run_dir) / "profile",
+                   t.profile_python)
 
     def before(self, step: int) -> None:
         """Start tracing if `step` is the first step of the window."""
         if step == self.first and step <= self.last:
-            jax.profiler.start_trace(str(self.directory))
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = int(self.python)
+            jax.profiler.start_trace(str(self.directory), profiler_options=options)
             self.active = True
 
     def after(self, step: int, outputs: Any) -> None:

@@ -281,9 +281,11 @@ def test_the_profile_window_is_profile_steps_steps_from_profile_start_clipped_to
         monkeypatch):
     """The steps `_Trace` has running (profile_start=5, profile_steps=3: steps 5, 6, 7) for an
     invocation resumed after step `start`, without the profiler (no training): the rest of the
-    window when resumed inside it, up to train.steps, none (said) when it ran before."""
+    window when resumed inside it, up to train.steps, none (said) when it ran before. JAX's
+    Python tracer records only with train.profile_python=true."""
     calls = []
-    monkeypatch.setattr(jax.profiler, "start_trace", lambda directory: calls.append("start"))
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda directory, profiler_options: calls.append(
+        f"start, Python tracer level {profiler_options.python_tracer_level}"))
     monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append("stop"))
 
     def traced(start, *overrides):
@@ -304,7 +306,10 @@ def test_the_profile_window_is_profile_steps_steps_from_profile_start_clipped_to
     assert traced(0, "train.steps=6") == ([5, 6], [])
     steps, said = traced(7)
     assert steps == [] and "those steps ran before step 7" in said[0]
-    assert calls == ["start", "stop"] * 3
+    assert calls == ["start, Python tracer level 0", "stop"] * 3
+    calls.clear()
+    assert traced(0, "train.profile_python=true") == ([5, 6, 7], [])
+    assert calls == ["start, Python tracer level 1", "stop"]
 
 
 def test_a_state_with_one_non_finite_value_is_not_finite():

@@ -3,8 +3,10 @@
 Install the optional extra (`pip install "jax[tpu]==<jax version>"`, libtpu ~700 MB) to run it;
 skipped otherwise. Asserts that Mosaic and XLA:TPU compile forward+backward under the attention
 op's `shard_map`, and
-that the per-chip temp memory of the fused kernel stays linear in T (T -> 4T: ratio ≲ 4; observed
-3.6) while the xla oracle's grows quadratically (ratio ≳ 16; observed 32).
+that the per-chip temp memory of the fused kernel stays linear in T (T = 256 -> 1024: ratio ≲ 4;
+observed 2.9) while the xla oracle's grows quadratically (ratio near 16, asserted > 12; observed
+14.0, its linear terms still showing at T = 256). From T = 1024 to 4096 the ratios are 3.6 and 32,
+but those four compiles took 8 s longer (2026-11-29).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _temp_bytes(impl: str, t: int, b: int = 2, h: int = 8, d: int = 64) -> int:
 
 
 def test_fused_temp_memory_linear_xla_quadratic():
-    fused = _temp_bytes("pallas", 4096) / _temp_bytes("pallas", 1024)
-    xla = _temp_bytes("xla", 4096) / _temp_bytes("xla", 1024)
+    fused = _temp_bytes("pallas", 1024) / _temp_bytes("pallas", 256)
+    xla = _temp_bytes("xla", 1024) / _temp_bytes("xla", 256)
     assert fused < 5.0, fused
     assert xla > 12.0, xla

@@ -19,6 +19,7 @@ ablation's setting does at init, e.g. at another preset's shape.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -35,24 +36,26 @@ def _rms(x: jax.Array) -> jax.Array:
     return jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
 
 
+@functools.partial(jax.jit, static_argnames=("config", "seed"))
+def _writes(tokens: jax.Array, config: ModelConfig, seed: int) -> dict[str, jax.Array]:
+    """`residual_writes` as one program (op by op, a model's init and forward take seconds even
+    when tiny); jax keeps it for each (config, seed, token shape) a process measures again."""
+    model = DecoderLM(config)
+    params = model.init(jax.random.key(seed), tokens[:1, :2])["params"]
+    _, state = model.apply({"params": params}, tokens, capture_intermediates=lambda module,
+                           method: method == "__call__" and module.name in ("attn", "ffn"))
+    layers = state["intermediates"]
+    return {"embed": _rms(nn.meta.unbox(params)["embed"][tokens]),
+            **{part: jnp.stack([_rms(layers[f"layers_{i}"][part]["__call__"][0])
+                                for i in range(config.num_layers)])
+               for part in ("attn", "ffn")}}
+
+
 def residual_writes(config: ModelConfig, tokens: np.ndarray, seed: int = 0) -> dict[str, object]:
     """RMS of what a model initialized from `jax.random.key(seed)` adds to the residual stream
     on `tokens` (B, T) int: {"embed": the token embeddings', "attn": [per layer, the attention
     sublayer's output], "ffn": [per layer, the MLP's]}, each over every position and channel."""
-    model = DecoderLM(config)
-
-    @jax.jit  # one compile (op by op, a model's init and forward take seconds even when tiny)
-    def rms(tokens: jax.Array) -> dict[str, jax.Array]:
-        params = model.init(jax.random.key(seed), tokens[:1, :2])["params"]
-        _, state = model.apply({"params": params}, tokens, capture_intermediates=lambda module,
-                               method: method == "__call__" and module.name in ("attn", "ffn"))
-        layers = state["intermediates"]
-        return {"embed": _rms(nn.meta.unbox(params)["embed"][tokens]),
-                **{part: jnp.stack([_rms(layers[f"layers_{i}"][part]["__call__"][0])
-                                    for i in range(config.num_layers)])
-                   for part in ("attn", "ffn")}}
-
-    out = rms(jnp.asarray(tokens, jnp.int32))
+    out = _writes(jnp.asarray(tokens, jnp.int32), config, seed)
     return {"embed": float(out["embed"]), "attn": [float(x) for x in out["attn"]],
             "ffn": [float(x) for x in out["ffn"]]}
 

@@ -358,10 +358,13 @@ def test_validation_without_a_held_out_split_unused_settings_and_skipped_documen
 
 
 def test_train_py_smoke_falling_loss_and_valid_metrics(tmp_path):
+    """train.py's default config on the embedded corpus, at half its batch (4 rows: the loss fell
+    from 11.55 to 10.21 in 12 steps, in 44 s against 62 s with 8 rows, 2026-11-29)."""
     run = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "train.py", "train.steps=12", "train.log_every=1", "train.eval_every=12",
-         "train.eval_tokens=2048", "optim.warmup_steps=2", f"train.run_dir={run}", "mesh.data=-1"],
+         "train.eval_tokens=2048", "optim.warmup_steps=2", f"train.run_dir={run}", "mesh.data=-1",
+         "train.batch_size=4"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 12/12" in proc.stderr and "ETA" in proc.stderr and "tok/s" in proc.stderr

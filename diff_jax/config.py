@@ -359,7 +359,7 @@ class TrainConfig:
     log_every: int = 10
     profile_start: int = 10  # first step of a jax.profiler trace into <run_dir>/profile
     profile_steps: int = 0  # 0: no trace
-    profile_python: bool = False  # the trace also records every Python call (jax's default)
+    profile_python: bool = False  # also JAX's Python tracer (on in jax.profiler's defaults)
     compile_only: bool = False  # AOT-compile the train step, print memory, do not train
     compile_topology: str | None = None  # v5p:4x4x4 (libtpu) or h100:8 (cuda-aot); None: local
     init_from: str | None = None  # fine-tune: a fresh run's parameters from an export/run/step dir

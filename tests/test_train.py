@@ -284,8 +284,9 @@ def test_the_profile_window_is_profile_steps_steps_from_profile_start_clipped_to
     window when resumed inside it, up to train.steps, none (said) when it ran before. JAX's
     Python tracer records only with train.profile_python=true."""
     calls = []
-    monkeypatch.setattr(jax.profiler, "start_trace", lambda directory, profiler_options: calls.append(
-        f"start, Python tracer level {profiler_options.python_tracer_level}"))
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda directory, profiler_options:
+                        calls.append(f"start, Python tracer level "
+                                     f"{profiler_options.python_tracer_level}"))
     monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append("stop"))
 
     def traced(start, *overrides):
@@ -588,6 +589,25 @@ def test_a_compile_cache_dir_gives_the_next_run_its_compiled_programs(corpus, tm
         assert sorted(got) == list(range(1, 11))
         assert {s: {k: got[s][k] for k in COMPARED} for s in got} == {
             s: {k: compiled[s][k] for k in COMPARED} for s in compiled}
+
+
+def test_build_steps_is_reused_for_the_settings_it_reads_and_built_anew_for_others(tmp_path):
+    """build_steps gives a config that differs only in what the steps do not read (seed, run
+    directory, logging, checkpoints) the Steps it already built, and a config with another
+    schedule, batch, model or mesh new ones; nothing compiles to decide (only Python objects)."""
+    from diff_jax.sharding import make_mesh
+    from diff_jax.step import build_steps
+
+    def steps(*overrides):
+        config = tiny_config(tmp_path, tmp_path / "run", *overrides)
+        return build_steps(config, make_mesh(config.mesh))
+
+    first = steps()
+    assert steps("train.seed=7", f"train.run_dir={tmp_path / 'other'}", "train.log_every=5",
+                 "checkpoint.every_steps=3") is first
+    for other in ("train.steps=31", "train.batch_size=16", "train.batch_size=16 train.grad_accum=2",
+                  "model.embed_dim=64", "optim.lr=2e-2", "mesh.data=4 mesh.fsdp=-1"):
+        assert steps(*other.split()) is not first, other
 
 
 def test_a_compile_cache_dir_that_cannot_be_made_is_bad_input_naming_it(corpus, tmp_path, capsys,

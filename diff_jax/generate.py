@@ -62,9 +62,9 @@ def sample(logits: jax.Array, key: jax.Array, sampling: SamplingConfig) -> jax.A
 @functools.partial(jax.jit, static_argnames=("model",))
 def _prefill(model: DecoderLM, params, cache, tokens: jax.Array, lengths: jax.Array):
     """Run the right-padded prompts (B, W); returns (logits at each row's last prompt token, cache)."""
-    logits, state = model.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # (B, V)
-    return last, state["cache"]
+    logits, state = model.apply({"params": params, "cache": cache}, tokens,
+                                logits_at=(lengths - 1)[:, None], mutable=["cache"])
+    return logits[:, 0], state["cache"]
 
 
 @functools.partial(jax.jit, static_argnames=("model", "sampling"), donate_argnums=(2,))

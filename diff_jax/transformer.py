@@ -55,7 +55,11 @@ class DecoderLM(nn.Module):
     the prompt's prefill from position 0 (it attends within its own tokens, not to the cache; a
     prompt fed in chunks is not supported); a call with T = 1 and `positions` p (B, 1) in [0, S)
     writes entry p and attends to entries 0..p (pass them: the default is 0). A position outside
-    [0, S) cannot be an error under jit: that row's logits are NaN. `attention_op`
+    [0, S) cannot be an error under jit: that row's logits are NaN. `logits_at` (B, K) int
+    projects only those positions of each row onto the vocabulary: logits (B, K, vocab), for a
+    caller that reads a few positions (a prompt's last token, the answer positions of a
+    retrieval item) instead of materializing (B, T, vocab); under jit a position outside
+    [−T, T) cannot be an error either: its logits are NaN. `attention_op`
     (`AttentionOp.build(config, mesh, rules)`; None: built from `config` on the context mesh)
     is the one attention call of every layer.
 
@@ -83,14 +87,21 @@ class DecoderLM(nn.Module):
         *,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        logits_at: jax.Array | None = None,
     ) -> jax.Array:
-        """tokens (B, T) int32 -> logits (B, T, vocab) float32 (see the class docstring)."""
+        """tokens (B, T) int32 -> logits (B, T, vocab) float32, or (B, K, vocab) at the positions
+        `logits_at` (B, K) in [0, T) (see the class docstring)."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be (B, T) integer ids, got {tokens.dtype} of shape "
                              f"{tokens.shape}")
         b, t = tokens.shape
+        if logits_at is not None and (
+                logits_at.ndim != 2 or logits_at.shape[0] != b
+                or not jnp.issubdtype(logits_at.dtype, jnp.integer)):
+            raise ValueError(f"logits_at must be (B, K) = ({b}, K) integer positions, got "
+                             f"{logits_at.dtype} of shape {logits_at.shape}")
         embedding = self.param(
             "embed",
             nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ("vocab", "embed")),
@@ -110,6 +121,8 @@ class DecoderLM(nn.Module):
             x = layer_cls(cfg, depth=i, decode=self.decode, attention_op=op, name=f"layers_{i}")(
                 x, rope, segment_ids, positions)
         x = RMSNorm(cfg.norm_eps, dtype, name="norm")(x)
+        if logits_at is not None:  # as NumPy indexes: −1 is the last; outside [−T, T): NaN
+            x = jnp.take_along_axis(x, logits_at[..., None], axis=1, mode="fill")
 
         if cfg.tie_embeddings:
             head = embedding.T

@@ -191,6 +191,33 @@ def test_tokens_that_are_not_a_batch_of_ids_are_refused(tokens):
         model.apply(variables, tokens)
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_logits_at_are_the_full_logits_at_those_positions(tie):
+    """`logits_at` (B, K) gives the rows of the full (B, T, V) logits at those positions (float32:
+    the same per-token computation, so within 1e-6); −1 is the last position, one past the end
+    is NaN."""
+    cfg = _cfg("diff", tie_embeddings=tie)
+    model, variables, tokens = _init(cfg)
+    full = np.asarray(jax.jit(model.apply)(variables, tokens), np.float64)
+    at = np.array([[0, 5, 5, T - 1], [3, 0, T - 1, 1]])
+    got = np.asarray(jax.jit(functools.partial(model.apply, logits_at=jnp.asarray(at)))(
+        variables, tokens), np.float64)
+    ref = full[np.arange(2)[:, None], at]
+    chex.assert_shape(got, (2, 4, V))
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-6
+    edge = model.apply(variables, tokens, logits_at=jnp.array([[-1, T], [T - 1, 0]]))
+    np.testing.assert_allclose(edge[0, 0], full[0, T - 1], rtol=1e-5, atol=1e-6)
+    assert np.isnan(edge[0, 1]).all() and np.isfinite(edge[1]).all()
+
+
+@pytest.mark.parametrize("at", [jnp.zeros((2,), jnp.int32), jnp.zeros((3, 1), jnp.int32),
+                                jnp.zeros((2, 1), jnp.float32)])
+def test_logits_at_that_are_not_positions_per_row_are_refused(at):
+    model, variables, tokens = _init(_cfg("diff", num_layers=1))
+    with pytest.raises(ValueError, match=r"logits_at must be \(B, K\) = \(2, K\) integer positions, got "):
+        model.apply(variables, tokens, logits_at=at)
+
+
 def test_the_readme_python_example_runs_as_its_comments_say(monkeypatch):
     """The README's "From Python" block, executed as written from the repository root: the
     shapes its comments state, 8 new tokens, and the fused kernel (here its interpreter) equal
@@ -207,6 +234,7 @@ def test_the_readme_python_example_runs_as_its_comments_say(monkeypatch):
     exec(compile("\n".join(line[4:] for line in lines[start:end]), "README.md", "exec"), names)
     tokens, config = names["tokens"], names["config"]
     assert tokens.shape == (1, 6) and names["logits"].shape == (1, 6, config.vocab_size)
+    np.testing.assert_allclose(names["last"][0, 0], names["logits"][0, -1], rtol=1e-5, atol=1e-6)
     assert len(names["new"]) == 1 and len(names["new"][0]) == 8
     assert all(0 <= i < config.vocab_size for i in names["new"][0])
     out, ref = names["out"], names["ref"]

@@ -53,8 +53,7 @@ def cell_samples(options: EvalOptions, length: int) -> list[recall.RecallSample]
 @functools.partial(jax.jit, static_argnames=("model",))
 def _predictions(model: DecoderLM, params: Any, tokens: jax.Array, answer_pos: jax.Array) -> jax.Array:
     """(B, R) int32: the argmax token at the position before each answer position (B, R)."""
-    logits = model.apply({"params": params}, tokens)
-    return jnp.argmax(jnp.take_along_axis(logits, answer_pos[..., None] - 1, axis=1), axis=-1)
+    return jnp.argmax(model.apply({"params": params}, tokens, logits_at=answer_pos - 1), axis=-1)
 
 
 def hits(model_cfg: ModelConfig, params: Any, samples: list[recall.RecallSample],

@@ -55,8 +55,8 @@ def _greedy_hits(model: DecoderLM, params: Any, tokens: jax.Array, answer_pos: j
                  logit_bits: jax.Array | None = None) -> jax.Array:
     """(B,) bool: the argmax at every answer position (B, K) predicts its answer token;
     `logit_bits` as in `scoring.token_nll`."""
-    logits = model.quantized(logit_bits).apply({"params": params}, tokens)
-    pred = jnp.argmax(jnp.take_along_axis(logits, answer_pos[..., None], axis=1), axis=-1)
+    logits = model.quantized(logit_bits).apply({"params": params}, tokens, logits_at=answer_pos)
+    pred = jnp.argmax(logits, axis=-1)
     return jnp.all((pred == answer_tok) | ~answer_mask, axis=-1)
 
 

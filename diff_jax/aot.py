@@ -138,8 +138,22 @@ def compile_train_step(config: Config, devices: list[Any] | None = None) -> dict
         "argument_gib": args / GiB, "temp_gib": temp / GiB,
         "peak_gib": (args + temp + out - alias) / GiB,
         "flops_per_chip": flops_per_chip(compiled),
+        **({"flops_note": note} if (note := _loops_counted_once(config)) else {}),
         "kernels": [dataclasses.asdict(k) for k in kernels],
     }
+
+
+def _loops_counted_once(config: Config) -> str | None:
+    """What `flops_per_chip` undercounts: XLA's cost analysis counts a loop's body once, and the
+    step loops over its micro-batches (`train.grad_accum`) and its loss chunks (`model.loss_chunk`)."""
+    t, chunk = config.train, config.model.loss_chunk
+    loops = [f"the {t.grad_accum} micro-batches (train.grad_accum)"] if t.grad_accum > 1 else []
+    if 0 < chunk < t.seq_len:
+        loops.append(f"the {-(-t.seq_len // chunk)} loss chunks (model.loss_chunk)")
+    if not loops:
+        return None
+    return ("flops_per_chip counts one pass of the loop over " + " and of the loop over ".join(loops)
+            + ": XLA's cost analysis counts a loop's body once")
 
 
 @contextlib.contextmanager

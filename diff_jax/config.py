@@ -85,6 +85,10 @@ class ModelConfig:
     # FlashDiff code) or `naive` (the reference's repeated sub-heads; see `attention._attend`)
     gqa_pairing: Literal["flash", "naive"] = "flash"
     remat: Literal["none", "full", "dots"] = "none"
+    # the next-token loss projects this many positions of a row onto the vocabulary at a time,
+    # recomputing them in the backward pass: (B, loss_chunk, vocab) float32 logits exist at once
+    # instead of (B, T, vocab); 0: all T positions at once
+    loss_chunk: int = 0
     attn_logit_bits: int | None = None  # analysis only: absmax fake-quantize attention logits
 
     def __post_init__(self) -> None:
@@ -94,6 +98,7 @@ class ModelConfig:
         _require(self.rope_theta > 0, "model.rope_theta", "must be positive")
         _require(self.norm_eps > 0, "model.norm_eps", "must be positive")
         _require(self.init_std > 0, "model.init_std", "must be positive")
+        _require(self.loss_chunk >= 0, "model.loss_chunk", "must be >= 0 (0: all positions at once)")
         kv = self.kv_heads
         _require(kv > 0, "model.num_kv_heads", "must be positive")
         _require(h % kv == 0, "model.num_kv_heads",

@@ -93,9 +93,8 @@ def target_count(batch: Batch) -> jax.Array:
 def loss_fn(params: Any, batch: Batch, model: DecoderLM, count: jax.Array | None = None) -> jax.Array:
     """Next-token cross-entropy () float32 summed over the counted targets of the (B, T) batch
     (`loss_mask`, default all) and divided by `count` (default: `target_count(batch)`, the mean)."""
-    logits = model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
-                         segment_ids=batch.get("segment_ids"))
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    ce = model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
+                     segment_ids=batch.get("segment_ids"), targets=batch["targets"])
     mask = batch.get("loss_mask")
     total = jnp.sum(ce if mask is None else ce * mask)
     return total / (target_count(batch) if count is None else count)

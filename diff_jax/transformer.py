@@ -45,6 +45,45 @@ class DecoderLayer(nn.Module):
         return nn.with_logical_constraint(out, ("batch", "length", "act_embed"))
 
 
+def _vocab_logits(x: jax.Array, head: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """x (B, T, E) @ head (E, vocab) in `dtype` -> logits (B, T, vocab) float32."""
+    logits = jnp.einsum("bte,ev->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
+    return nn.with_logical_constraint(logits, ("batch", "length", "act_vocab"))
+
+
+def _nll(x: jax.Array, head: jax.Array, targets: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """−log softmax(x @ head)[target] (B, T) float32, for x (B, T, E) and targets (B, T)."""
+    logits = _vocab_logits(x, head, dtype)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def next_token_nll(x: jax.Array, head: jax.Array, targets: jax.Array, dtype: jnp.dtype,
+                   chunk: int) -> jax.Array:
+    """The NLL (B, T) float32 of `targets` (B, T) under the logits x (B, T, E) @ head (E, vocab),
+    computed in `dtype`, `chunk` positions at a time (0: all at once).
+
+    Chunked, a `lax.scan` over the positions (T padded to a multiple of `chunk`) projects one
+    (B, chunk) slice at a time under `jax.checkpoint`: the backward pass recomputes each slice's
+    logits instead of keeping (B, T, vocab), at the cost of one more head matmul. `head` enters
+    the scan in its own dtype (float32 parameters), so its gradient sums over the chunks in it.
+    """
+    b, t, e = x.shape
+    if chunk == 0 or chunk >= t:
+        return _nll(x, head, targets, dtype)
+    pad = -t % chunk
+    xs = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, chunk, e).swapaxes(0, 1)
+    ts = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, -1, chunk).swapaxes(0, 1)
+    xs = nn.with_logical_constraint(xs, (None, "batch", "length", "act_embed"))
+
+    @jax.checkpoint
+    def one(x_c: jax.Array, t_c: jax.Array) -> jax.Array:
+        return _nll(x_c, head, t_c, dtype)
+
+    _, nll = jax.lax.scan(lambda _, xt: (None, one(*xt)), None, (xs, ts))
+    return nll.swapaxes(0, 1).reshape(b, -1)[:, :t]
+
+
 class DecoderLM(nn.Module):
     """tokens (B, T) int32 -> logits (B, T, vocab) float32.
 
@@ -59,7 +98,11 @@ class DecoderLM(nn.Module):
     projects only those positions of each row onto the vocabulary: logits (B, K, vocab), for a
     caller that reads a few positions (a prompt's last token, the answer positions of a
     retrieval item) instead of materializing (B, T, vocab); under jit a position outside
-    [−T, T) cannot be an error either: its logits are NaN. `attention_op`
+    [−T, T) cannot be an error either: its logits are NaN. `targets` (B, T) int returns their
+    next-token NLL (B, T) float32 instead of logits (`next_token_nll`, `model.loss_chunk`
+    positions of the vocabulary projection at a time); a target ≥ vocab gives NaN, a negative
+    one counts from the end as in NumPy.
+    `attention_op`
     (`AttentionOp.build(config, mesh, rules)`; None: built from `config` on the context mesh)
     is the one attention call of every layer.
 
@@ -88,9 +131,11 @@ class DecoderLM(nn.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         logits_at: jax.Array | None = None,
+        targets: jax.Array | None = None,
     ) -> jax.Array:
         """tokens (B, T) int32 -> logits (B, T, vocab) float32, or (B, K, vocab) at the positions
-        `logits_at` (B, K) in [0, T) (see the class docstring)."""
+        `logits_at` (B, K), or the NLL (B, T) float32 of `targets` (B, T) (see the class
+        docstring)."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -102,6 +147,12 @@ class DecoderLM(nn.Module):
                 or not jnp.issubdtype(logits_at.dtype, jnp.integer)):
             raise ValueError(f"logits_at must be (B, K) = ({b}, K) integer positions, got "
                              f"{logits_at.dtype} of shape {logits_at.shape}")
+        if targets is not None and (targets.shape != (b, t)
+                                    or not jnp.issubdtype(targets.dtype, jnp.integer)):
+            raise ValueError(f"targets must be (B, T) = ({b}, {t}) integer ids, got "
+                             f"{targets.dtype} of shape {targets.shape}")
+        if targets is not None and logits_at is not None:
+            raise ValueError("pass logits_at or targets, not both")
         embedding = self.param(
             "embed",
             nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ("vocab", "embed")),
@@ -132,8 +183,9 @@ class DecoderLM(nn.Module):
                 nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ("embed", "vocab")),
                 (cfg.embed_dim, cfg.vocab_size), jnp.float32,
             )
-        logits = jnp.einsum("bte,ev->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
-        return nn.with_logical_constraint(logits, ("batch", "length", "act_vocab"))
+        if targets is not None:
+            return next_token_nll(x, head, targets, dtype, cfg.loss_chunk)
+        return _vocab_logits(x, head, dtype)
 
 
 def layer_lambdas(params: dict, config: ModelConfig) -> jax.Array:

@@ -42,11 +42,11 @@ def _masked(batch, seed=1):
 
 
 @functools.cache
-def _built(mesh_cfg, one_device=False, grad_accum=1):
-    """The training loop's steps (`build_steps`) of the tests' model on `mesh_cfg` (all 8
-    devices, or the first alone) and its jitted loss and grads, built once for the module: the
-    tests that compare a mesh or a grad_accum with another share what each one compiles."""
-    config = Config(model=MODEL, optim=OptimConfig(warmup_steps=0), mesh=mesh_cfg,
+def _built(mesh_cfg, one_device=False, grad_accum=1, model=MODEL):
+    """The training loop's steps (`build_steps`) of `model` on `mesh_cfg` (all 8 devices, or
+    the first alone) and its jitted loss and grads, built once for the module: the tests that
+    compare a mesh or a grad_accum with another share what each one compiles."""
+    config = Config(model=model, optim=OptimConfig(warmup_steps=0), mesh=mesh_cfg,
                     train=TrainConfig(steps=10, batch_size=8, seq_len=16, grad_accum=grad_accum))
     built = build_steps(config, make_mesh(mesh_cfg, jax.devices()[:1] if one_device else None))
     grads = jax.jit(functools.partial(loss_and_grads, model=built.model, grad_accum=grad_accum),
@@ -54,10 +54,10 @@ def _built(mesh_cfg, one_device=False, grad_accum=1):
     return built, grads
 
 
-def _sharded(mesh_cfg, one_device=False, grad_accum=1, steps=1, batch=None):
+def _sharded(mesh_cfg, one_device=False, grad_accum=1, steps=1, batch=None, model=MODEL):
     """(state after `steps` train steps, loss, grads of the initial params, metrics) on a mesh,
     with the training loop's steps (`_built`), from a fresh init."""
-    built, loss_and_grads_fn = _built(mesh_cfg, one_device, grad_accum)
+    built, loss_and_grads_fn = _built(mesh_cfg, one_device, grad_accum, model)
     with built.context():
         state = built.init(jax.random.PRNGKey(0))
         batch = jax.device_put(_batch() if batch is None else batch, built.batch_sharding)
@@ -161,6 +161,18 @@ def test_grad_accumulation_with_a_loss_mask_equals_one_step_on_the_whole_batch()
     assert counts[0] != counts[1]
     np.testing.assert_allclose(loss2, loss1, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), grads2, grads1)
+
+
+def test_a_chunked_loss_on_the_mesh_equals_the_whole_loss_on_one_device():
+    """`model.loss_chunk` 5 of T = 16 (a padded last chunk), with the vocabulary projection on
+    `tensor` and the rows on `data` × `fsdp`: the loss and gradients of one device's unchunked
+    loss (float32, as the mesh test above)."""
+    batch = _masked(_batch())
+    _, loss1, grads1, _ = _sharded(MeshConfig(data=1, fsdp=1, tensor=1), one_device=True, batch=batch)
+    _, loss8, grads8, _ = _sharded(MeshConfig(data=2, fsdp=2, tensor=2), batch=batch,
+                                   model=dataclasses.replace(MODEL, loss_chunk=5))
+    np.testing.assert_allclose(loss8, loss1, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), grads8, grads1)
 
 
 def test_loss_is_the_mean_cross_entropy_over_the_masked_targets():

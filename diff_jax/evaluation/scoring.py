@@ -28,10 +28,8 @@ def token_nll(model: DecoderLM, params: Any, tokens: jax.Array, targets: jax.Arr
     """−log p(target | prefix) per position (B, T), normalized over the full output vocabulary;
     `logit_bits` (int32 scalar) quantizes an xla-path model's attention logits
     (`DecoderLM.quantized`), one program for every width."""
-    logits = model.quantized(logit_bits).apply({"params": params}, tokens, positions=positions,
-                                               segment_ids=segment_ids)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return model.quantized(logit_bits).apply({"params": params}, tokens, positions=positions,
+                                             segment_ids=segment_ids, targets=targets)
 
 
 def batch_nll(model_cfg: ModelConfig, params: Any, batch: Batch,

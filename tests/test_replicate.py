@@ -166,7 +166,8 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch, capsy
             raise AssertionError("a finished model was trained or evaluated again")
 
         m.setattr(replicate.train_loop, "run", never)
-        m.setattr(replicate.evaluation, "run_task", never)
+        m.setattr(replicate.evaluation, "load", never)
+        m.setattr(replicate.evaluation, "evaluate", never)
         assert replicate.main(["--preset", "micro", "--out", str(tmp_path / "again"),
                                "--finished-from", str(tmp_path / "back")]) == 0
     assert json.loads((tmp_path / "again" / "results.json").read_text()) == data
@@ -866,7 +867,8 @@ def test_finished_models_of_another_machine_are_taken_only_on_the_same_corpus_an
         raise AssertionError("a finished model was trained or evaluated again")
 
     monkeypatch.setattr(replicate.train_loop, "run", never)
-    monkeypatch.setattr(evaluation, "run_task", never)
+    monkeypatch.setattr(evaluation, "load", never)
+    monkeypatch.setattr(evaluation, "evaluate", never)
     finished = replicate.train_and_evaluate(micro, "diff", 0, "scaled", out)
     assert finished == run_dir(out, "diff", 0, "scaled")
     assert replicate.adopt_finished(micro, 0, "scaled", out, src) == []  # finished here now
@@ -1513,7 +1515,7 @@ def test_jobs_evaluate_what_the_preset_names_and_each_seed_trains_its_own_model(
     eval_batches, niah its grid and lengths, attention and quant the training length), a recall
     model's learning curve has every checkpoint up to the last (cpu-recall: 300, 600, …, 3000),
     a seed's config trains under that seed on that seed's corpus, and each job's JSON is read
-    where run_task writes it. Jobs on the EvalOptions defaults, a curve without its last step,
+    where evaluate writes it. Jobs on the EvalOptions defaults, a curve without its last step,
     configs that all trained seed 0 and a JSON named after the job passed every unit test
     (the two pipeline tests run one seed each)."""
     from diff_jax.experiments.layout import eval_json
@@ -1532,7 +1534,7 @@ def test_jobs_evaluate_what_the_preset_names_and_each_seed_trains_its_own_model(
     assert (jobs["quant"].needles, jobs["quant"].queries) == micro.quant_niah
     assert jobs["outliers"].tokens == micro.outlier_tokens == 128
     for name, options in [*jobs.items(), *replicate.recall_jobs(presets.PRESETS["cpu-recall"])]:
-        # where the skip check and the reports look is where run_task writes: OUT_DIR/TASK.json
+        # where the skip check and the reports look is where evaluate writes: OUT_DIR/TASK.json
         assert eval_json(tmp_path, name) == tmp_path / "replicate" / name / f"{options.task}.json"
     recall_preset = presets.PRESETS["cpu-recall"]
     curve = [(name, o) for name, o in replicate.recall_jobs(recall_preset) if "-step" in name]
@@ -1552,31 +1554,36 @@ def test_a_rerun_evaluates_only_jobs_of_another_step_and_adds_up_the_wall_time(t
     model's step is skipped, one holding another step (the model trained further since) is run
     again; wall.json adds each invocation's seconds to what earlier ones recorded. A skip on the
     JSON's existence alone (stale results) and a wall time that replaced the earlier one passed
-    every test."""
+    every test. The jobs of one step share one load of its checkpoint."""
     import types
 
     from diff_jax import evaluation
 
     micro = presets.PRESETS["micro"]
-    status, evaluated = ["done"], []
+    status, evaluated, loads = ["done"], [], []
 
     def fake_train(config):
         return types.SimpleNamespace(status=status[0], step=config.train.steps)
 
-    def fake_task(options, overrides):
-        evaluated.append(Path(options.out_dir).name)
-        path = Path(options.out_dir) / f"{options.task}.json"
+    def fake_load(options, overrides):
+        loads.append(options.step)
+        return evaluation.Loaded(None, None, "fake", 4, Path(options.out_dir))
+
+    def fake_evaluate(loaded, options):
+        evaluated.append(loaded.out_dir.name)
+        path = loaded.out_dir / f"{options.task}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"step": 4}))
+        path.write_text(json.dumps({"step": loaded.step}))
 
     monkeypatch.setattr(replicate.train_loop, "run", fake_train)
-    monkeypatch.setattr(evaluation, "run_task", fake_task)
+    monkeypatch.setattr(evaluation, "load", fake_load)
+    monkeypatch.setattr(evaluation, "evaluate", fake_evaluate)
     run = tmp_path / "runs" / "diff-scaled-s0"
     run.mkdir(parents=True)
     (run / "wall.json").write_text(json.dumps({"train_s": 100.0, "eval_ppl_s": 7.0}))
     names = [name for name, _ in replicate.lm_jobs(micro)]
     assert replicate.train_and_evaluate(micro, "diff", 0, "scaled", tmp_path) == run
-    assert evaluated == names
+    assert evaluated == names and loads == [None]  # one load for the six jobs of the step
     wall = json.loads((run / "wall.json").read_text())
     assert wall["train_s"] > 100.0 and wall["eval_ppl_s"] > 7.0
     status[0] = "already done"

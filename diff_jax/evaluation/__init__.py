@@ -27,12 +27,18 @@ TASK_FUNCTIONS: dict[str, Callable[[Loaded, EvalOptions], Report]] = {
 }
 assert tuple(TASK_FUNCTIONS) == TASKS
 
-__all__ = ["EvalError", "EvalOptions", "Loaded", "Report", "load", "parse_args", "run", "run_task"]
+__all__ = ["EvalError", "EvalOptions", "Loaded", "Report", "evaluate", "load", "parse_args", "run",
+           "run_task"]
 
 
 def run_task(options: EvalOptions, overrides: Sequence[str]) -> tuple[Report, Path]:
     """Load, run `options.task`, write its JSON; (report, JSON path)."""
-    loaded = load(options, overrides)
+    return evaluate(load(options, overrides), options)
+
+
+def evaluate(loaded: Loaded, options: EvalOptions) -> tuple[Report, Path]:
+    """Run `options.task` on what `load` returned, write its JSON into `loaded.out_dir`; (report,
+    JSON path). Several tasks of one checkpoint load it once (a replication's evaluations)."""
     loaded.out_dir.mkdir(parents=True, exist_ok=True)
     report = TASK_FUNCTIONS[options.task](loaded, options)
     header = {"task": options.task, "checkpoint": loaded.source, "step": loaded.step,

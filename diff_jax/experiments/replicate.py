@@ -6,8 +6,9 @@
 
 For each init of the preset (`model.output_init`; `--inits` picks some of them), seed and model
 it runs `train.py`'s loop (DIR/runs/VARIANT-INIT-sSEED; re-running resumes from the latest
-checkpoint) and then the evaluations through `diff_jax.evaluation.run_task`, each into
-RUN/replicate/JOB/ (a job whose JSON already holds its step is skipped). First each seed's corpus
+checkpoint) and then the evaluations through `diff_jax.evaluation.evaluate`, each into
+RUN/replicate/JOB/ (a job whose JSON already holds its step is skipped; each checkpoint step is
+loaded once for all its jobs). First each seed's corpus
 is written once (`prepare_corpus`, DIR/data/corpus-sSEED) and every model of the seed reads it
 (DIR/replicate.json names the preset: a DIR holding another preset's runs is refused). A
 language-modeling preset runs ppl, niah (one per (N, R) of its grid), attention, outliers and
@@ -182,9 +183,13 @@ def train_and_evaluate(preset: Preset | RecallPreset, variant: str, seed: int, i
     if result.status != "already done":
         _add_wall(run, "train_s", time.perf_counter() - t0)
     record_device(run)
+    loaded: dict[int | None, evaluation.Loaded] = {}  # each checkpoint step loaded once
     for name, options in todo:
         t0 = time.perf_counter()
-        evaluation.run_task(_at(options, run, eval_json(run, name).parent), [])
+        out_dir = eval_json(run, name).parent
+        if options.step not in loaded:
+            loaded[options.step] = evaluation.load(_at(options, run, out_dir), [])
+        evaluation.evaluate(dataclasses.replace(loaded[options.step], out_dir=out_dir), options)
         _add_wall(run, f"eval_{name}_s", time.perf_counter() - t0)
     return run
 

@@ -55,9 +55,10 @@ def _built(mesh_cfg, one_device=False, grad_accum=1, model=MODEL):
 
 
 def _sharded(mesh_cfg, one_device=False, grad_accum=1, steps=1, batch=None, model=MODEL):
-    """(state after `steps` train steps, loss, grads of the initial params, metrics) on a mesh,
-    with the training loop's steps (`_built`), from a fresh init."""
+    """(state after `steps` train steps, loss, grads of the initial params, metrics: None
+    without steps) on a mesh, with the training loop's steps (`_built`), from a fresh init."""
     built, loss_and_grads_fn = _built(mesh_cfg, one_device, grad_accum, model)
+    metrics = None
     with built.context():
         state = built.init(jax.random.PRNGKey(0))
         batch = jax.device_put(_batch() if batch is None else batch, built.batch_sharding)
@@ -163,16 +164,15 @@ def test_grad_accumulation_with_a_loss_mask_equals_one_step_on_the_whole_batch()
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), grads2, grads1)
 
 
-def test_a_chunked_loss_on_the_mesh_equals_the_whole_loss_on_one_device():
+def test_a_chunked_loss_on_the_mesh_equals_the_whole_loss():
     """`model.loss_chunk` 5 of T = 16 (a padded last chunk), with the vocabulary projection on
-    `tensor` and the rows on `data` × `fsdp`: the loss and gradients of one device's unchunked
-    loss (float32, as the mesh test above)."""
-    batch = _masked(_batch())
-    _, loss1, grads1, _ = _sharded(MeshConfig(data=1, fsdp=1, tensor=1), one_device=True, batch=batch)
-    _, loss8, grads8, _ = _sharded(MeshConfig(data=2, fsdp=2, tensor=2), batch=batch,
-                                   model=dataclasses.replace(MODEL, loss_chunk=5))
-    np.testing.assert_allclose(loss8, loss1, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), grads8, grads1)
+    `tensor` and the rows on `data` × `fsdp`: the loss and gradients of the unchunked loss on
+    the same mesh (which the test above holds to one device's; float32, as there)."""
+    mesh = MeshConfig(data=2, fsdp=2, tensor=2)
+    _, loss, grads, _ = _sharded(mesh, steps=0)
+    _, chunked, chunked_grads, _ = _sharded(mesh, steps=0, model=dataclasses.replace(MODEL, loss_chunk=5))
+    np.testing.assert_allclose(chunked, loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), chunked_grads, grads)
 
 
 def test_loss_is_the_mean_cross_entropy_over_the_masked_targets():

@@ -183,13 +183,13 @@ def train_and_evaluate(preset: Preset | RecallPreset, variant: str, seed: int, i
     if result.status != "already done":
         _add_wall(run, "train_s", time.perf_counter() - t0)
     record_device(run)
-    loaded: dict[int | None, evaluation.Loaded] = {}  # each checkpoint step loaded once
+    step, loaded = -1, None  # the jobs of one checkpoint step follow each other: one load
     for name, options in todo:
         t0 = time.perf_counter()
         out_dir = eval_json(run, name).parent
-        if options.step not in loaded:
-            loaded[options.step] = evaluation.load(_at(options, run, out_dir), [])
-        evaluation.evaluate(dataclasses.replace(loaded[options.step], out_dir=out_dir), options)
+        if loaded is None or options.step != step:
+            step, loaded = options.step, evaluation.load(_at(options, run, out_dir), [])
+        evaluation.evaluate(dataclasses.replace(loaded, out_dir=out_dir), options)
         _add_wall(run, f"eval_{name}_s", time.perf_counter() - t0)
     return run
 

@@ -269,14 +269,17 @@ def test_a_chunked_loss_keeps_a_chunk_of_the_logits_not_all_of_them():
     assert full - chunked > 1.5 * logits, (full, chunked)
 
 
-@pytest.mark.parametrize("kw", [dict(targets=jnp.zeros((2, T - 1), jnp.int32)),
-                                dict(targets=jnp.zeros((2, T), jnp.float32)),
-                                dict(targets=jnp.zeros((2, T), jnp.int32),
-                                     logits_at=jnp.zeros((2, 1), jnp.int32))])
-def test_targets_that_are_not_one_id_per_token_are_refused(kw):
+_NOT_IDS = r"targets must be \(B, T\) = \(2, 16\) integer ids, got "
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(targets=jnp.zeros((2, T - 1), jnp.int32)), _NOT_IDS + "int32 of shape"),
+    (dict(targets=jnp.zeros((2, T), jnp.float32)), _NOT_IDS + "float32 of shape"),
+    (dict(targets=jnp.zeros((2, T), jnp.int32), logits_at=jnp.zeros((2, 1), jnp.int32)),
+     "pass logits_at or targets, not both")])
+def test_targets_that_are_not_one_id_per_token_are_refused(kw, says):
     model, variables, tokens = _init(_cfg("diff", num_layers=1))
-    with pytest.raises(ValueError, match=r"targets must be \(B, T\) = \(2, 16\) integer ids, got |"
-                                         r"pass logits_at or targets, not both"):
+    with pytest.raises(ValueError, match=says):
         model.apply(variables, tokens, **kw)
 
 

@@ -21,8 +21,19 @@ from diff_jax.config import ConfigError
 from kernels import flash_mgpu, hopper, ptxas
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_AOT = (importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
-            and importlib.util.find_spec("nvidia.cu13") is not None)
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported, a dotted name whose parent package is absent included
+    (`find_spec` imports the parent and raises then: without the cuda-aot extra there is no
+    `jax_plugins` or `nvidia` package)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+CUDA_AOT = _installed("jax_plugins.xla_cuda13") and _installed("nvidia.cu13")
 needs_cuda_aot = pytest.mark.skipif(not CUDA_AOT, reason="the cuda-aot extra (CUDA plugin and "
                                     "ptxas) is not installed")
 NVDISASM = CUDA_AOT and (Path(importlib.util.find_spec("nvidia.cu13").submodule_search_locations[0])

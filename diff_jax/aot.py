@@ -1,7 +1,8 @@
 """Ahead-of-time compilation of the sharded train step, for local devices, a TPU slice or GPUs.
 
 `train.compile_only=true train.compile_topology=v5p:4x4x4` compiles on a CPU machine for a slice
-you do not have (needs libtpu: `pip install "jax[tpu]"`); `train.compile_topology=h100:8` does the
+you do not have (needs libtpu: `pip install "jax[tpu]"`; `train.compile_slices=N` for N of them
+joined by the data-center network, a multi-slice job); `train.compile_topology=h100:8` does the
 same for eight H100s in one host (needs the CUDA plugin and ptxas, not a GPU: the `cuda-aot`
 extra), which compiles the Mosaic GPU kernels to sm_90a machine code as a GPU run would. Either
 reports per-device memory against the device's memory and per-device FLOPs of one step, for the
@@ -92,16 +93,22 @@ def gpu_devices(topology: str) -> list[Any]:
                           "(pip install -e '.[cuda-aot]')") from e
 
 
-def topology_devices(topology: str) -> list[Any]:
+def topology_devices(topology: str, slices: int = 1) -> list[Any]:
     """The devices of a TPU slice description such as `v5p:4x4x4` (no TPU needed, libtpu is),
-    or of GPUs such as `h100:8` (`gpu_devices`)."""
+    `slices` of them joined by the data-center network (a multi-slice job: each device's
+    `slice_index` says which), or of GPUs such as `h100:8` (`gpu_devices`)."""
     from jax.experimental import topologies
 
     if topology.split(":")[0] in GPU_TARGETS:
+        if slices != 1:
+            raise ConfigError(f"train.compile_slices={slices}: slices are TPU slices; "
+                              f"train.compile_topology={topology!r} describes GPUs in one host")
         return gpu_devices(topology)
     describe_missing_tpu_host(topology)
     try:
-        return list(topologies.get_topology_desc(topology, platform="tpu").devices)
+        return list(topologies.get_topology_desc(topology, platform="tpu",
+                                                 **({"num_slices": slices} if slices > 1 else {})
+                                                 ).devices)
     except Exception as e:  # libtpu missing or an unknown topology name
         raise ConfigError(f"train.compile_topology={topology!r}: cannot describe this TPU slice "
                           f"({type(e).__name__}: {e}); it needs libtpu (pip install 'jax[tpu]') "
@@ -199,12 +206,13 @@ def flops_per_chip(compiled: Any) -> float | None:
 
 def report(config: Config) -> dict[str, Any]:
     """Print (and return) the compile report of `config` as JSON."""
-    topology = config.train.compile_topology
-    devices = topology_devices(topology) if topology else None
+    topology, slices = config.train.compile_topology, config.train.compile_slices
+    devices = topology_devices(topology, slices) if topology else None
     result = compile_train_step(config, devices)
     if topology:
         hbm = HBM_BYTES.get(topology.split(":")[0])
         result["topology"] = topology
+        result["slices"] = slices
         result["hbm_gib"] = hbm / GiB if hbm else None
         result["fits"] = None if hbm is None else result["peak_gib"] * GiB <= hbm
     print(json.dumps(result, indent=1))

@@ -367,6 +367,7 @@ class TrainConfig:
     profile_python: bool = False  # also JAX's Python tracer (on in jax.profiler's defaults)
     compile_only: bool = False  # AOT-compile the train step, print memory, do not train
     compile_topology: str | None = None  # v5p:4x4x4 (libtpu) or h100:8 (cuda-aot); None: local
+    compile_slices: int = 1  # TPU slices of compile_topology (a multi-slice job over DCN)
     init_from: str | None = None  # fine-tune: a fresh run's parameters from an export/run/step dir
     compile_cache_dir: str | None = None  # compiled programs kept for later runs (resume, seeds)
 
@@ -397,6 +398,9 @@ class TrainConfig:
                  "is traced")
         _require(self.compile_topology is None or self.compile_only, "train.compile_topology",
                  "only used with train.compile_only=true")
+        _require(self.compile_slices >= 1, "train.compile_slices", "must be >= 1")
+        _require(self.compile_slices == 1 or self.compile_topology is not None,
+                 "train.compile_slices", "only used with train.compile_topology (a TPU slice)")
         _require(self.batch_size % self.grad_accum == 0, "train.grad_accum",
                  f"must divide train.batch_size ({self.batch_size})")
 

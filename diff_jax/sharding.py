@@ -7,6 +7,7 @@ construction. Divisibility is checked on that abstract tree, before anything com
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Any, Sequence
 
@@ -41,13 +42,51 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh with Auto axis types over `devices` (default: all)."""
+    """A (data, fsdp, tensor) mesh with Auto axis types over `devices` (default: all).
+
+    Devices of several TPU slices (a multi-slice job; their `slice_index` differs) get a hybrid
+    mesh in which `data` alone crosses slices (`slice_devices`)."""
     types = (AxisType.Auto,) * len(AXES)
+    present = jax.devices() if devices is None else list(devices)
+    if num_slices(present) > 1:
+        return Mesh(slice_devices(cfg, present), AXES, axis_types=types)
+    shape = tuple(mesh_shape(cfg, len(present))[a] for a in AXES)
     if devices is None:  # let jax order the devices for the physical topology
-        shape = tuple(mesh_shape(cfg, jax.device_count())[a] for a in AXES)
         return jax.make_mesh(shape, AXES, axis_types=types)
-    shape = tuple(mesh_shape(cfg, len(devices))[a] for a in AXES)
-    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=types)
+    return Mesh(np.asarray(present).reshape(shape), AXES, axis_types=types)
+
+
+def num_slices(devices: Sequence[Any]) -> int:
+    """How many TPU slices `devices` span (1 for devices without a `slice_index`: CPUs, GPUs)."""
+    return len({getattr(d, "slice_index", 0) for d in devices})
+
+
+def slice_devices(cfg: MeshConfig, devices: Sequence[Any]) -> np.ndarray:
+    """The (data, fsdp, tensor) device array of a multi-slice job: slice s holds the data rows
+    [s·D/S, (s+1)·D/S) of the mesh with all of fsdp and tensor, laid out on its own chips'
+    interconnect (ICI) as `jax.make_mesh` lays out one slice. So only the data axis' gradient
+    all-reduce crosses the slower network between slices (DCN); fsdp's gathers and tensor's
+    reductions stay inside a slice. Raises `ShardingError` unless the slices are of one size and
+    the mesh fits them so."""
+    sizes = mesh_shape(cfg, len(devices))
+    per_slice = collections.Counter(getattr(d, "slice_index", 0) for d in devices)
+    slices = len(per_slice)
+    if len(set(per_slice.values())) > 1:
+        raise ShardingError(f"the devices span {slices} TPU slices of unequal sizes "
+                            f"({dict(sorted(per_slice.items()))} devices by slice_index); a mesh "
+                            "needs slices of one size")
+    chips = len(devices) // slices
+    if sizes["data"] % slices:
+        raise ShardingError(
+            f"mesh.data={sizes['data']}: the devices span {slices} TPU slices of {chips} devices, "
+            f"and only the data axis crosses slices: mesh.data must be a multiple of {slices} "
+            f"(mesh.fsdp × mesh.tensor = {sizes['fsdp'] * sizes['tensor']} must divide {chips})")
+    from jax.experimental import mesh_utils
+
+    ici = (sizes["data"] // slices, sizes["fsdp"], sizes["tensor"])
+    split = devices[0].device_kind in ("TPU v5 lite", "TPU v5e")  # as jax.make_mesh
+    return mesh_utils.create_hybrid_device_mesh(ici, (slices, 1, 1), devices,
+                                                allow_split_physical_axes=split)
 
 
 def check_mesh(mesh: Mesh) -> None:

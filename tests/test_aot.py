@@ -4,6 +4,7 @@ fused kernel compiles inside it for a TPU slice and lowers for CUDA (on this CPU
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 
 import jax
@@ -43,6 +44,9 @@ def test_fsdp_divides_the_state_across_devices():
 def test_unknown_topology_is_a_config_error():
     with pytest.raises(ConfigError, match="train.compile_topology='v0x:9'"):
         topology_devices("v0x:9")
+    with pytest.raises(ConfigError, match=r"^train.compile_slices=2: slices are TPU slices; "
+                                          r"train.compile_topology='h100:8' describes GPUs"):
+        topology_devices("h100:8", 2)
 
 
 SHARDED = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "model.dtype=bfloat16",
@@ -66,6 +70,38 @@ def test_sharded_pallas_step_compiles_for_a_tpu_slice(d):
     assert fused["attention_impl"] == "pallas" and fused["devices"] == 8
     assert fused["flops_per_chip"] > 0
     assert abs(fused["flops_per_chip"] / oracle["flops_per_chip"] - 1) < 0.15, (fused, oracle)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu not installed (optional extra: jax[tpu])")
+def test_the_sharded_step_compiles_for_two_tpu_slices_with_only_data_across_them(capsys):
+    """train.compile_slices=2: two v5p:2x2x1 slices joined by the data-center network. Each
+    slice holds one row of the data axis whole (its fsdp and tensor groups), so only the data
+    axis' collectives cross slices; the compiled program, the fused kernel inside, is libtpu's
+    multi-slice one (its cross-slice collectives go through Megascale). A mesh that would put
+    fsdp across the slices is refused in one line."""
+    from diff_jax.aot import report
+    from diff_jax.sharding import ShardingError, make_mesh
+    from diff_jax.step import build_steps
+
+    two = ["train.compile_only=true", "train.compile_topology=v5p:2x2x1", "train.compile_slices=2"]
+    result = report(load_config(None, MODEL + ["mesh.data=2", "mesh.fsdp=4"] + two))
+    assert json.loads(capsys.readouterr().out)["slices"] == 2
+    assert (result["devices"], result["slices"]) == (8, 2)
+    assert result["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1} and result["fits"]
+
+    config = load_config(None, MODEL + ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                        "model.attention_impl=pallas"] + two)  # the fused kernel
+    mesh = make_mesh(config.mesh, topology_devices("v5p:2x2x1", 2))
+    assert [{d.slice_index for d in row.flat} for row in mesh.devices] == [{0}, {1}]
+    steps = build_steps(config, mesh)
+    with steps.context():
+        text = steps.train.lower(steps.abstract, steps.abstract_batch(8, 16)).compile().as_text()
+    assert "num_partitions=4" in text  # a program of one slice's chips
+    assert "tpu_custom_call" in text  # the Mosaic TPU kernel
+    assert "MegascaleRendezvousKeyName" in text  # and collectives between the slices
+    with pytest.raises(ShardingError, match=r"^mesh.data=1: the devices span 2 TPU slices"):
+        report(load_config(None, MODEL + ["mesh.data=1", "mesh.fsdp=8"] + two))
 
 
 @pytest.mark.parametrize("embed_dim,kernel", [(256, "mosaic_gpu"), (64, TRITON)],

@@ -89,6 +89,8 @@ def test_overrides_parse_yaml_values():
     (["data.mixture=files:1,tokens:1", "data.paths=/x"],
      r"data\.mixture: files and tokens both read data\.paths"),
     (["train.profile_steps=2", "train.profile_start=0"], r"train\.profile_start: must be >= 1"),
+    (["train.compile_slices=0"], r"train\.compile_slices: must be >= 1"),
+    (["train.compile_slices=2"], r"train\.compile_slices: only used with train\.compile_topology"),
     (["checkpoint.resume_step=0"], r"checkpoint\.resume_step: must be a positive step"),
     (["train.steps=true"], r"train\.steps: expected an integer, got True"),
     (["optim.lr=.inf"], r"optim\.lr: expected a finite number, got inf"),

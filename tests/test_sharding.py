@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from diff_jax.config import Config, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from diff_jax.optim import decay_mask, make_optimizer, schedule
-from diff_jax.sharding import ShardingError, check_batch, make_mesh, mesh_shape
+from diff_jax.sharding import (ShardingError, check_batch, make_mesh, mesh_shape, num_slices,
+                               slice_devices)
 from diff_jax.step import build_steps, loss_and_grads, loss_fn, state_shardings
 from diff_jax.transformer import DecoderLM
 
@@ -75,6 +76,47 @@ def test_mesh_shape_resolves_the_rest_and_reports_mismatch():
         mesh_shape(MeshConfig(data=3, fsdp=2, tensor=2), 8)
     with pytest.raises(ShardingError, match="mesh.data=-1: 8 devices are not divisible by"):
         mesh_shape(MeshConfig(data=-1, fsdp=3, tensor=1), 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SliceDevice:
+    """A stand-in for a TPU device of a multi-slice job: what the layout reads of one."""
+
+    id: int
+    slice_index: int
+    platform: str = "cpu"  # no TPU coordinates: one slice is laid out in device order
+    device_kind: str = "cpu"
+
+
+@pytest.mark.parametrize("slices,sizes", [(2, (2, 4, 1)), (2, (4, 2, 1)), (2, (2, 2, 2)),
+                                          (2, (8, 1, 1)), (4, (4, 1, 2)), (4, (8, 2, 1))])
+def test_a_multi_slice_mesh_crosses_slices_on_the_data_axis_only(slices, sizes):
+    """Slice s holds the data rows [s·D/S, (s+1)·D/S) with all of fsdp and tensor: every fsdp
+    and tensor group lies in one slice, and each device stands in the mesh once. The devices
+    come in no particular order."""
+    n = int(np.prod(sizes))
+    devices = [_SliceDevice(i, i // (n // slices)) for i in range(n)][::-1]
+    assert num_slices(devices) == slices
+    grid = slice_devices(MeshConfig(*sizes), devices)
+    assert grid.shape == sizes
+    assert sorted(d.id for d in grid.flat) == list(range(n))
+    per_slice = sizes[0] // slices
+    for row in range(sizes[0]):
+        assert {d.slice_index for d in grid[row].flat} == {row // per_slice}
+
+
+def test_a_multi_slice_mesh_that_would_cross_slices_elsewhere_is_refused():
+    devices = [_SliceDevice(i, i // 4) for i in range(8)]
+    with pytest.raises(ShardingError, match=r"^mesh.data=1: the devices span 2 TPU slices of 4 "
+                                            r"devices, and only the data axis crosses slices: "
+                                            r"mesh.data must be a multiple of 2 \(mesh.fsdp × "
+                                            r"mesh.tensor = 8 must divide 4\)$"):
+        slice_devices(MeshConfig(data=1, fsdp=8), devices)
+    uneven = [_SliceDevice(i, int(i >= 5)) for i in range(8)]
+    with pytest.raises(ShardingError, match=r"2 TPU slices of unequal sizes \(\{0: 5, 1: 3\} "):
+        slice_devices(MeshConfig(data=-1), uneven)
+    assert num_slices(jax.devices()) == 1  # CPU devices have no slice_index
+    assert make_mesh(MeshConfig(data=2, fsdp=4)).devices.shape == (2, 4, 1)
 
 
 def test_divisibility_is_checked_before_compiling_naming_dimension_and_axis():

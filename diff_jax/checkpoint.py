@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from diff_jax.config import CheckpointConfig, Config
+from diff_jax.config import CheckpointConfig, Config, ConfigError, ModelConfig, from_dict
 from diff_jax.file_errors import naming
 from diff_jax.output_dir import write_whole
 
@@ -186,13 +186,58 @@ def recorded_checksums(saved: Any, step: int | None, where: Path) -> dict[str, s
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter: grain.DatasetIterator,
          config: Config) -> None:
     """Start saving `step` with its checksums (async when configured); the checksums are computed
-    now, before `state` can be donated. `mngr.wait_until_finished()` before exit."""
-    mngr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        data_iter=grain.checkpoint.CheckpointSave(data_iter),
-        config=ocp.args.JsonSave(config.to_dict()),
-        checksums=ocp.args.JsonSave(checksums_record(state)),
-    ), force=True)
+    now, before `state` can be donated. `wait(mngr)` before exit. When this save, or the async
+    one before it, fails: `OSError` naming the step's directory (`_write_errors`)."""
+    with _write_errors(mngr):
+        mngr.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data_iter=grain.checkpoint.CheckpointSave(data_iter),
+            config=ocp.args.JsonSave(config.to_dict()),
+            checksums=ocp.args.JsonSave(checksums_record(state)),
+        ), force=True)
+
+
+def wait(mngr: ocp.CheckpointManager) -> None:
+    """Block until the async save in flight has committed; `OSError` when it failed."""
+    with _write_errors(mngr):
+        mngr.wait_until_finished()
+
+
+def check_saves(mngr: ocp.CheckpointManager) -> None:
+    """`OSError` when an async save has failed since the last check (without waiting for one
+    in flight): a training loop calls it every step, so a full disk stops the run at
+    the step after the failure, not at the next save."""
+    with _write_errors(mngr):
+        mngr.check_for_errors()
+
+
+@contextlib.contextmanager
+def _write_errors(mngr: ocp.CheckpointManager) -> Iterator[None]:
+    """A failed write, which orbax raises from `save`, `check_for_errors` or
+    `wait_until_finished` -> an `OSError` naming the step's temporary directory and the
+    operating system's reason (tensorstore raises ValueErrors that carry the errno as
+    `[os_error_code='28']`; an OSError passes as it is), or a one-line `CheckpointError` when the
+    error gives no errno. A step is committed by renaming its finished temporary directory, so
+    the steps before it are intact and a re-run resumes from the newest."""
+    try:  # only orbax calls run inside: none raises a CheckpointError of ours
+        yield
+    except OSError:
+        raise
+    except Exception as e:
+        directory = Path(mngr.directory)
+        chain = [e]
+        while len(chain) < 16 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+            chain.append(chain[-1].__cause__ or chain[-1].__context__)
+        text = " ".join(str(x) for x in chain)
+        step = re.search(re.escape(str(directory)) + r"/(\d+\.orbax-checkpoint-tmp)", text)
+        where = directory / step.group(1) if step else directory
+        code = re.search(r"os_error_code='(\d+)'", text)
+        if code:
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(where)) from e
+        inner = chain[-1]
+        first = (str(inner).strip().splitlines() or [""])[0][:300]
+        raise CheckpointError(f"cannot save a checkpoint in {where}: {type(inner).__name__}: "
+                              f"{first}") from e
 
 
 def tree_shapes(params: Any) -> dict[str, tuple[int, ...]]:
@@ -248,32 +293,48 @@ def check_optimizer_state(saved: Any, expected: Any, step: int) -> None:
 
 
 def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
-            data_iter: grain.DatasetIterator) -> tuple[Any, dict]:
+            data_iter: grain.DatasetIterator, model: ModelConfig) -> tuple[Any, dict]:
     """(state, the config dict it was saved with): restore `step` onto the shardings in `target`
     (ShapeDtypeStructs) and verify its checksums; sets `data_iter`'s state.
-    `DamagedCheckpointError` when it cannot be read or does not verify."""
+    `DamagedCheckpointError` when it cannot be read or does not verify; `CheckpointError` when
+    it was written for another model than `model` (shapes, or `ModelConfig.difference`) or
+    another optimizer."""
     where = Path(mngr.directory) / str(step)
     metadata = _state_metadata(mngr, step, where)
     try:
         check_shapes(tree_shapes(metadata["params"]), tree_shapes(target.params), "checkpoint ")
         check_optimizer_state(metadata["opt_state"], target.opt_state, step)
     except CheckpointError as e:  # most often an override the first invocation had
-        run_dir = Path(mngr.directory).parent  # config.yaml names the directory the run was
-        # trained in: another one when the run has been moved or copied since
-        raise CheckpointError(f"{e} (to resume this run as it was configured: python train.py "
-                              f"--config {run_dir / 'config.yaml'} train.run_dir={run_dir})") from e
+        raise _as_configured(mngr, e) from e
     _check_process_count(step, where / "data_iter")
     items = {"state": ocp.args.StandardRestore(target),
              "data_iter": grain.checkpoint.CheckpointRestore(data_iter),
              "config": ocp.args.JsonRestore()}  # read as eval and export will: it must parse
     if _checksummed(mngr, step, where):
         items["checksums"] = ocp.args.JsonRestore()
-    with _read_errors(step, where):
-        restored = mngr.restore(step, args=ocp.args.Composite(**items))
+    restored = _restore_items(mngr, step, where, items)
     recorded = recorded_checksums(restored.get("checksums"), step, where)
     if recorded is not None:
         verify_checksums(restored["state"], recorded, step, where / "state")
+    try:
+        saved = from_dict(restored["config"]).model
+    except ConfigError:  # a config of an older diff-jax: its shapes were checked above
+        saved = None
+    differs = None if saved is None else model.difference(saved)
+    if differs is not None:  # same shapes, another function: λ_init, RoPE θ, the heads' split…
+        key, theirs, ours = differs
+        raise _as_configured(mngr, CheckpointError(
+            f"checkpoint step {step} was trained with {key}={theirs} but the config gives {ours}; "
+            "a run resumes with the model it was trained with"))
     return restored["state"], restored["config"]
+
+
+def _as_configured(mngr: ocp.CheckpointManager, error: CheckpointError) -> CheckpointError:
+    """`error` followed by the command that resumes the run as its `config.yaml` records it."""
+    run_dir = Path(mngr.directory).parent  # config.yaml names the directory the run was
+    # trained in: another one when the run has been moved or copied since
+    return CheckpointError(f"{error} (to resume this run as it was configured: python train.py "
+                           f"--config {run_dir / 'config.yaml'} train.run_dir={run_dir})")
 
 
 def _check_process_count(step: int, data_iter_dir: Path) -> None:
@@ -359,10 +420,11 @@ def _finish_discard(mngr: ocp.CheckpointManager, say: Callable[[str], None]) -> 
 
 
 def resume(mngr: ocp.CheckpointManager, cfg: CheckpointConfig, target: Any,
-           data_iter: grain.DatasetIterator,
+           data_iter: grain.DatasetIterator, model: ModelConfig,
            say: Callable[[str], None]) -> tuple[int | None, Any, dict | None]:
     """(step, state, the config dict that step was saved with) to continue from, or
-    (None, None, None) when the run has no checkpoint.
+    (None, None, None) when the run has no checkpoint; a step written for another model than
+    `model` is refused (`restore`) before anything is deleted or set aside.
 
     With `cfg.resume_step` unset: the newest step that reads and verifies; each damaged newer step
     is reported through `say` and moved to `<run_dir>/damaged_checkpoints/` (when no step verifies,
@@ -384,7 +446,7 @@ def resume(mngr: ocp.CheckpointManager, cfg: CheckpointConfig, target: Any,
             raise CheckpointError(f"checkpoint.resume_step={step}: {where} holds later steps "
                                   f"{later}; add checkpoint.discard_later=true to delete them and "
                                   f"continue from step {step}")
-        state, saved = restore(mngr, step, target, data_iter)
+        state, saved = restore(mngr, step, target, data_iter, model)
         if later:
             _discard_after(mngr, step)
             say(f"deleted checkpoints {later} (checkpoint.discard_later=true)")
@@ -393,7 +455,7 @@ def resume(mngr: ocp.CheckpointManager, cfg: CheckpointConfig, target: Any,
     for step in reversed(steps):
         error: DamagedCheckpointError | None = None
         try:
-            state, saved = restore(mngr, step, target, data_iter)
+            state, saved = restore(mngr, step, target, data_iter, model)
         except DamagedCheckpointError as e:
             error = e
         if _agree(error is None):
@@ -458,8 +520,7 @@ def restore_inference(run_dir: str | Path, step: int | None,
         items = {"config": ocp.args.JsonRestore()}
         if _checksummed(mngr, step, where, hint):
             items["checksums"] = ocp.args.JsonRestore()
-        with _read_errors(step, where, hint):
-            saved = mngr.restore(step, args=ocp.args.Composite(**items))
+        saved = _restore_items(mngr, step, where, items, hint)
         target = make_target(saved["config"])
         metadata = _state_metadata(mngr, step, where, hint)["params"]
         check_shapes(tree_shapes(metadata), tree_shapes(target), "checkpoint ")
@@ -477,11 +538,23 @@ def restore_inference(run_dir: str | Path, step: int | None,
     return step, saved["config"], state["state"]["params"]
 
 
+def _restore_items(mngr: ocp.CheckpointManager, step: int, where: Path, items: dict[str, Any],
+                   hint: str = "") -> dict[str, Any]:
+    """{name: restored} of `items` ({name: orbax restore args}) of `step` (at `where`), one
+    item at a time, so that a damaged one is named (`where/config`, `where/data_iter`) in its
+    `DamagedCheckpointError`, not only the step."""
+    restored = {}
+    for name, args in items.items():
+        with _read_errors(step, where / name, hint):
+            restored[name] = mngr.restore(step, args=ocp.args.Composite(**{name: args}))[name]
+    return restored
+
+
 def _state_metadata(mngr: ocp.CheckpointManager, step: int, where: Path, hint: str = "") -> Any:
     """The orbax metadata (array shapes and dtypes) of the `state` item of `step` (at `where`);
     `DamagedCheckpointError` naming `state/_METADATA` when it cannot be read: orbax answers None
     for an item whose metadata file is missing instead of raising."""
-    with _read_errors(step, where, hint):
+    with _read_errors(step, where / "state" / "_METADATA", hint):
         metadata = mngr.item_metadata(step)["state"]
     if metadata is None:
         raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: cannot read "

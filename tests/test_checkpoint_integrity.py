@@ -247,6 +247,29 @@ def test_refused_resume_leaves_config_yaml_byte_identical(corpus, run20, tmp_pat
     assert (run / "config.yaml").read_bytes() == record and _ckpt_steps(run) == steps
 
 
+@pytest.mark.parametrize("override,named", [
+    ("model.lambda_init=0.5", "model.lambda_init=None but the config gives 0.5"),
+    ("model.rope_theta=500.0", "model.rope_theta=10000.0 but the config gives 500.0")])
+def test_a_resume_as_another_model_of_the_same_shapes_is_refused_before_anything_is_deleted(
+        corpus, run20, tmp_path, override, named):
+    """λ_init, RoPE's θ, the heads' split, the variant… change what the parameters compute but
+    not their shapes: such a resume trained on silently, as another model, and config.yaml
+    recorded the new setting for steps trained without it. Now it is refused as
+    `train.init_from` refuses it, here with checkpoint.discard_later=true, which deletes the
+    later steps only once the step resumed from has passed every check."""
+    run = _copy(run20, tmp_path)
+    record = (run / "config.yaml").read_bytes()
+    with pytest.raises(CheckpointError) as e:
+        train_loop.run(tiny_config(corpus, run, "train.steps=30", override,
+                                   "checkpoint.resume_step=10", "checkpoint.discard_later=true"))
+    assert not isinstance(e.value, DamagedCheckpointError)
+    assert str(e.value) == (
+        f"checkpoint step 10 was trained with {named}; a run resumes with the model it was "
+        f"trained with (to resume this run as it was configured: python train.py --config "
+        f"{run / 'config.yaml'} train.run_dir={run})")
+    assert _ckpt_steps(run) == [10, 20] and (run / "config.yaml").read_bytes() == record
+
+
 def test_a_resume_with_another_optimizer_structure_is_refused_as_such_not_as_damage(
         corpus, run20, tmp_path):
     """optim.clip_norm=0 drops the clipping stage the run was saved with: every step's restore
@@ -440,8 +463,9 @@ def test_a_damaged_config_item_is_skipped_by_resume_as_eval_refuses_it(corpus, r
     assert eval_main(["task=ppl", f"train.run_dir={run}"]) == 2
     assert "checkpoint step 20 is damaged" in capfd.readouterr().err
     result = train_loop.run(tiny_config(corpus, run, "train.steps=11"))
-    err = capfd.readouterr().err
-    assert result.step == 11 and "skipped checkpoint step 20 is damaged" in err
+    err = capfd.readouterr().err  # the item is named, not only its step
+    assert result.step == 11 and (f"skipped checkpoint step 20 is damaged: cannot read "
+                                  f"{run / 'checkpoints' / '20' / 'config'}: JSONDecodeError") in err
     assert (run / "damaged_checkpoints" / "20" / "config").is_dir()
 
 

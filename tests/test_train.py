@@ -253,6 +253,11 @@ def test_resume_notes_name_every_data_order_and_schedule_setting_that_changed():
     saved = load_config(None, base).to_dict()
     same = load_config(None, [*base, "train.log_every=5", "mesh.data=2", "mesh.fsdp=-1"])
     assert train_loop.resume_notes(saved, same, 50) == []
+    # how the rows are read, not which (grain keeps the order on any thread count; a resumed
+    # run's losses were bit for bit the uninterrupted run's), and what the sources do not read
+    reading = load_config(None, [*base, "data.read_threads=1", "data.prefetch=0",
+                                 "data.niah_doc_tokens=1024", "data.text_field=body"])
+    assert train_loop.resume_notes(saved, reading, 50) == []
     # a config another version saved, with a key this one does not know: nothing to compare
     other = {**saved, "model": {**saved["model"], "no_such_key": 1}}
     assert train_loop.resume_notes(other, load_config(None, [*base, "train.steps=200"]), 50) == []
@@ -700,6 +705,30 @@ def test_a_failed_async_checkpoint_commit_is_one_line_and_the_run_resumes_from_t
     resumed = _metrics(run)
     assert [resumed[s]["loss"] for s in range(11, 31)] == [uninterrupted[s]["loss"]
                                                             for s in range(11, 31)]
+
+
+def test_a_file_size_limit_during_a_save_is_one_line_naming_the_step(corpus, tmp_path):
+    """A write that fails inside tensorstore (a full disk, a quota, here the file-size limit
+    RLIMIT_FSIZE) reaches orbax as a ValueError carrying its errno, and dragged on: hundreds of
+    traceback lines, exit 1 (the status of a run that diverged), no `error:` line. Now: exit 2
+    and, last, one line naming the step's temporary directory and the operating system's reason;
+    nothing is committed. The process has its own compilation cache: a cache entry it cannot
+    write whole must not reach the session's."""
+    config = _config_file(corpus, tmp_path, "train.steps=20")
+    # a shell-less exec (no preexec_fn: forking this multithreaded JAX process risks deadlock):
+    # writes past 64 KB fail with EFBIG instead of raising SIGXFSZ
+    limited = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16)); "
+               "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    proc = subprocess.run([sys.executable, "-c", limited, "train.py", "--config", config],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla")))
+    run = tmp_path / "run"
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: train.run_dir={run}: {run / 'checkpoints' / '10.orbax-checkpoint-tmp'}: "
+        "File too large")
+    assert _ckpt_steps(run) == []
 
 
 def test_overrides_may_come_before_and_after_config(capsys):

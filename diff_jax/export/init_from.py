@@ -21,25 +21,16 @@ from diff_jax.config import ConfigError, ModelConfig
 from diff_jax.export.errors import ExportError
 from diff_jax.export.sources import read_source
 
-# What the parameters mean: (field or property, the key users override).
-_SEMANTIC = (("variant", "model.variant"), ("vocab_size", "model.vocab_size"),
-             ("embed_dim", "model.embed_dim"), ("num_layers", "model.num_layers"),
-             ("num_heads", "model.num_heads"), ("kv_heads", "model.num_kv_heads"),
-             ("resolved_head_dim", "model.head_dim"), ("resolved_mlp_dim", "model.mlp_dim"),
-             ("rope_theta", "model.rope_theta"), ("norm_eps", "model.norm_eps"),
-             ("tie_embeddings", "model.tie_embeddings"), ("gqa_pairing", "model.gqa_pairing"),
-             ("lambda_init", "model.lambda_init"), ("head_norm", "model.head_norm"),
-             ("v2_head_norm", "model.v2_head_norm"))
-
 
 def check_same_model(saved: ModelConfig, config: ModelConfig, where: str) -> None:
-    """`ConfigError` naming the first field where `config` computes differently from `saved`."""
-    for attr, key in _SEMANTIC:
-        ours, theirs = getattr(config, attr), getattr(saved, attr)
-        if ours != theirs:
-            raise ConfigError(f"train.init_from: {where} holds a model with {key}={theirs} but the "
-                              f"config gives {ours}; set {key}={theirs} (and the rest of its model "
-                              "section) to fine-tune it")
+    """`ConfigError` naming the first field where `config` computes differently from `saved`
+    (`ModelConfig.difference`)."""
+    differs = config.difference(saved)
+    if differs is not None:
+        key, theirs, ours = differs
+        raise ConfigError(f"train.init_from: {where} holds a model with {key}={theirs} but the "
+                          f"config gives {ours}; set {key}={theirs} (and the rest of its model "
+                          "section) to fine-tune it")
 
 
 def initial_params(path: str | Path, config: ModelConfig, shardings: Any) -> Any:

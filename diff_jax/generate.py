@@ -44,7 +44,11 @@ def sample(logits: jax.Array, key: jax.Array, sampling: SamplingConfig) -> jax.A
     """Next tokens (B,) from float32 logits (B, V)."""
     if sampling.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / sampling.temperature
+    # the largest logit at 0 first, and 1/T at most float32's largest: at a tiny temperature
+    # (1e-39) x / T overflowed to inf for every positive logit and categorical took the first
+    # inf, not the largest logit; 1/T itself overflows below 3e-39 (0 · inf would be NaN)
+    inverse = min(1.0 / sampling.temperature, float(jnp.finfo(jnp.float32).max))
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) * inverse
     if sampling.top_k:
         kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)

@@ -131,6 +131,16 @@ def test_nll_by_position_averages_the_first_documents_of_at_least_length_plus_on
     assert n == 0 and got.shape == (0,)
 
 
+def test_ppl_labels_only_the_positions_it_reports(runs, tmp_path):
+    """At length=2 the 1/4 mark is position −1, left out: the row read "at 1/4, 1/2, end" with
+    two values; each label now names a value."""
+    report, _ = run_task(*parse_args(["task=ppl", "length=2", "batch_size=2",
+                                      "held_out_tokens=8", f"train.run_dir={runs['diff']}",
+                                      f"out_dir={tmp_path}"]))
+    label, values = next(row for row in report.table if row[0].startswith("cumulative NLL"))
+    assert label == "cumulative NLL at 1/2, end" and len(values.split(", ")) == 2
+
+
 def test_ppl_with_no_document_of_length_plus_one_tokens_says_by_position_is_empty(runs, tmp_path):
     """Held-out documents all shorter than length + 1 tokens still fill packed rows (the loss),
     but no document is read from its start for by_position: it is empty and a note says why."""
@@ -441,6 +451,21 @@ def test_a_continuation_stopped_at_end_of_text_leaves_it_out_of_the_text(runs, m
     assert out["completion"] == " world"
 
 
+def test_sampled_ids_that_are_no_token_are_left_out_of_the_text_and_listed(runs, monkeypatch):
+    """The embedding has rows past cl100k's ids (100,288 against 100,277), and ids below
+    n_vocab that are no token (100256, 100261–100275): a model can sample them (temperature 1e6
+    did), and tiktoken's decode raised KeyError, a traceback. The JSON keeps every id and lists
+    those the text leaves out."""
+    from diff_jax.evaluation import generation
+
+    world = ENC.encode_ordinary(" world")
+    new = [100269, *world, 100256, 100283, ENC.eot_token]
+    monkeypatch.setattr(generation, "generate", lambda *a, **k: [new])
+    out = _run(runs["diff"], "task=generate", "prompt=hello")
+    assert out["new_tokens"] == new and out["completion"] == " world"
+    assert out["undecodable_tokens"] == [100269, 100256, 100283]
+
+
 def test_loading_a_training_checkpoint_reads_it_without_warnings(runs, caplog):
     """Every saved item (state, data_iter, config) has a handler: nothing is reported unreadable,
     and orbax's note on a read-only manager, which reading asks for, is not printed either."""
@@ -746,7 +771,9 @@ def test_bad_inputs_and_lengths_are_one_error_naming_them(runs, tmp_path):
             scoring.read_tokens(tmp_path / name, cfg)
     np.save(tmp_path / "big.npy", np.array([1, 100_288], np.int32))
     (tmp_path / "ids.csv").write_text("1,2,3\n")
+    (tmp_path / "adir.npy").mkdir()
     for name, match in (("missing.npy", "no such file"),
+                        ("adir.npy", r"is a directory; expected a \.txt or \.npy file"),
                         ("ids.csv", r"expected a \.txt or \.npy file"),
                         ("big.npy", r"token ids must be in \[0, 100288\)")):
         with pytest.raises(EvalError, match=f"^input={tmp_path / name}: {match}$"):
@@ -764,8 +791,9 @@ def test_bad_inputs_and_lengths_are_one_error_naming_them(runs, tmp_path):
     with pytest.raises(data.DataError, match=r"^the held-out split has 5 tokens, fewer than one "
                                              r"row of length \+ 1 = 9$"):
         scoring.held_out_rows(few, 8, 2, 64)
-    with pytest.raises(EvalError, match=r"^niah: length 16 is too short for 4 needles"):
-        cell_samples(ENC, parse_args(["task=niah"])[0], 50, 16)
+    for task in ("niah", "attention"):  # attention's cells are niah's, its errors its own
+        with pytest.raises(EvalError, match=rf"^{task}: length 16 is too short for 4 needles"):
+            cell_samples(ENC, parse_args([f"task={task}"])[0], 50, 16)
     with pytest.raises(EvalError, match=r"^recall: length 8 is too short for 4 pairs"):
         recall.cell_samples(parse_args(["task=recall"])[0], 8)
     for args, match in ((["max_new_tokens=200"], r"longest prompt \(2 tokens\) \+ max_new_tokens "

@@ -170,6 +170,16 @@ def test_orbax_params_round_trip_from_a_step_directory(diff_run, tmp_path):
     np.testing.assert_array_equal(logits(*ex.load(again)), logits(config, params))
 
 
+def test_an_orbax_params_export_loads_by_a_relative_path(diff_run, tmp_path, monkeypatch):
+    """orbax answers None for the metadata of a relative path: `load("export")` (and
+    `train.init_from=export`, the fine-tune command hf_import prints) refused the export as
+    missing every parameter, while the same export by its absolute path loaded."""
+    run, config, params = diff_run
+    ex.export(run, tmp_path / "export", "orbax-params")
+    monkeypatch.chdir(tmp_path)
+    loaded_config, loaded = ex.load("export")
+    np.testing.assert_array_equal(logits(loaded_config, loaded), logits(config, params))
+
 
 def test_reading_an_orbax_export_closes_its_checkpointer(diff_run, tmp_path, monkeypatch):
     """Loading an orbax-params export, and refusing a damaged one, closes the checkpointer it
@@ -540,7 +550,9 @@ def test_a_damaged_orbax_export_is_one_error_naming_the_file(orbax_export, tmp_p
     (lambda run, tmp: ex.export(run, tmp / "out", dtype="int8"),
      "--dtype 'int8': must be one of ['float32', 'bfloat16']"),
     (lambda run, tmp: ex.export(run, tmp / "out", "hf-diffllama", tokenizer="bogus"),
-     "--tokenizer 'bogus': data.tokenizer: cannot load tiktoken encoding 'bogus' offline"),
+     "--tokenizer 'bogus': cannot load tiktoken encoding 'bogus' offline"),
+    (lambda run, tmp: ex.export(run, tmp / "out", "safetensors", tokenizer="gpt2"),
+     "--tokenizer gpt2: only --format hf-diffllama writes tokenizer files, not safetensors"),
     (lambda run, tmp: ex.load(run / "checkpoints" / "5" / "_CHECKPOINT_METADATA"),
      "{run}/checkpoints/5/_CHECKPOINT_METADATA: expected a directory (a run, a checkpoint or an "
      "export)"),

@@ -115,6 +115,15 @@ def test_sampling_filters():
     assert int(sample(logits, keys[0], SamplingConfig())[0]) == 0
 
 
+@pytest.mark.parametrize("temperature", [1e-38, 1e-39, 1e-45])
+def test_a_tiny_temperature_draws_the_largest_logit(temperature):
+    """As the temperature goes to 0 sampling becomes greedy: logits / T overflowed to inf for
+    every positive logit, and categorical drew the first inf (token 0 here, not the argmax 1)."""
+    logits = jnp.asarray([[1.0, 5.0, -2.0, 4.5], [-3.0, -1.0, -2.0, -0.5]])
+    for k in jax.random.split(jax.random.key(0), 5):
+        assert sample(logits, k, SamplingConfig(temperature=temperature)).tolist() == [1, 3]
+
+
 def _reference_probs(logits: np.ndarray, s: SamplingConfig) -> np.ndarray:
     """Float64: softmax(logits / T), then keep the k most likely tokens (top_k), then the
     smallest most-likely-first prefix whose mass reaches top_p, renormalizing after each."""

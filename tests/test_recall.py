@@ -156,6 +156,10 @@ def test_recall_task_refuses_queries_that_would_repeat_a_pair():
     options = EvalOptions(task="recall", needles=4, queries=3, distractors=0.5, samples=2)
     with pytest.raises(EvalError, match=r"queries=3 exceeds the 2 of needles=4 .*queries <= 2"):
         recall_task.cell_samples(options, 48)
+    # every pair a distractor: not "pass queries <= 0", itself refused
+    with pytest.raises(EvalError, match=r"^recall: distractors=0\.9 leaves none of needles=4 to "
+                                        r"query; lower distractors or raise needles$"):
+        recall_task.cell_samples(dataclasses.replace(options, distractors=0.9, queries=1), 48)
     samples = recall_task.cell_samples(dataclasses.replace(options, queries=2), 48)
     assert all(sorted(s.queried.tolist()) == sorted(set(s.queried.tolist())) for s in samples)
 

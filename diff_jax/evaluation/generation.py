@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tiktoken
+
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.evaluation.report import Report
@@ -18,11 +20,31 @@ def run(loaded: Loaded, options: EvalOptions) -> Report:
                        sampling=sampling, seed=options.seed, eos_id=enc.eot_token)[0]
     except ValueError as e:
         raise EvalError(f"generate: {e}") from e
-    text = enc.decode([t for t in new if t < enc.n_vocab and t != enc.eot_token])
+    text, undecodable = _decode(enc, new)
     return Report(
         {"prompt": options.prompt, "completion": text, "prompt_tokens": len(ids),
-         "new_tokens": new, "stopped_at_eos": bool(new and new[-1] == enc.eot_token),
+         "new_tokens": new, "undecodable_tokens": undecodable,
+         "stopped_at_eos": bool(new and new[-1] == enc.eot_token),
          "sampling": {"temperature": options.temperature, "top_k": options.top_k,
                       "top_p": options.top_p, "seed": options.seed}},
         [("prompt tokens", str(len(ids))), ("new tokens", str(len(new))),
+         *([("undecodable", f"{len(undecodable)} ids left out of the text: no token of "
+                            f"{enc.name} has them")] if undecodable else []),
          ("text", options.prompt + text)])
+
+
+def _decode(enc: tiktoken.Encoding, ids: list[int]) -> tuple[str, list[int]]:
+    """(text, the ids left out of it): the ids that are no token of `enc` (the embedding's
+    padding rows past its vocabulary, and the gaps below `n_vocab` between cl100k's ordinary
+    and special tokens, 100256 and 100261–100275) are left out, as is end-of-text; a sampled one
+    made tiktoken's decode raise KeyError. Bytes that are no UTF-8 become U+FFFD, as
+    `Encoding.decode` makes them."""
+    pieces, undecodable = [], []
+    for t in ids:
+        if t == enc.eot_token:
+            continue
+        try:
+            pieces.append(enc.decode_single_token_bytes(t))
+        except KeyError:
+            undecodable.append(t)
+    return b"".join(pieces).decode("utf-8", errors="replace"), undecodable

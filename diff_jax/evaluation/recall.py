@@ -36,6 +36,9 @@ def cell_samples(options: EvalOptions, length: int) -> list[recall.RecallSample]
     of their own. `EvalError` when R exceeds the pairs that are not distractors: a repeated
     query's value stands in the earlier query's triple, so copying it would count as retrieval."""
     targets = recall.max_queries(options.needles, options.distractors)
+    if targets == 0:
+        raise EvalError(f"recall: distractors={options.distractors:g} leaves none of "
+                        f"needles={options.needles} to query; lower distractors or raise needles")
     if options.queries > targets:
         raise EvalError(f"recall: queries={options.queries} exceeds the {targets} of "
                         f"needles={options.needles} that are not distractors "

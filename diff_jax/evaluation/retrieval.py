@@ -46,7 +46,7 @@ def cell_samples(enc: tiktoken.Encoding, options: EvalOptions, depth: int,
                                     num_queries=options.queries, depth=depth / 100)
                 for _ in range(options.samples)]
     except ValueError as e:
-        raise EvalError(f"niah: {e}") from e
+        raise EvalError(f"{options.task}: {e}") from e
 
 
 @functools.partial(jax.jit, static_argnames=("model",))

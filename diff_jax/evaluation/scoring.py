@@ -149,9 +149,10 @@ def ppl(loaded: Loaded, options: EvalOptions) -> Report:
     elif n_docs == 0:
         report.notes.append(f"no held-out document has {length + 1} tokens: by_position is empty")
     else:
-        report.table.append(("cumulative NLL at 1/4, 1/2, end",
-                             ", ".join(f"{cumulative[i]:.3f}" for i in
-                                       (length // 4 - 1, length // 2 - 1, length - 1) if i >= 0)))
+        marks = [(name, i) for name, i in (("1/4", length // 4 - 1), ("1/2", length // 2 - 1),
+                                            ("end", length - 1)) if i >= 0]
+        report.table.append((f"cumulative NLL at {', '.join(name for name, _ in marks)}",
+                             ", ".join(f"{cumulative[i]:.3f}" for _, i in marks)))
         png = loaded.out_dir / "ppl.png"
         plots.attach(report, png, plots.lines(
             png, np.arange(1, length + 1), {cfg.model.variant: cumulative},
@@ -178,6 +179,8 @@ def _load_npy(path: Path) -> np.ndarray:
 def read_tokens(path: Path, config: Config) -> np.ndarray:
     """(n,) int32: the ids of a .npy file (1-D integers) or the encoding of a .txt file
     (data.tokenizer), checked against the vocabulary (n ≥ 2)."""
+    if path.is_dir():
+        raise EvalError(f"input={path}: is a directory; expected a .txt or .npy file")
     if not path.is_file():
         raise EvalError(f"input={path}: no such file")
     if path.suffix == ".npy":

@@ -167,7 +167,8 @@ def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
     recorded = recorded_checksums(path.parent)
     with ocp.PyTreeCheckpointer() as checkpointer:  # closed on every way out
         try:
-            saved = checkpointer.metadata(path).item_metadata
+            # resolved: orbax answers None for the metadata of a relative path
+            saved = checkpointer.metadata(path.resolve()).item_metadata
         # orbax raises AttributeError / TypeError for a _METADATA that is JSON of another shape
         except (OSError, ValueError, AttributeError, TypeError) as e:
             raise ExportError(f"{path}: not a readable orbax checkpoint: {type(e).__name__}: "
@@ -184,7 +185,8 @@ def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
         restore_args = jax.tree.map(
             lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype), stored)
         try:
-            params = checkpointer.restore(path, args=ocp.args.PyTreeRestore(stored, restore_args))
+            params = checkpointer.restore(path.resolve(),
+                                          args=ocp.args.PyTreeRestore(stored, restore_args))
         except Exception as e:  # tensorstore raises bare Exceptions for unreadable bytes
             first = (str(e).strip().splitlines() or [""])[0][:300]
             raise ExportError(f"{path}: the export is damaged: could not read the parameters: "

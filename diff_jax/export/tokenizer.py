@@ -95,7 +95,8 @@ def _encoding_parts(name: str) -> tuple[dict[bytes, int], dict[str, int], str]:
     try:
         enc = encoding(name)
     except DataError as e:
-        raise ExportError(f"--tokenizer {name!r}: {e}") from e
+        # the message names data.tokenizer, the setting it usually comes from
+        raise ExportError(f"--tokenizer {name!r}: {str(e).removeprefix('data.tokenizer: ')}") from e
     # tiktoken exposes these only as attributes (they are what it pickles an Encoding with).
     return dict(enc._mergeable_ranks), dict(enc._special_tokens), enc._pat_str
 

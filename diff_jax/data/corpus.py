@@ -145,8 +145,18 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
             and is_encoding_name(prepared_with)):
         raise DataError(f"data.paths={d} was prepared with tokenizer {prepared_with} but "
                         f"data.tokenizer={tokenizer}; set data.tokenizer={prepared_with}")
-    if len(doc_starts) < 2 or doc_starts[0] != 0 or doc_starts[-1] != len(tokens):
-        raise DataError(f"{d}: doc_starts.npy does not match tokens.bin ({len(tokens)} tokens)")
+    if (doc_starts.ndim != 1 or len(doc_starts) < 2 or doc_starts[0] != 0
+            or doc_starts[-1] != len(tokens) or np.any(np.diff(doc_starts) <= 0)):
+        raise DataError(f"{d}: doc_starts.npy does not match tokens.bin ({len(tokens)} tokens): "
+                        "expected increasing offsets from 0 to the token count")
+    for key, found in (("num_tokens", len(tokens)), ("num_docs", len(doc_starts) - 1)):
+        if key in meta and meta[key] != found:
+            raise DataError(f"{d / 'meta.json'}: {key} is {meta[key]!r} but the corpus holds "
+                            f"{found}; it is damaged or from another corpus (prepare it again)")
+    top = int(tokens.max())  # one pass over the memory map: an id past the embedding reads NaN
+    if top >= vocab_size:
+        raise DataError(f"{d / 'tokens.bin'}: holds id {top}, not below meta.json's vocab_size "
+                        f"{vocab_size}; it is damaged (prepare it again)")
     mask = None
     if (d / "loss_mask.bin").exists():
         mask = np.memmap(d / "loss_mask.bin", dtype=np.uint8, mode="r")

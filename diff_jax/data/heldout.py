@@ -64,12 +64,13 @@ def held_out(corpus: TokenCorpus, seq_len: int, global_batch: int, tokens: int,
     docstring); with `tokens` = 0, none."""
     if tokens == 0:
         return HeldOut([], 0, 0, ())
+    num_rows = max(len(corpus.tokens) - 1, 0) // seq_len  # PackedRows' count; it refuses 0
+    whole = num_rows // global_batch * global_batch
+    if whole == 0:  # as "the corpus has N tokens" PackedRows would name the whole corpus
+        raise DataError(f"data.validation_fraction: the held-out split has {num_rows} row(s) "
+                        f"of {seq_len} tokens ({len(corpus.tokens)} tokens), fewer than one batch "
+                        f"of {global_batch}; hold out more documents")
     all_rows = PackedRows(corpus, seq_len, seed=0, shuffle=False)
-    whole = len(all_rows) // global_batch * global_batch
-    if whole == 0:
-        raise DataError(f"data.validation_fraction: the held-out split has {len(all_rows)} row(s) "
-                        f"of {seq_len} tokens, fewer than one batch of {global_batch}; hold out "
-                        "more documents")
     wanted = -(-tokens // seq_len)
     rows = spread_rows(len(all_rows), min(-(-wanted // global_batch) * global_batch, whole))
     b = local_batch_size(global_batch, process_count)

@@ -5,11 +5,13 @@ Packing: the corpus is one stream of documents separated by end-of-text; row j i
 (from 1) number the documents inside a row and `positions` restart at 0 for each of them, so the
 model attends only within a document. `loss_mask` is 1 for the targets that count in the loss
 (all of them unless the corpus has a loss mask: `TokenCorpus.loss_mask`). No token is padded or
-truncated away. (grain's `FirstFitPackIterDataset` truncates documents longer than L, which
-would drop most of a source file at L = 128, and packs per process, which would make the global
-batch depend on the number of processes; a window over the stream has neither problem.)
+truncated away, but the stream's last (N − 1) mod L tokens, fewer than a row, are no row's
+target. (grain's `FirstFitPackIterDataset` truncates documents longer than L, which would drop
+most of a source file at L = 128, and packs per process, which would make the global batch
+depend on the number of processes; a window over the stream has neither problem.)
 
-Order: every epoch visits all rows in a fresh seeded permutation (`index_shuffle`, O(1) memory).
+Order: every epoch visits all rows in a fresh seeded permutation (`index_shuffle`, O(1) memory;
+`_permuted` works around its gap at row counts 2^k + 1, k ≥ 16).
 Global batch k holds the rows k·B … k·B + B − 1 of that order; process p reads its slice
 p·b … p·b + b − 1 (b = B / processes), so the global batch is the same for any process count,
 and the processes' rows are disjoint. The iterator state is grain's (the next batch index).
@@ -53,8 +55,7 @@ class PackedRows:
         n, length = len(self), self.seq_len
         epoch, j = divmod(int(g), n)
         if self.shuffle and n > 1:
-            j = grain.experimental.index_shuffle(j, max_index=n - 1,
-                                                 seed=(self.seed * 7919 + epoch) % 2**31, rounds=4)
+            j = _permuted(j, n, (self.seed * 7919 + epoch) % 2**31)
         start = j * length
         window = np.asarray(self.corpus.tokens[start: start + length + 1], dtype=np.int32)
         doc = np.searchsorted(self.corpus.doc_starts, np.arange(start, start + length), side="right")
@@ -65,6 +66,24 @@ class PackedRows:
                 np.asarray(self.corpus.loss_mask[start + 1: start + length + 1], dtype=np.int32))
         return {"tokens": window[:-1], "targets": window[1:], "segment_ids": seg,
                 "positions": idx - first, "loss_mask": mask}
+
+
+def _permuted(j: int, n: int, seed: int) -> int:
+    """Position j of a seeded permutation of range(n), n ≥ 2 (grain's `index_shuffle`).
+
+    index_shuffle over [0, max_index] sizes its block as ceil(log2(max_index)) bits, one bit
+    short when max_index is a power of two from 2^16 up: its map over [0, 65536] sends two
+    indices to one row and none to row 65536. There, it runs over [0, n] (one more index, so a
+    wide enough block) and walks the cycle back into range(n): still a permutation, the
+    order of the other sizes unchanged."""
+    shuffle = grain.experimental.index_shuffle
+    top = n - 1
+    if top < 2**16 or top & (top - 1):
+        return shuffle(j, max_index=top, seed=seed, rounds=4)
+    j = shuffle(j, max_index=n, seed=seed, rounds=4)
+    while j == n:  # the one index outside range(n): the cycle through it continues inside
+        j = shuffle(j, max_index=n, seed=seed, rounds=4)
+    return j
 
 
 @dataclasses.dataclass(frozen=True)

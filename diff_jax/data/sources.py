@@ -12,6 +12,7 @@ import glob
 import gzip
 import json
 import sysconfig
+import zlib
 from pathlib import Path
 
 
@@ -56,7 +57,7 @@ def expand_paths(patterns: tuple[str, ...]) -> list[Path]:
         if not pattern.strip():  # Path("") is the working directory, which would be read whole
             raise DataError(f"data.paths: {pattern!r} is empty; name a file, directory or glob")
         p = Path(pattern).expanduser()
-        if any(c in pattern for c in "*?["):
+        if any(c in pattern for c in "*?[") and not p.exists():  # "notes [draft].txt" is a file
             matches = [Path(m) for m in glob.glob(str(p), recursive=True)]
             if not matches:
                 raise DataError(f"data.paths: {pattern!r} matches no file")
@@ -103,7 +104,7 @@ def read_files(files: list[Path], text_field: str) -> tuple[list[str], list[str]
             # would make a JSONL file's first record "not JSON"
             with opener(path, "rt", encoding="utf-8-sig") as f:
                 raw = f.read()
-        except (OSError, UnicodeDecodeError, EOFError) as e:
+        except (OSError, UnicodeDecodeError, EOFError, zlib.error) as e:  # zlib: a damaged .gz
             skipped.append(f"{path}: unreadable ({type(e).__name__}: {e})")
             continue
         if path.name.removesuffix(".gz").endswith(".jsonl"):

@@ -22,8 +22,10 @@ queried; all N keys of a sample differ, and so do their N values. Queries cover 
 non-distractor pairs in random order, then (R larger) repeat them at random. `length` counts
 every token; the haystack fills what the triples leave.
 
-Evaluation and training draw from separate seed domains (`eval_rng`, `train_rng`), so a
-training seed never reproduces an evaluation sample.
+Evaluation and training draw from separate seed streams (`eval_rng`, `train_rng`); separate
+streams do not make the samples disjoint where a cell has few possible samples: among 12 seeds'
+training samples of cpu-recall, 2 equal evaluation samples, both of the easiest cell (1 pair,
+no distractor, the training length), which every model answers.
 """
 
 from __future__ import annotations

@@ -260,11 +260,19 @@ def test_steps_stretch_the_recipe_and_a_directory_keeps_to_its_steps(tmp_path, m
     curve = [o.step for _, o in replicate.recall_jobs(long) if o.step is not None]
     every = long.config("diff", 0, tmp_path).checkpoint.every_steps
     assert curve == list(range(every, long.steps + 1, every)) and len(curve) == kept
+    # the last step is a point of the curve wherever it falls: --steps 10 had none (the report
+    # then failed after every model had trained), --steps 1000 ended at 900
+    for steps, last in ((10, [10]), (1000, [900, 1000])):
+        points = [o.step for _, o in replicate.recall_jobs(recall.with_steps(steps)) if o.step]
+        assert points[-len(last):] == last and points == sorted(set(points)), points
     assert long.budget.startswith(f"train.steps={long.steps:,} instead of the preset's "
                                   f"{recall.steps:,} (--steps)") and recall.budget in long.budget
     assert presets.replicate_command(long, 4) == ("python -m diff_jax.experiments.replicate "
                                                   f"--preset cpu-recall --steps {long.steps} --seeds 4")
     assert presets.replicate_command(recall, 4).endswith("--preset cpu-recall --seeds 4")
+    # a report of some of the preset's inits names them: its command re-runs that report
+    assert presets.replicate_command(dataclasses.replace(recall, inits=("scaled",)), 12).endswith(
+        "--preset cpu-recall --seeds 12 --inits scaled")
     small = presets.PRESETS["cpu-small"].with_steps(7)
     assert small.config("diff", 0, tmp_path).checkpoint.keep == 1  # no curve: the preset's own
 
@@ -905,6 +913,11 @@ def test_finished_models_of_another_machine_are_taken_only_on_the_same_corpus_an
         meta.write_text(json.dumps(data))
 
     refused(drop_quant, "not finished there (no quant at step 4)")
+    # both reports read wall.json: a model taken without it left a replication that could not
+    # write its report, and would not train that model again
+    refused(lambda bad, fresh: [(run_dir(bad, v, 0, "scaled") / "wall.json").unlink()
+                                for v in presets.VARIANTS],
+            "not finished there (no wall.json at step 4)")
     notes = refused(other_lr, "another config: optim.lr: 0.001 there, 0.003 here")
     assert notes[0].endswith("here") and "run_dir" not in notes[0]  # its directory reads as ours
     # a setting added to the code after the run trained is absent from its config.yaml: taken
@@ -948,6 +961,12 @@ def test_finished_models_of_another_machine_are_taken_only_on_the_same_corpus_an
         replicate.replicate(micro, 1, out, finished_from=src)
     with pytest.raises(ConfigError, match="no such directory"):
         replicate.replicate(micro, 1, out, finished_from=tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="not a directory"):
+        replicate.replicate(micro, 1, out, finished_from=src / "replicate.json")
+    # a directory that is no replication (OUT/runs for OUT): nothing would be taken, unsaid
+    with pytest.raises(ConfigError, match=r"--finished-from .*runs: holds no replication \(no "
+                                          r"replicate\.json or results\.json\)"):
+        replicate.replicate(micro, 1, out, finished_from=src / "runs")
 
 
 def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_inits(capsys):

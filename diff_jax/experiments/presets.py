@@ -160,9 +160,12 @@ def preset_args(name: str, steps: int | None) -> str:
 
 
 def replicate_command(preset: Recipe, seeds: int) -> str:
-    """The command that replicates `preset` over `seeds` seeds (for a report to name)."""
+    """The command that replicates `preset` over `seeds` seeds under its inits (for a report to
+    name: `--inits` where they are not all of the named preset's)."""
+    own = PRESETS[preset.name].inits if preset.name in PRESETS else preset.inits
+    inits = "" if tuple(preset.inits) == tuple(own) else f" --inits {','.join(preset.inits)}"
     return (f"python -m diff_jax.experiments.replicate {preset_args(preset.name, preset.steps)} "
-            f"--seeds {seeds}")
+            f"--seeds {seeds}{inits}")
 
 
 def corpus_dir(out: Path, seed: int) -> Path:

@@ -143,8 +143,9 @@ def markdown(preset: RecallPreset, data: dict[str, Any]) -> str:
         f"{data['seq_len'] - 1} tokens a row, pairs 1–{preset.max_pairs}, distractor shares "
         f"{list(preset.train_distractors)}; {_LOSS_WORDS[preset.train_loss]}), identical data "
         "order, optimizer and schedule for "
-        f"every model, fixed before any comparison. Evaluation: {preset.samples} held-out "
-        f"samples per cell (a seed domain disjoint from training), lengths "
+        f"every model, fixed before any comparison. Evaluation: {preset.samples} samples per "
+        f"cell from a seed stream of their own (not training's; an easy cell's few possible "
+        f"samples can recur in training), lengths "
         f"{list(preset.grid_lengths)} ({preset.grid_lengths[0]} is the training length). "
         f"Sized for: {preset.budget}.", "",
         *device_line(data),

@@ -94,7 +94,9 @@ def recall_jobs(preset: RecallPreset) -> list[tuple[str, EvalOptions]]:
         for n, d in preset.grid_cells]
     cfg = preset.config("diff", 0, Path("unused"))
     n, d = preset.curve_cell
-    for step in range(cfg.checkpoint.every_steps, cfg.train.steps + 1, cfg.checkpoint.every_steps):
+    every, last = cfg.checkpoint.every_steps, cfg.train.steps  # the last step is saved too: a
+    # curve of --steps 1000 ends at 1000, not 900, and one below every_steps has a point
+    for step in sorted({*range(every, last + 1, every), last}):
         jobs.append((f"{recall_cell_name(n, d)}-step{step}", EvalOptions(
             task="recall", needles=n, queries=recall.max_queries(n, d), distractors=d,
             samples=preset.samples, lengths=(preset.grid_lengths[0],), step=step)))
@@ -219,9 +221,10 @@ def record_device(run: Path) -> None:
 
 
 # What a finished model's directory holds that its report reads (`adopt_finished` copies them,
-# the first two required): no checkpoint, which a finished model's report never reads.
-REQUIRED_FILES = ("config.yaml", "metrics.jsonl")
-FINISHED_FILES = (*REQUIRED_FILES, "wall.json", "device.json")
+# all but device.json required: the reports read wall.json's training time): no checkpoint,
+# which a finished model's report never reads.
+REQUIRED_FILES = ("config.yaml", "metrics.jsonl", "wall.json")
+FINISHED_FILES = (*REQUIRED_FILES, "device.json")
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -413,10 +416,14 @@ def _check_source(preset: Preset | RecallPreset, source: Path, out: Path) -> Non
     """ConfigError unless `source` is a directory other than `out` that holds no other preset's
     runs, nor this one's at other training steps (its `PRESET_MARKER` or results.json)."""
     if not source.is_dir():
-        raise ConfigError(f"--finished-from {source}: no such directory")
+        raise ConfigError(f"--finished-from {source}: " + ("not a directory" if source.exists()
+                                                            else "no such directory"))
     if source.resolve() == out.resolve():
         raise ConfigError(f"--finished-from {source}: is --out itself; its finished models are "
                           "kept anyway")
+    if not _recorded_presets(source):  # e.g. OUT/runs for OUT: nothing would be taken, unsaid
+        raise ConfigError(f"--finished-from {source}: holds no replication (no {PRESET_MARKER} "
+                          "or results.json); name the directory a replicate --out wrote")
     other = _holds_other(preset, source)
     if other is not None:
         raise ConfigError(f"--finished-from {source}: holds the runs of {other}, not "

@@ -179,8 +179,12 @@ class AttentionOp:
         mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
         if mesh.empty or math.prod(mesh.shape.values()) == 1:
             return self._call_kernel(q, k, v, lam, segment_ids)
-        rules = dict(self.rules if self.rules is not None else nn.get_logical_axis_rules())
-        batch_axes, head_axes = rules.get("batch"), rules.get("act_heads")
+        rules = self.rules if self.rules is not None else nn.get_logical_axis_rules()
+        # the activations' layout as Flax resolves it: where `batch` and `act_heads` share a
+        # mesh axis, the rule listed first takes it and the other dimension stays whole (a spec
+        # naming the axis twice is a DuplicateSpecError)
+        layout = nn.logical_to_mesh_axes(("batch", "length", "act_heads", "head_dim"), rules)
+        batch_axes, head_axes = layout[0], layout[2]
         n_batch, n_head = _axes_size(mesh, batch_axes), _axes_size(mesh, head_axes)
         nc = 1 if lam is None else 2  # sub-heads per head
         heads, kv_heads = q.shape[2] // nc, v.shape[2]

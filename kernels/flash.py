@@ -70,6 +70,8 @@ class BlockSizes:
             if f.name != "mosaic_gpu" and value is not None and (
                     not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"BlockSizes.{f.name} must be a positive int or None, got {value!r}")
+            if f.name != "mosaic_gpu" and value is not None:  # numpy.int64 (a sweep's) -> int:
+                object.__setattr__(self, f.name, int(value))  # the tile code calls bit_length
 
 
 MAX_HEAD_DIM, MAX_VALUE_DIM = 256, 512

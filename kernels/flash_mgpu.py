@@ -107,8 +107,9 @@ accumulator (`run_state`), so wgmma, `plgpu.load` and layout casts become plain 
 adds become each CTA's own sums, added up after the kernel (`_Ops.atomic_add`), and it takes the
 fused dQ's Ref argument on jax 0.11 only. Everything else — the schedule, the barrier protocol,
 indexing, masks, the softmax and the epilogues — is the code that runs on the GPU. The
-interpreter runs the warpgroups on XLA's CPU threads and hangs with fewer CPU threads than
-warpgroups (2 cores here: `--xla_force_host_platform_device_count=8` gives it enough).
+interpreter runs the warpgroups on XLA's CPU devices' threads and hangs with no more devices than
+warpgroups (3 warpgroups: 3 devices hung, 4 ran), so such a call is refused naming the flag
+(`--xla_force_host_platform_device_count=8` gives it enough, on 2 cores too).
 """
 
 from __future__ import annotations
@@ -498,6 +499,11 @@ def _kernel(body, *, out, scratch, grid, names, threads, interpret, name):
     """plgpu.kernel across jax versions (out_type/scratch_types since 0.10, out_shape before)."""
     kw = ({"out_type": out, "scratch_types": scratch} if "out_type" in _KERNEL_ARGS
           else {"out_shape": out, "scratch_shapes": scratch})
+    cpus = len(jax.devices("cpu")) if interpret else 0
+    if interpret and cpus <= threads:  # measured: 3 warpgroups wait forever on 3, run on 4
+        raise ValueError(f"Mosaic GPU's interpreter runs {name}'s {threads} warpgroups on XLA's "
+                         f"CPU devices and waits forever on {cpus}, fewer than {threads + 1}: set "
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts")
     if interpret is True:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 

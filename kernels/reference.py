@@ -79,6 +79,9 @@ def check_layout(
     if h % hkv:
         raise ValueError(f"the query heads ({h}) must be a multiple of the kv heads ({hkv}): "
                          f"q {q.shape}, k {k.shape}")
+    for name, ids in (("segment_ids", segment_ids), ("kv_segment_ids", kv_segment_ids)):
+        if ids is not None and not jnp.issubdtype(ids.dtype, jnp.integer):  # the kernels cast
+            raise ValueError(f"{name} must be integers (0: padding), got {ids.dtype}")  # 0.5 to 0
     if segment_ids is not None:
         if segment_ids.shape != (b, t):
             raise ValueError(f"segment_ids must be (B, T) = {(b, t)}, got {segment_ids.shape}")

@@ -142,6 +142,19 @@ def test_heads_the_head_axes_do_not_divide_or_no_head_axes_run_whole_on_every_sh
     assert caplog.text == ""
 
 
+@pytest.mark.parametrize("override", [{"batch": ("data", "fsdp", "tensor")},
+                                      {"act_heads": ("fsdp", "tensor")}])
+def test_batch_and_heads_rules_that_share_a_mesh_axis_follow_flax_priority(override):
+    """Pure data parallelism over every axis beside act_heads' default `tensor`, or act_heads on
+    (fsdp, tensor) beside batch on (data, fsdp): the rule listed first takes the shared axis
+    and the other dimension stays whole, as Flax lays the activations out (and as xla runs
+    them); the kernel's specs named the axis twice, a DuplicateSpecError."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    rules = tuple((name, override.get(name, axes)) for name, axes in RULES)
+    op = AttentionOp(impl="pallas", mesh=mesh, rules=rules)
+    _assert_sharded_equals_the_oracle(op, 8, (8, 16, 8, 16), (8, 16, 4, 16), (8, 16, 2, 32))
+
+
 @pytest.mark.parametrize("types", ["explicit", "mixed"])
 def test_kernel_on_a_mesh_with_explicit_axes_equals_the_unsharded_oracle(types):
     """`jax.make_mesh` gives Explicit axes by default; shard_map refuses inputs whose sharding

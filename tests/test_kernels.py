@@ -334,6 +334,8 @@ def _bad_layouts():
                                                        jnp.zeros((1, 5, 4, 16), bf16),
                                                        jnp.zeros((1, 5, 2, 32), bf16), 0.5, impl=i),
          r"the query heads \(3\) must be a multiple of the kv heads \(2\): q \(1, 5, 6, 16\)"),
+        ("float segment_ids", lambda i: diff(q, k, v, 0.5, segment_ids=seg[:, :5] / 2, impl=i),
+         r"segment_ids must be integers \(0: padding\), got float32"),  # 0.5: pallas read 0
         ("segment_ids with more keys", lambda i: diff(q, jnp.zeros((1, 6, 2, 16), bf16),
                                                       jnp.zeros((1, 6, 1, 32), bf16), 0.5,
                                                       segment_ids=seg[:, :5], impl=i),
@@ -552,8 +554,11 @@ def test_block_sizes_are_positive_and_triton_tiles_round_down_to_powers_of_two()
     not a positive int is one error naming the field."""
     with pytest.raises(ValueError, match="BlockSizes.block_k must be a positive int or None, got 0"):
         BlockSizes(block_k=0)
+    # NumPy's integers (a sweep's np.arange) are ints: the Triton tile rule calls bit_length
+    numpy_ints = BlockSizes(*np.array([48, 48, 48, 48]))
+    assert numpy_ints == BlockSizes(48, 48, 48, 48) and type(numpy_ints.block_q) is int
     with kernels.gpu_target("8.0"):
-        exp = export.export(_fwd_bwd("pallas", BlockSizes(48, 48, 48, 48)), platforms=["cuda"],
+        exp = export.export(_fwd_bwd("pallas", numpy_ints), platforms=["cuda"],
                             disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(
             *_abstract(t=100))
     assert exp.mlir_module().count(TRITON) == 3

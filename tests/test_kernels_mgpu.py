@@ -167,6 +167,22 @@ def test_mosaic_kernel_with_fewer_keys_than_queries():
         assert rel(g, r) < (5e-2 if nm == "dλ" else 2e-2), (nm, rel(g, r))
 
 
+def test_the_interpreter_with_too_few_cpu_devices_is_refused_not_a_hang(monkeypatch):
+    """Mosaic GPU's interpreter runs a kernel's warpgroups on XLA's CPU devices' threads: with
+    three devices, the forward's three warpgroups waited forever at their first barrier (one,
+    a user's default, as well). Such a call is one ValueError naming the flag (this process has
+    eight devices: three are stood in)."""
+    cpus = jax.devices("cpu")[:3]
+    monkeypatch.setattr(flash_mgpu.jax, "devices", lambda backend=None: cpus)
+    q, k, v, _, _ = make_inputs(1, 24, 1, 1, 64, jnp.bfloat16, seed=9, segments=False)
+    with pytest.raises(ValueError, match=r"Mosaic GPU's interpreter runs diff_flash_fwd's 3 "
+                                         r"warpgroups on XLA's CPU devices and waits forever on "
+                                         r"3, fewer than 4: set XLA_FLAGS=--xla_force_host_"
+                                         r"platform_device_count=8"):
+        flash_attention(q, k, v, jnp.float32(0.5), num_components=2, backend="mosaic_gpu",
+                        interpret=True)
+
+
 def _cuda_export(*abstract):
     return export.export(_fwd_bwd("pallas"), platforms=["cuda"],
                          disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(

@@ -387,6 +387,8 @@ def test_a_tie_or_a_missing_seed_never_claims_a_direction():
                  ([2.0, float("nan"), 3.0], [1.0, 1.0, 1.0])]:  # +1, NaN, +2
         p = stats.paired(a, b)
         assert not p["outside_spread"] and "no direction claimed" in stats.describe(p), (a, b)
+    # the NaN seed is said, not printed as "+nan (std nan …): within the seed spread"
+    assert stats.describe(p) == "n/a (not finite in 1 of 3 seeds: a run diverged; no direction claimed)"
 
 
 def test_language_modeling_claims_are_paired_differences_of_the_papers_measures():

@@ -89,6 +89,10 @@ def describe(p: dict[str, Any], digits: int = 3) -> str:
     f = f"{{:+.{digits}f}}"
     if "censored_at" in p:
         return _describe_censored(p)
+    lost = sum(not math.isfinite(x) for x in p["per_seed"])
+    if lost:  # not "+nan (std nan …): zero lies within the seed spread"
+        return (f"n/a (not finite in {lost} of {p['n']} seeds: a run diverged; no direction "
+                "claimed)")
     if p["n"] == 1:
         return f"{f.format(p['mean'])} (one seed: no spread, no direction claimed)"
     spread = (f"{f.format(p['mean'])} (std {p['std']:.{digits}f}, min {f.format(p['min'])}, "

@@ -53,10 +53,13 @@ def refusal(out: Path, overwrite: bool, marker: str, kind: str,
 def staged(out: Path) -> Iterator[Path]:
     """A fresh hidden sibling directory of `out` to write the output into. When the block
     completes it becomes `out`, and what `out` held is removed only afterwards; when the block
-    raises, it is removed and `out` is left as it was."""
+    raises, it is removed and `out` is left as it was, and so are its parents (those it made for
+    `out` are removed again)."""
+    made = [p for p in out.parents if not p.exists()]  # deepest first
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    written = False
     try:
         tmp.mkdir()
         yield tmp
@@ -64,11 +67,17 @@ def staged(out: Path) -> Iterator[Path]:
         if out.is_dir():
             out.rename(old)
         tmp.rename(out)
+        written = True
         shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         raise _as_written_to(e, tmp, out) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        for parent in [] if written else made:
+            try:
+                parent.rmdir()  # empty unless something else wrote there meanwhile: then kept
+            except OSError:
+                break
 
 
 def _clear_leftovers(out: Path) -> None:

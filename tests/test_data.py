@@ -504,6 +504,15 @@ def _files(directory):
     return {p.name: p.read_bytes() for p in directory.iterdir()}
 
 
+def test_a_failed_prepare_leaves_no_directory_it_made_for_its_output(tmp_path):
+    """prepare into nested/a/b/out from a source with no readable document: the error, and no
+    nested/ left behind (the parents made for the output went with it)."""
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(DataError, match="no non-empty document"):
+        prepare([str(tmp_path / "bad.txt")], tmp_path / "nested" / "a" / "b" / "out")
+    assert not (tmp_path / "nested").exists()
+
+
 def test_a_failed_prepare_leaves_an_existing_corpus_byte_identical_and_loadable(tmp_path, capsys):
     src, out = _jsonl_source(tmp_path), tmp_path / "tokA"
     assert data_main(["prepare", src, str(out)]) == 0

@@ -317,17 +317,11 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     except CheckpointError as e:  # most often an override the first invocation had
         raise _as_configured(mngr, e) from e
     _check_process_count(step, where / "data_iter")
-    items = {"state": ocp.args.StandardRestore(target),
-             "data_iter": grain.checkpoint.CheckpointRestore(data_iter),
-             "config": ocp.args.JsonRestore()}  # read as eval and export will: it must parse
-    if _checksummed(mngr, step, where):
-        items["checksums"] = ocp.args.JsonRestore()
-    restored = _restore_items(mngr, step, where, items)
-    recorded = recorded_checksums(restored.get("checksums"), step, where)
-    if recorded is not None:
-        verify_checksums(restored["state"], recorded, step, where / "state")
+    # the config first (read as eval and export will: it must parse), so that a step of another
+    # model of the same shapes is refused before its arrays are read
+    config = _restore_items(mngr, step, where, {"config": ocp.args.JsonRestore()})["config"]
     try:
-        saved = from_dict(restored["config"]).model
+        saved = from_dict(config).model
     except ConfigError:  # a config of an older diff-jax: its shapes were checked above
         saved = None
     differs = None if saved is None else model.difference(saved)
@@ -336,7 +330,15 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
         raise _as_configured(mngr, CheckpointError(
             f"checkpoint step {step} was trained with {key}={theirs} but the config gives {ours}; "
             "a run resumes with the model it was trained with"))
-    return restored["state"], restored["config"]
+    items = {"state": ocp.args.StandardRestore(target),
+             "data_iter": grain.checkpoint.CheckpointRestore(data_iter)}
+    if _checksummed(mngr, step, where):
+        items["checksums"] = ocp.args.JsonRestore()
+    restored = _restore_items(mngr, step, where, items)
+    recorded = recorded_checksums(restored.get("checksums"), step, where)
+    if recorded is not None:
+        verify_checksums(restored["state"], recorded, step, where / "state")
+    return restored["state"], config
 
 
 def _as_configured(mngr: ocp.CheckpointManager, error: CheckpointError) -> CheckpointError:

@@ -64,9 +64,9 @@ def held_out(corpus: TokenCorpus, seq_len: int, global_batch: int, tokens: int,
     docstring); with `tokens` = 0, none."""
     if tokens == 0:
         return HeldOut([], 0, 0, ())
-    num_rows = max(len(corpus.tokens) - 1, 0) // seq_len  # PackedRows' count; it refuses 0
+    num_rows = PackedRows.count(corpus, seq_len)
     whole = num_rows // global_batch * global_batch
-    if whole == 0:  # as "the corpus has N tokens" PackedRows would name the whole corpus
+    if whole == 0:  # before PackedRows, whose "the corpus has N tokens" would name the corpus
         raise DataError(f"data.validation_fraction: the held-out split has {num_rows} row(s) "
                         f"of {seq_len} tokens ({len(corpus.tokens)} tokens), fewer than one batch "
                         f"of {global_batch}; hold out more documents")

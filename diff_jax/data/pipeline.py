@@ -46,7 +46,12 @@ class PackedRows:
                             f"of train.seq_len + 1 = {self.seq_len + 1}")
 
     def __len__(self) -> int:
-        return (len(self.corpus.tokens) - 1) // self.seq_len
+        return self.count(self.corpus, self.seq_len)
+
+    @staticmethod
+    def count(corpus: TokenCorpus, seq_len: int) -> int:
+        """The rows of `seq_len` tokens (and one target more) `corpus` holds, 0 when too short."""
+        return max(len(corpus.tokens) - 1, 0) // seq_len
 
     def __repr__(self) -> str:  # stable, for grain's checkpoint validation
         return f"PackedRows(tokens={len(self.corpus.tokens)}, seq_len={self.seq_len}, seed={self.seed})"

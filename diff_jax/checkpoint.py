@@ -23,6 +23,8 @@ import logging
 import os
 import re
 import shutil
+import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -234,6 +236,30 @@ def _write_errors(mngr: ocp.CheckpointManager) -> Iterator[None]:
             raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(where)) from e
         raise CheckpointError(f"cannot save a checkpoint in {where}: "
                               f"{type(chain[-1]).__name__}: {_first_line(chain[-1])}") from e
+
+
+def quiet_abandoned_writes() -> None:
+    """Silence what a failed save's abandoned writes print while the process exits; call it
+    before printing the one error line, which then stays the last. When one tensorstore write
+    fails, orbax closes the event loop its other writes were awaited on, and as each of those
+    finishes (during the exit) tensorstore's callback meets the closed loop (an unraisable
+    `RuntimeError: Event loop is closed`), the coroutines left pending warn that they were never
+    awaited, and asyncio logs each future's exception again: screens of tracebacks interleaved
+    with, and after, the error line. Only those three are dropped; every other unraisable
+    exception and warning still prints. Process-wide: for a command that is about to exit."""
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
+    if getattr(sys.unraisablehook, "drops_closed_loop", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.drops_closed_loop = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def _chain(error: BaseException) -> list[BaseException]:

@@ -61,11 +61,8 @@ def report(error: BaseException, named: list[tuple[str, str]]) -> int:
     `file_errors.describe` over `named`), 1 a run that diverged. Checkpoints already saved are
     complete either way."""
     text = describe(error, named) if isinstance(error, OSError) else str(error)
+    checkpoint.quiet_abandoned_writes()  # the process exits next: this line stays the last
     print(f"error: {text}", file=sys.stderr)
-    # the process exits next: after a failed checkpoint write, each of orbax's other write
-    # futures would log the same error again at exit ("Future exception was never retrieved"),
-    # burying this line under screens of tracebacks
-    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     return 1 if isinstance(error, NonFiniteLossError) else 2
 
 

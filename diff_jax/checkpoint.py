@@ -1,7 +1,9 @@
-"""Checkpoints with orbax: train state, data-iterator state, the resolved config and the state's
-checksums, saved async.
+"""Checkpoints with orbax: train state, data-iterator state, the resolved config, the state's
+checksums and the training split's fingerprint, saved async.
 
-Layout: `<train.run_dir>/checkpoints/<step>/{state,data_iter,config,checksums}`. Orbax commits a
+Layout: `<train.run_dir>/checkpoints/<step>/{state,data_iter,config,checksums,training_data}`
+(`training_data`: `TokenCorpus.fingerprint` of the split the data position counts rows of; steps
+saved before diff-jax recorded it have none, and a resume then compares nothing). Orbax commits a
 step atomically (a step directory appears only once every item is complete), so a crash mid-save
 leaves the last good checkpoint as the latest, and the checksums are committed with the arrays
 they describe. The state is restored onto whatever mesh is live: the restore target carries the
@@ -65,7 +67,8 @@ def _items(state: ocp.CheckpointHandler) -> dict[str, Any]:
     return {"state": state,
             "data_iter": grain.checkpoint.CheckpointHandler(),
             "config": ocp.JsonCheckpointHandler(),
-            "checksums": ocp.JsonCheckpointHandler()}
+            "checksums": ocp.JsonCheckpointHandler(),
+            "training_data": ocp.JsonCheckpointHandler()}
 
 
 def manager(run_dir: str | Path, cfg: CheckpointConfig) -> ocp.CheckpointManager:
@@ -186,16 +189,18 @@ def recorded_checksums(saved: Any, step: int | None, where: Path) -> dict[str, s
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter: grain.DatasetIterator,
-         config: Config) -> None:
-    """Start saving `step` with its checksums (async when configured); the checksums are computed
-    now, before `state` can be donated. `wait(mngr)` before exit. When this save, or the async
-    one before it, fails: `OSError` naming the step's directory (`_write_errors`)."""
+         config: Config, training_data: dict[str, Any]) -> None:
+    """Start saving `step` with its checksums and `training_data` (the training split's
+    `TokenCorpus.fingerprint`), async when configured; the checksums are computed now, before
+    `state` can be donated. `wait(mngr)` before exit. When this save, or the async one before
+    it, fails: `OSError` naming the step's directory (`_write_errors`)."""
     with _write_errors(mngr):
         mngr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data_iter=grain.checkpoint.CheckpointSave(data_iter),
             config=ocp.args.JsonSave(config.to_dict()),
             checksums=ocp.args.JsonSave(checksums_record(state)),
+            training_data=ocp.args.JsonSave(training_data),
         ), force=True)
 
 
@@ -329,9 +334,10 @@ def check_optimizer_state(saved: Any, expected: Any, step: int) -> None:
 
 
 def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
-            data_iter: grain.DatasetIterator, model: ModelConfig) -> tuple[Any, dict]:
-    """(state, the config dict it was saved with): restore `step` onto the shardings in `target`
-    (ShapeDtypeStructs) and verify its checksums; sets `data_iter`'s state.
+            data_iter: grain.DatasetIterator, model: ModelConfig) -> tuple[Any, dict[str, Any]]:
+    """(state, {"config": the config dict it was saved with, "training_data": the fingerprint
+    it was saved with, or None for a step that predates it}): restore `step` onto the
+    shardings in `target` (ShapeDtypeStructs) and verify its checksums; sets `data_iter`'s state.
     `DamagedCheckpointError` when it cannot be read or does not verify; `CheckpointError` when
     it was written for another model than `model` (shapes, or `ModelConfig.difference`) or
     another optimizer."""
@@ -360,11 +366,13 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
              "data_iter": grain.checkpoint.CheckpointRestore(data_iter)}
     if _checksummed(mngr, step, where):
         items["checksums"] = ocp.args.JsonRestore()
+    if (where / "training_data").is_dir():
+        items["training_data"] = ocp.args.JsonRestore()
     restored = _restore_items(mngr, step, where, items)
     recorded = recorded_checksums(restored.get("checksums"), step, where)
     if recorded is not None:
         verify_checksums(restored["state"], recorded, step, where / "state")
-    return restored["state"], config
+    return restored["state"], {"config": config, "training_data": restored.get("training_data")}
 
 
 def _as_configured(mngr: ocp.CheckpointManager, error: CheckpointError) -> CheckpointError:
@@ -459,8 +467,8 @@ def _finish_discard(mngr: ocp.CheckpointManager, say: Callable[[str], None]) -> 
 
 def resume(mngr: ocp.CheckpointManager, cfg: CheckpointConfig, target: Any,
            data_iter: grain.DatasetIterator, model: ModelConfig,
-           say: Callable[[str], None]) -> tuple[int | None, Any, dict | None]:
-    """(step, state, the config dict that step was saved with) to continue from, or
+           say: Callable[[str], None]) -> tuple[int | None, Any, dict[str, Any] | None]:
+    """(step, state, what that step was saved with: `restore`'s dict) to continue from, or
     (None, None, None) when the run has no checkpoint; a step written for another model than
     `model` is refused (`restore`) before anything is deleted or set aside.
 

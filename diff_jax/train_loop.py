@@ -170,13 +170,17 @@ def _changes(before: Any, after: Any, prefix: str, keys: Iterable[str] | None = 
             if getattr(before, k) != getattr(after, k)]
 
 
-def resume_notes(saved: dict, config: Config, step: int) -> list[str]:
+def resume_notes(saved: dict, config: Config, step: int, data_then: dict | None = None,
+                 data_now: dict | None = None) -> list[str]:
     """Lines that say how `config` differs from `saved` (the config dict checkpoint `step` was
     written with) where the difference changes what the resumed steps do, since the checkpoint
     holds a data position and an optimizer step count, not the settings they count in: the data
     order (`train.batch_size`, `seq_len`, `seed`, the `data.*` the sources read, but not
-    `data.read_threads` or `prefetch`) and the learning-rate schedule and
-    optimizer (`train.steps`, `optim.*`). Empty when they agree (or `saved` does not parse)."""
+    `data.read_threads` or `prefetch`), the training split's contents under the same settings
+    (`data_then`, the fingerprint the step was saved with, None for a step that predates it,
+    against `data_now`: files edited or a corpus prepared again) and the learning-rate schedule
+    and optimizer (`train.steps`, `optim.*`). Empty when they agree (or `saved` does not
+    parse)."""
     try:
         old = from_dict(saved)
     except ConfigError:
@@ -191,6 +195,12 @@ def resume_notes(saved: dict, config: Config, step: int) -> list[str]:
                      f"({', '.join(data_order)}): the saved data position counts in the old "
                      "order, so the rows from here differ from an uninterrupted run's under either "
                      "setting (documents may repeat or be skipped)")
+    elif data_then is not None and data_now is not None and data_then != data_now:
+        notes.append(f"resumed on other training data than step {step} was saved with, under the "
+                     f"same data settings ({_data_change(data_then, data_now)}): the sources' "
+                     "contents changed, so the saved data position counts rows of the old split "
+                     "and the rows from here differ from an uninterrupted run's (documents may "
+                     "repeat or be skipped)")
     schedule_changes = (_changes(old.train, config.train, "train", ("steps",))
                         + _changes(old.optim, config.optim, "optim"))
     if schedule_changes:
@@ -200,6 +210,17 @@ def resume_notes(saved: dict, config: Config, step: int) -> list[str]:
                      f"({', '.join(schedule_changes)}): the learning rate of step {step + 1} is "
                      f"{lr_new:.3g} (the saved run's schedule: {lr_old:.3g})")
     return notes
+
+
+def _data_change(then: dict, now: dict) -> str:
+    """`documents a → b, tokens c → d, SHA-256 e… → f…` of two `TokenCorpus.fingerprint`s (the
+    counts only where they differ); a record of another form is named as it is."""
+    try:
+        parts = [f"{k} {then[k]:,} → {now[k]:,}" for k in ("documents", "tokens")
+                 if then[k] != now[k]]
+        return ", ".join([*parts, f"SHA-256 {then['sha256'][:12]}… → {now['sha256'][:12]}…"])
+    except (KeyError, TypeError, ValueError):
+        return f"recorded {then!r}"
 
 
 def _global(local: data.Batch, sharding: NamedSharding) -> dict[str, jax.Array]:
@@ -227,6 +248,7 @@ def run(config: Config) -> RunResult:
     inputs = data.build(config.data, t.seq_len, t.batch_size, t.eval_tokens if t.eval_every else 0,
                         t.seed, jax.process_index(), jax.process_count())
     _check_vocab_size(config, inputs.corpus.vocab_size)
+    training_data = inputs.corpus.fingerprint()  # saved with every step, compared on resume
     if t.eval_every and config.data.validation_fraction == 0:
         progress.message(f"train.eval_every={t.eval_every}: no validation, since "
                          "data.validation_fraction=0 holds no documents out")
@@ -250,7 +272,8 @@ def run(config: Config) -> RunResult:
                     progress.message(f"train.init_from={t.init_from} ignored: resuming from step "
                                      f"{resumed}")
                 if resumed < t.steps:  # a finished run changes nothing: no notes on what changes
-                    for note in resume_notes(saved, config, resumed):
+                    for note in resume_notes(saved["config"], config, resumed,
+                                             saved["training_data"], training_data):
                         progress.message(note)
             else:
                 state = steps.init(jax.random.PRNGKey(t.seed))
@@ -270,7 +293,7 @@ def run(config: Config) -> RunResult:
                                  f"{start} (those steps run again)")
             validation = [_global(b, bsh) for b in inputs.validation.batches]
             loop = _Loop(config, mngr, writer, progress, step_fn, eval_fn, validation, flops, bsh,
-                         held_out=inputs.validation)
+                         held_out=inputs.validation, training_data=training_data)
             try:
                 with _stop_signals(progress.message) as caught:
                     return loop.run(state, inputs.train, start, caught)
@@ -290,6 +313,7 @@ class _Loop:
     flops_per_token: float
     batch_sharding: NamedSharding
     held_out: HeldOut  # what the validation batches cover: counted tokens per batch, documents
+    training_data: dict[str, Any]  # the training split's fingerprint, saved with each step
 
     def run(self, state: TrainState, it: Any, start: int, caught: list[str]) -> RunResult:
         """Steps start + 1 .. train.steps on the host batches of `it`: logs, validates and saves
@@ -355,7 +379,7 @@ class _Loop:
                 raise KeyboardInterrupt
             if s % ck.every_steps == 0 or s == t.steps or caught:
                 self._check_saveable(s, state, batch)
-                checkpoint.save(self.mngr, s, state, it, self.config)
+                checkpoint.save(self.mngr, s, state, it, self.config, self.training_data)
             if caught:
                 checkpoint.wait(self.mngr)
                 self.progress.message(f"{caught[0]} received: saved step {s}, exiting")

@@ -49,7 +49,7 @@ def _write_init_checkpoint(config) -> None:
     tx = make_optimizer(config.optim, config.train.steps)
     state = init_state(jax.random.PRNGKey(1), DecoderLM(config.model), tx)
     mngr = checkpoint.manager(config.train.run_dir, config.checkpoint)
-    checkpoint.save(mngr, 1, state, inputs.train, config)
+    checkpoint.save(mngr, 1, state, inputs.train, config, inputs.corpus.fingerprint())
     mngr.wait_until_finished()
     mngr.close()
     Path(config.train.run_dir, "config.yaml").write_text("written by the test\n")

@@ -243,6 +243,30 @@ def test_a_resume_with_other_data_or_schedule_settings_says_what_changes(corpus,
             "0.0001)") in err, err
 
 
+def test_a_resume_on_changed_training_data_says_so(tmp_path, capsys):
+    """Each step records its training split's fingerprint (`checkpoint/<step>/training_data`);
+    a resume under the same settings whose sources now hold other contents (here: the prepared
+    corpus written again with its last document gone) says so, with the counts that changed,
+    since the saved data position counts rows of the old split. The same contents: no note."""
+    corpus = write_corpus(tmp_path / "corpus")
+    run = tmp_path / "run"
+    train_loop.run(tiny_config(corpus, run, "train.steps=10"))
+    saved = json.loads((run / "checkpoints" / "10" / "training_data" / "metadata").read_text())
+    whole = synthetic_corpus()
+    assert saved == whole.fingerprint() == {"sha256": whole.sha256(), "tokens": len(whole.tokens),
+                                            "documents": 120}
+    train_loop.run(tiny_config(corpus, run, "train.steps=20"))
+    assert "resumed on other training data" not in capsys.readouterr().err
+    shorter = whole.documents(np.arange(119))
+    shorter.save(corpus, {"tokenizer": "synthetic"})
+    train_loop.run(tiny_config(corpus, run, "train.steps=30"))
+    err = capsys.readouterr().err
+    assert (f"resumed on other training data than step 20 was saved with, under the same data "
+            f"settings (documents 120 → 119, tokens {len(whole.tokens):,} → "
+            f"{len(shorter.tokens):,}, SHA-256 {whole.sha256()[:12]}… → {shorter.sha256()[:12]}…):"
+            " the sources' contents changed") in err, err
+
+
 def test_resume_notes_name_every_data_order_and_schedule_setting_that_changed():
     """`resume_notes` against a saved config dict (no training): batch_size, seq_len and any
     data.* setting change the data order; train.steps and optim.* the schedule, with the rate of
@@ -261,6 +285,20 @@ def test_resume_notes_name_every_data_order_and_schedule_setting_that_changed():
     # a config another version saved, with a key this one does not know: nothing to compare
     other = {**saved, "model": {**saved["model"], "no_such_key": 1}}
     assert train_loop.resume_notes(other, load_config(None, [*base, "train.steps=200"]), 50) == []
+    # the training split's fingerprint: a note of its own only where no data setting changed
+    # (those change the split already), and only where the step recorded one
+    then = {"sha256": "ab" * 32, "tokens": 1000, "documents": 7}
+    now = {**then, "sha256": "cd" * 32}
+    assert train_loop.resume_notes(saved, same, 50, then, then) == []
+    assert train_loop.resume_notes(saved, same, 50, None, now) == []
+    assert train_loop.resume_notes(saved, same, 50, then, now) == [
+        "resumed on other training data than step 50 was saved with, under the same data settings "
+        f"(SHA-256 {'ab' * 6}… → {'cd' * 6}…): the sources' contents changed, so the saved data "
+        "position counts rows of the old split and the rows from here differ from an "
+        "uninterrupted run's (documents may repeat or be skipped)"]
+    split = load_config(None, [*base, "data.split_seed=3"])
+    assert [n[:40] for n in train_loop.resume_notes(saved, split, 50, then, now)] == [
+        "resumed with other data settings than st"]
     for override, named in [("train.batch_size=16", "train.batch_size 8 → 16"),
                             ("train.seq_len=64", "train.seq_len 128 → 64"),
                             ("data.split_seed=3", "data.split_seed 0 → 3")]:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -85,6 +86,12 @@ class TokenCorpus:
             h.update(b"loss_mask")
             h.update(np.ascontiguousarray(self.loss_mask, np.uint8).tobytes())
         return h.hexdigest()
+
+    def fingerprint(self) -> dict[str, Any]:
+        """{"sha256", "tokens", "documents"}: what a checkpoint records of its run's training
+        split, so that a resume can tell whether the rows its data position counts are the same."""
+        return {"sha256": self.sha256(), "tokens": int(len(self.tokens)),
+                "documents": int(self.num_docs)}
 
     def save(self, out_dir: str | Path, meta: dict) -> None:
         """Write the corpus to `out_dir` (the layout of the module docstring), `meta` merged into

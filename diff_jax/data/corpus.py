@@ -15,12 +15,13 @@ import dataclasses
 import hashlib
 import json
 import random
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from diff_jax.data.sources import DataError, Documents, expand_paths, read_files
+from diff_jax.data.sources import DataError, Documents, expand_paths, iter_documents
 from diff_jax.data.tokenizer import BASE, encoding, is_encoding_name
 from diff_jax.output_dir import refusal, staged
 
@@ -174,9 +175,13 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
 
 
 def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
-            encoding_name: str = BASE, chunk_files: int = 256, *,
+            encoding_name: str = BASE, chunk_chars: int = 1 << 25, *,
             overwrite: bool = False) -> dict:
-    """Tokenize files/globs (or `stdlib`) into `out_dir`, streaming `chunk_files` files at a time.
+    """Tokenize files/globs (or `stdlib`) into `out_dir`, streaming: the documents are read
+    (`iter_documents`: a JSONL file a record at a time), tokenized and written about
+    `chunk_chars` characters of text at a time, each chunk's documents in a seeded shuffled
+    order, so the memory taken is a chunk's (about 50 bytes a token: tiktoken's id lists), not
+    the corpus's.
 
     The corpus is written whole or not at all (`diff_jax.output_dir`): a failure leaves `out_dir`
     as it was, or absent. An existing non-empty `out_dir` is a DataError unless `overwrite` and
@@ -188,27 +193,42 @@ def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
     if problem is not None:
         raise DataError(f"OUT_DIR {out}: {problem}")
     enc = encoding(encoding_name)
-    starts, skipped, total = [0], [], 0
+    starts, skipped, total = [np.zeros(1, np.int64)], [], 0  # 8 bytes a document
     if sources == ["stdlib"]:
-        groups = [stdlib_documents()]
+        docs = stdlib_documents()
+        skipped.extend(docs.skipped)
+        chunks: Iterable[list[str]] = [list(docs.texts)]
     else:
         files = expand_paths(tuple(sources))
         random.Random(0).shuffle(files)
-        groups = (Documents(*map(tuple, read_files(files[i:i + chunk_files], text_field)))
-                  for i in range(0, len(files), chunk_files))
+        chunks = _chunks(iter_documents(files, text_field, skipped), chunk_chars)
     with staged(out) as tmp, open(tmp / "tokens.bin", "wb") as f:  # f closes before the rename
-        for docs in groups:
-            part = tokenize(Documents(tuple(t for t in docs.texts if t.strip()), docs.skipped),
-                            encoding_name)
+        for texts in chunks:
+            part = tokenize(Documents(tuple(t for t in texts if t.strip()), ()), encoding_name)
             part.tokens.tofile(f)
-            starts.extend((part.doc_starts[1:] + total).tolist())
+            starts.append(part.doc_starts[1:] + total)
             total += len(part.tokens)
-            skipped.extend(part.skipped)
         if total == 0:
             first = f" ({len(skipped)} skipped, first: {skipped[0]})" if skipped else ""
             raise DataError(f"prepare {sources}: no non-empty document{first}")
-        np.save(tmp / "doc_starts.npy", np.asarray(starts, dtype=np.int64))
-        meta = dict(sources=sources, tokenizer=encoding_name, num_docs=len(starts) - 1,
+        doc_starts = np.concatenate(starts).astype(np.int64)
+        np.save(tmp / "doc_starts.npy", doc_starts)
+        meta = dict(sources=sources, tokenizer=encoding_name, num_docs=len(doc_starts) - 1,
                     num_tokens=total, vocab_size=enc.n_vocab, skipped=skipped)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta
+
+
+def _chunks(texts: Iterable[str], chars: int) -> Iterator[list[str]]:
+    """`texts` in consecutive lists of at least `chars` characters (the last may hold fewer; a
+    text longer than `chars` ends its list)."""
+    chunk: list[str] = []
+    size = 0
+    for text in texts:
+        chunk.append(text)
+        size += len(text)
+        if size >= chars:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk

@@ -13,6 +13,7 @@ import gzip
 import json
 import sysconfig
 import zlib
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 
@@ -93,42 +94,54 @@ def _is_text(path: Path) -> bool:
 
 
 def read_files(files: list[Path], text_field: str) -> tuple[list[str], list[str]]:
-    """(texts, skipped) of `files`: one text per plain file, one per JSONL record's `text_field`
-    (gzip allowed); unreadable files and bad records are skipped with a reason."""
-    texts: list[str] = []
+    """(texts, skipped) of `files`, read whole: `iter_documents` collected."""
     skipped: list[str] = []
+    texts = list(iter_documents(files, text_field, skipped))
+    return texts, skipped
+
+
+def iter_documents(files: Iterable[Path], text_field: str, skipped: list[str]) -> Iterator[str]:
+    """The texts of `files`, in order, as they are read: one per plain file, one per JSONL
+    record's `text_field` (gzip allowed). A JSONL file is read a record at a time, so it takes
+    the memory of its longest record however large it is. Unreadable files and bad records are
+    appended to `skipped` with a reason; a JSONL file that cannot be read past some point keeps
+    the records before it (`path: unreadable after line N (...)`). Records end at newlines only:
+    JSON strings may hold U+2028, U+0085 and the other line boundaries of `str.splitlines`
+    unescaped."""
     for path in files:
+        jsonl = path.name.removesuffix(".gz").endswith(".jsonl")
+        line = 0
         try:
             opener = gzip.open if path.name.endswith(".gz") else open
             # utf-8-sig: a leading byte-order mark (Windows editors write one) is not text, and
             # would make a JSONL file's first record "not JSON"
             with opener(path, "rt", encoding="utf-8-sig") as f:
-                raw = f.read()
+                if not jsonl:
+                    text = f.read()
+                else:
+                    for line, raw in enumerate(f, 1):
+                        record = _jsonl_text(raw, f"{path}:{line}", text_field, skipped)
+                        if record is not None:
+                            yield record
+                    continue
         except (OSError, UnicodeDecodeError, EOFError, zlib.error) as e:  # zlib: a damaged .gz
-            skipped.append(f"{path}: unreadable ({type(e).__name__}: {e})")
+            where = f"unreadable after line {line}" if line else "unreadable"
+            skipped.append(f"{path}: {where} ({type(e).__name__}: {e})")
             continue
-        if path.name.removesuffix(".gz").endswith(".jsonl"):
-            texts.extend(_jsonl_texts(raw, path, text_field, skipped))
-        else:
-            texts.append(raw)
-    return texts, skipped
+        yield text
 
 
-def _jsonl_texts(raw: str, path: Path, field: str, skipped: list[str]) -> list[str]:
-    """The `field` text of each record of the JSONL `raw`, bad records appended to `skipped`.
-    Records end at newlines only: JSON strings may hold U+2028, U+0085 and the other line
-    boundaries of `str.splitlines` unescaped."""
-    out = []
-    for n, line in enumerate(raw.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            skipped.append(f"{path}:{n}: not JSON ({e.msg})")
-            continue
-        if not isinstance(record, dict) or not isinstance(record.get(field), str):
-            skipped.append(f"{path}:{n}: no string field {field!r} (data.text_field)")
-            continue
-        out.append(record[field])
-    return out
+def _jsonl_text(line: str, where: str, field: str, skipped: list[str]) -> str | None:
+    """The `field` text of the JSONL record `line` (`where`: path:line), or None for a blank
+    line or, appended to `skipped`, a bad record."""
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        skipped.append(f"{where}: not JSON ({e.msg})")
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get(field), str):
+        skipped.append(f"{where}: no string field {field!r} (data.text_field)")
+        return None
+    return record[field]

@@ -1,0 +1,100 @@
+"""The peak memory of `python -m diff_jax.data prepare` on one JSONL file, against its size.
+
+    python benchmarks/prepare_memory.py [--sizes 4 16 32] [--out benchmarks/results/prepare_memory_cpu]
+
+The file holds the standard library's documents (`stdlib_documents`, about 13M characters of
+text for size 1) written `--sizes` times over as JSONL records, the shape of a sharded dataset's
+shard. Each size is prepared in a fresh process (the checkout this script sits in, on the
+PYTHONPATH), whose peak resident memory (`ru_maxrss` of the child) and wall time are recorded
+beside the tokens it wrote: the memory of a prepare that streams stays flat as the file grows;
+one that reads whole files grows with it (about 50 bytes a token). JSON + markdown with the
+machine and versions. The committed results: benchmarks/results/prepare_memory_cpu, and
+prepare_memory_cpu_7445d23, this script run on the commit before prepare streamed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _write_jsonl(path: Path, copies: int) -> int:
+    """`copies` passes over the standard library's documents as JSONL records; their characters."""
+    sys.path.insert(0, str(ROOT))
+    from diff_jax.data import stdlib_documents
+
+    texts = stdlib_documents().texts
+    chars = 0
+    with open(path, "w") as f:
+        for _ in range(copies):
+            for t in texts:
+                f.write(json.dumps({"text": t}) + "\n")
+                chars += len(t)
+    return chars
+
+
+def _prepare(src: Path, out: Path) -> dict:
+    """Prepare `src` into `out` in a child process: its peak RSS (GB), wall seconds, tokens."""
+    code = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
+            "rc = subprocess.call([sys.executable, '-m', 'diff_jax.data', 'prepare', *sys.argv[1:]]); "
+            "print(rc, time.perf_counter() - t, "
+            "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", code, str(src), str(out)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    rc, wall, rss_kb = done.stdout.split()[-3:]
+    if int(rc) != 0:
+        raise SystemExit(f"prepare {src} failed: {done.stderr[-2000:]}")
+    meta = json.loads((out / "meta.json").read_text())
+    return {"peak_rss_gb": round(int(rss_kb) / 1e6, 3), "wall_s": round(float(wall), 1),
+            "tokens": meta["num_tokens"], "documents": meta["num_docs"]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[4, 16, 32],
+                   help="passes over the standard library's documents per file")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prepare_memory_cpu"))
+    args = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in args.sizes:
+            src = Path(tmp) / f"x{size}.jsonl"
+            chars = _write_jsonl(src, size)
+            row = {"copies": size, "file_mb": round(src.stat().st_size / 1e6, 1),
+                   "characters": chars, **_prepare(src, Path(tmp) / f"out{size}")}
+            rows.append(row)
+            print(row, flush=True)
+            src.unlink()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
+                         f"Python {platform.python_version()}",
+              "commit": commit, "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = [f"{result['machine']}, commit {commit}; `python -m diff_jax.data prepare` of one "
+             "JSONL file in a fresh process (peak resident memory of the child).", "",
+             "| copies of the stdlib | file MB | tokens | peak RSS GB | peak bytes per token | wall s |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['copies']} | {r['file_mb']} | {r['tokens']:,} | {r['peak_rss_gb']} | "
+                     f"{r['peak_rss_gb'] * 1e9 / r['tokens']:.1f} | {r['wall_s']} |")
+    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

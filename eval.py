@@ -16,7 +16,7 @@ import math
 import sys
 from typing import Any
 
-from diff_jax.checkpoint import CheckpointError
+from diff_jax.checkpoint import CheckpointError, quiet_abandoned_io
 from diff_jax.config import ConfigError
 from diff_jax.data import DataError
 from diff_jax.evaluation import EvalError, run
@@ -47,9 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = run(args)
     except (ConfigError, CheckpointError, DataError, EvalError) as e:
+        quiet_abandoned_io()  # a damaged checkpoint's reads: this line stays the last
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as e:  # an output directory or file that cannot be made or written
+        quiet_abandoned_io()
         named = [(arg, arg.partition("=")[2]) for arg in args
                  if arg.partition("=")[0].strip() in PATH_KEYS]
         print(f"error: {describe(e, named)}", file=sys.stderr)

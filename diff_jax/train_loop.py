@@ -61,7 +61,7 @@ def report(error: BaseException, named: list[tuple[str, str]]) -> int:
     `file_errors.describe` over `named`), 1 a run that diverged. Checkpoints already saved are
     complete either way."""
     text = describe(error, named) if isinstance(error, OSError) else str(error)
-    checkpoint.quiet_abandoned_writes()  # the process exits next: this line stays the last
+    checkpoint.quiet_abandoned_io()  # the process exits next: this line stays the last
     print(f"error: {text}", file=sys.stderr)
     return 1 if isinstance(error, NonFiniteLossError) else 2
 

@@ -29,6 +29,8 @@ from diff_jax.export.__main__ import main as export_main
 from eval import main as eval_main
 from training_fixtures import process_env, tiny_config, write_corpus
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def _ckpt_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
@@ -123,6 +125,11 @@ def test_damaged_latest_checkpoint_is_refused_by_eval_and_export_and_skipped_by_
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: checkpoint step 20 is damaged"), err
     assert "other steps: [10]" in err[0] and ("params/" in err[0] or "cannot read" in err[0])
+    if how == "flip":  # the command itself: the reads abandoned at exit print nothing after
+        proc = subprocess.run([sys.executable, "eval.py", "task=ppl", f"train.run_dir={run}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == err[0], (
+            proc.stderr[-3000:])
     with pytest.raises(DamagedCheckpointError, match="checkpoint step 20 is damaged"):
         load(*parse_args(["task=ppl", f"train.run_dir={run}"]))
     assert load(*parse_args(["task=ppl", f"train.run_dir={run}", "step=10"])).step == 10
@@ -522,7 +529,7 @@ def test_a_full_disk_while_rewriting_config_yaml_leaves_the_record_whole(corpus,
         f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); sys.argv = sys.argv[1:]; "
         "runpy.run_path('train.py', run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", train_py_on_a_full_disk, "train.py", "--config",
-                           str(config)], cwd=Path(__file__).resolve().parents[1],
+                           str(config)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
@@ -667,7 +674,7 @@ def test_a_record_rewrite_killed_before_its_rename_leaves_nothing_that_piles_up(
                             "write_whole(pathlib.Path(sys.argv[1]), 'half')")
     for name in ("config.yaml", "metrics.jsonl"):
         proc = subprocess.run([sys.executable, "-c", killed_before_rename, str(run / name)],
-                              cwd=Path(__file__).resolve().parents[1], timeout=120)
+                              cwd=ROOT, timeout=120)
         assert proc.returncode == 9
     left = sorted(p.name for p in run.iterdir() if p.name.startswith("."))
     assert [name.rpartition("-")[0] for name in left] == [".config.yaml.partial",
@@ -739,10 +746,10 @@ def test_a_kill_during_the_final_save_leaves_the_last_good_checkpoint_latest(cor
     jax.tree.map(np.testing.assert_array_equal, resumed.params, never_killed.params)
 
 
-def test_quiet_abandoned_writes_drops_only_the_closed_loop_noise(monkeypatch):
-    """What a failed save's abandoned writes print at exit is dropped (the train CLI's error line
-    must stay last: `test_a_file_size_limit_during_a_save_is_one_line_naming_the_step` failed in
-    CI when a never-awaited coroutine warned after it); any other unraisable exception and
+def test_quiet_abandoned_io_drops_only_the_closed_loop_noise(monkeypatch):
+    """What a failed read's or save's abandoned operations print at exit is dropped (a command's
+    error line must stay last: `test_a_file_size_limit_during_a_save_is_one_line_naming_the_step`
+    failed in CI when a never-awaited coroutine warned after it); any other unraisable exception and
     warning still reaches the hook and the warning filters that were there. Idempotent."""
     import types
     import warnings
@@ -751,8 +758,8 @@ def test_quiet_abandoned_writes_drops_only_the_closed_loop_noise(monkeypatch):
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(str(u.exc_value)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        checkpoint.quiet_abandoned_writes()
-        checkpoint.quiet_abandoned_writes()
+        checkpoint.quiet_abandoned_io()
+        checkpoint.quiet_abandoned_io()
         for text in ("Event loop is closed", "something else", "Event loop is closed!"):
             sys.unraisablehook(types.SimpleNamespace(exc_value=RuntimeError(text)))
         sys.unraisablehook(types.SimpleNamespace(exc_value=ValueError("Event loop is closed")))

@@ -679,6 +679,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def override_value(value: Any) -> str:
+    """`value` as the text after an override's `=`, which `parse_override` reads back as it:
+    null, true and false for None and the booleans (Python's None and True would be read as
+    strings, and refused), lists in brackets, numbers and strings as they print."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(override_value(v) for v in value) + "]"
+    return str(value)
+
+
 def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
     """A copy of the config dict `data` with each `a.b=value` override set (not yet validated)."""
     data = copy.deepcopy(data)

@@ -255,7 +255,7 @@ def test_refused_resume_leaves_config_yaml_byte_identical(corpus, run20, tmp_pat
 
 
 @pytest.mark.parametrize("override,named", [
-    ("model.lambda_init=0.5", "model.lambda_init=None but the config gives 0.5"),
+    ("model.lambda_init=0.5", "model.lambda_init=null but the config gives 0.5"),
     ("model.rope_theta=500.0", "model.rope_theta=10000.0 but the config gives 500.0")])
 def test_a_resume_as_another_model_of_the_same_shapes_is_refused_before_anything_is_deleted(
         corpus, run20, tmp_path, override, named):

@@ -19,7 +19,8 @@ import pytest
 from flax import linen as nn
 
 from diff_jax import export as ex
-from diff_jax.config import Config, ConfigError, ModelConfig, TrainConfig
+from diff_jax.config import (Config, ConfigError, ModelConfig, TrainConfig, load_config,
+                             override_value)
 from diff_jax.export.__main__ import main
 from diff_jax.export.init_from import initial_params
 from diff_jax.export.safetensors_io import read_safetensors
@@ -473,12 +474,15 @@ def test_init_from_refuses_each_model_field_the_parameters_depend_on(tmp_path):
                ("mlp_dim", 128, "model.mlp_dim=256", "128"),
                ("rope_theta", 500_000.0, "model.rope_theta=10000.0", "500000.0"),
                ("norm_eps", 1e-6, "model.norm_eps=1e-05", "1e-06"),
-               ("tie_embeddings", False, "model.tie_embeddings=True", "False")]
+               ("tie_embeddings", False, "model.tie_embeddings=true", "false")]
+    section = [f"model.{f.name}={override_value(getattr(saved, f.name))}"
+               for f in dataclasses.fields(saved)]
     for field, value, held, given in changes:
         config = dataclasses.replace(saved, **{field: value})
         with pytest.raises(ConfigError, match=re.escape(f"holds a model with {held} but the config "
-                                                        f"gives {given};")):
+                                                        f"gives {given}; set {held} (and the")):
             initial_params(out, config, None)
+        load_config(None, [*section, held, "train.seq_len=16"])  # a setting the command line takes
     # model.lambda_init changes what V1 computes from the same parameters
     diff = CONFIGS["diff"]
     diff_params = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32),
@@ -486,22 +490,28 @@ def test_init_from_refuses_each_model_field_the_parameters_depend_on(tmp_path):
     fixed = ex.export(Source(dataclasses.replace(diff, lambda_init=0.5), diff_params,
                              str(tmp_path / "src"), None), tmp_path / "fixed")
     with pytest.raises(ConfigError, match=re.escape("holds a model with model.lambda_init=0.5 but "
-                                                    "the config gives None;")):
+                                                    "the config gives null;")):
         initial_params(fixed, diff, None)
+    with pytest.raises(ConfigError, match=re.escape("holds a model with model.lambda_init=null but "
+                                                    "the config gives 0.5; set model.lambda_init=null "
+                                                    "(and")):  # null, not None: refused as text
+        initial_params(ex.export(Source(diff, diff_params, str(tmp_path / "src"), None),
+                                 tmp_path / "depth"), dataclasses.replace(diff, lambda_init=0.5), None)
+    assert load_config(None, ["model.lambda_init=null"]).model.lambda_init is None
     # model.head_norm: the parameters of V1 without its per-head norm lack `subln`
     unnormed = dataclasses.replace(diff, head_norm=False)
     no_norm = ex.export(Source(unnormed, random_params(unnormed), str(tmp_path / "src"), None),
                         tmp_path / "no_norm")
-    with pytest.raises(ConfigError, match=re.escape("holds a model with model.head_norm=False but "
-                                                    "the config gives True;")):
+    with pytest.raises(ConfigError, match=re.escape("holds a model with model.head_norm=false but "
+                                                    "the config gives true;")):
         initial_params(no_norm, diff, None)
     # model.v2_head_norm: the parameters of V2 with a per-head norm hold `subln`
     v2 = CONFIGS["diff_v2"]
     normed = dataclasses.replace(v2, v2_head_norm=True)
     v2_norm = ex.export(Source(normed, random_params(normed), str(tmp_path / "src"), None),
                         tmp_path / "v2_norm")
-    with pytest.raises(ConfigError, match=re.escape("holds a model with model.v2_head_norm=True "
-                                                    "but the config gives False;")):
+    with pytest.raises(ConfigError, match=re.escape("holds a model with model.v2_head_norm=true "
+                                                    "but the config gives false;")):
         initial_params(v2_norm, v2, None)
     free = dataclasses.replace(saved, dtype="bfloat16", remat="full", max_seq_len=128, init_std=0.01)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

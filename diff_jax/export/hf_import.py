@@ -35,7 +35,7 @@ import numpy as np
 from diff_jax import variants
 from diff_jax.attention import LAMBDA_VECTORS
 from diff_jax.checkpoint import quiet_abandoned_io
-from diff_jax.config import ConfigError, ModelConfig
+from diff_jax.config import ConfigError, ModelConfig, override_value
 from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_io import read_safetensors
@@ -277,11 +277,8 @@ _RUN_CHOICES = ("dtype", "attention_impl", "remat", "loss_chunk", "attn_logit_bi
 def finetune_overrides(config: ModelConfig, out: str | Path) -> list[str]:
     """The `train.py` overrides that fine-tune the export at `out`: every model field that the
     parameters depend on (whatever the --config file says), and `train.init_from`."""
-    def text(value: Any) -> str:
-        return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-
-    overrides = [f"model.{f.name}={text(getattr(config, f.name))}" for f in dataclasses.fields(config)
-                 if f.name not in _RUN_CHOICES]
+    overrides = [f"model.{f.name}={override_value(getattr(config, f.name))}"
+                 for f in dataclasses.fields(config) if f.name not in _RUN_CHOICES]
     return [*overrides, f"train.init_from={out}"]
 
 

@@ -699,32 +699,32 @@ def test_prepare_writes_the_documented_layout_for_every_chunk_of_files(tmp_path,
         assert (meta["num_docs"], meta["num_tokens"]) == (8, sum(map(len, expected)))
 
 
-def test_a_jsonl_file_unreadable_part_way_keeps_the_records_before_it(tmp_path):
-    """JSONL is read a record at a time (prepare's memory is a chunk's, not a file's), so a file
-    whose bytes stop decoding part-way keeps the records read before that point (all but those
-    of the last 8 KB block decoded) and names the line reading stopped after; a damaged
-    .jsonl.gz likewise; a file unreadable from its start is skipped whole, as before."""
-    good = [f"record {i} " + "x" * 1000 for i in range(30)]
-    lines = "".join(json.dumps({"text": t}) + "\n" for t in good).encode()
-    (tmp_path / "a.jsonl").write_bytes(lines + b"\xff\xfe broken\n")
-    packed = bytearray(gzip.compress(lines * 4))
-    packed[len(packed) // 2:len(packed) // 2 + 40] = bytes(40)  # past its first records
-    (tmp_path / "b.jsonl.gz").write_bytes(bytes(packed))
-    (tmp_path / "c.jsonl").write_bytes(b"\xff" + lines)
+def test_a_jsonl_record_that_is_no_utf8_is_one_bad_record_and_a_damaged_gz_keeps_its_start(
+        tmp_path):
+    """JSONL is read and decoded a record at a time (prepare's memory is a chunk's, not a
+    file's): a line whose bytes are no UTF-8 is one skipped record, named by its line, and
+    every other record is kept (decoding 8 KB blocks lost the block's records and named the
+    wrong line; reading whole files lost the file); a damaged .jsonl.gz (here: a copy cut
+    short) keeps the records read before the damage and names the line reading stopped after; a
+    first line's byte-order mark is no part of its record, and CR LF ends a record as LF does."""
+    good = [f"record {i} " + "x" * 40 for i in range(300)]
+    lines = [json.dumps({"text": t}).encode() + b"\n" for t in good]
+    (tmp_path / "a.jsonl").write_bytes(
+        b"\xef\xbb\xbf" + b"".join(lines[:150]) + b'{"text": "\xff\xfe"}\r\n'
+        + b"".join(x.replace(b"\n", b"\r\n") for x in lines[150:]))
+    packed = gzip.compress(b"".join(lines) * 4)
+    (tmp_path / "b.jsonl.gz").write_bytes(packed[:len(packed) // 2])  # a copy cut short
 
     def read(name: str) -> tuple[list[str], list[str]]:
         skipped: list[str] = []
         return list(iter_documents([tmp_path / name], "text", skipped)), skipped
 
-    for name, whole in (("a.jsonl", good), ("b.jsonl.gz", good * 4)):
-        texts, skipped = read(name)
-        assert 0 < len(texts) < len(whole) and texts == whole[:len(texts)], (name, len(texts))
-        assert len(skipped) == 1 and skipped[0].startswith(
-            f"{tmp_path / name}: unreadable after line {len(texts)} ("), skipped
-    assert len(read("a.jsonl")[0]) >= 30 - 8  # records of 1 KB: at most one block's lost
-    texts, skipped = read("c.jsonl")
-    assert texts == [] and len(skipped) == 1 and skipped[0].startswith(
-        f"{tmp_path / 'c.jsonl'}: unreadable (UnicodeDecodeError: "), skipped
+    assert read("a.jsonl") == (good, [f"{tmp_path / 'a.jsonl'}:151: not UTF-8 (invalid start "
+                                      "byte at byte 10)"])
+    texts, skipped = read("b.jsonl.gz")
+    assert 0 < len(texts) < 4 * len(good) and texts == (good * 4)[:len(texts)], len(texts)
+    assert len(skipped) == 1 and skipped[0].startswith(
+        f"{tmp_path / 'b.jsonl.gz'}: unreadable after line {len(texts)} ("), skipped
 
 
 def test_directories_and_double_star_globs_are_searched_recursively(tmp_path):

@@ -102,28 +102,28 @@ def read_files(files: list[Path], text_field: str) -> tuple[list[str], list[str]
 
 def iter_documents(files: Iterable[Path], text_field: str, skipped: list[str]) -> Iterator[str]:
     """The texts of `files`, in order, as they are read: one per plain file, one per JSONL
-    record's `text_field` (gzip allowed). A JSONL file is read a record at a time, so it takes
-    the memory of its longest record however large it is. Unreadable files and bad records are
-    appended to `skipped` with a reason; a JSONL file that cannot be read past some point keeps
-    the records before it (`path: unreadable after line N (...)`). Records end at newlines only:
-    JSON strings may hold U+2028, U+0085 and the other line boundaries of `str.splitlines`
-    unescaped."""
+    record's `text_field` (gzip allowed). A JSONL file is read and decoded a record at a time,
+    so it takes the memory of its longest record however large it is, and a record that is no
+    UTF-8 is one bad record. Unreadable files and bad records are appended to `skipped` with a
+    reason; a JSONL file that cannot be read past some point (a damaged or truncated .gz) keeps
+    the records before it (`path: unreadable after line N (...)`). Records end at a newline (or
+    CR LF) only: JSON strings may hold U+2028, U+0085 and the other line boundaries of
+    `str.splitlines` unescaped."""
     for path in files:
         jsonl = path.name.removesuffix(".gz").endswith(".jsonl")
         line = 0
         try:
             opener = gzip.open if path.name.endswith(".gz") else open
-            # utf-8-sig: a leading byte-order mark (Windows editors write one) is not text, and
-            # would make a JSONL file's first record "not JSON"
-            with opener(path, "rt", encoding="utf-8-sig") as f:
-                if not jsonl:
-                    text = f.read()
-                else:
+            if jsonl:
+                with opener(path, "rb") as f:
                     for line, raw in enumerate(f, 1):
-                        record = _jsonl_text(raw, f"{path}:{line}", text_field, skipped)
+                        record = _jsonl_text(raw, path, line, text_field, skipped)
                         if record is not None:
                             yield record
-                    continue
+                continue
+            # utf-8-sig: a leading byte-order mark (Windows editors write one) is not text
+            with opener(path, "rt", encoding="utf-8-sig") as f:
+                text = f.read()
         except (OSError, UnicodeDecodeError, EOFError, zlib.error) as e:  # zlib: a damaged .gz
             where = f"unreadable after line {line}" if line else "unreadable"
             skipped.append(f"{path}: {where} ({type(e).__name__}: {e})")
@@ -131,13 +131,20 @@ def iter_documents(files: Iterable[Path], text_field: str, skipped: list[str]) -
         yield text
 
 
-def _jsonl_text(line: str, where: str, field: str, skipped: list[str]) -> str | None:
-    """The `field` text of the JSONL record `line` (`where`: path:line), or None for a blank
-    line or, appended to `skipped`, a bad record."""
-    if not line.strip():
+def _jsonl_text(line: bytes, path: Path, n: int, field: str, skipped: list[str]) -> str | None:
+    """The `field` text of the JSONL record `line` (line `n` of `path`; a first line's
+    byte-order mark, which Windows editors write, is no part of it), or None for a blank line
+    or, appended to `skipped`, a bad record."""
+    where = f"{path}:{n}"
+    try:
+        text = line.decode("utf-8-sig" if n == 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        skipped.append(f"{where}: not UTF-8 ({e.reason} at byte {e.start})")
+        return None
+    if not text.strip():
         return None
     try:
-        record = json.loads(line)
+        record = json.loads(text)
     except json.JSONDecodeError as e:
         skipped.append(f"{where}: not JSON ({e.msg})")
         return None

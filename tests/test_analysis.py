@@ -1,5 +1,6 @@
 """The analyses' numbers (eval.py task=attention, task=outliers) against an independent float64
-NumPy forward pass of a one-layer model (tests/numpy_reference.py), for every variant.
+NumPy forward pass of a two-layer model (tests/numpy_reference.py), for every variant: every
+layer's shares, logits and hidden states, the second layer's read from the first's output.
 
 The model runs in float32; 1e-4 relative leaves room for that and for summation order, while a
 wrong map reconstruction, mask, λ or normalisation is off by O(1).
@@ -19,23 +20,33 @@ from diff_jax.evaluation.analysis import TOP_K, _activations, _stats, span_share
 from diff_jax.interop import to_reference
 from diff_jax.transformer import DecoderLM
 
-B, T, E, H = 2, 16, 32, 2
+B, T, E, H, L = 2, 16, 32, 2, 2
 SPANS = (3, 6, 10, 10, 14)  # answer [3, 6), context ends at 10, query rows [10, 14)
 
 
 def _model(variant: str) -> tuple[ModelConfig, dict, np.ndarray]:
-    cfg = ModelConfig(variant=variant, vocab_size=64, embed_dim=E, num_layers=1, num_heads=H,
+    cfg = ModelConfig(variant=variant, vocab_size=64, embed_dim=E, num_layers=L, num_heads=H,
                       max_seq_len=T)
     tokens = np.random.default_rng(0).integers(0, 64, (B, T)).astype(np.int32)
     params = nn.meta.unbox(DecoderLM(cfg).init(jax.random.key(1), jnp.asarray(tokens)))["params"]
     return cfg, jax.tree.map(np.asarray, params), tokens
 
 
-def _numpy_layer(cfg: ModelConfig, params: dict, tokens: np.ndarray):
-    """(|logits| (B, N, T, S) with −1 where masked, per-head maps (B, H', T, S), layer output)."""
+def _numpy_layers(cfg: ModelConfig, params: dict, tokens: np.ndarray):
+    """Per layer, in order: (|logits| (B, N, T, S) with −1 where masked, per-head maps
+    (B, H', T, S), layer output (B, T, E)); each layer reads the one before's output."""
+    x = np.asarray(params["embed"], np.float64)[tokens]
+    out = []
+    for i in range(cfg.num_layers):
+        out.append(_numpy_layer(cfg, params[f"layers_{i}"], x, i))
+        x = out[-1][2]
+    return out
+
+
+def _numpy_layer(cfg: ModelConfig, layer: dict, x: np.ndarray, depth: int):
+    """Layer `depth` on input x (B, T, E): (|logits| (B, N, T, S) with −1 where masked,
+    per-head maps (B, H', T, S), layer output)."""
     f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
-    layer = params["layers_0"]
-    x = f64(params["embed"])[tokens]
     xn = npr.rmsnorm(x, f64(layer["attn_norm"]["scale"]), cfg.norm_eps)
     sd = {k: f64(v) for k, v in to_reference(layer["attn"], cfg).items()}
     d = cfg.resolved_head_dim
@@ -50,7 +61,7 @@ def _numpy_layer(cfg: ModelConfig, params: dict, tokens: np.ndarray):
     probs = npr.softmax(scores, m)
     heads = dict(num_heads=H, num_kv_heads=H)
     if cfg.variant == "diff":
-        out, _, _, lam = npr.diff_v1(sd, xn, cos, sin, depth=0, **heads)
+        out, _, _, lam = npr.diff_v1(sd, xn, cos, sin, depth=depth, **heads)
         maps = probs[:, 0::2] - lam * probs[:, 1::2]
     elif cfg.variant == "diff_v2":
         out = npr.diff_v2(sd, xn, cos, sin, head_dim=d, **heads)
@@ -68,18 +79,23 @@ def _numpy_layer(cfg: ModelConfig, params: dict, tokens: np.ndarray):
 
 @pytest.mark.parametrize("variant", ["diff", "diff_v2", "transformer"])
 def test_attention_shares_and_activations_match_numpy(variant):
+    """Both layers' (answer, noise) shares, |logits| and |hidden states| against NumPy: a task
+    that read only the first layer gave (1, ...) arrays and passed on a one-layer model."""
     cfg, params, tokens = _model(variant)
-    logits, maps, hidden = _numpy_layer(cfg, params, tokens)
+    ref = _numpy_layers(cfg, params, tokens)
 
     got = np.asarray(span_shares(cfg, params, jnp.asarray(tokens), jnp.asarray(SPANS)))
-    assert got.shape == (1, 2)
-    np.testing.assert_allclose(got[0], _shares(maps), rtol=1e-4)
+    assert got.shape == (L, 2)
+    np.testing.assert_allclose(got, [_shares(maps) for _, maps, _ in ref], rtol=1e-4)
 
     ones = jnp.ones((B, T), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     got_logits, got_hidden = _activations(cfg, params, jnp.asarray(tokens), ones, positions)
-    np.testing.assert_allclose(np.asarray(got_logits)[0], logits, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(got_hidden)[0], np.abs(hidden), rtol=1e-4, atol=1e-5)
+    assert got_logits.shape[0] == got_hidden.shape[0] == L
+    for i, (logits, _, hidden) in enumerate(ref):
+        np.testing.assert_allclose(np.asarray(got_logits)[i], logits, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got_hidden)[i], np.abs(hidden), rtol=1e-4,
+                                   atol=1e-5)
 
 
 def _shares(maps: np.ndarray) -> list[float]:
@@ -101,7 +117,7 @@ def test_attention_shares_clip_the_negative_entries_of_a_differential_map(varian
     cfg, params, tokens = _model(variant)
     attn = params["layers_0"]["attn"]
     attn["q_proj"]["kernel"] = attn["q_proj"]["kernel"] * 100
-    _, maps, _ = _numpy_layer(cfg, params, tokens)
+    _, maps, _ = _numpy_layers(cfg, params, tokens)[0]
     assert (maps < -0.05).any()
     got = np.asarray(span_shares(cfg, params, jnp.asarray(tokens), jnp.asarray(SPANS)))
     np.testing.assert_allclose(got[0], _shares(maps), rtol=1e-4)

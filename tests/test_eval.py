@@ -213,7 +213,12 @@ def test_niah_grid_is_seeded_and_puts_needles_at_the_requested_depths(runs):
 # The shares, logits and hidden states themselves are checked against NumPy in test_analysis.py;
 # these check what the tasks report from them.
 @pytest.mark.parametrize("variant", ["diff_v2", "transformer"])
-def test_attention_task_averages_its_depths_and_layers(runs, variant):
+def test_attention_task_averages_its_depths_and_layers(runs, variant, monkeypatch):
+    """Per depth, each layer's shares are the mean over the samples, and the depth's answer /
+    noise the mean over its layers; the totals the mean over the depths. First on the model
+    (near uniform attention at initialization), then with span_shares stubbed to give each
+    sample other (layers, 2) shares: reporting a depth's first sample instead of the mean over
+    its samples passed with samples=1."""
     out = _run(runs[variant], "task=attention", "samples=1", "needles=2", "depths=[0,50,100]")
     assert [r["depth"] for r in out["by_depth"]] == [0, 50, 100]
     for r in out["by_depth"]:
@@ -222,6 +227,26 @@ def test_attention_task_averages_its_depths_and_layers(runs, variant):
     assert math.isclose(out["noise"], np.mean([r["noise"] for r in out["by_depth"]]), rel_tol=1e-6)
     # at initialization attention is near uniform: the answer span gets about its share of keys
     assert 0.0 < out["answer"] < 0.5 < out["noise"]
+
+    from diff_jax.evaluation import analysis
+
+    calls = []  # call k (depth k // 3, sample k % 3): layer l's (answer, noise) = (k + l, 2k) / 100
+
+    def stub(cfg, params, tokens, spans):
+        k = len(calls)
+        calls.append(k)
+        return np.array([[k, 2 * k], [k + 1, 2 * k]], np.float32) / 100
+
+    monkeypatch.setattr(analysis, "span_shares", stub)
+    out = _run(runs[variant], "task=attention", "samples=3", "needles=2", "depths=[0,100]")
+    assert len(calls) == 2 * 3
+    for d, r in enumerate(out["by_depth"]):
+        k = np.arange(3 * d, 3 * d + 3)  # this depth's calls
+        np.testing.assert_allclose(r["answer_by_layer"], [k.mean() / 100, (k + 1).mean() / 100],
+                                   rtol=1e-6)
+        np.testing.assert_allclose(r["noise_by_layer"], [2 * k.mean() / 100] * 2, rtol=1e-6)
+    assert math.isclose(out["answer"], np.mean([1, 2, 4, 5]) / 100, rel_tol=1e-6)
+    assert math.isclose(out["noise"], np.mean([2, 8]) / 100, rel_tol=1e-6)
 
 
 def test_table3_task_reads_the_question_rows_over_the_queried_needle(runs, monkeypatch):
@@ -250,11 +275,27 @@ def test_table3_task_reads_the_question_rows_over_the_queried_needle(runs, monke
         assert re.fullmatch(rf" The magic number of {re.escape(city[1])} is \d{{6}}\.", needle)
 
 
-def test_outliers_task_reads_the_requested_tokens(runs):
+def test_outliers_task_reads_the_requested_tokens(runs, monkeypatch):
+    """tokens=200 reads 4 rows of 64, and the statistics cover every layer of the 2-layer model:
+    `_activations` gives (layers, ...) logits and hidden states, and the reported top-1s are
+    the maxima over all of them. Reading the first layer only passed every test."""
+    from diff_jax.evaluation import analysis
+
+    seen = []
+    real = analysis._activations
+    monkeypatch.setattr(analysis, "_activations", lambda *a: seen.append(
+        tuple(map(np.asarray, real(*a)))) or seen[-1])
     out = _run(runs["diff"], "task=outliers", "tokens=200")
     assert out["num_tokens"] == 4 * 64  # ceil(200 / 64) = 4 rows of train.seq_len
     assert set(out["attention_logits"]) == set(out["hidden_states"]) == {
         "top1", "top2", "top3", "top10", "top100", "median"}
+    logits, hidden = (np.concatenate([s[j] for s in seen], axis=1) for j in (0, 1))
+    assert logits.shape[:2] == hidden.shape[:2] == (2, 4)  # (layers, rows): both layers read
+    assert hidden.shape[2:] == (64, 32) and logits.shape[3:] == (64, 64)
+    assert not np.allclose(hidden[0], hidden[1])
+    assert out["attention_logits"]["top1"] == pytest.approx(float(logits.max()), rel=1e-6)
+    assert out["hidden_states"]["top1"] == pytest.approx(float(hidden.max()), rel=1e-6)
+    assert out["hidden_states"]["median"] == pytest.approx(float(np.median(hidden)), rel=1e-6)
 
 
 def test_outliers_task_leaves_out_the_masked_logits(runs, monkeypatch):

@@ -46,14 +46,22 @@ def test_distractors_share_exactly_one_key_token_with_a_queried_key():
 
 
 def test_the_haystack_is_one_counting_run_around_the_triples():
-    s = _sample(2, length=96, pairs=3, queries=3, share=0.0)
-    in_pair = np.zeros(96, bool)
-    for p in s.pair_starts:
-        in_pair[p: p + 3] = True
-    hay = s.tokens[: s.context_end][~in_pair[: s.context_end]]
-    assert len(hay) == s.context_end - 9 and np.isin(hay, recall.HAYSTACK).all()
-    steps = (np.diff(hay - recall.HAYSTACK[0]) % len(recall.HAYSTACK))
-    assert (steps == 1).all()
+    """The context's non-triple tokens count through the haystack alphabet, and the triples are
+    spread through them: with 77 haystack tokens around 3 triples, every one of the 4 gaps
+    (before, between, after the triples) holds some in each of 5 seeds' samples (an empty gap
+    has chance (3/4)^77). All the haystack in one gap before contiguous triples passed."""
+    for seed in range(2, 7):
+        s = _sample(seed, length=96, pairs=3, queries=3, share=0.0)
+        in_pair = np.zeros(96, bool)
+        for p in s.pair_starts:
+            in_pair[p: p + 3] = True
+        hay = s.tokens[: s.context_end][~in_pair[: s.context_end]]
+        assert len(hay) == s.context_end - 9 and np.isin(hay, recall.HAYSTACK).all()
+        steps = (np.diff(hay - recall.HAYSTACK[0]) % len(recall.HAYSTACK))
+        assert (steps == 1).all()
+        bounds = np.r_[0, np.repeat(s.pair_starts, 2) + [0, 3] * 3, s.context_end]
+        gaps = bounds[1::2] - bounds[::2]  # haystack tokens before, between and after the triples
+        assert (gaps > 0).all() and gaps.sum() == 77, (seed, gaps)
 
 
 def test_more_queries_than_pairs_repeat_them_and_bad_sizes_are_refused():
@@ -91,17 +99,38 @@ def test_more_distractors_than_a_queried_key_has_near_duplicates_are_refused():
     assert s.distractor.sum() == 30
 
 
+def _evaluated(needles: int, queries: int, length: int = 32,
+               samples: int = 500) -> list[recall.RecallSample]:
+    """The samples `eval.py task=recall` scores in one cell (seed 0, no distractors)."""
+    return recall_task.cell_samples(EvalOptions(task="recall", needles=needles, queries=queries,
+                                                distractors=0.0, samples=samples), length)
+
+
+def _keys(samples: list[recall.RecallSample]) -> list[list[tuple[int, ...]]]:
+    """Per sample, its context's keys (a, b), sorted."""
+    return [sorted(map(tuple, s.tokens[s.pair_starts[:, None] + [0, 1]].tolist()))
+            for s in samples]
+
+
 def test_samples_are_deterministic_and_training_never_reproduces_an_evaluation_item():
+    """Samples are a function of their seed; none of 3000 training samples of length 32 is one
+    the task evaluates (`cell_samples`, the task's own sampler) in its cells of 1 or 2 pairs at
+    that length; and each cell draws from a stream of its own, so cells that differ only in
+    their queries or length do not start with the same keys (one stream for every cell of a
+    seed, where every cell's first sample has the same keys, passed every test: the evaluated
+    items were built here, not by the task)."""
     np.testing.assert_array_equal(_sample(5).tokens, _sample(5).tokens)
     assert not np.array_equal(_sample(5).tokens, _sample(6).tokens)
     train = recall.training_samples(recall.train_rng(0), count=3000, length=32, max_pairs=2,
                                     distractor_shares=(0.0,))
     seen = {s.tokens.tobytes() for s in train}
     assert len(seen) == len(train)
-    evaluated = [recall.make_sample(recall.eval_rng(0, 2, 1, 0, 32), length=32, pairs=n,
-                                    queries=n, distractor_share=0.0)
-                 for n in (1, 2) for _ in range(500)]
+    cells = {(n, r): _evaluated(n, r) for n in (1, 2) for r in range(1, n + 1)}
+    evaluated = [s for samples in cells.values() for s in samples]
     assert not seen & {s.tokens.tobytes() for s in evaluated}
+    assert _keys(cells[2, 1][:1]) != _keys(cells[2, 2][:1])
+    firsts = {tuple(_keys(_evaluated(1, 1, length, samples=1))[0]) for length in range(32, 48)}
+    assert len(firsts) > 8  # 16 lengths' first keys, of 256 possible
     # Same generator settings, other seed domain: the streams differ from the first draw on.
     a = recall.training_samples(recall.train_rng(0), count=1, length=32, max_pairs=2,
                                 distractor_shares=(0.0,))[0]

@@ -37,8 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from diff_jax.config import (CheckpointConfig, Config, ConfigError, ModelConfig, from_dict,
-                             override_value)
+from diff_jax.config import CheckpointConfig, Config, ConfigError, ModelConfig, from_dict
 from diff_jax.file_errors import naming
 from diff_jax.output_dir import write_whole
 
@@ -360,7 +359,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
         saved = None
     differs = None if saved is None else model.difference(saved)
     if differs is not None:  # same shapes, another function: λ_init, RoPE θ, the heads' split…
-        key, theirs, ours = (differs[0], *map(override_value, differs[1:]))
+        key, theirs, ours = differs
         raise _as_configured(mngr, CheckpointError(
             f"checkpoint step {step} was trained with {key}={theirs} but the config gives {ours}; "
             "a run resumes with the model it was trained with"))

@@ -194,13 +194,14 @@ class ModelConfig:
         ("lambda_init", "model.lambda_init"), ("head_norm", "model.head_norm"),
         ("v2_head_norm", "model.v2_head_norm"))
 
-    def difference(self, other: ModelConfig) -> tuple[str, Any, Any] | None:
+    def difference(self, other: ModelConfig) -> tuple[str, str, str] | None:
         """(key, other's value, this one's) of the first `SEMANTIC` field in which this model
-        computes differently from `other`; None when the two compute the same function."""
+        computes differently from `other`, the values as an override writes them
+        (`override_value`: null, not None); None when the two compute the same function."""
         for attr, key in self.SEMANTIC:
             ours, theirs = getattr(self, attr), getattr(other, attr)
             if ours != theirs:
-                return key, theirs, ours
+                return key, override_value(theirs), override_value(ours)
         return None
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import logging
 import math
 import os
 import signal

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diff_jax.checkpoint import quiet_abandoned_io
 from diff_jax.export import DTYPES, FORMATS, ExportError, export
 from diff_jax.export.sources import EVAL_DIR
 from diff_jax.export.writer import DEFAULT_TOKENIZER
-from diff_jax.checkpoint import quiet_abandoned_io
 from diff_jax.file_errors import describe
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from diff_jax.config import ConfigError, ModelConfig, override_value
+from diff_jax.config import ConfigError, ModelConfig
 from diff_jax.export.errors import ExportError
 from diff_jax.export.sources import read_source
 
@@ -28,7 +28,6 @@ def check_same_model(saved: ModelConfig, config: ModelConfig, where: str) -> Non
     differs = config.difference(saved)
     if differs is not None:
         key, theirs, ours = differs
-        theirs, ours = override_value(theirs), override_value(ours)
         raise ConfigError(f"train.init_from: {where} holds a model with {key}={theirs} but the "
                           f"config gives {ours}; set {key}={theirs} (and the rest of its model "
                           "section) to fine-tune it")

@@ -173,6 +173,10 @@ def _attend(
         n_rep = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, n_rep, axis=2), jnp.repeat(v, n_rep, axis=2)
     op = module.attention_op or AttentionOp.build(cfg)
+    if module.decode and op.logit_bits is not None:
+        raise ValueError("model.attn_logit_bits must be null with a KV cache (decode=True): its "
+                         "absmax scale spans each whole score map, and a decode step sees one "
+                         "query row of it (eval.py task=quant measures the full forward)")
     out, maps = op(q, k, v, lam, segment_ids=segment_ids, kv_lengths=kv_lengths)
     if kv_lengths is not None:  # a step's position outside the cache [0, S): NaN, not the
         # finite but wrong result of dynamic_update_slice's clamped write (traced: no error)

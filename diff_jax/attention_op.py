@@ -28,8 +28,9 @@ to make on the side:
 - **Decode.** A single-token step over a KV cache (`kv_lengths` given) runs
   `kernels.decode_attention`, which reads the cache chunk by chunk up to the longest row's
   filled length (O(filled) per token, not O(capacity)), on every platform and whatever
-  `impl` is; with `capture` or `logit_bits` it runs the oracle over the cache instead, since
-  those need every score of a row at once.
+  `impl` is; with `capture` it runs the oracle over the cache instead, since the maps need
+  every score of a row at once. `logit_bits` is refused with a cache (`attention._attend`): its
+  scale spans the whole map, which a step, one query row, cannot reproduce.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ class AttentionOp:
         return self._kernel(q, k, v, lam, segment_ids), None
 
     def _decode(self, q, k, v, lam, lengths):
-        if self.capture or self.logit_bits is not None:
+        if self.capture:
             visible = (jnp.arange(k.shape[1])[None, :] < lengths[:, None]).astype(jnp.int32)
             # unfilled entries may hold anything: their probability 0 does not mask a NaN value
             v = jnp.where(visible[:, :, None, None] != 0, v, 0)

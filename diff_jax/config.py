@@ -27,6 +27,10 @@ MAX_STEPS = 2**31 - 1
 """The most `train.steps` (and `optim.warmup_steps`): optax counts steps in int32, and the schedule
 of a longer run fails to trace (an OverflowError at the first step)."""
 
+SEED_LIMIT = 2**32
+"""Seeds (`train.seed`, eval.py's and `generate`'s) are in [0, SEED_LIMIT): `jax.random.key` keeps
+a seed's low 32 bits (64-bit integers are off), so seed 2**32 would draw what seed 0 draws."""
+
 AttentionImpl = Literal["xla", "pallas", "cudnn", "auto"]
 """`model.attention_impl`: resolved per platform by `diff_jax.attention_op.resolve_impl`."""
 
@@ -418,7 +422,8 @@ class TrainConfig:
             object.__setattr__(self, "eval_batches", None)
         _require(self.steps <= MAX_STEPS, "train.steps",
                  f"must be <= {MAX_STEPS} (optax counts steps in int32)")
-        _require(self.seed >= 0, "train.seed", "must be >= 0")  # as numpy's generators take them
+        _require(0 <= self.seed < SEED_LIMIT, "train.seed",
+                 "must be in [0, 2**32) (jax.random.key keeps 32 bits of a seed)")
         _require(self.eval_every >= 0, "train.eval_every", "must be >= 0 (0 disables)")
         _require(self.profile_steps >= 0, "train.profile_steps", "must be >= 0 (0: no trace)")
         _require(self.profile_steps == 0 or self.profile_start >= 1, "train.profile_start",

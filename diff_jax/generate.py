@@ -13,19 +13,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diff_jax.config import ModelConfig
+from diff_jax.config import SEED_LIMIT, ModelConfig
 from diff_jax.transformer import DecoderLM
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters."""
+    """temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters. top_k keeps every
+    token whose logit ties the k-th largest (as Hugging Face's top-k warper does)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -34,10 +36,38 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def _is_int(x: object) -> bool:
+    """An integer (Python's or NumPy's), not a float that happens to be whole."""
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _prompt_ids(prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array) -> list[list[int]]:
+    """The prompts as lists of Python ints: a sequence of token-id sequences, or a (B, T) array."""
+    if isinstance(prompts, (np.ndarray, jax.Array)):
+        prompts = np.asarray(prompts).tolist()
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a sequence of token-id sequences, got "
+                         f"{type(prompts).__name__}")
+    rows = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray, jax.Array)):
+            raise ValueError(f"prompt {i} must be a sequence of token ids, got {type(p).__name__}")
+        p = np.asarray(p).tolist() if isinstance(p, (np.ndarray, jax.Array)) else p
+        bad = next((x for x in p if not _is_int(x)), None)
+        if bad is not None:
+            raise ValueError(f"prompt {i} has a token id that is not an int: {bad!r}")
+        rows.append([operator.index(x) for x in p])
+    return rows
 
 
 def sample(logits: jax.Array, key: jax.Array, sampling: SamplingConfig) -> jax.Array:
@@ -117,7 +147,7 @@ def _generate(model: DecoderLM, params, cache, tokens: jax.Array, lengths: jax.A
 def generate(
     config: ModelConfig,
     params: dict,
-    prompts: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
     *,
     max_new_tokens: int,
     sampling: SamplingConfig = SamplingConfig(),
@@ -125,15 +155,20 @@ def generate(
     eos_id: int | None = None,
 ) -> list[list[int]]:
     """New tokens for each prompt (the prompt excluded; stops after `eos_id`, which is kept):
-    B prompts of any lengths -> B lists of at most `max_new_tokens` ids.
+    B prompts of any lengths (lists of ints, or a (B, T) array) -> B lists of at most
+    `max_new_tokens` ids. `seed` in [0, 2**32) seeds the sampling.
 
     The whole decode runs on the device in one jitted call (`_generate`); only the finished
-    tokens come back to the host.
+    tokens come back to the host. `model.attn_logit_bits` must be null (a KV cache refuses it).
     """
+    prompts = _prompt_ids(prompts)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not _is_int(seed) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+    max_new_tokens, seed = operator.index(max_new_tokens), operator.index(seed)
     if sampling.top_k > config.vocab_size:
         raise ValueError(f"top_k must be <= model.vocab_size ({config.vocab_size}), got "
                          f"{sampling.top_k}")

@@ -120,7 +120,9 @@ def test_overrides_parse_yaml_values():
     (["model=5"], r"model: expected a mapping, got 5$"),
     # numpy's generators refuse a negative seed, and PRNGKey an integer beyond int64: tracebacks
     (["model.attn_logit_bits=129"], r"model\.attn_logit_bits: must be in \[2, 32\]"),
-    (["train.seed=-1"], r"train\.seed: must be >= 0$"),
+    (["train.seed=-1"], r"train\.seed: must be in \[0, 2\*\*32\) \(jax\.random\.key keeps 32"),
+    # jax.random.key keeps a seed's low 32 bits: 2**32 initialized the model seed 0 does
+    (["train.seed=4294967296"], r"train\.seed: must be in \[0, 2\*\*32\)"),
     (["data.split_seed=-1"], r"data\.split_seed: must be >= 0$"),
     (["train.seed=99999999999999999999999"],
      r"train\.seed: expected an integer of at most 64 bits, got 99999999999999999999999$"),

@@ -733,11 +733,13 @@ def test_step_with_an_export_is_refused_not_ignored(runs, tmp_path):
     assert json.loads(path.read_text())["step"] == 1  # the report names the export's step
 
 
+@pytest.mark.parametrize("seed", [-1, 2**32])
 @pytest.mark.parametrize("task", ["niah", "recall", "generate"])
-def test_a_negative_seed_is_one_error(task):
-    """numpy seeds are non-negative: seed=-1 was a traceback (exit 1) in niah and recall."""
-    with pytest.raises(EvalError, match="seed=-1: must be >= 0"):
-        parse_args([f"task={task}", "seed=-1", "prompt=x"])
+def test_a_seed_outside_32_bits_is_one_error(task, seed):
+    """numpy seeds are non-negative: seed=-1 was a traceback (exit 1) in niah and recall; and
+    jax.random.key keeps 32 bits, so generate's seed=2**32 sampled what seed=0 samples."""
+    with pytest.raises(EvalError, match=rf"seed={seed}: must be in \[0, 2\*\*32\)$"):
+        parse_args([f"task={task}", f"seed={seed}", "prompt=x"])
 
 
 @pytest.mark.parametrize("task", ["niah", "recall", "attention"])
@@ -839,7 +841,7 @@ def test_bad_inputs_and_lengths_are_one_error_naming_them(runs, tmp_path):
         recall.cell_samples(parse_args(["task=recall"])[0], 8)
     for args, match in ((["max_new_tokens=200"], r"longest prompt \(2 tokens\) \+ max_new_tokens "
                                                  r"\(200\) = 202 exceeds model\.max_seq_len \(128\)$"),
-                        (["top_k=-1"], r"top_k must be >= 0, got -1$")):
+                        (["top_k=-1"], r"top_k must be an int >= 0, got -1$")):
         with pytest.raises(EvalError, match=r"^generate: " + match):
             generate_task(loaded, parse_args(["task=generate", "prompt=def f", *args])[0])
 

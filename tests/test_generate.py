@@ -9,6 +9,7 @@ import pytest
 from flax import linen as nn
 
 from diff_jax import variants
+from diff_jax.attention_op import AttentionOp
 from diff_jax.config import ModelConfig
 from diff_jax.generate import SamplingConfig, _decode_step, _prefill, generate, sample
 from diff_jax.transformer import DecoderLM
@@ -99,9 +100,9 @@ def test_eos_seed_and_errors():
         generate(cfg, params, [[]], max_new_tokens=3)
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(top_p=0)
-    with pytest.raises(ValueError, match=r"top_k must be >= 0, got -1$"):
+    with pytest.raises(ValueError, match=r"top_k must be an int >= 0, got -1$"):
         SamplingConfig(top_k=-1)
-    with pytest.raises(ValueError, match=r"max_new_tokens must be >= 1, got 0$"):
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an int >= 1, got 0$"):
         generate(cfg, params, [[3, 4]], max_new_tokens=0)
 
 
@@ -256,13 +257,13 @@ def test_calls_that_do_not_fit_the_kv_cache_are_refused(rows, tokens):
                     mutable=["cache"])
 
 
-@pytest.mark.parametrize("extra", [{}, {"attn_logit_bits": 16}], ids=["decode_attention", "oracle"])
-def test_unfilled_cache_entries_holding_nan_do_not_reach_the_logits(extra):
+@pytest.mark.parametrize("capture", [False, True], ids=["decode_attention", "oracle"])
+def test_unfilled_cache_entries_holding_nan_do_not_reach_the_logits(capture):
     """A cache whose entries past each row's position hold NaN (an uninitialised, donated or
     reused buffer) decodes as one of zeros: p = 0 masked the scores but not the values, and
-    0·NaN is NaN. `attn_logit_bits` decodes through the xla oracle with key segments instead."""
-    cfg, params = _setup("diff", **extra)
-    model = DecoderLM(cfg, decode=True)
+    0·NaN is NaN. With `capture` a step decodes through the xla oracle with key segments."""
+    cfg, params = _setup("diff")
+    model = DecoderLM(cfg, decode=True, attention_op=AttentionOp.build(cfg, capture=capture))
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((2, 12), jnp.int32))["cache"]
     prompt, lengths = jnp.asarray([[5, 9, 2, 0], [7, 1, 1, 4]], jnp.int32), jnp.asarray([3, 4])
     got = []
@@ -392,3 +393,47 @@ def test_prompt_ids_outside_the_vocabulary_are_refused_naming_the_prompt(bad):
     cfg, params = _setup("transformer")
     with pytest.raises(ValueError, match=rf"prompt 1 has token ids outside \[0, {V}\)"):
         generate(cfg, params, [[3], [4, bad]], max_new_tokens=2)
+
+
+def test_quantized_attention_logits_are_refused_with_a_kv_cache():
+    """attn_logit_bits' absmax scale spans each whole score map: a decode step saw one query
+    row (its own scale), and the prefill's map the other prompts' padding, so one prompt's
+    tokens changed with its batch companions and differed from the full forward."""
+    cfg, params = _setup("diff", attn_logit_bits=8)
+    with pytest.raises(ValueError, match=r"^model\.attn_logit_bits must be null with a KV cache"):
+        generate(cfg, params, [[3, 4]], max_new_tokens=2)
+    model = DecoderLM(cfg, decode=True, attention_op=AttentionOp.build(cfg).quantized(jnp.int32(8)))
+    with pytest.raises(ValueError, match=r"attn_logit_bits must be null with a KV cache"):
+        zero_cache(model, 1, 4)
+
+
+def test_prompts_may_be_arrays_and_ids_that_are_not_ints_are_refused():
+    """A (B, T) NumPy or jax array is B prompts; float ids were truncated without a word, an
+    array failed on its truth value, a flat list with "no len()", and a float max_new_tokens,
+    top_k or seed inside tracing."""
+    cfg, params = _setup("transformer")
+    want = generate(cfg, params, [[3, 4], [5, 6]], max_new_tokens=3)
+    assert generate(cfg, params, np.array([[3, 4], [5, 6]]), max_new_tokens=3) == want
+    assert generate(cfg, params, jnp.array([[3, 4], [5, 6]]), max_new_tokens=3) == want
+    assert generate(cfg, params, [np.array([3, 4]), (5, 6)], max_new_tokens=np.int64(3)) == want
+    for prompts, message in [([[1.7, 2.9]], r"^prompt 0 has a token id that is not an int: 1\.7$"),
+                             ([[3], [4, "5"]], r"^prompt 1 has a token id that is not an int: '5'$"),
+                             ([3, 4], r"^prompt 0 must be a sequence of token ids, got int$"),
+                             (["34"], r"^prompt 0 must be a sequence of token ids, got str$"),
+                             (np.array([3, 4]), r"^prompt 0 must be a sequence of token ids"),
+                             (7, r"^prompts must be a sequence of token-id sequences, got int$")]:
+        with pytest.raises(ValueError, match=message):
+            generate(cfg, params, prompts, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"^max_new_tokens must be an int >= 1, got 3\.0$"):
+        generate(cfg, params, [[3, 4]], max_new_tokens=3.0)
+    with pytest.raises(ValueError, match=r"^top_k must be an int >= 0, got 2\.5$"):
+        SamplingConfig(temperature=1.0, top_k=2.5)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 2**63, 1.0])
+def test_a_seed_outside_32_bits_is_refused(seed):
+    """jax.random.key keeps a seed's low 32 bits: seed 2**32 sampled what seed 0 samples, and
+    2**63 was an OverflowError."""
+    cfg, params = _setup("transformer")
+    with pytest.raises(ValueError, match=r"^seed must be an int in \[0, 2\*\*32\), got "):
+        generate(cfg, params, [[3, 4]], max_new_tokens=2, sampling=SamplingConfig(1.0), seed=seed)

@@ -8,7 +8,7 @@ import typing
 from collections.abc import Sequence
 from pathlib import Path
 
-from diff_jax.config import ConfigError, coerce, parse_override
+from diff_jax.config import SEED_LIMIT, ConfigError, coerce, parse_override
 from kernels.reference import MAX_LOGIT_BITS
 
 TASKS = ("ppl", "score", "niah", "attention", "outliers", "quant", "generate", "recall")
@@ -62,8 +62,8 @@ class EvalOptions:
                      "tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise EvalError(f"{name}={getattr(self, name)}: must be positive")
-        if self.seed < 0:  # numpy's generators (niah, recall) take non-negative seeds
-            raise EvalError(f"seed={self.seed}: must be >= 0")
+        if not 0 <= self.seed < SEED_LIMIT:  # jax.random.key (generate) keeps 32 bits of a seed
+            raise EvalError(f"seed={self.seed}: must be in [0, 2**32)")
         for name in ("length", "step"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise EvalError(f"{name}={getattr(self, name)}: must be positive")

@@ -295,7 +295,7 @@ class DataConfig:
 
     source: Literal["stdlib", "files", "tokens", "niah"] = "stdlib"  # tokens: a `prepare`d directory
     mixture: str | None = None  # e.g. "stdlib:0.5,niah:0.5": token shares of sources; replaces source
-    mixture_tokens: int | None = None  # a mixture's total tokens at most (None: all its sources give)
+    mixture_tokens: int | None = None  # a mixture's token cap, passed by niah's last document (None: none)
     niah_tokens: int = 2_000_000  # synthetic retrieval tokens generated when niah is the only source
     niah_doc_tokens: int = 512  # longest synthetic retrieval document (lengths in [half, this])
     paths: tuple[str, ...] | str = ()  # files, dirs, globs (.txt .md .py .jsonl, .gz); "a,b" ok

@@ -5,7 +5,8 @@ Finite sources (stdlib, files, tokens) contribute their first documents (in thei
 order) up to their share of the largest total that no finite source is too small for; niah
 generates its share. The documents of all sources are then interleaved in a seeded order; the
 validation split, a random sample of documents, holds each source's share of tokens in
-expectation. With niah alone the corpus has `data.niah_tokens` tokens.
+expectation. With niah alone the corpus has about `data.niah_tokens` tokens (generation stops
+once they are reached, so its last document and each document's end-of-text go past them).
 """
 
 from __future__ import annotations
@@ -45,10 +46,18 @@ def _documents(corpus: TokenCorpus, budget: float) -> list[np.ndarray]:
             for i in range(n)]
 
 
+def _budget(corpus: TokenCorpus, share: float) -> float:
+    """`share` tokens of `corpus`, all of them where the share is all of it up to rounding: the
+    scarcest source's w·(len/w) comes out an ulp below len for some lengths and weights
+    (0.7·(13961/0.7) = 13960.999999999998), which left out its last document."""
+    return float(len(corpus.tokens)) if share >= len(corpus.tokens) * (1 - 1e-9) else share
+
+
 def mixed_corpus(cfg: DataConfig, seed: int, finite: dict[str, TokenCorpus]) -> TokenCorpus:
     """The corpus of `cfg.mixture_weights`, given the loaded finite sources by name: each source's
     leading whole documents up to its share of the total, which is as much as the scarcest finite
-    source allows, at most `cfg.mixture_tokens`."""
+    source allows, about `cfg.mixture_tokens` at most (niah's last document and end-of-text
+    tokens go past its share)."""
     weights = dict(cfg.mixture_weights)
     masked = [name for name, c in finite.items() if c.loss_mask is not None]
     if masked:
@@ -60,7 +69,7 @@ def mixed_corpus(cfg: DataConfig, seed: int, finite: dict[str, TokenCorpus]) -> 
         total = cfg.niah_tokens / weights["niah"]
     if cfg.mixture_tokens is not None:
         total = min(total, cfg.mixture_tokens)
-    docs = [d for name, c in finite.items() for d in _documents(c, weights[name] * total)]
+    docs = [d for name, c in finite.items() for d in _documents(c, _budget(c, weights[name] * total))]
     vocab = max([c.vocab_size for c in finite.values()] or [0])
     skipped = tuple(s for c in finite.values() for s in c.skipped)
     if "niah" in weights:

@@ -11,6 +11,7 @@ import dataclasses
 import glob
 import gzip
 import json
+import os
 import sysconfig
 import zlib
 from collections.abc import Iterable, Iterator
@@ -48,9 +49,11 @@ def stdlib_documents() -> Documents:
 
 
 def expand_paths(patterns: tuple[str, ...]) -> list[Path]:
-    """Files named by paths, directories (searched recursively) and globs, sorted, each file once
-    however many patterns name it and however they spell it (relative, absolute, `..`, a
-    symlink): a file read twice would be two documents, one possibly held out beside the other."""
+    """Files named by paths, directories (searched recursively, into symlinked directories as a
+    `**` glob is) and globs, each file once however many patterns name it and however they spell
+    it (relative, absolute, `..`, a symlink): a file read twice would be two documents, one
+    possibly held out beside the other. Sorted by the real file's path, so that the corpus (its
+    order, split and fingerprint) does not depend on the spelling."""
     if not patterns:
         raise DataError("data.paths: empty; name at least one file, directory or glob")
     files: dict[Path, Path] = {}  # the real file -> the first spelling naming it
@@ -63,7 +66,7 @@ def expand_paths(patterns: tuple[str, ...]) -> list[Path]:
             if not matches:
                 raise DataError(f"data.paths: {pattern!r} matches no file")
         elif p.is_dir():
-            matches = [m for m in p.rglob("*") if _is_text(m)]
+            matches = _text_files_under(p)
             if not matches:
                 raise DataError(f"data.paths: directory {pattern!r} holds no {'/'.join(TEXT_SUFFIXES)} file")
         elif p.exists():
@@ -75,7 +78,22 @@ def expand_paths(patterns: tuple[str, ...]) -> list[Path]:
                 if not _is_text(m):
                     raise DataError(f"data.paths: {m} is not one of {TEXT_SUFFIXES} (optionally .gz)")
                 files.setdefault(m.resolve(), m)
-    return sorted(files.values())
+    return [files[real] for real in sorted(files)]
+
+
+def _text_files_under(root: Path) -> list[Path]:
+    """The text files in `root` and its subdirectories, symlinked ones included (Path.rglob
+    skips those before Python 3.13), each real directory once: a link cycle ends."""
+    found, seen = [], set()
+    for directory, subdirectories, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(directory)
+        if real in seen:
+            subdirectories.clear()
+            continue
+        seen.add(real)
+        subdirectories.sort()
+        found += [Path(directory, n) for n in sorted(names) if _is_text(Path(directory, n))]
+    return found
 
 
 def file_documents(patterns: tuple[str, ...], text_field: str) -> Documents:

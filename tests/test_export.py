@@ -243,6 +243,13 @@ def test_overwrite_refuses_a_directory_that_is_not_an_export(diff_run, tmp_path)
     assert (keep / "notes.txt").read_text() == "precious"
     with pytest.raises(ex.ExportError, match="contains the source"):
         ex.export(run, run.parent, "safetensors", overwrite=True)
+    # inside a run's checkpoints/ an export read as the run's newest step, a partial one: the
+    # run's export, eval.py and init_from all refused it until it was deleted
+    for out in (run / "checkpoints" / "6", run / "checkpoints" / "6" / "deeper"):
+        with pytest.raises(ex.ExportError, match=rf"--out {out}: is inside the run's checkpoints "
+                                                 rf"directory {run.resolve() / 'checkpoints'}"):
+            ex.export(run, out, "safetensors")
+    assert not (run / "checkpoints" / "6").exists() and ex.load(run)[0] == diff_run[1]
     empty = tmp_path / "empty"
     empty.mkdir()
     assert (ex.export(run, empty, "safetensors") / "model.safetensors").is_file()

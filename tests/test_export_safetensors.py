@@ -83,6 +83,30 @@ def test_written_file_is_standard_safetensors_with_bf16_and_metadata(dtype, tmp_
         np.testing.assert_array_equal(theirs[k].to(torch.float32).numpy(), v.astype(np.float32))
 
 
+def test_the_header_is_written_in_one_order_so_equal_exports_are_equal_bytes(tmp_path):
+    """The package writes the metadata from a hash map, whose order changed from process to
+    process: two exports of one step had different bytes (and file hashes). The header's keys
+    are now sorted, the metadata's too, and the file still reads (here and through torch)."""
+    tensors = fixture_state_dict()
+    metadata = {f"key{i}": f"value {i} ü" for i in (3, 1, 4, 0, 2)}
+    for name in ("a", "b"):
+        write_safetensors(tmp_path / name, tensors, metadata)
+    raw = (tmp_path / "a").read_bytes()
+    assert raw == (tmp_path / "b").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    text = raw[8: 8 + n].decode()
+    header = json.loads(text)
+    assert list(header) == sorted(header) and list(header["__metadata__"]) == sorted(metadata)
+    assert text.rstrip(" ") == json.dumps(header, sort_keys=True, separators=(",", ":"),
+                                          ensure_ascii=False)
+    back, read_metadata = read_safetensors(tmp_path / "a")
+    assert read_metadata == metadata and back.keys() == tensors.keys()
+    for k, v in tensors.items():
+        np.testing.assert_array_equal(back[k], v)
+    torch_st = pytest.importorskip("safetensors.torch")
+    assert torch_st.load_file(tmp_path / "a").keys() == tensors.keys()
+
+
 def test_unwritable_dtype_and_damaged_files_name_the_file(tmp_path):
     path = tmp_path / "model.safetensors"
     with pytest.raises(ex.ExportError, match=r"model.safetensors: tensor 'x' has dtype complex64"):

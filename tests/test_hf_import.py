@@ -17,6 +17,7 @@ from diff_jax import export as ex
 from diff_jax.evaluation import run as eval_run
 from diff_jax.export.hf_import import import_hf, main
 from diff_jax.export.safetensors_io import read_safetensors
+from diff_jax.export.tokenizer import TOKENIZER_FILES
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -128,6 +129,21 @@ def test_import_export_import_is_the_identity(name, tmp_path):
     (c1, p1), (c2, p2) = ex.load(first), ex.load(second)
     assert c1 == c2
     jax.tree.map(np.testing.assert_array_equal, p1, p2)
+
+
+def test_an_import_exports_without_tokenizer_files_unless_one_is_named(tmp_path):
+    """An import records no data.tokenizer (its vocabulary is its own tokenizer's): its
+    hf-diffllama export wrote cl100k's tokenizer files and eos id without a word when the
+    vocabulary was large enough (and was refused for cl100k's ids when it was not); now it
+    writes none unless --tokenizer names one."""
+    save_hf("diffllama-mha", tmp_path / "hf", seed=2)
+    first = import_hf(tmp_path / "hf", tmp_path / "first")
+    plain = ex.export(first, tmp_path / "plain", "hf-diffllama")
+    assert not any((plain / f).exists() for f in TOKENIZER_FILES)
+    assert json.loads((plain / "config.json").read_text()).get("eos_token_id") is None
+    with pytest.raises(ex.ExportError, match=rf"^--tokenizer cl100k_first_256: its ids reach 256 "
+                                             rf"but model.vocab_size is {VOCAB}; pass --tokenizer"):
+        ex.export(first, tmp_path / "named", "hf-diffllama", tokenizer="cl100k_first_256")
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "diffllama-gqa"])

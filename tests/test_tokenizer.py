@@ -122,16 +122,15 @@ def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path, monk
 
 
 def test_the_default_tokenizer_is_data_tokenizer_base_everywhere():
-    """data.tokenizer's BASE is the default of `prepare`, its CLI and the export's tokenizer; the
-    config default (which cannot import the data package) must name the same encoding."""
+    """data.tokenizer's BASE is the default of `prepare` and its CLI; the config default (which
+    cannot import the data package) must name the same encoding."""
     import inspect
 
     from diff_jax.config import DataConfig
     from diff_jax.data import prepare
     from diff_jax.data.tokenizer import BASE
-    from diff_jax.export.writer import DEFAULT_TOKENIZER
 
-    assert DataConfig().tokenizer == BASE == DEFAULT_TOKENIZER
+    assert DataConfig().tokenizer == BASE
     assert inspect.signature(prepare).parameters["encoding_name"].default == BASE
 
 

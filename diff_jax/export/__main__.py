@@ -9,7 +9,6 @@ import sys
 from diff_jax.checkpoint import quiet_abandoned_io
 from diff_jax.export import DTYPES, FORMATS, ExportError, export
 from diff_jax.export.sources import EVAL_DIR
-from diff_jax.export.writer import DEFAULT_TOKENIZER
 from diff_jax.file_errors import describe
 
 
@@ -29,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="storage dtype of every tensor (default: %(default)s)")
     parser.add_argument("--tokenizer",
                         help="hf-diffllama: the tiktoken encoding to write Hugging Face tokenizer "
-                             "files for, or none (default: the run's data.tokenizer; "
-                             f"{DEFAULT_TOKENIZER} when the source does not record one)")
+                             "files for, or none (default: the run's data.tokenizer; none "
+                             "when the source records none, as an import's)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing export at --out; refused while it holds "
                              f"{EVAL_DIR}/ (eval.py results), which is never deleted")

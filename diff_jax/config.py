@@ -250,10 +250,17 @@ class MeshConfig:
             _require(names.count(name) == 1, f"mesh.rules[{name}]",
                      "given twice; give each logical axis one rule")
         for name, axes in self.rules:
-            for axis in (axes if isinstance(axes, tuple) else (axes,)):
-                _require(axis is None or isinstance(axis, str) and axis in sizes,
-                         f"mesh.rules[{name}]",
-                         f"mesh axis must be one of {sorted(sizes)} or null, got {axis!r}")
+            if axes is None:  # replicated
+                continue
+            listed = axes if isinstance(axes, tuple) else (axes,)
+            for axis in listed:  # a null in a list: a KeyError traceback in the sharding
+                _require(isinstance(axis, str) and axis in sizes, f"mesh.rules[{name}]",
+                         f"mesh axis must be one of {sorted(sizes)} or null (the whole rule: "
+                         f"replicated), got {axis!r}")
+            for axis in listed:  # jax refuses such a spec: a DuplicateSpecError traceback
+                _require(listed.count(axis) == 1, f"mesh.rules[{name}]",
+                         f"names mesh axis {axis!r} twice in {list(listed)}; a logical axis is "
+                         "sharded over each mesh axis at most once")
 
 
 def _as_axes(v: Any) -> Any:

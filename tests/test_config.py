@@ -39,6 +39,9 @@ def test_overrides_parse_yaml_values():
     assert cfg.optim.lr == pytest.approx(5e-3) and cfg.model.kv_heads == 2
     assert load_config(None, ["mesh.rules=[[batch, [data, fsdp]], [embed, null]]"]).mesh.rules == (
         ("batch", ("data", "fsdp")), ("embed", None))
+    # two logical axes may share a mesh axis (Flax's priority order); an empty list replicates
+    assert load_config(None, ["mesh.rules=[[batch, [data, fsdp]], [embed, fsdp], [norm, []]]"]
+                       ).mesh.rules == (("batch", ("data", "fsdp")), ("embed", "fsdp"), ("norm", ()))
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -78,7 +81,14 @@ def test_overrides_parse_yaml_values():
     (["mesh.rules=[[embed, fsdp, x]]"], r"mesh\.rules\[0\]: expected a list of 2 items"),
     (["mesh.rules=[[3, data]]"], r"mesh\.rules\[0\]\[0\]: expected a string, got 3"),
     (["mesh.rules=[[batch, [data, [fsdp]]]]"], r"mesh\.rules\[batch\]: mesh axis must be one of "
-                                              r".* or null, got \['fsdp'\]"),
+                                              r".* or null \(the whole rule: replicated\), got "
+                                              r"\['fsdp'\]$"),
+    # jax's sharding failed on these: a KeyError and a DuplicateSpecError traceback at step 1
+    (["mesh.rules=[[batch, [data, null]]]"], r"mesh\.rules\[batch\]: mesh axis must be one of "
+                                             r".* got None$"),
+    (["mesh.rules=[[batch, [data, fsdp]], [embed, [fsdp, fsdp]]]"],
+     r"mesh\.rules\[embed\]: names mesh axis 'fsdp' twice in \['fsdp', 'fsdp'\]; a logical axis "
+     r"is sharded over each mesh axis at most once$"),
     (["data.mixture=stdlib:.inf,niah:1"], r"data\.mixture: 'stdlib:\.inf': expected SOURCE:WEIGHT "
                                           r".* WEIGHT a finite number > 0"),
     (["optim.min_lr=1.0"], r"optim\.min_lr"),

@@ -23,7 +23,12 @@ import yaml
 from kernels.reference import MAX_LOGIT_BITS
 
 
-MAX_STEPS = 2**31 - 1
+INT32_MAX = 2**31 - 1
+"""The largest int32. JAX computes integers in int32 (64-bit types are off): a Python int beyond it
+that reaches a jitted computation (a vocabulary size, a head width, a step count) fails to trace
+with an OverflowError, and token ids and positions are int32 arrays."""
+
+MAX_STEPS = INT32_MAX
 """The most `train.steps` (and `optim.warmup_steps`): optax counts steps in int32, and the schedule
 of a longer run fails to trace (an OverflowError at the first step)."""
 
@@ -98,7 +103,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         e, h = self.embed_dim, self.num_heads
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "max_seq_len"):
-            _require(getattr(self, name) > 0, f"model.{name}", "must be positive")
+            _require(0 < getattr(self, name) <= INT32_MAX, f"model.{name}",
+                     f"must be in [1, {INT32_MAX}] (JAX computes in int32: token ids, positions "
+                     "and sizes)")
         _require(self.rope_theta > 0, "model.rope_theta", "must be positive")
         _require(self.norm_eps > 0, "model.norm_eps", "must be positive")
         _require(self.init_std > 0, "model.init_std", "must be positive")
@@ -125,7 +132,10 @@ class ModelConfig:
         d = self.resolved_head_dim
         _require(d > 0 and d % 2 == 0, "model.head_dim",
                  f"the (component) head dim must be a positive even number for RoPE, got {d}")
-        _require(self.mlp_dim is None or self.mlp_dim > 0, "model.mlp_dim", "must be positive")
+        _require(d <= INT32_MAX, "model.head_dim", f"the (component) head dim must be <= "
+                 f"{INT32_MAX} (JAX computes in int32), got {d}")
+        _require(self.mlp_dim is None or 0 < self.mlp_dim <= INT32_MAX, "model.mlp_dim",
+                 f"must be in [1, {INT32_MAX}] (JAX computes in int32)")
         _require(self.attn_logit_bits is None or 2 <= self.attn_logit_bits <= MAX_LOGIT_BITS,
                  "model.attn_logit_bits", f"must be in [2, {MAX_LOGIT_BITS}] (or null: no "
                  "quantization)")

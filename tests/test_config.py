@@ -92,7 +92,15 @@ def test_overrides_parse_yaml_values():
     (["data.mixture=stdlib:.inf,niah:1"], r"data\.mixture: 'stdlib:\.inf': expected SOURCE:WEIGHT "
                                           r".* WEIGHT a finite number > 0"),
     (["optim.min_lr=1.0"], r"optim\.min_lr"),
-    (["model.num_layers=0"], r"model\.num_layers: must be positive"),
+    (["model.num_layers=0"], r"model\.num_layers: must be in \[1, 2147483647\]"),
+    # beyond int32, what JAX computes in: an OverflowError traceback in the first jitted step
+    (["model.vocab_size=2147483648"], r"model\.vocab_size: must be in \[1, 2147483647\] \(JAX "
+                                      r"computes in int32: token ids, positions and sizes\)$"),
+    (["model.max_seq_len=2147483648"], r"model\.max_seq_len: must be in \[1, 2147483647\]"),
+    (["model.variant=transformer", "model.head_dim=2147483648"],
+     r"model\.head_dim: the \(component\) head dim must be <= 2147483647 \(JAX computes in "
+     r"int32\), got 2147483648$"),
+    (["model.mlp_dim=2147483648"], r"model\.mlp_dim: must be in \[1, 2147483647\]"),
     (["optim.b1=1.0"], r"optim\.b1/b2: must be in \[0, 1\)"),  # Adam's bias correction 1 - b1^t = 0
     (["optim.b2=1.0"], r"optim\.b1/b2: must be in \[0, 1\)"),
     (["data.validation_fraction=1.0"], r"data\.validation_fraction: must be in \[0, 1\)"),

@@ -656,9 +656,12 @@ class _Loader(yaml.SafeLoader):
 
 def _parse_yaml(text: str, what: str) -> Any:
     """`text` parsed as YAML (`_Loader`); a syntax error or a repeated key is a one-line
-    ConfigError naming `what` and the line."""
+    ConfigError naming `what` and the line, nesting too deep for the parser one naming `what`."""
     try:
         return yaml.load(text, Loader=_Loader)
+    except RecursionError:  # PyYAML's parser recurses once per level of nesting
+        raise ConfigError(f"{what}: nested too deeply to read (PyYAML recurses per level, past "
+                          "Python's recursion limit)") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         problem = getattr(e, "problem", None) or " ".join(str(e).split())

@@ -216,6 +216,14 @@ def test_file_errors(tmp_path):
     based.write_text("base: sub\n")  # a base that is a directory, as --config DIR
     with pytest.raises(ConfigError, match=r"sub: is a directory; expected a YAML config file"):
         load_config(based)
+    deep = tmp_path / "deep.yaml"  # PyYAML's parser recursed into a RecursionError traceback
+    deep.write_text("a: " + "[" * 600 + "]" * 600 + "\n")
+    with pytest.raises(ConfigError, match=r"deep\.yaml: nested too deeply to read \(PyYAML "
+                       r"recurses per level, past Python's recursion limit\)$"):
+        load_config(deep)
+    with pytest.raises(ConfigError, match=r"override 'train\.steps=\[\[.*': value: nested too "
+                       r"deeply to read"):
+        load_config(None, ["train.steps=" + "[" * 600 + "]" * 600])
     listed = tmp_path / "listed.yaml"
     listed.write_text("- model\n- train\n")
     with pytest.raises(ConfigError, match=r"listed\.yaml: the top level must be a mapping of "

@@ -20,11 +20,12 @@ from diff_jax.checkpoint import CheckpointError, quiet_abandoned_io
 from diff_jax.config import ConfigError
 from diff_jax.data import DataError
 from diff_jax.evaluation import EvalError, run
+from diff_jax.evaluation.options import PATH_OPTIONS
 from diff_jax.file_errors import describe
 
 EXIT_BAD_INPUT = 2  # the same status as train.py and python -m diff_jax.export
 EXIT_NAN = 1
-PATH_KEYS = ("checkpoint", "train.run_dir", "out_dir", "output", "input")  # the keys naming files
+PATH_KEYS = ("train.run_dir", *PATH_OPTIONS)  # the keys naming files
 
 
 def nan_fields(value: Any, key: str = "") -> list[str]:

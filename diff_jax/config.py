@@ -49,6 +49,12 @@ def _require(cond: bool, key: str, rule: str) -> None:
         raise ConfigError(f"{key}: {rule}")
 
 
+def is_blank_path(path: str | None) -> bool:
+    """Whether a path setting is given (not None) but empty or all spaces: `Path("")` is the
+    working directory, which nobody means by it (the command would write or read there)."""
+    return path is not None and not path.strip()
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The decoder LM: architecture, sizes, numerics and the attention implementation."""
@@ -425,9 +431,15 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # `~` is the home directory, as eval.py and data.paths read it; the shell leaves a
         # `train.run_dir=~/x` argument as it is, which used to train into a directory named `~`
-        for name in ("run_dir", "init_from", "compile_cache_dir"):
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, os.path.expanduser(getattr(self, name)))
+        paths = {"run_dir": "the run's directory", "init_from": "an export, a run or a step "
+                 "directory (or null: a fresh init)", "compile_cache_dir": "a directory (or null: "
+                 "no compilation cache)"}
+        for name, expected in paths.items():
+            value = getattr(self, name)
+            _require(not is_blank_path(value), f"train.{name}", f"{value!r} is empty; name "
+                     f"{expected}")
+            if value is not None:
+                object.__setattr__(self, name, os.path.expanduser(value))
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_tokens", "log_every"):
             _require(getattr(self, name) > 0, f"train.{name}", "must be positive")
         if self.eval_batches is not None:  # configs written before eval_tokens

@@ -151,6 +151,12 @@ def test_overrides_parse_yaml_values():
     (["train.steps=-99999999999999999999999"], r"train\.steps: expected an integer of at most 64 "
                                                r"bits, got -99999999999999999999999$"),
     (["train.steps=5", "train.steps.x=1"], r"override 'train\.steps\.x=1': steps is not a section$"),
+    # Path("") is the working directory: the run trained into it
+    (["train.run_dir=''"], r"train\.run_dir: '' is empty; name the run's directory$"),
+    (["train.init_from=' '"], r"train\.init_from: ' ' is empty; name an export, a run or a step "
+                              r"directory \(or null: a fresh init\)$"),
+    (["train.compile_cache_dir=''"], r"train\.compile_cache_dir: '' is empty; name a directory "
+                                     r"\(or null: no compilation cache\)$"),
 ])
 def test_errors_name_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -636,6 +636,19 @@ def test_errors_name_what_and_where(runs, tmp_path, capsys):
     assert "unknown task" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args,key", [
+    (["task=ppl", "checkpoint=", "train.run_dir=RUN"], "checkpoint"),  # it fell back to RUN
+    (["task=ppl", "train.run_dir=RUN", "out_dir="], "out_dir"),  # it wrote to RUN/eval
+    (["task=score", "input="], "input"),
+    (["task=score", "input=in.txt", "output="], "output"),
+    (["task=ppl", "train.run_dir=''"], "train.run_dir"),  # the working directory was evaluated
+])
+def test_an_empty_path_is_refused_naming_its_key(args, key, capsys):
+    assert eval_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {key}=: empty; name ") and err.count("\n") == 1, err
+
+
 def test_outputs_that_cannot_be_written_are_bad_input_naming_the_key(runs, tmp_path, capsys):
     run = runs["diff"]
     (tmp_path / "in.txt").write_text("hello world")

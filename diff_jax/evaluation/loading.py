@@ -17,7 +17,7 @@ import tiktoken
 from diff_jax import checkpoint
 from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import (Config, ConfigError, TrainConfig, apply_overrides, from_dict,
-                             parse_override)
+                             is_blank_path, parse_override)
 from diff_jax.data import encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.export import ExportError
@@ -78,6 +78,8 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
     location = options.checkpoint or _override_value(overrides, "train.run_dir")
     if location is None:
         raise EvalError("name what to evaluate: train.run_dir=RUN or checkpoint=PATH")
+    if is_blank_path(str(location)):
+        raise EvalError(f"{key}={location}: empty; name a run directory (or checkpoint=PATH)")
     path = Path(str(location)).expanduser().resolve()
     if not path.exists():
         raise CheckpointError(f"{key}={location}: {path} does not exist")

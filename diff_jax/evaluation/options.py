@@ -8,10 +8,17 @@ import typing
 from collections.abc import Sequence
 from pathlib import Path
 
-from diff_jax.config import SEED_LIMIT, ConfigError, coerce, parse_override
+from diff_jax.config import SEED_LIMIT, ConfigError, coerce, is_blank_path, parse_override
 from kernels.reference import MAX_LOGIT_BITS
 
 TASKS = ("ppl", "score", "niah", "attention", "outliers", "quant", "generate", "recall")
+PATH_OPTIONS: dict[str, str] = {  # the options naming a file or directory: what each expects
+    "checkpoint": "a run, a step directory RUN/checkpoints/N or an export (or leave it out and "
+                  "give train.run_dir=RUN)",
+    "out_dir": "a directory (or leave it out: the checkpoint's eval/)",
+    "input": "a .txt or .npy file",
+    "output": "a .npy file (or leave it out: OUT_DIR/score.npy)",
+}
 
 
 class EvalError(ValueError):
@@ -58,6 +65,9 @@ class EvalOptions:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise EvalError(f"task={self.task}: unknown task; known tasks: {', '.join(TASKS)}")
+        for name, expected in PATH_OPTIONS.items():
+            if is_blank_path(getattr(self, name)):
+                raise EvalError(f"{name}={getattr(self, name)}: empty; name {expected}")
         for name in ("batch_size", "batches", "held_out_tokens", "needles", "queries", "samples",
                      "tokens", "max_new_tokens"):
             if getattr(self, name) < 1:

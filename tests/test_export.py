@@ -360,6 +360,20 @@ def test_cli_writes_an_export_and_reports_errors(diff_run, tmp_path, capsys):
         main([run, "--format", "onnx", "--out", out])
 
 
+def test_cli_refuses_an_empty_out_or_source(diff_run, tmp_path, capsys, monkeypatch):
+    """`--out ""` or an empty source is the working directory to Path(""): refused, nothing
+    written there."""
+    here = tmp_path / "cwd"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main([str(diff_run[0]), "--out", ""]) == 2
+    assert capsys.readouterr().err == "error: --out '': empty; name the export directory to write\n"
+    assert main([" ", "--out", str(tmp_path / "export")]) == 2
+    assert capsys.readouterr().err == ("error: source ' ': empty; name a run, checkpoint or export "
+                                       "directory\n")
+    assert list(here.iterdir()) == [] and not (tmp_path / "export").exists()
+
+
 def test_cli_file_system_errors_name_out_and_help_shows_defaults(diff_run, tmp_path, capsys,
                                                                  monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")  # argparse wraps to the terminal, even inside a word

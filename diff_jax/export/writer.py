@@ -22,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from diff_jax import checkpoint
-from diff_jax.config import ModelConfig
+from diff_jax.config import ModelConfig, is_blank_path
 from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_io import write_safetensors
@@ -149,6 +149,10 @@ def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors
     if tokenizer not in (None, "none") and fmt != "hf-diffllama":
         raise ExportError(f"--tokenizer {tokenizer}: only --format hf-diffllama writes tokenizer "
                           f"files, not {fmt}; leave --tokenizer out")
+    for flag, value, expected in (("source", source, "a run, checkpoint or export directory"),
+                                  ("--out", out, "the export directory to write")):
+        if isinstance(value, str) and is_blank_path(value):  # Path("") is the working directory
+            raise ExportError(f"{flag} {value!r}: empty; name {expected}")
     given = source if isinstance(source, Source) else None
     source, out = Path(given.origin if given else source), Path(out)
     _check_destination(out, source, overwrite)

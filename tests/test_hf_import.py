@@ -235,6 +235,18 @@ def saved_diffllama(tmp_path_factory) -> Path:
      "rope_theta must be a positive number, got 0"),
     ({"rms_norm_eps": -1e-5}, r"rms_norm_eps must be a positive number, got -1e-05"),
     ({"hidden_size": 24, "head_dim": 3}, r"gives an invalid diff-jax model config: model.head_dim: .* got 3"),
+    # fields of the wrong JSON type: a TypeError traceback, or read as another value ("false" tied)
+    ({"model_type": ["diffllama"]}, r"model_type \['diffllama'\] cannot be imported"),
+    ({"model_type": {}}, r"model_type \{\} cannot be imported"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be a boolean, got 'false'"),
+    ({"attention_bias": "false"}, "attention_bias must be a boolean, got 'false'"),
+    ({"use_sliding_window": 0}, "use_sliding_window must be a boolean, got 0"),
+    ({"attention_dropout": []}, r"attention_dropout must be a number, got \[\]"),
+    ({"architectures": 0}, "architectures must be a list of strings, got 0"),
+    ({"partial_rotary_factor": True}, "partial_rotary_factor must be a number, got True"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}},
+     "rope_parameters.rope_theta must be a positive number, got '1e4'"),
+    ({"initializer_range": "0.02"}, "initializer_range must be a number, got '0.02'"),
 ])
 def test_configs_without_an_exact_equivalent_are_refused(edit, reason, saved_diffllama, tmp_path):
     hf_dir = tmp_path / "edited"
@@ -245,6 +257,18 @@ def test_configs_without_an_exact_equivalent_are_refused(edit, reason, saved_dif
         import_hf(hf_dir, tmp_path / "out")
     assert "\n" not in str(info.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_refuses_a_config_field_of_the_wrong_type_in_one_line(tmp_path, capsys):
+    """model_type as a list was a TypeError traceback (exit 1): now the error line, exit 2."""
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": ["llama"]}))
+    assert main([str(hf_dir), "--out", str(tmp_path / "ours")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {hf_dir / 'config.json'}: model_type ['llama'] cannot be imported; supported: "
+        "['diffllama', 'llama'] (DiffLlamaForCausalLM, LlamaForCausalLM)\n")
+    assert not (tmp_path / "ours").exists()
 
 
 @pytest.mark.parametrize("kind", ["llama", "diffllama"])
@@ -371,6 +395,13 @@ def _shard_with_extra_name(hf_dir: Path) -> None:
     (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
+def _index_naming_a_number(hf_dir: Path) -> None:
+    names = read_safetensors(hf_dir / "model.safetensors")[0]
+    (hf_dir / "model.safetensors").unlink()
+    weight_map = dict.fromkeys(names, 1)
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
 def _index_without_weight_map(hf_dir: Path) -> None:
     (hf_dir / "model.safetensors").unlink()
     (hf_dir / "model.safetensors.index.json").write_text("{}")
@@ -387,6 +418,8 @@ Q0 = "model.layers.0.self_attn.q_proj.weight"
      "{d}/config.json: expected a JSON object"),
     ("diffllama", _index_without_weight_map,
      "{d}/model.safetensors.index.json: not a safetensors index with a weight_map: 'weight_map'"),
+    ("diffllama", _index_naming_a_number,  # was a TypeError: Path / int
+     "{d}/model.safetensors.index.json: weight_map's values must be shard file names, got 1"),
     ("diffllama", _shard_with_extra_name,
      "{d}/model.safetensors.index.json: 'model.extra.weight' is listed but in none of its shards"),
     ("diffllama", lambda d: _rewrite(d, lambda t: t | {"model.norm.weight": np.ones(64, np.int32)}),

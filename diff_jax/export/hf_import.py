@@ -26,6 +26,7 @@ import dataclasses
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,19 +57,25 @@ def _require(cond: bool, where: str, reason: str) -> None:
         raise ExportError(f"{where}: {reason}; no exact diff-jax equivalent, refusing to import")
 
 
-def _int(hf: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
-    """`hf[key]` (or `default` when absent or null), which must be a positive integer."""
+# The JSON types of config.json's fields, by how an error names them ("... must be a boolean").
+_KINDS: dict[str, Callable[[Any], bool]] = {
+    "a boolean": lambda v: isinstance(v, bool),
+    "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "a positive number": lambda v: _KINDS["a number"](v) and v > 0,
+    "a positive integer": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+    "a list of strings": lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+}
+
+
+def _field(hf: dict[str, Any], key: str, kind: str, where: str, default: Any = None, *,
+           parent: str = "") -> Any:
+    """`hf[key]` (or `default` when absent or null), which must be `kind` (one of `_KINDS`):
+    `ExportError` naming `where` and the field (`parent` + `key`) otherwise."""
     value = hf.get(key)
     value = default if value is None else value
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ExportError(f"{where}: {key} must be a positive integer, got {value!r}")
+    if not _KINDS[kind](value):
+        raise ExportError(f"{where}: {parent}{key} must be {kind}, got {value!r}")
     return value
-
-
-def _number(hf: dict[str, Any], key: str, default: float) -> float:
-    """`hf[key]` as a float when it is a number, else `default`."""
-    value = hf.get(key)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
 def _rope_theta(hf: dict[str, Any], where: str) -> float:
@@ -76,63 +83,64 @@ def _rope_theta(hf: dict[str, Any], where: str) -> float:
     params = hf.get("rope_parameters")
     scaling = hf.get("rope_scaling")
     _require(scaling is None, where, f"rope_scaling {scaling!r} is set (our RoPE is unscaled)")
-    if params is None:
-        theta = hf.get("rope_theta", 10_000.0)
-    else:
+    theta = _field(hf, "rope_theta", "a positive number", where, 10_000.0)
+    if params is not None:
         _require(isinstance(params, dict), where, f"rope_parameters {params!r} is not a mapping")
         kind = params.get("rope_type", params.get("type", "default"))
         _require(kind == "default", where, f"rope_parameters.rope_type is {kind!r} (only 'default')")
         extra = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
         _require(not extra, where, f"rope_parameters has {extra} (our RoPE has no such setting)")
-        theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
-        factor = params.get("partial_rotary_factor", 1.0)
+        theta = _field(params, "rope_theta", "a positive number", where, theta, parent="rope_parameters.")
+        factor = _field(params, "partial_rotary_factor", "a number", where, 1.0, parent="rope_parameters.")
         _require(factor == 1.0, where, f"rope_parameters.partial_rotary_factor is {factor!r} "
                  "(we rotate whole heads)")
-    factor = hf.get("partial_rotary_factor", 1.0)
+    factor = _field(hf, "partial_rotary_factor", "a number", where, 1.0)
     _require(factor == 1.0, where, f"partial_rotary_factor is {factor!r} (we rotate whole heads)")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise ExportError(f"{where}: rope_theta must be a positive number, got {theta!r}")
     return float(theta)
 
 
 def model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     """Our `ModelConfig` for a DiffLlama or Llama `config.json` dict; `ExportError` (one line,
-    naming `where` and the field) for anything that cannot be computed exactly."""
+    naming `where` and the field) for a field of the wrong JSON type and for anything that cannot
+    be computed exactly."""
     model_type = hf.get("model_type")
-    if model_type not in ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         raise ExportError(f"{where}: model_type {model_type!r} cannot be imported; supported: "
                           f"{sorted(ARCHITECTURES)} ({', '.join(ARCHITECTURES.values())})")
-    architectures = hf.get("architectures") or [ARCHITECTURES[model_type]]
+    architectures = (_field(hf, "architectures", "a list of strings", where, [])
+                     or [ARCHITECTURES[model_type]])
     _require(architectures == [ARCHITECTURES[model_type]], where,
              f"architectures is {architectures!r}; only {ARCHITECTURES[model_type]} (a causal LM "
              "with its head) is imported")
     act = hf.get("hidden_act", "silu")
     _require(act == "silu", where, f"hidden_act is {act!r} (our SwiGLU uses silu)")
     for key in ("attention_bias", "mlp_bias"):
-        _require(not hf.get(key, False), where, f"{key} is true (our projections have no bias)")
-    dropout = hf.get("attention_dropout", 0.0)
-    _require(not dropout, where, f"attention_dropout is {dropout!r} (our attention has no dropout)")
+        _require(not _field(hf, key, "a boolean", where, False), where,
+                 f"{key} is true (our projections have no bias)")
+    dropout = _field(hf, "attention_dropout", "a number", where, 0.0)
+    _require(dropout == 0, where, f"attention_dropout is {dropout!r} (our attention has no dropout)")
     for key in ("sliding_window", "quantization_config"):
         _require(hf.get(key) is None, where, f"{key} is set ({hf.get(key)!r})")
-    _require(not hf.get("use_sliding_window", False), where, "use_sliding_window is true")
+    _require(not _field(hf, "use_sliding_window", "a boolean", where, False), where,
+             "use_sliding_window is true")
     theta = _rope_theta(hf, where)
 
-    e = _int(hf, "hidden_size", where)
-    heads = _int(hf, "num_attention_heads", where)
-    kv = _int(hf, "num_key_value_heads", where, default=heads)
-    head_dim = _int(hf, "head_dim", where, default=e // heads)
+    e = _field(hf, "hidden_size", "a positive integer", where)
+    heads = _field(hf, "num_attention_heads", "a positive integer", where)
+    kv = _field(hf, "num_key_value_heads", "a positive integer", where, heads)
+    head_dim = _field(hf, "head_dim", "a positive integer", where, e // heads)
     _require(heads % kv == 0, where, f"num_attention_heads ({heads}) is not a multiple of "
              f"num_key_value_heads ({kv})")
-    eps = hf.get("rms_norm_eps", 1e-5 if model_type == "diffllama" else 1e-6)  # the class defaults
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
-        raise ExportError(f"{where}: rms_norm_eps must be a positive number, got {eps!r}")
+    eps = _field(hf, "rms_norm_eps", "a positive number", where,
+                 1e-5 if model_type == "diffllama" else 1e-6)  # the class defaults
     fields: dict[str, Any] = dict(
-        vocab_size=_int(hf, "vocab_size", where), embed_dim=e,
-        num_layers=_int(hf, "num_hidden_layers", where), mlp_dim=_int(hf, "intermediate_size", where),
-        max_seq_len=_int(hf, "max_position_embeddings", where), rope_theta=theta,
-        norm_eps=float(eps),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # absent: untied, as in HF
-        init_std=_number(hf, "initializer_range", 0.02))  # initialization only
+        vocab_size=_field(hf, "vocab_size", "a positive integer", where), embed_dim=e,
+        num_layers=_field(hf, "num_hidden_layers", "a positive integer", where),
+        mlp_dim=_field(hf, "intermediate_size", "a positive integer", where),
+        max_seq_len=_field(hf, "max_position_embeddings", "a positive integer", where),
+        rope_theta=theta, norm_eps=float(eps),
+        tie_embeddings=_field(hf, "tie_word_embeddings", "a boolean", where, False),  # as in HF
+        init_std=float(_field(hf, "initializer_range", "a number", where, 0.02)))  # initialization only
     variant = variants.for_hf_model_type(model_type)
     n = variant.sub_heads  # DiffLlama counts the (Q1, Q2) and (K1, K2) halves of our heads
     if n > 1:
@@ -166,6 +174,10 @@ def read_hf_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
         shards = sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ExportError(f"{index}: not a safetensors index with a weight_map: {e}") from e
+    not_names = [shard for shard in shards if not isinstance(shard, str) or not shard]
+    if not_names:
+        raise ExportError(f"{index}: weight_map's values must be shard file names, got "
+                          f"{not_names[0]!r}")
     tensors: dict[str, np.ndarray] = {}
     for shard in shards:
         tensors.update(read_safetensors(hf_dir / shard)[0])

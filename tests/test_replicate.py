@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from diff_jax import variants
+from diff_jax.config import MAX_STEPS
 from diff_jax.experiments import layout, lm_report, presets, recall_report, replicate, stats
 
 
@@ -246,6 +247,37 @@ def test_out_of_another_preset_is_refused_before_anything_is_written(tmp_path, m
                                        f"({out / 'results.json'}); choose another --out for "
                                        "--preset cpu-recall\n")
     assert sorted(p.name for p in out.iterdir()) == ["results.json"]
+
+
+@pytest.mark.parametrize("record, says", [
+    ({"preset": ["micro"]}, "preset must be a preset's name (a string), got ['micro']"),
+    ({"preset": 5}, "preset must be a preset's name (a string), got 5"),
+    ({"preset": "micro", "steps": "4"}, f"steps must be an integer in [1, {MAX_STEPS}], got '4'"),
+    ({"preset": "micro", "steps": True}, f"steps must be an integer in [1, {MAX_STEPS}], got True"),
+])
+def test_a_preset_record_of_the_wrong_type_is_one_error_line_naming_it(record, says, tmp_path,
+                                                                        monkeypatch, capsys):
+    """replicate.json's preset as a list was a TypeError traceback; steps "4" read as the
+    preset's own and the marker was overwritten. --out, --finished-from and ablate refuse it."""
+    from diff_jax.experiments import ablate
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a corpus was prepared beside a damaged replicate.json")
+
+    monkeypatch.setattr(replicate, "prepare_corpus", refused)
+    out, src = tmp_path / "out", tmp_path / "src"
+    for directory in (out, src):
+        directory.mkdir()
+        (directory / "replicate.json").write_text(json.dumps(record))
+    assert replicate.main(["--preset", "micro", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: {out / 'replicate.json'}: {says}\n"
+    assert replicate.main(["--preset", "micro", "--out", str(tmp_path / "new"),
+                           "--finished-from", str(src)]) == 2
+    assert capsys.readouterr().err == f"error: {src / 'replicate.json'}: {says}\n"
+    assert ablate.main([str(out), "--set", "model.subln_init=0.5"]) == 2
+    assert capsys.readouterr().err == f"error: {out / 'replicate.json'}: {says}\n"
+    assert json.loads((out / "replicate.json").read_text()) == record
+    assert not (tmp_path / "new").exists()
 
 
 def test_steps_stretch_the_recipe_and_a_directory_keeps_to_its_steps(tmp_path, monkeypatch,
@@ -925,6 +957,13 @@ def test_finished_models_of_another_machine_are_taken_only_on_the_same_corpus_an
         meta.write_text(json.dumps(data))
 
     refused(drop_quant, "not finished there (no quant at step 4)")
+    # a damaged file there (a TypeError / JSONDecodeError traceback before): not taken, saying why
+    refused(lambda bad, fresh: eval_json(run_dir(bad, "diff", 0, "scaled"), "quant").write_text(
+        '{"step": 4, '), "not finished there (no quant at step 4)")
+    refused(lambda bad, fresh: (presets.corpus_dir(bad, 0) / "meta.json").write_text(
+        json.dumps({"sha256": 5})), "records no corpus digest (sha256) to compare")
+    refused(lambda bad, fresh: (presets.corpus_dir(bad, 0) / "meta.json").write_text("[]"),
+            "records no corpus digest (sha256) to compare")
     # both reports read wall.json: a model taken without it left a replication that could not
     # write its report, and would not train that model again
     refused(lambda bad, fresh: [(run_dir(bad, v, 0, "scaled") / "wall.json").unlink()

@@ -200,10 +200,22 @@ def _jobs_of(preset: Preset | RecallPreset) -> list[tuple[str, EvalOptions]]:
     return recall_jobs(preset) if isinstance(preset, RecallPreset) else lm_jobs(preset)
 
 
+def _json_field(path: Path, key: str, kind: type) -> Any:
+    """`key` of the JSON object in `path` when it is a `kind` (a bool is no int), else None: the
+    file missing or unreadable (e.g. cut short by a kill), no object, or `key` absent or of
+    another type."""
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    value = recorded.get(key) if isinstance(recorded, dict) else None
+    return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+
 def _evaluated(run: Path, name: str, step: int) -> bool:
-    """Whether eval job `name` of `run` has its JSON, written at `step`."""
-    path = eval_json(run, name)
-    return path.is_file() and json.loads(path.read_text()).get("step") == step
+    """Whether eval job `name` of `run` has its JSON, written at `step` (an unreadable one is
+    not: the job runs again and rewrites it)."""
+    return _json_field(eval_json(run, name), "step", int) == step
 
 
 def record_device(run: Path) -> None:
@@ -268,9 +280,9 @@ def adopt_finished(preset: Preset | RecallPreset, seed: int, init: str, out: Pat
     finished models are kept, and only a model cut short is trained again.
     """
     notes = []
-    ours = json.loads((corpus_dir(out, seed) / "meta.json").read_text()).get("sha256")
+    ours = _json_field(corpus_dir(out, seed) / "meta.json", "sha256", str)
     theirs_path = corpus_dir(source, seed) / "meta.json"
-    theirs = json.loads(theirs_path.read_text()).get("sha256") if theirs_path.is_file() else None
+    theirs = _json_field(theirs_path, "sha256", str)
     for variant in VARIANTS:
         src, dst = run_dir(source, variant, seed, init), run_dir(out, variant, seed, init)
         if not src.is_dir():
@@ -326,20 +338,31 @@ def _at(options: EvalOptions, run: Path, out_dir: Path) -> EvalOptions:
 PRESET_MARKER = "replicate.json"
 
 
+def _preset_record(path: Path) -> tuple[str, int | None] | None:
+    """(preset name, steps) that `path` (a `PRESET_MARKER` or results.json) records, steps None
+    where it records none; None when it is missing or unreadable or names no preset.
+    ConfigError naming the file and field when `preset` is not a string or `steps` not an
+    integer in [1, MAX_STEPS]."""
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(recorded, dict) or recorded.get("preset") is None:
+        return None
+    name, steps = recorded["preset"], recorded.get("steps")
+    if not isinstance(name, str):
+        raise ConfigError(f"{path}: preset must be a preset's name (a string), got {name!r}")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
+                              or not 1 <= steps <= MAX_STEPS):
+        raise ConfigError(f"{path}: steps must be an integer in [1, {MAX_STEPS}], got {steps!r}")
+    return name, steps
+
+
 def _recorded_presets(directory: Path) -> list[tuple[Path, str, int | None]]:
     """(file, preset name, steps) for each of `directory`'s `PRESET_MARKER` and results.json
-    that names a preset (an unreadable one names none; steps None where it records none)."""
-    named = []
-    for path in (directory / PRESET_MARKER, directory / "results.json"):
-        if path.is_file():
-            try:
-                recorded = json.loads(path.read_text())
-                name, steps = recorded.get("preset"), recorded.get("steps")
-            except (ValueError, AttributeError):
-                name = steps = None
-            if name is not None:
-                named.append((path, name, steps if isinstance(steps, int) else None))
-    return named
+    that names a preset (`_preset_record`)."""
+    paths = (directory / PRESET_MARKER, directory / "results.json")
+    return [(path, *record) for path in paths if (record := _preset_record(path)) is not None]
 
 
 def _holds_other(preset: Preset | RecallPreset, directory: Path) -> str | None:
@@ -356,13 +379,13 @@ def _holds_other(preset: Preset | RecallPreset, directory: Path) -> str | None:
 
 def recorded_preset(out: Path) -> Preset | RecallPreset:
     """The preset whose runs `out` holds, at the training steps its `PRESET_MARKER` records;
-    ConfigError when it has no readable marker or names a preset this version does not know."""
-    try:
-        marker = json.loads((out / PRESET_MARKER).read_text())
-        name, steps = marker["preset"], marker.get("steps")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    ConfigError when it has no readable marker, one of the wrong types (`_preset_record`), or
+    names a preset this version does not know."""
+    record = _preset_record(out / PRESET_MARKER)
+    if record is None:
         raise ConfigError(f"{out}: holds no replication (python -m diff_jax.experiments."
-                          f"replicate --out {out} writes its {PRESET_MARKER}): {e}") from None
+                          f"replicate --out {out} writes its {PRESET_MARKER} naming a preset)")
+    name, steps = record
     if name not in PRESETS:
         raise ConfigError(f"{out}: holds --preset {name}, which this version does not know")
     return PRESETS[name] if steps is None else PRESETS[name].with_steps(steps)

@@ -785,6 +785,10 @@ def test_stdlib_corpus_leaves_out_tests_installed_packages_and_blank_files(tmp_p
      "data.niah_doc_tokens=384 is too small for data.tokenizer=cl100k_first_300 (length "),
     (lambda tmp: train_iterator(PackedRows(synthetic_corpus(), 16, 0), 5, 0, 2),
      "train.batch_size (5) must be divisible by the number of processes (2)"),
+    # a batch beyond an epoch repeated rows; built row by row, 100,000 of them took minutes
+    (lambda tmp: train_iterator(PackedRows(synthetic_corpus(), 16, 0), 330, 0, 2),
+     "train.batch_size (330) is more than the 328 rows of train.seq_len=16 tokens the training "
+     "split holds: each batch would repeat rows; lower train.batch_size or train on more data"),
     (lambda tmp: file_documents((), "text"),
      "data.paths: empty; name at least one file, directory or glob"),
     (lambda tmp: (tmp / "x.csv").write_text("a,b") and file_documents((str(tmp),), "text"),

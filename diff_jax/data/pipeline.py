@@ -115,7 +115,12 @@ def local_batch_size(global_batch: int, process_count: int) -> int:
 
 def train_iterator(rows: PackedRows, global_batch: int, process_index: int, process_count: int,
                    read_threads: int = 2, prefetch: int = 4) -> grain.DatasetIterator:
-    """An endless, checkpointable iterator of this process's (b, L) slices of the global batches."""
+    """An endless, checkpointable iterator of this process's (b, L) slices of the global batches;
+    `DataError` when a global batch would hold more rows than an epoch (rows twice in one batch)."""
+    if global_batch > len(rows):
+        raise DataError(f"train.batch_size ({global_batch:,}) is more than the {len(rows):,} rows "
+                        f"of train.seq_len={rows.seq_len} tokens the training split holds: each "
+                        "batch would repeat rows; lower train.batch_size or train on more data")
     b = local_batch_size(global_batch, process_count)
     ds = (grain.MapDataset.range(_UNBOUNDED)
           .map(_ProcessRow(rows, global_batch, b, process_index))

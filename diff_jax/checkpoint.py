@@ -268,6 +268,26 @@ def quiet_abandoned_io() -> None:
     sys.unraisablehook = hook
 
 
+def _not_an_interrupt(record: logging.LogRecord) -> bool:
+    """False for a log record that reports a KeyboardInterrupt (`quiet_interrupts`)."""
+    return record.exc_info is None or not isinstance(record.exc_info[1], KeyboardInterrupt)
+
+
+@contextlib.contextmanager
+def quiet_interrupts() -> Iterator[None]:
+    """For the duration, orbax logs no KeyboardInterrupt: a second Ctrl-C that lands while
+    `wait_until_finished` joins its save-finalize thread is logged by orbax as an ERROR with
+    its traceback ("Save Finalize thread ... failed") before it propagates, though the save
+    still commits; the command's own `interrupted:` line says what happened. Every other record,
+    an error's too, still prints."""
+    absl = logging.getLogger("absl")
+    absl.addFilter(_not_an_interrupt)
+    try:
+        yield
+    finally:
+        absl.removeFilter(_not_an_interrupt)
+
+
 def _chain(error: BaseException) -> list[BaseException]:
     """`error` and the errors it was raised from or during, outermost first (at most 16)."""
     chain = [error]

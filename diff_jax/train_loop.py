@@ -258,7 +258,7 @@ def run(config: Config) -> RunResult:
                          f"first: {inputs.corpus.skipped[0]}")
     flops = flops_per_token(config.model, t.seq_len)
 
-    with steps.context(), _claim_run_dir(t.run_dir, main):
+    with steps.context(), _claim_run_dir(t.run_dir, main), checkpoint.quiet_interrupts():
         step_fn, eval_fn, bsh = steps.train, steps.eval, steps.batch_sharding
         check_process_rows(bsh, t.batch_size, t.seq_len)
         # closed on every way out (it waits for an async save to commit first), a refusal too

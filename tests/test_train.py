@@ -37,17 +37,17 @@ def _ckpt_steps(run_dir: Path) -> list[int]:
 
 
 def _interrupt_at(monkeypatch, step: int, how: str, error: Exception | None = None) -> list[int]:
-    """Make the loop's `step`-th batch of this invocation send SIGTERM, SIGINT twice (Ctrl-C
-    pressed again; "sigint twice, the second swallowed": the second one's KeyboardInterrupt
-    caught before the loop sees it, noted in the list returned) or crash (with `error`, else a
-    RuntimeError)."""
+    """Make the loop's `step`-th batch of this invocation send SIGTERM, SIGINT (Ctrl-C), SIGINT
+    twice (Ctrl-C pressed again; "sigint twice, the second swallowed": the second one's
+    KeyboardInterrupt caught before the loop sees it, noted in the list returned) or crash (with
+    `error`, else a RuntimeError)."""
     real, calls, swallowed = train_loop._global, [], []
 
     def fake(local, sharding):
         calls.append(1)
         if len(calls) == step:
-            if how == "sigterm":
-                os.kill(os.getpid(), signal.SIGTERM)
+            if how in ("sigterm", "sigint"):
+                os.kill(os.getpid(), signal.SIGTERM if how == "sigterm" else signal.SIGINT)
             elif how.startswith("sigint twice"):
                 os.kill(os.getpid(), signal.SIGINT)
                 try:
@@ -150,6 +150,38 @@ def test_ctrl_c_exits_130_last_saying_so_without_the_interpreters_teardown(corpu
     assert proc.stderr.strip().splitlines()[-1] == (
         f"interrupted: stopped at once; the checkpoints already committed in {tmp_path / 'run'}"
         "/checkpoints are kept (re-run to resume from the newest)")
+
+
+def test_ctrl_c_during_the_save_after_the_first_prints_no_orbax_traceback(corpus, tmp_path,
+                                                                          monkeypatch, capsys,
+                                                                          caplog):
+    """A second Ctrl-C while the step saved after the first is waited for (orbax joining its
+    save-finalize thread) stops at once, the save still commits, and the interrupted line is
+    the last: orbax logged the KeyboardInterrupt as an ERROR with its traceback before it."""
+    from orbax.checkpoint import checkpoint_manager
+
+    real_wait, real_join, armed = checkpoint.wait, checkpoint_manager._FinalizeThread.join, []
+
+    def wait(mngr):  # the loop's wait for the save of the step after the first Ctrl-C
+        armed.append(1)
+        real_wait(mngr)
+
+    def join(self, *args, **kwargs):  # inside orbax's wait_until_finished: Ctrl-C again
+        if armed == [1]:
+            armed.append(2)
+            os.kill(os.getpid(), signal.SIGINT)
+        real_join(self, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "wait", wait)
+    monkeypatch.setattr(checkpoint_manager._FinalizeThread, "join", join)
+    _interrupt_at(monkeypatch, 15, "sigint")
+    with caplog.at_level(logging.INFO):
+        assert train_main(["--config", _config_file(corpus, tmp_path)]) == 130
+    assert armed == [1, 2]
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted: ")
+    assert _ckpt_steps(tmp_path / "run") == [10, 15]
 
 
 def test_a_second_sigterm_does_not_stop_the_step_in_flight():

@@ -102,8 +102,9 @@ STOP_AT_ONCE = "SIGINT again"  # in `_stop_signals`' list: Ctrl-C was pressed a 
 def _stop_signals(say: Callable[[str], None]) -> Iterator[list[str]]:
     """Catches SIGTERM/SIGINT into a flag list for the duration (main thread only), saying what
     happens next. A second SIGINT (Ctrl-C pressed again) raises KeyboardInterrupt at once: the
-    step in flight is not saved, a save already under way still commits (closing the checkpoint
-    manager waits for it), and the checkpoints already committed stay as they are. It also
+    step in flight is not saved, a save already handed to orbax's writer still commits (closing
+    the checkpoint manager waits for it; one cut inside the save call itself is dropped), and the
+    checkpoints already committed stay as they are. It also
     appends `STOP_AT_ONCE`, which the loop raises on where Python swallowed the handler's
     exception (a handler that runs inside a gc callback, such as jax's, only prints it)."""
     caught: list[str] = []

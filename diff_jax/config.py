@@ -136,10 +136,9 @@ class ModelConfig:
             _require(self.head_dim is not None or e % n == 0, "model.embed_dim",
                      f"embed_dim ({e}) must be divisible by {heads} ({n}) unless head_dim is set")
         d = self.resolved_head_dim
-        _require(d > 0 and d % 2 == 0, "model.head_dim",
-                 f"the (component) head dim must be a positive even number for RoPE, got {d}")
-        _require(d <= INT32_MAX, "model.head_dim", f"the (component) head dim must be <= "
-                 f"{INT32_MAX} (JAX computes in int32), got {d}")
+        _require(0 < d <= INT32_MAX and d % 2 == 0, "model.head_dim",
+                 f"the (component) head dim must be an even number in [2, {INT32_MAX}] (RoPE "
+                 f"rotates pairs; JAX computes in int32), got {d}")
         _require(self.mlp_dim is None or 0 < self.mlp_dim <= INT32_MAX, "model.mlp_dim",
                  f"must be in [1, {INT32_MAX}] (JAX computes in int32)")
         _require(self.attn_logit_bits is None or 2 <= self.attn_logit_bits <= MAX_LOGIT_BITS,
@@ -269,11 +268,12 @@ class MeshConfig:
             if axes is None:  # replicated
                 continue
             listed = axes if isinstance(axes, tuple) else (axes,)
-            for axis in listed:  # a null in a list: a KeyError traceback in the sharding
+            for axis in listed:
+                # a null in a list: a KeyError traceback in the sharding
                 _require(isinstance(axis, str) and axis in sizes, f"mesh.rules[{name}]",
                          f"mesh axis must be one of {sorted(sizes)} or null (the whole rule: "
                          f"replicated), got {axis!r}")
-            for axis in listed:  # jax refuses such a spec: a DuplicateSpecError traceback
+                # jax refuses such a spec: a DuplicateSpecError traceback
                 _require(listed.count(axis) == 1, f"mesh.rules[{name}]",
                          f"names mesh axis {axis!r} twice in {list(listed)}; a logical axis is "
                          "sharded over each mesh axis at most once")

@@ -98,8 +98,8 @@ def test_overrides_parse_yaml_values():
                                       r"computes in int32: token ids, positions and sizes\)$"),
     (["model.max_seq_len=2147483648"], r"model\.max_seq_len: must be in \[1, 2147483647\]"),
     (["model.variant=transformer", "model.head_dim=2147483648"],
-     r"model\.head_dim: the \(component\) head dim must be <= 2147483647 \(JAX computes in "
-     r"int32\), got 2147483648$"),
+     r"model\.head_dim: the \(component\) head dim must be an even number in \[2, 2147483647\] "
+     r"\(RoPE rotates pairs; JAX computes in int32\), got 2147483648$"),
     (["model.mlp_dim=2147483648"], r"model\.mlp_dim: must be in \[1, 2147483647\]"),
     (["optim.b1=1.0"], r"optim\.b1/b2: must be in \[0, 1\)"),  # Adam's bias correction 1 - b1^t = 0
     (["optim.b2=1.0"], r"optim\.b1/b2: must be in \[0, 1\)"),

@@ -200,15 +200,20 @@ def _jobs_of(preset: Preset | RecallPreset) -> list[tuple[str, EvalOptions]]:
     return recall_jobs(preset) if isinstance(preset, RecallPreset) else lm_jobs(preset)
 
 
-def _json_field(path: Path, key: str, kind: type) -> Any:
-    """`key` of the JSON object in `path` when it is a `kind` (a bool is no int), else None: the
-    file missing or unreadable (e.g. cut short by a kill), no object, or `key` absent or of
-    another type."""
+def _json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`; None when the file is missing or unreadable (e.g. cut short by
+    a kill) or holds no object."""
     try:
         recorded = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    value = recorded.get(key) if isinstance(recorded, dict) else None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def _json_field(path: Path, key: str, kind: type) -> Any:
+    """`key` of the JSON object in `path` (`_json_object`) when it is a `kind` (a bool is no
+    int), else None: no object there, or `key` absent or of another type."""
+    value = (_json_object(path) or {}).get(key)
     return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
 
@@ -343,11 +348,8 @@ def _preset_record(path: Path) -> tuple[str, int | None] | None:
     where it records none; None when it is missing or unreadable or names no preset.
     ConfigError naming the file and field when `preset` is not a string or `steps` not an
     integer in [1, MAX_STEPS]."""
-    try:
-        recorded = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(recorded, dict) or recorded.get("preset") is None:
+    recorded = _json_object(path)
+    if recorded is None or recorded.get("preset") is None:
         return None
     name, steps = recorded["preset"], recorded.get("steps")
     if not isinstance(name, str):

@@ -5,8 +5,8 @@ or checkpoint=PATH (a run, a step directory RUN/checkpoints/N, or an orbax-param
 instead of train.run_dir, and step=N for another step of a run. Writes RUN/eval/NAME.json (a step
 named by step=N or its directory: RUN/eval/step-N/NAME.json; out_dir=DIR: DIR/NAME.json). See the
 README for every task's keys. Exit status: 0 done, 2 bad input (arguments, config, a missing or
-damaged checkpoint, a file that cannot be read or written), 1 a result that is NaN (the JSON is
-still written).
+damaged checkpoint, a file that cannot be read or written, a task too big for the devices'
+memory), 1 a result that is NaN (the JSON is still written).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 from diff_jax.checkpoint import CheckpointError, quiet_abandoned_io
 from diff_jax.config import ConfigError
 from diff_jax.data import DataError
+from diff_jax.device_memory import DeviceMemoryError
 from diff_jax.evaluation import EvalError, run
 from diff_jax.evaluation.options import PATH_OPTIONS
 from diff_jax.file_errors import describe
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else EXIT_BAD_INPUT
     try:
         path = run(args)
-    except (ConfigError, CheckpointError, DataError, EvalError) as e:
+    except (ConfigError, CheckpointError, DataError, EvalError, DeviceMemoryError) as e:
         quiet_abandoned_io()  # a damaged checkpoint's reads: this line stays the last
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -5,8 +5,9 @@ same train.run_dir resumes from its newest checkpoint that verifies (checkpoint.
 another). train.compile_only=true compiles the step instead, for the local devices or, with
 train.compile_topology, for a TPU slice (v5p:4x4x4, libtpu installed) or H100s (h100:8, the
 cuda-aot extra installed). Exit status: 0 done, 2 bad input (config, data, sharding, a
-refused or damaged checkpoint, a file that cannot be read or written, e.g. in train.run_dir; the
-same as eval.py and python -m diff_jax.export), 1 diverged, 130 stopped at once by Ctrl-C (before
+refused or damaged checkpoint, a file that cannot be read or written, e.g. in train.run_dir, a
+model or batch too big for the devices' memory; the same as eval.py and python -m
+diff_jax.export), 1 diverged, 130 stopped at once by Ctrl-C (before
 training began, or pressed a second time: the first one finishes the step, saves it and exits 0).
 """
 

@@ -23,6 +23,7 @@ import jax.export
 
 from diff_jax.attention_op import resolve_impl
 from diff_jax.config import Config, ConfigError
+from diff_jax.device_memory import fit_or_explain, train_advice
 from diff_jax.platforms import describe_missing_tpu_host
 from diff_jax.sharding import make_mesh
 from diff_jax.step import Batch, Steps, TrainState, build_steps
@@ -205,10 +206,14 @@ def flops_per_chip(compiled: Any) -> float | None:
 
 
 def report(config: Config) -> dict[str, Any]:
-    """Print (and return) the compile report of `config` as JSON."""
+    """Print (and return) the compile report of `config` as JSON; `DeviceMemoryError` where the
+    compiler itself finds that the step does not fit (XLA:TPU does)."""
     topology, slices = config.train.compile_topology, config.train.compile_slices
     devices = topology_devices(topology, slices) if topology else None
-    result = compile_train_step(config, devices)
+    where = (f"{topology}" + (f" x {slices} slices" if slices > 1 else "") if topology
+             else f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
+    with fit_or_explain(train_advice(config, "the train step", where)):  # XLA:TPU's compile OOM
+        result = compile_train_step(config, devices)
     if topology:
         hbm = HBM_BYTES.get(topology.split(":")[0])
         result["topology"] = topology

@@ -32,6 +32,7 @@ from diff_jax import checkpoint, data, optim
 from diff_jax.config import (Config, ConfigError, DistributedConfig, TrainConfig, dump_config,
                              from_dict)
 from diff_jax.data.heldout import HeldOut
+from diff_jax.device_memory import DeviceMemoryError, fit_or_explain, train_advice
 from diff_jax.export.init_from import initial_params
 from diff_jax.metrics import MetricsWriter, Progress, mfu
 from diff_jax.file_errors import describe
@@ -50,15 +51,16 @@ class NonFiniteLossError(RuntimeError):
 
 
 # What a training command reports in one line instead of a traceback (`report`).
-BAD_INPUT = (ConfigError, data.DataError, ShardingError, checkpoint.CheckpointError)
+BAD_INPUT = (ConfigError, data.DataError, ShardingError, checkpoint.CheckpointError,
+             DeviceMemoryError)
 RUN_ERRORS = (*BAD_INPUT, OSError, NonFiniteLossError)
 
 
 def report(error: BaseException, named: list[tuple[str, str]]) -> int:
     """Print `error` (one of `RUN_ERRORS`) as one `error:` line on stderr and return the exit
-    status: 2 bad input (a file-system error labelled by the user's path it concerns,
-    `file_errors.describe` over `named`), 1 a run that diverged. Checkpoints already saved are
-    complete either way."""
+    status: 2 bad input (a model or batch that does not fit the devices' memory too; a file-system
+    error labelled by the user's path it concerns, `file_errors.describe` over `named`), 1 a run
+    that diverged. Checkpoints already saved are complete either way."""
     text = describe(error, named) if isinstance(error, OSError) else str(error)
     checkpoint.quiet_abandoned_io()  # the process exits next: this line stays the last
     print(f"error: {text}", file=sys.stderr)
@@ -236,8 +238,19 @@ def _check_vocab_size(config: Config, data_vocab_size: int | None) -> None:
 
 
 def run(config: Config) -> RunResult:
-    """Train (or resume) `config` to `train.steps`."""
+    """Train (or resume) `config` to `train.steps`. Raises `DeviceMemoryError` where the model
+    or the step does not fit in device memory; the checkpoints already committed are kept."""
     initialize_distributed(config.distributed)
+    devices = f"{jax.device_count()} {jax.devices()[0].platform} device(s)"
+    advice = train_advice(config, "the training run", devices) + (
+        f"; train.compile_only=true reports the step's memory per device; the checkpoints already "
+        f"committed in {config.train.run_dir}/checkpoints are kept")
+    with fit_or_explain(advice):
+        return _run(config)
+
+
+def _run(config: Config) -> RunResult:
+    """`run` past the distributed set-up."""
     t = config.train
     use_compile_cache(t.compile_cache_dir)
     main = jax.process_index() == 0

@@ -104,6 +104,26 @@ def test_the_sharded_step_compiles_for_two_tpu_slices_with_only_data_across_them
         report(load_config(None, MODEL + ["mesh.data=1", "mesh.fsdp=8"] + two))
 
 
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu not installed (optional extra: jax[tpu])")
+def test_a_step_too_big_for_the_slice_is_one_error_naming_what_to_change():
+    """XLA:TPU's compiler finds that the step's temporaries (a 16384 × 64 × 65536 float32 logits
+    array over 4 chips) exceed a v5e chip's HBM: a `DeviceMemoryError` (train.py: one line, exit
+    2) that keeps the compiler's first line and names the settings, where it was a traceback."""
+    from diff_jax.aot import report
+    from diff_jax.device_memory import DeviceMemoryError
+
+    big = ["model.vocab_size=65536", "model.max_seq_len=64", "train.seq_len=64",
+           "train.batch_size=16384", "train.compile_only=true", "train.compile_topology=v5e:2x2"]
+    with pytest.raises(DeviceMemoryError) as caught:
+        report(load_config(None, MODEL + big))
+    assert re.fullmatch(
+        r"out of device memory \(RESOURCE_EXHAUSTED: .*exceeds available HBM.*\): the train step "
+        r"at train.batch_size=16384, train.seq_len=64, train.grad_accum=1, model.remat=none, "
+        r"model.loss_chunk=0 does not fit on v5e:2x2; lower train.batch_size or raise "
+        r"train.grad_accum .*\(mesh.fsdp\)", str(caught.value)), str(caught.value)
+
+
 @pytest.mark.parametrize("embed_dim,kernel", [(256, "mosaic_gpu"), (64, TRITON)],
                          ids=["hopper-mosaic-d64", "triton-d16"])
 def test_sharded_step_exports_for_cuda_with_the_kernel_inside_shard_map(embed_dim, kernel):

@@ -649,6 +649,27 @@ def test_an_empty_path_is_refused_naming_its_key(args, key, capsys):
     assert err.startswith(f"error: {key}=: empty; name ") and err.count("\n") == 1, err
 
 
+def test_a_task_too_big_for_device_memory_is_one_error_line(runs, tmp_path, capsys):
+    """ppl at batch_size=100000 asks the CPU backend for ~2.5 TB of logits: XLA's out-of-memory
+    error becomes one line naming the task's sizing options (exit 2), and no JSON is written."""
+    assert eval_main(["task=ppl", "batch_size=100000", "held_out_tokens=256",
+                      f"train.run_dir={runs['diff']}", f"out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: out of device memory ("), err
+    assert err.endswith("): the checkpoint's model with task=ppl, batch_size=100000, length unset "
+                        f"(the run's train.seq_len) does not fit on {jax.device_count()} cpu "
+                        "device(s); lower batch_size or length\n"), err
+    assert not (tmp_path / "ppl.json").exists()
+    options = EvalOptions(task="niah", lengths=(64, 128))
+    assert options.memory_advice("1 gpu device(s)") == (
+        "the checkpoint's model with task=niah, batch_size=4, lengths=[64, 128] does not fit on "
+        "1 gpu device(s); lower batch_size or lengths")
+    options = EvalOptions(task="generate", prompt="def f(")
+    assert options.memory_advice("1 gpu device(s)").endswith(
+        "task=generate, max_new_tokens=64, a prompt of 6 characters does not fit on 1 gpu "
+        "device(s); lower max_new_tokens or shorten the prompt")
+
+
 def test_outputs_that_cannot_be_written_are_bad_input_naming_the_key(runs, tmp_path, capsys):
     run = runs["diff"]
     (tmp_path / "in.txt").write_text("hello world")

@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 from diff_jax import checkpoint, train_loop
 from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import dump_config, load_config
+from diff_jax.device_memory import DeviceMemoryError
 from training_fixtures import synthetic_corpus, tiny_config, write_corpus
 from train import main as train_main
 
@@ -93,6 +95,75 @@ def test_sigterm_at_20_then_resume_to_30_equals_uninterrupted(corpus, tmp_path, 
     for step in (20, 21, 30):
         for key in COMPARED:
             np.testing.assert_array_equal(resumed[step][key], uninterrupted[step][key], err_msg=f"{key}@{step}")
+
+
+def _xla_out_of_memory() -> jax.errors.JaxRuntimeError:
+    """XLA's own out-of-memory error: a 1 TiB array asked of the CPU backend."""
+    try:
+        jax.block_until_ready(jnp.ones((1 << 40,), jnp.uint8))
+    except jax.errors.JaxRuntimeError as e:
+        return e
+    pytest.fail("a 1 TiB array was allocated")
+
+
+def test_out_of_device_memory_mid_run_is_one_error_keeping_the_checkpoints(
+        corpus, tmp_path, monkeypatch, uninterrupted, capsys):
+    """XLA's out-of-memory error at step 15 ends train.py in one line that names the sizes to
+    change (exit 2, bad input); step 10's checkpoint stays, and the run resumes from it exactly.
+    Any other XLA runtime error still propagates as itself."""
+    oom = _xla_out_of_memory()
+    _interrupt_at(monkeypatch, 15, "crash", error=oom)
+    config = _config_file(corpus, tmp_path)
+    assert train_main(["--config", config]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"error: out of device memory ({str(oom).splitlines()[0]}): the "
+                           "training run at train.batch_size=8, train.seq_len=16, ")
+    assert "does not fit on 8 cpu device(s); lower train.batch_size or raise train.grad_accum" in line
+    assert line.endswith(f"the checkpoints already committed in {tmp_path / 'run'}/checkpoints "
+                         "are kept")
+    assert _ckpt_steps(tmp_path / "run") == [10]
+
+    other = jax.errors.JaxRuntimeError("INTERNAL: something else")
+    _interrupt_at(monkeypatch, 1, "crash", error=other)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        train_loop.run(tiny_config(corpus, tmp_path / "run"))
+    monkeypatch.undo()
+    train_loop.run(tiny_config(corpus, tmp_path / "run"))
+    for key in COMPARED:
+        np.testing.assert_array_equal(_metrics(tmp_path / "run")[30][key], uninterrupted[30][key],
+                                      err_msg=key)
+
+
+def test_xla_gpu_out_of_memory_keeps_its_first_line_only():
+    """The GPU's message is followed by the buffer assignment's dump: one line of it is kept
+    (at most `XLA_LINE_LIMIT` characters)."""
+    from diff_jax.device_memory import XLA_LINE_LIMIT, fit_or_explain
+
+    gpu = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 85899345920 bytes.\n"
+           "BufferAssignment OOM Debugging.\nBufferAssignment stats:\n" + "x" * 10_000)
+    with pytest.raises(DeviceMemoryError) as caught, fit_or_explain("lower train.batch_size"):
+        raise jax.errors.JaxRuntimeError(gpu)
+    assert str(caught.value) == ("out of device memory (RESOURCE_EXHAUSTED: Out of memory while "
+                                 "trying to allocate 85899345920 bytes.): lower train.batch_size")
+    with pytest.raises(DeviceMemoryError) as caught, fit_or_explain("advice"):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: " + "y" * 1000)
+    kept = ("RESOURCE_EXHAUSTED: " + "y" * 1000)[:XLA_LINE_LIMIT]
+    assert str(caught.value) == f"out of device memory ({kept} ...): advice"
+
+
+def test_a_model_too_big_for_device_memory_is_one_error_line(corpus, tmp_path, capsys):
+    """Parameters that cannot be allocated (a 256 GiB MLP weight on the CPU backend): train.py
+    stops in one line before any checkpoint, naming what to change."""
+    config = _config_file(corpus, tmp_path, f"model.mlp_dim={2**31 - 1}")
+    assert train_main(["--config", config]) == 2
+    line = _one_error_line(capsys)
+    assert re.match(r"error: out of device memory \(.*Out of memory allocating \d+ bytes\.\): "
+                    r"the training run at train.batch_size=8, .*, model.remat=none, "
+                    r"model.loss_chunk=0 does not fit on 8 cpu device\(s\); lower "
+                    r"train.batch_size .*, set model.remat=full, set model.loss_chunk .* or "
+                    r"shard the parameters and optimizer state over more devices \(mesh.fsdp\); "
+                    r"train.compile_only=true reports", line), line
+    assert _ckpt_steps(tmp_path / "run") == []
 
 
 def test_crash_at_25_resumes_from_20_to_the_same_step_30(corpus, tmp_path, monkeypatch, uninterrupted):
@@ -995,6 +1066,8 @@ def test_report_gives_one_line_and_the_exit_status_by_kind(tmp_path, capsys):
               "error: non-finite loss (nan)"),
              (DataError("data.paths: 'x' does not exist"), 2,
               "error: data.paths: 'x' does not exist"),
+             (DeviceMemoryError("out of device memory (...): lower train.batch_size"), 2,
+              "error: out of device memory (...): lower train.batch_size"),
              (OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "m.jsonl")), 2,
               f"error: train.run_dir=R: {tmp_path / 'm.jsonl'}: No space left on device")]
     for error, status, line in cases:

@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import jax
+
+from diff_jax.device_memory import fit_or_explain
 from diff_jax.evaluation import analysis, generation, recall, retrieval, scoring
 from diff_jax.evaluation.loading import Loaded, load
 from diff_jax.evaluation.options import TASKS, EvalError, EvalOptions, parse_args
@@ -47,9 +50,12 @@ def evaluate(loaded: Loaded, options: EvalOptions) -> tuple[Report, Path]:
 
 
 def run(argv: Sequence[str]) -> Path:
-    """The command line: run the task, print its table, return the JSON path."""
+    """The command line: run the task, print its table, return the JSON path. Raises
+    `DeviceMemoryError` where the model or the task's arrays do not fit in device memory."""
     options, overrides = parse_args(argv)
-    report, path = run_task(options, overrides)
+    devices = f"{jax.device_count()} {jax.devices()[0].platform} device(s)"
+    with fit_or_explain(options.memory_advice(devices)):
+        report, path = run_task(options, overrides)
     print(format_table([("task", options.task), *report.table, ("json", str(path))]))
     for note in report.notes:
         print(f"note: {note}")

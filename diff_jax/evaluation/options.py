@@ -21,6 +21,17 @@ PATH_OPTIONS: dict[str, str] = {  # the options naming a file or directory: what
 }
 
 
+# the options that size each task's device arrays (besides the model): what to lower when it
+# does not fit in device memory
+MEMORY_OPTIONS: dict[str, tuple[str, ...]] = {
+    "ppl": ("batch_size", "length"), "score": ("length",), "niah": ("batch_size", "lengths"),
+    "attention": ("lengths",), "outliers": ("batch_size", "length"),
+    "quant": ("batch_size", "length"), "generate": ("max_new_tokens", "prompt"),
+    "recall": ("batch_size", "lengths"),
+}
+assert tuple(MEMORY_OPTIONS) == TASKS
+
+
 class EvalError(ValueError):
     """A bad eval.py argument or input; the message names it."""
 
@@ -101,6 +112,23 @@ class EvalOptions:
                 raise EvalError(f"output={self.output}: is the input file; name another")
         if self.task == "generate" and not self.prompt:
             raise EvalError('task=generate needs prompt="..."')
+
+    def memory_advice(self, devices: str) -> str:
+        """What to change when this task does not fit in the memory of `devices` (e.g. "1 gpu
+        device(s)"), for `device_memory.fit_or_explain`."""
+        names = MEMORY_OPTIONS[self.task]
+        shown = []
+        for name in names:
+            value = getattr(self, name)
+            if name == "prompt":
+                shown.append(f"a prompt of {len(value)} characters")
+            elif value in (None, ()):
+                shown.append(f"{name} unset (the run's train.seq_len)")
+            else:
+                shown.append(f"{name}={list(value) if isinstance(value, tuple) else value}")
+        lowered = " or ".join(name for name in names if name != "prompt")
+        return (f"the checkpoint's model with task={self.task}, {', '.join(shown)} does not fit "
+                f"on {devices}; lower {lowered}" + (" or shorten the prompt" * ("prompt" in names)))
 
 
 def _same_file(a: str, b: str) -> bool:

@@ -1,0 +1,66 @@
+"""A program that does not fit in device memory: XLA's out-of-memory error as one error line.
+
+XLA reports it as a `jax.errors.JaxRuntimeError` whose message starts `RESOURCE_EXHAUSTED: Out of
+memory while trying to allocate N bytes.` (GPU, followed by the buffer assignment's dump), `...
+Ran out of memory in memory space hbm. Used X of Y hbm ...` (a TPU compile) or `Out of memory
+allocating N bytes.` (the CPU backend). It surfaces where the program is compiled or where its
+result is first read, not where the allocation was asked for. `fit_or_explain` turns it into a
+`DeviceMemoryError` whose message keeps XLA's first line and adds what the command can change
+(`train_advice`: the settings that size a train step). `train.py` and `eval.py` print it as their
+one error line and exit 2, like other input that cannot run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import jax
+
+from diff_jax.config import Config
+
+XLA_LINE_LIMIT = 300  # characters of XLA's first line kept in the message
+
+
+class DeviceMemoryError(RuntimeError):
+    """A program did not fit in device memory; the message names the settings that size it."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is XLA running out of device (or, on the CPU backend, host) memory."""
+    if not isinstance(error, jax.errors.JaxRuntimeError):
+        return False
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+@contextlib.contextmanager
+def fit_or_explain(advice: str) -> Iterator[None]:
+    """Re-raise XLA's out-of-memory error inside the block as a `DeviceMemoryError`: `out of
+    device memory (XLA's first line): advice`. Other errors pass unchanged."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+        first = str(e).strip().splitlines()[0].strip()
+        if len(first) > XLA_LINE_LIMIT:
+            first = first[:XLA_LINE_LIMIT] + " ..."
+        raise DeviceMemoryError(f"out of device memory ({first}): {advice}") from e
+
+
+def train_advice(config: Config, what: str, devices: str) -> str:
+    """What to change when `what` (the training run, the train step) of `config` does not fit
+    in the memory of `devices` (e.g. "8 gpu device(s)"), for `fit_or_explain`."""
+    t, m = config.train, config.model
+    changes = ["lower train.batch_size or raise train.grad_accum (the same tokens per step in "
+               "smaller micro-batches)"]
+    if m.remat != "full":
+        changes.append("set model.remat=full")
+    if not 0 < m.loss_chunk < t.seq_len:
+        changes.append("set model.loss_chunk (the logits of that many positions at a time)")
+    changes.append("shard the parameters and optimizer state over more devices (mesh.fsdp)")
+    return (f"{what} at train.batch_size={t.batch_size}, train.seq_len={t.seq_len}, "
+            f"train.grad_accum={t.grad_accum}, model.remat={m.remat}, "
+            f"model.loss_chunk={m.loss_chunk} does not fit on {devices}; " + ", ".join(changes[:-1])
+            + " or " + changes[-1])

@@ -969,6 +969,11 @@ def test_finished_models_of_another_machine_are_taken_only_on_the_same_corpus_an
     refused(lambda bad, fresh: [(run_dir(bad, v, 0, "scaled") / "wall.json").unlink()
                                 for v in presets.VARIANTS],
             "not finished there (no wall.json at step 4)")
+    # ... and one a report could not read (taken as it was, the report failed on it): not taken,
+    # so the model trains here
+    refused(lambda bad, fresh: (run_dir(bad, "diff", 0, "scaled") / "wall.json").write_text(
+        '{"train_s": 9.0, '), f"{run_dir(tmp_path, 'diff', 0, 'scaled').name}/wall.json: expected "
+            "a JSON object of seconds per stage")
     notes = refused(other_lr, "another config: optim.lr: 0.001 there, 0.003 here")
     assert notes[0].endswith("here") and "run_dir" not in notes[0]  # its directory reads as ours
     # a setting added to the code after the run trained is absent from its config.yaml: taken
@@ -1018,6 +1023,42 @@ def test_finished_models_of_another_machine_are_taken_only_on_the_same_corpus_an
     with pytest.raises(ConfigError, match=r"--finished-from .*runs: holds no replication \(no "
                                           r"replicate\.json or results\.json\)"):
         replicate.replicate(micro, 1, out, finished_from=src / "runs")
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("a model was trained or evaluated beside a damaged file")
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"train_s": 9.0, ', 'expected a JSON object of seconds per stage ({"train_s": …, '
+                          '"eval_JOB_s": …}), got no valid JSON (Expecting property name '
+                          'enclosed in double quotes: line 1 column 18 (char 17))'),
+    ("[9.0]", 'expected a JSON object of seconds per stage ({"train_s": …, "eval_JOB_s": …}), '
+              "got a JSON list"),
+    ('{"train_s": "9"}', "train_s must be a number of seconds, got '9'"),
+])
+def test_a_damaged_wall_json_is_one_error_line_before_anything_runs_and_is_kept(
+        text, says, tmp_path, monkeypatch, capsys):
+    """RUN/wall.json (seconds per stage, which the reports table) cut short by a kill or edited
+    by hand was a JSONDecodeError or TypeError traceback: from the report for a finished model,
+    and for one still to evaluate only after its training had run (`_add_wall`). Now one error
+    line naming it, for the finished model as for one still to run, before anything trains;
+    the file is left as it is (the times it held cannot be made again)."""
+    micro = presets.PRESETS["micro"]
+    out = tmp_path / "out"
+    _finished_copy(out, micro)
+    run = layout.run_dir(out, "diff", 0, "scaled")
+    (run / "wall.json").write_text(text)
+    monkeypatch.setattr(replicate.train_loop, "run", _never)
+    monkeypatch.setattr(replicate.evaluation, "load", _never)
+    assert replicate.main(["--preset", "micro", "--out", str(out)]) == 2  # finished: the report
+    assert capsys.readouterr().err == f"error: {run / 'wall.json'}: {says}\n"
+    layout.eval_json(run, "quant").unlink()  # an evaluation to run: refused before training
+    assert replicate.main(["--preset", "micro", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: {run / 'wall.json'}: {says}\n"
+    assert (run / "wall.json").read_text() == text and not (out / "results.json").exists()
+    with pytest.raises(replicate.ConfigError, match="train_s must be a number|expected a JSON"):
+        recall_report.run_results(presets.PRESETS["cpu-recall"], _recall_run(tmp_path / "r", text))
 
 
 def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_inits(capsys):
@@ -1697,26 +1738,35 @@ def test_recall_claims_are_diff_minus_transformer_per_seed_by_hand():
     assert gap["per_seed"] == pytest.approx([0.1, 0.2])
 
 
-def test_recall_steps_to_90_is_the_first_checkpoint_at_or_above_it(tmp_path):
-    """run_results reads the curve cell's JSON of every checkpoint, in step order (not name
-    order: 1200 after 900), and steps to 90% is the first at or above 0.9 (exactly 0.9 counts):
-    here 900, not 1500 (the first above) nor 2700 (the last at or above)."""
+def _recall_run(run: Path, wall: str, curve: dict[int, float] | None = None) -> Path:
+    """`run` as a finished cpu-recall model: each grid cell's recall.json (cell (N, D): every
+    measure [N / 10, D, its own]), the curve cell's at each step of `curve` {step: accuracy}
+    (default {300: 0.5}), and wall.json holding `wall`."""
     from diff_jax.experiments.layout import eval_json, recall_cell_name
 
     preset = presets.PRESETS["cpu-recall"]
-    run = tmp_path / "run"
     for n, d in preset.grid_cells:
         path = eval_json(run, recall_cell_name(n, d))
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps({m: [n / 10, d, 0.1 * (i + 1)]  # each measure its own
                                     for i, m in enumerate(recall_report.MEASURES)}))
-    curve = {300: 0.5, 600: 0.8, 900: 0.9, 1200: 0.6, 1500: 0.95, 2700: 1.0}
     n, d = preset.curve_cell
-    for step, accuracy in curve.items():
+    for step, accuracy in (curve or {300: 0.5}).items():
         path = eval_json(run, f"{recall_cell_name(n, d)}-step{step}")
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps({"accuracy": [accuracy], "step": step}))
-    (run / "wall.json").write_text(json.dumps({"train_s": 5.0, "eval_a_s": 1.0, "eval_b_s": 2.0}))
+    (run / "wall.json").write_text(wall)
+    return run
+
+
+def test_recall_steps_to_90_is_the_first_checkpoint_at_or_above_it(tmp_path):
+    """run_results reads the curve cell's JSON of every checkpoint, in step order (not name
+    order: 1200 after 900), and steps to 90% is the first at or above 0.9 (exactly 0.9 counts):
+    here 900, not 1500 (the first above) nor 2700 (the last at or above)."""
+    preset = presets.PRESETS["cpu-recall"]
+    curve = {300: 0.5, 600: 0.8, 900: 0.9, 1200: 0.6, 1500: 0.95, 2700: 1.0}
+    run = _recall_run(tmp_path / "run", json.dumps({"train_s": 5.0, "eval_a_s": 1.0,
+                                                    "eval_b_s": 2.0}), curve)
     got = recall_report.run_results(preset, run)
     assert got["curve"] == sorted(curve.items()) and got["steps_to_90"] == 900
     assert got["cells"][(4, 0.5)] == {m: [0.4, 0.5, 0.1 * (i + 1)]

@@ -1,5 +1,5 @@
-"""Where a replication keeps its runs, their evaluations and the machines they ran on (one
-place for `replicate` and the reports that read them)."""
+"""Where a replication keeps its runs, their evaluations and the machines they ran on, and how
+their JSON files are read (one place for `replicate` and the reports that read them)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,45 @@ import json
 from pathlib import Path
 from typing import Any
 
+from diff_jax.config import ConfigError
 from diff_jax.experiments.presets import LABELS, VARIANTS
+
+_JSON_TYPES = {dict: "a JSON object", list: "a JSON list", str: "a JSON string",
+               bool: "a JSON boolean", int: "a JSON number", float: "a JSON number",
+               type(None): "JSON null"}
+
+
+def parse_json(text: str | bytes, where: str, expected: str, kind: type = dict) -> Any:
+    """The JSON value of `text` (read from `where`: a file, or one of its lines) when it is a
+    `kind` (dict: an object; list: a list); ConfigError "WHERE: expected EXPECTED, got ..."
+    when `text` is no JSON (cut short by a kill, edited by hand, not text) or another type."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:  # JSONDecodeError, or bytes that decode to no text
+        raise ConfigError(f"{where}: expected {expected}, got no valid JSON ({e})") from None
+    if not isinstance(value, kind):
+        raise ConfigError(f"{where}: expected {expected}, got {_JSON_TYPES[type(value)]}")
+    return value
+
+
+def read_json(path: Path, expected: str, kind: type = dict) -> Any:
+    """The JSON value in the file `path` when it is a `kind` (`parse_json`: ConfigError naming
+    `path` and `expected` otherwise); OSError when it cannot be read (a missing file among
+    them)."""
+    return parse_json(path.read_bytes(), str(path), expected, kind)
+
+
+def read_wall(run: Path) -> dict[str, float]:
+    """RUN/wall.json, which `replicate` adds each stage's seconds to: {"train_s": …,
+    "eval_JOB_s": …}. ConfigError naming the file (or its key) unless it is a JSON object of
+    numbers; OSError when it cannot be read (a missing file among them)."""
+    path = run / "wall.json"
+    wall = read_json(path, "a JSON object of seconds per stage "
+                           '({"train_s": …, "eval_JOB_s": …})')
+    for key, seconds in wall.items():
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise ConfigError(f"{path}: {key} must be a number of seconds, got {seconds!r}")
+    return wall
 
 
 def run_dir(out: Path, variant: str, seed: int, init: str) -> Path:

@@ -16,7 +16,7 @@ import numpy as np
 from diff_jax.data import corpus as token_corpus
 from diff_jax.experiments import paper, plots
 from diff_jax.experiments.init_scale import ROWS, residual_writes
-from diff_jax.experiments.layout import device_line, eval_json, run_devices, run_dir
+from diff_jax.experiments.layout import device_line, eval_json, read_wall, run_devices, run_dir
 from diff_jax.experiments.presets import (LABELS, VARIANTS, Preset, corpus_dir,
                                           niah_whole_fraction, replicate_command)
 from diff_jax.experiments.stats import describe, mean_std, paired, stats
@@ -43,7 +43,7 @@ def model_results(preset: Preset, run: Path) -> dict[str, Any]:
     attention = _read(eval_json(run, "attention"))
     outliers = _read(eval_json(run, "outliers"))
     quant = _read(eval_json(run, "quant"))
-    wall = _read(run / "wall.json")
+    wall = read_wall(run)
     return {
         "loss": ppl["loss"], "ppl": ppl["ppl"], "heldout_tokens": ppl["num_tokens"],
         "heldout_documents": ppl["num_documents"],

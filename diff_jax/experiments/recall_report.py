@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from diff_jax.experiments import plots
-from diff_jax.experiments.layout import (device_line, eval_json, recall_cell_name,
+from diff_jax.experiments.layout import (device_line, eval_json, read_wall, recall_cell_name,
                                          run_devices, run_dir)
 from diff_jax.experiments.presets import LABELS, VARIANTS, RecallPreset, replicate_command
 from diff_jax.experiments.stats import describe, mean_std, paired, paired_censored, stat
@@ -37,7 +37,7 @@ def run_results(preset: RecallPreset, run: Path) -> dict[str, Any]:
     curve = sorted((int(p.parent.name.rpartition("-step")[2]), _read(p)["accuracy"][0])
                    for p in (run / "replicate").glob(f"{recall_cell_name(n, d)}-step*/recall.json"))
     reached = [s for s, a in curve if a >= THRESHOLD]
-    wall = _read(run / "wall.json")
+    wall = read_wall(run)
     return {"cells": cells, "curve": curve, "steps_to_90": reached[0] if reached else None,
             "train_s": wall.get("train_s", 0.0),
             "eval_s": sum(v for k, v in wall.items() if k.startswith("eval_"))}

@@ -60,7 +60,8 @@ from diff_jax import data, evaluation, recall, train_loop
 from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config
 from diff_jax.evaluation import EvalOptions
 from diff_jax.experiments import lm_report, recall_report
-from diff_jax.experiments.layout import device_json, eval_json, recall_cell_name, run_dir
+from diff_jax.experiments.layout import (device_json, eval_json, read_json, read_wall,
+                                         recall_cell_name, run_dir)
 from diff_jax.experiments.presets import (PRESETS, VARIANTS, Preset, RecallPreset, check_matched,
                                           corpus_dir, preset_args)
 
@@ -104,8 +105,9 @@ def recall_jobs(preset: RecallPreset) -> list[tuple[str, EvalOptions]]:
 
 
 def _add_wall(run: Path, key: str, seconds: float) -> None:
+    """Add `seconds` to `key` of RUN/wall.json (`layout.read_wall`), making it when missing."""
     path = run / "wall.json"
-    wall = json.loads(path.read_text()) if path.exists() else {}
+    wall = read_wall(run) if path.exists() else {}
     wall[key] = wall.get(key, 0.0) + seconds
     path.write_text(json.dumps(wall, indent=1) + "\n")
 
@@ -170,7 +172,8 @@ def train_and_evaluate(preset: Preset | RecallPreset, variant: str, seed: int, i
                        only: tuple[str, ...] | None = None) -> Path:
     """Train (or resume) one model, then run every evaluation not yet done at its step (those
     named in `only`, when given). An ablation adds `sets` to the recipe and trains in
-    OUT/runs/LABEL-INIT-sSEED."""
+    OUT/runs/LABEL-INIT-sSEED. ConfigError before any work when a record the run adds to is
+    damaged (`_check_records`)."""
     run = run_dir(out, label or variant, seed, init)
     config = preset.config(variant, seed, run, init, sets)
     jobs = [j for j in _jobs_of(preset) if only is None or j[0] in only]
@@ -178,6 +181,7 @@ def train_and_evaluate(preset: Preset | RecallPreset, variant: str, seed: int, i
             if not _evaluated(run, name, options.step or config.train.steps)]
     if not todo:  # finished: here, or on another machine (`adopt_finished`, no checkpoints)
         return run
+    _check_records(run)
     t0 = time.perf_counter()
     result = train_loop.run(config)
     if result.status == "interrupted":
@@ -200,14 +204,21 @@ def _jobs_of(preset: Preset | RecallPreset) -> list[tuple[str, EvalOptions]]:
     return recall_jobs(preset) if isinstance(preset, RecallPreset) else lm_jobs(preset)
 
 
+def _check_records(run: Path) -> None:
+    """ConfigError naming the first of RUN's records that `train_and_evaluate` adds to and the
+    reports read (wall.json: `layout.read_wall`) that is there but damaged (cut short by a kill,
+    edited by hand): what it holds cannot be made again, so it is left for the user to mend."""
+    if (run / "wall.json").exists():
+        read_wall(run)
+
+
 def _json_object(path: Path) -> dict[str, Any] | None:
     """The JSON object in `path`; None when the file is missing or unreadable (e.g. cut short by
-    a kill) or holds no object."""
+    a kill) or holds no object (`layout.read_json` would refuse it)."""
     try:
-        recorded = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read_json(path, "a JSON object")
+    except (OSError, ConfigError):
         return None
-    return recorded if isinstance(recorded, dict) else None
 
 
 def _json_field(path: Path, key: str, kind: type) -> Any:
@@ -275,14 +286,15 @@ def adopt_finished(preset: Preset | RecallPreset, seed: int, init: str, out: Pat
 
     `source` is another directory of this preset's replication, or a copy of its small files
     (`benchmarks/hopper_session.py` brings them back from a GPU machine: no checkpoints, no
-    corpus). A model is finished there when its metrics.jsonl and config.yaml exist and every
-    evaluation holds the final step. It is taken when `out`'s corpus of the seed is the one it
-    trained on (meta.json's `sha256`, which `prepare_corpus` writes), its recorded config is the
-    one this preset gives it (its training directory read as `out`'s), and `out` holds no run of
-    it yet. Taking copies `FINISHED_FILES` and its evaluations (RUN/replicate/) and writes
-    RUN/adopted.json naming `source`; `train_and_evaluate` then neither trains nor evaluates it.
-    So a replication too long for one machine's session finishes over several: each session's
-    finished models are kept, and only a model cut short is trained again.
+    corpus). A model is finished there when its `REQUIRED_FILES` exist, its records are readable
+    (`_check_records`) and every evaluation holds the final step. It is taken when `out`'s corpus
+    of the seed is the one it trained on (meta.json's `sha256`, which `prepare_corpus` writes),
+    its recorded config is the one this preset gives it (its training directory read as
+    `out`'s), and `out` holds no run of it yet. Taking copies `FINISHED_FILES` and its
+    evaluations (RUN/replicate/) and writes RUN/adopted.json naming `source`;
+    `train_and_evaluate` then neither trains nor evaluates it. So a replication too long for one
+    machine's session finishes over several: each session's finished models are kept, and only
+    a model cut short (or one whose records were damaged there) is trained again.
     """
     notes = []
     ours = _json_field(corpus_dir(out, seed) / "meta.json", "sha256", str)
@@ -301,6 +313,8 @@ def adopt_finished(preset: Preset | RecallPreset, seed: int, init: str, out: Pat
         why = None
         if missing:
             why = f"not finished there (no {', '.join(missing)} at step {config.train.steps})"
+        elif (damaged := _damaged(src)) is not None:
+            why = damaged
         elif dst.exists():
             why = f"{dst} exists: a run of it started here"
         elif theirs is None:
@@ -331,6 +345,15 @@ def adopt_finished(preset: Preset | RecallPreset, seed: int, init: str, out: Pat
             {"from": str(src.resolve()), "corpus_sha256": ours}, indent=1) + "\n")
         notes.append(f"{src.name}: taken as finished from {src}")
     return notes
+
+
+def _damaged(run: Path) -> str | None:
+    """What `_check_records` says of `run`'s records; None when they are readable."""
+    try:
+        _check_records(run)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def _at(options: EvalOptions, run: Path, out_dir: Path) -> EvalOptions:
@@ -567,8 +590,9 @@ def _steps(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line above; returns the exit status: 0, 2 on bad input (config, data, a
-    refused checkpoint, a file that cannot be written in DIR: one `error:` line, as train.py),
-    1 when a model diverged (or, with --jobs > 1, a model's process failed otherwise)."""
+    refused checkpoint, a file in DIR that cannot be written, or read where damaged: one `error:`
+    line, as train.py), 1 when a model diverged (or, with --jobs > 1, a model's process failed
+    otherwise)."""
     parser = argparse.ArgumentParser(prog="python -m diff_jax.experiments.replicate",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")

@@ -1061,6 +1061,39 @@ def test_a_damaged_wall_json_is_one_error_line_before_anything_runs_and_is_kept(
         recall_report.run_results(presets.PRESETS["cpu-recall"], _recall_run(tmp_path / "r", text))
 
 
+@pytest.mark.parametrize("text, says", [
+    ('[{"device_kind": "cpu"', 'expected a JSON list of machines ({"device_kind": …} each), got '
+                               "no valid JSON (Expecting ',' delimiter: line 1 column 23 (char 22))"),
+    ('{"device_kind": "cpu"}', 'expected a JSON list of machines ({"device_kind": …} each), got '
+                               "a JSON object"),
+    ('[{"platform": "cpu"}]', "entry 0 must be an object with a string device_kind, got "
+                              "{'platform': 'cpu'}"),
+])
+def test_a_damaged_device_json_is_one_error_line_before_anything_runs_and_is_kept(
+        text, says, tmp_path, monkeypatch, capsys):
+    """RUN/device.json (the machines that trained or evaluated the run) cut short or edited by
+    hand was a JSONDecodeError/TypeError/KeyError traceback after the model's training had run
+    (`record_device`), and from the report (`layout.device_kinds`). Now one error line naming it
+    before anything trains, and from the report; the file is left as it is. A model whose
+    device.json is damaged is not taken from another machine (its report would fail)."""
+    micro = presets.PRESETS["micro"]
+    out = tmp_path / "out"
+    _finished_copy(out, micro)
+    run = layout.run_dir(out, "diff", 0, "scaled")
+    (run / "device.json").write_text(text)
+    with pytest.raises(replicate.ConfigError) as report:
+        layout.run_devices(("scaled",), 1, out)
+    assert str(report.value) == f"{run / 'device.json'}: {says}"
+    notes = replicate.adopt_finished(micro, 0, "scaled", tmp_path / "fresh", out)
+    assert notes[0] == f"diff-scaled-s0: not taken: {run / 'device.json'}: {says}"
+    monkeypatch.setattr(replicate.train_loop, "run", _never)
+    monkeypatch.setattr(replicate.evaluation, "load", _never)
+    layout.eval_json(run, "quant").unlink()  # an evaluation to run: refused before training
+    assert replicate.main(["--preset", "micro", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: {run / 'device.json'}: {says}\n"
+    assert (run / "device.json").read_text() == text
+
+
 def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_inits(capsys):
     assert replicate.core_shares([3, 0, 1, 2, 5], 2) == [[0, 2, 5], [1, 3]]
     assert replicate.core_shares([7], 1) == [[7]]

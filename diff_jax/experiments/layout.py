@@ -71,15 +71,24 @@ def device_json(run: Path) -> Path:
     return run / "device.json"
 
 
+def read_devices(run: Path) -> list[dict[str, Any]]:
+    """The machines RUN/device.json lists (`device_json`); [] when there is none. ConfigError
+    naming the file unless it is a JSON list of objects, each with a string `device_kind`."""
+    path = device_json(run)
+    if not path.is_file():
+        return []
+    machines = read_json(path, 'a JSON list of machines ({"device_kind": …} each)', list)
+    for i, entry in enumerate(machines):
+        if not isinstance(entry, dict) or not isinstance(entry.get("device_kind"), str):
+            raise ConfigError(f"{path}: entry {i} must be an object with a string device_kind, "
+                              f"got {entry!r}")
+    return machines
+
+
 def device_kinds(runs: list[Path]) -> list[str]:
-    """The distinct device kinds (jax's `device_kind`) recorded by `runs`, sorted; runs without
-    a record add none."""
-    kinds = set()
-    for run in runs:
-        path = device_json(run)
-        if path.is_file():
-            kinds.update(entry["device_kind"] for entry in json.loads(path.read_text()))
-    return sorted(kinds)
+    """The distinct device kinds (jax's `device_kind`) recorded by `runs` (`read_devices`),
+    sorted; runs without a record add none."""
+    return sorted({entry["device_kind"] for run in runs for entry in read_devices(run)})
 
 
 def run_devices(inits: tuple[str, ...], seeds: int, out: Path

@@ -60,8 +60,8 @@ from diff_jax import data, evaluation, recall, train_loop
 from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config
 from diff_jax.evaluation import EvalOptions
 from diff_jax.experiments import lm_report, recall_report
-from diff_jax.experiments.layout import (device_json, eval_json, read_json, read_wall,
-                                         recall_cell_name, run_dir)
+from diff_jax.experiments.layout import (device_json, eval_json, read_devices, read_json,
+                                         read_wall, recall_cell_name, run_dir)
 from diff_jax.experiments.presets import (PRESETS, VARIANTS, Preset, RecallPreset, check_matched,
                                           corpus_dir, preset_args)
 
@@ -206,10 +206,12 @@ def _jobs_of(preset: Preset | RecallPreset) -> list[tuple[str, EvalOptions]]:
 
 def _check_records(run: Path) -> None:
     """ConfigError naming the first of RUN's records that `train_and_evaluate` adds to and the
-    reports read (wall.json: `layout.read_wall`) that is there but damaged (cut short by a kill,
-    edited by hand): what it holds cannot be made again, so it is left for the user to mend."""
+    reports read (wall.json: `layout.read_wall`; device.json: `layout.read_devices`) that is
+    there but damaged (cut short by a kill, edited by hand): what it holds cannot be made again,
+    so it is left for the user to mend."""
     if (run / "wall.json").exists():
         read_wall(run)
+    read_devices(run)
 
 
 def _json_object(path: Path) -> dict[str, Any] | None:
@@ -236,14 +238,14 @@ def _evaluated(run: Path, name: str, step: int) -> bool:
 
 def record_device(run: Path) -> None:
     """Add this process's machine (jax's device_kind and platform of its first device, the device
-    count, the jax version) to RUN/device.json (`layout.device_json`), unless listed."""
+    count, the jax version) to RUN/device.json (`layout.read_devices`), unless listed."""
     import jax
 
     dev = jax.devices()[0]
     entry = {"device_kind": dev.device_kind, "platform": dev.platform,
              "devices": jax.device_count(), "jax": jax.__version__}
     path = device_json(run)
-    seen = json.loads(path.read_text()) if path.is_file() else []
+    seen = read_devices(run)
     if entry not in seen:
         path.write_text(json.dumps([*seen, entry], indent=1) + "\n")
 

@@ -1094,6 +1094,36 @@ def test_a_damaged_device_json_is_one_error_line_before_anything_runs_and_is_kep
     assert (run / "device.json").read_text() == text
 
 
+@pytest.mark.parametrize("text, says", [
+    ('{"step": 4, "loss": 1.0}\n{"step": 5, "lo', "line 2: expected a JSON object of one step's "
+     "metrics, got no valid JSON (Unterminated string starting at: line 1 column 13 (char 12))"),
+    ('{"step": 4, "loss": 1.0}\n[4, 1.0]\n', "line 2: expected a JSON object of one step's "
+                                              "metrics, got a JSON list"),
+    ('{"loss": 1.0}\n', "line 1: step must be an integer, got None"),
+    ('{"step": 4, "val_loss": 1.0}\n', "holds no training line (one with a loss; a trained run "
+                                       "logs its first step)"),
+])
+def test_a_damaged_metrics_jsonl_is_one_error_line_naming_its_line_and_is_kept(
+        text, says, tmp_path, monkeypatch, capsys):
+    """A finished model's RUN/metrics.jsonl with a line cut short or edited by hand, or no
+    training line, was a JSONDecodeError, KeyError or IndexError traceback from the report (and
+    from ablate, which reads it too). Now one error line naming the file and the line; the file
+    is left as it is, and a model whose metrics.jsonl is damaged is not taken from another
+    machine. (A run still training drops a line cut short by a kill when it resumes.)"""
+    micro = presets.PRESETS["micro"]
+    out = tmp_path / "out"
+    _finished_copy(out, micro)
+    metrics = layout.run_dir(out, "diff", 0, "scaled") / "metrics.jsonl"
+    metrics.write_text(text)
+    monkeypatch.setattr(replicate.train_loop, "run", _never)
+    monkeypatch.setattr(replicate.evaluation, "load", _never)
+    assert replicate.main(["--preset", "micro", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: {metrics}: {says}\n"
+    assert metrics.read_text() == text and not (out / "results.json").exists()
+    notes = replicate.adopt_finished(micro, 0, "scaled", tmp_path / "fresh", out)
+    assert notes[0] == f"diff-scaled-s0: not taken: {metrics}: {says}"
+
+
 def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_inits(capsys):
     assert replicate.core_shares([3, 0, 1, 2, 5], 2) == [[0, 2, 5], [1, 3]]
     assert replicate.core_shares([7], 1) == [[7]]

@@ -13,10 +13,12 @@ from typing import Any
 
 import numpy as np
 
+from diff_jax.config import ConfigError
 from diff_jax.data import corpus as token_corpus
 from diff_jax.experiments import paper, plots
 from diff_jax.experiments.init_scale import ROWS, residual_writes
-from diff_jax.experiments.layout import device_line, eval_json, read_wall, run_devices, run_dir
+from diff_jax.experiments.layout import (device_line, eval_json, parse_json, read_wall,
+                                         run_devices, run_dir)
 from diff_jax.experiments.presets import (LABELS, VARIANTS, Preset, corpus_dir,
                                           niah_whole_fraction, replicate_command)
 from diff_jax.experiments.stats import describe, mean_std, paired, stats
@@ -30,9 +32,23 @@ def _read(path: Path) -> dict:
 
 
 def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
-    """(training log lines, validation lines) of RUN/metrics.jsonl."""
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return ([x for x in lines if "loss" in x], [x for x in lines if "val_loss" in x])
+    """(training log lines, validation lines) of RUN/metrics.jsonl. ConfigError naming the file
+    and line of one that is not a JSON object with an integer step (cut short, edited by hand),
+    or the file when it holds no training line (a trained run logs its first step)."""
+    path = run / "metrics.jsonl"
+    lines = []
+    for i, text in enumerate(path.read_bytes().splitlines(), 1):
+        if text.strip():
+            row = parse_json(text, f"{path}: line {i}", "a JSON object of one step's metrics")
+            if isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
+                raise ConfigError(f"{path}: line {i}: step must be an integer, got "
+                                  f"{row.get('step')!r}")
+            lines.append(row)
+    train = [x for x in lines if "loss" in x]
+    if not train:
+        raise ConfigError(f"{path}: holds no training line (one with a loss; a trained run logs "
+                          "its first step)")
+    return train, [x for x in lines if "val_loss" in x]
 
 
 def model_results(preset: Preset, run: Path) -> dict[str, Any]:

@@ -289,7 +289,7 @@ def adopt_finished(preset: Preset | RecallPreset, seed: int, init: str, out: Pat
     `source` is another directory of this preset's replication, or a copy of its small files
     (`benchmarks/hopper_session.py` brings them back from a GPU machine: no checkpoints, no
     corpus). A model is finished there when its `REQUIRED_FILES` exist, its records are readable
-    (`_check_records`) and every evaluation holds the final step. It is taken when `out`'s corpus
+    (`_damaged`) and every evaluation holds the final step. It is taken when `out`'s corpus
     of the seed is the one it trained on (meta.json's `sha256`, which `prepare_corpus` writes),
     its recorded config is the one this preset gives it (its training directory read as
     `out`'s), and `out` holds no run of it yet. Taking copies `FINISHED_FILES` and its
@@ -350,9 +350,11 @@ def adopt_finished(preset: Preset | RecallPreset, seed: int, init: str, out: Pat
 
 
 def _damaged(run: Path) -> str | None:
-    """What `_check_records` says of `run`'s records; None when they are readable."""
+    """What `_check_records` or `lm_report.read_metrics` says of the finished `run`'s records;
+    None when they are readable."""
     try:
         _check_records(run)
+        lm_report.read_metrics(run)
     except ConfigError as e:
         return str(e)
     return None

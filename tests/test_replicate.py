@@ -1124,6 +1124,36 @@ def test_a_damaged_metrics_jsonl_is_one_error_line_naming_its_line_and_is_kept(
     assert notes[0] == f"diff-scaled-s0: not taken: {metrics}: {says}"
 
 
+def test_a_damaged_corpus_meta_json_is_one_error_line_naming_it_and_is_kept(tmp_path, monkeypatch,
+                                                                          capsys):
+    """A prepared corpus's meta.json (its record: counts, digest, unigram loss) cut short or
+    edited by hand was a JSONDecodeError traceback from prepare_corpus (which rewrites it), and
+    a field it lacks (a corpus prepared before the field existed) or of another type a KeyError
+    or TypeError traceback from the report. Now one error line naming the file (and the field),
+    before anything trains; the file is left as it is."""
+    micro = presets.PRESETS["micro"]
+    out = tmp_path / "out"
+    meta = replicate.prepare_corpus(micro, 0, out) / "meta.json"
+    good = meta.read_text()
+    meta.write_text(good[:40])
+    monkeypatch.setattr(replicate.train_loop, "run", _never)
+    assert replicate.main(["--preset", "micro", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {meta}: expected a JSON object (the corpus's record), got no "
+                          "valid JSON (") and err.count("\n") == 1, err
+    assert meta.read_text() == good[:40]
+    monkeypatch.setattr(lm_report, "collect", lambda *args: {})  # what the report reads first
+    for change, says in ((lambda r: r.pop("rows_read"), "has no rows_read (expected an integer)"),
+                         (lambda r: r.update(unigram_loss="2.5"),
+                          "unigram_loss must be a number, got '2.5'")):
+        record = json.loads(good)
+        change(record)
+        meta.write_text(json.dumps(record))
+        with pytest.raises(replicate.ConfigError) as report:
+            lm_report.write(micro, 1, out, {})
+        assert str(report.value) == f"{meta}: {says}"
+
+
 def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_inits(capsys):
     assert replicate.core_shares([3, 0, 1, 2, 5], 2) == [[0, 2, 5], [1, 3]]
     assert replicate.core_shares([7], 1) == [[7]]

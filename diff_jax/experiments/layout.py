@@ -15,6 +15,11 @@ _JSON_TYPES = {dict: "a JSON object", list: "a JSON list", str: "a JSON string",
                type(None): "JSON null"}
 
 
+def is_a(value: Any, kind: type | tuple[type, ...]) -> bool:
+    """Whether the JSON `value` is a `kind` (a boolean is no number)."""
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
 def parse_json(text: str | bytes, where: str, expected: str, kind: type = dict) -> Any:
     """The JSON value of `text` (read from `where`: a file, or one of its lines) when it is a
     `kind` (dict: an object; list: a list); ConfigError "WHERE: expected EXPECTED, got ..."
@@ -35,6 +40,12 @@ def read_json(path: Path, expected: str, kind: type = dict) -> Any:
     return parse_json(path.read_bytes(), str(path), expected, kind)
 
 
+def read_corpus_meta(corpus: Path) -> dict[str, Any]:
+    """The meta.json of the prepared corpus in `corpus` (`replicate.prepare_corpus`), its
+    record; ConfigError naming it unless it is a JSON object."""
+    return read_json(corpus / "meta.json", "a JSON object (the corpus's record)")
+
+
 def read_wall(run: Path) -> dict[str, float]:
     """RUN/wall.json, which `replicate` adds each stage's seconds to: {"train_s": …,
     "eval_JOB_s": …}. ConfigError naming the file (or its key) unless it is a JSON object of
@@ -43,7 +54,7 @@ def read_wall(run: Path) -> dict[str, float]:
     wall = read_json(path, "a JSON object of seconds per stage "
                            '({"train_s": …, "eval_JOB_s": …})')
     for key, seconds in wall.items():
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        if not is_a(seconds, (int, float)):
             raise ConfigError(f"{path}: {key} must be a number of seconds, got {seconds!r}")
     return wall
 

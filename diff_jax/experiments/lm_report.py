@@ -17,8 +17,8 @@ from diff_jax.config import ConfigError
 from diff_jax.data import corpus as token_corpus
 from diff_jax.experiments import paper, plots
 from diff_jax.experiments.init_scale import ROWS, residual_writes
-from diff_jax.experiments.layout import (device_line, eval_json, parse_json, read_wall,
-                                         run_devices, run_dir)
+from diff_jax.experiments.layout import (device_line, eval_json, is_a, parse_json,
+                                         read_corpus_meta, read_wall, run_devices, run_dir)
 from diff_jax.experiments.presets import (LABELS, VARIANTS, Preset, corpus_dir,
                                           niah_whole_fraction, replicate_command)
 from diff_jax.experiments.stats import describe, mean_std, paired, stats
@@ -40,7 +40,7 @@ def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
     for i, text in enumerate(path.read_bytes().splitlines(), 1):
         if text.strip():
             row = parse_json(text, f"{path}: line {i}", "a JSON object of one step's metrics")
-            if isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
+            if not is_a(row.get("step"), int):
                 raise ConfigError(f"{path}: line {i}: step must be an integer, got "
                                   f"{row.get('step')!r}")
             lines.append(row)
@@ -49,6 +49,26 @@ def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
         raise ConfigError(f"{path}: holds no training line (one with a loss; a trained run logs "
                           "its first step)")
     return train, [x for x in lines if "val_loss" in x]
+
+
+# what results.json's `corpus` takes from a corpus's meta.json (`replicate.prepare_corpus`)
+CORPUS_FIELDS = {"paths": (list, "a list"), "num_docs": (int, "an integer"),
+                 "num_tokens": (int, "an integer"), "train_tokens": (int, "an integer"),
+                 "train_rows": (int, "an integer"), "rows_read": (int, "an integer"),
+                 "unigram_loss": ((int, float), "a number")}
+
+
+def corpus_meta(out: Path, seed: int) -> dict[str, Any]:
+    """The `CORPUS_FIELDS` of the meta.json of `seed`'s corpus in `out`; ConfigError naming the
+    file and the first field it lacks (a corpus prepared before the field existed) or holds of
+    another type."""
+    meta, path = read_corpus_meta(corpus_dir(out, seed)), corpus_dir(out, seed) / "meta.json"
+    for key, (kind, what) in CORPUS_FIELDS.items():
+        if key not in meta:
+            raise ConfigError(f"{path}: has no {key} (expected {what})")
+        if not is_a(meta[key], kind):
+            raise ConfigError(f"{path}: {key} must be {what}, got {meta[key]!r}")
+    return {key: meta[key] for key in CORPUS_FIELDS}
 
 
 def model_results(preset: Preset, run: Path) -> dict[str, Any]:
@@ -401,7 +421,7 @@ def write(preset: Preset, seeds: int, out: Path, summaries: dict[str, dict]) -> 
     results = {init: collect(preset, seeds, out, init) for init in preset.inits}
     own = results[preset.inits[0]]
     cfg = preset.corpus_config(0)
-    meta = json.loads((corpus_dir(out, 0) / "meta.json").read_text())
+    corpus = corpus_meta(out, 0)
     keys = ("heads", "kv_heads", "head_dim", "flops_per_token")
     device, devices = run_devices(preset.inits, seeds, out)
     data = {
@@ -410,10 +430,8 @@ def write(preset: Preset, seeds: int, out: Path, summaries: dict[str, dict]) -> 
         "steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
         "train_tokens": cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len,
         "data_mixture": cfg.data.mixture, "tokenizer": cfg.data.tokenizer,
-        "corpus": {k: meta[k] for k in ("paths", "num_docs", "num_tokens", "train_tokens",
-                                        "train_rows", "rows_read", "unigram_loss")},
-        "unigram_loss": {str(s): json.loads((corpus_dir(out, s) / "meta.json").read_text())[
-            "unigram_loss"] for s in range(seeds)},
+        "corpus": corpus,
+        "unigram_loss": {str(s): corpus_meta(out, s)["unigram_loss"] for s in range(seeds)},
         "vocab_size": cfg.model.vocab_size, "niah_doc_tokens": cfg.data.niah_doc_tokens,
         "niah_whole_in_row": niah_whole_fraction(cfg.data.niah_doc_tokens, cfg.train.seq_len),
         "device": device,

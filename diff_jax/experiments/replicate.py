@@ -60,8 +60,9 @@ from diff_jax import data, evaluation, recall, train_loop
 from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config
 from diff_jax.evaluation import EvalOptions
 from diff_jax.experiments import lm_report, recall_report
-from diff_jax.experiments.layout import (device_json, eval_json, read_devices, read_json,
-                                         read_wall, recall_cell_name, run_dir)
+from diff_jax.experiments.layout import (device_json, eval_json, is_a, read_corpus_meta,
+                                         read_devices, read_json, read_wall, recall_cell_name,
+                                         run_dir)
 from diff_jax.experiments.presets import (PRESETS, VARIANTS, Preset, RecallPreset, check_matched,
                                           corpus_dir, preset_args)
 
@@ -122,12 +123,13 @@ def prepare_corpus(preset: Preset | RecallPreset, seed: int, out: Path) -> Path:
     carries the unigram loss of the validation split under the training split's token
     frequencies (`data.unigram_loss`), the bar every model must clear. DataError when
     a run would read a training document twice (the training split holds fewer rows than
-    `train.steps` × `train.batch_size`).
+    `train.steps` × `train.batch_size`); ConfigError, the file left as it is, when the corpus
+    is there but its meta.json holds no JSON object (`layout.read_corpus_meta`).
     """
     path = corpus_dir(out, seed)
     cfg = preset.corpus_config(seed)
     if (path / "meta.json").exists():
-        meta = json.loads((path / "meta.json").read_text())
+        meta = read_corpus_meta(path)
         # prepared before meta.json carried these: add them from the saved corpus
         added = {}
         needs_loss = not isinstance(preset, RecallPreset) and "unigram_loss" not in meta
@@ -227,7 +229,7 @@ def _json_field(path: Path, key: str, kind: type) -> Any:
     """`key` of the JSON object in `path` (`_json_object`) when it is a `kind` (a bool is no
     int), else None: no object there, or `key` absent or of another type."""
     value = (_json_object(path) or {}).get(key)
-    return value if isinstance(value, kind) and not isinstance(value, bool) else None
+    return value if is_a(value, kind) else None
 
 
 def _evaluated(run: Path, name: str, step: int) -> bool:
@@ -381,8 +383,7 @@ def _preset_record(path: Path) -> tuple[str, int | None] | None:
     name, steps = recorded["preset"], recorded.get("steps")
     if not isinstance(name, str):
         raise ConfigError(f"{path}: preset must be a preset's name (a string), got {name!r}")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
-                              or not 1 <= steps <= MAX_STEPS):
+    if steps is not None and (not is_a(steps, int) or not 1 <= steps <= MAX_STEPS):
         raise ConfigError(f"{path}: steps must be an integer in [1, {MAX_STEPS}], got {steps!r}")
     return name, steps
 

@@ -326,7 +326,9 @@ def test_steps_stretch_the_recipe_and_a_directory_keeps_to_its_steps(tmp_path, m
     replicate.claim_out(long, out)
     assert json.loads((out / "replicate.json").read_text()) == {"preset": "cpu-recall",
                                                                 "steps": long.steps}
-    (out / "results.json").write_text(json.dumps({"preset": "cpu-recall", "steps": long.steps}))
+    (out / "results.json").write_text(json.dumps({"preset": "cpu-recall", "steps": long.steps,
+                                                  "inits": ["scaled"], "seeds": [0],
+                                                  "seq_len": 32}))  # and what ablate reads
     assert replicate.recorded_preset(out) == long
     assert _replication(out)[0] == long
     assert replicate.main(["--preset", "cpu-recall", "--out", str(out)]) == 2
@@ -1152,6 +1154,54 @@ def test_a_damaged_corpus_meta_json_is_one_error_line_naming_it_and_is_kept(tmp_
         with pytest.raises(replicate.ConfigError) as report:
             lm_report.write(micro, 1, out, {})
         assert str(report.value) == f"{meta}: {says}"
+
+
+@pytest.mark.parametrize("preset, record, says", [
+    ("micro", [], "expected a JSON object (the replication's report), got a JSON list"),
+    ("cpu-recall", {"seeds": [0], "seq_len": 32}, "has no inits (expected a list of init names)"),
+    ("cpu-recall", {"inits": ["scaled"], "seeds": "0", "seq_len": 32},
+     "seeds must be a list of seeds, got '0'"),
+    ("micro", {"inits": ["scaled"], "seeds": [0], "seq_len": 64},
+     "has no results.scaled.transformer.seeds (expected each model's results per seed)"),
+])
+def test_ablate_names_the_field_of_a_damaged_results_json(preset, record, says, tmp_path,
+                                                           capsys):
+    """ablate reads the replication's results.json: one of another shape (edited by hand) was a
+    TypeError or KeyError traceback, or a run said missing for a seed read from a string. Now
+    one error line naming the file and the field; nothing trains."""
+    from diff_jax.experiments import ablate
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "replicate.json").write_text(json.dumps({"preset": preset}))
+    (out / "results.json").write_text(json.dumps(record))
+    assert ablate.main([str(out), "--set", "model.subln_init=0.5"]) == 2
+    assert capsys.readouterr().err == f"error: {out / 'results.json'}: {says}\n"
+    assert sorted(p.name for p in out.iterdir()) == ["replicate.json", "results.json"]
+
+
+def test_a_recall_ablation_names_a_damaged_evaluation_of_the_runs_it_compares(tmp_path, capsys):
+    """A recall ablation reads the unchanged model's and the Transformer's evaluations from OUT
+    before it trains: one cut short (or edited by hand) was a JSONDecodeError traceback. Now one
+    error line naming it; nothing trains, the file is left as it is."""
+    from diff_jax.experiments import ablate
+
+    out = tmp_path / "out"
+    wall = json.dumps({"train_s": 1.0})
+    for v in ("diff", "transformer"):
+        _recall_run(layout.run_dir(out, v, 0, "scaled"), wall)
+    (out / "replicate.json").write_text(json.dumps({"preset": "cpu-recall"}))
+    (out / "results.json").write_text(json.dumps({"inits": ["scaled"], "seeds": [0],
+                                                  "seq_len": 32}))
+    job = layout.eval_json(layout.run_dir(out, "transformer", 0, "scaled"), "recall-N4-D50")
+    job.write_text('{"accuracy": [0.4, ')
+    assert ablate.main([str(out), "--set", "model.subln_init=0.5"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {job}: expected a JSON object (an evaluation's result), got no valid JSON "
+        "(Expecting value: line 1 column 20 (char 19))\n")
+    assert job.read_text() == '{"accuracy": [0.4, '
+    assert sorted(p.name for p in (out / "runs").iterdir()) == ["diff-scaled-s0",
+                                                                "transformer-scaled-s0"]
 
 
 def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_inits(capsys):

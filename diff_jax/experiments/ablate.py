@@ -34,7 +34,7 @@ from typing import Any
 
 from diff_jax import train_loop
 from diff_jax.config import ConfigError, parse_override
-from diff_jax.experiments.layout import eval_json, run_dir
+from diff_jax.experiments.layout import eval_json, field, read_json, run_dir
 from diff_jax.experiments.init_scale import residual_writes
 from diff_jax.experiments.lm_report import (gap_cell, init_rows, init_scale_table, read_metrics,
                                              val_gaps_between, val_loss_at)
@@ -70,18 +70,28 @@ def check_sets(sets: tuple[str, ...]) -> None:
 
 def _replication(out: Path) -> tuple[Preset | RecallPreset, dict[str, Any]]:
     """The preset (at the training steps it ran) and results.json of the finished replication
-    in `out`."""
+    in `out`; ConfigError naming results.json and the field when it is missing, damaged, or
+    lacks a field this reads or holds it of another type."""
     preset = recorded_preset(out)
+    path = out / "results.json"
     try:
-        results = json.loads((out / "results.json").read_text())
-    except (OSError, ValueError) as e:
+        results = read_json(path, "a JSON object (the replication's report)")
+    except OSError as e:
         raise ConfigError(f"{out}: not a finished replication (python -m "
                           f"diff_jax.experiments.replicate --out {out}): {e}") from None
+    field(results, path, "inits", list, "a list of init names", of=str)
+    field(results, path, "seeds", list, "a list of seeds", of=int)
+    field(results, path, "seq_len", int, "an integer")
     if isinstance(preset, RecallPreset):
         return preset, results
-    if ("val_loss_at" not in results["results"][preset.inits[0]]["transformer"]["seeds"][0]
-            or "init_scale" not in results):
-        raise ConfigError(f"{out / 'results.json'} predates the validation losses and init "
+    init = preset.inits[0]
+    try:
+        validated = "val_loss_at" in results["results"][init]["transformer"]["seeds"][0]
+    except (KeyError, IndexError, TypeError):
+        raise ConfigError(f"{path}: has no results.{init}.transformer.seeds (expected each "
+                          "model's results per seed)") from None
+    if not validated or "init_scale" not in results:
+        raise ConfigError(f"{path} predates the validation losses and init "
                           "scales it needs (val_loss_at, init_scale); re-run the replicate "
                           "command to rewrite it")
     return preset, results

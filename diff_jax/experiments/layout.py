@@ -40,6 +40,19 @@ def read_json(path: Path, expected: str, kind: type = dict) -> Any:
     return parse_json(path.read_bytes(), str(path), expected, kind)
 
 
+def field(record: dict[str, Any], path: Path, key: str, kind: type | tuple[type, ...],
+          what: str, of: type | None = None) -> Any:
+    """`record[key]` (of the JSON object in the file `path`) when it is a `kind` (`is_a`), each of
+    its items a `of` where given; ConfigError naming the file and `key` otherwise, with `what`
+    it should be."""
+    if key not in record:
+        raise ConfigError(f"{path}: has no {key} (expected {what})")
+    value = record[key]
+    if not is_a(value, kind) or (of is not None and not all(is_a(x, of) for x in value)):
+        raise ConfigError(f"{path}: {key} must be {what}, got {value!r}")
+    return value
+
+
 def read_corpus_meta(corpus: Path) -> dict[str, Any]:
     """The meta.json of the prepared corpus in `corpus` (`replicate.prepare_corpus`), its
     record; ConfigError naming it unless it is a JSON object."""
@@ -69,6 +82,12 @@ def eval_json(run: Path, name: str) -> Path:
     '-'), a folder of its own, so that `eval.py` run by hand (which writes RUN/eval/) never
     replaces a replication result."""
     return run / "replicate" / name / f"{name.partition('-')[0]}.json"
+
+
+def read_eval(path: Path) -> dict[str, Any]:
+    """The result an eval job wrote to `path` (`eval_json`); ConfigError naming it unless it is
+    a JSON object."""
+    return read_json(path, "a JSON object (an evaluation's result)")
 
 
 def recall_cell_name(pairs: int, distractors: float) -> str:

@@ -17,18 +17,15 @@ from diff_jax.config import ConfigError
 from diff_jax.data import corpus as token_corpus
 from diff_jax.experiments import paper, plots
 from diff_jax.experiments.init_scale import ROWS, residual_writes
-from diff_jax.experiments.layout import (device_line, eval_json, is_a, parse_json,
-                                         read_corpus_meta, read_wall, run_devices, run_dir)
+from diff_jax.experiments.layout import (device_line, eval_json, field, is_a, parse_json,
+                                         read_corpus_meta, read_eval, read_wall, run_devices,
+                                         run_dir)
 from diff_jax.experiments.presets import (LABELS, VARIANTS, Preset, corpus_dir,
                                           niah_whole_fraction, replicate_command)
 from diff_jax.experiments.stats import describe, mean_std, paired, stats
 
 STATS = ("top1", "top2", "top3", "top10", "top100", "median")
 BITS = ("none", 16, 8, 6, 4)
-
-
-def _read(path: Path) -> dict:
-    return json.loads(path.read_text())
 
 
 def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
@@ -63,22 +60,17 @@ def corpus_meta(out: Path, seed: int) -> dict[str, Any]:
     file and the first field it lacks (a corpus prepared before the field existed) or holds of
     another type."""
     meta, path = read_corpus_meta(corpus_dir(out, seed)), corpus_dir(out, seed) / "meta.json"
-    for key, (kind, what) in CORPUS_FIELDS.items():
-        if key not in meta:
-            raise ConfigError(f"{path}: has no {key} (expected {what})")
-        if not is_a(meta[key], kind):
-            raise ConfigError(f"{path}: {key} must be {what}, got {meta[key]!r}")
-    return {key: meta[key] for key in CORPUS_FIELDS}
+    return {key: field(meta, path, key, kind, what) for key, (kind, what) in CORPUS_FIELDS.items()}
 
 
 def model_results(preset: Preset, run: Path) -> dict[str, Any]:
     """One trained model's numbers, from its eval JSONs and metrics.jsonl."""
     train, val = read_metrics(run)
-    ppl = _read(eval_json(run, "ppl"))
-    niah = {f"N{n}R{r}": _read(eval_json(run, f"niah-N{n}R{r}")) for n, r in preset.niah_grid}
-    attention = _read(eval_json(run, "attention"))
-    outliers = _read(eval_json(run, "outliers"))
-    quant = _read(eval_json(run, "quant"))
+    ppl = read_eval(eval_json(run, "ppl"))
+    niah = {f"N{n}R{r}": read_eval(eval_json(run, f"niah-N{n}R{r}")) for n, r in preset.niah_grid}
+    attention = read_eval(eval_json(run, "attention"))
+    outliers = read_eval(eval_json(run, "outliers"))
+    quant = read_eval(eval_json(run, "quant"))
     wall = read_wall(run)
     return {
         "loss": ppl["loss"], "ppl": ppl["ppl"], "heldout_tokens": ppl["num_tokens"],

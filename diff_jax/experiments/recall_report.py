@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from diff_jax.experiments import plots
-from diff_jax.experiments.layout import (device_line, eval_json, read_wall, recall_cell_name,
-                                         run_devices, run_dir)
+from diff_jax.experiments.layout import (device_line, eval_json, read_eval, read_wall,
+                                         recall_cell_name, run_devices, run_dir)
 from diff_jax.experiments.presets import LABELS, VARIANTS, RecallPreset, replicate_command
 from diff_jax.experiments.stats import describe, mean_std, paired, paired_censored, stat
 from diff_jax.recall import max_queries
@@ -22,19 +22,15 @@ THRESHOLD = 0.9  # "steps to reach 90%"
 MEASURES = ("accuracy", "answer_share", "noise_share")
 
 
-def _read(path: Path) -> dict:
-    return json.loads(path.read_text())
-
-
 def run_results(preset: RecallPreset, run: Path) -> dict[str, Any]:
     """One model's numbers: per grid cell and length the three `MEASURES`, the learning curve
     (checkpoint step, accuracy on the curve cell) and steps to 90% (None: never reached)."""
     cells = {}
     for n, d in preset.grid_cells:
-        job = _read(eval_json(run, recall_cell_name(n, d)))
+        job = read_eval(eval_json(run, recall_cell_name(n, d)))
         cells[(n, d)] = {m: job[m] for m in MEASURES}
     n, d = preset.curve_cell
-    curve = sorted((int(p.parent.name.rpartition("-step")[2]), _read(p)["accuracy"][0])
+    curve = sorted((int(p.parent.name.rpartition("-step")[2]), read_eval(p)["accuracy"][0])
                    for p in (run / "replicate").glob(f"{recall_cell_name(n, d)}-step*/recall.json"))
     reached = [s for s, a in curve if a >= THRESHOLD]
     wall = read_wall(run)

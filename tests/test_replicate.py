@@ -1007,6 +1007,9 @@ def test_finished_models_of_another_machine_are_taken_only_on_the_same_corpus_an
     refused(no_digest, "records no corpus digest (sha256) to compare")
     refused(lambda bad, fresh: (run_dir(bad, "diff", 0, "scaled") / "config.yaml").write_text(
         "model: {}\n"), "config.yaml names no train.run_dir (KeyError('train'))")
+    # not UTF-8 (saved by an editor in Latin-1): a UnicodeDecodeError traceback before
+    refused(lambda bad, fresh: (run_dir(bad, "diff", 0, "scaled") / "config.yaml").write_bytes(
+        "# caf\u00e9\n".encode("latin-1")), "config.yaml names no train.run_dir (UnicodeDecodeError(")
     started = refused(lambda bad, fresh: run_dir(fresh, "diff", 0, "scaled").mkdir(parents=True),
                       "diff-scaled-s0 exists: a run of it started here")
     assert started[1].startswith("diff_v2-scaled-s0: taken")

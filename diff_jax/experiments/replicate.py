@@ -330,7 +330,8 @@ def adopt_finished(preset: Preset | RecallPreset, seed: int, init: str, out: Pat
             try:
                 recorded = yaml.safe_load((src / "config.yaml").read_text())
                 recorded_out = Path(recorded["train"]["run_dir"]).parents[1]
-            except (yaml.YAMLError, KeyError, TypeError, IndexError) as e:
+            except (yaml.YAMLError, ValueError, KeyError, TypeError, IndexError) as e:
+                # ValueError: a file that is no UTF-8 text (UnicodeDecodeError)
                 recorded, why = None, f"{src / 'config.yaml'} names no train.run_dir ({e!r})"
             if recorded is not None:
                 diffs = _config_differences(recorded, yaml.safe_load(dump_config(config)),

@@ -1207,6 +1207,39 @@ def test_a_recall_ablation_names_a_damaged_evaluation_of_the_runs_it_compares(tm
                                                                 "transformer-scaled-s0"]
 
 
+def test_a_record_write_cut_short_leaves_the_record_as_it_was(tmp_path, monkeypatch):
+    """wall.json, device.json and a corpus's meta.json, which replicate rewrites, were written in
+    place: a write cut short (a full disk, a kill) left half a file, and what it had recorded
+    was lost (the next run then refused it as damaged). Now each is replaced whole or not at all
+    (`output_dir.write_whole`)."""
+    import errno
+
+    micro = presets.PRESETS["micro"]
+    meta = replicate.prepare_corpus(micro, 0, tmp_path / "out") / "meta.json"
+    older = json.loads(meta.read_text())
+    del older["sha256"]  # prepared before meta.json carried it: prepare_corpus adds it
+    meta.write_text(json.dumps(older))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "wall.json").write_text(json.dumps({"train_s": 1.0}))
+    (run / "device.json").write_text(json.dumps([{"device_kind": "another"}]))
+    before = {path: path.read_text() for path in (meta, run / "wall.json", run / "device.json")}
+    write_text = Path.write_text
+
+    def cut_short(self, text, *args, **kwargs):
+        write_text(self, text[:len(text) // 2], *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", cut_short)
+    for write in (lambda: replicate._add_wall(run, "train_s", 2.0),
+                  lambda: replicate.record_device(run),
+                  lambda: replicate.prepare_corpus(micro, 0, tmp_path / "out")):
+        with pytest.raises(OSError, match="No space left on device"):
+            write()
+    assert {path: path.read_text() for path in before} == before
+    assert sorted(p.name for p in run.iterdir()) == ["device.json", "wall.json"]
+
+
 def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_inits(capsys):
     assert replicate.core_shares([3, 0, 1, 2, 5], 2) == [[0, 2, 5], [1, 3]]
     assert replicate.core_shares([7], 1) == [[7]]

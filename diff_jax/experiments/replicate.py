@@ -65,6 +65,7 @@ from diff_jax.experiments.layout import (device_json, eval_json, is_a, read_corp
                                          run_dir)
 from diff_jax.experiments.presets import (PRESETS, VARIANTS, Preset, RecallPreset, check_matched,
                                           corpus_dir, preset_args)
+from diff_jax.output_dir import write_whole
 
 
 def lm_jobs(preset: Preset) -> list[tuple[str, EvalOptions]]:
@@ -106,11 +107,12 @@ def recall_jobs(preset: RecallPreset) -> list[tuple[str, EvalOptions]]:
 
 
 def _add_wall(run: Path, key: str, seconds: float) -> None:
-    """Add `seconds` to `key` of RUN/wall.json (`layout.read_wall`), making it when missing."""
+    """Add `seconds` to `key` of RUN/wall.json (`layout.read_wall`), making it when missing; the
+    file is replaced whole or not at all (`write_whole`)."""
     path = run / "wall.json"
     wall = read_wall(run) if path.exists() else {}
     wall[key] = wall.get(key, 0.0) + seconds
-    path.write_text(json.dumps(wall, indent=1) + "\n")
+    write_whole(path, json.dumps(wall, indent=1) + "\n")
 
 
 def prepare_corpus(preset: Preset | RecallPreset, seed: int, out: Path) -> Path:
@@ -141,7 +143,7 @@ def prepare_corpus(preset: Preset | RecallPreset, seed: int, out: Path) -> Path:
             if "sha256" not in meta:
                 added["sha256"] = saved.sha256()
         if added:
-            (path / "meta.json").write_text(json.dumps(meta | added, indent=1))
+            write_whole(path / "meta.json", json.dumps(meta | added, indent=1))
         return path
     t = cfg.train
     if isinstance(preset, RecallPreset):
@@ -240,7 +242,8 @@ def _evaluated(run: Path, name: str, step: int) -> bool:
 
 def record_device(run: Path) -> None:
     """Add this process's machine (jax's device_kind and platform of its first device, the device
-    count, the jax version) to RUN/device.json (`layout.read_devices`), unless listed."""
+    count, the jax version) to RUN/device.json (`layout.read_devices`), unless listed; the file
+    is replaced whole or not at all (`write_whole`)."""
     import jax
 
     dev = jax.devices()[0]
@@ -249,7 +252,7 @@ def record_device(run: Path) -> None:
     path = device_json(run)
     seen = read_devices(run)
     if entry not in seen:
-        path.write_text(json.dumps([*seen, entry], indent=1) + "\n")
+        write_whole(path, json.dumps([*seen, entry], indent=1) + "\n")
 
 
 # What a finished model's directory holds that its report reads (`adopt_finished` copies them,

@@ -23,7 +23,7 @@ import jax.export
 
 from diff_jax.attention_op import resolve_impl
 from diff_jax.config import Config, ConfigError
-from diff_jax.device_memory import fit_or_explain, train_advice
+from diff_jax.device_memory import devices_here, fit_or_explain, train_advice
 from diff_jax.platforms import describe_missing_tpu_host
 from diff_jax.sharding import make_mesh
 from diff_jax.step import Batch, Steps, TrainState, build_steps
@@ -211,7 +211,7 @@ def report(config: Config) -> dict[str, Any]:
     topology, slices = config.train.compile_topology, config.train.compile_slices
     devices = topology_devices(topology, slices) if topology else None
     where = (f"{topology}" + (f" x {slices} slices" if slices > 1 else "") if topology
-             else f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
+             else devices_here())
     with fit_or_explain(train_advice(config, "the train step", where)):  # XLA:TPU's compile OOM
         result = compile_train_step(config, devices)
     if topology:

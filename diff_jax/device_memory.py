@@ -49,6 +49,11 @@ def fit_or_explain(advice: str) -> Iterator[None]:
         raise DeviceMemoryError(f"out of device memory ({first}): {advice}") from e
 
 
+def devices_here() -> str:
+    """This process's devices as the advice names them, e.g. "8 gpu device(s)"."""
+    return f"{jax.device_count()} {jax.devices()[0].platform} device(s)"
+
+
 def train_advice(config: Config, what: str, devices: str) -> str:
     """What to change when `what` (the training run, the train step) of `config` does not fit
     in the memory of `devices` (e.g. "8 gpu device(s)"), for `fit_or_explain`."""

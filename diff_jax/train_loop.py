@@ -32,7 +32,7 @@ from diff_jax import checkpoint, data, optim
 from diff_jax.config import (Config, ConfigError, DistributedConfig, TrainConfig, dump_config,
                              from_dict)
 from diff_jax.data.heldout import HeldOut
-from diff_jax.device_memory import DeviceMemoryError, fit_or_explain, train_advice
+from diff_jax.device_memory import DeviceMemoryError, devices_here, fit_or_explain, train_advice
 from diff_jax.export.init_from import initial_params
 from diff_jax.metrics import MetricsWriter, Progress, mfu
 from diff_jax.file_errors import describe
@@ -241,8 +241,7 @@ def run(config: Config) -> RunResult:
     """Train (or resume) `config` to `train.steps`. Raises `DeviceMemoryError` where the model
     or the step does not fit in device memory; the checkpoints already committed are kept."""
     initialize_distributed(config.distributed)
-    devices = f"{jax.device_count()} {jax.devices()[0].platform} device(s)"
-    advice = train_advice(config, "the training run", devices) + (
+    advice = train_advice(config, "the training run", devices_here()) + (
         f"; train.compile_only=true reports the step's memory per device; the checkpoints already "
         f"committed in {config.train.run_dir}/checkpoints are kept")
     with fit_or_explain(advice):

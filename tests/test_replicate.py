@@ -15,7 +15,9 @@ import pytest
 
 from diff_jax import variants
 from diff_jax.config import MAX_STEPS
+from diff_jax.device_memory import DeviceMemoryError
 from diff_jax.experiments import layout, lm_report, presets, recall_report, replicate, stats
+from training_fixtures import xla_out_of_memory
 
 
 def test_v2_shape_matches_diff_attention_parameters():
@@ -1882,6 +1884,20 @@ def test_a_rerun_evaluates_only_jobs_of_another_step_and_adds_up_the_wall_time(t
     replicate.train_and_evaluate(micro, "diff", 0, "scaled", tmp_path)
     assert evaluated == ["quant"]
     assert json.loads((run / "wall.json").read_text())["train_s"] == wall["train_s"]
+
+    # a job that does not fit in device memory: one error naming it, the others' results kept
+    def out_of_memory(loaded, options):
+        raise xla_out_of_memory()
+
+    monkeypatch.setattr(evaluation, "evaluate", out_of_memory)
+    (run / "replicate" / "quant" / "quant.json").write_text(json.dumps({"step": 2}))
+    with pytest.raises(DeviceMemoryError, match=(
+            r"^out of device memory \(.*Out of memory allocating \d+ bytes\.\): the checkpoint's "
+            r"model with task=quant, batch_size=\d+, length unset \(the run's train.seq_len\) does "
+            r"not fit on \d+ cpu device\(s\); lower batch_size or length \(the preset's "
+            rf"evaluation quant of {run}\)$")):
+        replicate.train_and_evaluate(micro, "diff", 0, "scaled", tmp_path)
+    assert json.loads((run / "replicate" / "ppl" / "ppl.json").read_text()) == {"step": 4}
 
 
 def _recall_result(accuracy, answer, curve_end, steps_to_90):

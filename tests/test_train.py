@@ -22,7 +22,7 @@ from diff_jax import checkpoint, train_loop
 from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import dump_config, load_config
 from diff_jax.device_memory import DeviceMemoryError
-from training_fixtures import synthetic_corpus, tiny_config, write_corpus
+from training_fixtures import synthetic_corpus, tiny_config, write_corpus, xla_out_of_memory
 from train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,21 +97,12 @@ def test_sigterm_at_20_then_resume_to_30_equals_uninterrupted(corpus, tmp_path, 
             np.testing.assert_array_equal(resumed[step][key], uninterrupted[step][key], err_msg=f"{key}@{step}")
 
 
-def _xla_out_of_memory() -> jax.errors.JaxRuntimeError:
-    """XLA's own out-of-memory error: a 1 TiB array asked of the CPU backend."""
-    try:
-        jax.block_until_ready(jnp.ones((1 << 40,), jnp.uint8))
-    except jax.errors.JaxRuntimeError as e:
-        return e
-    pytest.fail("a 1 TiB array was allocated")
-
-
 def test_out_of_device_memory_mid_run_is_one_error_keeping_the_checkpoints(
         corpus, tmp_path, monkeypatch, uninterrupted, capsys):
     """XLA's out-of-memory error at step 15 ends train.py in one line that names the sizes to
     change (exit 2, bad input); step 10's checkpoint stays, and the run resumes from it exactly.
     Any other XLA runtime error still propagates as itself."""
-    oom = _xla_out_of_memory()
+    oom = xla_out_of_memory()
     _interrupt_at(monkeypatch, 15, "crash", error=oom)
     config = _config_file(corpus, tmp_path)
     assert train_main(["--config", config]) == 2

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from diff_jax.config import Config, load_config
@@ -52,3 +54,12 @@ def process_env(devices: int, **extra: str) -> dict[str, str]:
              if not f.startswith("--xla_force_host_platform_device_count=")]
     flags.append(f"--xla_force_host_platform_device_count={devices}")
     return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags), **extra)
+
+
+def xla_out_of_memory() -> jax.errors.JaxRuntimeError:
+    """XLA's own out-of-memory error: a 1 TiB array asked of the CPU backend."""
+    try:
+        jax.block_until_ready(jnp.ones((1 << 40,), jnp.uint8))
+    except jax.errors.JaxRuntimeError as e:
+        return e
+    raise AssertionError("a 1 TiB array was allocated")

@@ -10,9 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import jax
-
-from diff_jax.device_memory import fit_or_explain
+from diff_jax.device_memory import devices_here, fit_or_explain
 from diff_jax.evaluation import analysis, generation, recall, retrieval, scoring
 from diff_jax.evaluation.loading import Loaded, load
 from diff_jax.evaluation.options import TASKS, EvalError, EvalOptions, parse_args
@@ -53,8 +51,7 @@ def run(argv: Sequence[str]) -> Path:
     """The command line: run the task, print its table, return the JSON path. Raises
     `DeviceMemoryError` where the model or the task's arrays do not fit in device memory."""
     options, overrides = parse_args(argv)
-    devices = f"{jax.device_count()} {jax.devices()[0].platform} device(s)"
-    with fit_or_explain(options.memory_advice(devices)):
+    with fit_or_explain(options.memory_advice(devices_here())):
         report, path = run_task(options, overrides)
     print(format_table([("task", options.task), *report.table, ("json", str(path))]))
     for note in report.notes:

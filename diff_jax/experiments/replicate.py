@@ -58,6 +58,7 @@ import yaml
 
 from diff_jax import data, evaluation, recall, train_loop
 from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config
+from diff_jax.device_memory import devices_here, fit_or_explain
 from diff_jax.evaluation import EvalOptions
 from diff_jax.experiments import lm_report, recall_report
 from diff_jax.experiments.layout import (device_json, eval_json, is_a, read_corpus_meta,
@@ -193,13 +194,16 @@ def train_and_evaluate(preset: Preset | RecallPreset, variant: str, seed: int, i
     if result.status != "already done":
         _add_wall(run, "train_s", time.perf_counter() - t0)
     record_device(run)
+    devices = devices_here()
     step, loaded = -1, None  # the jobs of one checkpoint step follow each other: one load
     for name, options in todo:
         t0 = time.perf_counter()
         out_dir = eval_json(run, name).parent
-        if loaded is None or options.step != step:
-            step, loaded = options.step, evaluation.load(_at(options, run, out_dir), [])
-        evaluation.evaluate(dataclasses.replace(loaded, out_dir=out_dir), options)
+        advice = f"{options.memory_advice(devices)} (the preset's evaluation {name} of {run})"
+        with fit_or_explain(advice):
+            if loaded is None or options.step != step:
+                step, loaded = options.step, evaluation.load(_at(options, run, out_dir), [])
+            evaluation.evaluate(dataclasses.replace(loaded, out_dir=out_dir), options)
         _add_wall(run, f"eval_{name}_s", time.perf_counter() - t0)
     return run
 

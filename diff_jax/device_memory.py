@@ -2,11 +2,11 @@
 
 XLA reports it as a `jax.errors.JaxRuntimeError` whose message starts `RESOURCE_EXHAUSTED: Out of
 memory while trying to allocate N bytes.` (GPU, followed by the buffer assignment's dump), `...
-Ran out of memory in memory space hbm. Used X of Y hbm ...` (a TPU compile) or `Out of memory
-allocating N bytes.` (the CPU backend). It surfaces where the program is compiled or where its
-result is first read, not where the allocation was asked for. `fit_or_explain` turns it into a
-`DeviceMemoryError` whose message keeps XLA's first line and adds what the command can change
-(`train_advice`: the settings that size a train step). `train.py` and `eval.py` print it as their
+Ran out of memory on HBM ...` (a TPU compile), `... Error allocating device buffer ...` (a TPU
+step) or `Out of memory allocating N bytes.` (the CPU backend). It surfaces where the program is
+compiled or where its result is first read, not where the allocation was asked for.
+`fit_or_explain` turns it into a `DeviceMemoryError` whose message keeps XLA's first line and
+adds what the command can change (`train_advice`: the settings that size a train step). `train.py` and `eval.py` print it as their
 one error line and exit 2, like other input that cannot run.
 """
 
@@ -27,11 +27,13 @@ class DeviceMemoryError(RuntimeError):
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether `error` is XLA running out of device (or, on the CPU backend, host) memory."""
+    """Whether `error` is XLA running out of device (or, on the CPU backend, host) memory: a
+    RESOURCE_EXHAUSTED about memory or an allocation (not, say, a gRPC message over its size)."""
     if not isinstance(error, jax.errors.JaxRuntimeError):
         return False
-    text = str(error)
-    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+    text = str(error).lower()
+    return "out of memory" in text or ("resource_exhausted" in text and any(
+        word in text for word in ("memory", "alloc", "hbm")))
 
 
 @contextlib.contextmanager

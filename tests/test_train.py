@@ -127,7 +127,8 @@ def test_out_of_device_memory_mid_run_is_one_error_keeping_the_checkpoints(
 
 def test_xla_gpu_out_of_memory_keeps_its_first_line_only():
     """The GPU's message is followed by the buffer assignment's dump: one line of it is kept
-    (at most `XLA_LINE_LIMIT` characters)."""
+    (at most `XLA_LINE_LIMIT` characters). A TPU's failed allocation is one too; a
+    RESOURCE_EXHAUSTED about something else than memory is left as it is."""
     from diff_jax.device_memory import XLA_LINE_LIMIT, fit_or_explain
 
     gpu = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 85899345920 bytes.\n"
@@ -137,9 +138,18 @@ def test_xla_gpu_out_of_memory_keeps_its_first_line_only():
     assert str(caught.value) == ("out of device memory (RESOURCE_EXHAUSTED: Out of memory while "
                                  "trying to allocate 85899345920 bytes.): lower train.batch_size")
     with pytest.raises(DeviceMemoryError) as caught, fit_or_explain("advice"):
-        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: " + "y" * 1000)
-    kept = ("RESOURCE_EXHAUSTED: " + "y" * 1000)[:XLA_LINE_LIMIT]
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory " + "y" * 1000)
+    kept = ("RESOURCE_EXHAUSTED: out of memory " + "y" * 1000)[:XLA_LINE_LIMIT]
     assert str(caught.value) == f"out of device memory ({kept} ...): advice"
+    tpu = ("RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 8.00G. "
+           "That was not possible. There are 2.50G free.")
+    with pytest.raises(DeviceMemoryError, match="Attempting to allocate 8.00G"), \
+            fit_or_explain("advice"):
+        raise jax.errors.JaxRuntimeError(tpu)
+    grpc = "RESOURCE_EXHAUSTED: Received message larger than max (5000000 vs. 4194304)"
+    with pytest.raises(jax.errors.JaxRuntimeError, match="larger than max"), \
+            fit_or_explain("advice"):
+        raise jax.errors.JaxRuntimeError(grpc)
 
 
 def test_a_model_too_big_for_device_memory_is_one_error_line(corpus, tmp_path, capsys):

@@ -670,6 +670,28 @@ def test_a_task_too_big_for_device_memory_is_one_error_line(runs, tmp_path, caps
         "device(s); lower max_new_tokens or shorten the prompt")
 
 
+def test_a_result_write_cut_short_leaves_the_earlier_result(runs, tmp_path, monkeypatch, capsys):
+    """A full disk while ppl.json is written: the error names it, and the ppl.json of the run
+    before is as it was (it was truncated and half-written in place)."""
+    args = ["task=ppl", "batches=1", "batch_size=2", "held_out_tokens=256",
+            f"train.run_dir={runs['diff']}", f"out_dir={tmp_path}"]
+    assert eval_main(args) == 0
+    before = (tmp_path / "ppl.json").read_text()
+    real = Path.write_text
+
+    def full_disk(self, text, *a, **k):
+        if self.name.startswith(".ppl.json"):
+            real(self, text[: len(text) // 2])
+            raise OSError(28, "No space left on device")
+        return real(self, text, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    assert eval_main(args) == 2
+    assert capsys.readouterr().err.endswith(f"{tmp_path / 'ppl.json'}: No space left on device\n")
+    assert (tmp_path / "ppl.json").read_text() == before
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftovers
+
+
 def test_outputs_that_cannot_be_written_are_bad_input_naming_the_key(runs, tmp_path, capsys):
     run = runs["diff"]
     (tmp_path / "in.txt").write_text("hello world")

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from diff_jax.output_dir import write_whole
+
 
 @dataclasses.dataclass
 class Report:
@@ -19,11 +21,12 @@ class Report:
 
 
 def write(report: Report, out_dir: Path, task: str, header: dict[str, Any]) -> Path:
-    """Write `<out_dir>/<task>.json` (header fields first) and return its path."""
+    """Write `<out_dir>/<task>.json` (header fields first), whole or not at all (a kill or a full
+    disk part-way leaves an earlier result as it was: `write_whole`), and return its path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{task}.json"
     body = {**header, **report.fields, "files": report.files, "notes": report.notes}
-    path.write_text(json.dumps(body, indent=1) + "\n")
+    write_whole(path, json.dumps(body, indent=1) + "\n")
     return path
 
 

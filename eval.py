@@ -6,7 +6,8 @@ instead of train.run_dir, and step=N for another step of a run. Writes RUN/eval/
 named by step=N or its directory: RUN/eval/step-N/NAME.json; out_dir=DIR: DIR/NAME.json). See the
 README for every task's keys. Exit status: 0 done, 2 bad input (arguments, config, a missing or
 damaged checkpoint, a file that cannot be read or written, a task too big for the devices'
-memory), 1 a result that is NaN (the JSON is still written).
+memory), 1 a result that is NaN (the JSON is still written), 130 stopped by Ctrl-C (no result
+written).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 from typing import Any
 
 from diff_jax.checkpoint import CheckpointError, quiet_abandoned_io
+from diff_jax.command import interrupted, leave
 from diff_jax.config import ConfigError
 from diff_jax.data import DataError
 from diff_jax.device_memory import DeviceMemoryError
@@ -58,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                  if arg.partition("=")[0].strip() in PATH_KEYS]
         print(f"error: {describe(e, named)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return interrupted("stopped at once; this task wrote no result (an earlier one is as "
+                           "it was)")
     nan = nan_fields(json.loads(path.read_text()))
     if nan:
         more = f" and {len(nan) - 3} more" if len(nan) > 3 else ""
@@ -68,4 +73,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

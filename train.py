@@ -14,14 +14,13 @@ training began, or pressed a second time: the first one finishes the step, saves
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
+from diff_jax.command import interrupted, leave
 from diff_jax.config import ConfigError, load_config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C stopped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,21 +52,11 @@ def main(argv: list[str] | None = None) -> int:
             named.append((f"train.compile_cache_dir={t.compile_cache_dir}", t.compile_cache_dir))
         return train_loop.report(e, named)
     except KeyboardInterrupt:  # Ctrl-C before training began, or pressed twice
-        print(f"interrupted: stopped at once; the checkpoints already committed in "
-              f"{config.train.run_dir}/checkpoints are kept (re-run to resume from the newest)",
-              file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted(f"stopped at once; the checkpoints already committed in "
+                           f"{config.train.run_dir}/checkpoints are kept (re-run to resume from "
+                           "the newest)")
     return 0
 
 
 if __name__ == "__main__":
-    status = main()
-    if status == EXIT_INTERRUPTED:
-        # Stopped at once: what must reach the disk has (the checkpoint manager waited for its
-        # save to commit, the metrics file is closed). The interpreter's teardown is skipped:
-        # after a Ctrl-C that cut an XLA compilation short, it crashed (SIGSEGV, or SIGABRT with
-        # "pure virtual method called") after the interrupted line.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    sys.exit(status)
+    leave(main())  # after Ctrl-C without the interpreter's teardown (diff_jax.command)

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from diff_jax.command import interrupted, leave
 from diff_jax.data.corpus import prepare
 from diff_jax.data.sources import DataError
 from diff_jax.data.tokenizer import BASE
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         named = [(f"OUT_DIR {args.out_dir}", args.out_dir), *((f"SRC {x}", x) for x in args.sources)]
         print(f"error: {describe(e, named)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return interrupted(f"stopped at once; OUT_DIR {args.out_dir} was not written (what it "
+                           "held is as it was)")
     skipped = meta.pop("skipped")
     print(json.dumps(dict(meta, skipped=len(skipped)), indent=1))
     for line in skipped[:20]:
@@ -55,4 +59,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from diff_jax import train_loop
+from diff_jax.command import interrupted, leave
 from diff_jax.config import ConfigError, parse_override
 from diff_jax.experiments.layout import eval_json, field, read_json, run_dir
 from diff_jax.experiments.init_scale import residual_writes
@@ -284,9 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         data = ablate(out, tuple(args.sets), args.variant, args.init, args.seeds)
     except train_loop.RUN_ERRORS as e:
         return train_loop.report(e, [(str(out), str(out))])
+    except KeyboardInterrupt as e:  # the changed model's training saved its step, or Ctrl-C twice
+        return interrupted(f"{str(e) or 'stopped at once'}; what {out} holds is kept (the "
+                           "same command resumes)")
     print(f"wrote {out / 'ablations' / (data['label'] + '-' + data['init'])}.json and .md")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

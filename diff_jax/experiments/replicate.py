@@ -57,6 +57,7 @@ from typing import Any
 import yaml
 
 from diff_jax import data, evaluation, recall, train_loop
+from diff_jax.command import interrupted, leave
 from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config
 from diff_jax.device_memory import devices_here, fit_or_explain
 from diff_jax.evaluation import EvalOptions
@@ -530,6 +531,8 @@ def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init:
         _train_and_evaluate_one(preset, variant, seed, init, out)
     except train_loop.RUN_ERRORS as e:  # one line, as the serial path; the exit status tells why
         sys.exit(train_loop.report(e, [(f"--out {out}", str(out))]))
+    except KeyboardInterrupt as e:  # the Ctrl-C the whole command got: its step is saved
+        leave(interrupted(str(e) or "stopped at once"))
 
 
 class RunsFailed(RuntimeError):
@@ -549,24 +552,31 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
     After a run fails no new one starts; those running finish (each checkpoints as it goes), then
     `RunsFailed` names the failed runs with their exit status (each worker has printed why: one
     `error:` line for a `train_loop.RUN_ERRORS`, else a traceback). Re-running resumes, as the
-    serial path does.
+    serial path does. On Ctrl-C (which every worker gets too: each saves its step, says so and
+    exits) the KeyboardInterrupt is raised once the running workers have exited.
     """
     spawn = multiprocessing.get_context("spawn")
     pending, free = list(runs), list(range(len(shares)))
     running: dict[int, tuple[int, multiprocessing.process.BaseProcess, tuple[str, int, str]]] = {}
     failed = []
-    while running or (pending and not failed):
-        while pending and free and not failed:
-            slot, run = free.pop(0), pending.pop(0)
-            process = spawn.Process(target=_pinned_worker, args=(preset, *run, out, shares[slot]))
-            process.start()
-            running[process.sentinel] = (slot, process, run)
-        for sentinel in multiprocessing.connection.wait(list(running)):
-            slot, process, run = running.pop(sentinel)
+    try:
+        while running or (pending and not failed):
+            while pending and free and not failed:
+                slot, run = free.pop(0), pending.pop(0)
+                process = spawn.Process(target=_pinned_worker,
+                                        args=(preset, *run, out, shares[slot]))
+                process.start()
+                running[process.sentinel] = (slot, process, run)
+            for sentinel in multiprocessing.connection.wait(list(running)):
+                slot, process, run = running.pop(sentinel)
+                process.join()
+                free.append(slot)
+                if process.exitcode != 0:
+                    failed.append((run_dir(out, run[0], run[1], run[2]).name, process.exitcode))
+    except KeyboardInterrupt:  # Ctrl-C reached every worker too: each saves its step and exits
+        for _, process, _ in running.values():
             process.join()
-            free.append(slot)
-            if process.exitcode != 0:
-                failed.append((run_dir(out, run[0], run[1], run[2]).name, process.exitcode))
+        raise
     if failed:
         names = ", ".join(f"{name} (exit {code})" for name, code in failed)
         raise RunsFailed(f"{preset.name}: {names} failed (its output above says why); "
@@ -648,9 +658,12 @@ def main(argv: list[str] | None = None) -> int:
     except RunsFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return e.status
+    except KeyboardInterrupt as e:  # a run's training saved its step and stopped, or Ctrl-C twice
+        return interrupted(f"{str(e) or 'stopped at once'}; what {out} holds is kept (the "
+                           "same command resumes)")
     print(f"wrote {out / 'results.md'}, {out / 'results.json'} and {len(results['plots'])} plots")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from diff_jax.checkpoint import quiet_abandoned_io
+from diff_jax.command import interrupted, leave
 from diff_jax.export import DTYPES, FORMATS, ExportError, export
 from diff_jax.export.sources import EVAL_DIR
 from diff_jax.file_errors import describe
@@ -45,9 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         quiet_abandoned_io()
         print(f"error: {describe(e, [(f'--out {args.out}', args.out)])}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return interrupted(f"stopped at once; --out {args.out} was not written (what it held "
+                           "is as it was)")
     print(f"wrote {args.format} ({args.dtype}) export of {args.source} to {out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

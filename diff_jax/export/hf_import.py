@@ -36,6 +36,7 @@ import numpy as np
 from diff_jax import variants
 from diff_jax.attention import LAMBDA_VECTORS
 from diff_jax.checkpoint import quiet_abandoned_io
+from diff_jax.command import interrupted, leave
 from diff_jax.config import ConfigError, ModelConfig, override_value
 from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
@@ -316,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         named = [(f"--out {args.out}", args.out), (f"HF_DIR {args.hf_dir}", args.hf_dir)]
         print(f"error: {describe(e, named)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return interrupted(f"stopped at once; --out {args.out} was not written (what it held "
+                           "is as it was)")
     print(f"imported {args.hf_dir} ({source.config.variant}) to {out} (orbax-params, float32)")
     print("evaluate:  python eval.py task=ppl " + shlex.quote(f"checkpoint={out}"))
     print("fine-tune: python train.py " + shlex.join(finetune_overrides(source.config, out)))
@@ -323,4 +327,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -1,0 +1,37 @@
+"""How the command lines end on Ctrl-C: `train.py`, `eval.py`, `python -m diff_jax.export` and
+its `.hf_import`, `python -m diff_jax.data prepare`, and the replication's `replicate` and
+`ablate`.
+
+A Ctrl-C that stops a command at once (`KeyboardInterrupt`) ends it in one `interrupted:` line
+saying what was kept, and exit status 130 (128 + SIGINT, as a shell reports a process that
+Ctrl-C stopped), not a traceback. `leave` then exits without the interpreter's teardown: after
+a Ctrl-C that cut an XLA compilation short, the teardown crashed (SIGSEGV, or SIGABRT with "pure
+virtual method called") or printed "lost sys.stderr" after that line. What must reach the disk
+has by then: outputs are written whole or not at all (`output_dir`), and checkpoint managers are
+closed on the way out.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
+EXIT_INTERRUPTED = 130
+
+
+def interrupted(what: str) -> int:
+    """Print `interrupted: WHAT` (how it stopped, what was kept) on stderr; return
+    `EXIT_INTERRUPTED`."""
+    print(f"interrupted: {what}", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def leave(status: int) -> NoReturn:
+    """Exit the process with `status`: after `EXIT_INTERRUPTED` at once (the streams flushed, the
+    interpreter's teardown skipped), otherwise as `sys.exit` does."""
+    if status == EXIT_INTERRUPTED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

@@ -6,8 +6,9 @@ Ran out of memory on HBM ...` (a TPU compile), `... Error allocating device buff
 step) or `Out of memory allocating N bytes.` (the CPU backend). It surfaces where the program is
 compiled or where its result is first read, not where the allocation was asked for.
 `fit_or_explain` turns it into a `DeviceMemoryError` whose message keeps XLA's first line and
-adds what the command can change (`train_advice`: the settings that size a train step). `train.py` and `eval.py` print it as their
-one error line and exit 2, like other input that cannot run.
+adds what the command can change (`train_advice`: the settings that size a train step).
+`train.py` and `eval.py` print it as their one error line and exit 2, like other input that
+cannot run.
 """
 
 from __future__ import annotations

@@ -664,6 +664,10 @@ def test_a_task_too_big_for_device_memory_is_one_error_line(runs, tmp_path, caps
     assert options.memory_advice("1 gpu device(s)") == (
         "the checkpoint's model with task=niah, batch_size=4, lengths=[64, 128] does not fit on "
         "1 gpu device(s); lower batch_size or lengths")
+    options = EvalOptions(task="score", input="in.txt")
+    assert options.memory_advice("1 gpu device(s)").endswith(
+        "task=score, length unset (the run's model.max_seq_len) does not fit on 1 gpu device(s); "
+        "lower length")
     options = EvalOptions(task="generate", prompt="def f(")
     assert options.memory_advice("1 gpu device(s)").endswith(
         "task=generate, max_new_tokens=64, a prompt of 6 characters does not fit on 1 gpu "

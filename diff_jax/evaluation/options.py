@@ -123,12 +123,14 @@ class EvalOptions:
             if name == "prompt":
                 shown.append(f"a prompt of {len(value)} characters")
             elif value in (None, ()):
-                shown.append(f"{name} unset (the run's train.seq_len)")
+                default = "model.max_seq_len" if self.task == "score" else "train.seq_len"
+                shown.append(f"{name} unset (the run's {default})")
             else:
                 shown.append(f"{name}={list(value) if isinstance(value, tuple) else value}")
         lowered = " or ".join(name for name in names if name != "prompt")
+        shorten = " or shorten the prompt" if "prompt" in names else ""
         return (f"the checkpoint's model with task={self.task}, {', '.join(shown)} does not fit "
-                f"on {devices}; lower {lowered}" + (" or shorten the prompt" * ("prompt" in names)))
+                f"on {devices}; lower {lowered}{shorten}")
 
 
 def _same_file(a: str, b: str) -> bool:

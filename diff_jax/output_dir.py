@@ -1,6 +1,7 @@
 """An output directory written whole or not at all, by the command lines that make one
 (`python -m diff_jax.export` and its `.hf_import`, `python -m diff_jax.data prepare`), and a file
-of a run's record (`config.yaml`, `metrics.jsonl`) replaced whole or not at all (`write_whole`).
+of a run's record (`config.yaml`, `metrics.jsonl`) or an evaluation's result (its JSON, `.npy`,
+PNG) replaced whole or not at all (`write_whole`).
 
 The output is written into a hidden sibling directory and renamed into place when complete, so a
 failed or interrupted write leaves no half-written or empty directory and never touches the one
@@ -123,15 +124,18 @@ def _as_written_to(error: OSError, tmp: Path, out: Path) -> OSError:
     return naming(error, out / file.relative_to(tmp))
 
 
-def write_whole(path: Path, text: str) -> None:
-    """Replace the file `path` with `text` whole or not at all: `text` is written to a hidden
-    sibling that is then renamed over `path`, so a full disk or a kill part-way leaves what `path`
+def write_whole(path: Path, content: str | bytes) -> None:
+    """Replace the file `path` with `content` (text, or bytes) whole or not at all: it is written
+    to a hidden sibling that is then renamed over `path`, so a full disk or a kill part-way leaves what `path`
     held (and the sibling a kill left is removed by the next write of `path`, `_clear_leftovers`).
     A failure raises `OSError` naming `path` (a failed write names no file of its own)."""
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
         _clear_leftovers(path)
-        tmp.write_text(text)
+        if isinstance(content, bytes):
+            tmp.write_bytes(content)
+        else:
+            tmp.write_text(content)
         tmp.replace(path)
     except OSError as e:
         raise naming(e, path) from e

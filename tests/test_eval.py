@@ -675,8 +675,8 @@ def test_a_task_too_big_for_device_memory_is_one_error_line(runs, tmp_path, caps
 
 
 def test_a_result_write_cut_short_leaves_the_earlier_result(runs, tmp_path, monkeypatch, capsys):
-    """A full disk while ppl.json is written: the error names it, and the ppl.json of the run
-    before is as it was (it was truncated and half-written in place)."""
+    """A full disk while ppl.json (or score.npy) is written: the error names it, and the result
+    of the run before is as it was (it was truncated and half-written in place)."""
     args = ["task=ppl", "batches=1", "batch_size=2", "held_out_tokens=256",
             f"train.run_dir={runs['diff']}", f"out_dir={tmp_path}"]
     assert eval_main(args) == 0
@@ -694,6 +694,26 @@ def test_a_result_write_cut_short_leaves_the_earlier_result(runs, tmp_path, monk
     assert capsys.readouterr().err.endswith(f"{tmp_path / 'ppl.json'}: No space left on device\n")
     assert (tmp_path / "ppl.json").read_text() == before
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftovers
+
+    # score's .npy (and a PNG, bytes too) likewise
+    monkeypatch.undo()
+    (tmp_path / "in.txt").write_text("def add(a, b):\n    return a + b\n")
+    args = ["task=score", f"input={tmp_path / 'in.txt'}", f"train.run_dir={runs['diff']}",
+            f"out_dir={tmp_path}"]
+    assert eval_main(args) == 0
+    scores = np.load(tmp_path / "score.npy")
+    real_bytes = Path.write_bytes
+
+    def full_disk_bytes(self, data):
+        if self.name.startswith(".score.npy"):
+            real_bytes(self, data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+        return real_bytes(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full_disk_bytes)
+    assert eval_main(args) == 2
+    assert capsys.readouterr().err.endswith(f"{tmp_path / 'score.npy'}: No space left on device\n")
+    np.testing.assert_array_equal(np.load(tmp_path / "score.npy"), scores)
 
 
 def test_outputs_that_cannot_be_written_are_bad_input_naming_the_key(runs, tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from diff_jax.evaluation.report import Report
+from diff_jax.output_dir import write_whole
 
 MISSING = "matplotlib is not installed (pip install 'diff-jax[plots]'): no PNG written"
 
@@ -35,6 +37,13 @@ def pyplot() -> Any:
     return plt
 
 
+def _save(fig: Any, path: Path) -> None:
+    """`fig` as a PNG at `path`, replacing an earlier one whole or not at all (`write_whole`)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
+    write_whole(path, buffer.getvalue())
+
+
 def heatmap(path: Path, values: np.ndarray, rows: Sequence[str], cols: Sequence[str], *,
             title: str, xlabel: str, ylabel: str) -> bool:
     """values (len(rows), len(cols)) in [0, 1] as an annotated heatmap; False if no matplotlib."""
@@ -51,7 +60,7 @@ def heatmap(path: Path, values: np.ndarray, rows: Sequence[str], cols: Sequence[
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
     plt.close(fig)
     return True
 
@@ -71,6 +80,6 @@ def lines(path: Path, x: Sequence[float], series: dict[str, Sequence[float]], *,
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
     plt.close(fig)
     return True

@@ -4,6 +4,7 @@ log-probabilities of a file), plus the held-out data and forward passes the anal
 from __future__ import annotations
 
 import functools
+import io
 import math
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from diff_jax.evaluation import plots
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.evaluation.report import Report
+from diff_jax.output_dir import write_whole
 from diff_jax.transformer import DecoderLM
 
 
@@ -241,7 +243,9 @@ def score(loaded: Loaded, options: EvalOptions) -> Report:
     logp = token_logprobs(cfg.model, loaded.params, ids, window)
     output = Path(options.output) if options.output else loaded.out_dir / "score.npy"
     output.parent.mkdir(parents=True, exist_ok=True)
-    np.save(output, logp)
+    buffer = io.BytesIO()
+    np.save(buffer, logp)
+    write_whole(output, buffer.getvalue())  # an earlier score.npy stays whole on a failed write
     mean = float(logp.mean())
     return Report(
         {"input": str(options.input), "output": str(output), "num_tokens": int(len(ids)),

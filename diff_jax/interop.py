@@ -121,7 +121,13 @@ _REFERENCE_MODULES = {"v1": _v1_config, "v2": _v2_config}  # IN.npz `variant` ->
 def run_reference(in_path: str, out_path: str) -> None:
     """IN.npz (reference tensors, x, rope_cos, rope_sin, scalars) -> OUT.npz with `output` (B,T,E)."""
     data = {}
-    with np.load(in_path, allow_pickle=False) as f:
+    try:
+        archive = np.load(in_path, allow_pickle=False)
+    except ValueError as e:  # numpy reads a file that is no archive as a pickle, and refuses it
+        raise ValueError(f"{in_path}: not a NumPy .npz archive (np.savez writes one): {e}") from e
+    if not isinstance(archive, np.lib.npyio.NpzFile):  # a single .npy array
+        raise ValueError(f"{in_path}: a single .npy array, not an .npz archive of named arrays")
+    with archive as f:
         for k in f.files:
             try:
                 data[k] = f[k]

@@ -132,6 +132,21 @@ def test_run_reference_malformed_input_is_one_error_line(tmp_path, capsys, edit,
     assert not (tmp_path / "out.npz").exists()
 
 
+def test_run_reference_names_an_input_that_is_no_npz_archive(tmp_path, capsys):
+    """A text file was numpy's pickle refusal, naming no file; a single .npy array raised a
+    traceback (a bare array has no `with` or `files`)."""
+    from diff_jax.interop import main
+
+    (tmp_path / "text.npz").write_text("not an archive\n")
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    for path, says in [(tmp_path / "text.npz", "not a NumPy .npz archive (np.savez writes one)"),
+                       (tmp_path / "one.npy", "a single .npy array, not an .npz archive")]:
+        assert main(["run-reference", str(path), str(tmp_path / "out.npz")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {path}: {says}") and err.count("\n") == 1, err
+    assert not (tmp_path / "out.npz").exists()
+
+
 def test_help_is_the_usage_and_exit_0(capsys):
     """`--help` answers as every other command's does (usage on stdout, status 0); a wrong
     command line stays a usage error (status 2)."""

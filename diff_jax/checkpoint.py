@@ -38,6 +38,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from diff_jax.config import CheckpointConfig, Config, ConfigError, ModelConfig, from_dict
+from diff_jax.device_memory import out_of_memory_in
 from diff_jax.file_errors import naming
 from diff_jax.output_dir import write_whole
 
@@ -649,10 +650,13 @@ def _checksummed(mngr: ocp.CheckpointManager, step: int, where: Path, hint: str 
 
 @contextlib.contextmanager
 def _read_errors(step: int, where: Path, hint: str = "") -> Iterator[None]:
-    """Any failure to read `where` -> one-line `DamagedCheckpointError` naming the step."""
+    """Any failure to read `where` -> one-line `DamagedCheckpointError` naming the step; XLA's
+    out-of-memory error (`device_memory.out_of_memory_in`) is raised as itself."""
     try:  # only orbax calls run inside: none raises a CheckpointError of ours
         yield
     except Exception as e:  # orbax/tensorstore raise many types for unreadable bytes
+        if (no_room := out_of_memory_in(e)) is not None:  # the step is fine; the devices full
+            raise no_room from e
         raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: cannot read "
                                            f"{_unreadable(e, where)}{hint}") from e
 

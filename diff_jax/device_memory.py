@@ -27,14 +27,34 @@ class DeviceMemoryError(RuntimeError):
     """A program did not fit in device memory; the message names the settings that size it."""
 
 
+# what XLA says when a buffer does not fit in device (or, on the CPU backend, host) memory
+OUT_OF_MEMORY = ("out of memory while trying to allocate", "out of memory allocating",
+                 "error allocating device buffer", "ran out of memory on hbm",
+                 "memory space hbm", "hbm capacity")
+# a kernel's on-chip scratch memory (GPU shared memory, TPU VMEM/SMEM): a tile size, not the batch
+ON_CHIP = ("shared memory", "vmem", "smem", "scoped")
+
+
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether `error` is XLA running out of device (or, on the CPU backend, host) memory: a
-    RESOURCE_EXHAUSTED about memory or an allocation (not, say, a gRPC message over its size)."""
+    """Whether `error` is XLA running out of device (or, on the CPU backend, host) memory: one of
+    the phrases of `OUT_OF_MEMORY`, and not about a kernel's on-chip memory (`ON_CHIP`), which
+    the batch size does not change."""
     if not isinstance(error, jax.errors.JaxRuntimeError):
         return False
     text = str(error).lower()
-    return "out of memory" in text or ("resource_exhausted" in text and any(
-        word in text for word in ("memory", "alloc", "hbm")))
+    return any(p in text for p in OUT_OF_MEMORY) and not any(p in text for p in ON_CHIP)
+
+
+def out_of_memory_in(error: BaseException) -> BaseException | None:
+    """The out-of-memory error (`is_out_of_memory`) in the chain of `error` (its causes and
+    contexts; orbax wraps what a restore raised), or None. A reader that labels its failures
+    (damaged checkpoint or export) re-raises it, so that `fit_or_explain` reports it."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if is_out_of_memory(seen):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 @contextlib.contextmanager

@@ -649,14 +649,21 @@ def test_an_empty_path_is_refused_naming_its_key(args, key, capsys):
     assert err.startswith(f"error: {key}=: empty; name ") and err.count("\n") == 1, err
 
 
-def test_a_task_too_big_for_device_memory_is_one_error_line(runs, tmp_path, capsys):
-    """ppl at batch_size=100000 asks the CPU backend for ~2.5 TB of logits: XLA's out-of-memory
-    error becomes one line naming the task's sizing options (exit 2), and no JSON is written."""
-    assert eval_main(["task=ppl", "batch_size=100000", "held_out_tokens=256",
+def test_a_task_too_big_for_device_memory_is_one_error_line(runs, tmp_path, capsys, monkeypatch):
+    """XLA's out-of-memory error inside a task becomes one line naming the task's sizing options
+    (exit 2), and no JSON is written."""
+    from diff_jax import evaluation
+    from training_fixtures import xla_out_of_memory
+
+    def no_room(loaded, options):
+        raise xla_out_of_memory()
+
+    monkeypatch.setitem(evaluation.TASK_FUNCTIONS, "ppl", no_room)
+    assert eval_main(["task=ppl", "batch_size=64", "held_out_tokens=256",
                       f"train.run_dir={runs['diff']}", f"out_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: out of device memory ("), err
-    assert err.endswith("): the checkpoint's model with task=ppl, batch_size=100000, length unset "
+    assert err.endswith("): the checkpoint's model with task=ppl, batch_size=64, length unset "
                         f"(the run's train.seq_len) does not fit on {jax.device_count()} cpu "
                         "device(s); lower batch_size or length\n"), err
     assert not (tmp_path / "ppl.json").exists()

@@ -57,9 +57,10 @@ def process_env(devices: int, **extra: str) -> dict[str, str]:
 
 
 def xla_out_of_memory() -> jax.errors.JaxRuntimeError:
-    """XLA's own out-of-memory error: a 1 TiB array asked of the CPU backend."""
+    """XLA's own out-of-memory error: a 1 PiB array asked of the CPU backend, beyond the 47-bit
+    address space, so it fails on any host and however Linux overcommits memory."""
     try:
-        jax.block_until_ready(jnp.ones((1 << 40,), jnp.uint8))
+        jax.block_until_ready(jnp.ones((1 << 50,), jnp.uint8))
     except jax.errors.JaxRuntimeError as e:
         return e
-    raise AssertionError("a 1 TiB array was allocated")
+    raise AssertionError("a 1 PiB array was allocated")

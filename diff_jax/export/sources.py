@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 from diff_jax import checkpoint, summary
 from diff_jax.checkpoint import CheckpointError, DamagedCheckpointError
 from diff_jax.config import ConfigError, ModelConfig, model_config_from_dict
+from diff_jax.device_memory import out_of_memory_in
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_io import read_safetensors
 from diff_jax.export.state_dict import from_state_dict
@@ -188,6 +189,8 @@ def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
             params = checkpointer.restore(path.resolve(),
                                           args=ocp.args.PyTreeRestore(stored, restore_args))
         except Exception as e:  # tensorstore raises bare Exceptions for unreadable bytes
+            if (no_room := out_of_memory_in(e)) is not None:  # the export is fine; devices full
+                raise no_room from e
             first = (str(e).strip().splitlines() or [""])[0][:300]
             raise ExportError(f"{path}: the export is damaged: could not read the parameters: "
                               f"{type(e).__name__}: {first}") from e

@@ -6,8 +6,8 @@ instead of train.run_dir, and step=N for another step of a run. Writes RUN/eval/
 named by step=N or its directory: RUN/eval/step-N/NAME.json; out_dir=DIR: DIR/NAME.json). See the
 README for every task's keys. Exit status: 0 done, 2 bad input (arguments, config, a missing or
 damaged checkpoint, a file that cannot be read or written, a task too big for the devices'
-memory), 1 a result that is NaN (the JSON is still written), 130 stopped by Ctrl-C (no result
-written).
+memory), 1 a result that is NaN (the JSON is still written), 130 stopped by Ctrl-C (each result
+file is whole: this run's or the earlier one).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {describe(e, named)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        return interrupted("stopped at once; this task wrote no result (an earlier one is as "
-                           "it was)")
+        return interrupted("stopped at once; each result file is whole (this run's or the "
+                           "earlier one)")
     nan = nan_fields(json.loads(path.read_text()))
     if nan:
         more = f" and {len(nan) - 3} more" if len(nan) > 3 else ""

@@ -210,7 +210,7 @@ def report(config: Config) -> dict[str, Any]:
     compiler itself finds that the step does not fit (XLA:TPU does)."""
     topology, slices = config.train.compile_topology, config.train.compile_slices
     devices = topology_devices(topology, slices) if topology else None
-    where = (f"{topology}" + (f" x {slices} slices" if slices > 1 else "") if topology
+    where = (topology + (f" x {slices} slices" if slices > 1 else "") if topology
              else devices_here())
     with fit_or_explain(train_advice(config, "the train step", where)):  # XLA:TPU's compile OOM
         result = compile_train_step(config, devices)

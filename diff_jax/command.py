@@ -27,6 +27,19 @@ def interrupted(what: str) -> int:
     return EXIT_INTERRUPTED
 
 
+def output_kept(argument: str) -> int:
+    """`interrupted` for a command writing one output directory (`output_dir.staged`): none is
+    left half-written at `argument` (e.g. "--out DIR")."""
+    return interrupted(f"stopped at once; no half-written output is left at {argument}")
+
+
+def run_kept(error: KeyboardInterrupt, out: object) -> int:
+    """`interrupted` for a replication command on `out`: `error`'s text (the run whose training
+    saved its step after the first Ctrl-C), else "stopped at once"; a re-run resumes."""
+    return interrupted(f"{str(error) or 'stopped at once'}; what {out} holds is kept (the same "
+                       "command resumes)")
+
+
 def leave(status: int) -> NoReturn:
     """Exit the process with `status`: after `EXIT_INTERRUPTED` at once (the streams flushed, the
     interpreter's teardown skipped), otherwise as `sys.exit` does."""

@@ -7,8 +7,8 @@ step) or `Out of memory allocating N bytes.` (the CPU backend). It surfaces wher
 compiled or where its result is first read, not where the allocation was asked for.
 `fit_or_explain` turns it into a `DeviceMemoryError` whose message keeps XLA's first line and
 adds what the command can change (`train_advice`: the settings that size a train step).
-`train.py` and `eval.py` print it as their one error line and exit 2, like other input that
-cannot run.
+`train.py`, `eval.py` and the replication's commands print it as their one error line and exit
+2, like other input that cannot run.
 """
 
 from __future__ import annotations

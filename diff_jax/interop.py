@@ -14,6 +14,8 @@ runs this project's attention module on a reference state_dict and input (see `r
 from __future__ import annotations
 
 import sys
+import zipfile
+import zlib
 from collections.abc import Mapping
 
 import jax
@@ -123,8 +125,10 @@ def run_reference(in_path: str, out_path: str) -> None:
     data = {}
     try:
         archive = np.load(in_path, allow_pickle=False)
-    except ValueError as e:  # numpy reads a file that is no archive as a pickle, and refuses it
-        raise ValueError(f"{in_path}: not a NumPy .npz archive (np.savez writes one): {e}") from e
+    # numpy reads a file that is no archive as a pickle and refuses it; an empty one is EOFError
+    except (ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{in_path}: not a NumPy .npz archive (np.savez writes one): "
+                         f"{type(e).__name__}: {e}") from e
     if not isinstance(archive, np.lib.npyio.NpzFile):  # a single .npy array
         raise ValueError(f"{in_path}: a single .npy array, not an .npz archive of named arrays")
     with archive as f:
@@ -134,6 +138,9 @@ def run_reference(in_path: str, out_path: str) -> None:
             except ValueError as e:  # numpy's own text names neither the file nor the array
                 raise ValueError(f"{k}: an object array, which IN.npz cannot hold (numeric arrays "
                                  f"and string scalars only; {e})") from e
+            except (zipfile.BadZipFile, zlib.error, EOFError) as e:  # cut short or corrupted
+                raise ValueError(f"{in_path}: {k} cannot be read, the archive is damaged "
+                                 f"({type(e).__name__}: {e})") from e
     reference = _scalar(data, "variant", str)
     if reference not in _REFERENCE_MODULES:
         raise ValueError(f"variant: expected 'v1' or 'v2', got {reference!r}")

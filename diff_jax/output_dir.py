@@ -126,8 +126,9 @@ def _as_written_to(error: OSError, tmp: Path, out: Path) -> OSError:
 
 def write_whole(path: Path, content: str | bytes) -> None:
     """Replace the file `path` with `content` (text, or bytes) whole or not at all: it is written
-    to a hidden sibling that is then renamed over `path`, so a full disk or a kill part-way leaves what `path`
-    held (and the sibling a kill left is removed by the next write of `path`, `_clear_leftovers`).
+    to a hidden sibling that is then renamed over `path`, so a full disk or a kill part-way leaves
+    what `path` held (and the sibling a kill left is removed by the next write of `path`,
+    `_clear_leftovers`).
     A failure raises `OSError` naming `path` (a failed write names no file of its own)."""
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:

@@ -25,13 +25,13 @@ def _stop_saved(*_args, **_kwargs):  # replicate's training saved its step after
 # (module, the function its main calls that the Ctrl-C lands in, argv, the interrupted line)
 CASES = [
     ("eval", "run", ["task=ppl", "train.run_dir=RUN"],
-     "stopped at once; this task wrote no result (an earlier one is as it was)"),
+     "stopped at once; each result file is whole (this run's or the earlier one)"),
     ("diff_jax.export.__main__", "export", ["RUN", "--out", "OUT"],
-     "stopped at once; --out OUT was not written (what it held is as it was)"),
+     "stopped at once; no half-written output is left at --out OUT"),
     ("diff_jax.export.hf_import", "read_hf", ["HF", "--out", "OUT"],
-     "stopped at once; --out OUT was not written (what it held is as it was)"),
+     "stopped at once; no half-written output is left at --out OUT"),
     ("diff_jax.data.__main__", "prepare", ["prepare", "stdlib", "OUT"],
-     "stopped at once; OUT_DIR OUT was not written (what it held is as it was)"),
+     "stopped at once; no half-written output is left at OUT_DIR OUT"),
     ("diff_jax.experiments.replicate", "replicate", ["--preset", "micro", "--out", "OUT"],
      "stopped at once; what OUT holds is kept (the same command resumes)"),
     ("diff_jax.experiments.ablate", "ablate", ["OUT", "--set", "model.subln_init=0.5"],
@@ -79,7 +79,7 @@ def test_ctrl_c_leaves_without_the_interpreters_teardown():
                           timeout=300)
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
-        "interrupted: stopped at once; this task wrote no result (an earlier one is as it was)"]
+        "interrupted: stopped at once; each result file is whole (this run's or the earlier one)"]
 
 
 def test_a_replication_worker_stopped_by_ctrl_c_says_so_in_one_line():

@@ -133,13 +133,18 @@ def test_run_reference_malformed_input_is_one_error_line(tmp_path, capsys, edit,
 
 
 def test_run_reference_names_an_input_that_is_no_npz_archive(tmp_path, capsys):
-    """A text file was numpy's pickle refusal, naming no file; a single .npy array raised a
-    traceback (a bare array has no `with` or `files`)."""
+    """A text file was numpy's pickle refusal, naming no file; an empty or cut-short file and a
+    single .npy array raised a traceback (a bare array has no `with` or `files`)."""
     from diff_jax.interop import main
 
     (tmp_path / "text.npz").write_text("not an archive\n")
+    (tmp_path / "empty.npz").write_bytes(b"")
     np.save(tmp_path / "one.npy", np.zeros(3))
+    whole = Path(_npz(tmp_path / "whole.npz", **_malformed_base())).read_bytes()
+    (tmp_path / "cut.npz").write_bytes(whole[: len(whole) // 2])  # a copy cut short
     for path, says in [(tmp_path / "text.npz", "not a NumPy .npz archive (np.savez writes one)"),
+                       (tmp_path / "empty.npz", "not a NumPy .npz archive (np.savez writes one)"),
+                       (tmp_path / "cut.npz", "not a NumPy .npz archive (np.savez writes one)"),
                        (tmp_path / "one.npy", "a single .npy array, not an .npz archive")]:
         assert main(["run-reference", str(path), str(tmp_path / "out.npz")]) == 1
         err = capsys.readouterr().err

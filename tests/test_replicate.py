@@ -1893,8 +1893,9 @@ def test_a_rerun_evaluates_only_jobs_of_another_step_and_adds_up_the_wall_time(t
     (run / "replicate" / "quant" / "quant.json").write_text(json.dumps({"step": 2}))
     with pytest.raises(DeviceMemoryError, match=(
             r"^out of device memory \(.*Out of memory allocating \d+ bytes\.\): the checkpoint's "
-            r"model with task=quant, batch_size=\d+, length unset \(the run's train.seq_len\) does "
-            r"not fit on \d+ cpu device\(s\); lower batch_size or length \(the preset's "
+            r"model with task=quant, batch_size=\d+, length unset \(the run's train.seq_len\), "
+            r"lengths=\[\d+\] does not fit on \d+ cpu device\(s\); lower batch_size or length or "
+            r"lengths \(the preset's "
             rf"evaluation quant of {run}\)$")):
         replicate.train_and_evaluate(micro, "diff", 0, "scaled", tmp_path)
     assert json.loads((run / "replicate" / "ppl" / "ppl.json").read_text()) == {"step": 4}

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from diff_jax.command import interrupted, leave
+from diff_jax.command import leave, output_kept
 from diff_jax.data.corpus import prepare
 from diff_jax.data.sources import DataError
 from diff_jax.data.tokenizer import BASE
@@ -49,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {describe(e, named)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return interrupted(f"stopped at once; OUT_DIR {args.out_dir} was not written (what it "
-                           "held is as it was)")
+        return output_kept(f"OUT_DIR {args.out_dir}")
     skipped = meta.pop("skipped")
     print(json.dumps(dict(meta, skipped=len(skipped)), indent=1))
     for line in skipped[:20]:

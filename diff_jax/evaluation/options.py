@@ -26,7 +26,7 @@ PATH_OPTIONS: dict[str, str] = {  # the options naming a file or directory: what
 MEMORY_OPTIONS: dict[str, tuple[str, ...]] = {
     "ppl": ("batch_size", "length"), "score": ("length",), "niah": ("batch_size", "lengths"),
     "attention": ("lengths",), "outliers": ("batch_size", "length"),
-    "quant": ("batch_size", "length"), "generate": ("max_new_tokens", "prompt"),
+    "quant": ("batch_size", "length", "lengths"), "generate": ("max_new_tokens", "prompt"),
     "recall": ("batch_size", "lengths"),
 }
 assert tuple(MEMORY_OPTIONS) == TASKS

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from diff_jax import train_loop
-from diff_jax.command import interrupted, leave
+from diff_jax.command import leave, run_kept
 from diff_jax.config import ConfigError, parse_override
-from diff_jax.experiments.layout import eval_json, field, read_json, run_dir
+from diff_jax.experiments.layout import eval_json, field, read_eval, read_json, run_dir
 from diff_jax.experiments.init_scale import residual_writes
 from diff_jax.experiments.lm_report import (gap_cell, init_rows, init_scale_table, read_metrics,
                                              val_gaps_between, val_loss_at)
@@ -105,7 +105,8 @@ def compare(out: Path, results: dict[str, Any], variant: str, init: str, name: s
     for seed in seeds:
         run = run_dir(out, name, seed, init)
         _, val = read_metrics(run)
-        changed.append({"loss": json.loads(eval_json(run, "ppl").read_text())["loss"],
+        ppl = eval_json(run, "ppl")
+        changed.append({"loss": field(read_eval(ppl), ppl, "loss", (int, float), "a number"),
                         "val_loss_at": val_loss_at(val)})
     per = {"changed": changed,
            **{role: [results["results"][init][v]["seeds"][s] for s in seeds]
@@ -286,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     except train_loop.RUN_ERRORS as e:
         return train_loop.report(e, [(str(out), str(out))])
     except KeyboardInterrupt as e:  # the changed model's training saved its step, or Ctrl-C twice
-        return interrupted(f"{str(e) or 'stopped at once'}; what {out} holds is kept (the "
-                           "same command resumes)")
+        return run_kept(e, out)
     print(f"wrote {out / 'ablations' / (data['label'] + '-' + data['init'])}.json and .md")
     return 0
 

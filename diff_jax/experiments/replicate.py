@@ -57,7 +57,7 @@ from typing import Any
 import yaml
 
 from diff_jax import data, evaluation, recall, train_loop
-from diff_jax.command import interrupted, leave
+from diff_jax.command import interrupted, leave, run_kept
 from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config
 from diff_jax.device_memory import devices_here, fit_or_explain
 from diff_jax.evaluation import EvalOptions
@@ -659,8 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.status
     except KeyboardInterrupt as e:  # a run's training saved its step and stopped, or Ctrl-C twice
-        return interrupted(f"{str(e) or 'stopped at once'}; what {out} holds is kept (the "
-                           "same command resumes)")
+        return run_kept(e, out)
     print(f"wrote {out / 'results.md'}, {out / 'results.json'} and {len(results['plots'])} plots")
     return 0
 

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from diff_jax.checkpoint import quiet_abandoned_io
-from diff_jax.command import interrupted, leave
+from diff_jax.command import leave, output_kept
 from diff_jax.export import DTYPES, FORMATS, ExportError, export
 from diff_jax.export.sources import EVAL_DIR
 from diff_jax.file_errors import describe
@@ -47,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {describe(e, [(f'--out {args.out}', args.out)])}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return interrupted(f"stopped at once; --out {args.out} was not written (what it held "
-                           "is as it was)")
+        return output_kept(f"--out {args.out}")
     print(f"wrote {args.format} ({args.dtype}) export of {args.source} to {out}")
     return 0
 

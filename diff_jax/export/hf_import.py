@@ -36,7 +36,7 @@ import numpy as np
 from diff_jax import variants
 from diff_jax.attention import LAMBDA_VECTORS
 from diff_jax.checkpoint import quiet_abandoned_io
-from diff_jax.command import interrupted, leave
+from diff_jax.command import leave, output_kept
 from diff_jax.config import ConfigError, ModelConfig, override_value
 from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
@@ -318,8 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {describe(e, named)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return interrupted(f"stopped at once; --out {args.out} was not written (what it held "
-                           "is as it was)")
+        return output_kept(f"--out {args.out}")
     print(f"imported {args.hf_dir} ({source.config.variant}) to {out} (orbax-params, float32)")
     print("evaluate:  python eval.py task=ppl " + shlex.quote(f"checkpoint={out}"))
     print("fine-tune: python train.py " + shlex.join(finetune_overrides(source.config, out)))

@@ -64,6 +64,18 @@ def _number(x: object) -> bool:
     return isinstance(x, float) and math.isfinite(x)
 
 
+def _cut_short(write, prefix: str):
+    """`Path.write_text` or `write_bytes` that writes half and fails as a full disk does for a
+    file whose name starts with `prefix`, and writes every other file."""
+    def maybe_cut(self, data, *args, **kwargs):
+        if not self.name.startswith(prefix):
+            return write(self, data, *args, **kwargs)
+        write(self, data[:len(data) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    return maybe_cut
+
+
 def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert replicate.main(["--preset", "micro", "--out", str(tmp_path / "out")]) == 0
@@ -166,6 +178,18 @@ def test_micro_pipeline_writes_every_table_and_plot(tmp_path, monkeypatch, capsy
     wall = (run / "wall.json").read_text()
     assert replicate.main(["--preset", "micro", "--out", str(out)]) == 0
     assert (run / "wall.json").read_text() == wall
+    # A report rewrite cut short (a full disk, a kill) leaves the earlier report whole: the JSON,
+    # the markdown and the PNGs were written in place (half a results.json then made the next
+    # run refuse OUT as another preset's).
+    report = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    png = next(name for name in report if name.endswith(".png"))
+    for target in ("results.json", png):
+        with monkeypatch.context() as m:
+            for method in ("write_text", "write_bytes"):
+                m.setattr(Path, method, _cut_short(getattr(Path, method), f".{target}.partial"))
+            assert replicate.main(["--preset", "micro", "--out", str(out)]) == 2
+        assert capsys.readouterr().err.endswith(f"{out / target}: No space left on device\n")
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == report
     # Each run records the machine it ran on; the report names it.
     assert data["device"] == "cpu" and all(m["devices"] == ["cpu"] for m in data["models"].values())
     assert "\nDevice: cpu.\n" in md

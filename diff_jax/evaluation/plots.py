@@ -37,10 +37,12 @@ def pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, path: Path) -> None:
-    """`fig` as a PNG at `path`, replacing an earlier one whole or not at all (`write_whole`)."""
+def save(fig: Any, path: Path, dpi: int = 120) -> None:
+    """`fig` as a PNG at `path`, replacing an earlier one whole or not at all (`write_whole`),
+    then closed; every PNG of the evaluation and the replication reports is saved through it."""
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=120)
+    fig.savefig(buffer, format="png", dpi=dpi)
+    pyplot().close(fig)
     write_whole(path, buffer.getvalue())
 
 
@@ -60,8 +62,7 @@ def heatmap(path: Path, values: np.ndarray, rows: Sequence[str], cols: Sequence[
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    _save(fig, path)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 
@@ -80,6 +81,5 @@ def lines(path: Path, x: Sequence[float], series: dict[str, Sequence[float]], *,
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    _save(fig, path)
-    plt.close(fig)
+    save(fig, path)
     return True

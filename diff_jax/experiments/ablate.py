@@ -43,6 +43,7 @@ from diff_jax.experiments.presets import LABELS, VARIANTS, Preset, RecallPreset
 from diff_jax.experiments.recall_report import SCOPES, claim_line, grid_mean, pair_claims, run_results
 from diff_jax.experiments.replicate import recorded_preset, train_and_evaluate
 from diff_jax.experiments.stats import describe, paired
+from diff_jax.output_dir import write_whole
 
 SETTABLE = ("model", "optim")  # what an ablation may change; data, budget and schedule stay
 _LABEL_CHARS = re.compile(r"[A-Za-z0-9_.,=-]+")
@@ -262,8 +263,8 @@ def ablate(out: Path, sets: tuple[str, ...], variant: str, init: str | None,
             "init_scale": scale}
     stem = out / "ablations" / f"{name}-{init}"  # no with_suffix: the name may hold dots
     stem.parent.mkdir(exist_ok=True)
-    Path(f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
-    Path(f"{stem}.md").write_text(markdown_recall(data) if recall else markdown(data))
+    write_whole(Path(f"{stem}.json"), json.dumps(data, indent=1) + "\n")
+    write_whole(Path(f"{stem}.md"), markdown_recall(data) if recall else markdown(data))
     return data
 
 

@@ -23,6 +23,7 @@ from diff_jax.experiments.layout import (device_line, eval_json, field, is_a, pa
 from diff_jax.experiments.presets import (LABELS, VARIANTS, Preset, corpus_dir,
                                           niah_whole_fraction, replicate_command)
 from diff_jax.experiments.stats import describe, mean_std, paired, stats
+from diff_jax.output_dir import write_whole
 
 STATS = ("top1", "top2", "top3", "top10", "top100", "median")
 BITS = ("none", 16, 8, 6, 4)
@@ -451,6 +452,6 @@ def write(preset: Preset, seeds: int, out: Path, summaries: dict[str, dict]) -> 
                                                                   init).model, rows)
                                  for v in VARIANTS} for init in preset.inits}
     data["plots"] = _plots(preset, data, out, seeds, preset.inits[0])
-    (out / "results.json").write_text(json.dumps(data, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(preset, data))
+    write_whole(out / "results.json", json.dumps(data, indent=1) + "\n")
+    write_whole(out / "results.md", markdown(preset, data))
     return data

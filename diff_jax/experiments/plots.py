@@ -9,16 +9,15 @@ from typing import Any
 
 import numpy as np
 
-from diff_jax.evaluation.plots import pyplot
+from diff_jax.evaluation.plots import pyplot, save
 
 
-def _save_lined(plt: Any, fig: Any, ax: Any, path: Path) -> None:
+def _save_lined(fig: Any, ax: Any, path: Path) -> None:
     """Grid, legend, and save a single-axes line plot."""
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def loss_curves(path: Path, curves: dict[str, dict[str, tuple[list[int], list[float]]]],
@@ -34,7 +33,7 @@ def loss_curves(path: Path, curves: dict[str, dict[str, tuple[list[int], list[fl
             ax.plot(steps, loss, color=f"C{i}", ls="-" if name == "train" else "--",
                     marker=None if name == "train" else "o", label=f"{labels[v]} {name}")
     ax.set(title="Loss (mean over seeds)", xlabel="step", ylabel="cross-entropy (nats)")
-    _save_lined(plt, fig, ax, path)
+    _save_lined(fig, ax, path)
     return True
 
 
@@ -64,8 +63,7 @@ def niah_heatmaps(path: Path, grids: dict[str, dict[str, np.ndarray]], labels: d
             if j == 0:
                 ax.set_ylabel("answer depth")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
     return True
 
 
@@ -88,8 +86,7 @@ def quantization(path: Path, bits: list[str], increase: dict[str, np.ndarray],
     a2.set_ylim(-0.05, 1.05)
     fig.suptitle("Attention-logit quantization (mean over seeds)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 
@@ -102,7 +99,7 @@ def lambdas(path: Path, steps: list[int], lam: np.ndarray) -> bool:
     for layer in range(lam.shape[1]):
         ax.plot(steps, lam[:, layer], label=f"layer {layer}")
     ax.set(title="DIFF V1: λ per layer during training", xlabel="step", ylabel="λ")
-    _save_lined(plt, fig, ax, path)
+    _save_lined(fig, ax, path)
     return True
 
 
@@ -126,6 +123,5 @@ def learning_curves(path: Path, curves: dict[str, dict[str, dict[str, Any]]],
         ax.legend()
     fig.suptitle(title + " (mean ± std over seeds)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
     return True

@@ -17,6 +17,7 @@ from diff_jax.experiments.layout import (device_line, eval_json, read_eval, read
 from diff_jax.experiments.presets import LABELS, VARIANTS, RecallPreset, replicate_command
 from diff_jax.experiments.stats import describe, mean_std, paired, paired_censored, stat
 from diff_jax.recall import max_queries
+from diff_jax.output_dir import write_whole
 
 THRESHOLD = 0.9  # "steps to reach 90%"
 MEASURES = ("accuracy", "answer_share", "noise_share")
@@ -248,6 +249,6 @@ def write(preset: RecallPreset, seeds: int, out: Path, summaries: dict[str, dict
                           for v, rs in per_variant.items()} for init, per_variant in runs.items()},
         "plots": plot_names,
     }
-    (out / "results.json").write_text(json.dumps(data, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(preset, data))
+    write_whole(out / "results.json", json.dumps(data, indent=1) + "\n")
+    write_whole(out / "results.md", markdown(preset, data))
     return data

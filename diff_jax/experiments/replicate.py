@@ -354,7 +354,7 @@ def adopt_finished(preset: Preset | RecallPreset, seed: int, init: str, out: Pat
             if (src / name).is_file():
                 shutil.copy(src / name, dst / name)
         shutil.copytree(src / "replicate", dst / "replicate")
-        (dst / "adopted.json").write_text(json.dumps(
+        write_whole(dst / "adopted.json", json.dumps(
             {"from": str(src.resolve()), "corpus_sha256": ours}, indent=1) + "\n")
         notes.append(f"{src.name}: taken as finished from {src}")
     return notes
@@ -440,8 +440,8 @@ def claim_out(preset: Preset | RecallPreset, out: Path) -> None:
         raise ConfigError(f"--out {out}: holds the runs of {other}; choose another --out for "
                           f"{preset_args(preset.name, preset.steps)}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / PRESET_MARKER).write_text(json.dumps({"preset": preset.name,
-                                                 "steps": preset.steps}) + "\n")
+    write_whole(out / PRESET_MARKER, json.dumps({"preset": preset.name, "steps": preset.steps})
+                + "\n")
 
 
 def replicate(preset: Preset | RecallPreset, seeds: int, out: Path, jobs: int = 1,

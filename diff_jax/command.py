@@ -1,6 +1,6 @@
 """How the command lines end on Ctrl-C: `train.py`, `eval.py`, `python -m diff_jax.export` and
-its `.hf_import`, `python -m diff_jax.data prepare`, and the replication's `replicate` and
-`ablate`.
+its `.hf_import`, `python -m diff_jax.data prepare`, `.summary`, `.interop`, and the
+replication's `replicate`, `ablate` and `init_scale`.
 
 A Ctrl-C that stops a command at once (`KeyboardInterrupt`) ends it in one `interrupted:` line
 saying what was kept, and exit status 130 (128 + SIGINT, as a shell reports a process that

@@ -13,17 +13,21 @@ runs this project's attention module on a reference state_dict and input (see `r
 
 from __future__ import annotations
 
+import io
 import sys
 import zipfile
 import zlib
 from collections.abc import Mapping
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from diff_jax import variants
+from diff_jax.command import leave, output_kept
 from diff_jax.config import ConfigError, ModelConfig
+from diff_jax.output_dir import write_whole
 
 
 def reference_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -121,7 +125,8 @@ _REFERENCE_MODULES = {"v1": _v1_config, "v2": _v2_config}  # IN.npz `variant` ->
 
 
 def run_reference(in_path: str, out_path: str) -> None:
-    """IN.npz (reference tensors, x, rope_cos, rope_sin, scalars) -> OUT.npz with `output` (B,T,E)."""
+    """IN.npz (reference tensors, x, rope_cos, rope_sin, scalars) -> OUT.npz with `output` (B,T,E),
+    written whole or not at all (`output_dir.write_whole`)."""
     data = {}
     try:
         archive = np.load(in_path, allow_pickle=False)
@@ -161,12 +166,14 @@ def run_reference(in_path: str, out_path: str) -> None:
     if missing:
         raise KeyError(f"IN.npz is missing reference tensor(s) {missing}")
     out = attention_output(state_dict, x, cos, sin, config, depth)
-    np.savez(out_path, output=out)
+    buffer = io.BytesIO()
+    np.savez(buffer, output=out)
+    write_whole(Path(out_path), buffer.getvalue())
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m diff_jax.interop run-reference IN.npz OUT.npz`; 0 on success (and for
-    --help), 1 on bad input (one `error:` line), 2 on a usage error."""
+    --help), 1 on bad input (one `error:` line), 2 on a usage error, 130 after Ctrl-C."""
     argv = sys.argv[1:] if argv is None else argv
     usage = "usage: python -m diff_jax.interop run-reference IN.npz OUT.npz"
     if argv[:1] in (["-h"], ["--help"]):
@@ -177,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run_reference(argv[1], argv[2])
+    except KeyboardInterrupt:
+        return output_kept(argv[2])
     except (KeyError, ValueError, ConfigError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {msg}", file=sys.stderr)
@@ -185,4 +194,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from diff_jax import variants
+from diff_jax.command import interrupted, leave
 from diff_jax.attention import lambda_init
 from diff_jax.config import Config, ConfigError, ModelConfig, load_config
 from diff_jax.sharding import unboxed
@@ -90,7 +91,7 @@ def summarize(config: Config) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m diff_jax.summary [--config] CONFIG [key=value ...]`: print `summarize` as JSON;
-    2 on a config error (one `error:` line)."""
+    2 on a config error (one `error:` line), 130 after Ctrl-C (one `interrupted:` line)."""
     doc = __doc__.strip().splitlines()
     parser = argparse.ArgumentParser(
         prog="python -m diff_jax.summary", description=doc[0],
@@ -108,12 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         args.config, *overrides = overrides
     try:
         config = load_config(args.config, overrides)
+        summary = summarize(config)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(summarize(config), indent=2))
+    except KeyboardInterrupt:
+        return interrupted("stopped at once (it writes no file)")
+    print(json.dumps(summary, indent=2))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

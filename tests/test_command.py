@@ -36,6 +36,12 @@ CASES = [
      "stopped at once; what OUT holds is kept (the same command resumes)"),
     ("diff_jax.experiments.ablate", "ablate", ["OUT", "--set", "model.subln_init=0.5"],
      "stopped at once; what OUT holds is kept (the same command resumes)"),
+    ("diff_jax.experiments.init_scale", "stdlib_rows", ["micro"],
+     "stopped at once (it writes no file)"),
+    ("diff_jax.summary", "summarize", [str(ROOT / "configs" / "tiny.yaml")],
+     "stopped at once (it writes no file)"),
+    ("diff_jax.interop", "run_reference", ["run-reference", "IN.npz", "OUT.npz"],
+     "stopped at once; no half-written output is left at OUT.npz"),
 ]
 
 

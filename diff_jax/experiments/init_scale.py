@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 from pathlib import Path
 
 import jax
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from diff_jax.command import interrupted, leave
 from diff_jax.config import ModelConfig
 from diff_jax.transformer import DecoderLM
 
@@ -78,7 +78,8 @@ def stdlib_rows(tokenizer: str, seq_len: int) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line above; exit status 0, 2 on bad input (one `error:` line)."""
+    """The command line above; exit status 0, 2 on bad input (one `error:` line), 130 after
+    Ctrl-C (one `interrupted:` line)."""
     from diff_jax import train_loop
     from diff_jax.config import ConfigError
     from diff_jax.experiments.ablate import check_sets, label
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         models = [(name, residual_writes(cfg.model, rows)) for name, cfg in configs]
     except train_loop.RUN_ERRORS as e:
         return train_loop.report(e, [])
+    except KeyboardInterrupt:
+        return interrupted("stopped at once (it writes no file)")
     command = " ".join(["python -m diff_jax.experiments.init_scale", preset.name, "--init", init,
                         *(x for setting in sets for x in ("--set", setting)),
                         *(["--variant", args.variant] if sets else [])])
@@ -133,4 +136,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

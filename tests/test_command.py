@@ -4,6 +4,7 @@ kept, exit status 130, no traceback; the process leaves without the interpreter'
 from __future__ import annotations
 
 import importlib
+import os
 import multiprocessing
 import subprocess
 import sys
@@ -121,4 +122,25 @@ def test_side_by_side_waits_for_its_workers_before_passing_ctrl_c_on(tmp_path, m
     with pytest.raises(KeyboardInterrupt):
         replicate.side_by_side(presets.PRESETS["micro"], runs, tmp_path,
                                replicate.cpu_shares(1))
+    assert multiprocessing.active_children() == []
+
+
+def test_a_side_by_side_worker_stopped_on_its_own_is_an_interruption_not_a_failure(tmp_path,
+                                                                                   monkeypatch):
+    """A worker that a SIGINT of its own stopped (exit 130, its step saved) was counted as a
+    failed run, and the command exited 1 as for a bug. It is an interruption: no new run starts,
+    and the KeyboardInterrupt (exit 130, one `interrupted:` line) names it."""
+    from diff_jax.experiments import presets, replicate
+
+    def worker(preset, variant, seed, init, out, cores):  # forked: nothing to pickle
+        os._exit(130 if variant == "diff" else 0)
+
+    monkeypatch.setattr(replicate, "_pinned_worker", worker)
+    fork = multiprocessing.get_context("fork")
+    monkeypatch.setattr(replicate.multiprocessing, "get_context", lambda method: fork)
+    runs = [("diff", 0, "scaled"), ("transformer", 0, "scaled"), ("diff_v2", 0, "scaled")]
+    with pytest.raises(KeyboardInterrupt, match=r"^diff-scaled-s0 stopped by Ctrl-C \(its output "
+                                                r"above says what it saved\); 2 run\(s\) not "
+                                                r"started$"):
+        replicate.side_by_side(presets.PRESETS["micro"], runs, tmp_path, replicate.cpu_shares(1))
     assert multiprocessing.active_children() == []

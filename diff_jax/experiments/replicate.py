@@ -57,7 +57,7 @@ from typing import Any
 import yaml
 
 from diff_jax import data, evaluation, recall, train_loop
-from diff_jax.command import interrupted, leave, run_kept
+from diff_jax.command import EXIT_INTERRUPTED, interrupted, leave, run_kept
 from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config
 from diff_jax.device_memory import devices_here, fit_or_explain
 from diff_jax.evaluation import EvalOptions
@@ -553,15 +553,17 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
     `RunsFailed` names the failed runs with their exit status (each worker has printed why: one
     `error:` line for a `train_loop.RUN_ERRORS`, else a traceback). Re-running resumes, as the
     serial path does. On Ctrl-C (which every worker gets too: each saves its step, says so and
-    exits) the KeyboardInterrupt is raised once the running workers have exited.
+    exits) the KeyboardInterrupt is raised once the running workers have exited. A worker that
+    a Ctrl-C (SIGINT) stopped on its own, exit `EXIT_INTERRUPTED`, is an interruption too, not a
+    failure: no new run starts, and once the others have finished a KeyboardInterrupt names it.
     """
     spawn = multiprocessing.get_context("spawn")
     pending, free = list(runs), list(range(len(shares)))
     running: dict[int, tuple[int, multiprocessing.process.BaseProcess, tuple[str, int, str]]] = {}
-    failed = []
+    failed, stopped = [], []
     try:
-        while running or (pending and not failed):
-            while pending and free and not failed:
+        while running or (pending and not failed and not stopped):
+            while pending and free and not failed and not stopped:
                 slot, run = free.pop(0), pending.pop(0)
                 process = spawn.Process(target=_pinned_worker,
                                         args=(preset, *run, out, shares[slot]))
@@ -571,17 +573,24 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
                 slot, process, run = running.pop(sentinel)
                 process.join()
                 free.append(slot)
-                if process.exitcode != 0:
-                    failed.append((run_dir(out, run[0], run[1], run[2]).name, process.exitcode))
+                name = run_dir(out, run[0], run[1], run[2]).name
+                if process.exitcode == EXIT_INTERRUPTED:
+                    stopped.append(name)
+                elif process.exitcode != 0:
+                    failed.append((name, process.exitcode))
     except KeyboardInterrupt:  # Ctrl-C reached every worker too: each saves its step and exits
         for _, process, _ in running.values():
             process.join()
         raise
     if failed:
-        names = ", ".join(f"{name} (exit {code})" for name, code in failed)
+        names = ", ".join(f"{name} (exit {code})" for name, code in failed + [
+            (name, EXIT_INTERRUPTED) for name in stopped])
         raise RunsFailed(f"{preset.name}: {names} failed (its output above says why); "
                          f"{len(pending)} run(s) not started; re-run to resume",
                          2 if any(code == 2 for _, code in failed) else 1)
+    if stopped:
+        raise KeyboardInterrupt(f"{', '.join(stopped)} stopped by Ctrl-C (its output above says "
+                                f"what it saved); {len(pending)} run(s) not started")
 
 
 def _jobs(text: str) -> int:

@@ -8,13 +8,14 @@ import dataclasses
 import json
 import math
 import multiprocessing
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from diff_jax import variants
-from diff_jax.config import MAX_STEPS
+from diff_jax.config import MAX_STEPS, ConfigError
 from diff_jax.device_memory import DeviceMemoryError
 from diff_jax.experiments import layout, lm_report, presets, recall_report, replicate, stats
 from training_fixtures import xla_out_of_memory
@@ -1153,6 +1154,30 @@ def test_a_damaged_metrics_jsonl_is_one_error_line_naming_its_line_and_is_kept(
     assert metrics.read_text() == text and not (out / "results.json").exists()
     notes = replicate.adopt_finished(micro, 0, "scaled", tmp_path / "fresh", out)
     assert notes[0] == f"diff-scaled-s0: not taken: {metrics}: {says}"
+
+
+def test_an_evaluation_or_metrics_line_without_a_field_the_report_reads_is_one_error_line(
+        tmp_path, monkeypatch, capsys):
+    """An evaluation JSON or a metrics.jsonl line that lacks a field the report reads (written by
+    another version, or edited by hand) was a KeyError traceback after every model had finished.
+    Now one error line naming the file (or line) and the field; nothing is changed."""
+    micro = presets.PRESETS["micro"]
+    out = tmp_path / "out"
+    _finished_copy(out, micro)  # evaluation JSONs that hold only their step and job
+    monkeypatch.setattr(replicate.train_loop, "run", _never)
+    monkeypatch.setattr(replicate.evaluation, "load", _never)
+    ppl = layout.eval_json(layout.run_dir(out, "diff", 0, "scaled"), "ppl")
+    assert replicate.main(["--preset", "micro", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"error: {ppl}: has no loss (a file another version "
+                                       "wrote, or edited by hand?)\n")
+    assert not (out / "results.json").exists()
+
+    metrics = layout.run_dir(out, "diff", 0, "scaled") / "metrics.jsonl"
+    metrics.write_text('{"step": 4, "loss": 1.0}\n{"step": 4, "val_loss": 1.0}\n')
+    _, validation = lm_report.read_metrics(metrics.parent)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(metrics))}: line 2: has no "
+                                          r"val_tokens \(a file another version wrote"):
+        validation[-1]["val_tokens"]  # as model_results reads it
 
 
 def test_a_damaged_corpus_meta_json_is_one_error_line_naming_it_and_is_kept(tmp_path, monkeypatch,

@@ -89,7 +89,7 @@ def _replication(out: Path) -> tuple[Preset | RecallPreset, dict[str, Any]]:
     init = preset.inits[0]
     try:
         validated = "val_loss_at" in results["results"][init]["transformer"]["seeds"][0]
-    except (KeyError, IndexError, TypeError):
+    except (ConfigError, IndexError, TypeError):  # a Record's missing key is a ConfigError
         raise ConfigError(f"{path}: has no results.{init}.transformer.seeds (expected each "
                           "model's results per seed)") from None
     if not validated or "init_scale" not in results:

@@ -20,16 +20,32 @@ def is_a(value: Any, kind: type | tuple[type, ...]) -> bool:
     return isinstance(value, kind) and not isinstance(value, bool)
 
 
+class Record(dict):
+    """A JSON object read from `where` (a file, or one of its lines): a key it lacks is one
+    ConfigError naming `where` and the key (a file written by another version, or edited by
+    hand), where a report reading it would stop in a KeyError's traceback."""
+
+    def __init__(self, where: str, items: list[tuple[str, Any]]):
+        super().__init__(items)
+        self.where = where
+
+    def __missing__(self, key: str) -> Any:
+        raise ConfigError(f"{self.where}: has no {key} (a file another version wrote, or edited "
+                          "by hand?)")
+
+
 def parse_json(text: str | bytes, where: str, expected: str, kind: type = dict) -> Any:
     """The JSON value of `text` (read from `where`: a file, or one of its lines) when it is a
-    `kind` (dict: an object; list: a list); ConfigError "WHERE: expected EXPECTED, got ..."
-    when `text` is no JSON (cut short by a kill, edited by hand, not text) or another type."""
+    `kind` (dict: an object; list: a list), each object in it a `Record`; ConfigError "WHERE:
+    expected EXPECTED, got ..." when `text` is no JSON (cut short by a kill, edited by hand, not
+    text) or another type."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=lambda items: Record(where, items))
     except ValueError as e:  # JSONDecodeError, or bytes that decode to no text
         raise ConfigError(f"{where}: expected {expected}, got no valid JSON ({e})") from None
     if not isinstance(value, kind):
-        raise ConfigError(f"{where}: expected {expected}, got {_JSON_TYPES[type(value)]}")
+        got = next(name for t, name in _JSON_TYPES.items() if isinstance(value, t))  # a Record too
+        raise ConfigError(f"{where}: expected {expected}, got {got}")
     return value
 
 

@@ -37,12 +37,15 @@ ON_CHIP = ("shared memory", "vmem", "smem", "scoped")
 
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether `error` is XLA running out of device (or, on the CPU backend, host) memory: one of
-    the phrases of `OUT_OF_MEMORY`, and not about a kernel's on-chip memory (`ON_CHIP`), which
-    the batch size does not change."""
+    the phrases of `OUT_OF_MEMORY`, and a first line (where XLA names what ran out) not about a
+    kernel's on-chip memory (`ON_CHIP`), which the batch size does not change. Only the first
+    line: the report after an XLA:TPU compile's out-of-HBM line lists the program's scoped
+    allocations too."""
     if not isinstance(error, jax.errors.JaxRuntimeError):
         return False
     text = str(error).lower()
-    return any(p in text for p in OUT_OF_MEMORY) and not any(p in text for p in ON_CHIP)
+    first = text.strip().partition("\n")[0]
+    return any(p in text for p in OUT_OF_MEMORY) and not any(p in first for p in ON_CHIP)
 
 
 def out_of_memory_in(error: BaseException) -> BaseException | None:

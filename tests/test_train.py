@@ -175,6 +175,22 @@ def test_xla_gpu_out_of_memory_keeps_its_first_line_only():
             raise jax.errors.JaxRuntimeError(other)
 
 
+def test_a_tpu_compile_out_of_hbm_is_out_of_memory_though_its_report_lists_scoped_memory():
+    """XLA:TPU's compile OOM reports the program's HBM after its first line, and that report
+    lists the program's scoped allocations ("scoped 5.41M"): it is still out of device memory,
+    not a kernel's on-chip memory. The message's shape is XLA's (Program hbm requirement)."""
+    from diff_jax.device_memory import fit_or_explain
+
+    tpu = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+           "space hbm. Used 17.60G of 16.00G hbm. Exceeded hbm capacity by 1.60G.\n\n"
+           "Total hbm usage >= 17.60G:\n    reserved        528.00M\n    program          "
+           "17.08G\n\nProgram hbm requirement 17.08G:\n    global           980.0K\n"
+           "    scoped            5.41M\n    HLO temp         17.08G\n")
+    with pytest.raises(DeviceMemoryError, match=r"Exceeded hbm capacity by 1\.60G\.\): advice$"), \
+            fit_or_explain("advice"):
+        raise jax.errors.JaxRuntimeError(tpu)
+
+
 def test_crash_at_25_resumes_from_20_to_the_same_step_30(corpus, tmp_path, monkeypatch, uninterrupted):
     _interrupt_at(monkeypatch, 25, "crash")
     config = tiny_config(corpus, tmp_path)

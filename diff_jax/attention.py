@@ -101,11 +101,6 @@ def _project_qkv(
     return q, k, v.reshape(b, t, layout.v_heads, layout.v_width)
 
 
-def _out_std(cfg: ModelConfig) -> float:
-    """The output projection's init std (`layers.residual_out_std`: `model.output_init`)."""
-    return residual_out_std(cfg)
-
-
 def _kv_cache(
     module: nn.Module, k: jax.Array, v: jax.Array, positions: jax.Array | None,
     segment_ids: jax.Array | None,
@@ -229,7 +224,7 @@ class AttentionBase(nn.Module):
         q, k, v = _project_qkv(self, x, rope, positions, self.layout(cfg))
         o = self.combine(x, q, k, v, segment_ids=segment_ids, positions=positions)
         return dense(x.shape[-1], ("heads", "embed"), dtype=jnp.dtype(cfg.dtype),
-                     std=_out_std(cfg), name=self.OUTPUT_PROJ)(o)
+                     std=residual_out_std(cfg), name=self.OUTPUT_PROJ)(o)
 
     def combine(self, x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, *,
                 segment_ids: jax.Array | None, positions: jax.Array | None) -> jax.Array:

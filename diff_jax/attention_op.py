@@ -47,6 +47,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import kernels
 from diff_jax.config import ConfigError, ModelConfig
+from diff_jax.sharding import axes_size
 
 Rules = tuple[tuple[str, Any], ...]
 Maps = dict[str, Any]
@@ -80,12 +81,6 @@ def resolve_impl(config: ModelConfig, platform: str) -> str:
         raise ConfigError(f"model.attention_impl=cudnn runs only on NVIDIA GPUs; these devices "
                           f"are {platform}")
     return impl
-
-
-def _axes_size(mesh: Any, axes: Any) -> int:
-    if axes is None:
-        return 1
-    return math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +181,7 @@ class AttentionOp:
         # naming the axis twice is a DuplicateSpecError)
         layout = nn.logical_to_mesh_axes(("batch", "length", "act_heads", "head_dim"), rules)
         batch_axes, head_axes = layout[0], layout[2]
-        n_batch, n_head = _axes_size(mesh, batch_axes), _axes_size(mesh, head_axes)
+        n_batch, n_head = axes_size(mesh, batch_axes), axes_size(mesh, head_axes)
         nc = 1 if lam is None else 2  # sub-heads per head
         heads, kv_heads = q.shape[2] // nc, v.shape[2]
         if q.shape[0] % n_batch:  # e.g. init on one row, or a small evaluation batch

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 from flax import linen as nn
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from diff_jax.config import MeshConfig
 
@@ -105,7 +105,9 @@ def check_mesh(mesh: Mesh) -> None:
                             "(AxisType.Auto,) * 3)")
 
 
-def _axis_size(mesh: Mesh, axes: Any) -> int:
+def axes_size(mesh: Mesh | AbstractMesh, axes: Any) -> int:
+    """How many devices the mesh axes `axes` (a rule's value: an axis name, a tuple of them, or
+    None for replicated) span on `mesh`."""
     if axes is None:
         return 1
     axes = axes if isinstance(axes, tuple) else (axes,)
@@ -123,7 +125,7 @@ def check_divisible(boxed: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]], wh
             continue
         resolved = nn.logical_to_mesh_axes(leaf.names, rules)
         for dim, (size, name, axes) in enumerate(zip(leaf.value.shape, leaf.names, resolved)):
-            n = _axis_size(mesh, axes)
+            n = axes_size(mesh, axes)
             if size % n:
                 raise ShardingError(
                     f"{what} {jax.tree_util.keystr(path)}: dimension {dim} ({name!r}, size {size}) "
@@ -153,7 +155,7 @@ def check_batch(global_batch: int, grad_accum: int, mesh: Mesh, rules: Sequence[
     """Raise `ShardingError` unless a micro-batch (global_batch / grad_accum rows) divides the
     mesh axes of the `batch` rule."""
     axes = dict(rules).get("batch")
-    n = _axis_size(mesh, axes)
+    n = axes_size(mesh, axes)
     micro = global_batch // grad_accum
     if micro % n:
         raise ShardingError(f"train.batch_size / train.grad_accum = {micro} sequences a micro-batch "

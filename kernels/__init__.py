@@ -20,7 +20,7 @@ job (`diff_jax.attention_op.AttentionOp`): nothing here names a mesh axis.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +31,9 @@ from kernels.hopper import target as gpu_target
 from kernels.reference import (attention_mask, attention_reference, check_layout,
                                diff_attention_reference)
 
-__all__ = ["IMPLS", "MAX_HEAD_DIM", "BlockSizes", "Impl", "decode_attention", "diff_attention",
+__all__ = ["IMPLS", "MAX_HEAD_DIM", "BlockSizes", "decode_attention", "diff_attention",
            "dot_product_attention", "four_call_diff_attention", "gpu_target", "supports_head_dim"]
 
-Impl = Literal["xla", "pallas", "cudnn"]
 IMPLS: tuple[str, ...] = ("xla", "pallas", "cudnn")
 _HALF = (jnp.bfloat16, jnp.float16)
 

@@ -241,7 +241,7 @@ def _write_errors(mngr: ocp.CheckpointManager) -> Iterator[None]:
         if code:
             raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(where)) from e
         raise CheckpointError(f"cannot save a checkpoint in {where}: "
-                              f"{type(chain[-1]).__name__}: {_first_line(chain[-1])}") from e
+                              f"{type(chain[-1]).__name__}: {first_line(chain[-1])}") from e
 
 
 def quiet_abandoned_io() -> None:
@@ -297,7 +297,7 @@ def _chain(error: BaseException) -> list[BaseException]:
     return chain
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     """The first line of `error`'s text, at most 300 characters: orbax wraps tensorstore's
     errors in a multi-line repr of the tensorstore spec."""
     return (str(error).strip().splitlines() or [""])[0][:300]
@@ -667,7 +667,7 @@ def _unreadable(error: BaseException, where: Path) -> str:
     wraps it in a multi-line repr of the tensorstore spec)."""
     chain = _chain(error)
     inner = chain[-1]
-    first = _first_line(inner)
+    first = first_line(inner)
     named = next((m.group(1) for e in chain
                   if (m := re.search(r'Error reading "([^"/]+)', str(e)))), None)
     what = f"array {named} of {where}" if named else str(where)

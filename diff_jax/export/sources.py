@@ -191,9 +191,8 @@ def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
         except Exception as e:  # tensorstore raises bare Exceptions for unreadable bytes
             if (no_room := out_of_memory_in(e)) is not None:  # the export is fine; devices full
                 raise no_room from e
-            first = (str(e).strip().splitlines() or [""])[0][:300]
             raise ExportError(f"{path}: the export is damaged: could not read the parameters: "
-                              f"{type(e).__name__}: {first}") from e
+                              f"{type(e).__name__}: {checkpoint.first_line(e)}") from e
     verify(params, recorded, path)
     return jax.tree.map(lambda x: x.astype(jnp.float32), params)
 

@@ -54,17 +54,18 @@ def refusal(out: Path, overwrite: bool, marker: str, kind: str,
 def staged(out: Path) -> Iterator[Path]:
     """A fresh hidden sibling directory of `out` to write the output into. When the block
     completes it becomes `out`, and what `out` held is removed only afterwards; when the block
-    raises, it is removed and `out` is left as it was, and so are its parents (those it made for
-    `out` are removed again)."""
+    raises, it is removed and `out` is left as it was (renamed back, when the failure fell
+    between the two renames), and so are its parents (those it made for `out` are removed
+    again)."""
     made = [p for p in out.parents if not p.exists()]  # deepest first
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     written = False
     try:
         tmp.mkdir()
         yield tmp
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
         if out.is_dir():
             out.rename(old)
         tmp.rename(out)
@@ -73,6 +74,8 @@ def staged(out: Path) -> Iterator[Path]:
     except OSError as e:
         raise _as_written_to(e, tmp, out) from e
     finally:
+        if not written and old.is_dir() and not out.exists():
+            old.rename(out)
         shutil.rmtree(tmp, ignore_errors=True)
         for parent in [] if written else made:
             try:

@@ -63,7 +63,9 @@ def _use_compile_cache(config: Config) -> None:
         print(f"warning: {where}; evaluating without the compilation cache", file=sys.stderr)
 
 
-def _override_value(overrides: Sequence[str], dotted: str) -> Any:
+def _last_override(overrides: Sequence[str], dotted: str) -> Any:
+    """The value the last of `overrides` (key=value texts) gives the `dotted` key; None when
+    none names it."""
     found = None
     for text in overrides:
         keys, value = parse_override(text)
@@ -75,7 +77,7 @@ def _override_value(overrides: Sequence[str], dotted: str) -> Any:
 def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
     """Load `checkpoint=PATH` (else `train.run_dir=RUN`), step `options.step` or the latest."""
     key = "checkpoint" if options.checkpoint else "train.run_dir"  # what the user named it by
-    location = options.checkpoint or _override_value(overrides, "train.run_dir")
+    location = options.checkpoint or _last_override(overrides, "train.run_dir")
     if location is None:
         raise EvalError("name what to evaluate: train.run_dir=RUN or checkpoint=PATH")
     if is_blank_path(str(location)):

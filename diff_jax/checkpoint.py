@@ -39,6 +39,7 @@ import orbax.checkpoint as ocp
 
 from diff_jax.config import CheckpointConfig, Config, ConfigError, ModelConfig, from_dict
 from diff_jax.device_memory import out_of_memory_in
+from diff_jax.error_text import chain, first_line
 from diff_jax.file_errors import naming
 from diff_jax.output_dir import write_whole
 
@@ -233,15 +234,15 @@ def _write_errors(mngr: ocp.CheckpointManager) -> Iterator[None]:
         raise
     except Exception as e:
         directory = Path(mngr.directory)
-        chain = _chain(e)
-        text = " ".join(str(x) for x in chain)
+        errors = chain(e)
+        text = " ".join(str(x) for x in errors)
         step = re.search(re.escape(str(directory)) + r"/(\d+\.orbax-checkpoint-tmp)", text)
         where = directory / step.group(1) if step else directory
         code = re.search(r"os_error_code='(\d+)'", text)
         if code:
             raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(where)) from e
         raise CheckpointError(f"cannot save a checkpoint in {where}: "
-                              f"{type(chain[-1]).__name__}: {first_line(chain[-1])}") from e
+                              f"{type(errors[-1]).__name__}: {first_line(errors[-1])}") from e
 
 
 def quiet_abandoned_io() -> None:
@@ -287,20 +288,6 @@ def quiet_interrupts() -> Iterator[None]:
         yield
     finally:
         absl.removeFilter(_not_an_interrupt)
-
-
-def _chain(error: BaseException) -> list[BaseException]:
-    """`error` and the errors it was raised from or during, outermost first (at most 16)."""
-    chain = [error]
-    while len(chain) < 16 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
-        chain.append(chain[-1].__cause__ or chain[-1].__context__)
-    return chain
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of `error`'s text, at most 300 characters: orbax wraps tensorstore's
-    errors in a multi-line repr of the tensorstore spec."""
-    return (str(error).strip().splitlines() or [""])[0][:300]
 
 
 def tree_shapes(params: Any) -> dict[str, tuple[int, ...]]:
@@ -665,10 +652,10 @@ def _unreadable(error: BaseException, where: Path) -> str:
     """What could not be read, in one line: the array when the error chain names one (tensorstore
     reports 'Error reading "params.….kernel/0.0"'), and the innermost error's first line (orbax
     wraps it in a multi-line repr of the tensorstore spec)."""
-    chain = _chain(error)
-    inner = chain[-1]
+    errors = chain(error)
+    inner = errors[-1]
     first = first_line(inner)
-    named = next((m.group(1) for e in chain
+    named = next((m.group(1) for e in errors
                   if (m := re.search(r'Error reading "([^"/]+)', str(e)))), None)
     what = f"array {named} of {where}" if named else str(where)
     return f"{what}: {type(inner).__name__}: {first}"

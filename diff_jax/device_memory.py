@@ -19,8 +19,7 @@ from typing import Iterator
 import jax
 
 from diff_jax.config import Config
-
-XLA_LINE_LIMIT = 300  # characters of XLA's first line kept in the message
+from diff_jax.error_text import chain, first_line
 
 
 class DeviceMemoryError(RuntimeError):
@@ -52,12 +51,7 @@ def out_of_memory_in(error: BaseException) -> BaseException | None:
     """The out-of-memory error (`is_out_of_memory`) in the chain of `error` (its causes and
     contexts; orbax wraps what a restore raised), or None. A reader that labels its failures
     (damaged checkpoint or export) re-raises it, so that `fit_or_explain` reports it."""
-    seen: BaseException | None = error
-    while seen is not None:
-        if is_out_of_memory(seen):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
+    return next((e for e in chain(error) if is_out_of_memory(e)), None)
 
 
 @contextlib.contextmanager
@@ -69,10 +63,7 @@ def fit_or_explain(advice: str) -> Iterator[None]:
     except jax.errors.JaxRuntimeError as e:
         if not is_out_of_memory(e):
             raise
-        first = str(e).strip().splitlines()[0].strip()
-        if len(first) > XLA_LINE_LIMIT:
-            first = first[:XLA_LINE_LIMIT] + " ..."
-        raise DeviceMemoryError(f"out of device memory ({first}): {advice}") from e
+        raise DeviceMemoryError(f"out of device memory ({first_line(e)}): {advice}") from e
 
 
 def devices_here() -> str:

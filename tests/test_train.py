@@ -146,10 +146,11 @@ def test_out_of_device_memory_mid_run_is_one_error_keeping_the_checkpoints(
 
 def test_xla_gpu_out_of_memory_keeps_its_first_line_only():
     """The GPU's message is followed by the buffer assignment's dump: one line of it is kept
-    (at most `XLA_LINE_LIMIT` characters). A TPU's failed allocation is one too; a
+    (at most `error_text.LINE_LIMIT` characters). A TPU's failed allocation is one too; a
     RESOURCE_EXHAUSTED about something else than device memory (a gRPC message, a kernel's
     shared memory or VMEM: a tile's size, not the batch's) is left as it is."""
-    from diff_jax.device_memory import XLA_LINE_LIMIT, fit_or_explain
+    from diff_jax.device_memory import fit_or_explain
+    from diff_jax.error_text import LINE_LIMIT
 
     gpu = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 85899345920 bytes.\n"
            "BufferAssignment OOM Debugging.\nBufferAssignment stats:\n" + "x" * 10_000)
@@ -159,7 +160,7 @@ def test_xla_gpu_out_of_memory_keeps_its_first_line_only():
                                  "trying to allocate 85899345920 bytes.): lower train.batch_size")
     with pytest.raises(DeviceMemoryError) as caught, fit_or_explain("advice"):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating " + "y" * 1000)
-    kept = ("RESOURCE_EXHAUSTED: Out of memory allocating " + "y" * 1000)[:XLA_LINE_LIMIT]
+    kept = ("RESOURCE_EXHAUSTED: Out of memory allocating " + "y" * 1000)[:LINE_LIMIT]
     assert str(caught.value) == f"out of device memory ({kept} ...): advice"
     tpu = ("RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 8.00G. "
            "That was not possible. There are 2.50G free.")
@@ -173,6 +174,20 @@ def test_xla_gpu_out_of_memory_keeps_its_first_line_only():
         with pytest.raises(jax.errors.JaxRuntimeError, match=other[:20]), \
                 fit_or_explain("advice"):
             raise jax.errors.JaxRuntimeError(other)
+
+
+def test_an_error_chain_that_loops_is_followed_a_bounded_number_of_times():
+    """`raise a from b` with b raised from a makes a chain that loops: looking for XLA's
+    out-of-memory error in it (checkpoint and export readers do) ran forever."""
+    from diff_jax.device_memory import out_of_memory_in
+    from diff_jax.error_text import CHAIN_LIMIT, chain
+
+    a, b = ValueError("a"), ValueError("b")
+    a.__cause__, b.__cause__ = b, a
+    assert out_of_memory_in(a) is None and len(chain(a)) == CHAIN_LIMIT
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8 bytes")
+    b.__cause__ = oom
+    assert out_of_memory_in(a) is oom and chain(a) == [a, b, oom]
 
 
 def test_a_tpu_compile_out_of_hbm_is_out_of_memory_though_its_report_lists_scoped_memory():

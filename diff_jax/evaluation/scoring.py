@@ -15,6 +15,7 @@ import numpy as np
 
 from diff_jax.config import Config, ModelConfig
 from diff_jax.data import Batch, DataError, HeldOut, TokenCorpus, held_out, split_corpus
+from diff_jax.error_text import first_line
 from diff_jax.evaluation import plots
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
@@ -174,7 +175,7 @@ def _load_npy(path: Path) -> np.ndarray:
         return np.load(path, allow_pickle=False)
     except (ValueError, EOFError) as e:
         reason = ("it holds Python objects" if "allow_pickle" in str(e)
-                  else (str(e).strip().splitlines() or [type(e).__name__])[0])
+                  else first_line(e, empty=type(e).__name__))
         raise EvalError(f"input={path}: not a NumPy array of token ids ({reason})") from e
 
 

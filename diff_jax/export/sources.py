@@ -24,6 +24,7 @@ from diff_jax import checkpoint, summary
 from diff_jax.checkpoint import CheckpointError, DamagedCheckpointError
 from diff_jax.config import ConfigError, ModelConfig, model_config_from_dict
 from diff_jax.device_memory import out_of_memory_in
+from diff_jax.error_text import first_line
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_io import read_safetensors
 from diff_jax.export.state_dict import from_state_dict
@@ -192,7 +193,7 @@ def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
             if (no_room := out_of_memory_in(e)) is not None:  # the export is fine; devices full
                 raise no_room from e
             raise ExportError(f"{path}: the export is damaged: could not read the parameters: "
-                              f"{type(e).__name__}: {checkpoint.first_line(e)}") from e
+                              f"{type(e).__name__}: {first_line(e)}") from e
     verify(params, recorded, path)
     return jax.tree.map(lambda x: x.astype(jnp.float32), params)
 

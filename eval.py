@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from diff_jax.checkpoint import CheckpointError, quiet_abandoned_io
-from diff_jax.command import interrupted, leave
+from diff_jax.command import EXIT_BAD_INPUT, EXIT_NON_FINITE, failed, interrupted, leave
 from diff_jax.config import ConfigError
 from diff_jax.data import DataError
 from diff_jax.device_memory import DeviceMemoryError
@@ -26,8 +26,6 @@ from diff_jax.evaluation import EvalError, run
 from diff_jax.evaluation.options import PATH_OPTIONS
 from diff_jax.file_errors import describe
 
-EXIT_BAD_INPUT = 2  # the same status as train.py and python -m diff_jax.export
-EXIT_NAN = 1
 PATH_KEYS = ("train.run_dir", *PATH_OPTIONS)  # the keys naming files
 
 
@@ -52,23 +50,20 @@ def main(argv: list[str] | None = None) -> int:
         path = run(args)
     except (ConfigError, CheckpointError, DataError, EvalError, DeviceMemoryError) as e:
         quiet_abandoned_io()  # a damaged checkpoint's reads: this line stays the last
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return failed(str(e))
     except OSError as e:  # an output directory or file that cannot be made or written
         quiet_abandoned_io()
         named = [(arg, arg.partition("=")[2]) for arg in args
                  if arg.partition("=")[0].strip() in PATH_KEYS]
-        print(f"error: {describe(e, named)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return failed(describe(e, named))
     except KeyboardInterrupt:
         return interrupted("stopped at once; each result file is whole (this run's or the "
                            "earlier one)")
     nan = nan_fields(json.loads(path.read_text()))
     if nan:
         more = f" and {len(nan) - 3} more" if len(nan) > 3 else ""
-        print(f"error: the result is NaN ({', '.join(nan[:3])}{more}; written to {path}): the "
-              "checkpoint's parameters give non-finite outputs", file=sys.stderr)
-        return EXIT_NAN
+        return failed(f"the result is NaN ({', '.join(nan[:3])}{more}; written to {path}): the "
+                      "checkpoint's parameters give non-finite outputs", EXIT_NON_FINITE)
     return 0
 
 

@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from diff_jax.command import interrupted, leave
+from diff_jax.command import failed, interrupted, leave
 from diff_jax.config import ConfigError, load_config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
@@ -34,8 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return failed(str(e))
     # Imported after parsing so that jax.distributed.initialize is the first JAX call.
     from diff_jax import aot, train_loop
 

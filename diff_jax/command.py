@@ -1,6 +1,12 @@
-"""How the command lines end on Ctrl-C: `train.py`, `eval.py`, `python -m diff_jax.export` and
-its `.hf_import`, `python -m diff_jax.data prepare`, `.summary`, `.interop`, and the
-replication's `replicate`, `ablate` and `init_scale`.
+"""How the command lines end: `train.py`, `eval.py`, `python -m diff_jax.export` and its
+`.hf_import`, `python -m diff_jax.data prepare`, `.summary`, `.interop`, and the replication's
+`replicate`, `ablate` and `init_scale`.
+
+Bad input (config, arguments, data, a refused checkpoint, a file that cannot be read or
+written, a model that does not fit in device memory) ends a command in one `error:` line naming
+the field, file or shape and what was expected, exit status `EXIT_BAD_INPUT`; a run or result
+gone non-finite in one such line and `EXIT_NON_FINITE` (`failed`). `interop` keeps 1 for bad
+input, as documented there.
 
 A Ctrl-C that stops a command at once (`KeyboardInterrupt`) ends it in one `interrupted:` line
 saying what was kept, and exit status 130 (128 + SIGINT, as a shell reports a process that
@@ -17,7 +23,15 @@ import os
 import sys
 from typing import NoReturn
 
+EXIT_NON_FINITE = 1
+EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+
+
+def failed(text: str, status: int = EXIT_BAD_INPUT) -> int:
+    """Print `error: TEXT` on stderr; return `status` (bad input unless given)."""
+    print(f"error: {text}", file=sys.stderr)
+    return status
 
 
 def interrupted(what: str) -> int:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from diff_jax import variants
-from diff_jax.command import interrupted, leave
+from diff_jax.command import failed, interrupted, leave
 from diff_jax.attention import lambda_init
 from diff_jax.config import Config, ConfigError, ModelConfig, load_config
 from diff_jax.sharding import unboxed
@@ -104,15 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.config is None:
         if not overrides or "=" in overrides[0]:
             parser.print_usage(sys.stderr)
-            print("error: no config file: give CONFIG or --config CONFIG", file=sys.stderr)
-            return 2
+            return failed("no config file: give CONFIG or --config CONFIG")
         args.config, *overrides = overrides
     try:
         config = load_config(args.config, overrides)
         summary = summarize(config)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return failed(str(e))
     except KeyboardInterrupt:
         return interrupted("stopped at once (it writes no file)")
     print(json.dumps(summary, indent=2))

@@ -18,7 +18,6 @@ import fcntl
 import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -29,6 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from diff_jax import checkpoint, data, optim
+from diff_jax.command import EXIT_BAD_INPUT, EXIT_NON_FINITE, failed
 from diff_jax.config import (Config, ConfigError, DistributedConfig, TrainConfig, dump_config,
                              from_dict)
 from diff_jax.data.heldout import HeldOut
@@ -63,8 +63,8 @@ def report(error: BaseException, named: list[tuple[str, str]]) -> int:
     that diverged. Checkpoints already saved are complete either way."""
     text = describe(error, named) if isinstance(error, OSError) else str(error)
     checkpoint.quiet_abandoned_io()  # the process exits next: this line stays the last
-    print(f"error: {text}", file=sys.stderr)
-    return 1 if isinstance(error, NonFiniteLossError) else 2
+    return failed(text, EXIT_NON_FINITE if isinstance(error, NonFiniteLossError)
+                  else EXIT_BAD_INPUT)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from diff_jax.command import leave, output_kept
+from diff_jax.command import failed, leave, output_kept
 from diff_jax.data.corpus import prepare
 from diff_jax.data.sources import DataError
 from diff_jax.data.tokenizer import BASE
@@ -42,12 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         meta = prepare(args.sources, args.out_dir, args.text_field, args.tokenizer,
                        overwrite=args.overwrite)
     except DataError as e:
-        print(f"error: {_as_typed(str(e))}", file=sys.stderr)
-        return 2
+        return failed(_as_typed(str(e)))
     except OSError as e:  # OUT_DIR cannot be made or written, or a source cannot be read
         named = [(f"OUT_DIR {args.out_dir}", args.out_dir), *((f"SRC {x}", x) for x in args.sources)]
-        print(f"error: {describe(e, named)}", file=sys.stderr)
-        return 2
+        return failed(describe(e, named))
     except KeyboardInterrupt:
         return output_kept(f"OUT_DIR {args.out_dir}")
     skipped = meta.pop("skipped")

@@ -57,7 +57,8 @@ from typing import Any
 import yaml
 
 from diff_jax import data, evaluation, recall, train_loop
-from diff_jax.command import EXIT_INTERRUPTED, interrupted, leave, run_kept
+from diff_jax.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE, failed,
+                              interrupted, leave, run_kept)
 from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config
 from diff_jax.device_memory import devices_here, fit_or_explain
 from diff_jax.evaluation import EvalOptions
@@ -524,9 +525,8 @@ def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init:
     import jax
 
     if jax.default_backend() != "cpu":
-        print(f"error: --jobs > 1 trains models side by side on CPU cores, but JAX's default "
-              f"backend here is {jax.default_backend()}: use --jobs 1", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(failed(f"--jobs > 1 trains models side by side on CPU cores, but JAX's default "
+                        f"backend here is {jax.default_backend()}: use --jobs 1"))
     try:
         _train_and_evaluate_one(preset, variant, seed, init, out)
     except train_loop.RUN_ERRORS as e:  # one line, as the serial path; the exit status tells why
@@ -560,10 +560,10 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
     spawn = multiprocessing.get_context("spawn")
     pending, free = list(runs), list(range(len(shares)))
     running: dict[int, tuple[int, multiprocessing.process.BaseProcess, tuple[str, int, str]]] = {}
-    failed, stopped = [], []
+    failures, stopped = [], []
     try:
-        while running or (pending and not failed and not stopped):
-            while pending and free and not failed and not stopped:
+        while running or (pending and not failures and not stopped):
+            while pending and free and not failures and not stopped:
                 slot, run = free.pop(0), pending.pop(0)
                 process = spawn.Process(target=_pinned_worker,
                                         args=(preset, *run, out, shares[slot]))
@@ -577,17 +577,18 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
                 if process.exitcode == EXIT_INTERRUPTED:
                     stopped.append(name)
                 elif process.exitcode != 0:
-                    failed.append((name, process.exitcode))
+                    failures.append((name, process.exitcode))
     except KeyboardInterrupt:  # Ctrl-C reached every worker too: each saves its step and exits
         for _, process, _ in running.values():
             process.join()
         raise
-    if failed:
-        names = ", ".join(f"{name} (exit {code})" for name, code in failed + [
+    if failures:
+        names = ", ".join(f"{name} (exit {code})" for name, code in failures + [
             (name, EXIT_INTERRUPTED) for name in stopped])
         raise RunsFailed(f"{preset.name}: {names} failed (its output above says why); "
                          f"{len(pending)} run(s) not started; re-run to resume",
-                         2 if any(code == 2 for _, code in failed) else 1)
+                         EXIT_BAD_INPUT if any(code == EXIT_BAD_INPUT for _, code in failures)
+                         else EXIT_NON_FINITE)
     if stopped:
         raise KeyboardInterrupt(f"{', '.join(stopped)} stopped by Ctrl-C (its output above says "
                                 f"what it saved); {len(pending)} run(s) not started")
@@ -665,8 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     except train_loop.RUN_ERRORS as e:  # what is saved stays; re-running resumes
         return train_loop.report(e, [(f"--out {out}", str(out))])
     except RunsFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.status
+        return failed(str(e), e.status)
     except KeyboardInterrupt as e:  # a run's training saved its step and stopped, or Ctrl-C twice
         return run_kept(e, out)
     print(f"wrote {out / 'results.md'}, {out / 'results.json'} and {len(results['plots'])} plots")

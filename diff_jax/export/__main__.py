@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from diff_jax.checkpoint import quiet_abandoned_io
-from diff_jax.command import leave, output_kept
+from diff_jax.command import failed, leave, output_kept
 from diff_jax.export import DTYPES, FORMATS, ExportError, export
 from diff_jax.export.sources import EVAL_DIR
 from diff_jax.file_errors import describe
@@ -40,12 +40,10 @@ def main(argv: list[str] | None = None) -> int:
                      tokenizer=args.tokenizer)
     except ExportError as e:
         quiet_abandoned_io()  # a damaged checkpoint's reads: this line stays the last
-        print(f"error: {e}", file=sys.stderr)
-        return 2  # bad input, the same status as train.py and eval.py
+        return failed(str(e))
     except OSError as e:  # e.g. --out in a directory that cannot be made or written
         quiet_abandoned_io()
-        print(f"error: {describe(e, [(f'--out {args.out}', args.out)])}", file=sys.stderr)
-        return 2
+        return failed(describe(e, [(f'--out {args.out}', args.out)]))
     except KeyboardInterrupt:
         return output_kept(f"--out {args.out}")
     print(f"wrote {args.format} ({args.dtype}) export of {args.source} to {out}")

@@ -36,7 +36,7 @@ import numpy as np
 from diff_jax import variants
 from diff_jax.attention import LAMBDA_VECTORS
 from diff_jax.checkpoint import quiet_abandoned_io
-from diff_jax.command import leave, output_kept
+from diff_jax.command import failed, leave, output_kept
 from diff_jax.config import ConfigError, ModelConfig, override_value
 from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
@@ -310,13 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         out = export(source, args.out, "orbax-params", dtype="float32", overwrite=args.overwrite)
     except ExportError as e:
         quiet_abandoned_io()  # a damaged checkpoint's reads: this line stays the last
-        print(f"error: {e}", file=sys.stderr)
-        return 2  # bad input, as python -m diff_jax.export, train.py and eval.py
+        return failed(str(e))
     except OSError as e:  # e.g. --out in a directory that cannot be made or written
         quiet_abandoned_io()
         named = [(f"--out {args.out}", args.out), (f"HF_DIR {args.hf_dir}", args.hf_dir)]
-        print(f"error: {describe(e, named)}", file=sys.stderr)
-        return 2
+        return failed(describe(e, named))
     except KeyboardInterrupt:
         return output_kept(f"--out {args.out}")
     print(f"imported {args.hf_dir} ({source.config.variant}) to {out} (orbax-params, float32)")

@@ -41,7 +41,7 @@ from diff_jax.config import ConfigError, ModelConfig, override_value
 from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_io import read_safetensors
-from diff_jax.export.sources import (CHECKSUMS_FILE, EXPORT_MARKER, Source,
+from diff_jax.export.sources import (CHECKSUMS_FILE, EXPORT_MARKER, Source, read_json,
                                      recorded_checksums, verify)
 from diff_jax.export.state_dict import from_state_dict
 from diff_jax.export.writer import export
@@ -236,12 +236,7 @@ def read_hf(hf_dir: str | Path) -> Source:
     if not hf_dir.is_dir():
         raise ExportError(f"{hf_dir}: not a directory (HF_DIR is a local save_pretrained directory)")
     config_file = hf_dir / "config.json"
-    if not config_file.is_file():
-        raise ExportError(f"{config_file}: missing; HF_DIR must be a local save_pretrained directory")
-    try:
-        hf_config = json.loads(config_file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ExportError(f"{config_file}: not valid JSON: {e}") from e
+    hf_config = read_json(config_file, "HF_DIR must be a local save_pretrained directory")
     if not isinstance(hf_config, dict):
         raise ExportError(f"{config_file}: expected a JSON object")
     config = model_config_from_hf(hf_config, str(config_file))

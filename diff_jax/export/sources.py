@@ -125,9 +125,11 @@ def read_source(path: str | Path) -> Source:
     return _read_train_checkpoint(path, location)
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path, missing: str = "the export is incomplete") -> Any:
+    """The JSON value in the file `path`; ExportError naming it when it is missing (`missing`
+    says what that means) or holds no JSON."""
     if not path.is_file():
-        raise ExportError(f"{path}: missing; the export is incomplete")
+        raise ExportError(f"{path}: missing; {missing}")
     try:
         return json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -135,12 +137,12 @@ def _read_json(path: Path) -> Any:
 
 
 def _read_export(path: Path) -> Source:
-    info = _read_json(path / EXPORT_MARKER)
+    info = read_json(path / EXPORT_MARKER)
     fmt = info.get("format") if isinstance(info, dict) else None
     if fmt not in ("safetensors", "orbax-params"):
         raise ExportError(f"{path / EXPORT_MARKER}: format {fmt!r} cannot be loaded back; "
                           "exports in formats safetensors and orbax-params can")
-    config = model_config_from_json(_read_json(path / CONFIG_FILE), str(path / CONFIG_FILE))
+    config = model_config_from_json(read_json(path / CONFIG_FILE), str(path / CONFIG_FILE))
     if fmt == "safetensors":
         file = path / SAFETENSORS_FILE
         if not file.is_file():
@@ -206,7 +208,7 @@ def recorded_checksums(export_dir: Path) -> dict[str, str] | None:
     if not sums_file.exists():
         return checkpoint.recorded_checksums(None, None, export_dir)
     try:
-        return checkpoint.recorded_checksums(_read_json(sums_file), None, sums_file)
+        return checkpoint.recorded_checksums(read_json(sums_file), None, sums_file)
     except DamagedCheckpointError as e:
         raise ExportError(str(e)) from e
 

@@ -125,6 +125,7 @@ def test_side_by_side_waits_for_its_workers_before_passing_ctrl_c_on(tmp_path, m
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the child only exits
 def test_a_side_by_side_worker_stopped_on_its_own_is_an_interruption_not_a_failure(tmp_path,
                                                                                    monkeypatch):
     """A worker that a SIGINT of its own stopped (exit 130, its step saved) was counted as a

@@ -707,13 +707,15 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """`a.b=value` -> (["a", "b"], parsed YAML value)."""
+    """`a.b=value` -> (["a", "b"], parsed YAML value). Nothing after `=` is the text as given,
+    the empty string, not YAML's null (the default of an optional setting): `train.init_from=$X`
+    with X unset is refused as empty instead of training from a fresh init; null is `a.b=null`."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         hint = (" (a config file is given as --config FILE)"
                 if not sep and text.endswith((".yaml", ".yml")) else "")
         raise ConfigError(f"override {text!r}: expected section.key=value{hint}")
-    value = _parse_yaml(raw, f"override {text!r}: value") if raw.strip() else None
+    value = _parse_yaml(raw, f"override {text!r}: value") if raw.strip() else raw
     return key.strip().split("."), value
 
 

@@ -163,6 +163,21 @@ def test_errors_name_the_key(overrides, match):
         load_config(CONFIGS / "tiny.yaml", overrides)
 
 
+@pytest.mark.parametrize("override,match", [
+    # `train.init_from=$CKPT` with the variable unset: it was YAML's null, the default, and the
+    # run trained from a fresh init without a word
+    ("train.init_from=", r"train\.init_from: '' is empty; name an export, a run or a step "
+                         r"directory \(or null: a fresh init\)$"),
+    ("train.compile_cache_dir=", r"train\.compile_cache_dir: '' is empty; name a directory"),
+    ("train.run_dir=", r"train\.run_dir: '' is empty; name the run's directory$"),  # not "got None"
+    ("model.num_kv_heads=", r"model\.num_kv_heads: expected an integer, got ''$"),
+])
+def test_an_empty_override_is_the_empty_string_not_null(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(CONFIGS / "tiny.yaml", [override])
+    assert load_config(CONFIGS / "tiny.yaml", ["train.init_from=null"]).train.init_from is None
+
+
 @pytest.mark.parametrize("overrides", [
     ["data.paths=/nope"],
     ["data.source=niah", "data.paths=/nope"],

@@ -642,6 +642,7 @@ def test_errors_name_what_and_where(runs, tmp_path, capsys):
     (["task=score", "input="], "input"),
     (["task=score", "input=in.txt", "output="], "output"),
     (["task=ppl", "train.run_dir=''"], "train.run_dir"),  # the working directory was evaluated
+    (["task=ppl", "train.run_dir="], "train.run_dir"),  # was YAML's null: "name what to evaluate"
 ])
 def test_an_empty_path_is_refused_naming_its_key(args, key, capsys):
     assert eval_main(args) == 2

@@ -84,6 +84,24 @@ def staged(out: Path) -> Iterator[Path]:
                 break
 
 
+@contextlib.contextmanager
+def made(out: Path) -> Iterator[Path]:
+    """The directory `out`, made with its missing parents, for the block to write files into;
+    when the block raises (an error, Ctrl-C), those it made are removed again while they are
+    empty, so a command that wrote nothing leaves nothing behind."""
+    new = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield out
+    except BaseException:
+        for directory in new:
+            try:
+                directory.rmdir()  # not empty when something was written there: then kept
+            except OSError:
+                break
+        raise
+
+
 def _clear_leftovers(out: Path) -> None:
     """Tidy what an earlier write of `out` killed part-way left beside it (a process that no longer
     exists; a live one's is its work in progress): its staging directory (or, for `write_whole`,

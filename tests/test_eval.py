@@ -724,6 +724,30 @@ def test_a_result_write_cut_short_leaves_the_earlier_result(runs, tmp_path, monk
     np.testing.assert_array_equal(np.load(tmp_path / "score.npy"), scores)
 
 
+def test_a_task_that_fails_or_is_interrupted_leaves_no_empty_output_directory(runs, tmp_path,
+                                                                              capsys, monkeypatch):
+    """The output directory eval.py makes for a task's files is removed again, with the parents
+    it made, when the task writes nothing (bad options found by the task, Ctrl-C)."""
+    from diff_jax import evaluation
+
+    out = tmp_path / "a" / "b"
+    assert eval_main(["task=ppl", "length=100000", f"train.run_dir={runs['diff']}",
+                      f"out_dir={out}"]) == 2
+    assert "length=100000" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+
+    def interrupted(loaded, options):
+        assert out.is_dir()  # made for the task's own files (a PNG, score's .npy)
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(evaluation.TASK_FUNCTIONS, "ppl", interrupted)
+    assert eval_main(["task=ppl", f"train.run_dir={runs['diff']}", f"out_dir={out}"]) == 130
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "a").mkdir()  # one that was there before is kept
+    assert eval_main(["task=ppl", f"train.run_dir={runs['diff']}", f"out_dir={out}"]) == 130
+    assert (tmp_path / "a").is_dir() and not out.exists()
+
+
 def test_outputs_that_cannot_be_written_are_bad_input_naming_the_key(runs, tmp_path, capsys):
     run = runs["diff"]
     (tmp_path / "in.txt").write_text("hello world")

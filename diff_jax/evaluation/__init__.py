@@ -15,6 +15,7 @@ from diff_jax.evaluation import analysis, generation, recall, retrieval, scoring
 from diff_jax.evaluation.loading import Loaded, load
 from diff_jax.evaluation.options import TASKS, EvalError, EvalOptions, parse_args
 from diff_jax.evaluation.report import Report, format_table, write
+from diff_jax.output_dir import made
 
 TASK_FUNCTIONS: dict[str, Callable[[Loaded, EvalOptions], Report]] = {
     "ppl": scoring.ppl,
@@ -40,8 +41,8 @@ def run_task(options: EvalOptions, overrides: Sequence[str]) -> tuple[Report, Pa
 def evaluate(loaded: Loaded, options: EvalOptions) -> tuple[Report, Path]:
     """Run `options.task` on what `load` returned, write its JSON into `loaded.out_dir`; (report,
     JSON path). Several tasks of one checkpoint load it once (a replication's evaluations)."""
-    loaded.out_dir.mkdir(parents=True, exist_ok=True)
-    report = TASK_FUNCTIONS[options.task](loaded, options)
+    with made(loaded.out_dir):  # removed again, with its new parents, if the task fails
+        report = TASK_FUNCTIONS[options.task](loaded, options)
     header = {"task": options.task, "checkpoint": loaded.source, "step": loaded.step,
               "variant": loaded.config.model.variant}
     return report, write(report, loaded.out_dir, options.task, header)

@@ -77,11 +77,8 @@ def staged(out: Path) -> Iterator[Path]:
         if not written and old.is_dir() and not out.exists():
             old.rename(out)
         shutil.rmtree(tmp, ignore_errors=True)
-        for parent in [] if written else made:
-            try:
-                parent.rmdir()  # empty unless something else wrote there meanwhile: then kept
-            except OSError:
-                break
+        if not written:
+            _remove_empty(made)
 
 
 @contextlib.contextmanager
@@ -94,12 +91,18 @@ def made(out: Path) -> Iterator[Path]:
     try:
         yield out
     except BaseException:
-        for directory in new:
-            try:
-                directory.rmdir()  # not empty when something was written there: then kept
-            except OSError:
-                break
+        _remove_empty(new)
         raise
+
+
+def _remove_empty(made: list[Path]) -> None:
+    """Remove the directories a write `made` (deepest first) while they are empty; one that is
+    not (something else wrote there meanwhile) is kept, and so are those above it."""
+    for directory in made:
+        try:
+            directory.rmdir()
+        except OSError:
+            break
 
 
 def _clear_leftovers(out: Path) -> None:

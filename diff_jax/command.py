@@ -19,9 +19,13 @@ closed on the way out.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
-from typing import NoReturn
+import threading
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 EXIT_NON_FINITE = 1
 EXIT_BAD_INPUT = 2
@@ -62,3 +66,30 @@ def leave(status: int) -> NoReturn:
         sys.stderr.flush()
         os._exit(status)
     sys.exit(status)
+
+
+@contextlib.contextmanager
+def finish_first(what: str) -> Iterator[None]:
+    """Let the block finish before a Ctrl-C stops the command: a write whose threads go on
+    after Python is interrupted (orbax's and tensorstore's) would otherwise still be writing
+    into a directory that is being removed, and leave part of it behind. The first SIGINT
+    says `WHAT` is finished first and raises KeyboardInterrupt once the block is done; a second
+    one raises at once. In the main thread only (elsewhere the block runs as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def handler(signum: int, _frame: Any) -> None:
+        caught.append(signum)
+        if len(caught) > 1:
+            raise KeyboardInterrupt
+        print(f"Ctrl-C: finishing {what} first (Ctrl-C again stops at once)", file=sys.stderr)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt

@@ -22,6 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from diff_jax import checkpoint
+from diff_jax.command import finish_first
 from diff_jax.config import ModelConfig, is_blank_path
 from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
@@ -63,7 +64,8 @@ def _write_safetensors(out: Path, source: Source, dtype: str) -> None:
 
 def _write_orbax_params(out: Path, source: Source, dtype: str) -> None:
     params = jax.tree.map(lambda x: np.asarray(x).astype(DTYPES[dtype]), source.params)
-    with ocp.PyTreeCheckpointer() as checkpointer:
+    # orbax's writer threads go on after a Ctrl-C: let them finish before `staged` removes `out`
+    with finish_first("the parameters' write"), ocp.PyTreeCheckpointer() as checkpointer:
         checkpointer.save((out / PARAMS_DIR).resolve(), params)
     _write_checksums(out, params)
     (out / CONFIG_FILE).write_text(_config_json(source.config))

@@ -23,6 +23,17 @@ from diff_jax.config import ConfigError, load_config
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 
 
+def _kept(run_dir: str) -> str:
+    """What the `interrupted:` line of a run stopped at once says was kept in `run_dir`."""
+    from diff_jax.checkpoint import committed_steps
+
+    if not committed_steps(run_dir):
+        return (f"stopped at once; no checkpoint had been committed in {run_dir} (re-run to start "
+                "again)")
+    return (f"stopped at once; the checkpoints already committed in {run_dir}/checkpoints are kept "
+            "(re-run to resume from the newest)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line above (`argv`: None reads sys.argv); returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__,
@@ -35,25 +46,23 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:
         return failed(str(e))
-    # Imported after parsing so that jax.distributed.initialize is the first JAX call.
-    from diff_jax import aot, train_loop
-
     try:
+        # Imported after parsing so that jax.distributed.initialize is the first JAX call.
+        from diff_jax import aot, train_loop
+
         if config.train.compile_only:
             train_loop.initialize_distributed(config.distributed)
             aot.report(config)
             return 0
         train_loop.run(config)
+    except KeyboardInterrupt:  # Ctrl-C before training began (the imports too), or pressed twice
+        return interrupted(_kept(config.train.run_dir))
     except train_loop.RUN_ERRORS as e:
         t = config.train
         named = [(f"train.run_dir={t.run_dir}", t.run_dir)]
         if t.compile_cache_dir is not None:
             named.append((f"train.compile_cache_dir={t.compile_cache_dir}", t.compile_cache_dir))
         return train_loop.report(e, named)
-    except KeyboardInterrupt:  # Ctrl-C before training began, or pressed twice
-        return interrupted(f"stopped at once; the checkpoints already committed in "
-                           f"{config.train.run_dir}/checkpoints are kept (re-run to resume from "
-                           "the newest)")
     return 0
 
 

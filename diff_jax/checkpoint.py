@@ -91,6 +91,16 @@ def manager(run_dir: str | Path, cfg: CheckpointConfig) -> ocp.CheckpointManager
                                  item_handlers=_items(ocp.StandardCheckpointHandler()))
 
 
+def committed_steps(run_dir: str | Path) -> list[int]:
+    """The steps orbax has committed in `<run_dir>/checkpoints` (directories named by their
+    step; one still being written is `N.orbax-checkpoint-tmp`), sorted; [] when there are none
+    (or no such directory). No checkpoint is read or verified."""
+    directory = Path(run_dir) / "checkpoints"
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
 # ---------------------------------------------------------------------------------------------
 # Checksums
 

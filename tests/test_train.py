@@ -258,9 +258,9 @@ def test_ctrl_c_exits_130_last_saying_so_without_the_interpreters_teardown(corpu
                            _config_file(corpus, tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 130, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"interrupted: stopped at once; the checkpoints already committed in {tmp_path / 'run'}"
-        "/checkpoints are kept (re-run to resume from the newest)")
+    assert proc.stderr.strip().splitlines()[-1] == (  # it said checkpoints were kept
+        f"interrupted: stopped at once; no checkpoint had been committed in {tmp_path / 'run'} "
+        "(re-run to start again)")
 
 
 def test_ctrl_c_during_the_save_after_the_first_prints_no_orbax_traceback(corpus, tmp_path,

@@ -179,6 +179,8 @@ def test_cli_imports_prints_how_to_fine_tune_and_refuses_overwriting(tmp_path, c
     assert main([str(tmp_path / "hf"), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"train.init_from={out}" in printed and "model.variant=transformer" in printed
+    # a run directory of its own: the config file's may hold a run, which would resume instead
+    assert printed.rstrip().endswith(f"train.init_from={out} train.run_dir=runs/ours-finetune")
     assert json.loads((out / "export.json").read_text())["format"] == "orbax-params"
     assert main([str(tmp_path / "hf"), "--out", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err

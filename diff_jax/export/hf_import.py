@@ -314,7 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         return output_kept(f"--out {args.out}")
     print(f"imported {args.hf_dir} ({source.config.variant}) to {out} (orbax-params, float32)")
     print("evaluate:  python eval.py task=ppl " + shlex.quote(f"checkpoint={out}"))
-    print("fine-tune: python train.py " + shlex.join(finetune_overrides(source.config, out)))
+    # a run directory of its own: the config file's (configs/tiny.yaml: runs/tiny) may hold a
+    # run, which would resume instead, ignoring train.init_from
+    print("fine-tune: python train.py " + shlex.join(
+        [*finetune_overrides(source.config, out), f"train.run_dir=runs/{out.name}-finetune"]))
     return 0
 
 

@@ -578,7 +578,8 @@ def _truncate_the_largest_array_file(export_dir: Path) -> None:
     (lambda d: (d / "export.json").write_text("{"), "{d}/export.json: not valid JSON: "),
     (lambda d: (d / "export.json").write_text('{"format": "hf-diffllama"}'),
      "{d}/export.json: format 'hf-diffllama' cannot be loaded back; exports in formats "
-     "safetensors and orbax-params can"),
+     "safetensors and orbax-params can (python -m diff_jax.export.hf_import {d} --out DIR "
+     "converts this one)"),
     (lambda d: (d / "config.json").write_text("[1]"),
      "{d}/config.json: expected the model config as a JSON object, got [1]"),
     (lambda d: shutil.rmtree(d / "params"), "{d}/params: missing; the export is incomplete"),

@@ -140,8 +140,10 @@ def _read_export(path: Path) -> Source:
     info = read_json(path / EXPORT_MARKER)
     fmt = info.get("format") if isinstance(info, dict) else None
     if fmt not in ("safetensors", "orbax-params"):
+        hint = (f" (python -m diff_jax.export.hf_import {path} --out DIR converts this one)"
+                if fmt == "hf-diffllama" else "")
         raise ExportError(f"{path / EXPORT_MARKER}: format {fmt!r} cannot be loaded back; "
-                          "exports in formats safetensors and orbax-params can")
+                          f"exports in formats safetensors and orbax-params can{hint}")
     config = model_config_from_json(read_json(path / CONFIG_FILE), str(path / CONFIG_FILE))
     if fmt == "safetensors":
         file = path / SAFETENSORS_FILE

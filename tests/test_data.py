@@ -392,6 +392,18 @@ def test_missing_sources_are_clear_errors(paths, message):
         file_documents(paths, "text")
 
 
+def test_a_training_split_shorter_than_a_row_is_named_as_the_split(tmp_path):
+    """It was "the corpus has N tokens": the training split's count, which the held-out
+    documents make smaller than the corpus (the prepared meta.json said more)."""
+    for i in range(3):
+        (tmp_path / f"{i}.txt").write_text(f"document number {i} has a few words")
+    cfg = DataConfig(source="files", paths=(str(tmp_path),), validation_fraction=0.4)
+    with pytest.raises(DataError, match=r"^the training split has 18 tokens, fewer than one row "
+                                        r"of train.seq_len \+ 1 = 4097; "
+                                        r"data.validation_fraction=0.4 holds out the other 9$"):
+        build(cfg, 4096, 2, 0, 0, 0, 1)
+
+
 def test_empty_and_wrong_sources_are_clear_errors(tmp_path):
     (tmp_path / "empty.txt").write_text("  \n")
     with pytest.raises(DataError, match="no non-empty document"):
@@ -399,7 +411,10 @@ def test_empty_and_wrong_sources_are_clear_errors(tmp_path):
     (tmp_path / "x.csv").write_text("a,b")
     with pytest.raises(DataError, match="x.csv is not one of"):
         file_documents((str(tmp_path / "x.csv"),), "text")
-    with pytest.raises(DataError, match="not a prepared token corpus"):
+    # it suggested preparing into the same directory, which prepare refuses when it holds files
+    with pytest.raises(DataError, match=r"not a prepared token corpus \(FileNotFoundError: .*\); "
+                                        r"python -m diff_jax.data prepare SRC... OUT_DIR writes one "
+                                        r"into a new OUT_DIR, and data.source=files reads"):
         load_corpus(DataConfig(source="tokens", paths=(str(tmp_path),)))
     with pytest.raises(DataError, match="fewer than one row"):
         PackedRows(synthetic_corpus(num_docs=1), seq_len=4096, seed=0)

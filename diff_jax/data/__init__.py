@@ -77,6 +77,11 @@ def build(cfg: DataConfig, seq_len: int, global_batch: int, eval_tokens: int, se
     """Load, split and wrap the corpus for this process; the validation batches cover about
     `eval_tokens` held-out tokens (`diff_jax.data.heldout`)."""
     train, val = split_corpus(cfg, seed)
+    if PackedRows.count(train, seq_len) == 0:  # before PackedRows, which would say "the corpus"
+        held = (f"; data.validation_fraction={cfg.validation_fraction} holds out the other "
+                f"{len(val.tokens)}" if val is not None else "")
+        raise DataError(f"the training split has {len(train.tokens)} tokens, fewer than one row "
+                        f"of train.seq_len + 1 = {seq_len + 1}{held}")
     rows = PackedRows(train, seq_len, seed)
     it = train_iterator(rows, global_batch, process_index, process_count,
                         cfg.read_threads, cfg.prefetch)

@@ -142,8 +142,9 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
         doc_starts = np.load(d / "doc_starts.npy")
         tokens = np.memmap(d / "tokens.bin", dtype=TOKEN_DTYPE, mode="r")
     except (OSError, ValueError) as e:
-        raise DataError(f"data.paths: {d} is not a prepared token corpus (python -m diff_jax.data "
-                        f"prepare SRC... {d}): {type(e).__name__}: {e}") from e
+        raise DataError(f"data.paths: {d} is not a prepared token corpus ({type(e).__name__}: "
+                        f"{e}); python -m diff_jax.data prepare SRC... OUT_DIR writes one into a "
+                        "new OUT_DIR, and data.source=files reads text files as they are") from e
     vocab_size = meta.get("vocab_size") if isinstance(meta, dict) else None
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
         raise DataError(f"{d / 'meta.json'}: expected a JSON object whose vocab_size is a positive "

@@ -105,6 +105,10 @@ def topology_devices(topology: str, slices: int = 1) -> list[Any]:
             raise ConfigError(f"train.compile_slices={slices}: slices are TPU slices; "
                               f"train.compile_topology={topology!r} describes GPUs in one host")
         return gpu_devices(topology)
+    if not re.match(r"v\d", topology):  # before libtpu, which logs its own line for such a name
+        raise ConfigError(f"train.compile_topology={topology!r}: expected a TPU slice such as "
+                          f"v5p:2x2x2 or GPUs NAME:N with NAME one of {sorted(GPU_TARGETS)}, "
+                          "e.g. h100:8")
     describe_missing_tpu_host(topology)
     try:
         return list(topologies.get_topology_desc(topology, platform="tpu",
@@ -113,7 +117,8 @@ def topology_devices(topology: str, slices: int = 1) -> list[Any]:
     except Exception as e:  # libtpu missing or an unknown topology name
         raise ConfigError(f"train.compile_topology={topology!r}: cannot describe this TPU slice "
                           f"({type(e).__name__}: {e}); it needs libtpu (pip install 'jax[tpu]') "
-                          "and a name like v5p:2x2x2") from e
+                          f"and a name like v5p:2x2x2 (GPUs: NAME:N, NAME one of "
+                          f"{sorted(GPU_TARGETS)})") from e
 
 
 def _abstract_args(config: Config, steps: Steps) -> tuple[TrainState, Batch]:

@@ -44,6 +44,11 @@ def test_fsdp_divides_the_state_across_devices():
 def test_unknown_topology_is_a_config_error():
     with pytest.raises(ConfigError, match="train.compile_topology='v0x:9'"):
         topology_devices("v0x:9")
+    # a GPU not in the table: named with the GPU form, before libtpu logs a line of its own
+    with pytest.raises(ConfigError, match=r"^train.compile_topology='h200:8': expected a TPU slice "
+                                          r"such as v5p:2x2x2 or GPUs NAME:N with NAME one of "
+                                          r"\['h100'\], e.g. h100:8$"):
+        topology_devices("h200:8")
     with pytest.raises(ConfigError, match=r"^train.compile_slices=2: slices are TPU slices; "
                                           r"train.compile_topology='h100:8' describes GPUs"):
         topology_devices("h100:8", 2)

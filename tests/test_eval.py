@@ -599,6 +599,9 @@ def test_errors_name_what_and_where(runs, tmp_path, capsys):
         parse_args(["task=score"])
     with pytest.raises(EvalError, match="train.run_dir=RUN or checkpoint=PATH"):
         run_task(*parse_args(["task=ppl"]))
+    with pytest.raises(EvalError, match=r"^checkpoint=A and train.run_dir=B both name what to "
+                                        r"evaluate; give one of them$"):  # checkpoint= won
+        run_task(*parse_args(["task=ppl", "checkpoint=A", "train.run_dir=B"]))
     with pytest.raises(CheckpointError, match=f"checkpoint={tmp_path / 'missing'}: "
                                               f"{tmp_path / 'missing'} does not exist"):
         run_task(*parse_args(["task=ppl", f"checkpoint={tmp_path / 'missing'}"]))

@@ -77,7 +77,11 @@ def _last_override(overrides: Sequence[str], dotted: str) -> Any:
 def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
     """Load `checkpoint=PATH` (else `train.run_dir=RUN`), step `options.step` or the latest."""
     key = "checkpoint" if options.checkpoint else "train.run_dir"  # what the user named it by
-    location = options.checkpoint or _last_override(overrides, "train.run_dir")
+    run_dir = _last_override(overrides, "train.run_dir")
+    if options.checkpoint and run_dir is not None:  # checkpoint= would win without a word
+        raise EvalError(f"checkpoint={options.checkpoint} and train.run_dir={run_dir} both name "
+                        "what to evaluate; give one of them")
+    location = options.checkpoint or run_dir
     if location is None:
         raise EvalError("name what to evaluate: train.run_dir=RUN or checkpoint=PATH")
     if is_blank_path(str(location)):

@@ -702,6 +702,9 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if base is not None:
         if not isinstance(base, str):
             raise ConfigError(f"{path}: base: expected the path of a YAML config file, got {base!r}")
+        if not (path.parent / base).exists():  # named with the file that names it
+            raise ConfigError(f"{path}: base: {base}: config file not found "
+                              f"({(path.parent / base).resolve()}: a path relative to this file)")
         data = _merge(_read_yaml(path.parent / base, seen + (path,)), data)
     return data
 

@@ -216,6 +216,11 @@ def test_data_settings_the_sources_do_not_read_are_said_not_refused():
 def test_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")
+    (tmp_path / "child.yaml").write_text("base: nope.yaml\n")  # it named the missing file only
+    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'child.yaml'}: base: nope.yaml: config "
+                                          rf"file not found \({tmp_path / 'nope.yaml'}: a path "
+                                          r"relative to this file\)$"):
+        load_config(tmp_path / "child.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [1, 2\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML: expected ',' or '\]', but "

@@ -374,7 +374,8 @@ def test_cli_writes_an_export_and_reports_errors(diff_run, tmp_path, capsys):
     run = str(diff_run[0])
     out = str(tmp_path / "export")
     assert main([run, "--format", "safetensors", "--out", out]) == 0
-    assert "wrote safetensors (float32)" in capsys.readouterr().out
+    printed = capsys.readouterr().out  # the step the run resolved to (its latest) is named
+    assert printed == f"wrote safetensors (float32) export of {run} (step 5) to {out}\n", printed
     assert main([run, "--format", "safetensors", "--out", out, "--dtype", "bfloat16"]) == 2
     assert "already exists" in capsys.readouterr().err
     assert main([run, "--format", "safetensors", "--out", out, "--dtype", "bfloat16", "--overwrite"]) == 0

@@ -9,7 +9,7 @@ import sys
 from diff_jax.checkpoint import quiet_abandoned_io
 from diff_jax.command import failed, leave, output_kept
 from diff_jax.export import DTYPES, FORMATS, ExportError, export
-from diff_jax.export.sources import EVAL_DIR
+from diff_jax.export.sources import EVAL_DIR, EXPORT_MARKER, read_json
 from diff_jax.file_errors import describe
 
 
@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         return failed(describe(e, [(f'--out {args.out}', args.out)]))
     except KeyboardInterrupt:
         return output_kept(f"--out {args.out}")
-    print(f"wrote {args.format} ({args.dtype}) export of {args.source} to {out}")
+    step = read_json(out / EXPORT_MARKER).get("step")  # the step the source resolved to
+    at = "" if step is None else f" (step {step})"
+    print(f"wrote {args.format} ({args.dtype}) export of {args.source}{at} to {out}")
     return 0
 
 

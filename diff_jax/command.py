@@ -5,8 +5,7 @@
 Bad input (config, arguments, data, a refused checkpoint, a file that cannot be read or
 written, a model that does not fit in device memory) ends a command in one `error:` line naming
 the field, file or shape and what was expected, exit status `EXIT_BAD_INPUT`; a run or result
-gone non-finite in one such line and `EXIT_NON_FINITE` (`failed`). `interop` keeps 1 for bad
-input, as documented there.
+gone non-finite in one such line and `EXIT_NON_FINITE` (`failed`).
 
 A Ctrl-C that stops a command at once (`KeyboardInterrupt`) ends it in one `interrupted:` line
 saying what was kept, and exit status 130 (128 + SIGINT, as a shell reports a process that

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from diff_jax import variants
-from diff_jax.command import leave, output_kept
+from diff_jax.command import failed, leave, output_kept
 from diff_jax.config import ConfigError, ModelConfig
+from diff_jax.file_errors import describe
 from diff_jax.output_dir import write_whole
 
 
@@ -108,6 +109,8 @@ def _array(data: Mapping, key: str, shape: tuple[int, ...]) -> np.ndarray:
 def _v1_config(data: Mapping, e: int, h: int, kv: int) -> tuple[ModelConfig, int]:
     """(config, depth) of a reference `MultiheadDiffAttn` (V1): its depth and GQA pairing."""
     depth = _scalar(data, "depth", int)
+    if depth < 0:
+        raise ValueError(f"depth: expected the layer index, an integer >= 0, got {depth}")
     pairing = _scalar(data, "gqa_pairing", str)
     if pairing not in ("flash", "naive"):
         raise ValueError(f"gqa_pairing: expected 'flash' or 'naive', got {pairing!r}")
@@ -150,8 +153,12 @@ def run_reference(in_path: str, out_path: str) -> None:
     if reference not in _REFERENCE_MODULES:
         raise ValueError(f"variant: expected 'v1' or 'v2', got {reference!r}")
     e = _scalar(data, "embed_dim", int)
-    config, depth = _REFERENCE_MODULES[reference](
-        data, e, _scalar(data, "num_heads", int), _scalar(data, "num_kv_heads", int))
+    try:
+        config, depth = _REFERENCE_MODULES[reference](
+            data, e, _scalar(data, "num_heads", int), _scalar(data, "num_kv_heads", int))
+    except ConfigError as e:  # sizes no module has, named by the model's own field
+        raise ValueError(f"{in_path}: its scalars describe no {reference} attention module: "
+                         f"{e}") from e
     if "x" not in data:
         raise KeyError("IN.npz is missing 'x' (expected shape (B, T, embed_dim))")
     x = np.asarray(data["x"])
@@ -173,7 +180,7 @@ def run_reference(in_path: str, out_path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m diff_jax.interop run-reference IN.npz OUT.npz`; 0 on success (and for
-    --help), 1 on bad input (one `error:` line), 2 on a usage error, 130 after Ctrl-C."""
+    --help), 2 on bad input (one `error:` line) or a usage error, 130 after Ctrl-C."""
     argv = sys.argv[1:] if argv is None else argv
     usage = "usage: python -m diff_jax.interop run-reference IN.npz OUT.npz"
     if argv[:1] in (["-h"], ["--help"]):
@@ -186,10 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         run_reference(argv[1], argv[2])
     except KeyboardInterrupt:
         return output_kept(argv[2])
-    except (KeyError, ValueError, ConfigError, OSError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"error: {msg}", file=sys.stderr)
-        return 1
+    except OSError as e:
+        return failed(describe(e, [("IN.npz", argv[1]), ("OUT.npz", argv[2])]))
+    except (KeyError, ValueError) as e:
+        return failed(str(e.args[0] if isinstance(e, KeyError) and e.args else e))
     return 0
 
 

@@ -112,6 +112,11 @@ def _with(**arrays):
     (_with(depth=np.array([0, 1])), "depth: expected a scalar, got shape (2,)"),
     (_with(variant=np.array("v3")), "variant: expected 'v1' or 'v2', got 'v3'"),
     (_with(gqa_pairing=np.array("zigzag")), "gqa_pairing: expected 'flash' or 'naive', got 'zigzag'"),
+    # sizes no module has: named by the IN.npz scalar (depth), or as the scalars' module (it was
+    # "model.num_layers: must be in [1, ...]")
+    (_with(depth=np.array(-1)), "depth: expected the layer index, an integer >= 0, got -1"),
+    (_with(num_heads=np.array(3), num_kv_heads=np.array(2)),
+     "{in_path}: its scalars describe no v1 attention module: model.num_kv_heads: "),
     (_without("x"), "IN.npz is missing 'x' (expected shape (B, T, embed_dim))"),
     (_with(x=np.zeros((4, 64), np.float32)), "x: expected shape (B, T, 64), got (4, 64)"),
     (_with(rope_cos=np.ones((4, 3), np.float32)), "rope_cos: expected shape (4, 4), got (4, 3)"),
@@ -121,14 +126,14 @@ def _with(**arrays):
     (_with(x=np.array([None, 1], dtype=object)), "x: an object array, which IN.npz cannot hold"),
 ])
 def test_run_reference_malformed_input_is_one_error_line(tmp_path, capsys, edit, error):
-    """Bad input: exit status 1 and one `error:` line naming the array or scalar and what was
-    expected; no OUT.npz."""
+    """Bad input: exit status 2, as every command's (it was 1), and one `error:` line naming the
+    array or scalar and what was expected; no OUT.npz."""
     from diff_jax.interop import main
 
     in_path = _npz(tmp_path / "bad.npz", **edit(_malformed_base()))
-    assert main(["run-reference", in_path, str(tmp_path / "out.npz")]) == 1
+    assert main(["run-reference", in_path, str(tmp_path / "out.npz")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {error}") and err.count("\n") == 1, err
+    assert err.startswith(f"error: {error.format(in_path=in_path)}") and err.count("\n") == 1, err
     assert not (tmp_path / "out.npz").exists()
 
 
@@ -142,11 +147,14 @@ def test_run_reference_names_an_input_that_is_no_npz_archive(tmp_path, capsys):
     np.save(tmp_path / "one.npy", np.zeros(3))
     whole = Path(_npz(tmp_path / "whole.npz", **_malformed_base())).read_bytes()
     (tmp_path / "cut.npz").write_bytes(whole[: len(whole) // 2])  # a copy cut short
+    assert main(["run-reference", str(tmp_path / "nope.npz"), str(tmp_path / "out.npz")]) == 2
+    assert capsys.readouterr().err == (  # it was the bare "[Errno 2] No such file or directory"
+        f"error: IN.npz: {tmp_path / 'nope.npz'}: No such file or directory\n")
     for path, says in [(tmp_path / "text.npz", "not a NumPy .npz archive (np.savez writes one)"),
                        (tmp_path / "empty.npz", "not a NumPy .npz archive (np.savez writes one)"),
                        (tmp_path / "cut.npz", "not a NumPy .npz archive (np.savez writes one)"),
                        (tmp_path / "one.npy", "a single .npy array, not an .npz archive")]:
-        assert main(["run-reference", str(path), str(tmp_path / "out.npz")]) == 1
+        assert main(["run-reference", str(path), str(tmp_path / "out.npz")]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {path}: {says}") and err.count("\n") == 1, err
     assert not (tmp_path / "out.npz").exists()

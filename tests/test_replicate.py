@@ -2085,3 +2085,24 @@ def test_parameter_counts_must_agree_within_half_a_percent(monkeypatch):
     with pytest.raises(ValueError, match=r"micro: diff_v2 has 100,600 parameters, DIFF V1 "
                                          r"100,000: more than 0.5% apart"):
         presets.check_matched(micro)
+
+
+def test_a_training_stopped_by_ctrl_c_keeps_its_seconds_in_wall_json(tmp_path, monkeypatch):
+    """A run whose training a Ctrl-C stopped (its step saved; the re-run resumes from it) adds
+    the seconds it trained to wall.json before the interruption ends the command: the report's
+    train wall is the sum over every invocation. They were dropped, so a model stopped at its
+    last step reported 0 s and one stopped half way its second half alone."""
+    import types
+
+    micro = presets.PRESETS["micro"]
+
+    def stopped(config):
+        return types.SimpleNamespace(status="interrupted", step=2)
+
+    monkeypatch.setattr(replicate.train_loop, "run", stopped)
+    run = tmp_path / "runs" / "diff-scaled-s0"
+    run.mkdir(parents=True)
+    (run / "wall.json").write_text(json.dumps({"train_s": 100.0}))
+    with pytest.raises(KeyboardInterrupt, match="training interrupted at step 2"):
+        replicate.train_and_evaluate(micro, "diff", 0, "scaled", tmp_path)
+    assert json.loads((run / "wall.json").read_text())["train_s"] > 100.0

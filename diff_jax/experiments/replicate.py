@@ -191,10 +191,10 @@ def train_and_evaluate(preset: Preset | RecallPreset, variant: str, seed: int, i
     _check_records(run)
     t0 = time.perf_counter()
     result = train_loop.run(config)
+    if result.status != "already done":  # a Ctrl-C'd run's steps are saved: its time counts
+        _add_wall(run, "train_s", time.perf_counter() - t0)
     if result.status == "interrupted":
         raise KeyboardInterrupt(f"{run}: training interrupted at step {result.step}")
-    if result.status != "already done":
-        _add_wall(run, "train_s", time.perf_counter() - t0)
     record_device(run)
     devices = devices_here()
     step, loaded = -1, None  # the jobs of one checkpoint step follow each other: one load

@@ -887,7 +887,9 @@ def test_prepared_corpus_is_the_corpus_the_runs_would_load_and_refuses_repeats(t
     assert again == meta
     greedy = dataclasses.replace(micro, shared=(*micro.shared, "train.steps=100000"))
     with pytest.raises(data.DataError, match=r"micro: the training split of files:0.5,niah:0.5 .* "
-                                             r"fewer than the 100,000 × 8 the preset reads"):
+                                             r"fewer than the 100,000 × 8 the preset reads: documents would "
+                                             r"repeat; add text to the sources or run fewer "
+                                             r"--steps$"):
         replicate.prepare_corpus(greedy, 2, tmp_path)
     assert not presets.corpus_dir(tmp_path, 2).exists()
 
@@ -2106,3 +2108,39 @@ def test_a_training_stopped_by_ctrl_c_keeps_its_seconds_in_wall_json(tmp_path, m
     with pytest.raises(KeyboardInterrupt, match="training interrupted at step 2"):
         replicate.train_and_evaluate(micro, "diff", 0, "scaled", tmp_path)
     assert json.loads((run / "wall.json").read_text())["train_s"] > 100.0
+
+
+def test_steps_the_corpus_cannot_serve_leave_out_unclaimed_for_fewer_steps(tmp_path, monkeypatch,
+                                                                          capsys):
+    """--steps that would read a training document twice is refused before any corpus is
+    written, and the --out it named is left as it was: the same command with fewer --steps (the
+    advice) runs there. The refused invocation's replicate.json stayed, so the retry was
+    refused as "holds the runs of --preset micro --steps 300" in a directory holding none. A
+    directory that held the marker before keeps it."""
+    from diff_jax import data
+
+    calls = []
+
+    def refused(preset, seed, out):
+        calls.append(preset.steps)
+        if preset.steps > 100:
+            raise data.DataError("micro: ... fewer than the 300 × 8 the preset reads: documents "
+                                 "would repeat; add text to the sources or run fewer --steps")
+        raise RuntimeError("prepared")  # the retry got past claim_out
+
+    monkeypatch.setattr(replicate, "prepare_corpus", refused)
+    monkeypatch.setattr(replicate, "check_matched", lambda preset: {})
+    out = tmp_path / "out"
+    assert replicate.main(["--preset", "micro", "--steps", "300", "--out", str(out)]) == 2
+    assert not out.exists()
+    out.mkdir()
+    assert replicate.main(["--preset", "micro", "--steps", "300", "--out", str(out)]) == 2
+    assert list(out.iterdir()) == []
+    with pytest.raises(RuntimeError, match="prepared"):
+        replicate.main(["--preset", "micro", "--steps", "40", "--out", str(out)])
+    assert calls == [300, 300, 40]
+    # a directory claimed before the refusal keeps its claim
+    marker = {"preset": "micro", "steps": 300}
+    (out / "replicate.json").write_text(json.dumps(marker))
+    assert replicate.main(["--preset", "micro", "--steps", "300", "--out", str(out)]) == 2
+    assert json.loads((out / "replicate.json").read_text()) == marker

@@ -164,7 +164,7 @@ def prepare_corpus(preset: Preset | RecallPreset, seed: int, out: Path) -> Path:
             f"{preset.name}: the training split of {cfg.data.mixture or cfg.data.source} "
             f"{list(cfg.data.paths)} holds {rows:,} rows of {t.seq_len} tokens, fewer than the "
             f"{t.steps:,} × {t.batch_size} the preset reads: documents would repeat; add text to "
-            "the sources or lower train.steps")
+            "the sources or run fewer --steps")
     corpus.save(path, {"seed": seed, "sources": cfg.data.mixture or cfg.data.source,
                        "paths": list(cfg.data.paths), "tokenizer": cfg.data.tokenizer,
                        "validation_fraction": cfg.data.validation_fraction,
@@ -456,11 +456,19 @@ def replicate(preset: Preset | RecallPreset, seeds: int, out: Path, jobs: int = 
     summaries = check_matched(preset)
     if finished_from is not None:
         _check_source(preset, finished_from, out)
+    made, claimed = not out.exists(), (out / PRESET_MARKER).exists()
     claim_out(preset, out)
     runs = []
     for init in preset.inits:
         for seed in range(seeds):
-            prepare_corpus(preset, seed, out)
+            try:
+                prepare_corpus(preset, seed, out)
+            except data.DataError:  # refused before anything was written: `out` is not claimed
+                if not claimed and not (out / "data").exists():
+                    (out / PRESET_MARKER).unlink()
+                    if made and not any(out.iterdir()):
+                        out.rmdir()
+                raise
             if finished_from is not None:
                 for note in adopt_finished(preset, seed, init, out, finished_from):
                     print(f"--finished-from: {note}", flush=True)

@@ -2126,7 +2126,7 @@ def test_steps_the_corpus_cannot_serve_leave_out_unclaimed_for_fewer_steps(tmp_p
         if preset.steps > 100:
             raise data.DataError("micro: ... fewer than the 300 × 8 the preset reads: documents "
                                  "would repeat; add text to the sources or run fewer --steps")
-        raise RuntimeError("prepared")  # the retry got past claim_out
+        raise RuntimeError("prepared")  # the retry is not refused as another preset's OUT
 
     monkeypatch.setattr(replicate, "prepare_corpus", refused)
     monkeypatch.setattr(replicate, "check_matched", lambda preset: {})

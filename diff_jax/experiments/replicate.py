@@ -68,7 +68,7 @@ from diff_jax.experiments.layout import (device_json, eval_json, is_a, read_corp
                                          run_dir)
 from diff_jax.experiments.presets import (PRESETS, VARIANTS, Preset, RecallPreset, check_matched,
                                           corpus_dir, preset_args)
-from diff_jax.output_dir import write_whole
+from diff_jax.output_dir import made, write_whole
 
 
 def lm_jobs(preset: Preset) -> list[tuple[str, EvalOptions]]:
@@ -431,15 +431,20 @@ def recorded_preset(out: Path) -> Preset | RecallPreset:
     return PRESETS[name] if steps is None else PRESETS[name].with_steps(steps)
 
 
-def claim_out(preset: Preset | RecallPreset, out: Path) -> None:
-    """Mark `out` as `preset`'s at its training steps (`PRESET_MARKER`), or ConfigError (nothing
-    written) when it already holds another preset's corpora and runs, or this preset's at other
-    steps (its marker, or the `preset` and `steps` of its results.json), which this one would
-    otherwise read as its own and resume."""
+def refuse_other(preset: Preset | RecallPreset, out: Path) -> None:
+    """ConfigError when `out` already holds another preset's corpora and runs, or this preset's
+    at other steps (its marker, or the `preset` and `steps` of its results.json), which this one
+    would otherwise read as its own and resume."""
     other = _holds_other(preset, out)
     if other is not None:
         raise ConfigError(f"--out {out}: holds the runs of {other}; choose another --out for "
                           f"{preset_args(preset.name, preset.steps)}")
+
+
+def claim_out(preset: Preset | RecallPreset, out: Path) -> None:
+    """Mark `out` as `preset`'s at its training steps (`PRESET_MARKER`), or ConfigError (nothing
+    written) when it holds another's (`refuse_other`)."""
+    refuse_other(preset, out)
     out.mkdir(parents=True, exist_ok=True)
     write_whole(out / PRESET_MARKER, json.dumps({"preset": preset.name, "steps": preset.steps})
                 + "\n")
@@ -456,19 +461,16 @@ def replicate(preset: Preset | RecallPreset, seeds: int, out: Path, jobs: int = 
     summaries = check_matched(preset)
     if finished_from is not None:
         _check_source(preset, finished_from, out)
-    made, claimed = not out.exists(), (out / PRESET_MARKER).exists()
+    refuse_other(preset, out)  # before anything is written into it
+    # made before the corpora are tokenized (an OUT that cannot be made fails first); a corpus
+    # too small for the steps is refused before OUT is claimed, and OUT is removed again
+    with made(out):
+        for seed in range(seeds):
+            prepare_corpus(preset, seed, out)
     claim_out(preset, out)
     runs = []
     for init in preset.inits:
         for seed in range(seeds):
-            try:
-                prepare_corpus(preset, seed, out)
-            except data.DataError:  # refused before anything was written: `out` is not claimed
-                if not claimed and not (out / "data").exists():
-                    (out / PRESET_MARKER).unlink()
-                    if made and not any(out.iterdir()):
-                        out.rmdir()
-                raise
             if finished_from is not None:
                 for note in adopt_finished(preset, seed, init, out, finished_from):
                     print(f"--finished-from: {note}", flush=True)

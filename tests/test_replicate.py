@@ -2144,3 +2144,33 @@ def test_steps_the_corpus_cannot_serve_leave_out_unclaimed_for_fewer_steps(tmp_p
     (out / "replicate.json").write_text(json.dumps(marker))
     assert replicate.main(["--preset", "micro", "--steps", "300", "--out", str(out)]) == 2
     assert json.loads((out / "replicate.json").read_text()) == marker
+
+
+def test_ablate_reads_a_replication_of_some_of_the_presets_inits(tmp_path, capsys):
+    """A replication run with `--inits normal` (cpu-small's second init alone) records only that
+    init: ablate's default --init is it, and its results are read under it. ablate looked for
+    the preset's first init (`scaled`) whatever the replication ran, so every ablation of such a
+    replication, --init normal included, was refused as "has no
+    results.scaled.transformer.seeds"."""
+    from diff_jax.experiments import ablate
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "replicate.json").write_text(json.dumps({"preset": "cpu-small"}))
+    (out / "results.json").write_text(json.dumps({
+        "preset": "cpu-small", "inits": ["normal"], "seeds": [0], "seq_len": 256,
+        "results": {"normal": {"transformer": {"seeds": [{"loss": 1.0, "val_loss_at": {}}]}}},
+        "init_scale": {"normal": {}}}))
+    assert ablate._replication(out)[1]["inits"] == ["normal"]
+    trained = []
+
+    def stop(preset, variant, seed, init, out, sets, name, only):
+        trained.append(init)
+        raise KeyboardInterrupt("stopped")
+
+    import unittest.mock
+    with unittest.mock.patch.object(ablate, "train_and_evaluate", stop):
+        for argv in ([], ["--init", "normal"]):
+            assert ablate.main([str(out), "--set", "model.subln_init=0.5", *argv]) == 130
+    assert trained == ["normal", "normal"]
+    assert capsys.readouterr().err.count("interrupted: stopped") == 2

@@ -86,7 +86,7 @@ def _replication(out: Path) -> tuple[Preset | RecallPreset, dict[str, Any]]:
     field(results, path, "seq_len", int, "an integer")
     if isinstance(preset, RecallPreset):
         return preset, results
-    init = preset.inits[0]
+    init = (results["inits"] or preset.inits)[0]  # `replicate --inits` may have run others
     try:
         validated = "val_loss_at" in results["results"][init]["transformer"]["seeds"][0]
     except (ConfigError, IndexError, TypeError):  # a Record's missing key is a ConfigError
@@ -228,7 +228,7 @@ def ablate(out: Path, sets: tuple[str, ...], variant: str, init: str | None,
     preset, results = _replication(out)
     if variant not in VARIANTS or variant == "transformer":
         raise ConfigError(f"--variant {variant}: expected one of diff, diff_v2")
-    init = init or preset.inits[0]
+    init = init or (results["inits"] or preset.inits)[0]
     if init not in results["inits"]:
         raise ConfigError(f"--init {init}: {out} was run under {', '.join(results['inits'])}")
     all_seeds = results["seeds"]
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="model.KEY=VALUE or optim.KEY=VALUE (repeatable)")
     parser.add_argument("--variant", default="diff", help="diff (default) or diff_v2")
     parser.add_argument("--init", default=None, help="one of the replication's inits "
-                        "(default: the preset's own)")
+                        "(default: its first)")
     parser.add_argument("--seeds", type=int, default=None,
                         help="the first N of the replication's seeds (default: all)")
     args = parser.parse_args(argv)

@@ -1017,6 +1017,19 @@ def test_compile_cache_benchmark_counts_what_each_run_compiled_and_read(corpus, 
     assert f"| filled (warm) | {warm['wall_s']:.1f} |" in out.with_suffix(".md").read_text()
 
 
+def test_compile_cache_benchmark_help_says_its_whole_first_sentence(capsys):
+    """--help's description is the docstring's first paragraph, one sentence over two lines: its
+    first line alone stopped at "into an empty one, and"."""
+    import compile_cache as bench
+
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--help"])
+    assert exit_.value.code == 0
+    assert " ".join(capsys.readouterr().out.split()).count(
+        "into an empty one, and read back from the one an earlier run filled (a resume, the next "
+        "seed or init of a replication).") == 1
+
+
 def test_train_step_benchmark_ratio_of_medians(tmp_path, monkeypatch):
     """train_step.py's numbers from scripted step times: a model's step time is the median of
     the --steps steps timed after the compiling call and one more, the ratio DIFF over

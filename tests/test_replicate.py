@@ -1343,6 +1343,15 @@ def test_help_names_the_command_the_readme_runs(capsys):
     assert capsys.readouterr().out.startswith("usage: python -m diff_jax.experiments.replicate ")
 
 
+def test_help_names_the_preset_run_without_one(capsys):
+    """No --preset trains cpu-small (the default its --help did not name: a bare command
+    started the standard-library preset unannounced)."""
+    with pytest.raises(SystemExit):
+        replicate.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--preset {cpu-recall,cpu-small,gpu-medium,micro} default: cpu-small" in out
+
+
 def test_an_output_directory_that_cannot_be_made_is_one_error_line(tmp_path, capsys):
     (tmp_path / "a-file").write_text("not a directory")
     out = tmp_path / "a-file" / "out"

@@ -638,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     otherwise)."""
     parser = argparse.ArgumentParser(prog="python -m diff_jax.experiments.replicate",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small",
+                        help="default: cpu-small")
     parser.add_argument("--seeds", type=int, default=None,
                         help="number of seeds (0, 1, …); default: the preset's")
     parser.add_argument("--inits", default=None,

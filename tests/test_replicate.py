@@ -307,6 +307,41 @@ def test_a_preset_record_of_the_wrong_type_is_one_error_line_naming_it(record, s
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.parametrize("text, says", [
+    ('{"preset": "micro", "steps": 3', 'expected a JSON object ({"preset": NAME, "steps": N}: '
+                                       "the preset whose runs the directory holds), got no valid "
+                                       "JSON ("),
+    ('["micro"]', 'expected a JSON object ({"preset": NAME, "steps": N}: the preset whose runs '
+                  "the directory holds), got a JSON list"),
+    ('{"steps": 3}', "has no preset (expected a preset's name (a string))"),
+])
+def test_a_damaged_replicate_json_is_one_error_line_and_claims_nothing(text, says, tmp_path,
+                                                                       monkeypatch, capsys):
+    """A replicate.json cut short or edited by hand was read as missing: the next replicate
+    command of any preset or steps took the directory over, overwrote the marker, and reported
+    the runs it found there as its own (--steps 30 runs evaluated at step 30 in a report of 4
+    steps × 8 × 64). Now --out, --finished-from and ablate name it; it is left as it is."""
+    from diff_jax.experiments import ablate
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a corpus was prepared beside a damaged replicate.json")
+
+    monkeypatch.setattr(replicate, "prepare_corpus", refused)
+    out, src = tmp_path / "out", tmp_path / "src"
+    for directory in (out, src):
+        directory.mkdir()
+        (directory / "replicate.json").write_text(text)
+    for argv, path in ((["--out", str(out)], out), (["--out", str(tmp_path / "new"),
+                                                     "--finished-from", str(src)], src)):
+        assert replicate.main(["--preset", "micro", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {path / 'replicate.json'}: {says}") and err.count("\n") == 1
+    assert ablate.main([str(out), "--set", "model.subln_init=0.5"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {out / 'replicate.json'}: {says}")
+    assert (out / "replicate.json").read_text() == text
+    assert not (tmp_path / "new").exists()
+
+
 def test_steps_stretch_the_recipe_and_a_directory_keeps_to_its_steps(tmp_path, monkeypatch,
                                                                      capsys):
     """--steps S: every model's train.steps is S and nothing else of the recipe changes but a

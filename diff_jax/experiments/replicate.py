@@ -63,7 +63,7 @@ from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config
 from diff_jax.device_memory import devices_here, fit_or_explain
 from diff_jax.evaluation import EvalOptions
 from diff_jax.experiments import lm_report, recall_report
-from diff_jax.experiments.layout import (device_json, eval_json, is_a, read_corpus_meta,
+from diff_jax.experiments.layout import (device_json, eval_json, field, is_a, read_corpus_meta,
                                          read_devices, read_json, read_wall, recall_cell_name,
                                          run_dir)
 from diff_jax.experiments.presets import (PRESETS, VARIANTS, Preset, RecallPreset, check_matched,
@@ -386,7 +386,13 @@ def _preset_record(path: Path) -> tuple[str, int | None] | None:
     """(preset name, steps) that `path` (a `PRESET_MARKER` or results.json) records, steps None
     where it records none; None when it is missing or unreadable or names no preset.
     ConfigError naming the file and field when `preset` is not a string or `steps` not an
-    integer in [1, MAX_STEPS]."""
+    integer in [1, MAX_STEPS]. A `PRESET_MARKER` that is there but damaged (no JSON object, no
+    `preset`) is a ConfigError too, the file left as it is: read as missing, the directory went
+    to whichever preset ran there next, which evaluated and reported its runs as its own."""
+    if path.name == PRESET_MARKER and path.exists():
+        recorded = read_json(path, 'a JSON object ({"preset": NAME, "steps": N}: the preset '
+                                   "whose runs the directory holds)")
+        field(recorded, path, "preset", str, "a preset's name (a string)")
     recorded = _json_object(path)
     if recorded is None or recorded.get("preset") is None:
         return None

@@ -2218,3 +2218,29 @@ def test_ablate_reads_a_replication_of_some_of_the_presets_inits(tmp_path, capsy
             assert ablate.main([str(out), "--set", "model.subln_init=0.5", *argv]) == 130
     assert trained == ["normal", "normal"]
     assert capsys.readouterr().err.count("interrupted: stopped") == 2
+
+
+def test_a_finished_model_taken_part_way_leaves_no_run_and_the_rerun_takes_it(tmp_path,
+                                                                              monkeypatch):
+    """--finished-from copies a model's small files into OUT/runs/RUN whole or not at all: a
+    Ctrl-C part-way left RUN with some of them, which the re-run took for a run started here
+    ("exists: a run of it started here"): it trained the model again on top of the copied
+    wall.json and kept the copied evaluations it found at the final step."""
+    micro = presets.PRESETS["micro"]
+    src, out = tmp_path / "src", tmp_path / "out"
+    _finished_copy(src, micro)
+    replicate.prepare_corpus(micro, 0, out)
+    copytree = replicate.shutil.copytree
+
+    def cut_short(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(replicate.shutil, "copytree", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        replicate.adopt_finished(micro, 0, "scaled", out, src)
+    assert not (out / "runs").exists()
+    monkeypatch.setattr(replicate.shutil, "copytree", copytree)
+    notes = replicate.adopt_finished(micro, 0, "scaled", out, src)
+    assert len(notes) == 3 and all(": taken as finished from " in note for note in notes), notes
+    assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(
+        f"{v}-scaled-s0" for v in presets.VARIANTS)

@@ -68,7 +68,7 @@ from diff_jax.experiments.layout import (device_json, eval_json, field, is_a, re
                                          run_dir)
 from diff_jax.experiments.presets import (PRESETS, VARIANTS, Preset, RecallPreset, check_matched,
                                           corpus_dir, preset_args)
-from diff_jax.output_dir import made, write_whole
+from diff_jax.output_dir import made, staged, write_whole
 
 
 def lm_jobs(preset: Preset) -> list[tuple[str, EvalOptions]]:
@@ -350,13 +350,13 @@ def adopt_finished(preset: Preset | RecallPreset, seed: int, init: str, out: Pat
         if why is not None:
             notes.append(f"{src.name}: not taken: {why}")
             continue
-        dst.mkdir(parents=True)
-        for name in FINISHED_FILES:
-            if (src / name).is_file():
-                shutil.copy(src / name, dst / name)
-        shutil.copytree(src / "replicate", dst / "replicate")
-        write_whole(dst / "adopted.json", json.dumps(
-            {"from": str(src.resolve()), "corpus_sha256": ours}, indent=1) + "\n")
+        with staged(dst) as taken:  # whole or not at all: a part taken would count as a start
+            for name in FINISHED_FILES:
+                if (src / name).is_file():
+                    shutil.copy(src / name, taken / name)
+            shutil.copytree(src / "replicate", taken / "replicate")
+            write_whole(taken / "adopted.json", json.dumps(
+                {"from": str(src.resolve()), "corpus_sha256": ours}, indent=1) + "\n")
         notes.append(f"{src.name}: taken as finished from {src}")
     return notes
 

@@ -2244,3 +2244,17 @@ def test_a_finished_model_taken_part_way_leaves_no_run_and_the_rerun_takes_it(tm
     assert len(notes) == 3 and all(": taken as finished from " in note for note in notes), notes
     assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(
         f"{v}-scaled-s0" for v in presets.VARIANTS)
+
+
+def test_a_recall_report_says_when_its_learning_curve_was_checked():
+    """The report's steps-to-90% line names the steps the curve was measured at
+    (`recall_jobs`: every checkpoint and the last step): under --steps 20 it said "checked every
+    300 steps" of a curve measured at step 20 alone, under --steps 1000 it left out step 1000."""
+    recall = presets.PRESETS["cpu-recall"]
+    data = json.loads((Path(__file__).parents[1] / "docs" / "results" / "cpu-recall" /
+                       "twice-the-steps" / "results.json").read_text())
+    for steps, says in ((20, "(checked at step 20 only; "),
+                        (1000, "(checked every 300 steps and at the last, 1,000; "),
+                        (6000, "(checked every 300 steps; ")):
+        preset = dataclasses.replace(recall.with_steps(steps), inits=("scaled",))
+        assert says in recall_report.markdown(preset, data), steps

@@ -124,6 +124,14 @@ _LOSS_WORDS = {"all": "every token a training target",
                "queries": "loss on the query part only: its keys, values and end-of-text"}
 
 
+def _checked(every: int, steps: int) -> str:
+    """When the learning curve was measured (`replicate.recall_jobs`: every checkpoint, and the
+    last step wherever it falls)."""
+    if steps < every:
+        return f"at step {steps:,} only"
+    return f"every {every} steps" + ("" if steps % every == 0 else f" and at the last, {steps:,}")
+
+
 def markdown(preset: RecallPreset, data: dict[str, Any]) -> str:
     """results.md: setup, per init the grid, shares and learning speed, then the claims."""
     seeds = len(data["seeds"])
@@ -190,8 +198,9 @@ def markdown(preset: RecallPreset, data: dict[str, Any]) -> str:
                            *(f"{LABELS[v]} answer / noise" for v in VARIANTS)], rows), ""]
         n, d = preset.curve_cell
         curve = data["learning_curve"][init]
+        checked = _checked(data["checkpoint_every"], preset.steps)
         lines += [f"Steps to {THRESHOLD:.0%} accuracy on N={n}, distractors={d:g} at length "
-                  f"{preset.grid_lengths[0]} (checked every {data['checkpoint_every']} steps; "
+                  f"{preset.grid_lengths[0]} (checked {checked}; "
                   "— : not reached within the budget), per seed:", "",
                   *_table(["model", "steps to 90% (per seed)", "final accuracy"],
                           [[LABELS[v], ", ".join("—" if s is None else str(s)

@@ -392,13 +392,12 @@ def _preset_record(path: Path) -> tuple[str, int | None] | None:
     if path.name == PRESET_MARKER and path.exists():
         recorded = read_json(path, 'a JSON object ({"preset": NAME, "steps": N}: the preset '
                                    "whose runs the directory holds)")
-        field(recorded, path, "preset", str, "a preset's name (a string)")
-    recorded = _json_object(path)
-    if recorded is None or recorded.get("preset") is None:
-        return None
-    name, steps = recorded["preset"], recorded.get("steps")
-    if not isinstance(name, str):
-        raise ConfigError(f"{path}: preset must be a preset's name (a string), got {name!r}")
+    else:
+        recorded = _json_object(path)
+        if recorded is None or recorded.get("preset") is None:
+            return None
+    name = field(recorded, path, "preset", str, "a preset's name (a string)")
+    steps = recorded.get("steps")
     if steps is not None and (not is_a(steps, int) or not 1 <= steps <= MAX_STEPS):
         raise ConfigError(f"{path}: steps must be an integer in [1, {MAX_STEPS}], got {steps!r}")
     return name, steps

@@ -681,7 +681,9 @@ def _parse_yaml(text: str, what: str) -> Any:
         raise ConfigError(f"{what}: not valid YAML: {problem}{where}") from e
 
 
-def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """The settings of the YAML config file `path`, its `base` chain merged in; ConfigError naming
+    the file when it is missing, no UTF-8 text, no valid YAML or no mapping of sections."""
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"{path}: `base` chain loops back to this file")
@@ -705,7 +707,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         if not (path.parent / base).exists():  # named with the file that names it
             raise ConfigError(f"{path}: base: {base}: config file not found "
                               f"({(path.parent / base).resolve()}: a path relative to this file)")
-        data = _merge(_read_yaml(path.parent / base, seen + (path,)), data)
+        data = _merge(read_yaml(path.parent / base, seen + (path,)), data)
     return data
 
 
@@ -761,7 +763,7 @@ def model_config_from_dict(data: dict) -> ModelConfig:
 
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
     """Load a YAML config (or the defaults when `path` is None) and apply `key=value` overrides."""
-    data = _read_yaml(Path(path)) if path is not None else {}
+    data = read_yaml(Path(path)) if path is not None else {}
     return from_dict(apply_overrides(data, overrides))
 
 

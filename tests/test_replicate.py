@@ -1000,9 +1000,6 @@ def test_finished_models_of_another_machine_are_taken_only_on_the_same_corpus_an
         meta.write_text(json.dumps(data))
 
     refused(drop_quant, "not finished there (no quant at step 4)")
-    # a damaged file there (a TypeError / JSONDecodeError traceback before): not taken, saying why
-    refused(lambda bad, fresh: eval_json(run_dir(bad, "diff", 0, "scaled"), "quant").write_text(
-        '{"step": 4, '), "not finished there (no quant at step 4)")
     refused(lambda bad, fresh: (presets.corpus_dir(bad, 0) / "meta.json").write_text(
         json.dumps({"sha256": 5})), "records no corpus digest (sha256) to compare")
     refused(lambda bad, fresh: (presets.corpus_dir(bad, 0) / "meta.json").write_text("[]"),
@@ -1011,7 +1008,7 @@ def test_finished_models_of_another_machine_are_taken_only_on_the_same_corpus_an
     # write its report, and would not train that model again
     refused(lambda bad, fresh: [(run_dir(bad, v, 0, "scaled") / "wall.json").unlink()
                                 for v in presets.VARIANTS],
-            "not finished there (no wall.json at step 4)")
+            "not finished there (no wall.json)")
     # ... and one a report could not read (taken as it was, the report failed on it): not taken,
     # so the model trains here
     refused(lambda bad, fresh: (run_dir(bad, "diff", 0, "scaled") / "wall.json").write_text(
@@ -1047,10 +1044,8 @@ def test_finished_models_of_another_machine_are_taken_only_on_the_same_corpus_an
     refused(other_corpus, "trained on another corpus (sha256 000000000000… there")
     refused(no_digest, "records no corpus digest (sha256) to compare")
     refused(lambda bad, fresh: (run_dir(bad, "diff", 0, "scaled") / "config.yaml").write_text(
-        "model: {}\n"), "config.yaml names no train.run_dir (KeyError('train'))")
-    # not UTF-8 (saved by an editor in Latin-1): a UnicodeDecodeError traceback before
-    refused(lambda bad, fresh: (run_dir(bad, "diff", 0, "scaled") / "config.yaml").write_bytes(
-        "# caf\u00e9\n".encode("latin-1")), "config.yaml names no train.run_dir (UnicodeDecodeError(")
+        "model: {}\n"), "config.yaml: train.run_dir must name the run's directory (OUT/runs/RUN), "
+                        "got None")
     started = refused(lambda bad, fresh: run_dir(fresh, "diff", 0, "scaled").mkdir(parents=True),
                       "diff-scaled-s0 exists: a run of it started here")
     assert started[1].startswith("diff_v2-scaled-s0: taken")
@@ -1073,6 +1068,45 @@ def test_finished_models_of_another_machine_are_taken_only_on_the_same_corpus_an
 
 def _never(*args, **kwargs):
     raise AssertionError("a model was trained or evaluated beside a damaged file")
+
+
+@pytest.mark.parametrize("record, text, says", [
+    ("replicate/quant/quant.json", b'{"step": 4, ', "expected a JSON object (an evaluation's "
+     "result), got no valid JSON (Expecting property name enclosed in double quotes: line 1 "
+     "column 13 (char 12))"),
+    ("replicate/ppl/ppl.json", b'{"step": "4"}', "step must be the checkpoint step it evaluated "
+                                                  "(an integer), got '4'"),
+    ("replicate/ppl/ppl.json", b'{"loss": 1.0}', "has no step (expected the checkpoint step it "
+                                                  "evaluated (an integer))"),
+    # saved by an editor in Latin-1: a UnicodeDecodeError traceback once
+    ("config.yaml", "# caf\u00e9\n".encode("latin-1"), "cannot read the config file: "
+     "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9 in position 5: invalid "
+     "continuation byte"),
+])
+def test_a_finished_model_with_a_damaged_record_is_not_taken_and_the_command_names_the_file(
+        record, text, says, tmp_path, monkeypatch, capsys):
+    """--finished-from refused a model whose evaluation JSON was damaged (cut short, edited by
+    hand), saying "not finished there (no quant at step 4)" of a model that had finished there,
+    then trained it again. Its line names the damaged file and what is wrong with it, before
+    anything trains, as for a damaged wall.json, device.json, metrics.jsonl or config.yaml."""
+    micro = presets.PRESETS["micro"]
+    src, out = tmp_path / "src", tmp_path / "out"
+    _finished_copy(src, micro)
+    replicate.claim_out(micro, src)
+    damaged = layout.run_dir(src, "diff", 0, "scaled") / record
+    damaged.write_bytes(text)
+
+    def stop(config):  # the training of the model not taken: the notes came before it
+        raise KeyboardInterrupt(f"{config.train.run_dir}: training interrupted at step 0")
+
+    monkeypatch.setattr(replicate.train_loop, "run", stop)
+    assert replicate.main(["--preset", "micro", "--out", str(out), "--finished-from",
+                           str(src)]) == 130
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [f"--finished-from: diff-scaled-s0: not taken: {damaged}: {says}",
+                         "--finished-from: diff_v2-scaled-s0: taken as finished from "
+                         f"{layout.run_dir(src, 'diff_v2', 0, 'scaled')}"]
+    assert lines[3] == "== micro: diff, init scaled, seed 0 =="
 
 
 @pytest.mark.parametrize("text, says", [

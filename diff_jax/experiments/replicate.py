@@ -59,13 +59,13 @@ import yaml
 from diff_jax import data, evaluation, recall, train_loop
 from diff_jax.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE, failed,
                               interrupted, leave, run_kept)
-from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config
+from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config, read_yaml
 from diff_jax.device_memory import devices_here, fit_or_explain
 from diff_jax.evaluation import EvalOptions
 from diff_jax.experiments import lm_report, recall_report
 from diff_jax.experiments.layout import (device_json, eval_json, field, is_a, read_corpus_meta,
-                                         read_devices, read_json, read_wall, recall_cell_name,
-                                         run_dir)
+                                         read_devices, read_eval, read_json, read_wall,
+                                         recall_cell_name, run_dir)
 from diff_jax.experiments.presets import (PRESETS, VARIANTS, Preset, RecallPreset, check_matched,
                                           corpus_dir, preset_args)
 from diff_jax.output_dir import made, staged, write_whole
@@ -299,9 +299,11 @@ def adopt_finished(preset: Preset | RecallPreset, seed: int, init: str, out: Pat
 
     `source` is another directory of this preset's replication, or a copy of its small files
     (`benchmarks/hopper_session.py` brings them back from a GPU machine: no checkpoints, no
-    corpus). A model is finished there when its `REQUIRED_FILES` exist, its records are readable
-    (`_damaged`) and every evaluation holds the final step. It is taken when `out`'s corpus
-    of the seed is the one it trained on (meta.json's `sha256`, which `prepare_corpus` writes),
+    corpus). A model is finished there when its `REQUIRED_FILES` exist, every evaluation holds
+    the final step and its records are readable: the note of one whose record (an evaluation
+    JSON, config.yaml, ...) is there but damaged (cut short, edited by hand, not UTF-8:
+    `_damaged`, `_recorded_config`) names the file. It is taken when `out`'s corpus of the seed
+    is the one it trained on (meta.json's `sha256`, which `prepare_corpus` writes),
     its recorded config is the one this preset gives it (its training directory read as
     `out`'s), and `out` holds no run of it yet. Taking copies `FINISHED_FILES` and its
     evaluations (RUN/replicate/) and writes RUN/adopted.json naming `source`;
@@ -321,12 +323,13 @@ def adopt_finished(preset: Preset | RecallPreset, seed: int, init: str, out: Pat
         steps = {name: options.step or config.train.steps for name, options in _jobs_of(preset)}
         if all(_evaluated(dst, name, step) for name, step in steps.items()):
             continue  # finished here
-        missing = [name for name, step in steps.items() if not _evaluated(src, name, step)]
+        missing = [f"{name} at step {step}" for name, step in steps.items()
+                   if _unevaluated(src, name, step)]
         missing += [f for f in REQUIRED_FILES if not (src / f).is_file()]
         why = None
         if missing:
-            why = f"not finished there (no {', '.join(missing)} at step {config.train.steps})"
-        elif (damaged := _damaged(src)) is not None:
+            why = f"not finished there (no {', '.join(missing)})"
+        elif (damaged := _damaged(src, list(steps))) is not None:
             why = damaged
         elif dst.exists():
             why = f"{dst} exists: a run of it started here"
@@ -337,11 +340,9 @@ def adopt_finished(preset: Preset | RecallPreset, seed: int, init: str, out: Pat
                    "here)")
         else:
             try:
-                recorded = yaml.safe_load((src / "config.yaml").read_text())
-                recorded_out = Path(recorded["train"]["run_dir"]).parents[1]
-            except (yaml.YAMLError, ValueError, KeyError, TypeError, IndexError) as e:
-                # ValueError: a file that is no UTF-8 text (UnicodeDecodeError)
-                recorded, why = None, f"{src / 'config.yaml'} names no train.run_dir ({e!r})"
+                recorded, recorded_out = _recorded_config(src)
+            except ConfigError as e:
+                recorded, why = None, str(e)
             if recorded is not None:
                 diffs = _config_differences(recorded, yaml.safe_load(dump_config(config)),
                                             recorded_out, out)
@@ -361,15 +362,40 @@ def adopt_finished(preset: Preset | RecallPreset, seed: int, init: str, out: Pat
     return notes
 
 
-def _damaged(run: Path) -> str | None:
-    """What `_check_records` or `lm_report.read_metrics` says of the finished `run`'s records;
-    None when they are readable."""
+def _unevaluated(run: Path, name: str, step: int) -> bool:
+    """Whether `run` lacks eval job `name`'s JSON at `step`: it is missing, or a readable one of
+    another step (one that is there but damaged is not: `_damaged` names it)."""
+    path = eval_json(run, name)
+    return not path.is_file() or _json_field(path, "step", int) not in (None, step)
+
+
+def _damaged(run: Path, jobs: list[str]) -> str | None:
+    """What `_check_records`, `lm_report.read_metrics` or `layout.read_eval` says of the first
+    damaged record of the finished `run`, its evaluation JSONs of `jobs` among them (one without
+    an integer step too); None when they are readable."""
     try:
         _check_records(run)
         lm_report.read_metrics(run)
+        for path in (eval_json(run, name) for name in jobs):
+            field(read_eval(path), path, "step", int, "the checkpoint step it evaluated (an "
+                                                      "integer)")
     except ConfigError as e:
         return str(e)
     return None
+
+
+def _recorded_config(run: Path) -> tuple[dict[str, Any], Path]:
+    """The settings RUN/config.yaml records (`config.read_yaml`) and the directory the run was
+    trained in (OUT of its train.run_dir, OUT/runs/RUN); ConfigError naming the file when it is
+    no YAML text of sections (not UTF-8, cut short, edited by hand) or names no such run_dir."""
+    path = run / "config.yaml"
+    recorded = read_yaml(path)
+    train = recorded.get("train")
+    run_dir_there = train.get("run_dir") if isinstance(train, dict) else None
+    if not isinstance(run_dir_there, str) or len(Path(run_dir_there).parents) < 2:
+        raise ConfigError(f"{path}: train.run_dir must name the run's directory (OUT/runs/RUN), "
+                          f"got {run_dir_there!r}")
+    return recorded, Path(run_dir_there).parents[1]
 
 
 def _at(options: EvalOptions, run: Path, out_dir: Path) -> EvalOptions:

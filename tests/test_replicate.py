@@ -9,6 +9,8 @@ import json
 import math
 import multiprocessing
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -1427,6 +1429,36 @@ def test_side_by_side_names_a_failed_run_and_starts_nothing_after_it(tmp_path, c
     assert capfd.readouterr().err == "error: train.steps: must be positive\n"
 
 
+def test_ctrl_c_of_side_by_side_runs_is_one_interrupted_line_naming_the_step_each_saved():
+    """A Ctrl-C reaches every process of the command: each worker's training saved its step and
+    printed its own `interrupted:` line, then the command printed one saying "stopped at once":
+    two lines or more, the last one wrong. Now the workers send what they kept to the command,
+    which prints it in its one line. (A worker here sends the command its Ctrl-C as it stops.)"""
+    script = "\n".join([
+        "import multiprocessing, os, signal",
+        "from diff_jax.command import leave",
+        "from diff_jax.experiments import replicate",
+        "fork = multiprocessing.get_context('fork')  # the stand-ins below reach the worker",
+        "replicate.multiprocessing.get_context = lambda method: fork",
+        "def saved(preset, variant, seed, init, out):",
+        "    os.kill(os.getppid(), signal.SIGINT)",
+        "    run = replicate.run_dir(out, variant, seed, init)",
+        "    raise KeyboardInterrupt(f'{run}: training interrupted at step 3')",
+        "replicate._train_and_evaluate_one = saved",
+        "def runs(preset, seeds, out, jobs, finished_from):",
+        "    replicate.side_by_side(preset, [('diff', 0, 'scaled'), ('transformer', 0, 'scaled')],",
+        "                           out, replicate.cpu_shares(1))",
+        "replicate.replicate = runs",
+        "leave(replicate.main(['--preset', 'micro', '--out', 'OUT']))"])
+    proc = subprocess.run([sys.executable, "-W", "ignore:os.fork:RuntimeWarning", "-c", script],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        "interrupted: OUT/runs/diff-scaled-s0: training interrupted at step 3; 1 run(s) not "
+        "started; what OUT holds is kept (the same command resumes)"]
+
+
 @pytest.mark.parametrize("status", [1, 2])
 def test_failed_side_by_side_runs_are_one_error_line_with_their_status(tmp_path, capsys,
                                                                       monkeypatch, status):
@@ -1719,8 +1751,6 @@ def test_gpu_session_stops_a_stage_gracefully_and_copies_only_small_replication_
     checkpoints on it) and is killed only after the grace period; the replicate stage copies
     reports, metrics and evaluation JSONs back, never checkpoints or the corpus."""
     import signal
-    import subprocess
-    import sys
     import textwrap
 
     import hopper_session

@@ -57,8 +57,8 @@ from typing import Any
 import yaml
 
 from diff_jax import data, evaluation, recall, train_loop
-from diff_jax.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE, failed,
-                              interrupted, leave, run_kept)
+from diff_jax.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE, failed, leave,
+                              run_kept)
 from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config, read_yaml
 from diff_jax.device_memory import devices_here, fit_or_explain
 from diff_jax.evaluation import EvalOptions
@@ -560,20 +560,24 @@ def cpu_shares(jobs: int) -> list[list[int]]:
 
 
 def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init: str, out: Path,
-                   cores: list[int]) -> None:
-    """One model in a spawned process: pinned to `cores` before JAX starts its CPU client."""
+                   cores: list[int], kept: multiprocessing.connection.Connection) -> None:
+    """One model in a spawned process: pinned to `cores` before JAX starts its CPU client. Stopped
+    by a Ctrl-C, it sends what it kept (the KeyboardInterrupt's text: the step its training
+    saved, or "" when it stopped at once) through `kept` and exits `EXIT_INTERRUPTED` without a
+    line of its own: `side_by_side`'s one `interrupted:` line says it for every run."""
     os.sched_setaffinity(0, cores)
     import jax
 
-    if jax.default_backend() != "cpu":
-        sys.exit(failed(f"--jobs > 1 trains models side by side on CPU cores, but JAX's default "
-                        f"backend here is {jax.default_backend()}: use --jobs 1"))
     try:
+        if jax.default_backend() != "cpu":
+            sys.exit(failed(f"--jobs > 1 trains models side by side on CPU cores, but JAX's "
+                            f"default backend here is {jax.default_backend()}: use --jobs 1"))
         _train_and_evaluate_one(preset, variant, seed, init, out)
     except train_loop.RUN_ERRORS as e:  # one line, as the serial path; the exit status tells why
         sys.exit(train_loop.report(e, [(f"--out {out}", str(out))]))
-    except KeyboardInterrupt as e:  # the Ctrl-C the whole command got: its step is saved
-        leave(interrupted(str(e) or "stopped at once"))
+    except KeyboardInterrupt as e:  # the Ctrl-C the whole command got, or one of its own
+        kept.send(str(e))
+        leave(EXIT_INTERRUPTED)
 
 
 class RunsFailed(RuntimeError):
@@ -593,46 +597,64 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
     After a run fails no new one starts; those running finish (each checkpoints as it goes), then
     `RunsFailed` names the failed runs with their exit status (each worker has printed why: one
     `error:` line for a `train_loop.RUN_ERRORS`, else a traceback). Re-running resumes, as the
-    serial path does. On Ctrl-C (which every worker gets too: each saves its step, says so and
-    exits) the KeyboardInterrupt is raised once the running workers have exited. A worker that
-    a Ctrl-C (SIGINT) stopped on its own, exit `EXIT_INTERRUPTED`, is an interruption too, not a
-    failure: no new run starts, and once the others have finished a KeyboardInterrupt names it.
+    serial path does. On Ctrl-C (which every worker gets too: each saves its step and exits) a
+    KeyboardInterrupt is raised once the running workers have exited, saying what each kept
+    (`_stopped`): the workers print no `interrupted:` line, so the command prints one. A worker
+    that a Ctrl-C (SIGINT) stopped on its own, exit `EXIT_INTERRUPTED`, is an interruption too,
+    not a failure: no new run starts, and once the others have finished the KeyboardInterrupt
+    says what it kept.
     """
     spawn = multiprocessing.get_context("spawn")
     pending, free = list(runs), list(range(len(shares)))
-    running: dict[int, tuple[int, multiprocessing.process.BaseProcess, tuple[str, int, str]]] = {}
-    failures, stopped = [], []
+    running: dict[int, tuple[int, multiprocessing.process.BaseProcess, tuple[str, int, str],
+                             tuple[multiprocessing.connection.Connection, ...]]] = {}
+    failures: list[tuple[str, int]] = []
+    stopped: list[tuple[str, str]] = []  # (run, what it kept) of each a Ctrl-C stopped
+
+    def finish(sentinel: int) -> None:
+        slot, process, run, (kept, sends) = running.pop(sentinel)
+        process.join()
+        free.append(slot)
+        path = run_dir(out, *run)
+        if process.exitcode == EXIT_INTERRUPTED:
+            stopped.append((path.name, (kept.recv() if kept.poll() else "")
+                            or f"{path}: stopped at once"))
+        elif process.exitcode != 0:
+            failures.append((path.name, process.exitcode))
+        kept.close()
+        sends.close()
+
     try:
         while running or (pending and not failures and not stopped):
             while pending and free and not failures and not stopped:
                 slot, run = free.pop(0), pending.pop(0)
+                pipe = spawn.Pipe(duplex=False)  # (received here, sent by the worker)
                 process = spawn.Process(target=_pinned_worker,
-                                        args=(preset, *run, out, shares[slot]))
+                                        args=(preset, *run, out, shares[slot], pipe[1]))
                 process.start()
-                running[process.sentinel] = (slot, process, run)
+                running[process.sentinel] = (slot, process, run, pipe)
             for sentinel in multiprocessing.connection.wait(list(running)):
-                slot, process, run = running.pop(sentinel)
-                process.join()
-                free.append(slot)
-                name = run_dir(out, run[0], run[1], run[2]).name
-                if process.exitcode == EXIT_INTERRUPTED:
-                    stopped.append(name)
-                elif process.exitcode != 0:
-                    failures.append((name, process.exitcode))
+                finish(sentinel)
     except KeyboardInterrupt:  # Ctrl-C reached every worker too: each saves its step and exits
-        for _, process, _ in running.values():
-            process.join()
-        raise
+        for sentinel in list(running):
+            finish(sentinel)
+        raise _stopped(stopped, len(pending)) from None
     if failures:
         names = ", ".join(f"{name} (exit {code})" for name, code in failures + [
-            (name, EXIT_INTERRUPTED) for name in stopped])
+            (name, EXIT_INTERRUPTED) for name, _ in stopped])
         raise RunsFailed(f"{preset.name}: {names} failed (its output above says why); "
                          f"{len(pending)} run(s) not started; re-run to resume",
                          EXIT_BAD_INPUT if any(code == EXIT_BAD_INPUT for _, code in failures)
                          else EXIT_NON_FINITE)
     if stopped:
-        raise KeyboardInterrupt(f"{', '.join(stopped)} stopped by Ctrl-C (its output above says "
-                                f"what it saved); {len(pending)} run(s) not started")
+        raise _stopped(stopped, len(pending))
+
+
+def _stopped(stopped: list[tuple[str, str]], pending: int) -> KeyboardInterrupt:
+    """The KeyboardInterrupt of `side_by_side` stopped by a Ctrl-C: its text says what each run
+    it `stopped` kept ((run, text) each) and how many runs did not start; "" when neither."""
+    said = [kept for _, kept in stopped] + ([f"{pending} run(s) not started"] if pending else [])
+    return KeyboardInterrupt("; ".join(said))
 
 
 def _jobs(text: str) -> int:

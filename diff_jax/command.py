@@ -14,17 +14,27 @@ a Ctrl-C that cut an XLA compilation short, the teardown crashed (SIGSEGV, or SI
 virtual method called") or printed "lost sys.stderr" after that line. What must reach the disk
 has by then: outputs are written whole or not at all (`output_dir`), and checkpoint managers are
 closed on the way out.
+
+`concluded` ends a command this way once its arguments are parsed (the benchmark scripts); the
+argparse types below refuse an argument as argparse does (its usage and an error line naming
+the argument, exit status 2).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import math
 import os
 import signal
+import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
+
+from diff_jax.config import ConfigError
+from diff_jax.file_errors import describe
 
 EXIT_NON_FINITE = 1
 EXIT_BAD_INPUT = 2
@@ -55,6 +65,63 @@ def run_kept(error: KeyboardInterrupt, out: object) -> int:
     saved its step after the first Ctrl-C), else "stopped at once"; a re-run resumes."""
     return interrupted(f"{str(error) or 'stopped at once'}; what {out} holds is kept (the same "
                        "command resumes)")
+
+
+def concluded(work: Callable[[], object], output: tuple[str, str] | None,
+              bad_input: tuple[type[Exception], ...] = (ConfigError,)) -> int:
+    """The exit status of a command whose arguments are parsed, `work` doing the rest: 0 once it
+    returns. Bad input found on the way is one `error:` line and `EXIT_BAD_INPUT`: an error of
+    `bad_input` (its text, as train.py prints it), an `OSError` (`file_errors.describe`,
+    labelled by `output`), a child command that failed (`subprocess.CalledProcessError`, its
+    `cmd` the text naming the child: the child's last line on stderr; `EXIT_NON_FINITE` unless
+    the child exited `EXIT_BAD_INPUT`). A Ctrl-C is one `interrupted:` line (`output_kept`).
+    `output`: (the argument naming what the command writes, e.g. "--out OUT", the directory it
+    writes in); None where it writes no file."""
+    try:
+        work()
+    except bad_input as e:
+        return failed(str(e))
+    except OSError as e:
+        return failed(describe(e, [output] if output else []))
+    except subprocess.CalledProcessError as e:
+        lines = (e.stderr or "").strip().splitlines() or ["nothing on stderr"]
+        return failed(f"{e.cmd} exited {e.returncode}: {lines[-1].removeprefix('error: ')}",
+                      EXIT_BAD_INPUT if e.returncode == EXIT_BAD_INPUT else EXIT_NON_FINITE)
+    except KeyboardInterrupt:
+        return output_kept(output[0]) if output else interrupted("stopped at once (it writes "
+                                                                 "no file)")
+    return 0
+
+
+def positive_int(text: str) -> int:
+    """An argparse `type`: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse `type`: a comma list of integers >= 1 ("64,128")."""
+    try:
+        return [positive_int(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers >= 1, got "
+                                         f"{text!r}") from None
+
+
+def positive_float(text: str) -> float:
+    """An argparse `type`: a finite number > 0 (of seconds, say)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
 
 
 def leave(status: int) -> NoReturn:

@@ -58,7 +58,7 @@ import yaml
 
 from diff_jax import data, evaluation, recall, train_loop
 from diff_jax.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE, failed, leave,
-                              run_kept)
+                              positive_int, run_kept)
 from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config, read_yaml
 from diff_jax.device_memory import devices_here, fit_or_explain
 from diff_jax.evaluation import EvalOptions
@@ -659,12 +659,7 @@ def _stopped(stopped: list[tuple[str, str]], pending: int) -> KeyboardInterrupt:
 
 def _jobs(text: str) -> int:
     """`--jobs`: an integer >= 1 that this process's CPU cores can serve (`cpu_shares`)."""
-    try:
-        jobs = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if jobs < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {jobs}")
+    jobs = positive_int(text)
     if jobs > 1:
         try:
             cpu_shares(jobs)

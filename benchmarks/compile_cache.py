@@ -33,6 +33,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's package, which train.py runs on
+
+from diff_jax.command import concluded, leave, positive_int  # noqa: E402
+from diff_jax.config import load_config  # noqa: E402
+from diff_jax.output_dir import write_whole  # noqa: E402
+
 MODES = ("none", "cold", "warm")
 EVENTS = {"compile_s": "/jax/core/compile/backend_compile_duration",
           "saved_s": "/jax/compilation_cache/compile_time_saved_sec"}
@@ -42,7 +48,6 @@ COUNTS = {"hits": "/jax/compilation_cache/cache_hits",
 
 def child(stats_path: str, argv: list[str]) -> int:
     """train.py's main on `argv` with JAX's compile events summed into `stats_path` (JSON)."""
-    sys.path.insert(0, str(ROOT))
     from train import main  # imports diff_jax first: its platform default, before JAX starts
 
     from jax import monitoring
@@ -75,8 +80,8 @@ def measure(argv: list[str], scratch: Path) -> dict:
                           capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"train.py {' '.join(argv)} exited {proc.returncode}:\n"
-                           f"{proc.stderr[-3000:]}")
+        raise subprocess.CalledProcessError(proc.returncode, f"train.py {' '.join(argv)}",
+                                            proc.stdout, proc.stderr)
     return {"wall_s": wall, **json.loads(stats.read_text())}
 
 
@@ -132,25 +137,38 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line in the module docstring (`argv`: None reads sys.argv). Exit status 0; 2
+    on bad input (one `error:` line: the config or a --set override, a file that cannot be
+    written, a train.py run that refused its input); 1 when a run failed otherwise; 130 after
+    Ctrl-C."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         return child(argv[1], argv[2:])
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--config", default="configs/tiny.yaml",
+                        help="relative to the checkout, where train.py runs (default: "
+                             "%(default)s)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every run (repeatable)")
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="benchmarks/results/compile_cache_cpu")
+    parser.add_argument("--steps", type=positive_int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--out", default="benchmarks/results/compile_cache_cpu",
+                        help="writes OUT.json and OUT.md, replacing them (default: %(default)s, "
+                             "the committed CPU results)")
     args = parser.parse_args(argv)
-    result = run(args.config, args.set, args.steps, args.repeats)
+    return concluded(lambda: compare(args), (f"--out {args.out}", str(Path(args.out).parent)))
+
+
+def compare(args: argparse.Namespace) -> None:
+    """`main`'s work for parsed `args`: the runs, then the table printed and written."""
+    load_config(ROOT / args.config, args.set)  # before any run: a bad config ends at once
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
+    result = run(args.config, args.set, args.steps, args.repeats)
+    write_whole(out.with_suffix(".json"), json.dumps(result, indent=1) + "\n")
+    write_whole(out.with_suffix(".md"), markdown(result))
     print(markdown(result))
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())  # after Ctrl-C without the interpreter's teardown (diff_jax.command)

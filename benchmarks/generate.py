@@ -60,32 +60,72 @@ def measure(config: str, batch: int, prompt: int, new: int, repeats: int) -> dic
 
 
 def _run(tree: Path, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--measure", "--config", args.config, "--batch", str(args.batch),
-           "--prompt", str(args.prompt), "--new", str(args.new), "--repeats", str(args.repeats)]
+    """`measure` in a subprocess on `tree`'s package; a failure is its `CalledProcessError`."""
+    cmd = [sys.executable, __file__, "--measure", args.config, str(args.batch), str(args.prompt),
+           str(args.new), str(args.repeats)]
     env = dict(os.environ, PYTHONPATH=str(tree))
-    p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=True)
+    p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise subprocess.CalledProcessError(p.returncode, f"the measurement in {tree}",
+                                            p.stdout, p.stderr)
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser()
+def _checkout(text: str) -> Path:
+    """An argparse `type`: a checkout of the project (a directory holding diff_jax/), resolved."""
+    tree = Path(text).resolve()
+    if not (tree / "diff_jax" / "__init__.py").is_file():
+        raise argparse.ArgumentTypeError(f"expected a checkout of diff-jax (a directory holding "
+                                         f"diff_jax/__init__.py), got {text!r}")
+    return tree
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line in the module docstring (`argv`: None reads sys.argv). Exit status 0; 2
+    on bad input (one `error:` line: a config, a --prompt and --new past its model.max_seq_len,
+    a file that cannot be written, a measurement that refused its input); 1 when a measurement
+    failed otherwise; 130 after Ctrl-C."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--measure"]:  # a child, on the package of the tree it measures, which may
+        config, *sizes = argv[1:]  # predate what the parent imports below
+        print(json.dumps(measure(config, *map(int, sizes))))
+        return 0
+    sys.path.insert(0, str(ROOT))  # this tree's package (a child's is on its PYTHONPATH)
+    from diff_jax.command import concluded, positive_int
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "configs/tiny.yaml"))
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--prompt", type=int, default=64)
-    p.add_argument("--new", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=2, help="alternating subprocess rounds")
-    p.add_argument("--baseline-tree", type=Path)
+    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--prompt", type=positive_int, default=64)
+    p.add_argument("--new", type=positive_int, default=128)
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--rounds", type=positive_int, default=2, help="alternating subprocess rounds")
+    p.add_argument("--baseline-tree", type=_checkout, metavar="DIR",
+                   help="another checkout measured beside this one (git worktree add DIR REV)")
     p.add_argument("--baseline-name", default="baseline")
-    p.add_argument("--out", type=Path)
-    p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path,
+                   help="writes OUT.json and OUT.md, replacing them (default: none written; the "
+                        "committed CPU results are benchmarks/results/generate_cpu)")
     args = p.parse_args(argv)
-    if args.measure:
-        print(json.dumps(measure(args.config, args.batch, args.prompt, args.new, args.repeats)))
-        return {}
+    return concluded(lambda: compare(args),
+                     None if args.out is None else (f"--out {args.out}", str(args.out.parent)))
+
+
+def compare(args: argparse.Namespace) -> None:
+    """`main`'s work for parsed `args`: the measurements of each tree, alternating; print the
+    table and write it with the JSON to --out."""
+    from diff_jax.config import ConfigError, load_config
+    from diff_jax.output_dir import write_whole
+
+    model = load_config(args.config).model  # before any measurement: a bad config ends at once
+    if args.prompt + args.new > model.max_seq_len:
+        raise ConfigError(f"--prompt {args.prompt} + --new {args.new}: more than the "
+                          f"model.max_seq_len ({model.max_seq_len}) of {args.config}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
     trees = {"current": ROOT}
     if args.baseline_tree:
-        trees[args.baseline_name] = args.baseline_tree.resolve()
+        trees[args.baseline_name] = args.baseline_tree
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for _ in range(args.rounds):
         for name, tree in trees.items():
@@ -106,11 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
         lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {per_round} | {s['first_call_s']:.1f} |")
     print("\n".join(lines))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    return result
+        write_whole(args.out.with_suffix(".json"), json.dumps(result, indent=1))
+        write_whole(args.out.with_suffix(".md"), "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())  # the parent compiles nothing: no teardown to skip after Ctrl-C

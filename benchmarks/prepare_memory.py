@@ -24,11 +24,14 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's package, which the prepare runs
+
+from diff_jax.command import concluded, leave, positive_int  # noqa: E402
+from diff_jax.output_dir import write_whole  # noqa: E402
 
 
 def _write_jsonl(path: Path, copies: int) -> int:
     """`copies` passes over the standard library's documents as JSONL records; their characters."""
-    sys.path.insert(0, str(ROOT))
     from diff_jax.data import stdlib_documents
 
     texts = stdlib_documents().texts
@@ -52,19 +55,31 @@ def _prepare(src: Path, out: Path) -> dict:
                           capture_output=True, text=True, check=True)
     rc, wall, rss_kb = done.stdout.split()[-3:]
     if int(rc) != 0:
-        raise SystemExit(f"prepare {src} failed: {done.stderr[-2000:]}")
+        raise subprocess.CalledProcessError(int(rc), f"prepare {src}", done.stdout, done.stderr)
     meta = json.loads((out / "meta.json").read_text())
     return {"peak_rss_gb": round(int(rss_kb) / 1e6, 3), "wall_s": round(float(wall), 1),
             "tokens": meta["num_tokens"], "documents": meta["num_docs"]}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
+    """The command line in the module docstring (`argv`: None reads sys.argv). Exit status 0; 2
+    on bad input (one `error:` line: a file that cannot be written, a prepare that refused its
+    input); 1 when a prepare failed otherwise; 130 after Ctrl-C."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=int, nargs="+", default=[4, 16, 32],
+    p.add_argument("--sizes", type=positive_int, nargs="+", default=[4, 16, 32],
                    help="passes over the standard library's documents per file")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prepare_memory_cpu"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prepare_memory_cpu"),
+                   help="writes OUT.json and OUT.md, replacing them (default: the committed "
+                        "CPU results, %(default)s)")
     args = p.parse_args(argv)
+    return concluded(lambda: compare(args), (f"--out {args.out}", str(Path(args.out).parent)))
+
+
+def compare(args: argparse.Namespace) -> None:
+    """`main`'s work for parsed `args`: prepare each size, then write the table."""
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)  # before any prepare: a bad --out ends at once
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
@@ -80,9 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
                          f"Python {platform.python_version()}",
               "commit": commit, "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_whole(Path(f"{out}.json"), json.dumps(result, indent=1) + "\n")
     lines = [f"{result['machine']}, commit {commit}; `python -m diff_jax.data prepare` of one "
              "JSONL file in a fresh process (peak resident memory of the child).", "",
              "| copies of the stdlib | file MB | tokens | peak RSS GB | peak bytes per token | wall s |",
@@ -90,9 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         lines.append(f"| {r['copies']} | {r['file_mb']} | {r['tokens']:,} | {r['peak_rss_gb']} | "
                      f"{r['peak_rss_gb'] * 1e9 / r['tokens']:.1f} | {r['wall_s']} |")
-    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
-    return result
+    write_whole(Path(f"{out}.md"), "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    leave(main())  # after Ctrl-C without the interpreter's teardown (diff_jax.command)

@@ -43,11 +43,14 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from diff_jax.config import Config, load_config  # noqa: E402
+from diff_jax.command import concluded, leave, positive_int  # noqa: E402
+from diff_jax.config import Config, ConfigError, load_config  # noqa: E402
 from diff_jax.metrics import mfu  # noqa: E402
+from diff_jax.output_dir import write_whole  # noqa: E402
 from diff_jax.sharding import make_mesh  # noqa: E402
 from diff_jax.step import build_steps  # noqa: E402
 from diff_jax.summary import flops_per_token  # noqa: E402
+from diff_jax.train_loop import BAD_INPUT  # noqa: E402 - what train.py refuses as bad input
 
 
 def _batch(config: Config, segment_ids: bool) -> dict[str, np.ndarray]:
@@ -97,14 +100,23 @@ def data_throughput(config: Config, batches: int = 300) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def _config(flag: str, path: str, overrides: list[str]) -> Config:
+    """`load_config(path, overrides)`; its error names `flag`, the model it was given for."""
+    try:
+        return load_config(path, overrides)
+    except ConfigError as e:
+        raise ConfigError(f"{flag} {path}: {e}") from None
+
+
 def _percent(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1%}"
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
     """The command line in the module docstring (`argv`: None reads sys.argv): time both models,
-    print and save the table; returns the JSON written."""
-    p = argparse.ArgumentParser()
+    print and save the table. Exit status 0; 2 on bad input (a config, an override, a mesh the
+    devices do not have, a file that cannot be written: one `error:` line); 130 after Ctrl-C."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--diff", default="configs/tiny.yaml")
     p.add_argument("--baseline", default="configs/tiny-transformer.yaml")
     p.add_argument("--set", nargs="*", default=[], help="overrides for both models")
@@ -113,11 +125,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-data", action="store_true", help="skip the data pipeline measurement")
     p.add_argument("--no-segment-ids", action="store_true",
                    help="batches without segment ids (causal masking only)")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--out", default="benchmarks/results/train_step_cpu")
+    p.add_argument("--steps", type=positive_int, default=10)
+    p.add_argument("--out", default="benchmarks/results/train_step_cpu",
+                   help="writes OUT.json and OUT.md, replacing them (default: %(default)s, the "
+                        "committed CPU results)")
     args = p.parse_args(argv)
-    configs = {"diff": load_config(args.diff, args.set + args.diff_set),
-               "transformer": load_config(args.baseline, args.set + args.baseline_set)}
+    return concluded(lambda: measure(args), (f"--out {args.out}", str(Path(args.out).parent)),
+                     BAD_INPUT)
+
+
+def measure(args: argparse.Namespace) -> None:
+    """`main`'s work for parsed `args`: time both models, print and save the table."""
+    out = Path(args.out)  # OUT.json and OUT.md; OUT may hold a dot (train_step_1.4b)
+    out.parent.mkdir(parents=True, exist_ok=True)  # before the compiles: a bad --out ends at once
+    configs = {"diff": _config("--diff", args.diff, args.set + args.diff_set),
+               "transformer": _config("--baseline", args.baseline, args.set + args.baseline_set)}
     with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
         steppers = {k: _stepper(c, not args.no_segment_ids, pool) for k, c in configs.items()}
         # the first call waits for its compile (the twins compile side by side)
@@ -151,9 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
         "data_pipeline_tokens_per_sec": pipeline,
         "pipeline_over_consumption": None if pipeline is None else pipeline / consumed,
     }
-    out = Path(args.out)  # OUT.json and OUT.md; OUT may hold a dot (train_step_1.4b)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(result, indent=1))
+    write_whole(Path(f"{out}.json"), json.dumps(result, indent=1))
     md = [f"# Train step: DIFF vs Transformer ({result['device']}, jax {jax.__version__})", "",
           f"Overrides: {result['overrides']}", "",
           "Batches " + ("with segment ids (one document a row; cuDNN gets them as a dense T×T "
@@ -167,10 +187,9 @@ def main(argv: list[str] | None = None) -> dict:
     if pipeline is not None:
         md += [f"Data pipeline alone: {pipeline:,.0f} tokens/s = **{pipeline / consumed:.0f}×** what the "
                f"DIFF model consumes ({consumed:,.0f} tokens/s; target ≥ 10×)", ""]
-    Path(f"{out}.md").write_text("\n".join(md))
+    write_whole(Path(f"{out}.md"), "\n".join(md))
     print("\n".join(md))
-    return result
 
 
 if __name__ == "__main__":
-    main()
+    leave(main())  # after Ctrl-C without the interpreter's teardown (diff_jax.command)

@@ -165,8 +165,8 @@ def test_generation_benchmark_smoke(tmp_path):
 
     import generate as bench
 
-    bench.main(["--batch", "1", "--prompt", "4", "--new", "2", "--repeats", "1", "--rounds", "1",
-                "--out", str(tmp_path / "gen")])
+    assert bench.main(["--batch", "1", "--prompt", "4", "--new", "2", "--repeats", "1",
+                       "--rounds", "1", "--out", str(tmp_path / "gen")]) == 0
     data = json.loads((tmp_path / "gen.json").read_text())
     assert data["results"]["current"]["tokens_per_s"] > 0
     assert "| current |" in (tmp_path / "gen.md").read_text()
@@ -217,7 +217,11 @@ def test_generation_benchmark_medians_and_each_tree_runs_its_own_package(tmp_pat
         return subprocess.CompletedProcess(cmd, 0, json.dumps(out) + "\n", "")
 
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
-    result = bench.main(["--rounds", "3", "--baseline-tree", str(tmp_path)])
+    (tmp_path / "diff_jax").mkdir()  # a checkout, for --baseline-tree
+    (tmp_path / "diff_jax" / "__init__.py").touch()
+    assert bench.main(["--rounds", "3", "--baseline-tree", str(tmp_path),
+                       "--out", str(tmp_path / "gen")]) == 0
+    result = json.loads((tmp_path / "gen.json").read_text())
     assert calls == [(str(root), str(root)), (str(tmp_path), str(tmp_path))] * 3
     assert result["results"]["current"]["tokens_per_s"] == 2.0
     assert result["results"]["baseline"]["tokens_per_s"] == 4.0

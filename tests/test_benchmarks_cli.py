@@ -1,0 +1,134 @@
+"""The benchmark scripts' command lines end as the project's commands do (`diff_jax.command`):
+bad input in one `error:` line naming the argument, file or field and what was expected, exit
+status 2, no traceback (an argument refused by argparse: its usage and one error line); a Ctrl-C
+in one `interrupted:` line, exit status 130. All refused before anything compiles."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _refused(capsys, main, argv: list[str]) -> str:
+    """The one `error:` line `main(argv)` printed, returning exit status 2."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    return err.strip()
+
+
+def _usage_error(capsys, main, argv: list[str]) -> str:
+    """argparse's error line for `argv` (after its usage), exit status 2."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ") and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+# (script, argv, the end of argparse's error line)
+ARGUMENTS = [
+    ("train_step", ["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+    ("generate", ["--batch", "0"], "argument --batch: expected an integer >= 1, got 0"),
+    ("generate", ["--repeats", "-1"], "argument --repeats: expected an integer >= 1, got -1"),
+    ("generate", ["--baseline-tree", "/"],
+     "argument --baseline-tree: expected a checkout of diff-jax (a directory holding "
+     "diff_jax/__init__.py), got '/'"),
+    ("compile_cache", ["--repeats", "0"], "argument --repeats: expected an integer >= 1, got 0"),
+    ("prepare_memory", ["--sizes", "4", "0"], "argument --sizes: expected an integer >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("script,argv,line", ARGUMENTS,
+                         ids=[f"{a[0]}:{a[1][-2]}" for a in ARGUMENTS])
+def test_a_bad_argument_is_refused_by_argparse(script, argv, line, capsys, tmp_path):
+    """Each ran on (a negative --steps or --repeats found no median to take; a --baseline-tree
+    that is no checkout failed in its subprocess after measuring this one)."""
+    main = importlib.import_module(script).main
+    assert _usage_error(capsys, main, [*argv, "--out", str(tmp_path / "out")]).endswith(
+        f"error: {line}")
+
+
+def test_a_bad_config_is_one_error_line_naming_it(capsys, tmp_path):
+    """A missing config file or an unknown override: train_step.py names the model it was given
+    for; generate.py and compile_cache.py read the config before any measurement (they ran
+    their subprocesses, which each failed with a traceback of their own)."""
+    import compile_cache
+    import generate
+    import train_step
+
+    out = ["--out", str(tmp_path / "out")]
+    missing = tmp_path / "missing.yaml"
+    assert _refused(capsys, train_step.main, ["--diff", str(missing), *out]) == (
+        f"error: --diff {missing}: config file not found: {missing}")
+    assert _refused(capsys, train_step.main, ["--set", "model.bogus=1", *out]).startswith(
+        "error: --diff configs/tiny.yaml: model.bogus: unknown key")
+    assert _refused(capsys, generate.main, ["--config", str(missing), *out]) == (
+        f"error: config file not found: {missing}")
+    assert _refused(capsys, generate.main, ["--prompt", "500", "--new", "100", *out]) == (
+        f"error: --prompt 500 + --new 100: more than the model.max_seq_len (512) of "
+        f"{ROOT / 'configs/tiny.yaml'}")
+    assert _refused(capsys, compile_cache.main, ["--set", "model.bogus=1", *out]).startswith(
+        "error: model.bogus: unknown key")
+
+
+# (script, arguments that keep the measurement small, had it run)
+SMALL = [("train_step", ["--steps", "1", "--no-data", "--set", "model.num_layers=1"]),
+         ("generate", ["--batch", "1", "--prompt", "4", "--new", "2", "--repeats", "1",
+                       "--rounds", "1"]),
+         ("compile_cache", ["--steps", "1", "--repeats", "1"]),
+         ("prepare_memory", ["--sizes", "1"])]
+
+
+@pytest.mark.parametrize("script,small", SMALL, ids=[s[0] for s in SMALL])
+def test_an_out_that_cannot_be_made_is_one_error_line_before_any_measurement(script, small,
+                                                                             capsys, tmp_path):
+    """--out under a file: refused first, naming --out (it was found after every measurement,
+    a traceback)."""
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "out"
+    main = importlib.import_module(script).main
+    assert _refused(capsys, main, [*small, "--out", str(out)]) == (
+        f"error: --out {out}: {tmp_path / 'file'}: File exists and is not a directory")
+
+
+def test_a_child_that_refused_its_input_is_one_error_line(capsys, tmp_path, monkeypatch):
+    """compile_cache.py: a train.py run that exited 2 ends the command with its error line and
+    exit status 2 (a RuntimeError with the child's stderr)."""
+    import compile_cache
+
+    def refused(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 2, "", "a warning\nerror: data.paths: 'x' does "
+                                                       "not exist\n")
+
+    monkeypatch.setattr(compile_cache.subprocess, "run", refused)
+    line = _refused(capsys, compile_cache.main, ["--out", str(tmp_path / "cc")])
+    assert line.startswith("error: train.py --config configs/tiny.yaml train.steps=2 ")
+    assert line.endswith(" exited 2: data.paths: 'x' does not exist")
+
+
+def _stop(*_args, **_kwargs):
+    raise KeyboardInterrupt
+
+
+# (script, the function its main's work calls that the Ctrl-C lands in)
+CTRL_C = [("train_step", "load_config"), ("generate", "_run"), ("compile_cache", "run"),
+          ("prepare_memory", "_write_jsonl")]
+
+
+@pytest.mark.parametrize("script,function", CTRL_C, ids=[c[0] for c in CTRL_C])
+def test_ctrl_c_is_one_interrupted_line_and_exit_130(script, function, capsys, tmp_path,
+                                                     monkeypatch):
+    """(a traceback, and whatever half of OUT.json a write had reached)."""
+    bench = importlib.import_module(script)
+    monkeypatch.setattr(bench, function, _stop)
+    out = tmp_path / "out"
+    assert bench.main(["--out", str(out)]) == 130
+    assert capsys.readouterr().err == (f"interrupted: stopped at once; no half-written output is "
+                                       f"left at --out {out}\n")

@@ -64,7 +64,9 @@ import numpy as np  # noqa: E402
 
 import kernels  # noqa: E402
 from diff_jax.attention import HeadLayout  # noqa: E402
+from diff_jax.command import positive_int, positive_ints  # noqa: E402
 from diff_jax.config import ModelConfig  # noqa: E402
+from diff_jax.output_dir import write_whole  # noqa: E402
 from diff_jax.variants import DIFF  # noqa: E402
 from kernels import BlockSizes, flash, flash_mgpu, float64_reference, hopper  # noqa: E402
 
@@ -777,29 +779,40 @@ def tune(head_dims: list[int], args, deadline: Deadline) -> list[dict]:
     return rows
 
 
+def _triton_blocks(text: str) -> BlockSizes:
+    """An argparse `type`: --block's comma list of BlockSizes' first fields."""
+    sizes = positive_ints(text)
+    fields = [f.name for f in dataclasses.fields(BlockSizes) if f.name != "mosaic_gpu"]
+    if len(sizes) > len(fields):
+        raise argparse.ArgumentTypeError(f"expected at most {len(fields)} sizes "
+                                         f"({','.join(fields)}), got {text!r}")
+    return BlockSizes(*sizes)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter")
     p.add_argument("--check", action="store_true",
                    help="correctness of the kernels vs the float64 reference")
     p.add_argument("--tune", action="store_true", help="block-size sweep at --tune-t")
-    p.add_argument("--tune-t", type=int, default=4096)
+    p.add_argument("--tune-t", type=positive_int, default=4096)
     p.add_argument("--bench", action="store_true",
                    help="with --check/--tune: also run the benchmark (with the best tuned config)")
     p.add_argument("--tune-write", action="store_true",
                    help="record the tuned tiles in kernels/tuning/mosaic_gpu.json")
-    p.add_argument("--seqs", type=str, default="2048,4096,8192,16384")
-    p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--head-dims", type=str, default="64,128", help="component widths d (V is 2d)")
+    p.add_argument("--seqs", type=positive_ints, default="2048,4096,8192,16384")
+    p.add_argument("--tokens", type=positive_int, default=32768)
+    p.add_argument("--heads", type=positive_int, default=16)
+    p.add_argument("--head-dims", type=positive_ints, default="64,128",
+                   help="component widths d (V is 2d)")
     p.add_argument("--variants", type=str, default="",
                    help=f"comma list (default on GPU: {','.join(GPU_VARIANTS)})")
-    p.add_argument("--block", type=str, default="",
+    p.add_argument("--block", type=_triton_blocks, default=None,
                    help="Triton tiles of fused_triton: bq,bk,bq_bwd,bk_bwd,warps,stages,warps_bwd,"
                         "stages_bwd")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--samples", type=int, default=7)
-    p.add_argument("--compile-threads", type=int, default=None,
+    p.add_argument("--reps", type=positive_int, default=5)
+    p.add_argument("--samples", type=positive_int, default=7)
+    p.add_argument("--compile-threads", type=positive_int, default=None,
                    help="threads that compile a batch of --check cases or of one length's "
                         "--bench rows before they run (default: the host's cores on a GPU, "
                         "else 1: each compiles at its first call)")
@@ -811,8 +824,6 @@ def main(argv=None) -> dict:
     if args.compile_threads is None:
         args.compile_threads = (len(os.sched_getaffinity(0)) if jax.default_backend() == "gpu"
                                 else 1)
-    if args.compile_threads < 1:
-        p.error(f"--compile-threads must be at least 1, got {args.compile_threads}")
     deadline = Deadline(args.deadline)
     # SIGTERM (the GPU session's stage limit) stops starting measurements; the one in flight
     # finishes and what was measured is written, as at --deadline.
@@ -829,9 +840,9 @@ def main(argv=None) -> dict:
 
 def _modes(args, deadline: Deadline) -> dict:
     """`main`'s work for parsed `args`: the modes asked for, then the JSON and markdown."""
-    triton_blocks = BlockSizes(*[int(x) for x in args.block.split(",")]) if args.block else None
+    triton_blocks = args.block
     on_gpu = jax.default_backend() == "gpu"
-    head_dims = [int(x) for x in args.head_dims.split(",")]
+    head_dims = args.head_dims
     env = environment() | {"triton_block_sizes": dataclasses.asdict(triton_blocks)
                            if triton_blocks else None,
                            "fused_backend": _fused_backend(head_dims, jnp.bfloat16)}
@@ -852,7 +863,7 @@ def _modes(args, deadline: Deadline) -> dict:
             seqs, tokens, heads, dims, dtype = [40], 80, 2, [16], jnp.float32
             reps, samples = 1, 1
         else:
-            seqs = [int(x) for x in args.seqs.split(",")]
+            seqs = args.seqs
             tokens, heads, dims, dtype = args.tokens, args.heads, head_dims, jnp.bfloat16
             reps, samples = args.reps, args.samples
         env["fused_backend"] = _fused_backend(dims, dtype)
@@ -925,7 +936,7 @@ def _modes(args, deadline: Deadline) -> dict:
 
     tag = args.tag or ("smoke" if args.smoke else env["device"].replace(" ", "_"))
     stem = out_dir / f"attention_{tag}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+    write_whole(stem.with_suffix(".json"), json.dumps(result, indent=1, default=str))
     md = [f"# Attention benchmark ({tag})", "", f"device: {env['device']}, jax {env['jax']}, "
           f"python {env['python']}, {env['date']}; fused kernel by d: {env['fused_backend']}", ""]
     if "check" in result:
@@ -945,7 +956,7 @@ def _modes(args, deadline: Deadline) -> dict:
                "", _table(result["ratios"], _ratio_cols(result["ratios"])), "",
                "## Planned memory of one fwd+bwd step (bytes)", "",
                _table(result["memory"], ["d", "T", "B", "fused_bytes", "xla_bytes"]), ""]
-    stem.with_suffix(".md").write_text("\n".join(md))
+    write_whole(stem.with_suffix(".md"), "\n".join(md))
     print(f"wrote {stem}.json / .md")
     return result
 

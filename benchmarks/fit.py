@@ -27,6 +27,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from diff_jax.command import positive_int  # noqa: E402
+from diff_jax.output_dir import write_whole  # noqa: E402
+
 CONFIGS = ["diff-830m", "diff-1.4b", "diff-2.8b", "diff-3b", "diff-6.8b", "diff-13.1b"]
 SLICES = {"tpu": ["v5p:2x2x2", "v5p:2x2x4", "v5p:4x4x4"],
           "h100": ["h100:8", "h100:16", "h100:32", "h100:64"]}
@@ -124,16 +129,21 @@ HEADERS = {
 }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    """The command line in the module docstring (`argv`: None reads sys.argv)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", choices=sorted(SLICES), default="tpu")
-    p.add_argument("--timeout", type=int, default=1800)
-    p.add_argument("--configs", nargs="*", default=CONFIGS)
-    p.add_argument("--impls", nargs="*", default=IMPLS)
+    p.add_argument("--timeout", type=positive_int, default=1800)
+    p.add_argument("--configs", nargs="*", choices=CONFIGS, default=CONFIGS)
+    p.add_argument("--impls", nargs="*", choices=IMPLS, default=IMPLS)
     p.add_argument("--slices", nargs="*", default=None,
                    help="the slices to try, smallest first (default: the target's)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     slices = SLICES[args.target]
+    unknown = [x for x in args.slices or [] if x not in slices]
+    if unknown:
+        p.error(f"--slices: unknown {', '.join(unknown)} for --target {args.target}; expected "
+                f"some of {', '.join(slices)}")
     kind = "tpu" if args.target == "tpu" else "gpu"
     path = ROOT / f"benchmarks/results/{kind}_fit.json"
     # Rows from before the attention column were compiled with the default, xla (and no FLOPs).
@@ -150,12 +160,12 @@ def main() -> None:
                 print(json.dumps(r), flush=True)
                 merged[(config, impl, topology)] = r
                 results = [merged[k] for k in sorted(merged, key=order)]
-                path.write_text(json.dumps(results, indent=1))
+                write_whole(path, json.dumps(results, indent=1))
                 if r.get("fits") or "error" in r and not _verdict(r).startswith("no"):
                     break
     results = [merged[k] for k in sorted(merged, key=order)]
     rows = table(results, args.target)
-    (ROOT / f"docs/{kind}-fit.md").write_text("\n".join(HEADERS[args.target] + rows) + "\n")
+    write_whole(ROOT / f"docs/{kind}-fit.md", "\n".join(HEADERS[args.target] + rows) + "\n")
     print("\n".join(rows))
 
 

@@ -35,9 +35,13 @@ import sys
 import time
 from pathlib import Path
 
-from limited_run import run_limited
+from limited_run import ROOT, run_limited
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from diff_jax.command import positive_float, positive_int, positive_ints  # noqa: E402
+from diff_jax.output_dir import write_whole  # noqa: E402
+
 METRIC = "gpu__time_duration.sum"
 KERNEL = re.compile(r"(diff_flash_[a-z]+)")  # the kernel of a launch's name (any suffixes)
 UNIT_MS = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
@@ -158,14 +162,14 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    p.add_argument("--head-dims", default="128,64")
+    p.add_argument("--head-dims", type=positive_ints, default="128,64")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
-    p.add_argument("--t", type=int, default=4096)
-    p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--limit", type=float, default=90.0, help="seconds a child may take")
-    p.add_argument("--budget", type=float, default=None,
+    p.add_argument("--t", type=positive_int, default=4096)
+    p.add_argument("--tokens", type=positive_int, default=32768)
+    p.add_argument("--heads", type=positive_int, default=16)
+    p.add_argument("--reps", type=positive_int, default=3)
+    p.add_argument("--limit", type=positive_float, default=90.0, help="seconds a child may take")
+    p.add_argument("--budget", type=positive_float, default=None,
                    help="seconds for all rows: a row that would start with less than --limit "
                         "left is recorded as skipped")
     p.add_argument("--run", nargs=2, metavar=("D", "SCHEDULE"), help=argparse.SUPPRESS)
@@ -175,14 +179,15 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--schedules: unknown {', '.join(unknown)}; expected some of "
                 f"{', '.join(SCHEDULES)}")
-    sys.path.insert(0, str(ROOT))
+    if args.tokens < args.t:
+        p.error(f"--tokens {args.tokens}: expected at least --t {args.t} (one sequence)")
     if args.run:
         _child(int(args.run[0]), args.run[1], args)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     start = time.monotonic()
-    for d in (int(x) for x in args.head_dims.split(",")):
+    for d in args.head_dims:
         for schedule in schedules:
             left = None if args.budget is None else args.budget - (time.monotonic() - start)
             if left is not None and left < args.limit:
@@ -191,8 +196,8 @@ def main(argv=None) -> int:
             else:
                 rows.append(profile(d, schedule, args, args.out))
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
-            (args.out / "kernel_profile.json").write_text(json.dumps(rows, indent=1))
-    (args.out / "kernel_profile.md").write_text(markdown(rows))
+            write_whole(args.out / "kernel_profile.json", json.dumps(rows, indent=1))
+    write_whole(args.out / "kernel_profile.md", markdown(rows))
     return 0
 
 

@@ -26,9 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-from limited_run import run_limited
+from limited_run import ROOT, run_limited
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from diff_jax.command import positive_float  # noqa: E402
+from diff_jax.output_dir import write_whole  # noqa: E402
+
 # name: (d, causal, segment ids, backward, Tiles fields over the table's)
 PROBES = {
     "fwd-d64": (64, True, False, False, {}),
@@ -54,7 +58,6 @@ def _child(name: str, split_registers: str | None) -> dict:
     import signal
 
     faulthandler.register(signal.SIGTERM, all_threads=True)  # a hang's stacks, at the kill
-    sys.path.insert(0, str(ROOT))
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -126,7 +129,7 @@ def probe(name: str, limit: float, split_registers: str | None) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--limit", type=float, default=45.0, help="seconds a probe may take")
+    p.add_argument("--limit", type=positive_float, default=45.0, help="seconds a probe may take")
     p.add_argument("--probes", default=",".join(PROBES))
     p.add_argument("--split-registers", default=None,
                    help="K,V: the split dK/dV roles' register counts instead of the kernel's")
@@ -149,7 +152,7 @@ def main(argv=None) -> int:
     for name in names:  # written after each probe: a caller's own limit keeps what was probed
         rows.append(probe(name, args.limit, args.split_registers))
         print(json.dumps({k: x for k, x in rows[-1].items() if k != "tail"}), flush=True)
-        path.write_text(json.dumps(rows, indent=1))
+        write_whole(path, json.dumps(rows, indent=1))
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

@@ -37,6 +37,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from diff_jax.aot import gpu_devices  # noqa: E402
+from diff_jax.command import concluded, leave, positive_int  # noqa: E402
+from diff_jax.output_dir import write_whole  # noqa: E402
 from kernels import flash_mgpu, hopper, ptxas  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / f"mosaic_ptxas_sm90a_jax{jax.__version__}"
@@ -146,22 +148,30 @@ def markdown(rows: list[dict], env: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line in the module docstring (`argv`: None reads sys.argv). Exit status 0; 2
+    on bad input (a --out that cannot be written: one `error:` line); 130 after Ctrl-C."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dims", type=int, nargs="+", default=[64, 96, 128])
-    parser.add_argument("--out", type=Path, default=OUT, help="OUT.json and OUT.md")
+    parser.add_argument("--dims", type=positive_int, nargs="+", default=[64, 96, 128])
+    parser.add_argument("--out", type=Path, default=OUT,
+                        help="writes OUT.json and OUT.md, replacing them (default: %(default)s)")
     args = parser.parse_args(argv)
-    rows = sweep(args.dims)
+    return concluded(lambda: report(args.dims, args.out), (f"--out {args.out}",
+                                                            str(args.out.parent)))
+
+
+def report(dims: list[int], out: Path) -> None:
+    """`main`'s work: the sweep over `dims`, written to OUT.json and OUT.md."""
+    out.parent.mkdir(parents=True, exist_ok=True)  # before the sweep: a bad --out ends at once
+    rows = sweep(dims)
     env = {"arch": "sm_90a", "target": gpu_devices("h100:1")[0].device_kind,
            "host": f"a CPU ({platform.machine()})", "jax": jax.__version__,
            "ptxas": ptxas_version(), "python": platform.python_version(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    out_json, out_md = Path(f"{args.out}.json"), Path(f"{args.out}.md")  # OUT may hold dots
-    out_json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-    out_md.write_text(markdown(rows, env))
+    out_json, out_md = Path(f"{out}.json"), Path(f"{out}.md")  # OUT may hold dots
+    write_whole(out_json, json.dumps({"env": env, "rows": rows}, indent=1))
+    write_whole(out_md, markdown(rows, env))
     print(f"wrote {out_json} and {out_md}")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())  # after Ctrl-C without the interpreter's teardown (diff_jax.command)

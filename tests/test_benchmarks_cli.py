@@ -41,7 +41,7 @@ ARGUMENTS = [
      "argument --baseline-tree: expected a checkout of diff-jax (a directory holding "
      "diff_jax/__init__.py), got '/'"),
     ("compile_cache", ["--repeats", "0"], "argument --repeats: expected an integer >= 1, got 0"),
-    ("prepare_memory", ["--sizes", "4", "0"], "argument --sizes: expected an integer >= 1, got 0"),
+    ("prepare_memory", ["--sizes", "0"], "argument --sizes: expected an integer >= 1, got 0"),
     ("attention", ["--smoke", "--head-dims", "64,x"],
      "argument --head-dims: expected a comma list of integers >= 1, got '64,x'"),
     ("attention", ["--smoke", "--block", "64,0"],

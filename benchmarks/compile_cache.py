@@ -165,8 +165,8 @@ def compare(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = run(args.config, args.set, args.steps, args.repeats)
-    write_whole(out.with_suffix(".json"), json.dumps(result, indent=1) + "\n")
-    write_whole(out.with_suffix(".md"), markdown(result))
+    write_whole(Path(f"{out}.json"), json.dumps(result, indent=1) + "\n")
+    write_whole(Path(f"{out}.md"), markdown(result))
     print(markdown(result))
 
 

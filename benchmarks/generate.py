@@ -146,8 +146,8 @@ def compare(args: argparse.Namespace) -> None:
         lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {per_round} | {s['first_call_s']:.1f} |")
     print("\n".join(lines))
     if args.out:
-        write_whole(args.out.with_suffix(".json"), json.dumps(result, indent=1))
-        write_whole(args.out.with_suffix(".md"), "\n".join(lines) + "\n")
+        write_whole(Path(f"{args.out}.json"), json.dumps(result, indent=1))
+        write_whole(Path(f"{args.out}.md"), "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.reference import check_layout
+from kernels.reference import check_layout, is_array, kind_of
 
 NEG_INF = -1e30
 DEFAULT_CHUNK = 128
@@ -43,6 +43,8 @@ def decode_attention(
     s, hkv, dv = k.shape[1], v.shape[2], v.shape[3]
     if t != 1:
         raise ValueError(f"decode_attention takes one query per row, got T = {t}")
+    if not (is_array(lengths) and jnp.issubdtype(lengths.dtype, jnp.integer)):  # 2.5 ran as 2
+        raise ValueError(f"lengths must be (B,) integers, got {kind_of(lengths)}")
     if lengths.shape != (b,):
         raise ValueError(f"lengths must be (B,) = ({b},), got {lengths.shape}")
     if chunk < 1:

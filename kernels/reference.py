@@ -40,6 +40,16 @@ def attention_mask(
     return mask
 
 
+def is_array(x: object) -> bool:
+    """Whether `x` is an array: jax's, NumPy's or a tracer (not a list or a Python number)."""
+    return hasattr(x, "dtype") and hasattr(x, "shape")
+
+
+def kind_of(x: object) -> str:
+    """What an error names `x` by: its dtype if it is an array, else its Python type."""
+    return str(x.dtype) if is_array(x) else type(x).__name__
+
+
 def check_layout(
     q: jax.Array,
     k: jax.Array,
@@ -51,7 +61,8 @@ def check_layout(
     lam: jax.Array | float | None = None,
     double_width_values: bool = False,
 ) -> None:
-    """One ValueError naming the argument whose shape breaks the layouts above, if one does.
+    """One ValueError naming the argument whose shape breaks the layouts above, if one does (a
+    TypeError for q, k or v that is not a floating-point array).
 
     With nc = `num_components` (2: differential, 1: standard): q (B, T, H·nc, d),
     k (B, S, Hkv·nc, d), v (B, S, Hkv, dv) with Hkv dividing H, and dv = 2d if
@@ -59,6 +70,9 @@ def check_layout(
     (only with `segment_ids`), S == T when only `segment_ids` is given; `lam` a scalar.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
+        # an int array used to run, its output rounded to ints
+        if not (is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)):
+            raise TypeError(f"{name} must be a floating-point array, got {kind_of(x)}")
         if x.ndim != 4:
             raise ValueError(f"{name} must be 4-D (batch, length, heads, width), got shape {x.shape}")
     nc = num_components
@@ -77,11 +91,13 @@ def check_layout(
     if double_width_values and v.shape[3] != 2 * d:
         raise ValueError(f"v must be (B, S, Hkv, 2d) = {(b, s, hkv, 2 * d)}, got {v.shape}")
     if h % hkv:
+        pairs = "; q holds 2H sub-heads and k 2Hkv (Q1, Q2 of head h at 2h, 2h+1)" if nc == 2 else ""
         raise ValueError(f"the query heads ({h}) must be a multiple of the kv heads ({hkv}): "
-                         f"q {q.shape}, k {k.shape}")
+                         f"q {q.shape}, k {k.shape}{pairs}")
     for name, ids in (("segment_ids", segment_ids), ("kv_segment_ids", kv_segment_ids)):
-        if ids is not None and not jnp.issubdtype(ids.dtype, jnp.integer):  # the kernels cast
-            raise ValueError(f"{name} must be integers (0: padding), got {ids.dtype}")  # 0.5 to 0
+        # float ids: the kernels would cast 0.5 to 0
+        if ids is not None and not (is_array(ids) and jnp.issubdtype(ids.dtype, jnp.integer)):
+            raise ValueError(f"{name} must be integers (0: padding), got {kind_of(ids)}")
     if segment_ids is not None:
         if segment_ids.shape != (b, t):
             raise ValueError(f"segment_ids must be (B, T) = {(b, t)}, got {segment_ids.shape}")

@@ -421,6 +421,23 @@ def test_decode_attention_refuses_lengths_of_another_batch_two_queries_and_a_chu
         kernels.decode_attention(q, k, v, 0.5, lengths=lengths, chunk=0)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_inputs_that_are_not_float_arrays_are_one_error_naming_the_argument(impl):
+    """Integer q, k, v used to run and return the output rounded to integers (and a list failed
+    in an AttributeError); float cache lengths ran truncated (2.5 read as 2)."""
+    q, k, v = jnp.zeros((1, 5, 4, 16)), jnp.zeros((1, 5, 2, 16)), jnp.zeros((1, 5, 1, 32))
+    with pytest.raises(TypeError, match=r"^q must be a floating-point array, got int32$"):
+        kernels.diff_attention(q.astype(jnp.int32), k, v, 0.5, impl=impl)
+    with pytest.raises(TypeError, match=r"^q must be a floating-point array, got int32$"):
+        kernels.dot_product_attention(q.astype(jnp.int32), k, k, impl=impl)
+    with pytest.raises(TypeError, match=r"^k must be a floating-point array, got list$"):
+        kernels.diff_attention(q, k.tolist(), v, 0.5, impl=impl)
+    with pytest.raises(ValueError, match=r"segment_ids must be integers \(0: padding\), got list"):
+        kernels.diff_attention(q, k, v, 0.5, segment_ids=[[1] * 5], impl=impl)
+    with pytest.raises(ValueError, match=r"^lengths must be \(B,\) integers, got float32$"):
+        kernels.decode_attention(q[:, :1], k, v, 0.5, lengths=jnp.asarray([2.5]))
+
+
 def test_four_call_composition_equals_the_oracle():
     """The cuDNN route's layout (4H heads of width d, GQA by head // n_rep), run here with
     jax.nn.dot_product_attention's xla implementation: equal to the oracle, gradients too."""

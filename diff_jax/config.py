@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import numbers
 import os
 import types
 import typing
@@ -107,6 +108,11 @@ class ModelConfig:
     attn_logit_bits: int | None = None  # analysis only: absmax fake-quantize attention logits
 
     def __post_init__(self) -> None:
+        spec = self._variant_spec  # "unknown variant", naming the known ones
+        hints = typing.get_type_hints(ModelConfig)
+        for f in dataclasses.fields(self):  # a ModelConfig built in Python, where no YAML
+            key = f"model.{f.name}"  # coercion ran: "false" would be true, 64.0 a width
+            object.__setattr__(self, f.name, coerce(getattr(self, f.name), hints[f.name], key))
         e, h = self.embed_dim, self.num_heads
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "max_seq_len"):
             _require(0 < getattr(self, name) <= INT32_MAX, f"model.{name}",
@@ -120,10 +126,6 @@ class ModelConfig:
         _require(kv > 0, "model.num_kv_heads", "must be positive")
         _require(h % kv == 0, "model.num_kv_heads",
                  f"num_heads ({h}) must be divisible by num_kv_heads ({kv})")
-        spec = self._variant_spec
-        for name, tp in typing.get_type_hints(ModelConfig).items():  # dtype, remat, ... built
-            if typing.get_origin(tp) is Literal:  # in Python, where no YAML coercion ran
-                coerce(getattr(self, name), tp, f"model.{name}")
         n = spec.sub_heads * h
         heads = f"{spec.sub_heads}·num_heads" if spec.sub_heads > 1 else "num_heads"
         if spec.fixed_head_dim:
@@ -557,7 +559,7 @@ def _to_plain(x: Any) -> Any:
 def coerce(value: Any, tp: Any, key: str) -> Any:
     """Check `value` against the annotation `tp`, converting where YAML is loose (int -> float);
     `ConfigError` naming `key` otherwise. The one type-coercion of the project: config files,
-    overrides and eval.py's options."""
+    overrides, eval.py's options and the fields of a `ModelConfig` built in Python."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -592,9 +594,10 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true/false, got {value!r}")
         return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
+    if tp is int:  # NumPy's integers too (a sweep's values in a ModelConfig built in Python)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        value = int(value)
         if not -2**63 <= value < 2**63:  # numpy and jax take int64: a larger one overflows later
             raise ConfigError(f"{key}: expected an integer of at most 64 bits, got {value}")
         return value
@@ -604,7 +607,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
                 value = float(value)
             except ValueError:
                 pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         if not math.isfinite(value):  # YAML's .inf / .nan: no setting means them
             raise ConfigError(f"{key}: expected a finite number, got {value!r}")

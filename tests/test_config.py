@@ -1,8 +1,10 @@
 """Config loading, `base:` inheritance, overrides, and errors that name the key and the rule."""
 
 import copy
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from diff_jax.config import ConfigError, ModelConfig, dump_config, load_config
@@ -320,6 +322,28 @@ def test_model_config_built_in_python_checks_its_choices(field, value):
     or output_init="xavier" as normal."""
     with pytest.raises(ConfigError, match=rf"model\.{field}: must be one of \[.*\], got '{value}'"):
         ModelConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("tie_embeddings", "false", "expected true/false, got 'false'"),  # ran as true
+    ("learn_lambda", "no", "expected true/false, got 'no'"),  # ran as true
+    ("vocab_size", True, "expected an integer, got True"),  # ran with a vocabulary of 1
+    ("embed_dim", 64.0, "expected an integer, got 64.0"),  # failed deep in jax
+    ("num_heads", "2", "expected an integer, got '2'"),  # TypeError: '<' between int and str
+    ("init_std", float("inf"), "expected a finite number, got inf"),  # initialized inf weights
+])
+def test_model_config_built_in_python_checks_every_fields_type(field, value, says):
+    """Every field of a ModelConfig made in Python is checked as the YAML path checks it (before,
+    only the fields with a fixed set of choices were): one ConfigError naming the field."""
+    with pytest.raises(ConfigError, match=rf"^model\.{field}: {re.escape(says)}$"):
+        ModelConfig(**{field: value})
+
+
+def test_model_config_built_in_python_takes_numpy_numbers_as_python_ones():
+    config = ModelConfig(embed_dim=np.int64(64), num_heads=np.int32(2), rope_theta=np.float32(500))
+    assert (config.embed_dim, config.num_heads, config.rope_theta) == (64, 2, 500.0)
+    assert type(config.embed_dim) is int and type(config.rope_theta) is float
+    assert config == ModelConfig(embed_dim=64, num_heads=2, rope_theta=500)
 
 
 def test_apply_overrides_leaves_the_callers_dict_as_it_was():

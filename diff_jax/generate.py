@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import operator
 from collections.abc import Sequence
 
@@ -34,21 +35,27 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (_is_number(self.temperature) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
 
 def _is_int(x: object) -> bool:
-    """An integer (Python's or NumPy's), not a float that happens to be whole."""
+    """An integer (Python's or NumPy's), not a float that happens to be whole, nor a bool."""
     try:
         operator.index(x)
     except TypeError:
         return False
-    return True
+    return not isinstance(x, (bool, np.bool_))
+
+
+def _is_number(x: object) -> bool:
+    """A real number (Python's or NumPy's), not a string or a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
 def _prompt_ids(prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array) -> list[list[int]]:
@@ -156,11 +163,16 @@ def generate(
 ) -> list[list[int]]:
     """New tokens for each prompt (the prompt excluded; stops after `eos_id`, which is kept):
     B prompts of any lengths (lists of ints, or a (B, T) array) -> B lists of at most
-    `max_new_tokens` ids. `seed` in [0, 2**32) seeds the sampling.
+    `max_new_tokens` ids. `config` is the `ModelConfig` (a `Config`'s `.model`); `params` what
+    `init` returns under "params" (boxed or unboxed); `seed` in [0, 2**32) seeds the sampling;
+    `eos_id` in [0, vocab_size).
 
     The whole decode runs on the device in one jitted call (`_generate`); only the finished
     tokens come back to the host. `model.attn_logit_bits` must be null (a KV cache refuses it).
     """
+    model = DecoderLM(config, decode=True)  # a TypeError unless config is a ModelConfig
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
     prompts = _prompt_ids(prompts)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -168,6 +180,9 @@ def generate(
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if not _is_int(seed) or not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+    if eos_id is not None and not (_is_int(eos_id) and 0 <= eos_id < config.vocab_size):
+        raise ValueError(f"eos_id must be None or an int in [0, {config.vocab_size}) "
+                         f"(model.vocab_size), got {eos_id!r}")
     max_new_tokens, seed = operator.index(max_new_tokens), operator.index(seed)
     if sampling.top_k > config.vocab_size:
         raise ValueError(f"top_k must be <= model.vocab_size ({config.vocab_size}), got "
@@ -186,7 +201,6 @@ def generate(
             raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size})")
         tokens[i, : len(p)] = p
 
-    model = DecoderLM(config, decode=True)
     cache_shape = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((b, total), jnp.int32))["cache"]
     cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shape)
     out = np.asarray(_generate(model, params, cache, jnp.asarray(tokens), jnp.asarray(lengths),

@@ -114,6 +114,12 @@ class DecoderLM(nn.Module):
     decode: bool = False
     attention_op: AttentionOp | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, ModelConfig):  # a whole Config failed at its first field
+            raise TypeError(f"DecoderLM takes a ModelConfig (a Config's .model), got "
+                            f"{type(self.config).__name__}")
+        super().__post_init__()
+
     def quantized(self, bits: jax.Array | None) -> DecoderLM:
         """This model with every layer's attention logits absmax fake-quantized to `bits`
         (`AttentionOp.quantized`: an int32 scalar, traceable, so build the model inside the

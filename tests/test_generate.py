@@ -1,5 +1,6 @@
 """KV-cache decoding equals the full-sequence forward, position by position, for every variant."""
 
+import dataclasses
 import functools
 
 import jax
@@ -432,6 +433,33 @@ def test_prompts_may_be_arrays_and_ids_that_are_not_ints_are_refused():
         generate(cfg, params, [[3, 4]], max_new_tokens=3.0)
     with pytest.raises(ValueError, match=r"^top_k must be an int >= 0, got 2\.5$"):
         SamplingConfig(temperature=1.0, top_k=2.5)
+
+
+@pytest.mark.parametrize("eos_id", [3.5, V, 2**40, -1, True])
+def test_an_eos_id_that_is_no_token_of_the_vocabulary_is_refused(eos_id):
+    """3.5 stopped at token 3, 2**40 was an OverflowError, and an id outside the vocabulary never
+    stops a row (-1 silently meant none)."""
+    cfg, params = _setup("transformer")
+    with pytest.raises(ValueError, match=rf"^eos_id must be None or an int in \[0, {V}\) "):
+        generate(cfg, params, [[3, 4]], max_new_tokens=2, eos_id=eos_id)
+
+
+def test_a_whole_config_or_sampling_settings_of_another_type_are_refused_naming_them():
+    """A `Config` where its `.model` is meant failed in an AttributeError on its first field, a
+    dict of sampling settings likewise; a temperature or top_p given as a string failed in
+    math.isfinite or a comparison naming neither, and top_k=True ran as top-1."""
+    from diff_jax.config import Config
+
+    cfg, params = _setup("transformer")
+    with pytest.raises(TypeError, match=r"^DecoderLM takes a ModelConfig \(a Config's \.model\), "
+                                        r"got Config$"):
+        generate(Config(model=cfg, train=dataclasses.replace(Config().train, seq_len=16)),
+                 params, [[3, 4]], max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"^sampling must be a SamplingConfig, got dict$"):
+        generate(cfg, params, [[3, 4]], max_new_tokens=2, sampling={"temperature": 1.0})
+    for field, value in [("temperature", "0.5"), ("top_p", "0.9"), ("top_k", True)]:
+        with pytest.raises(ValueError, match=rf"^{field} must be .*, got {value!r}$"):
+            SamplingConfig(**{field: value})
 
 
 @pytest.mark.parametrize("seed", [-1, 2**32, 2**63, 1.0])

@@ -283,6 +283,16 @@ def test_targets_that_are_not_one_id_per_token_are_refused(kw, says):
         model.apply(variables, tokens, **kw)
 
 
+def test_a_whole_config_is_refused_naming_the_model_section():
+    """`DecoderLM(load_config(...))` (a `Config`, not its `.model`) failed at init in an
+    AttributeError on the first field it read."""
+    from diff_jax.config import Config
+
+    with pytest.raises(TypeError, match=r"^DecoderLM takes a ModelConfig \(a Config's \.model\), "
+                                        r"got Config$"):
+        DecoderLM(Config())
+
+
 def test_the_readme_python_example_runs_as_its_comments_say(monkeypatch):
     """The README's "From Python" block, executed as written from the repository root: the
     shapes its comments state, 8 new tokens, and the fused kernel (here its interpreter) equal

@@ -46,6 +46,8 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
 
     Devices of several TPU slices (a multi-slice job; their `slice_index` differs) get a hybrid
     mesh in which `data` alone crosses slices (`slice_devices`)."""
+    if not isinstance(cfg, MeshConfig):  # a whole Config failed at its first field
+        raise TypeError(f"make_mesh takes a MeshConfig (a Config's .mesh), got {type(cfg).__name__}")
     types = (AxisType.Auto,) * len(AXES)
     present = jax.devices() if devices is None else list(devices)
     if num_slices(present) > 1:

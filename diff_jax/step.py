@@ -199,6 +199,12 @@ def build_steps(config: Config, mesh: Mesh) -> Steps:
     traced nor looked up in a compilation cache again (a tiny model's repeated `train_loop.run`:
     1.2–1.5 s against 3.8–4.9 s with the programs read back from the persistent cache).
     """
+    if not isinstance(config, Config):
+        raise TypeError(f"build_steps takes the whole run Config (its model, optim, train and mesh "
+                        f"sections), got {type(config).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"build_steps takes a jax Mesh (diff_jax.sharding.make_mesh(config.mesh)), "
+                        f"got {type(mesh).__name__}")
     t = config.train
     return _build_steps(config.model, config.optim, t.steps, t.batch_size, t.grad_accum,
                         config.mesh.rules, mesh)

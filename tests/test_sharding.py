@@ -161,6 +161,21 @@ def test_a_mesh_with_explicit_or_other_axes_is_refused_before_tracing():
                                           axis_types=(jax.sharding.AxisType.Auto,) * 3))
 
 
+def test_the_sections_a_builder_takes_are_named_when_another_object_is_given():
+    """`build_steps(config.model, mesh)`, `build_steps(config, None)` and `make_mesh(config)`
+    failed in AttributeErrors on the first field they read."""
+    config = Config(model=MODEL, train=TrainConfig(steps=10, batch_size=8, seq_len=16))
+    mesh = make_mesh(config.mesh)
+    with pytest.raises(TypeError, match=r"^build_steps takes the whole run Config .* got ModelConfig$"):
+        build_steps(config.model, mesh)
+    with pytest.raises(TypeError, match=r"^build_steps takes a jax Mesh \(diff_jax\.sharding\."
+                                        r"make_mesh\(config\.mesh\)\), got NoneType$"):
+        build_steps(config, None)
+    with pytest.raises(TypeError, match=r"^make_mesh takes a MeshConfig \(a Config's \.mesh\), "
+                                        r"got Config$"):
+        make_mesh(config)
+
+
 def test_sharded_step_equals_one_device_and_params_are_sharded_by_the_rules():
     state1, loss1, grads1, m1 = _sharded(MeshConfig(data=1, fsdp=1, tensor=1), one_device=True)
     state8, loss8, grads8, m8 = _sharded(MeshConfig(data=2, fsdp=2, tensor=2))

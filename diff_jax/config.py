@@ -497,6 +497,9 @@ class DistributedConfig:
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    # A process that sends no heartbeat for this long (killed, its host lost) is taken for dead
+    # and jax aborts the others (jax's default; README "Multi-host")
+    heartbeat_timeout_s: int = 100
 
     def __post_init__(self) -> None:
         if self.coordinator is not None:  # jax indexes the port out of it: without one, IndexError
@@ -512,6 +515,8 @@ class DistributedConfig:
                  "must be positive")
         _require(self.process_id is None or self.process_id >= 0, "distributed.process_id",
                  "must be >= 0")
+        _require(self.heartbeat_timeout_s > 0, "distributed.heartbeat_timeout_s",
+                 "must be positive")
         _require(None in (self.num_processes, self.process_id)
                  or self.process_id < self.num_processes, "distributed.process_id",
                  f"must be below distributed.num_processes ({self.num_processes})")

@@ -78,17 +78,20 @@ class RunResult:
 
 def initialize_distributed(cfg: DistributedConfig) -> None:
     """`jax.distributed.initialize`: explicit from `distributed.*`, else auto-detected (TPU pods,
-    SLURM, …), else single-process. Must run before any other JAX call."""
+    SLURM, …), else single-process, with `distributed.heartbeat_timeout_s`. Must run before
+    any other JAX call."""
+    heartbeat = cfg.heartbeat_timeout_s
     if cfg.coordinator is not None:
         try:
             jax.distributed.initialize(coordinator_address=cfg.coordinator,
-                                       num_processes=cfg.num_processes, process_id=cfg.process_id)
+                                       num_processes=cfg.num_processes, process_id=cfg.process_id,
+                                       heartbeat_timeout_seconds=heartbeat)
         except ValueError as e:  # e.g. no num_processes and no cluster to read it from
             raise ConfigError(f"distributed.coordinator={cfg.coordinator}: {e} (set "
                               "distributed.num_processes=N and distributed.process_id=I)") from e
         return
     try:
-        jax.distributed.initialize()
+        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat)
     except ValueError as e:  # no cluster detected: a single process
         if "coordinator_address" not in str(e):
             raise

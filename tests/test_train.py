@@ -750,6 +750,17 @@ def test_a_coordinator_without_a_process_count_is_one_error_line(corpus, tmp_pat
     assert not (tmp_path / "run").exists()
 
 
+def test_the_heartbeat_timeout_reaches_jax(monkeypatch):
+    """`distributed.heartbeat_timeout_s` is passed to jax's initialize, explicit or detected."""
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    cfg = load_config(None, ["distributed.heartbeat_timeout_s=7"]).distributed
+    train_loop.initialize_distributed(cfg)
+    train_loop.initialize_distributed(dataclasses.replace(cfg, coordinator="h:1", num_processes=2,
+                                                          process_id=1))
+    assert [c["heartbeat_timeout_seconds"] for c in calls] == [7, 7]
+
+
 def test_a_run_dir_that_cannot_be_made_is_bad_input_naming_it(corpus, tmp_path, capsys):
     config = _config_file(corpus, tmp_path)
     (tmp_path / "in.txt").write_text("a file")

@@ -9,6 +9,8 @@ refused or damaged checkpoint, a file that cannot be read or written, e.g. in tr
 model or batch too big for the devices' memory; the same as eval.py and python -m
 diff_jax.export), 1 diverged, 130 stopped at once by Ctrl-C (before
 training began, or pressed a second time: the first one finishes the step, saves it and exits 0).
+In a multi-process job, a process that another one's failure stopped says so in one line and exits
+with that one's status (diff_jax/peers.py).
 """
 
 from __future__ import annotations

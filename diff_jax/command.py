@@ -13,7 +13,9 @@ Ctrl-C stopped), not a traceback. `leave` then exits without the interpreter's t
 a Ctrl-C that cut an XLA compilation short, the teardown crashed (SIGSEGV, or SIGABRT with "pure
 virtual method called") or printed "lost sys.stderr" after that line. What must reach the disk
 has by then: outputs are written whole or not at all (`output_dir`), and checkpoint managers are
-closed on the way out.
+closed on the way out. What must run as the process ends all the same (`before_leaving`: a
+multi-process job's failed process leaves without jax's shutdown barrier, `diff_jax.peers`) runs
+first.
 
 `concluded` ends a command this way once its arguments are parsed (the benchmark scripts); the
 argparse types below refuse an argument as argparse does (its usage and an error line naming
@@ -23,6 +25,7 @@ the argument, exit status 2).
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import math
 import os
@@ -39,6 +42,8 @@ from diff_jax.file_errors import describe
 EXIT_NON_FINITE = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+
+_last: list[Callable[[], None]] = []  # `before_leaving`'s hooks, for `leave` at once
 
 
 def failed(text: str, status: int = EXIT_BAD_INPUT) -> int:
@@ -124,12 +129,22 @@ def positive_float(text: str) -> float:
     return value
 
 
+def before_leaving(hook: Callable[[], None]) -> None:
+    """Run `hook` as the process ends: in `leave` before it exits at once, else at the
+    interpreter's exit (`atexit`: before the hooks registered earlier, such as jax's)."""
+    _last.append(hook)
+    atexit.register(hook)
+
+
 def leave(status: int) -> NoReturn:
-    """Exit the process with `status`: after `EXIT_INTERRUPTED` at once (the streams flushed, the
-    interpreter's teardown skipped), otherwise as `sys.exit` does."""
+    """Exit the process with `status`: after `EXIT_INTERRUPTED` at once (the streams flushed,
+    `before_leaving`'s hooks run, the interpreter's teardown skipped), otherwise as `sys.exit`
+    does."""
     if status == EXIT_INTERRUPTED:
         sys.stdout.flush()
         sys.stderr.flush()
+        for hook in reversed(_last):
+            hook()
         os._exit(status)
     sys.exit(status)
 

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from diff_jax import checkpoint, data, optim
-from diff_jax.command import EXIT_BAD_INPUT, EXIT_NON_FINITE, failed
+from diff_jax import checkpoint, data, optim, peers
+from diff_jax.command import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE, failed
 from diff_jax.config import (Config, ConfigError, DistributedConfig, TrainConfig, dump_config,
                              from_dict)
 from diff_jax.data.heldout import HeldOut
@@ -63,8 +63,17 @@ def report(error: BaseException, named: list[tuple[str, str]]) -> int:
     that diverged. Checkpoints already saved are complete either way."""
     text = describe(error, named) if isinstance(error, OSError) else str(error)
     checkpoint.quiet_abandoned_io()  # the process exits next: this line stays the last
-    return failed(text, EXIT_NON_FINITE if isinstance(error, NonFiniteLossError)
-                  else EXIT_BAD_INPUT)
+    return failed(text, exit_status(error))
+
+
+def exit_status(error: BaseException) -> int:
+    """The status `train.py` exits with after `error` escaped `run`: `report`'s for
+    `RUN_ERRORS`, 130 for Ctrl-C, else 1 (Python's, after the traceback)."""
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(error, NonFiniteLossError):
+        return EXIT_NON_FINITE
+    return EXIT_BAD_INPUT if isinstance(error, RUN_ERRORS) else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,12 +251,13 @@ def _check_vocab_size(config: Config, data_vocab_size: int | None) -> None:
 
 def run(config: Config) -> RunResult:
     """Train (or resume) `config` to `train.steps`. Raises `DeviceMemoryError` where the model
-    or the step does not fit in device memory; the checkpoints already committed are kept."""
+    or the step does not fit in device memory; the checkpoints already committed are kept. In a
+    multi-process job an error here stops the other processes too (`peers.stop_together`)."""
     initialize_distributed(config.distributed)
     advice = train_advice(config, "the training run", devices_here()) + (
         f"; train.compile_only=true reports the step's memory per device; the checkpoints already "
         f"committed in {config.train.run_dir}/checkpoints are kept")
-    with fit_or_explain(advice):
+    with peers.stop_together(exit_status), fit_or_explain(advice):
         return _run(config)
 
 

@@ -90,6 +90,18 @@ def test_ctrl_c_leaves_without_the_interpreters_teardown():
         "interrupted: stopped at once; each result file is whole (this run's or the earlier one)"]
 
 
+@pytest.mark.parametrize("status", [2, 130])
+def test_before_leaving_runs_as_the_process_leaves(status):
+    """A `before_leaving` hook runs at the interpreter's exit, and before `leave` exits at once
+    (where no exit handler runs)."""
+    script = ("from diff_jax.command import before_leaving, leave\n"
+              "before_leaving(lambda: print('hook ran', flush=True))\n"
+              f"leave({status})")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert (proc.returncode, proc.stdout) == (status, "hook ran\n"), proc.stderr[-3000:]
+
+
 def test_side_by_side_waits_for_its_workers_before_passing_ctrl_c_on(tmp_path, monkeypatch):
     """Ctrl-C while the parent waits: every worker got it too and is saving its step, so the
     parent joins them before the KeyboardInterrupt leaves side_by_side (not leaving them

@@ -1,23 +1,41 @@
 """Two processes on localhost (jax.distributed, 2 CPU devices each) == one process with 4 devices,
-across a stop and a resume, and past a damaged checkpoint both processes set aside."""
+across a stop and a resume, and past a damaged checkpoint both processes set aside; one process
+that fails stops the other at once."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
+from diff_jax.checkpoint import committed_steps
 from training_fixtures import process_env, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# train.py, but process 1's disk is full: its check for a failed async save, at the start of
+# step 5, raises what tensorstore's failed write of step 3 becomes
+FULL_DISK = """
+import errno, runpy
+from diff_jax import checkpoint
+calls = []
+def check_saves(mngr):
+    calls.append(mngr)
+    if len(calls) == 5:
+        raise OSError(errno.ENOSPC, "No space left on device", str(mngr.directory))
+checkpoint.check_saves = check_saves
+runpy.run_path("train.py", run_name="__main__")
+"""
 
-def _args(corpus: Path, run: Path) -> list[str]:
-    return [sys.executable, "train.py", "model.vocab_size=64", "model.embed_dim=32",
+
+def _args(corpus: Path, run: Path, script: tuple[str, ...] = ("train.py",)) -> list[str]:
+    return [sys.executable, *script, "model.vocab_size=64", "model.embed_dim=32",
             "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=64", "train.seq_len=16",
             "train.batch_size=8", "train.steps=6", "train.log_every=1", "train.eval_every=0",
             "data.source=tokens", f"data.paths=[{corpus}]", "data.validation_fraction=0",
@@ -30,15 +48,26 @@ def _losses(run: Path) -> list[float]:
     return [x["loss"] for x in lines if "loss" in x]
 
 
-def _two_processes(corpus: Path, run: Path, *overrides: str) -> list[str]:
-    """Run train.py as processes 0 and 1 of a localhost job; returns their outputs."""
+def _start(corpus: Path, run: Path, *overrides: str, process_1: tuple[str, ...] = ("train.py",),
+           out: Path | None = None) -> list[subprocess.Popen]:
+    """Start train.py as processes 0 and 1 of a localhost job (process 1 runs `python
+    *process_1` instead), their output piped, or written to `out`/0 and `out`/1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen(_args(corpus, run) + [
-        f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
-        f"distributed.process_id={i}", *overrides], cwd=ROOT, env=process_env(2),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = []
+    for i in range(2):
+        with open(out / str(i), "w") if out else contextlib.nullcontext(subprocess.PIPE) as stdout:
+            procs.append(subprocess.Popen(_args(corpus, run, process_1 if i else ("train.py",)) + [
+                f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
+                f"distributed.process_id={i}", *overrides], cwd=ROOT, env=process_env(2),
+                stdout=stdout, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _two_processes(corpus: Path, run: Path, *overrides: str) -> list[str]:
+    """Run train.py as processes 0 and 1 of a localhost job; returns their outputs."""
+    procs = _start(corpus, run, *overrides)
     outs = [p.communicate(timeout=300)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
@@ -89,3 +118,32 @@ def test_two_processes_match_one_process_resume_and_set_a_damaged_step_aside_tog
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [4, 6]
     assert not (run / "discarding_after").exists()
     np.testing.assert_allclose(_losses(run), losses, rtol=1e-6)
+
+
+def test_a_process_that_fails_stops_the_other_at_once_naming_it(tmp_path):
+    """Process 1's disk fills at step 5 (`FULL_DISK`) while process 0 waits for it in the
+    step's collectives. Process 1 ends in its one `error:` line and process 0, within seconds
+    (before, both waited out jax's 300 s shutdown barrier and aborted with a C++ log and stack
+    trace, exit status -6), in one line naming process 1 and its error, with its exit status.
+    Step 3, committed before the failure, is kept."""
+    corpus = write_corpus(tmp_path / "corpus")
+    run = tmp_path / "run"
+    procs = _start(corpus, run, process_1=("-c", FULL_DISK), out=tmp_path)
+    failed_at, deadline = None, time.monotonic() + 300
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if failed_at is None and "error:" in (tmp_path / "1").read_text():
+            failed_at = time.monotonic()
+            deadline = failed_at + 60  # jax's heartbeat timeout is 100 s, its shutdown barrier 300
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    outs = [(tmp_path / str(i)).read_text() for i in range(2)]
+    assert [p.wait() for p in procs] == [2, 2], outs[0][-3000:] + outs[1][-3000:]
+    directory = run.resolve() / "checkpoints"
+    assert outs[1].splitlines()[-1].startswith("error: ") and "No space left on device" in outs[1]
+    assert outs[0].splitlines()[-1] == (
+        f"error: process 1 of 2 failed: OSError: [Errno 28] No space left on device: "
+        f"'{directory}'; this process stopped with it")
+    assert "Traceback" not in outs[0] + outs[1] and "Check failure" not in outs[0] + outs[1]
+    assert committed_steps(run) == [3]

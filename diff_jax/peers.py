@@ -1,0 +1,176 @@
+"""A multi-process job stops together: when one process fails, the others stop within a second.
+
+Without this, a process that raised (bad input only it sees, a full disk, a device out of
+memory, Ctrl-C pressed twice on it) printed its error and then waited in jax's shutdown barrier,
+and its peers waited in their next collective, until jax's coordination service gave up on the
+barrier (300 s) and aborted every process with a screen of C++ log and stack trace (exit status
+-6).
+
+`stop_together` wraps a process's part of the job. An error that escapes it is announced in
+the coordination service's key-value store before it propagates: `FAILED_KEY` holds the first
+process's failure (its index, exit status and error's first line), and each other process's
+`STOP_KEY` is set. Each process waits for its own `STOP_KEY` in a thread, so it hears of the
+failure even while its main thread waits inside a collective: it prints one line naming the
+process that failed (`error: process 1 of 2 failed: …`, or `interrupted:` after Ctrl-C) and
+exits at once with that process's status. They then leave together through jax's shutdown
+barrier, without the interpreter's teardown; process 0, which hosts the coordination service,
+joins it once the others have said they are leaving (they would abort with a C++ log on losing
+the service first), and leaves without it after `LEAVE_WAIT_S`. A process that ends normally
+sets its own `STOP_KEY` to stop its thread before jax shuts down.
+
+A process killed outright (SIGKILL, a lost host) announces nothing: the others then stop when
+the coordination service misses its heartbeats (`distributed.heartbeat_timeout_s`), with jax's
+own abort. Checkpoints: the failing process closes its checkpoint manager, which waits for a
+save in flight to commit, before it announces; the others stop where a killed process would,
+and orbax commits a step only once every process has written it, so the committed steps stay as
+they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
+
+import jax
+
+from diff_jax.command import EXIT_INTERRUPTED, before_leaving, failed, interrupted
+from diff_jax.error_text import first_line
+
+FAILED_KEY = "diff_jax/failed"  # the job's first failure, a `Failure` as JSON
+STOP_KEY = "diff_jax/stop/"  # + a process index: "failed" (by the failing process) or "done"
+LEFT_KEY = "diff_jax/left/"  # + a process index: that process is leaving (process 0 waits)
+DONE = "done"  # a process's own STOP_KEY at its normal end
+LEAVE_WAIT_S = 10.0  # how long process 0 waits for the others to leave before it does
+WATCH_MS = 2**31 - 1  # the watcher's wait: the whole job (it ends with a STOP_KEY)
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """How one process of the job failed: its index, exit status and what happened."""
+
+    process: int
+    status: int
+    what: str  # "failed: <error>" or "was stopped at once (Ctrl-C)"
+
+    @classmethod
+    def of(cls, error: BaseException, process: int, status: int) -> Failure:
+        """`error`, which ends `process` with `status`."""
+        what = ("was stopped at once (Ctrl-C)" if isinstance(error, KeyboardInterrupt)
+                else f"failed: {type(error).__name__}: {first_line(error)}")
+        return cls(process, status, what)
+
+    def line(self, processes: int) -> int:
+        """Print this failure as the one line a peer ends with; return its exit status."""
+        text = f"process {self.process} of {processes} {self.what}; this process stopped with it"
+        return interrupted(text) if self.status == EXIT_INTERRUPTED else failed(text, self.status)
+
+
+@contextlib.contextmanager
+def stop_together(status: Callable[[BaseException], int]) -> Iterator[None]:
+    """In a multi-process job, announce an error escaping the block (with its exit status
+    `status(error)`, which the command must exit with) to the other processes, and stop this
+    process at once when another one announces its own. A no-op in a single process."""
+    from jax._src import distributed
+
+    state = distributed.global_state
+    if state.client is None or state.num_processes < 2:
+        yield
+        return
+    job = _Job(state.client, jax.process_index(), jax.process_count())
+    job.watcher.start()
+    before_leaving(job.at_exit)
+    try:
+        yield
+    except BaseException as e:
+        if not job.announce(Failure.of(e, job.me, status(e))):
+            job.yield_to_watcher()
+        raise
+
+
+@dataclasses.dataclass
+class _Job:
+    """This process's part in stopping together: the coordination-service client, the watcher
+    thread and this process's own failure once announced."""
+
+    client: Any
+    me: int
+    processes: int
+    failure: Failure | None = None
+    watcher: threading.Thread = dataclasses.field(init=False)
+    stopping: threading.Event = dataclasses.field(default_factory=threading.Event)  # by another
+
+    def __post_init__(self) -> None:
+        self.watcher = threading.Thread(target=self.watch, name="diff_jax-peers", daemon=True)
+
+    def announce(self, failure: Failure) -> bool:
+        """Record `failure` as the job's and tell the other processes; False where another
+        process's was recorded first (this error then most likely follows from it)."""
+        try:
+            self.client.key_value_set(FAILED_KEY, json.dumps(dataclasses.asdict(failure)))
+        except Exception:  # ALREADY_EXISTS (jax's error type differs across versions)
+            if self.stopping.is_set():
+                return False
+            with contextlib.suppress(Exception):  # the service gone: this failure is ours
+                if json.loads(self.client.key_value_try_get(FAILED_KEY))["process"] != self.me:
+                    return False
+        self.failure = failure
+        for p in range(self.processes):
+            if p != self.me:
+                with contextlib.suppress(Exception):  # already "done", or the service gone
+                    self.client.key_value_set(f"{STOP_KEY}{p}", "failed")
+        return True
+
+    def watch(self) -> None:
+        """The watcher thread: wait for this process's STOP_KEY; after another process's
+        failure, end this process with its line and status."""
+        try:
+            if self.client.blocking_key_value_get(f"{STOP_KEY}{self.me}", WATCH_MS) == DONE:
+                return
+            self.stopping.set()
+            failure = Failure(**json.loads(self.client.key_value_try_get(FAILED_KEY)))
+        except Exception:  # the service is gone: jax's own error handling stops this process
+            return
+        self.leave(failure.line(self.processes))
+
+    def yield_to_watcher(self) -> None:
+        """After another process's failure (this process's error most likely follows from it,
+        e.g. a collective that lost that process): wait while the watcher ends this process."""
+        self.watcher.join(LEAVE_WAIT_S)  # until it hears of the failure
+        if self.stopping.is_set():
+            self.watcher.join()  # it prints the failure and exits
+
+    def at_exit(self) -> None:
+        """As the command ends: after this process's failure, leave with the others; else stop
+        the watcher (a thread still inside jax's client as the interpreter finalizes aborts it)."""
+        if self.failure is not None:
+            self.leave(self.failure.status)
+        with contextlib.suppress(Exception):  # "failed" got there first: the watcher exits
+            self.client.key_value_set(f"{STOP_KEY}{self.me}", DONE)
+        self.watcher.join(LEAVE_WAIT_S)
+
+    def leave(self, status: int) -> NoReturn:
+        """Exit now with `status`, skipping the interpreter's teardown: process 0 (the
+        coordination service's host) once the others have said they leave, the others after
+        saying so, all through jax's shutdown barrier, which they then reach together. Where one
+        does not say so within `LEAVE_WAIT_S` (killed, or stuck), process 0 exits without it."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            if self.me == 0:
+                deadline = time.monotonic() + LEAVE_WAIT_S
+                for p in range(1, self.processes):
+                    left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                    self.client.blocking_key_value_get(f"{LEFT_KEY}{p}", left_ms)
+            else:
+                self.client.key_value_set(f"{LEFT_KEY}{self.me}", "")
+            jax.distributed.shutdown()
+        except Exception:  # the wait ran out, or the service is gone: leave as it is
+            pass
+        os._exit(status)

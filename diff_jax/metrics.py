@@ -70,14 +70,16 @@ def _plain(x: Any) -> Any:
 
 def drop_rows_after(path: Path, step: int) -> int:
     """Rewrite the JSON-lines file `path` without its rows whose `step` is beyond `step` (and
-    without a torn last line); returns how many rows were dropped. The rewrite is atomic."""
+    without a line that is no JSON text: torn by a kill, or bytes that are not even UTF-8);
+    returns how many rows were dropped. The rewrite is atomic."""
     if not path.is_file():
         return 0
     kept, dropped = [], 0
-    for line in path.read_text().splitlines():
+    for raw in path.read_bytes().splitlines():
         try:
+            line = raw.decode()
             row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a kill
+        except ValueError:  # UnicodeDecodeError or JSONDecodeError: a line cut short by a kill
             dropped += 1
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step:

@@ -85,3 +85,14 @@ def test_non_finite_metrics_are_written_as_json_null(tmp_path):
 
     row = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse)
     assert row == {"step": 3, "loss": None, "grad_norm": None, "lambda": [0.5, None], "lr": 0.25}
+
+
+def test_a_resume_drops_metrics_lines_that_are_not_utf8_text(tmp_path):
+    """Bytes that are no UTF-8 (a disk's torn block, garbage appended) in metrics.jsonl are
+    dropped like a line a kill tore, and so are the rows after the step resumed from: a resume
+    read the file as text and stopped on a UnicodeDecodeError traceback."""
+    rows = [json.dumps({"step": s, "loss": 1.0}).encode() for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join([rows[0], b"\x00\xff garbage", rows[1],
+                                                          rows[2], b'{"step": 4, "lo\xe9']))
+    assert metrics.drop_rows_after(tmp_path / "metrics.jsonl", 2) == 3
+    assert (tmp_path / "metrics.jsonl").read_bytes() == rows[0] + b"\n" + rows[1] + b"\n"

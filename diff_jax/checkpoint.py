@@ -21,6 +21,7 @@ the checksum does not depend on the mesh it is computed on (a restore onto anoth
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import re
@@ -260,23 +261,43 @@ def quiet_abandoned_io() -> None:
     process exits; a command calls it before printing its one error line, which then stays the
     last. When one tensorstore read or write fails, orbax closes the event loop the others were
     awaited on, and as each of those finishes (during the exit) tensorstore's callback meets the
-    closed loop (an unraisable `RuntimeError: Event loop is closed`), the coroutines left pending
-    warn that they were never awaited, and asyncio logs each future's exception again: screens
-    of tracebacks interleaved with, and after, the error line (`eval.py` on a damaged checkpoint:
-    25-91 lines after it in 3 runs of 4). Only those three are dropped; every other unraisable
-    exception and warning still prints. Process-wide: for a command that is about to exit."""
+    closed loop, the coroutines left pending warn that they were never awaited, and asyncio logs
+    each future's exception again: screens of tracebacks interleaved with, and after, the error
+    line (`eval.py` on a damaged checkpoint: 25-91 lines after it in 3 runs of 4). Those
+    (`_drop_abandoned_io_noise`'s) and the never-awaited warnings are dropped; every other
+    unraisable exception and warning still prints. Process-wide: for a command that is about to
+    exit."""
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
-    if getattr(sys.unraisablehook, "drops_closed_loop", False):
+    _drop_abandoned_io_noise()
+
+
+def _abandoned_io_noise(unraisable: Any) -> bool:
+    """Whether an unraisable exception is what an abandoned orbax operation raises where nobody
+    can catch it: tensorstore's callback meeting the event loop orbax closed after the first
+    failure (`RuntimeError: Event loop is closed`), or an orbax coroutine that failed as it was
+    discarded (`Exception ignored in: <coroutine object _read_array_index_and_device_put>`)."""
+    error, source = unraisable.exc_value, getattr(unraisable, "object", None)
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    return (inspect.iscoroutine(source)
+            and f"{os.sep}orbax{os.sep}" in source.cr_code.co_filename)
+
+
+def _drop_abandoned_io_noise() -> None:
+    """From now on, drop the unraisable exceptions of `_abandoned_io_noise` (others still reach
+    the hook that was there). Called before every checkpoint read (`_read_errors`): a resume
+    that skips a damaged step goes on training, and the abandoned reads of that step printed
+    thousands of lines of tracebacks before its `skipped` line. Process-wide and idempotent."""
+    if getattr(sys.unraisablehook, "drops_abandoned_io", False):
         return
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
-        error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        if not _abandoned_io_noise(unraisable):
             previous(unraisable)
 
-    hook.drops_closed_loop = True  # type: ignore[attr-defined]
+    hook.drops_abandoned_io = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
 
 
@@ -648,7 +669,9 @@ def _checksummed(mngr: ocp.CheckpointManager, step: int, where: Path, hint: str 
 @contextlib.contextmanager
 def _read_errors(step: int, where: Path, hint: str = "") -> Iterator[None]:
     """Any failure to read `where` -> one-line `DamagedCheckpointError` naming the step; XLA's
-    out-of-memory error (`device_memory.out_of_memory_in`) is raised as itself."""
+    out-of-memory error (`device_memory.out_of_memory_in`) is raised as itself. What the read's
+    abandoned operations raise where nobody catches it is dropped (`_drop_abandoned_io_noise`)."""
+    _drop_abandoned_io_noise()
     try:  # only orbax calls run inside: none raises a CheckpointError of ours
         yield
     except Exception as e:  # orbax/tensorstore raise many types for unreadable bytes

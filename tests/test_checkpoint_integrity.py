@@ -748,6 +748,32 @@ def test_a_kill_during_the_final_save_leaves_the_last_good_checkpoint_latest(cor
     jax.tree.map(np.testing.assert_array_equal, resumed.params, never_killed.params)
 
 
+def test_a_checkpoint_read_drops_what_its_abandoned_reads_raise_from_then_on(run20, monkeypatch):
+    """A resume that skips a damaged step goes on training; the skipped step's abandoned reads
+    printed screens of tracebacks (6,178 lines before the `skipped` line, for one data file
+    replaced by a directory): tensorstore's callbacks meeting the closed event loop, and orbax
+    read coroutines failing as they are discarded. From the first checkpoint read on, those
+    unraisable exceptions are dropped; any other still reaches the hook that was there."""
+    import types
+
+    from orbax.checkpoint._src.serialization import serialization
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(str(u.exc_value)))
+    assert export.read_source(run20[0] / "checkpoints" / "10").step == 10
+    before = len(seen)  # the fixture's own damaged reads (`_find_damage`) may still be finishing
+    read = serialization._read_array_index_and_device_put(  # a coroutine of orbax's reads
+        None, None, None, global_shape=None, new_shard_shape=None, dtype=None, byte_limiter=None,
+        strict=None, dll=None, memory_kind=None)
+    mine = _Steps.reload.__code__  # any other object
+    for error, source in ((RuntimeError("Event loop is closed"), None),
+                          (Exception("Encountered error while reading array index"), read),
+                          (Exception("ours"), mine), (RuntimeError("something else"), None)):
+        sys.unraisablehook(types.SimpleNamespace(exc_value=error, object=source))
+    read.close()
+    assert seen[before:] == ["ours", "something else"]
+
+
 def test_quiet_abandoned_io_drops_only_the_closed_loop_noise(monkeypatch):
     """What a failed read's or save's abandoned operations print at exit is dropped (a command's
     error line must stay last: `test_a_file_size_limit_during_a_save_is_one_line_naming_the_step`

@@ -382,6 +382,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     it was written for another model than `model` (shapes, or `ModelConfig.difference`) or
     another optimizer."""
     where = Path(mngr.directory) / str(step)
+    _check_readable(step, where)
     metadata = _state_metadata(mngr, step, where)
     try:
         check_shapes(tree_shapes(metadata["params"]), tree_shapes(target.params), "checkpoint ")
@@ -412,7 +413,18 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     recorded = recorded_checksums(restored.get("checksums"), step, where)
     if recorded is not None:
         verify_checksums(restored["state"], recorded, step, where / "state")
+    _check_step(restored["state"].step, step, where)
     return restored["state"], {"config": config, "training_data": restored.get("training_data")}
+
+
+def _check_step(saved: jax.Array, step: int, where: Path) -> None:
+    """`DamagedCheckpointError` unless the step counter `saved` in the state read from `where`
+    is `step`, the step its directory is named by (a directory copied or renamed: resumed as
+    step N, it trained on from another step's state, data position and learning rate)."""
+    held = int(np.asarray(saved.addressable_data(0)))  # replicated: every shard holds it
+    if held != step:
+        raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: {where / 'state'} "
+                                           f"holds the train state of step {held}")
 
 
 def _as_configured(mngr: ocp.CheckpointManager, error: CheckpointError) -> CheckpointError:
@@ -437,6 +449,23 @@ def _check_process_count(step: int, data_iter_dir: Path) -> None:
                               f"{jax.process_count()}: resume it with {n} processes "
                               f"(distributed.num_processes={n}); the devices per process and the "
                               "mesh may differ")
+
+
+def _check_readable(step: int, where: Path) -> None:
+    """`CheckpointError` naming the first file or directory of `step` (at `where`) that this
+    process may not read: a permission says nothing of the bytes, so the step is refused as it
+    is (not reported as damaged, set aside and passed over for an older one)."""
+    for path in [where, *where.rglob("*")]:
+        try:
+            if path.is_dir():
+                os.listdir(path)
+            elif path.is_file():
+                with open(path, "rb"):
+                    pass
+        except PermissionError as e:
+            raise CheckpointError(f"checkpoint step {step} cannot be read: {path}: {e.strerror} "
+                                  "(a permission, not damage: the step is left as it is; give "
+                                  "this user read access to it)") from e
 
 
 def _agree(ok: bool) -> bool:
@@ -598,6 +627,7 @@ def restore_inference(run_dir: str | Path, step: int | None,
             raise CheckpointError(f"{run_dir / 'checkpoints'} has no step {step}; "
                                   f"complete steps: {sorted(steps)}")
         where = run_dir / "checkpoints" / str(step)
+        _check_readable(step, where)
         for item in ("state", "config"):
             if not (where / item).is_dir():
                 raise CheckpointError(f"checkpoint {where} is partial: it has no {item!r} item")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -462,6 +463,64 @@ def test_an_unreadable_array_is_named_with_the_innermost_error():
                     'OUT_OF_RANGE: Error reading "params.layers_0.attn.q_proj.kernel/0.0" in '
                     'OCDBT database at local file "/r/checkpoints/20/state/": byte range')
     assert _unreadable(KeyError("x"), Path("/r")) == "/r: KeyError: 'x'"
+
+
+def test_a_step_directory_holding_another_steps_state_is_damage(corpus, run20, tmp_path, capfd):
+    """A step directory copied or renamed (checkpoints/10 copied to 25): its arrays verify, and
+    resume took it as step 25, training on from step 10's state, data position and learning
+    rate (or stopping "already done" at 25). The state's own step counter must be the one its
+    directory is named by; the copy is set aside like any damaged step, kept."""
+    run = _copy(run20, tmp_path)
+    shutil.copytree(run / "checkpoints" / "10", run / "checkpoints" / "25")
+    capfd.readouterr()
+    result = train_loop.run(tiny_config(corpus, run, "train.steps=21"))
+    err = capfd.readouterr().err
+    assert (result.status, result.step) == ("done", 21) and "resumed from step 20" in err
+    assert (f"skipped checkpoint step 25 is damaged: {run / 'checkpoints' / '25' / 'state'} holds "
+            "the train state of step 10; moved it to") in err
+    assert (run / "damaged_checkpoints" / "25" / "state").is_dir()
+
+
+UNREADABLE = """
+import sys
+from pathlib import Path
+
+from diff_jax import train_loop
+from diff_jax.checkpoint import CheckpointError, DamagedCheckpointError
+from diff_jax.export import ExportError, read_source
+from training_fixtures import tiny_config
+
+corpus, run = Path(sys.argv[1]), Path(sys.argv[2])
+for read in (lambda: read_source(run), lambda: train_loop.run(tiny_config(corpus, run))):
+    try:
+        read()
+    except (CheckpointError, ExportError) as e:
+        print(type(e).__name__, isinstance(e, DamagedCheckpointError), e)
+"""
+
+
+def test_a_step_this_user_may_not_read_is_refused_not_set_aside_as_damaged(corpus, run20, tmp_path):
+    """A file of the newest step that the user may not read (another owner, mode 000) says
+    nothing of its bytes: resume called the step damaged, moved it to damaged_checkpoints/ and
+    went back to step 10. It is refused by name, by export (and eval) and resume alike, and
+    stays where it is. Root reads any file: as root, the reader runs without that capability."""
+    run = _copy(run20, tmp_path)
+    unreadable = run / "checkpoints" / "20" / "state" / "_METADATA"
+    unreadable.chmod(0)
+    as_user = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("needs setpriv to read as root without CAP_DAC_OVERRIDE")
+        as_user = ["setpriv", "--bounding-set=-dac_override,-dac_read_search",
+                   "--inh-caps=-dac_override,-dac_read_search"]
+    tests = Path(__file__).resolve().parent
+    proc = subprocess.run([*as_user, sys.executable, "-c", UNREADABLE, str(corpus), str(run)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=process_env(1, PYTHONPATH=f"{ROOT}:{tests}"))
+    said = f"checkpoint step 20 cannot be read: {unreadable}: Permission denied"
+    assert [line.partition(" (a permission, not damage")[0] for line in proc.stdout.splitlines()] == [
+        f"ExportError False {run}: {said}", f"CheckpointError False {said}"], proc.stderr[-2000:]
+    assert _ckpt_steps(run) == [10, 20] and not (run / "damaged_checkpoints").exists()
 
 
 def test_a_damaged_config_item_is_skipped_by_resume_as_eval_refuses_it(corpus, run20, tmp_path,

@@ -103,9 +103,9 @@ def test_before_leaving_runs_as_the_process_leaves(status):
 
 
 def test_side_by_side_waits_for_its_workers_before_passing_ctrl_c_on(tmp_path, monkeypatch):
-    """Ctrl-C while the parent waits: every worker got it too and is saving its step, so the
-    parent joins them before the KeyboardInterrupt leaves side_by_side (not leaving them
-    running behind the shell's prompt)."""
+    """An exception (here a KeyboardInterrupt) while the parent waits: the parent sends its
+    workers SIGTERM (each saves its step) and joins them before the exception leaves
+    side_by_side (not leaving them running behind the shell's prompt)."""
     from diff_jax.experiments import presets, replicate
 
     def interrupted_wait(objects, timeout=None):

@@ -1429,34 +1429,78 @@ def test_side_by_side_names_a_failed_run_and_starts_nothing_after_it(tmp_path, c
     assert capfd.readouterr().err == "error: train.steps: must be positive\n"
 
 
-def test_ctrl_c_of_side_by_side_runs_is_one_interrupted_line_naming_the_step_each_saved():
-    """A Ctrl-C reaches every process of the command: each worker's training saved its step and
-    printed its own `interrupted:` line, then the command printed one saying "stopped at once":
-    two lines or more, the last one wrong. Now the workers send what they kept to the command,
-    which prints it in its one line. (A worker here sends the command its Ctrl-C as it stops.)"""
+STOPS = {  # (the statement sending side_by_side its signal, which process runs it, what the
+    # line says each of the two workers running kept)
+    "Ctrl-C at the terminal, in training": (
+        "os.killpg(PARENT, signal.SIGINT)", "worker", "training interrupted at step 3"),
+    "SIGINT to the command alone, in training": (
+        "os.kill(PARENT, signal.SIGINT)", "worker", "training interrupted at step 3"),
+    "SIGTERM to the command alone, in training": (
+        "os.kill(PARENT, signal.SIGTERM)", "worker", "training interrupted at step 3"),
+    "Ctrl-C at the terminal, workers starting": (
+        "os.killpg(PARENT, signal.SIGINT)", "parent", "stopped before training"),
+    "SIGTERM to the command alone, workers starting": (
+        "os.kill(PARENT, signal.SIGTERM)", "parent", "stopped before training")}
+
+
+@pytest.mark.parametrize("stop", list(STOPS))
+def test_a_signal_to_side_by_side_reaches_each_worker_once_and_is_one_interrupted_line(stop):
+    """Two workers run (a third run waits). A Ctrl-C reached every process of the command, and
+    each worker had printed its own `interrupted:` line before the command printed one; now the
+    workers send what they kept to the command, which prints it in its one line. A SIGINT or
+    SIGTERM sent to the command alone did not reach the workers: on SIGINT the command waited
+    for them to train to the end; SIGTERM ended it at once (exit -15, no line) and left them
+    training as orphans. A Ctrl-C while the workers started up (importing modules, here the
+    pinning stand-in's 1 s) printed a worker's traceback. Now every signal reaches each worker
+    once (a second Ctrl-C would stop it at once: "stopped at once"), a SIGTERM too is a
+    first Ctrl-C, exit 130, and a worker that has not started training stops before it. The
+    stand-in training catches signals as train_loop does."""
+    send, sender, kept = STOPS[stop]
     script = "\n".join([
-        "import multiprocessing, os, signal",
+        "import multiprocessing, os, signal, time",
+        "from diff_jax import train_loop",
         "from diff_jax.command import leave",
         "from diff_jax.experiments import replicate",
-        "fork = multiprocessing.get_context('fork')  # the stand-ins below reach the worker",
-        "replicate.multiprocessing.get_context = lambda method: fork",
-        "def saved(preset, variant, seed, init, out):",
-        "    os.kill(os.getppid(), signal.SIGINT)",
-        "    run = replicate.run_dir(out, variant, seed, init)",
-        "    raise KeyboardInterrupt(f'{run}: training interrupted at step 3')",
-        "replicate._train_and_evaluate_one = saved",
+        "fork = multiprocessing.get_context('fork')  # the stand-ins below reach the workers",
+        "os.register_at_fork(after_in_child=lambda: signal.set_wakeup_fd(-1))  # as exec does",
+        f"os.sched_setaffinity = lambda pid, cores: time.sleep({float(sender == 'parent')})",
+        "class Process(fork.Process):",
+        "    def start(self):",
+        "        super().start()",
+        "        if self.name.endswith('-1'):  # the first worker, its 1 s start-up begun",
+        f"            PARENT = os.getpid(); {send if sender == 'parent' else 'pass'}",
+        "class Context:",
+        "    Pipe, Process = fork.Pipe, Process",
+        "replicate.multiprocessing.get_context = lambda method: Context",
+        "training = fork.Barrier(2)  # the signal is sent once both workers train",
+        "def trains(preset, variant, seed, init, out):  # as train_loop.run",
+        "    with train_loop._stop_signals(lambda text: None) as caught:",
+        "        training.wait(timeout=10)",
+        f"        if variant == 'diff': PARENT = os.getppid(); {send}",
+        "        deadline = time.monotonic() + 10",
+        "        while not caught and time.monotonic() < deadline:",
+        "            time.sleep(0.01)",
+        "        time.sleep(0.5)  # the step in flight finishes and is saved",
+        "    if caught:  # else it trained to the end (exit 0)",
+        "        run = replicate.run_dir(out, variant, seed, init)",
+        "        raise KeyboardInterrupt(f'{run}: training interrupted at step 3')",
+        "replicate._train_and_evaluate_one = trains",
         "def runs(preset, seeds, out, jobs, finished_from):",
-        "    replicate.side_by_side(preset, [('diff', 0, 'scaled'), ('transformer', 0, 'scaled')],",
-        "                           out, replicate.cpu_shares(1))",
+        "    replicate.side_by_side(preset, [('diff', 0, 'scaled'), ('diff_v2', 0, 'scaled'),",
+        "                                    ('transformer', 0, 'scaled')], out, [[0], [0]])",
         "replicate.replicate = runs",
         "leave(replicate.main(['--preset', 'micro', '--out', 'OUT']))"])
     proc = subprocess.run([sys.executable, "-W", "ignore:os.fork:RuntimeWarning", "-c", script],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, start_new_session=True)  # its group: the terminal's
     assert proc.returncode == 130, proc.stderr[-3000:]
-    assert proc.stderr.splitlines() == [
-        "interrupted: OUT/runs/diff-scaled-s0: training interrupted at step 3; 1 run(s) not "
-        "started; what OUT holds is kept (the same command resumes)"]
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr[-3000:]
+    line = proc.stderr.strip()
+    head = "interrupted: "
+    tail = "; 1 run(s) not started; what OUT holds is kept (the same command resumes)"
+    assert line.startswith(head) and line.endswith(tail), proc.stderr[-3000:]
+    assert sorted(line[len(head):-len(tail)].split("; ")) == [
+        f"OUT/runs/{variant}-scaled-s0: {kept}" for variant in ("diff", "diff_v2")]
 
 
 @pytest.mark.parametrize("status", [1, 2])

@@ -43,14 +43,18 @@ compare across invocations only within seed noise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.resource_tracker
 import os
 import shutil
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -559,25 +563,87 @@ def cpu_shares(jobs: int) -> list[list[int]]:
     return core_shares(sorted(os.sched_getaffinity(0)), jobs)
 
 
+FORWARDED = (signal.SIGINT, signal.SIGTERM)  # what `side_by_side` passes on to its workers
+
+
 def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init: str, out: Path,
                    cores: list[int], kept: multiprocessing.connection.Connection) -> None:
-    """One model in a spawned process: pinned to `cores` before JAX starts its CPU client. Stopped
-    by a Ctrl-C, it sends what it kept (the KeyboardInterrupt's text: the step its training
-    saved, or "" when it stopped at once) through `kept` and exits `EXIT_INTERRUPTED` without a
-    line of its own: `side_by_side`'s one `interrupted:` line says it for every run."""
-    os.sched_setaffinity(0, cores)
-    import jax
+    """One model in a spawned process: pinned to `cores` before JAX starts its CPU client.
 
+    It starts with `FORWARDED` blocked (`_start_blocked`): a signal sent while Python starts up
+    (importing modules) waits. First it leaves the command's process group, so that a Ctrl-C at
+    the terminal reaches it once, forwarded by `side_by_side`; it takes SIGINT and SIGTERM alike,
+    as a Ctrl-C (outside training it stops at once; in training `train_loop` saves the step on
+    the first); it writes to the terminal from the background (SIGTTOU ignored, for `stty
+    tostop`). Then it unblocks them: one sent before it trains stops it before training.
+    Stopped by either, it sends what it kept (the KeyboardInterrupt's text: the step its
+    training saved; "RUN: stopped before training"; or "" when it stopped at once) through
+    `kept` and exits `EXIT_INTERRUPTED` without a line of its own: `side_by_side`'s one
+    `interrupted:` line says it for every run."""
+    os.setpgid(0, 0)
+    for signum in FORWARDED:
+        signal.signal(signum, signal.default_int_handler)
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    unsaved = f"{run_dir(out, variant, seed, init)}: stopped before training"
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # those sent so far arrive here
+        os.sched_setaffinity(0, cores)
+        import jax
+
         if jax.default_backend() != "cpu":
             sys.exit(failed(f"--jobs > 1 trains models side by side on CPU cores, but JAX's "
                             f"default backend here is {jax.default_backend()}: use --jobs 1"))
+        unsaved = ""  # from here on a stop without a saved step is "stopped at once"
         _train_and_evaluate_one(preset, variant, seed, init, out)
     except train_loop.RUN_ERRORS as e:  # one line, as the serial path; the exit status tells why
         sys.exit(train_loop.report(e, [(f"--out {out}", str(out))]))
-    except KeyboardInterrupt as e:  # the Ctrl-C the whole command got, or one of its own
-        kept.send(str(e))
+    except KeyboardInterrupt as e:  # a signal `side_by_side` forwarded, or one of its own
+        kept.send(str(e) or unsaved)
         leave(EXIT_INTERRUPTED)
+
+
+def _start_blocked(process: multiprocessing.process.BaseProcess) -> None:
+    """Start `process` with `FORWARDED` blocked: a spawned process keeps the mask through exec,
+    and a signal sent to it waits until `_pinned_worker` unblocks it. multiprocessing's resource
+    tracker is started first (where it is not running): starting it unblocks both signals
+    (`resource_tracker.ensure_running`), and the first worker would start unprotected."""
+    multiprocessing.resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _read_signals(fd: int) -> list[int]:
+    """The signal numbers written to the non-blocking `fd` (`_signals_woken`) since the last
+    read; [] when none."""
+    try:
+        return list(os.read(fd, 512))
+    except BlockingIOError:
+        return []
+
+
+@contextlib.contextmanager
+def _signals_woken(caught: list[int]) -> Iterator[int]:
+    """For the duration (main thread only) `FORWARDED` signals do nothing here but write their
+    number to a pipe, whose read end is yielded (to wait on and `_read_signals`). On the way out
+    the previous handlers are restored, then the numbers still unread are appended to
+    `caught`."""
+    read, write = os.pipe()
+    for fd in (read, write):
+        os.set_blocking(fd, False)  # set_wakeup_fd requires it of `write`
+    previous = {s: signal.signal(s, lambda signum, frame: None) for s in FORWARDED}
+    previous_fd = signal.set_wakeup_fd(write)
+    try:
+        yield read
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        caught += _read_signals(read)
+        os.close(read)
+        os.close(write)
 
 
 class RunsFailed(RuntimeError):
@@ -592,24 +658,35 @@ class RunsFailed(RuntimeError):
 def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]], out: Path,
                  shares: list[list[int]]) -> None:
     """`train_and_evaluate` of every (variant, seed, init) in `runs`, one per share of CPU cores
-    at a time (`cpu_shares`), each in a spawned process pinned to its share.
+    at a time (`cpu_shares`), each in a spawned process pinned to its share (`_pinned_worker`).
 
     After a run fails no new one starts; those running finish (each checkpoints as it goes), then
     `RunsFailed` names the failed runs with their exit status (each worker has printed why: one
     `error:` line for a `train_loop.RUN_ERRORS`, else a traceback). Re-running resumes, as the
-    serial path does. On Ctrl-C (which every worker gets too: each saves its step and exits) a
-    KeyboardInterrupt is raised once the running workers have exited, saying what each kept
-    (`_stopped`): the workers print no `interrupted:` line, so the command prints one. A worker
-    that a Ctrl-C (SIGINT) stopped on its own, exit `EXIT_INTERRUPTED`, is an interruption too,
-    not a failure: no new run starts, and once the others have finished the KeyboardInterrupt
-    says what it kept.
+    serial path does.
+
+    Each worker runs in a process group of its own, so a Ctrl-C at the terminal (SIGINT to the
+    command's group) reaches only this process, as does a SIGINT or SIGTERM sent to it alone
+    (`kill`, `timeout`, a job scheduler): each one it gets is forwarded once to every worker
+    running, started or still starting (`_signals_woken`), and no new run starts. As in the
+    serial path, the first SIGINT or a SIGTERM makes each worker save its step and exit, a second
+    SIGINT stops each at once. Once the running workers have exited, a KeyboardInterrupt says
+    what each kept (`_stopped`): the workers print no `interrupted:` line, so the command prints
+    one (exit status 130 for either signal, as the serial path's). A worker that a SIGINT of its
+    own stopped, exit `EXIT_INTERRUPTED`, is an interruption too, not a failure: no new run
+    starts, and once the others have finished the KeyboardInterrupt says what it kept (a
+    signal here ends it so even where a run failed too: that run's output says why). Only
+    SIGINT and SIGTERM are forwarded: Ctrl-Z stops this process alone, and SIGHUP or SIGQUIT
+    end it without its workers. Left by any other exception, it first sends the running
+    workers SIGTERM and waits for them to exit.
     """
     spawn = multiprocessing.get_context("spawn")
     pending, free = list(runs), list(range(len(shares)))
     running: dict[int, tuple[int, multiprocessing.process.BaseProcess, tuple[str, int, str],
                              tuple[multiprocessing.connection.Connection, ...]]] = {}
     failures: list[tuple[str, int]] = []
-    stopped: list[tuple[str, str]] = []  # (run, what it kept) of each a Ctrl-C stopped
+    stopped: list[tuple[str, str]] = []  # (run, what it kept) of each a signal stopped
+    caught: list[int] = []  # the signals this process got, each forwarded to the workers
 
     def finish(sentinel: int) -> None:
         slot, process, run, (kept, sends) = running.pop(sentinel)
@@ -624,35 +701,48 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
         kept.close()
         sends.close()
 
-    try:
-        while running or (pending and not failures and not stopped):
-            while pending and free and not failures and not stopped:
-                slot, run = free.pop(0), pending.pop(0)
-                pipe = spawn.Pipe(duplex=False)  # (received here, sent by the worker)
-                process = spawn.Process(target=_pinned_worker,
-                                        args=(preset, *run, out, shares[slot], pipe[1]))
-                process.start()
-                running[process.sentinel] = (slot, process, run, pipe)
-            for sentinel in multiprocessing.connection.wait(list(running)):
+    def forward(signals: list[int]) -> None:
+        for _, process, _, _ in running.values():
+            for signum in signals:
+                os.kill(process.pid, signum)
+
+    with _signals_woken(caught) as woken:
+        try:
+            while running or (pending and not (failures or stopped or caught)):
+                while pending and free and not (failures or stopped or caught):
+                    slot, run = free.pop(0), pending.pop(0)
+                    pipe = spawn.Pipe(duplex=False)  # (received here, sent by the worker)
+                    process = spawn.Process(target=_pinned_worker,
+                                            args=(preset, *run, out, shares[slot], pipe[1]))
+                    _start_blocked(process)
+                    running[process.sentinel] = (slot, process, run, pipe)
+                for ready in multiprocessing.connection.wait([*running, woken]):
+                    if ready == woken:
+                        signals = _read_signals(woken)
+                        caught += signals
+                        forward(signals)
+                    else:
+                        finish(ready)
+        except BaseException:  # not left running behind the shell's prompt
+            forward([signal.SIGTERM])
+            for sentinel in list(running):
                 finish(sentinel)
-    except KeyboardInterrupt:  # Ctrl-C reached every worker too: each saves its step and exits
-        for sentinel in list(running):
-            finish(sentinel)
-        raise _stopped(stopped, len(pending)) from None
-    if failures:
+            raise
+    if failures and not caught:
         names = ", ".join(f"{name} (exit {code})" for name, code in failures + [
             (name, EXIT_INTERRUPTED) for name, _ in stopped])
         raise RunsFailed(f"{preset.name}: {names} failed (its output above says why); "
                          f"{len(pending)} run(s) not started; re-run to resume",
                          EXIT_BAD_INPUT if any(code == EXIT_BAD_INPUT for _, code in failures)
                          else EXIT_NON_FINITE)
-    if stopped:
+    if caught or stopped:
         raise _stopped(stopped, len(pending))
 
 
 def _stopped(stopped: list[tuple[str, str]], pending: int) -> KeyboardInterrupt:
-    """The KeyboardInterrupt of `side_by_side` stopped by a Ctrl-C: its text says what each run
-    it `stopped` kept ((run, text) each) and how many runs did not start; "" when neither."""
+    """The KeyboardInterrupt of `side_by_side` stopped by a signal (Ctrl-C, SIGTERM): its text
+    says what each run it `stopped` kept ((run, text) each) and how many runs did not start; ""
+    when neither."""
     said = [kept for _, kept in stopped] + ([f"{pending} run(s) not started"] if pending else [])
     return KeyboardInterrupt("; ".join(said))
 

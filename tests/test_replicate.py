@@ -1437,6 +1437,8 @@ STOPS = {  # (the statement sending side_by_side its signal, which process runs 
         "os.kill(PARENT, signal.SIGINT)", "worker", "training interrupted at step 3"),
     "SIGTERM to the command alone, in training": (
         "os.kill(PARENT, signal.SIGTERM)", "worker", "training interrupted at step 3"),
+    "the terminal closed (SIGHUP to the command alone), in training": (
+        "os.kill(PARENT, signal.SIGHUP)", "worker", "training interrupted at step 3"),
     "Ctrl-C at the terminal, workers starting": (
         "os.killpg(PARENT, signal.SIGINT)", "parent", "stopped before training"),
     "SIGTERM to the command alone, workers starting": (

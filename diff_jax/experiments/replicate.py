@@ -564,6 +564,9 @@ def cpu_shares(jobs: int) -> list[list[int]]:
 
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM)  # what `side_by_side` passes on to its workers
+# SIGHUP (the terminal closed: it reaches the command's group alone) goes on to them as SIGTERM
+AS_FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
+                signal.SIGHUP: signal.SIGTERM}
 
 
 def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init: str, out: Path,
@@ -626,14 +629,14 @@ def _read_signals(fd: int) -> list[int]:
 
 @contextlib.contextmanager
 def _signals_woken(caught: list[int]) -> Iterator[int]:
-    """For the duration (main thread only) `FORWARDED` signals do nothing here but write their
-    number to a pipe, whose read end is yielded (to wait on and `_read_signals`). On the way out
-    the previous handlers are restored, then the numbers still unread are appended to
-    `caught`."""
+    """For the duration (main thread only) the signals of `AS_FORWARDED` do nothing here but
+    write their number to a pipe, whose read end is yielded (to wait on and `_read_signals`). On
+    the way out the previous handlers are restored, then the numbers still unread are appended
+    to `caught`."""
     read, write = os.pipe()
     for fd in (read, write):
         os.set_blocking(fd, False)  # set_wakeup_fd requires it of `write`
-    previous = {s: signal.signal(s, lambda signum, frame: None) for s in FORWARDED}
+    previous = {s: signal.signal(s, lambda signum, frame: None) for s in AS_FORWARDED}
     previous_fd = signal.set_wakeup_fd(write)
     try:
         yield read
@@ -675,9 +678,9 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
     one (exit status 130 for either signal, as the serial path's). A worker that a SIGINT of its
     own stopped, exit `EXIT_INTERRUPTED`, is an interruption too, not a failure: no new run
     starts, and once the others have finished the KeyboardInterrupt says what it kept (a
-    signal here ends it so even where a run failed too: that run's output says why). Only
-    SIGINT and SIGTERM are forwarded: Ctrl-Z stops this process alone, and SIGHUP or SIGQUIT
-    end it without its workers. Left by any other exception, it first sends the running
+    signal here ends it so even where a run failed too: that run's output says why). A SIGHUP
+    (the terminal closed) is forwarded as a SIGTERM. Ctrl-Z stops this process alone, and
+    SIGQUIT ends it without its workers. Left by any other exception, it first sends the running
     workers SIGTERM and waits for them to exit.
     """
     spawn = multiprocessing.get_context("spawn")
@@ -703,8 +706,9 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
 
     def forward(signals: list[int]) -> None:
         for _, process, _, _ in running.values():
-            for signum in signals:
-                os.kill(process.pid, signum)
+            for signum in signals:  # any other signal with a Python handler: not forwarded
+                if signum in AS_FORWARDED:
+                    os.kill(process.pid, AS_FORWARDED[signum])
 
     with _signals_woken(caught) as woken:
         try:

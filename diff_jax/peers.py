@@ -174,3 +174,93 @@ class _Job:
         except Exception:  # the wait ran out, or the service is gone: leave as it is
             pass
         os._exit(status)
+
+
+SIGNAL_KEY = "diff_jax/signal/"  # + the run's number in this process (`_runs`), then "request"
+# (the first signal's name and process, or "done" at the end) and "at/" + a process index (the
+# step that process proposes to stop at)
+SIGNAL_MARGIN = 2  # a proposal is the step in flight + this: no process is more than 1 ahead
+_runs = [0]  # `agreed_stop`s begun in this process: every process of the job counts the same
+
+
+@dataclasses.dataclass
+class AgreedStop:
+    """Where a job stops after a signal (SIGTERM, a first Ctrl-C) that one or more of its
+    processes caught, maybe at different steps: every process saves the same step and exits.
+
+    A process that caught one (`caught`, `train_loop._stop_signals`' list) asks the others
+    through the coordination service; a watcher thread of each process hears it
+    (`requested`). Each then proposes the step in flight plus `SIGNAL_MARGIN` and goes on
+    training; once every process has proposed, all stop at the largest proposal. The margin
+    covers the processes' skew: a process reads each step's metrics before it starts the next
+    but one, so none runs more than one step ahead of another. In a single process the stop is
+    the step in flight, as before."""
+
+    client: Any = None  # None: a single process
+    me: int = 0
+    processes: int = 1
+    prefix: str = ""
+    requested: str | None = None  # by the watcher: "SIGTERM on process 1"
+    proposed: bool = False
+    at: int | None = None  # the step every process stops at, once all proposed
+
+    def pending(self, caught: list[str]) -> bool:
+        """Whether a stop is under way: this process caught a signal or another one did."""
+        return bool(caught) or self.requested is not None
+
+    def why(self, caught: list[str]) -> str:
+        """The signal the job stops on: this process's, else the one the watcher heard of."""
+        return caught[0] if caught else str(self.requested)
+
+    def reached(self, step: int, caught: list[str]) -> bool:
+        """Whether the job stops at `step` (the step in flight, already dispatched): in a
+        single process once it caught a signal; in a job once every process has proposed a
+        step and `step` is the largest."""
+        if not self.pending(caught):
+            return False
+        if self.client is None:
+            return True
+        if not self.proposed:
+            if caught:  # the first to ask names the signal; the others' asks change nothing
+                with contextlib.suppress(Exception):  # ALREADY_EXISTS
+                    self.client.key_value_set(f"{self.prefix}request",
+                                              f"{caught[0]} on process {self.me}")
+            self.client.key_value_set(f"{self.prefix}at/{self.me}", str(step + SIGNAL_MARGIN))
+            self.proposed = True
+        if self.at is None:
+            proposals = self.client.key_value_dir_get(f"{self.prefix}at/")
+            if len(proposals) == self.processes:
+                self.at = max(int(value) for _, value in proposals)
+        return self.at is not None and step >= self.at
+
+    def watch(self) -> None:
+        """The watcher thread: wait for the job's request; keep what it names unless it is the
+        end of the run ("done")."""
+        with contextlib.suppress(Exception):  # the service gone: `stop_together`'s concern
+            request = self.client.blocking_key_value_get(f"{self.prefix}request", WATCH_MS)
+            if request != DONE:
+                self.requested = request
+
+
+@contextlib.contextmanager
+def agreed_stop() -> Iterator[AgreedStop]:
+    """An `AgreedStop` for the duration of a training loop, its watcher running in a
+    multi-process job. On the way out the request is set to "done" where no process asked (no
+    watcher is left inside jax's client)."""
+    from jax._src import distributed
+
+    state = distributed.global_state
+    if state.client is None or state.num_processes < 2:
+        yield AgreedStop()
+        return
+    _runs[0] += 1
+    stop = AgreedStop(state.client, jax.process_index(), jax.process_count(),
+                      f"{SIGNAL_KEY}{_runs[0]}/")
+    watcher = threading.Thread(target=stop.watch, name="diff_jax-signals", daemon=True)
+    watcher.start()
+    try:
+        yield stop
+    finally:
+        with contextlib.suppress(Exception):  # a request (or another process's "done") was first
+            stop.client.key_value_set(f"{stop.prefix}request", DONE)
+        watcher.join(LEAVE_WAIT_S)

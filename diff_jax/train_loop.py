@@ -2,7 +2,8 @@
 
 `run(config)` is what `python train.py` calls. It resumes from the newest checkpoint in
 `<train.run_dir>/checkpoints` that verifies (or `checkpoint.resume_step`), saves every
-`checkpoint.every_steps`, at the end and on SIGTERM/SIGINT (the current step finishes first).
+`checkpoint.every_steps`, at the end and on SIGTERM/SIGINT (the current step finishes first; in
+a multi-process job every process saves the step they agree on, `peers.AgreedStop`).
 A step is saved only when its loss, its updated parameters and optimizer state, and the loss of
 the updated parameters on the step's batch are all finite; otherwise the run stops without saving,
 naming the last good checkpoint. `config.yaml` is written (whole or not at all) only once the
@@ -320,8 +321,8 @@ def _run(config: Config) -> RunResult:
             loop = _Loop(config, mngr, writer, progress, step_fn, eval_fn, validation, flops, bsh,
                          held_out=inputs.validation, training_data=training_data)
             try:
-                with _stop_signals(progress.message) as caught:
-                    return loop.run(state, inputs.train, start, caught)
+                with _stop_signals(progress.message) as caught, peers.agreed_stop() as stop:
+                    return loop.run(state, inputs.train, start, caught, stop)
             finally:
                 writer.close()
 
@@ -340,17 +341,19 @@ class _Loop:
     held_out: HeldOut  # what the validation batches cover: counted tokens per batch, documents
     training_data: dict[str, Any]  # the training split's fingerprint, saved with each step
 
-    def run(self, state: TrainState, it: Any, start: int, caught: list[str]) -> RunResult:
+    def run(self, state: TrainState, it: Any, start: int, caught: list[str],
+            stop: peers.AgreedStop) -> RunResult:
         """Steps start + 1 .. train.steps on the host batches of `it`: logs, validates and saves
-        at boundaries; after a signal (its name appended to `caught`) saves and returns."""
+        at boundaries; after a signal (its name appended to `caught`, or one another process of
+        the job caught) saves the step `stop` agrees on and returns."""
         trace = _Trace.of(self.config.train, start, self.progress.message)
         try:
-            return self._steps(state, it, start, caught, trace)
+            return self._steps(state, it, start, caught, stop, trace)
         finally:  # a run that ends inside the window (signal, error) still writes its trace
             trace.stop()
 
     def _steps(self, state: TrainState, it: Any, start: int, caught: list[str],
-               trace: _Trace) -> RunResult:
+               stop: peers.AgreedStop, trace: _Trace) -> RunResult:
         """The loop of `run`, tracing the steps of `trace`'s window."""
         t, ck = self.config.train, self.config.checkpoint
         tokens_per_step = t.batch_size * t.seq_len
@@ -367,7 +370,7 @@ class _Loop:
             state, metrics = self.step_fn(state, batch)
             done = [pending] if pending else []
             pending = (s, metrics, wait)
-            boundary = (s == t.steps or s % ck.every_steps == 0 or bool(caught)
+            boundary = (s == t.steps or s % ck.every_steps == 0 or stop.pending(caught)
                         or (t.eval_every and s % t.eval_every == 0))
             if boundary:
                 done.append(pending)
@@ -402,12 +405,13 @@ class _Loop:
             # every step is a boundary, so the step in flight gets here and is not saved)
             if STOP_AT_ONCE in caught:
                 raise KeyboardInterrupt
-            if s % ck.every_steps == 0 or s == t.steps or caught:
+            stopping = stop.reached(s, caught)
+            if s % ck.every_steps == 0 or s == t.steps or stopping:
                 self._check_saveable(s, state, batch)
                 checkpoint.save(self.mngr, s, state, it, self.config, self.training_data)
-            if caught:
+            if stopping:
                 checkpoint.wait(self.mngr)
-                self.progress.message(f"{caught[0]} received: saved step {s}, exiting")
+                self.progress.message(f"{stop.why(caught)} received: saved step {s}, exiting")
                 return RunResult(s, "interrupted", loss)
             # the next step's time starts here: validation and saving are not a step's time
             last_time = time.perf_counter()

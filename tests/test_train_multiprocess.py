@@ -33,6 +33,21 @@ checkpoint.check_saves = check_saves
 runpy.run_path("train.py", run_name="__main__")
 """
 
+# train.py, but process 1 alone gets a SIGTERM (a scheduler's notice, `kill PID`) as step 4
+# begins (its check for a failed async save)
+SIGTERM_AT_4 = """
+import os, runpy, signal
+from diff_jax import checkpoint
+calls, check = [], checkpoint.check_saves
+def check_saves(mngr):
+    calls.append(mngr)
+    if len(calls) == 4:
+        os.kill(os.getpid(), signal.SIGTERM)
+    check(mngr)
+checkpoint.check_saves = check_saves
+runpy.run_path("train.py", run_name="__main__")
+"""
+
 
 def _args(corpus: Path, run: Path, script: tuple[str, ...] = ("train.py",)) -> list[str]:
     return [sys.executable, *script, "model.vocab_size=64", "model.embed_dim=32",
@@ -147,3 +162,29 @@ def test_a_process_that_fails_stops_the_other_at_once_naming_it(tmp_path):
         f"'{directory}'; this process stopped with it")
     assert "Traceback" not in outs[0] + outs[1] and "Check failure" not in outs[0] + outs[1]
     assert committed_steps(run) == [3]
+
+
+def test_a_signal_one_process_caught_stops_every_process_at_one_saved_step(tmp_path):
+    """Process 1 alone gets a SIGTERM as step 4 of 10 begins (`SIGTERM_AT_4`). It asks the
+    others through the coordination service, and every process saves the one step they agree
+    on (the step in flight plus 2 on the last to hear of it) and exits 0, as train.py does on a
+    SIGTERM. Before, process 1 saved step 4 alone and exited while process 0 trained on into
+    the next step's collectives, and both waited out jax's 300 s shutdown barrier and aborted
+    (exit status -6). The same command then resumes from the saved step."""
+    corpus = write_corpus(tmp_path / "corpus")
+    run = tmp_path / "run"
+    procs = _start(corpus, run, "train.steps=10", process_1=("-c", SIGTERM_AT_4), out=tmp_path)
+    deadline = time.monotonic() + 240  # two processes start in about 30 s, the steps are ms
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    outs = [(tmp_path / str(i)).read_text() for i in range(2)]
+    assert [p.wait() for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    saved = committed_steps(run)[-1]  # beside step 3 or 6, the periodic ones (keep=2)
+    assert 4 < saved < 10, committed_steps(run)
+    assert outs[0].splitlines()[-1] == f"SIGTERM on process 1 received: saved step {saved}, exiting"
+    assert "Traceback" not in outs[0] + outs[1] and "Check failure" not in outs[0] + outs[1]
+    resumed = _two_processes(corpus, run, "train.steps=10")
+    assert f"resumed from step {saved}" in resumed[0] and "step 10/10" in resumed[0]

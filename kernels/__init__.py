@@ -38,10 +38,13 @@ IMPLS: tuple[str, ...] = ("xla", "pallas", "cudnn")
 _HALF = (jnp.bfloat16, jnp.float16)
 
 
-def _check(impl: str, q: jax.Array, *, oracle_only: dict[str, Any]) -> None:
-    """One clear error for an unknown impl, or an oracle-only option given to a kernel."""
+def _check(impl: str, q: jax.Array, causal: bool, *, oracle_only: dict[str, Any]) -> None:
+    """One clear error for an unknown impl, a `causal` that is no bool, or an oracle-only
+    option given to a kernel."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if not isinstance(causal, bool):  # causal="no" was causal
+        raise TypeError(f"causal must be True or False, got {causal!r}")
     used = [name for name, value in oracle_only.items() if value is not None and value is not False]
     if impl != "xla" and used:
         raise ValueError(f"{', '.join(used)} exist only on the xla path (impl='xla'), not {impl!r}")
@@ -71,8 +74,8 @@ def diff_attention(
     `kv_segment_ids`, `logit_bits` and `return_maps` (then returns (out, maps)) are oracle
     options: impl="xla" only.
     """
-    _check(impl, q, oracle_only={"kv_segment_ids": kv_segment_ids, "logit_bits": logit_bits,
-                                 "return_maps": return_maps})
+    _check(impl, q, causal, oracle_only={"kv_segment_ids": kv_segment_ids,
+                                         "logit_bits": logit_bits, "return_maps": return_maps})
     if lam is None:
         raise ValueError("diff_attention needs lam (λ), a float32 scalar; standard attention is "
                          "dot_product_attention")
@@ -158,8 +161,8 @@ def dot_product_attention(
     impl: "xla" (oracle), "pallas" (the fused flash kernel with one softmax), "cudnn" (GPU,
     bf16/fp16 only). Oracle-only options as in `diff_attention`.
     """
-    _check(impl, q, oracle_only={"kv_segment_ids": kv_segment_ids, "logit_bits": logit_bits,
-                                 "return_maps": return_maps})
+    _check(impl, q, causal, oracle_only={"kv_segment_ids": kv_segment_ids,
+                                         "logit_bits": logit_bits, "return_maps": return_maps})
     if impl == "xla":
         return attention_reference(q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                                    causal=causal, logit_bits=logit_bits, return_maps=return_maps)

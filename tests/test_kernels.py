@@ -424,7 +424,8 @@ def test_decode_attention_refuses_lengths_of_another_batch_two_queries_and_a_chu
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_inputs_that_are_not_float_arrays_are_one_error_naming_the_argument(impl):
     """Integer q, k, v used to run and return the output rounded to integers (and a list failed
-    in an AttributeError); float cache lengths ran truncated (2.5 read as 2)."""
+    in an AttributeError); float cache lengths ran truncated (2.5 read as 2); causal="no" ran
+    causal."""
     q, k, v = jnp.zeros((1, 5, 4, 16)), jnp.zeros((1, 5, 2, 16)), jnp.zeros((1, 5, 1, 32))
     with pytest.raises(TypeError, match=r"^q must be a floating-point array, got int32$"):
         kernels.diff_attention(q.astype(jnp.int32), k, v, 0.5, impl=impl)
@@ -436,6 +437,10 @@ def test_inputs_that_are_not_float_arrays_are_one_error_naming_the_argument(impl
         kernels.diff_attention(q, k, v, 0.5, segment_ids=[[1] * 5], impl=impl)
     with pytest.raises(ValueError, match=r"^lengths must be \(B,\) integers, got float32$"):
         kernels.decode_attention(q[:, :1], k, v, 0.5, lengths=jnp.asarray([2.5]))
+    with pytest.raises(TypeError, match=r"^causal must be True or False, got 'no'$"):
+        kernels.diff_attention(q, k, v, 0.5, causal="no", impl=impl)  # it ran causal
+    with pytest.raises(TypeError, match=r"^causal must be True or False, got 0$"):
+        kernels.dot_product_attention(q, k, k, causal=0, impl=impl)
 
 
 def test_four_call_composition_equals_the_oracle():

@@ -137,6 +137,7 @@ class _Job:
             failure = Failure(**json.loads(self.client.key_value_try_get(FAILED_KEY)))
         except Exception:  # the service is gone: jax's own error handling stops this process
             return
+        sys.stdout.flush()  # the progress printed so far comes before the line, which stays last
         self.leave(failure.line(self.processes))
 
     def yield_to_watcher(self) -> None:

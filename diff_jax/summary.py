@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from diff_jax import variants
-from diff_jax.command import failed, interrupted, leave
+from diff_jax.command import concluded, failed, leave
 from diff_jax.attention import lambda_init
-from diff_jax.config import Config, ConfigError, ModelConfig, load_config
+from diff_jax.config import Config, ModelConfig, load_config
 from diff_jax.sharding import unboxed
 from diff_jax.transformer import DecoderLM
 
@@ -106,15 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_usage(sys.stderr)
             return failed("no config file: give CONFIG or --config CONFIG")
         args.config, *overrides = overrides
-    try:
-        config = load_config(args.config, overrides)
-        summary = summarize(config)
-    except ConfigError as e:
-        return failed(str(e))
-    except KeyboardInterrupt:
-        return interrupted("stopped at once (it writes no file)")
-    print(json.dumps(summary, indent=2))
-    return 0
+    return concluded(lambda: print(json.dumps(summarize(load_config(args.config, overrides)),
+                                              indent=2)), None)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,22 @@ def _start(corpus: Path, run: Path, *overrides: str, process_1: tuple[str, ...] 
     return procs
 
 
+def _outcome(procs: list[subprocess.Popen], out: Path, seconds: float,
+             after_error: float | None = None) -> tuple[list[int], list[str]]:
+    """(exit statuses, outputs) of the processes `_start` wrote to `out`/0 and `out`/1, each
+    killed if still running `seconds` from now, or `after_error` seconds after process 1
+    printed an `error:` line (a hang guard, not a timing: the hangs fixed lasted 300 s)."""
+    deadline, failed = time.monotonic() + seconds, False
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if after_error is not None and not failed and "error:" in (out / "1").read_text():
+            failed, deadline = True, time.monotonic() + after_error
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    return [p.wait() for p in procs], [(out / str(i)).read_text() for i in range(2)]
+
+
 def _two_processes(corpus: Path, run: Path, *overrides: str) -> list[str]:
     """Run train.py as processes 0 and 1 of a localhost job; returns their outputs."""
     procs = _start(corpus, run, *overrides)
@@ -144,17 +160,9 @@ def test_a_process_that_fails_stops_the_other_at_once_naming_it(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     run = tmp_path / "run"
     procs = _start(corpus, run, process_1=("-c", FULL_DISK), out=tmp_path)
-    failed_at, deadline = None, time.monotonic() + 300
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if failed_at is None and "error:" in (tmp_path / "1").read_text():
-            failed_at = time.monotonic()
-            deadline = failed_at + 60  # jax's heartbeat timeout is 100 s, its shutdown barrier 300
-        time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    outs = [(tmp_path / str(i)).read_text() for i in range(2)]
-    assert [p.wait() for p in procs] == [2, 2], outs[0][-3000:] + outs[1][-3000:]
+    # after process 1's error line, 60 s: jax's heartbeat timeout is 100 s, its barrier 300
+    statuses, outs = _outcome(procs, tmp_path, 300, after_error=60)
+    assert statuses == [2, 2], outs[0][-3000:] + outs[1][-3000:]
     directory = run.resolve() / "checkpoints"
     assert outs[1].splitlines()[-1].startswith("error: ") and "No space left on device" in outs[1]
     assert outs[0].splitlines()[-1] == (
@@ -174,14 +182,9 @@ def test_a_signal_one_process_caught_stops_every_process_at_one_saved_step(tmp_p
     corpus = write_corpus(tmp_path / "corpus")
     run = tmp_path / "run"
     procs = _start(corpus, run, "train.steps=10", process_1=("-c", SIGTERM_AT_4), out=tmp_path)
-    deadline = time.monotonic() + 240  # two processes start in about 30 s, the steps are ms
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    outs = [(tmp_path / str(i)).read_text() for i in range(2)]
-    assert [p.wait() for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    # two processes start in about 30 s and the steps take ms; the old hang was 300 s
+    statuses, outs = _outcome(procs, tmp_path, 240)
+    assert statuses == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     saved = committed_steps(run)[-1]  # beside step 3 or 6, the periodic ones (keep=2)
     assert 4 < saved < 10, committed_steps(run)
     assert outs[0].splitlines()[-1] == f"SIGTERM on process 1 received: saved step {saved}, exiting"

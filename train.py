@@ -16,7 +16,6 @@ with that one's status (diff_jax/peers.py).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from diff_jax.command import failed, interrupted, leave

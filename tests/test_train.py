@@ -7,7 +7,6 @@ import errno
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from diff_jax.checkpoint import quiet_abandoned_io
 from diff_jax.command import failed, leave, output_kept

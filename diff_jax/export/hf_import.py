@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import shlex
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any

@@ -50,6 +50,20 @@ def _require(cond: bool, key: str, rule: str) -> None:
         raise ConfigError(f"{key}: {rule}")
 
 
+def _coerce_fields(section: Any, prefix: str) -> None:
+    """Set each field of the frozen dataclass `section` to what `coerce` makes of it, named
+    `prefix.field` (`field` where `prefix` is empty: `Config`'s sections). A section built in
+    Python gets no coercion from `_build`, the YAML path's: without this `train.steps="10"`
+    failed in a TypeError at its first comparison, True ran 1 step, `checkpoint.async_save="no"`
+    saved asynchronously, `optim.schedule="cosin"` ran the constant schedule and an inf
+    clip_norm no clipping. Each section's `__post_init__` calls it first, so that its checks
+    read what the YAML path would give them."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        object.__setattr__(section, f.name, coerce(getattr(section, f.name), hints[f.name], key))
+
+
 def is_blank_path(path: str | None) -> bool:
     """Whether a path setting is given (not None) but empty or all spaces: `Path("")` is the
     working directory, which nobody means by it (the command would write or read there)."""
@@ -109,10 +123,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         spec = self._variant_spec  # "unknown variant", naming the known ones
-        hints = typing.get_type_hints(ModelConfig)
-        for f in dataclasses.fields(self):  # a ModelConfig built in Python, where no YAML
-            key = f"model.{f.name}"  # coercion ran: "false" would be true, 64.0 a width
-            object.__setattr__(self, f.name, coerce(getattr(self, f.name), hints[f.name], key))
+        _coerce_fields(self, "model")
         e, h = self.embed_dim, self.num_heads
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "max_seq_len"):
             _require(0 < getattr(self, name) <= INT32_MAX, f"model.{name}",
@@ -254,11 +265,12 @@ class MeshConfig:
     rules: tuple[tuple[str, Any], ...] = DEFAULT_RULES
 
     def __post_init__(self) -> None:
+        _coerce_fields(self, "mesh")
         sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
         for name, size in sizes.items():
             _require(size == -1 or size > 0, f"mesh.{name}", "must be positive or -1 (the rest)")
         _require(list(sizes.values()).count(-1) <= 1, "mesh", "at most one axis may be -1")
-        object.__setattr__(self, "rules", tuple((str(k), _as_axes(v)) for k, v in self.rules))
+        object.__setattr__(self, "rules", tuple((k, _as_axes(v)) for k, v in self.rules))
         logical = [name for name, _ in DEFAULT_RULES]
         names = [name for name, _ in self.rules]
         for name in names:
@@ -304,6 +316,7 @@ class OptimConfig:
     clip_norm: float = 1.0
 
     def __post_init__(self) -> None:
+        _coerce_fields(self, "optim")
         _require(self.lr > 0, "optim.lr", "must be positive")
         _require(0 <= self.min_lr <= self.lr, "optim.min_lr", "must be in [0, optim.lr]")
         _require(0 <= self.warmup_steps <= MAX_STEPS, "optim.warmup_steps",
@@ -333,6 +346,7 @@ class DataConfig:
     prefetch: int = 4  # batches grain prepares ahead
 
     def __post_init__(self) -> None:
+        _coerce_fields(self, "data")
         paths = self.paths.split(",") if isinstance(self.paths, str) else self.paths
         object.__setattr__(self, "paths", tuple(p.strip() for p in paths if p.strip()))
         _require(0 <= self.validation_fraction < 1, "data.validation_fraction", "must be in [0, 1)")
@@ -431,6 +445,7 @@ class TrainConfig:
     compile_cache_dir: str | None = None  # compiled programs kept for later runs (resume, seeds)
 
     def __post_init__(self) -> None:
+        _coerce_fields(self, "train")
         # `~` is the home directory, as eval.py and data.paths read it; the shell leaves a
         # `train.run_dir=~/x` argument as it is, which used to train into a directory named `~`
         paths = {"run_dir": "the run's directory", "init_from": "an export, a run or a step "
@@ -482,6 +497,7 @@ class CheckpointConfig:
     discard_later: bool = False  # with resume_step: delete the run's later checkpoints
 
     def __post_init__(self) -> None:
+        _coerce_fields(self, "checkpoint")
         _require(self.every_steps > 0, "checkpoint.every_steps", "must be positive")
         _require(self.keep > 0, "checkpoint.keep", "must be positive")
         _require(self.resume_step is None or self.resume_step > 0, "checkpoint.resume_step",
@@ -502,6 +518,7 @@ class DistributedConfig:
     heartbeat_timeout_s: int = 100
 
     def __post_init__(self) -> None:
+        _coerce_fields(self, "distributed")
         if self.coordinator is not None:  # jax indexes the port out of it: without one, IndexError
             host, _, port = self.coordinator.rpartition(":")
             _require(bool(host) and port.isdigit() and 0 < int(port) < 2**16,
@@ -527,16 +544,18 @@ class Config:
     """The whole run configuration, one section per concern; checks train.seq_len <=
     model.max_seq_len."""
 
-    # a factory: building a ModelConfig looks up its variant's spec, which imports the modules
+    # factories: building a section runs `coerce`, defined below this class, and a ModelConfig
+    # looks up its variant's spec, which imports the modules
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    train: TrainConfig = TrainConfig()
-    optim: OptimConfig = OptimConfig()
-    data: DataConfig = DataConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    mesh: MeshConfig = MeshConfig()
-    distributed: DistributedConfig = DistributedConfig()
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
+        _coerce_fields(self, "")
         _require(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
                  f"must be <= model.max_seq_len ({self.model.max_seq_len})")
         ck = self.checkpoint
@@ -564,7 +583,8 @@ def _to_plain(x: Any) -> Any:
 def coerce(value: Any, tp: Any, key: str) -> Any:
     """Check `value` against the annotation `tp`, converting where YAML is loose (int -> float);
     `ConfigError` naming `key` otherwise. The one type-coercion of the project: config files,
-    overrides, eval.py's options and the fields of a `ModelConfig` built in Python."""
+    overrides, eval.py's options and the fields of a section built in Python (`_coerce_fields`),
+    where a section is one already made or a mapping of its keys."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -622,6 +642,10 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):  # a section built in Python, checked as it was made
+            return value
+        if dataclasses.is_dataclass(value):  # e.g. a whole Config where its .model is meant
+            raise ConfigError(f"{key}: expected a {tp.__name__}, got a {type(value).__name__}")
         return _build(tp, value, key)
     raise ConfigError(f"{key}: unsupported type {tp}")
 

@@ -1,13 +1,16 @@
 """Config loading, `base:` inheritance, overrides, and errors that name the key and the rule."""
 
 import copy
+import dataclasses
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from diff_jax.config import ConfigError, ModelConfig, dump_config, load_config
+from diff_jax.config import (CheckpointConfig, Config, ConfigError, DataConfig, DistributedConfig,
+                             MeshConfig, ModelConfig, OptimConfig, TrainConfig, dump_config,
+                             from_dict, load_config)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SIZES = ["830m", "1.4b", "2.8b", "6.8b", "13.1b", "3b"]
@@ -345,6 +348,75 @@ def test_model_config_built_in_python_takes_numpy_numbers_as_python_ones():
     assert (config.embed_dim, config.num_heads, config.rope_theta) == (64, 2, 500.0)
     assert type(config.embed_dim) is int and type(config.rope_theta) is float
     assert config == ModelConfig(embed_dim=64, num_heads=2, rope_theta=500)
+
+
+SECTIONS = {"model": ModelConfig, "train": TrainConfig, "optim": OptimConfig, "data": DataConfig,
+            "checkpoint": CheckpointConfig, "mesh": MeshConfig, "distributed": DistributedConfig}
+
+# (section, field, a value a config file or an override may give): each refused; what the
+# section built in Python did with it before
+BAD_SECTION_VALUES = [
+    ("model", "vocab_size", True),  # (already checked: the one mechanism)
+    ("train", "steps", "10"),  # TypeError: '>' between str and int
+    ("train", "steps", True),  # trained 1 step
+    ("train", "batch_size", 2.5),  # "train.grad_accum: must divide train.batch_size (2.5)"
+    ("train", "seed", 2**70),  # (refused before too, by the range rule: the 64-bit one is first)
+    ("train", "run_dir", 3),  # AttributeError: 'int' object has no attribute 'strip'
+    ("train", "compile_only", "false"),  # ran as true: compiled and did not train
+    ("train", "log_every", -1),  # (refused before too)
+    ("optim", "lr", True),  # trained at lr 1
+    ("optim", "lr", "fast"),  # TypeError
+    ("optim", "b1", float("nan")),  # "optim.b1/b2: must be in [0, 1)"
+    ("optim", "clip_norm", float("inf")),  # ran unclipped
+    ("optim", "warmup_steps", 1.5),  # ran
+    ("optim", "schedule", "cosin"),  # ran the constant schedule
+    ("data", "read_threads", True),  # taken as 1 thread
+    ("data", "validation_fraction", "half"),  # TypeError
+    ("data", "paths", [1]),  # AttributeError
+    ("data", "prefetch", -1),  # (refused before too)
+    ("checkpoint", "every_steps", 2.5),  # ran
+    ("checkpoint", "async_save", "no"),  # saved asynchronously
+    ("checkpoint", "keep", 0),  # (refused before too)
+    ("mesh", "data", 1.0),  # ran, a float axis size
+    ("mesh", "tensor", "2"),  # TypeError
+    ("mesh", "fsdp", -2),  # (refused before too)
+    ("distributed", "heartbeat_timeout_s", 1.5),  # ran
+    ("distributed", "coordinator", 5),  # AttributeError: no rpartition
+    ("distributed", "heartbeat_timeout_s", 0),  # (refused before too)
+]
+
+
+@pytest.mark.parametrize("section,field,value", BAD_SECTION_VALUES,
+                         ids=[f"{s}.{f}={v!r}" for s, f, v in BAD_SECTION_VALUES])
+def test_a_section_built_in_python_refuses_what_a_config_file_refuses(section, field, value):
+    """Every section's fields are checked by `config.coerce` as ModelConfig's were: a value
+    refused in a config file or an override is refused in Python with the same one line."""
+    with pytest.raises(ConfigError) as from_file:
+        from_dict({section: {field: value}})
+    with pytest.raises(ConfigError) as in_python:
+        SECTIONS[section](**{field: value})
+    assert str(in_python.value) == str(from_file.value)
+    assert str(in_python.value).startswith(f"{section}.{field}")
+
+
+def test_a_section_built_in_python_is_coerced_as_a_config_file_coerces_it():
+    """What the YAML path converts, Python gets converted too (before, lr="1e-3" was a
+    TypeError and a section given as a mapping an AttributeError in Config's checks); a
+    whole Config where a section is meant, and a section replaced with a bad value, are one
+    ConfigError naming the field."""
+    given = {"optim": {"lr": "1e-3", "clip_norm": 1}, "train": {"steps": np.int64(7)},
+             "mesh": {"rules": [["batch", ["data"]]]}}
+    built = Config(**{name: SECTIONS[name](**values) for name, values in given.items()})
+    assert built == from_dict(given) == Config(**given)
+    assert built.optim.lr == 1e-3 and type(built.optim.clip_norm) is float
+    assert built.train.steps == 7 and type(built.train.steps) is int
+    assert built.mesh.rules == (("batch", ("data",)),)
+    with pytest.raises(ConfigError, match=r"^model: expected a ModelConfig, got a Config$"):
+        Config(model=Config())
+    with pytest.raises(ConfigError, match=r"^train: expected a mapping, got 3$"):
+        Config(train=3)
+    with pytest.raises(ConfigError, match=r"^train\.steps: expected an integer, got '7'$"):
+        dataclasses.replace(built.train, steps="7")
 
 
 def test_apply_overrides_leaves_the_callers_dict_as_it_was():

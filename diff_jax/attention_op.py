@@ -46,7 +46,7 @@ from flax import linen as nn
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import kernels
-from diff_jax.config import ConfigError, ModelConfig
+from diff_jax.config import ConfigError, ModelConfig, check_section
 from diff_jax.sharding import axes_size
 
 Rules = tuple[tuple[str, Any], ...]
@@ -100,7 +100,13 @@ class AttentionOp:
     @classmethod
     def build(cls, config: ModelConfig, mesh: Mesh | None = None, rules: Rules | None = None, *,
               capture: bool = False, block_sizes: kernels.BlockSizes | None = None) -> AttentionOp:
-        """The op for `config` on `mesh` (None: the context mesh at trace time) with `rules`."""
+        """The op for `config` (a `ModelConfig`: a Config's .model) on `mesh` (a jax Mesh; None:
+        the context mesh at trace time) with `rules`. TypeError for another object in their
+        place (a whole Config, a MeshConfig: an AttributeError on the first field read)."""
+        check_section(config, ModelConfig, "AttentionOp.build")
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise TypeError(f"AttentionOp.build takes a jax Mesh (diff_jax.sharding.make_mesh("
+                            f"config.mesh)) or None, got {type(mesh).__name__}")
         impl = "xla" if capture else resolve_impl(config, _platform(mesh))
         return cls(impl=impl, mesh=mesh, rules=None if rules is None else tuple(rules),
                    capture=capture, logit_bits=config.attn_logit_bits, block_sizes=block_sizes)

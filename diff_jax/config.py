@@ -572,6 +572,17 @@ class Config:
         return _to_plain(dataclasses.asdict(self))
 
 
+def check_section(value: Any, cls: type, taker: str) -> None:
+    """TypeError unless `value` is a `cls`, a section of `Config`: "TAKER takes a ModelConfig (a
+    Config's .model), got Config". A whole Config passed where a section is meant (to DecoderLM,
+    generate, make_mesh, AttentionOp.build) failed in an AttributeError at the first field read,
+    naming neither."""
+    if not isinstance(value, cls):
+        name = next(f.name for f in dataclasses.fields(Config) if f.type == cls.__name__)
+        raise TypeError(f"{taker} takes a {cls.__name__} (a Config's .{name}), got "
+                        f"{type(value).__name__}")
+
+
 def _to_plain(x: Any) -> Any:
     if isinstance(x, dict):
         return {k: _to_plain(v) for k, v in x.items()}

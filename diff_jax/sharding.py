@@ -16,7 +16,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from diff_jax.config import MeshConfig
+from diff_jax.config import MeshConfig, check_section
 
 AXES = ("data", "fsdp", "tensor")
 
@@ -46,8 +46,7 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
 
     Devices of several TPU slices (a multi-slice job; their `slice_index` differs) get a hybrid
     mesh in which `data` alone crosses slices (`slice_devices`)."""
-    if not isinstance(cfg, MeshConfig):  # a whole Config failed at its first field
-        raise TypeError(f"make_mesh takes a MeshConfig (a Config's .mesh), got {type(cfg).__name__}")
+    check_section(cfg, MeshConfig, "make_mesh")
     types = (AxisType.Auto,) * len(AXES)
     present = jax.devices() if devices is None else list(devices)
     if num_slices(present) > 1:

@@ -9,7 +9,7 @@ from flax import linen as nn
 from diff_jax import variants
 from diff_jax.attention import LAMBDA_VECTORS, Rope, diff_lambda, lambda_init
 from diff_jax.attention_op import AttentionOp
-from diff_jax.config import ModelConfig
+from diff_jax.config import ModelConfig, check_section
 from diff_jax.layers import RMSNorm, SwiGLU, residual_out_std
 from diff_jax.rope import rope_tables
 
@@ -115,9 +115,7 @@ class DecoderLM(nn.Module):
     attention_op: AttentionOp | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.config, ModelConfig):  # a whole Config failed at its first field
-            raise TypeError(f"DecoderLM takes a ModelConfig (a Config's .model), got "
-                            f"{type(self.config).__name__}")
+        check_section(self.config, ModelConfig, "DecoderLM")
         super().__post_init__()
 
     def quantized(self, bits: jax.Array | None) -> DecoderLM:

@@ -214,6 +214,21 @@ def test_impossible_implementations_are_config_errors():
     assert AttentionOp.build(_cfg(attention_impl="pallas"), capture=True).impl == "xla"
 
 
+@pytest.mark.parametrize("capture", [False, True])
+def test_build_names_what_it_takes_when_given_a_whole_config_or_a_mesh_config(capture):
+    """`AttentionOp.build(config)` with the whole Config, or a MeshConfig for `mesh`, failed in
+    an AttributeError on the first field read ('Config' object has no attribute
+    'attention_impl', or 'attn_logit_bits' with capture; 'MeshConfig' ... 'devices')."""
+    config = Config()
+    with pytest.raises(TypeError, match=r"^AttentionOp\.build takes a ModelConfig \(a Config's "
+                                        r"\.model\), got Config$"):
+        AttentionOp.build(config, capture=capture)
+    with pytest.raises(TypeError, match=r"^AttentionOp\.build takes a jax Mesh \(diff_jax\."
+                                        r"sharding\.make_mesh\(config\.mesh\)\) or None, got "
+                                        r"MeshConfig$"):
+        AttentionOp.build(config.model, config.mesh, capture=capture)
+
+
 def test_decode_step_equals_full_forward_with_the_kernel_configured():
     """A model configured for the kernel still decodes one token over the cache (through
     `kernels.decode_attention`, which reads only the filled part)."""

@@ -39,7 +39,8 @@ from limited_run import ROOT, run_limited
 
 sys.path.insert(0, str(ROOT))
 
-from diff_jax.command import positive_float, positive_int, positive_ints  # noqa: E402
+from diff_jax.command import (concluded, leave, positive_float, positive_int,  # noqa: E402
+                              positive_ints)
 from diff_jax.output_dir import write_whole  # noqa: E402
 
 METRIC = "gpu__time_duration.sum"
@@ -160,6 +161,10 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+    """The command line in the module docstring (`argv`: None reads sys.argv). Exit status 0,
+    each row that was not measured saying why; 2 on bad input (argparse's error line for an
+    argument, one `error:` line for a DIR that cannot be made or written), before any child
+    runs; 130 after Ctrl-C (the rows already measured stay in DIR/kernel_profile.json)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--head-dims", type=positive_ints, default="128,64")
@@ -181,10 +186,16 @@ def main(argv=None) -> int:
                 f"{', '.join(SCHEDULES)}")
     if args.tokens < args.t:
         p.error(f"--tokens {args.tokens}: expected at least --t {args.t} (one sequence)")
-    if args.run:
+    if args.run:  # the profiled child: a traceback here is its row's error, read by the parent
         _child(int(args.run[0]), args.run[1], args)
         return 0
-    args.out.mkdir(parents=True, exist_ok=True)
+    return concluded(lambda: profile_all(args, schedules), (f"--out {args.out}", str(args.out)))
+
+
+def profile_all(args: argparse.Namespace, schedules: list[str]) -> None:
+    """`main`'s work for parsed `args`: a row per head width and schedule, each written to
+    DIR/kernel_profile.json as it ends, then DIR/kernel_profile.md."""
+    args.out.mkdir(parents=True, exist_ok=True)  # first: a DIR that cannot be made ends at once
     rows = []
     start = time.monotonic()
     for d in args.head_dims:
@@ -198,8 +209,7 @@ def main(argv=None) -> int:
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
             write_whole(args.out / "kernel_profile.json", json.dumps(rows, indent=1))
     write_whole(args.out / "kernel_profile.md", markdown(rows))
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())  # after Ctrl-C without the interpreter's teardown (diff_jax.command)

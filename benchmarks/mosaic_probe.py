@@ -30,7 +30,7 @@ from limited_run import ROOT, run_limited
 
 sys.path.insert(0, str(ROOT))
 
-from diff_jax.command import positive_float  # noqa: E402
+from diff_jax.command import concluded, leave, positive_float  # noqa: E402
 from diff_jax.output_dir import write_whole  # noqa: E402
 
 # name: (d, causal, segment ids, backward, Tiles fields over the table's)
@@ -126,35 +126,56 @@ def probe(name: str, limit: float, split_registers: str | None) -> dict:
     return row
 
 
+def _register_counts(text: str) -> str:
+    """An argparse `type`: --split-registers' K,V, two register counts `setmaxnreg` takes (PTX:
+    a multiple of 8 in [24, 256]), kept as the text the child is given. Another was taken: off
+    Mosaic GPU its probes ran "ok" without reading it (`0,7` on the CPU), and on Hopper it could
+    only fail in each child, after its start-up."""
+    if not (re.fullmatch(r"[0-9]+,[0-9]+", text)
+            and all(24 <= int(x) <= 256 and int(x) % 8 == 0 for x in text.split(","))):
+        raise argparse.ArgumentTypeError(f"expected K,V: two register counts, multiples of 8 in "
+                                         f"[24, 256] (what setmaxnreg takes), got {text!r}")
+    return text
+
+
 def main(argv=None) -> int:
+    """The command line in the module docstring (`argv`: None reads sys.argv). Exit status 0
+    when every probe is "ok", 1 when one hung or failed (the rows say which); 2 on bad input
+    (argparse's error line for an argument, one `error:` line for a DIR that cannot be made or
+    written), before any probe runs; 130 after Ctrl-C (the probes already run stay in
+    DIR/mosaic_probe.json)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--limit", type=positive_float, default=45.0, help="seconds a probe may take")
     p.add_argument("--probes", default=",".join(PROBES))
-    p.add_argument("--split-registers", default=None,
+    p.add_argument("--split-registers", type=_register_counts, default=None,
                    help="K,V: the split dK/dV roles' register counts instead of the kernel's")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.child:
+    if args.child:  # the probed child: a traceback here is its row's tail, read by the parent
         print("PROBE " + json.dumps(_child(args.child, args.split_registers)), flush=True)
         return 0
     names = args.probes.split(",")
     unknown = [x for x in names if x not in PROBES]
     if unknown:
         p.error(f"--probes: unknown {', '.join(unknown)}; expected some of {', '.join(PROBES)}")
-    if args.split_registers is not None and not re.fullmatch(r"\d+,\d+", args.split_registers):
-        p.error(f"--split-registers: expected K,V (two register counts), got "
-                f"{args.split_registers!r}")
+    rows: list[dict] = []
+    status = concluded(lambda: probe_all(names, args, rows), (f"--out {args.out}", args.out))
+    if status == 0 and any(r["status"] != "ok" for r in rows):
+        return 1  # hopper_session's probe stage: "exit 1", and the rows' statuses
+    return status
+
+
+def probe_all(names: list[str], args: argparse.Namespace, rows: list[dict]) -> None:
+    """`main`'s work for parsed `args`: each probe of `names` in turn, its row appended to `rows`
+    and DIR/mosaic_probe.json written after each (a caller's own limit keeps what was probed)."""
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "mosaic_probe.json"
-    rows = []
-    for name in names:  # written after each probe: a caller's own limit keeps what was probed
+    out.mkdir(parents=True, exist_ok=True)  # first: a DIR that cannot be made ends at once
+    for name in names:
         rows.append(probe(name, args.limit, args.split_registers))
         print(json.dumps({k: x for k, x in rows[-1].items() if k != "tail"}), flush=True)
-        write_whole(path, json.dumps(rows, indent=1))
-    return 0 if all(r["status"] == "ok" for r in rows) else 1
+        write_whole(out / "mosaic_probe.json", json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())  # after Ctrl-C without the interpreter's teardown (diff_jax.command)

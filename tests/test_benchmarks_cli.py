@@ -6,6 +6,7 @@ in one `interrupted:` line, exit status 130. All refused before anything compile
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 from pathlib import Path
 
@@ -49,6 +50,9 @@ ARGUMENTS = [
     ("kernel_profile", ["--t", "8192", "--tokens", "4096"],
      "--tokens 4096: expected at least --t 8192 (one sequence)"),
     ("mosaic_probe", ["--limit", "0"], "argument --limit: expected a number > 0, got '0'"),
+    ("mosaic_probe", ["--split-registers", "256,20"],
+     "argument --split-registers: expected K,V: two register counts, multiples of 8 in [24, 256] "
+     "(what setmaxnreg takes), got '256,20'"),
     ("fit", ["--target", "h100", "--slices", "v5p:2x2x2"],
      "--slices: unknown v5p:2x2x2 for --target h100; expected some of h100:8, h100:16, h100:32, "
      "h100:64"),
@@ -109,6 +113,40 @@ def test_an_out_that_cannot_be_made_is_one_error_line_before_any_measurement(scr
         f"error: --out {out}: {tmp_path / 'file'}: File exists and is not a directory")
 
 
+# (script, arguments that keep the run small, had it run): --out DIR is the directory they write in
+DIRECTORY_OUT = [("kernel_profile", ["--head-dims", "64", "--schedules", "table"]),
+                 ("mosaic_probe", ["--probes", "fwd-d64"])]
+
+
+@pytest.mark.parametrize("script,small", DIRECTORY_OUT, ids=[s[0] for s in DIRECTORY_OUT])
+def test_an_out_directory_that_cannot_be_made_is_one_error_line_before_any_child(
+        script, small, capsys, tmp_path, monkeypatch):
+    """kernel_profile.py and mosaic_probe.py: --out under a file is refused naming --out before
+    a child (ncu, a probe) starts (it was a NotADirectoryError traceback, exit status 1)."""
+    bench = importlib.import_module(script)
+    monkeypatch.setattr(bench, "run_limited", _unexpected)
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "out"
+    assert _refused(capsys, bench.main, [*small, "--out", str(out)]) == (
+        f"error: --out {out}: {out}: Not a directory")
+
+
+def _unexpected(*_args, **_kwargs):
+    raise AssertionError("a child ran")
+
+
+@pytest.mark.parametrize("status,code", [("ok", 0), ("hang", 1)])
+def test_mosaic_probe_exits_1_when_a_probe_is_not_ok(status, code, tmp_path, monkeypatch):
+    """benchmarks/hopper_session.py's probe stage reads the exit status ("exit 1": a probe hung
+    or failed) beside DIR/mosaic_probe.json's rows."""
+    import mosaic_probe
+
+    monkeypatch.setattr(mosaic_probe, "probe", lambda name, *_: {"probe": name, "status": status})
+    assert mosaic_probe.main(["--out", str(tmp_path), "--probes", "fwd-d64,bwd-d128"]) == code
+    saved = json.loads((tmp_path / "mosaic_probe.json").read_text())
+    assert [r["status"] for r in saved] == [status, status]
+
+
 def test_a_child_that_refused_its_input_is_one_error_line(capsys, tmp_path, monkeypatch):
     """compile_cache.py: a train.py run that exited 2 ends the command with its error line and
     exit status 2 (a RuntimeError with the child's stderr)."""
@@ -130,7 +168,8 @@ def _stop(*_args, **_kwargs):
 
 # (script, the function its main's work calls that the Ctrl-C lands in)
 CTRL_C = [("train_step", "load_config"), ("generate", "_run"), ("compile_cache", "run"),
-          ("prepare_memory", "_write_jsonl")]
+          ("prepare_memory", "_write_jsonl"), ("kernel_profile", "profile"),
+          ("mosaic_probe", "probe")]
 
 
 @pytest.mark.parametrize("script,function", CTRL_C, ids=[c[0] for c in CTRL_C])

@@ -189,6 +189,10 @@ def main(argv=None) -> int:
     if args.run:  # the profiled child: a traceback here is its row's error, read by the parent
         _child(int(args.run[0]), args.run[1], args)
         return 0
+    # The parent checks each row's tiles for the attached GPU's kind, which starts jax's CUDA
+    # backend here: by default that claims 75% of the GPU's memory for the whole run, beside the
+    # child that ncu profiles. Without preallocation the parent holds only its CUDA context.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     return concluded(lambda: profile_all(args, schedules), (f"--out {args.out}", str(args.out)))
 
 

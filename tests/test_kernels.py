@@ -24,7 +24,7 @@ from jax import export
 
 import kernels
 import numpy_reference as npr
-from kernels import BlockSizes, cost, flash, flash_mgpu
+from kernels import BlockSizes, cost, flash, flash_mgpu, hopper
 from kernels.flash import flash_attention
 from kernels.float64_reference import diff_attention as np_diff_attention
 from kernels.float64_reference import mask as np_mask
@@ -889,9 +889,17 @@ def test_kernel_profile_reads_ncu_logs_and_records_why_a_row_is_missing(tmp_path
     fake.chmod(0o755)
     (tmp_path / "code").write_text("0")
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    # the parent reads the GPU's kind (jax's CUDA backend, started there) without preallocating
+    # 75% of the GPU's memory beside the profiled child
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    preallocate = []
+    monkeypatch.setattr(hopper, "device_kind",
+                        lambda: preallocate.append(os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"))
+                        or "")
     out = tmp_path / "out"
     assert kernel_profile.main(["--out", str(out), "--head-dims", "128", "--schedules",
                                 "fused"]) == 0
+    assert preallocate and set(preallocate) == {"false"}, preallocate
     (row,) = json.loads((out / "kernel_profile.json").read_text())
     assert row["kernels_ms"]["diff_flash_dkdv"] == pytest.approx(3.2), row
     assert row["launches"] == {"diff_flash_fwd": 3, "diff_flash_dq": 3, "diff_flash_dkdv": 3}

@@ -417,14 +417,17 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     return restored["state"], {"config": config, "training_data": restored.get("training_data")}
 
 
-def _check_step(saved: jax.Array, step: int, where: Path) -> None:
+def _check_step(saved: jax.Array | np.ndarray, step: int, where: Path, hint: str = "") -> None:
     """`DamagedCheckpointError` unless the step counter `saved` in the state read from `where`
     is `step`, the step its directory is named by (a directory copied or renamed: resumed as
-    step N, it trained on from another step's state, data position and learning rate)."""
-    held = int(np.asarray(saved.addressable_data(0)))  # replicated: every shard holds it
+    step N, it trained on from another step's state, data position and learning rate; evaluated
+    or exported, it was reported as step N). Resume, eval and export all check it here."""
+    if isinstance(saved, jax.Array):  # replicated: every shard holds it
+        saved = saved.addressable_data(0)
+    held = int(np.asarray(saved))
     if held != step:
         raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: {where / 'state'} "
-                                           f"holds the train state of step {held}")
+                                           f"holds the train state of step {held}{hint}")
 
 
 def _as_configured(mngr: ocp.CheckpointManager, error: CheckpointError) -> CheckpointError:
@@ -614,8 +617,10 @@ def restore_inference(run_dir: str | Path, step: int | None,
     """(step, saved config dict, params) of `step` (None: the latest complete step).
 
     `make_target(saved config dict)` returns the abstract parameters (ShapeDtypeStructs with
-    shardings) to restore onto; only the parameters are read, not the optimizer or data state,
-    and their checksums are verified (`DamagedCheckpointError` naming the step and the array).
+    shardings) to restore onto; only the parameters and the step counter are read, not the
+    optimizer or data state, and their checksums are verified (`DamagedCheckpointError` naming
+    the step and the array); a step directory whose state counts another step (copied or
+    renamed) is damaged, as it is to resume (`_check_step`).
     """
     run_dir = Path(run_dir).resolve()
     with _reader(run_dir) as mngr:
@@ -638,12 +643,17 @@ def restore_inference(run_dir: str | Path, step: int | None,
             items["checksums"] = ocp.args.JsonRestore()
         saved = _restore_items(mngr, step, where, items, hint)
         target = make_target(saved["config"])
-        metadata = _state_metadata(mngr, step, where, hint)["params"]
-        check_shapes(tree_shapes(metadata), tree_shapes(target), "checkpoint ")
+        metadata = _state_metadata(mngr, step, where, hint)
+        check_shapes(tree_shapes(metadata["params"]), tree_shapes(target), "checkpoint ")
         restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
+        # and the step counter, which `_check_step` compares with the directory's name (read on
+        # every process as a NumPy scalar: it needs no place on the parameters' devices)
+        counter = np.zeros(metadata["step"].shape, metadata["step"].dtype)
         with _read_errors(step, where, hint):
             state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item={"params": target}, restore_args={"params": restore_args},
+                item={"params": target, "step": counter},
+                restore_args={"params": restore_args,
+                              "step": ocp.RestoreArgs(restore_type=np.ndarray)},
                 partial_restore=True)))
         recorded = recorded_checksums(saved.get("checksums"), step, where)
         if recorded is not None:
@@ -651,6 +661,7 @@ def restore_inference(run_dir: str | Path, step: int | None,
                 verify_checksums(state["state"], recorded, step, where / "state")
             except DamagedCheckpointError as e:
                 raise DamagedCheckpointError(step, f"{e}{hint}") from None
+        _check_step(state["state"]["step"], step, where, hint)
     return step, saved["config"], state["state"]["params"]
 
 

@@ -481,6 +481,29 @@ def test_a_step_directory_holding_another_steps_state_is_damage(corpus, run20, t
     assert (run / "damaged_checkpoints" / "25" / "state").is_dir()
 
 
+
+def test_a_step_directory_holding_another_steps_state_is_refused_by_eval_and_export(
+        run20, tmp_path, capfd):
+    """They read the parameters alone, and evaluated or exported the copy checkpoints/10 -> 25 as
+    step 25 (the export's export.json said step 25). The latest or named by step=25 or its
+    directory, it is refused as damaged like any other damaged step, in one line naming the
+    directory and both steps; another step still reads."""
+    run = _copy(run20, tmp_path)
+    shutil.copytree(run / "checkpoints" / "10", run / "checkpoints" / "25")
+    said = (f"checkpoint step 25 is damaged: {run / 'checkpoints' / '25' / 'state'} holds the "
+            "train state of step 10; other steps: [10, 20]")
+    capfd.readouterr()
+    for named in ([f"train.run_dir={run}"], [f"train.run_dir={run}", "step=25"],
+                  [f"checkpoint={run / 'checkpoints' / '25'}"]):
+        assert eval_main(["task=ppl", *named]) == 2
+        assert capfd.readouterr().err.strip().splitlines() == [f"error: {said}"], named
+    with pytest.raises(ExportError, match="holds the train state of step 10"):
+        export.load(run / "checkpoints" / "25")
+    assert export_main([str(run), "--out", str(tmp_path / "exp")]) == 2
+    assert capfd.readouterr().err.strip().splitlines() == [f"error: {run}: {said}"]
+    assert not (tmp_path / "exp").exists()
+    assert load(*parse_args(["task=ppl", f"train.run_dir={run}", "step=20"])).step == 20
+
 UNREADABLE = """
 import sys
 from pathlib import Path

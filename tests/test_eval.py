@@ -44,10 +44,13 @@ def _config(text_dir: Path, run_dir: Path, variant: str):
 
 
 def _write_init_checkpoint(config) -> None:
-    """Step 1 of a run that is only initialized: params, optimizer and data state, and the config."""
+    """Step 1 of a run that is only initialized: params, optimizer and data state, and the config
+    (the state counting step 1, as its directory is named: eval refuses a step directory whose
+    state counts another step)."""
     inputs = data.build(config.data, config.train.seq_len, config.train.batch_size, 0, 0, 0, 1)
     tx = make_optimizer(config.optim, config.train.steps)
     state = init_state(jax.random.PRNGKey(1), DecoderLM(config.model), tx)
+    state = state.replace(step=jnp.ones((), jnp.int32))
     mngr = checkpoint.manager(config.train.run_dir, config.checkpoint)
     checkpoint.save(mngr, 1, state, inputs.train, config, inputs.corpus.fingerprint())
     mngr.wait_until_finished()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import logging
 import os
 import re
@@ -392,7 +393,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     _check_process_count(step, where / "data_iter")
     # the config first (read as eval and export will: it must parse), so that a step of another
     # model of the same shapes is refused before its arrays are read
-    config = _restore_items(mngr, step, where, {"config": ocp.args.JsonRestore()})["config"]
+    config = _read_config(mngr, step, where)
     try:
         saved = from_dict(config).model
     except ConfigError:  # a config of an older diff-jax: its shapes were checked above
@@ -638,10 +639,10 @@ def restore_inference(run_dir: str | Path, step: int | None,
                 raise CheckpointError(f"checkpoint {where} is partial: it has no {item!r} item")
         others = sorted(s for s in steps if s != step)
         hint = f"; other steps: {others}" if others else ""
-        items = {"config": ocp.args.JsonRestore()}
-        if _checksummed(mngr, step, where, hint):
-            items["checksums"] = ocp.args.JsonRestore()
-        saved = _restore_items(mngr, step, where, items, hint)
+        checksummed = _checksummed(mngr, step, where, hint)
+        saved = {"config": _read_config(mngr, step, where, hint)}
+        if checksummed:
+            saved |= _restore_items(mngr, step, where, {"checksums": ocp.args.JsonRestore()}, hint)
         target = make_target(saved["config"])
         metadata = _state_metadata(mngr, step, where, hint)
         check_shapes(tree_shapes(metadata["params"]), tree_shapes(target), "checkpoint ")
@@ -675,6 +676,23 @@ def _restore_items(mngr: ocp.CheckpointManager, step: int, where: Path, items: d
         with _read_errors(step, where / name, hint):
             restored[name] = mngr.restore(step, args=ocp.args.Composite(**{name: args}))[name]
     return restored
+
+
+def _read_config(mngr: ocp.CheckpointManager, step: int, where: Path, hint: str = "") -> dict:
+    """The `config` item of `step` (at `where`): the dict of sections `Config.to_dict` saved.
+    `DamagedCheckpointError` when it does not read (`_restore_items`) or reads as JSON that no
+    diff-jax saved (no object, a section that is no object, no model section): eval failed on
+    a list in an AttributeError traceback, export in an error not naming the step, and resume
+    continued from such a step. Sections whose keys or values do not parse are an older
+    diff-jax's config, read as before (`restore` checks the state's shapes instead)."""
+    config = _restore_items(mngr, step, where, {"config": ocp.args.JsonRestore()}, hint)["config"]
+    if not (isinstance(config, dict) and isinstance(config.get("model"), dict)
+            and all(isinstance(section, dict) for section in config.values())):
+        raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: {where / 'config'} "
+                                           "holds no config (expected a JSON object of sections "
+                                           f"with a model section, found {json.dumps(config):.60})"
+                                           f"{hint}")
+    return config
 
 
 def _state_metadata(mngr: ocp.CheckpointManager, step: int, where: Path, hint: str = "") -> Any:

@@ -560,6 +560,25 @@ def test_a_damaged_config_item_is_skipped_by_resume_as_eval_refuses_it(corpus, r
     assert (run / "damaged_checkpoints" / "20" / "config").is_dir()
 
 
+@pytest.mark.parametrize("text", ["[]", "{}"])
+def test_a_config_item_that_is_json_but_no_config_is_damage_to_resume_as_to_eval(
+        text, corpus, run20, tmp_path, capfd):
+    """Resume read a config item as the model's only where it parsed, and continued from a step
+    whose config was a list (eval failed on it in an AttributeError traceback), or refused the
+    run as "trained with model.vocab_size=100288" for {} (the defaults). It is the damage of
+    that item, as JSON that does not read is: named by eval, skipped and set aside by resume."""
+    run = _copy(run20, tmp_path)
+    (run / "checkpoints" / "20" / "config" / "metadata").write_text(text)
+    said = (f"checkpoint step 20 is damaged: {run / 'checkpoints' / '20' / 'config'} holds no "
+            f"config (expected a JSON object of sections with a model section, found {text})")
+    capfd.readouterr()
+    assert eval_main(["task=ppl", f"train.run_dir={run}"]) == 2
+    assert capfd.readouterr().err.strip().splitlines() == [f"error: {said}; other steps: [10]"]
+    result = train_loop.run(tiny_config(corpus, run, "train.steps=11"))
+    err = capfd.readouterr().err
+    assert result.step == 11 and f"skipped {said}; moved it to" in err
+    assert (run / "damaged_checkpoints" / "20" / "config").is_dir()
+
 def test_a_step_whose_state_metadata_is_gone_is_damage_named_by_eval_and_skipped_by_resume(
         corpus, run20, tmp_path, capfd):
     """orbax answers None, not an error, for a `state` item without its `_METADATA` file (a

@@ -10,12 +10,13 @@ they describe. The state is restored onto whatever mesh is live: the restore tar
 new shardings. A checkpoint whose parameter shapes disagree with the config is refused before
 anything is read, naming the parameter.
 
-Integrity: `checksums` holds a 64-bit checksum of every array's bytes, computed when the step is
-saved; every restore recomputes it over what was read and refuses a mismatch
-(`DamagedCheckpointError`, naming the step and the array). The checksum is a jitted reduction
-over the logical array, so on a multi-host mesh each process hashes only the shards it holds and
-the partial sums are combined by one all-reduce: no process reads an array it does not own, and
-the checksum does not depend on the mesh it is computed on (a restore onto another mesh verifies).
+Integrity: `checksums` holds a 64-bit checksum of every array's bytes and of every process's
+data position (`_data_positions`), computed when the step is saved; every restore recomputes it
+over what was read and refuses a mismatch (`DamagedCheckpointError`, naming the step and the
+array). The checksum is a jitted reduction over the logical array, so on a multi-host mesh each
+process hashes only the shards it holds and the partial sums are combined by one all-reduce: no
+process reads an array it does not own, and the checksum does not depend on the mesh it is
+computed on (a restore onto another mesh verifies).
 """
 
 from __future__ import annotations
@@ -179,9 +180,11 @@ def verify_checksums(tree: Any, recorded: dict[str, str], step: int | None, wher
                       f"recorded when it was saved ({value} != {recorded[name]})")
 
 
-def checksums_record(tree: Any) -> dict[str, Any]:
-    """What is saved beside `tree`'s arrays: the algorithm and `array_checksums(tree)`."""
-    return {"algorithm": CHECKSUM_ALGORITHM, "arrays": array_checksums(tree)}
+def checksums_record(*trees: Any) -> dict[str, Any]:
+    """What is saved beside the arrays of `trees`: the algorithm and their `array_checksums`
+    (the trees' leaf names must differ)."""
+    arrays = {name: value for tree in trees for name, value in array_checksums(tree).items()}
+    return {"algorithm": CHECKSUM_ALGORITHM, "arrays": arrays}
 
 
 def recorded_checksums(saved: Any, step: int | None, where: Path) -> dict[str, str] | None:
@@ -204,16 +207,17 @@ def recorded_checksums(saved: Any, step: int | None, where: Path) -> dict[str, s
 
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter: grain.DatasetIterator,
          config: Config, training_data: dict[str, Any]) -> None:
-    """Start saving `step` with its checksums and `training_data` (the training split's
-    `TokenCorpus.fingerprint`), async when configured; the checksums are computed now, before
-    `state` can be donated. `wait(mngr)` before exit. When this save, or the async one before
-    it, fails: `OSError` naming the step's directory (`_write_errors`)."""
+    """Start saving `step` with its checksums (the state's and the data positions') and
+    `training_data` (the training split's `TokenCorpus.fingerprint`), async when configured;
+    the checksums are computed now, before `state` can be donated. `wait(mngr)` before exit.
+    When this save, or the async one before it, fails: `OSError` naming the step's directory
+    (`_write_errors`)."""
     with _write_errors(mngr):
         mngr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data_iter=grain.checkpoint.CheckpointSave(data_iter),
             config=ocp.args.JsonSave(config.to_dict()),
-            checksums=ocp.args.JsonSave(checksums_record(state)),
+            checksums=ocp.args.JsonSave(checksums_record(state, _data_positions(data_iter))),
             training_data=ocp.args.JsonSave(training_data),
         ), force=True)
 
@@ -414,8 +418,30 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     recorded = recorded_checksums(restored.get("checksums"), step, where)
     if recorded is not None:
         verify_checksums(restored["state"], recorded, step, where / "state")
+        state_arrays = {_leaf_name(path) for path, _ in
+                        jax.tree_util.tree_flatten_with_path(restored["state"])[0]}
+        if set(recorded) - state_arrays:  # a record of the state's arrays alone predates them
+            verify_checksums(_data_positions(data_iter), recorded, step, where)
     _check_step(restored["state"].step, step, where)
     return restored["state"], {"config": config, "training_data": restored.get("training_data")}
+
+
+def _data_positions(data_iter: grain.DatasetIterator) -> dict[str, Any]:
+    """{"data_iter": {"process_I-of-N.json": state}}: every process's data-iterator state (its
+    `next_index`), named by the file grain writes it to, gathered onto every process (all call
+    it together), which the checksums record covers beside the arrays: grain's JSON has no
+    checksum of its own, so a digit changed in it (`20` to `21` is one bit) still read, and the
+    run resumed at another data position without a word. Gathered, it is verified against the
+    record (written by process 0) alike on every process, which so reach one verdict."""
+    state, n = data_iter.get_state(), jax.process_count()
+    if n == 1:
+        states = [state]
+    else:
+        from jax.experimental import multihost_utils
+
+        gathered = multihost_utils.process_allgather(state)
+        states = [jax.tree.map(lambda x, i=i: x[i], gathered) for i in range(n)]
+    return {"data_iter": {f"process_{i}-of-{n}.json": s for i, s in enumerate(states)}}
 
 
 def _check_step(saved: jax.Array | np.ndarray, step: int, where: Path, hint: str = "") -> None:

@@ -618,6 +618,38 @@ def test_a_step_that_lost_its_checksums_item_is_damage_not_a_step_from_before_ch
     assert "resumed from step 10" in err and "has no recorded checksums" in caplog.text
 
 
+def test_a_data_position_edited_in_the_iterators_json_is_damage_and_an_older_step_resumes(
+        corpus, run20, tmp_path, capfd):
+    """grain's data-iterator JSON had no checksum: `next_index` 20 turned 21 (one bit of the
+    digit) still read, and resume went on at another data position without a word. The
+    checksums record covers each process's position now, so the step is skipped and set aside
+    like any damaged one, naming the file. A step whose record holds the state's arrays alone
+    (saved before diff-jax recorded the positions) resumes as before, its position unverified."""
+    name = "data_iter/process_0-of-1.json/next_index"
+    for part in ("edited", "older"):
+        run = _copy(run20, tmp_path / part)
+        step = run / "checkpoints" / "20"
+        sums = step / "checksums" / "metadata"
+        record = json.loads(sums.read_text())
+        assert name in record["arrays"]
+        if part == "edited":
+            position = step / "data_iter" / "process_0-of-1.json"
+            assert json.loads(position.read_text()) == {"next_index": 20}
+            position.write_text(json.dumps({"next_index": 21}))
+        else:
+            del record["arrays"][name]
+            sums.write_text(json.dumps(record))
+        capfd.readouterr()
+        result = train_loop.run(tiny_config(corpus, run, "train.steps=21"))
+        err = capfd.readouterr().err
+        if part == "edited":
+            assert (f"skipped checkpoint step 20 is damaged: {name} read from {step} does not "
+                    "match the checksum recorded when it was saved") in err, err[-3000:]
+            assert "resumed from step 10" in err and result.step == 21
+            assert (run / "damaged_checkpoints" / "20" / "data_iter").is_dir()
+        else:
+            assert "resumed from step 20" in err and "skipped" not in err and result.step == 21
+
 def test_a_full_disk_while_rewriting_config_yaml_leaves_the_record_whole(corpus, run20, tmp_path):
     """A resume rewrites config.yaml; a write that fails part-way (the file-size limit standing in
     for a full disk) leaves the previous record whole, and the error names the file."""

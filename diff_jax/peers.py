@@ -12,7 +12,9 @@ process's failure (its index, exit status and error's first line), and each othe
 `STOP_KEY` is set. Each process waits for its own `STOP_KEY` in a thread, so it hears of the
 failure even while its main thread waits inside a collective: it prints one line naming the
 process that failed (`error: process 1 of 2 failed: …`, or `interrupted:` after Ctrl-C) and
-exits at once with that process's status. They then leave together through jax's shutdown
+exits at once with that process's status. A process that failed too (the same bad checkpoint
+or config value on every host) reports its own error instead, and announces it; the job's
+failure stays the first. They then leave together through jax's shutdown
 barrier, without the interpreter's teardown; process 0, which hosts the coordination service,
 joins it once the others have said they are leaving (they would abort with a C++ log on losing
 the service first), and leaves without it after `LEAVE_WAIT_S`. A process that ends normally
@@ -49,6 +51,8 @@ LEFT_KEY = "diff_jax/left/"  # + a process index: that process is leaving (proce
 DONE = "done"  # a process's own STOP_KEY at its normal end
 LEAVE_WAIT_S = 10.0  # how long process 0 waits for the others to leave before it does
 WATCH_MS = 2**31 - 1  # the watcher's wait: the whole job (it ends with a STOP_KEY)
+GIVE_WAY_S = LEAVE_WAIT_S / 2  # the most the watcher waits for an error unwinding (`_Job.watch`)
+MAIN, WATCHER = "main", "watcher"  # who reports how a process ends (`_Job.report`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,69 +87,77 @@ def stop_together(status: Callable[[BaseException], int]) -> Iterator[None]:
     if state.client is None or state.num_processes < 2:
         yield
         return
-    job = _Job(state.client, jax.process_index(), jax.process_count())
+    job = _Job(state.client, jax.process_index(), jax.process_count(), threading.get_ident())
     job.watcher.start()
     before_leaving(job.at_exit)
     try:
         yield
     except BaseException as e:
-        if not job.announce(Failure.of(e, job.me, status(e))):
-            job.yield_to_watcher()
+        if not job.report(MAIN):
+            job.watcher.join()  # it is ending this process with the other's line
+        job.announce(Failure.of(e, job.me, status(e)))
         raise
 
 
 @dataclasses.dataclass
 class _Job:
     """This process's part in stopping together: the coordination-service client, the watcher
-    thread and this process's own failure once announced."""
+    thread, which of the two reports how this process ends, and its own failure once
+    announced."""
 
     client: Any
     me: int
     processes: int
+    runner: int  # the thread running the job (`stop_together`'s block), by `threading.get_ident`
     failure: Failure | None = None
+    reporter: str | None = None  # MAIN (this process failed) or WATCHER (another one did)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     watcher: threading.Thread = dataclasses.field(init=False)
-    stopping: threading.Event = dataclasses.field(default_factory=threading.Event)  # by another
 
     def __post_init__(self) -> None:
         self.watcher = threading.Thread(target=self.watch, name="diff_jax-peers", daemon=True)
 
-    def announce(self, failure: Failure) -> bool:
-        """Record `failure` as the job's and tell the other processes; False where another
-        process's was recorded first (this error then most likely follows from it)."""
-        try:
-            self.client.key_value_set(FAILED_KEY, json.dumps(dataclasses.asdict(failure)))
-        except Exception:  # ALREADY_EXISTS (jax's error type differs across versions)
-            if self.stopping.is_set():
-                return False
-            with contextlib.suppress(Exception):  # the service gone: this failure is ours
-                if json.loads(self.client.key_value_try_get(FAILED_KEY))["process"] != self.me:
-                    return False
+    def report(self, who: str) -> bool:
+        """Whether `who` (MAIN or WATCHER) reports how this process ends: the first to ask does,
+        the other gives way."""
+        with self.lock:
+            if self.reporter is None:
+                self.reporter = who
+            return self.reporter == who
+
+    def announce(self, failure: Failure) -> None:
+        """Keep `failure` as this process's and tell the other processes; the job's
+        (`FAILED_KEY`) stays the first one announced, which the processes that did not fail
+        report."""
         self.failure = failure
+        # ALREADY_EXISTS (jax's error type differs across versions), or the service gone
+        with contextlib.suppress(Exception):
+            self.client.key_value_set(FAILED_KEY, json.dumps(dataclasses.asdict(failure)))
         for p in range(self.processes):
             if p != self.me:
                 with contextlib.suppress(Exception):  # already "done", or the service gone
                     self.client.key_value_set(f"{STOP_KEY}{p}", "failed")
-        return True
 
     def watch(self) -> None:
         """The watcher thread: wait for this process's STOP_KEY; after another process's
-        failure, end this process with its line and status."""
+        failure, end this process with its line and status, unless this process failed too.
+        That one reports its own error: the runner thread, once the error reaches
+        `stop_together`, and until then, while the error unwinds the runner's blocks (closing a
+        checkpoint manager, say), the watcher gives way for up to `GIVE_WAY_S`."""
         try:
             if self.client.blocking_key_value_get(f"{STOP_KEY}{self.me}", WATCH_MS) == DONE:
                 return
-            self.stopping.set()
             failure = Failure(**json.loads(self.client.key_value_try_get(FAILED_KEY)))
         except Exception:  # the service is gone: jax's own error handling stops this process
             return
+        deadline = time.monotonic() + GIVE_WAY_S
+        while (self.reporter is None and _handling_error(self.runner)
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        if not self.report(WATCHER):
+            return  # this process failed too: it reports its own error and leaves
         sys.stdout.flush()  # the progress printed so far comes before the line, which stays last
         self.leave(failure.line(self.processes))
-
-    def yield_to_watcher(self) -> None:
-        """After another process's failure (this process's error most likely follows from it,
-        e.g. a collective that lost that process): wait while the watcher ends this process."""
-        self.watcher.join(LEAVE_WAIT_S)  # until it hears of the failure
-        if self.stopping.is_set():
-            self.watcher.join()  # it prints the failure and exits
 
     def at_exit(self) -> None:
         """As the command ends: after this process's failure, leave with the others; else stop
@@ -175,6 +187,13 @@ class _Job:
         except Exception:  # the wait ran out, or the service is gone: leave as it is
             pass
         os._exit(status)
+
+
+def _handling_error(thread: int) -> bool:
+    """Whether the thread `thread` (`threading.get_ident`) is handling an exception: in an
+    `except` or `finally` block, or a `with` block's exit, as the exception propagates."""
+    error = sys._current_exceptions().get(thread)
+    return (error[1] if isinstance(error, tuple) else error) is not None  # Python 3.11: a tuple
 
 
 SIGNAL_KEY = "diff_jax/signal/"  # + the run's number in this process (`_runs`), then "request"

@@ -33,6 +33,29 @@ checkpoint.check_saves = check_saves
 runpy.run_path("train.py", run_name="__main__")
 """
 
+# train.py, but every process's disk is full (one shared disk): each one's check for a failed
+# async save, at the start of step 5, raises what tensorstore's failed write of step 3 becomes.
+# Process 1 goes on unwinding its error until process 0 has announced its own (the race where one
+# host's error is announced first while another's is on its way out)
+ALL_DISKS_FULL = """
+import errno, runpy, time
+import jax
+from jax._src import distributed
+from diff_jax import checkpoint
+calls = []
+def check_saves(mngr):
+    calls.append(mngr)
+    if len(calls) == 5:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", str(mngr.directory))
+        finally:
+            if jax.process_index() == 1:
+                distributed.global_state.client.blocking_key_value_get("diff_jax/stop/1", 120_000)
+                time.sleep(0.5)  # the watcher hears of it meanwhile
+checkpoint.check_saves = check_saves
+runpy.run_path("train.py", run_name="__main__")
+"""
+
 # train.py, but process 1 alone gets a SIGTERM (a scheduler's notice, `kill PID`) as step 4
 # begins (its check for a failed async save)
 SIGTERM_AT_4 = """
@@ -63,17 +86,18 @@ def _losses(run: Path) -> list[float]:
     return [x["loss"] for x in lines if "loss" in x]
 
 
-def _start(corpus: Path, run: Path, *overrides: str, process_1: tuple[str, ...] = ("train.py",),
+def _start(corpus: Path, run: Path, *overrides: str, process_0: tuple[str, ...] = ("train.py",),
+           process_1: tuple[str, ...] = ("train.py",),
            out: Path | None = None) -> list[subprocess.Popen]:
-    """Start train.py as processes 0 and 1 of a localhost job (process 1 runs `python
-    *process_1` instead), their output piped, or written to `out`/0 and `out`/1."""
+    """Start train.py as processes 0 and 1 of a localhost job (process I runs `python
+    *process_I` instead), their output piped, or written to `out`/0 and `out`/1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
     for i in range(2):
         with open(out / str(i), "w") if out else contextlib.nullcontext(subprocess.PIPE) as stdout:
-            procs.append(subprocess.Popen(_args(corpus, run, process_1 if i else ("train.py",)) + [
+            procs.append(subprocess.Popen(_args(corpus, run, process_1 if i else process_0) + [
                 f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
                 f"distributed.process_id={i}", *overrides], cwd=ROOT, env=process_env(2),
                 stdout=stdout, stderr=subprocess.STDOUT, text=True))
@@ -171,6 +195,25 @@ def test_a_process_that_fails_stops_the_other_at_once_naming_it(tmp_path):
         f"error: process 1 of 2 failed: OSError: [Errno 28] No space left on device: "
         f"'{directory}'; this process stopped with it")
     assert "Traceback" not in outs[0] + outs[1] and "Check failure" not in outs[0] + outs[1]
+    assert committed_steps(run) == [3]
+
+
+def test_processes_that_fail_alike_each_report_their_own_error(tmp_path):
+    """Both processes' disks fill at step 5 (`ALL_DISKS_FULL`); process 0 announces first, while
+    process 1's own error is still on its way out. Each ends in its own error line, exit status
+    2; before, process 1 printed process 0's (`process 0 of 2 failed: …; this process stopped
+    with it`), its own error lost, as every process but the first did when all hit the same
+    bad checkpoint or config value."""
+    corpus = write_corpus(tmp_path / "corpus")
+    run = tmp_path / "run"
+    full = ("-c", ALL_DISKS_FULL)
+    procs = _start(corpus, run, process_0=full, process_1=full, out=tmp_path)
+    statuses, outs = _outcome(procs, tmp_path, 300, after_error=60)
+    assert statuses == [2, 2], outs[0][-3000:] + outs[1][-3000:]
+    for out in outs:
+        assert out.splitlines()[-1].startswith("error: "), out[-3000:]
+        assert "No space left on device" in out.splitlines()[-1], out[-3000:]
+        assert "stopped with it" not in out and "Traceback" not in out, out[-3000:]
     assert committed_steps(run) == [3]
 
 

@@ -156,8 +156,10 @@ class _Job:
             time.sleep(0.05)
         if not self.report(WATCHER):
             return  # this process failed too: it reports its own error and leaves
-        sys.stdout.flush()  # the progress printed so far comes before the line, which stays last
-        self.leave(failure.line(self.processes))
+        sys.stdout.flush()  # what was printed so far comes before the line
+        status = failure.line(self.processes)
+        _last_output()  # the runner thread goes on until this process exits (drawing progress)
+        self.leave(status)
 
     def at_exit(self) -> None:
         """As the command ends: after this process's failure, leave with the others; else stop
@@ -187,6 +189,18 @@ class _Job:
         except Exception:  # the wait ran out, or the service is gone: leave as it is
             pass
         os._exit(status)
+
+
+def _last_output() -> None:
+    """Send whatever this process prints from now on to /dev/null, so that the line just printed
+    stays its last: a thread that goes on until the process exits would otherwise print after
+    it (the progress line of the step in flight, drawn on stderr, came after a stopped process's
+    line in 1 of 8 runs of the test)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
 
 
 def _handling_error(thread: int) -> bool:

@@ -33,6 +33,20 @@ checkpoint.check_saves = check_saves
 runpy.run_path("train.py", run_name="__main__")
 """
 
+# train.py, but something prints as process 0 leaves, after the line of the failure that stopped
+# it: what its runner thread, still going until the process exits, draws meanwhile (the progress
+# of the step in flight came after the line in 1 of 8 runs)
+PRINTS_LATE = """
+import runpy, sys
+from diff_jax import peers
+leave = peers._Job.leave
+def printing_leave(job, status):
+    print("[####....] step 5/6 (drawn as the process leaves)", file=sys.stderr, flush=True)
+    leave(job, status)
+peers._Job.leave = printing_leave
+runpy.run_path("train.py", run_name="__main__")
+"""
+
 # train.py, but every process's disk is full (one shared disk): each one's check for a failed
 # async save, at the start of step 5, raises what tensorstore's failed write of step 3 becomes.
 # Process 1 goes on unwinding its error until process 0 has announced its own (the race where one
@@ -181,11 +195,13 @@ def test_a_process_that_fails_stops_the_other_at_once_naming_it(tmp_path):
     """Process 1's disk fills at step 5 (`FULL_DISK`) while process 0 waits for it in the
     step's collectives. Process 1 ends in its one `error:` line and process 0, within seconds
     (before, both waited out jax's 300 s shutdown barrier and aborted with a C++ log and stack
-    trace, exit status -6), in one line naming process 1 and its error, with its exit status.
-    Step 3, committed before the failure, is kept."""
+    trace, exit status -6), in one line naming process 1 and its error, with its exit status;
+    what process 0 prints as it leaves (`PRINTS_LATE`) does not come after it. Step 3, committed
+    before the failure, is kept."""
     corpus = write_corpus(tmp_path / "corpus")
     run = tmp_path / "run"
-    procs = _start(corpus, run, process_1=("-c", FULL_DISK), out=tmp_path)
+    procs = _start(corpus, run, process_0=("-c", PRINTS_LATE), process_1=("-c", FULL_DISK),
+                   out=tmp_path)
     # after process 1's error line, 60 s: jax's heartbeat timeout is 100 s, its barrier 300
     statuses, outs = _outcome(procs, tmp_path, 300, after_error=60)
     assert statuses == [2, 2], outs[0][-3000:] + outs[1][-3000:]

@@ -516,6 +516,9 @@ class DistributedConfig:
     # A process that sends no heartbeat for this long (killed, its host lost) is taken for dead
     # and jax aborts the others (jax's default; README "Multi-host")
     heartbeat_timeout_s: int = 100
+    # A process stops in one line when the job's processes have not all connected within this
+    # (one refused its config before connecting, say); jax's default (README "Multi-host")
+    initialization_timeout_s: int = 300
 
     def __post_init__(self) -> None:
         _coerce_fields(self, "distributed")
@@ -532,8 +535,8 @@ class DistributedConfig:
                  "must be positive")
         _require(self.process_id is None or self.process_id >= 0, "distributed.process_id",
                  "must be >= 0")
-        _require(self.heartbeat_timeout_s > 0, "distributed.heartbeat_timeout_s",
-                 "must be positive")
+        for name in ("heartbeat_timeout_s", "initialization_timeout_s"):
+            _require(getattr(self, name) > 0, f"distributed.{name}", "must be positive")
         _require(None in (self.num_processes, self.process_id)
                  or self.process_id < self.num_processes, "distributed.process_id",
                  f"must be below distributed.num_processes ({self.num_processes})")

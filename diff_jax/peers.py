@@ -26,6 +26,13 @@ own abort. Checkpoints: the failing process closes its checkpoint manager, which
 save in flight to commit, before it announces; the others stop where a killed process would,
 and orbax commits a step only once every process has written it, so the committed steps stay as
 they were.
+
+A process that stops before it has connected (its config refused on its host, say) announces
+nothing either: the others wait in `jax.distributed.initialize` for every process to connect,
+and stop in one line naming `distributed.initialization_timeout_s` once it has passed
+(`connected_within`), exit status 2. Before, they aborted after jax's 300 s with a C++ log and
+stack trace (exit status -6); jax's own timeout, which still aborts that way, is left
+`CONNECT_MARGIN_S` longer.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ LEAVE_WAIT_S = 10.0  # how long process 0 waits for the others to leave before i
 WATCH_MS = 2**31 - 1  # the watcher's wait: the whole job (it ends with a STOP_KEY)
 GIVE_WAY_S = LEAVE_WAIT_S / 2  # the most the watcher waits for an error unwinding (`_Job.watch`)
 MAIN, WATCHER = "main", "watcher"  # who reports how a process ends (`_Job.report`)
+CONNECT_MARGIN_S = 10  # jax's initialization timeout is this much longer than ours (its abort)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +82,34 @@ class Failure:
         """Print this failure as the one line a peer ends with; return its exit status."""
         text = f"process {self.process} of {processes} {self.what}; this process stopped with it"
         return interrupted(text) if self.status == EXIT_INTERRUPTED else failed(text, self.status)
+
+
+@contextlib.contextmanager
+def connected_within(seconds: int) -> Iterator[None]:
+    """Around `jax.distributed.initialize`: where it has not returned within `seconds`
+    (`distributed.initialization_timeout_s`: a process of the job stopped before connecting, or
+    did not start), end this process in one line naming the field, exit status 2. jax's own
+    timeout would abort it (a C++ log, exit status -6), and a Python exception cannot reach the
+    thread waiting in it, so a timer thread does (the wait releases the GIL)."""
+    timer = threading.Timer(seconds, _not_connected, (seconds,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _not_connected(seconds: int) -> NoReturn:
+    """`connected_within`'s line and exit, from its timer thread."""
+    from jax._src import distributed
+
+    address = distributed.global_state.coordinator_address or "jax detects"
+    sys.stdout.flush()
+    os._exit(failed(f"distributed.initialization_timeout_s={seconds}: the job's processes did "
+                    f"not all connect to the coordinator {address} within {seconds} s; one that "
+                    "stopped before connecting (refusing its config, say) printed why on its "
+                    "own host, and one that starts later needs a longer timeout"))
 
 
 @contextlib.contextmanager

@@ -88,26 +88,30 @@ class RunResult:
 
 def initialize_distributed(cfg: DistributedConfig) -> None:
     """`jax.distributed.initialize`: explicit from `distributed.*`, else auto-detected (TPU pods,
-    SLURM, …), else single-process, with `distributed.heartbeat_timeout_s`. Must run before
-    any other JAX call."""
-    heartbeat = cfg.heartbeat_timeout_s
-    if cfg.coordinator is not None:
+    SLURM, …), else single-process, with `distributed.heartbeat_timeout_s`, and stopped in one
+    line where the job's processes have not all connected within
+    `distributed.initialization_timeout_s` (`peers.connected_within`). Must run before any other
+    JAX call."""
+    timeouts = dict(heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
+                    initialization_timeout=cfg.initialization_timeout_s + peers.CONNECT_MARGIN_S)
+    with peers.connected_within(cfg.initialization_timeout_s):
+        if cfg.coordinator is not None:
+            try:
+                jax.distributed.initialize(coordinator_address=cfg.coordinator,
+                                           num_processes=cfg.num_processes,
+                                           process_id=cfg.process_id, **timeouts)
+            except ValueError as e:  # e.g. no num_processes and no cluster to read it from
+                raise ConfigError(f"distributed.coordinator={cfg.coordinator}: {e} (set distributed"
+                                  ".num_processes=N and distributed.process_id=I)") from e
+            return
         try:
-            jax.distributed.initialize(coordinator_address=cfg.coordinator,
-                                       num_processes=cfg.num_processes, process_id=cfg.process_id,
-                                       heartbeat_timeout_seconds=heartbeat)
-        except ValueError as e:  # e.g. no num_processes and no cluster to read it from
-            raise ConfigError(f"distributed.coordinator={cfg.coordinator}: {e} (set "
-                              "distributed.num_processes=N and distributed.process_id=I)") from e
-        return
-    try:
-        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat)
-    except ValueError as e:  # no cluster detected: a single process
-        if "coordinator_address" not in str(e):
-            raise
-    except RuntimeError as e:  # JAX already in use in this process (a library caller): keep it
-        if "must be called before" not in str(e):
-            raise
+            jax.distributed.initialize(**timeouts)
+        except ValueError as e:  # no cluster detected: a single process
+            if "coordinator_address" not in str(e):
+                raise
+        except RuntimeError as e:  # JAX already in use in this process (a library caller): keep it
+            if "must be called before" not in str(e):
+                raise
 
 
 STOP_AT_ONCE = "SIGINT again"  # in `_stop_signals`' list: Ctrl-C was pressed a second time

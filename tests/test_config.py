@@ -139,6 +139,8 @@ def test_overrides_parse_yaml_values():
     (["distributed.coordinator=h:1", "distributed.num_processes=0", "distributed.process_id=0"],
      r"distributed\.num_processes: must be positive"),
     (["distributed.heartbeat_timeout_s=0"], r"distributed\.heartbeat_timeout_s: must be positive"),
+    (["distributed.initialization_timeout_s=0"],
+     r"distributed\.initialization_timeout_s: must be positive"),
     (["model.num_kv_heads=x"], r"model\.num_kv_heads: expected an integer, got 'x'$"),  # int | None
     (["optim.lr=abc"], r"optim\.lr: expected a number, got 'abc'$"),  # a string, not 1e-4's
     (["model=5"], r"model: expected a mapping, got 5$"),

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diff_jax import checkpoint, train_loop
+from diff_jax import checkpoint, peers, train_loop
 from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import dump_config, load_config
 from diff_jax.device_memory import DeviceMemoryError
@@ -749,15 +749,19 @@ def test_a_coordinator_without_a_process_count_is_one_error_line(corpus, tmp_pat
     assert not (tmp_path / "run").exists()
 
 
-def test_the_heartbeat_timeout_reaches_jax(monkeypatch):
-    """`distributed.heartbeat_timeout_s` is passed to jax's initialize, explicit or detected."""
+def test_the_timeouts_reach_jax(monkeypatch):
+    """`distributed.heartbeat_timeout_s` is passed to jax's initialize, explicit or detected, and
+    `distributed.initialization_timeout_s` with `peers.CONNECT_MARGIN_S` more (the line naming
+    the field comes first; jax's abort is the backstop)."""
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
-    cfg = load_config(None, ["distributed.heartbeat_timeout_s=7"]).distributed
+    cfg = load_config(None, ["distributed.heartbeat_timeout_s=7",
+                             "distributed.initialization_timeout_s=20"]).distributed
     train_loop.initialize_distributed(cfg)
     train_loop.initialize_distributed(dataclasses.replace(cfg, coordinator="h:1", num_processes=2,
                                                           process_id=1))
     assert [c["heartbeat_timeout_seconds"] for c in calls] == [7, 7]
+    assert [c["initialization_timeout"] for c in calls] == [20 + peers.CONNECT_MARGIN_S] * 2
 
 
 def test_a_run_dir_that_cannot_be_made_is_bad_input_naming_it(corpus, tmp_path, capsys):

@@ -233,6 +233,27 @@ def test_processes_that_fail_alike_each_report_their_own_error(tmp_path):
     assert committed_steps(run) == [3]
 
 
+def test_a_process_refused_before_connecting_leaves_the_other_one_line(tmp_path):
+    """Process 1's --config file is missing: it stops before `jax.distributed.initialize`, so it
+    cannot tell process 0, which waits there for it to connect. Process 0 stops once
+    `distributed.initialization_timeout_s` has passed, in one line naming it, exit status 2;
+    before, it waited jax's 300 s and aborted with a C++ log and stack trace (exit status -6)."""
+    corpus = write_corpus(tmp_path / "corpus")
+    missing = ("train.py", "--config", str(tmp_path / "missing.yaml"))
+    procs = _start(corpus, tmp_path / "run", "distributed.initialization_timeout_s=5",
+                   process_1=missing, out=tmp_path)
+    statuses, outs = _outcome(procs, tmp_path, 120)  # the abort came after 310 s
+    assert statuses == [2, 2], outs[0][-3000:] + outs[1][-3000:]
+    assert outs[1].splitlines() == [f"error: config file not found: {tmp_path / 'missing.yaml'}"]
+    address = next(a for a in procs[0].args if a.startswith("distributed.coordinator="))
+    assert outs[0].splitlines() == [
+        f"error: distributed.initialization_timeout_s=5: the job's processes did not all connect "
+        f"to the coordinator {address.split('=')[1]} within 5 s; one that stopped before "
+        "connecting (refusing its config, say) printed why on its own host, and one that starts "
+        "later needs a longer timeout"]
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_signal_one_process_caught_stops_every_process_at_one_saved_step(tmp_path):
     """Process 1 alone gets a SIGTERM as step 4 of 10 begins (`SIGTERM_AT_4`). It asks the
     others through the coordination service, and every process saves the one step they agree

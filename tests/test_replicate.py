@@ -1341,6 +1341,31 @@ def test_a_record_write_cut_short_leaves_the_record_as_it_was(tmp_path, monkeypa
     assert sorted(p.name for p in run.iterdir()) == ["device.json", "wall.json"]
 
 
+@pytest.mark.parametrize("name", ["micro", "cpu-recall"])
+def test_a_corpus_write_cut_short_by_ctrl_c_leaves_no_corpus_and_the_rerun_writes_it(
+        name, tmp_path, monkeypatch):
+    """A seed's corpus was written in place, its meta.json last: a Ctrl-C (or a kill) inside
+    that write left meta.json cut short, and every later run refused it as damaged until the
+    user removed it. Now the corpus is written aside and renamed into place: none is left, and
+    the next run writes it."""
+    preset = presets.PRESETS[name].with_steps(4)
+    write_text = Path.write_text
+
+    def interrupted(self, text, *args, **kwargs):
+        if self.name != "meta.json":
+            return write_text(self, text, *args, **kwargs)
+        write_text(self, text[:len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        replicate.prepare_corpus(preset, 0, tmp_path)
+    assert list(tmp_path.iterdir()) == []  # nor the directories made for it
+    monkeypatch.setattr(Path, "write_text", write_text)
+    path = replicate.prepare_corpus(preset, 0, tmp_path)
+    assert layout.read_corpus_meta(path)["seed"] == 0
+
+
 def test_jobs_share_out_the_cores_and_the_command_line_refuses_bad_jobs_and_inits(capsys):
     assert replicate.core_shares([3, 0, 1, 2, 5], 2) == [[0, 2, 5], [1, 3]]
     assert replicate.core_shares([7], 1) == [[7]]

@@ -130,7 +130,9 @@ def prepare_corpus(preset: Preset | RecallPreset, seed: int, out: Path) -> Path:
     sources mixed with the seed's synthetic needles), tokenized here once instead of in every
     run and evaluation; the runs split off the same validation documents from it. meta.json
     carries the unigram loss of the validation split under the training split's token
-    frequencies (`data.unigram_loss`), the bar every model must clear. DataError when
+    frequencies (`data.unigram_loss`), the bar every model must clear. The corpus is written
+    whole or not at all (`output_dir.staged`): written in place, a Ctrl-C or a kill inside its
+    meta.json's write left that cut short, which the next run refused as damaged. DataError when
     a run would read a training document twice (the training split holds fewer rows than
     `train.steps` × `train.batch_size`); ConfigError, the file left as it is, when the corpus
     is there but its meta.json holds no JSON object (`layout.read_corpus_meta`).
@@ -158,7 +160,9 @@ def prepare_corpus(preset: Preset | RecallPreset, seed: int, out: Path) -> Path:
                 "distractor_shares": tuple(preset.train_distractors)}
         samples = recall.training_samples(recall.train_rng(seed), count=t.steps * t.batch_size,
                                           **spec)
-        recall.write_training_corpus(path, samples, {"seed": seed, **spec}, loss=preset.train_loss)
+        with staged(path) as written:
+            recall.write_training_corpus(written, samples, {"seed": seed, **spec},
+                                         loss=preset.train_loss)
         return path
     corpus = data.load_corpus(cfg.data, seed)
     train, held_out = corpus.split(cfg.data.validation_fraction, cfg.data.split_seed)
@@ -169,12 +173,13 @@ def prepare_corpus(preset: Preset | RecallPreset, seed: int, out: Path) -> Path:
             f"{list(cfg.data.paths)} holds {rows:,} rows of {t.seq_len} tokens, fewer than the "
             f"{t.steps:,} × {t.batch_size} the preset reads: documents would repeat; add text to "
             "the sources or run fewer --steps")
-    corpus.save(path, {"seed": seed, "sources": cfg.data.mixture or cfg.data.source,
-                       "paths": list(cfg.data.paths), "tokenizer": cfg.data.tokenizer,
-                       "validation_fraction": cfg.data.validation_fraction,
-                       "train_tokens": int(len(train.tokens)), "train_rows": rows,
-                       "rows_read": t.steps * t.batch_size,
-                       "unigram_loss": data.unigram_loss(train, held_out)})
+    with staged(path) as written:
+        corpus.save(written, {"seed": seed, "sources": cfg.data.mixture or cfg.data.source,
+                              "paths": list(cfg.data.paths), "tokenizer": cfg.data.tokenizer,
+                              "validation_fraction": cfg.data.validation_fraction,
+                              "train_tokens": int(len(train.tokens)), "train_rows": rows,
+                              "rows_read": t.steps * t.batch_size,
+                              "unigram_loss": data.unigram_loss(train, held_out)})
     return path
 
 

@@ -9,8 +9,10 @@ import json
 import math
 import multiprocessing
 import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -1539,6 +1541,89 @@ def test_failed_side_by_side_runs_are_one_error_line_with_their_status(tmp_path,
     monkeypatch.setattr(replicate, "replicate", fails)
     assert replicate.main(["--preset", "micro", "--out", str(tmp_path)]) == status
     assert capsys.readouterr().err == "error: micro: diff-scaled-s0 (exit 9) failed\n"
+
+
+def _waiting(script: list[str]) -> subprocess.Popen:
+    """`script` run by Python from the repository root (this checkout's diff_jax), its stdout and
+    stderr piped, in a process group of its own in this session (as a shell runs a job: a
+    SIGTSTP to a group no parent in its session can continue is discarded); killed after 300 s
+    (a hang guard: the stdout it reads then ends)."""
+    proc = subprocess.Popen([sys.executable, "-W", "ignore:os.fork:RuntimeWarning", "-c",
+                             "\n".join(script)], cwd=Path(__file__).resolve().parents[1],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            process_group=0)
+    guard = threading.Timer(300, proc.kill)
+    guard.daemon = True
+    guard.start()
+    return proc
+
+
+def _lines_until(proc: subprocess.Popen, prefix: str, count: int = 1) -> list[str]:
+    """The stdout lines of `proc` up to the `count`-th that starts with `prefix` (those that
+    do); fails the test when stdout ends first."""
+    seen = []
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            seen.append(line.strip())
+            if len(seen) == count:
+                return seen
+    pytest.fail(f"{prefix!r} never printed: {proc.wait()} {proc.stderr.read()[-3000:]}")
+
+
+WAITS = ["import signal, types",
+         "from pathlib import Path",
+         "from diff_jax.command import leave",
+         "from diff_jax.experiments import replicate",
+         "def waits(*args, **kwargs):  # the phase is reached: it waits for the test's signal",
+         "    print('PHASE', flush=True)",
+         "    while True:",
+         "        signal.pause()"]
+SERIAL_PHASES = {  # the stand-ins bringing `replicate --jobs 1` to the phase, waiting there
+    "preparing the corpus": ["replicate.data.load_corpus = waits"],
+    "evaluating": [
+        "def trains(config):  # makes the run's directory, as train_loop.run",
+        "    Path(config.train.run_dir).mkdir(parents=True)",
+        "    return types.SimpleNamespace(status='done', step=config.train.steps)",
+        "replicate.train_loop.run = trains",
+        "replicate.evaluation.load = waits"],
+    "writing the report (the results.json half written)": [
+        "replicate._train_and_evaluate_one = lambda *run: None",
+        "write_text = Path.write_text",
+        "def cut(self, text, *args, **kwargs):",
+        "    if not self.name.startswith('.results.json.partial-'):",
+        "        return write_text(self, text, *args, **kwargs)",
+        "    write_text(self, text[:len(text) // 2], *args, **kwargs)",
+        "    waits()",
+        "Path.write_text = cut",
+        "def report(preset, seeds, out, summaries):",
+        "    replicate.write_whole(out / 'results.json', '{\"preset\": \"micro\"}')",
+        "replicate.lm_report.write = report"]}
+
+
+@pytest.mark.parametrize("phase", list(SERIAL_PHASES))
+def test_a_sigterm_outside_training_is_a_ctrl_c_under_jobs_1(phase, tmp_path):
+    """`--jobs 1` handled SIGTERM only while a model trained (`train_loop` saves the step): at
+    any other phase Python's default action ended it on the spot, exit -15 and no line. Now a
+    SIGTERM is a Ctrl-C at every phase: one `interrupted:` line, exit 130, and what OUT holds is
+    whole: no corpus, run record or report half written (the hidden file a write left behind
+    is removed)."""
+    out = tmp_path / "out"
+    proc = _waiting([*WAITS, *SERIAL_PHASES[phase], "leave(replicate.main(['--preset', 'micro', "
+                     f"'--out', {str(out)!r}, '--jobs', '1']))"])
+    _lines_until(proc, "PHASE")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert (proc.returncode, err) == (130, f"interrupted: stopped at once; what {out} holds is "
+                                           "kept (the same command resumes)\n")
+    if phase == "preparing the corpus":  # nothing written: OUT made for it is removed again
+        assert not out.exists()
+        return
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert "results.json" not in files and not [f for f in files if "partial" in f], files
+    records = ["replicate.json", "data/corpus-s0/meta.json"]
+    records += ["runs/diff-scaled-s0/wall.json"] if phase == "evaluating" else []
+    for name in records:
+        assert isinstance(json.loads((out / name).read_text()), dict), name
 
 
 @pytest.mark.parametrize("variant", presets.VARIANTS)

@@ -574,6 +574,23 @@ AS_FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
                 signal.SIGHUP: signal.SIGTERM}
 
 
+@contextlib.contextmanager
+def _as_ctrl_c() -> Iterator[None]:
+    """For the duration (main thread only) `FORWARDED` (SIGINT, SIGTERM) raise KeyboardInterrupt,
+    as a Ctrl-C does, wherever the command or a worker is: where it handles them itself they
+    reach its handler instead (`train_loop`'s while a model trains: the first saves the step;
+    `_signals_woken`'s while workers run), and elsewhere (preparing corpora, evaluating, writing
+    the report) it stops at once with one `interrupted:` line, what it had written whole
+    (`output_dir`). Under Python's default SIGTERM action `--jobs 1` ended there on the spot
+    (exit -15, no line). The previous handlers are restored on the way out."""
+    previous = {s: signal.signal(s, signal.default_int_handler) for s in FORWARDED}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init: str, out: Path,
                    cores: list[int], kept: multiprocessing.connection.Connection) -> None:
     """One model in a spawned process: pinned to `cores` before JAX starts its CPU client.
@@ -589,25 +606,24 @@ def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init:
     `kept` and exits `EXIT_INTERRUPTED` without a line of its own: `side_by_side`'s one
     `interrupted:` line says it for every run."""
     os.setpgid(0, 0)
-    for signum in FORWARDED:
-        signal.signal(signum, signal.default_int_handler)
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     unsaved = f"{run_dir(out, variant, seed, init)}: stopped before training"
-    try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # those sent so far arrive here
-        os.sched_setaffinity(0, cores)
-        import jax
+    with _as_ctrl_c():  # the worker starts with Python's SIGTERM action
+        try:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # those sent so far arrive
+            os.sched_setaffinity(0, cores)
+            import jax
 
-        if jax.default_backend() != "cpu":
-            sys.exit(failed(f"--jobs > 1 trains models side by side on CPU cores, but JAX's "
-                            f"default backend here is {jax.default_backend()}: use --jobs 1"))
-        unsaved = ""  # from here on a stop without a saved step is "stopped at once"
-        _train_and_evaluate_one(preset, variant, seed, init, out)
-    except train_loop.RUN_ERRORS as e:  # one line, as the serial path; the exit status tells why
-        sys.exit(train_loop.report(e, [(f"--out {out}", str(out))]))
-    except KeyboardInterrupt as e:  # a signal `side_by_side` forwarded, or one of its own
-        kept.send(str(e) or unsaved)
-        leave(EXIT_INTERRUPTED)
+            if jax.default_backend() != "cpu":
+                sys.exit(failed(f"--jobs > 1 trains models side by side on CPU cores, but JAX's "
+                                f"default backend here is {jax.default_backend()}: use --jobs 1"))
+            unsaved = ""  # from here on a stop without a saved step is "stopped at once"
+            _train_and_evaluate_one(preset, variant, seed, init, out)
+        except train_loop.RUN_ERRORS as e:  # one line, as the serial path; its status says why
+            sys.exit(train_loop.report(e, [(f"--out {out}", str(out))]))
+        except KeyboardInterrupt as e:  # a signal `side_by_side` forwarded, or one of its own
+            kept.send(str(e) or unsaved)
+            leave(EXIT_INTERRUPTED)
 
 
 def _start_blocked(process: multiprocessing.process.BaseProcess) -> None:
@@ -782,7 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     """The command line above; returns the exit status: 0, 2 on bad input (config, data, a
     refused checkpoint, a file in DIR that cannot be written, or read where damaged: one `error:`
     line, as train.py), 1 when a model diverged (or, with --jobs > 1, a model's process failed
-    otherwise)."""
+    otherwise), 130 when a Ctrl-C or a SIGTERM stopped it (one `interrupted:` line, `_as_ctrl_c`).
+    """
     parser = argparse.ArgumentParser(prog="python -m diff_jax.experiments.replicate",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small",
@@ -819,8 +836,9 @@ def main(argv: list[str] | None = None) -> int:
         preset = preset.with_steps(args.steps)
     out = Path(args.out or f"runs/replicate-{preset.name}")
     try:
-        results = replicate(preset, seeds, out, args.jobs,
-                            None if args.finished_from is None else Path(args.finished_from))
+        with _as_ctrl_c():  # a SIGTERM too: at any phase, under any --jobs
+            results = replicate(preset, seeds, out, args.jobs,
+                                None if args.finished_from is None else Path(args.finished_from))
     except train_loop.RUN_ERRORS as e:  # what is saved stays; re-running resumes
         return train_loop.report(e, [(f"--out {out}", str(out))])
     except RunsFailed as e:

@@ -8,11 +8,13 @@ import dataclasses
 import json
 import math
 import multiprocessing
+import os
 import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -1624,6 +1626,55 @@ def test_a_sigterm_outside_training_is_a_ctrl_c_under_jobs_1(phase, tmp_path):
     records += ["runs/diff-scaled-s0/wall.json"] if phase == "evaluating" else []
     for name in records:
         assert isinstance(json.loads((out / name).read_text()), dict), name
+
+
+def _state(pid: int) -> str:
+    """The state letter of process `pid` (/proc/PID/stat: "T" stopped by a signal)."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc/PID/stat")
+def test_ctrl_z_stops_side_by_side_with_its_workers_and_fg_continues_them(tmp_path):
+    """Ctrl-Z at the terminal (SIGTSTP to the command's process group) stopped the command but
+    not its workers, each in a group of its own: they trained on, and fg continued the command
+    alone. Now the command stops each worker (SIGSTOP to its group), then itself; fg (SIGCONT)
+    continues them, and the command ends as an uninterrupted one. Two stand-in workers wait for
+    the test's go (a file) to finish."""
+    out = tmp_path / "out"
+    proc = _waiting([
+        *WAITS,
+        "import multiprocessing, os, time",
+        "fork = multiprocessing.get_context('fork')  # the stand-ins below reach the workers",
+        "os.register_at_fork(after_in_child=lambda: signal.set_wakeup_fd(-1))  # as exec does",
+        "os.sched_setaffinity = lambda pid, cores: None",
+        "class Context:",
+        "    Pipe, Process = fork.Pipe, fork.Process",
+        "replicate.multiprocessing.get_context = lambda method: Context",
+        "def trains(preset, variant, seed, init, out):",
+        "    print('TRAINING', os.getpid(), flush=True)",
+        "    while not (out / 'go').exists():",
+        "        time.sleep(0.01)",
+        "replicate._train_and_evaluate_one = trains",
+        "def runs(preset, seeds, out, jobs, finished_from):",
+        "    out.mkdir()",
+        "    replicate.side_by_side(preset, [('diff', 0, 'scaled'), ('diff_v2', 0, 'scaled')],",
+        "                           out, [[0], [0]])",
+        "    return {'plots': []}",
+        "replicate.replicate = runs",
+        f"leave(replicate.main(['--preset', 'micro', '--out', {str(out)!r}]))"])
+    workers = [int(line.split()[1]) for line in _lines_until(proc, "TRAINING ", 2)]
+    os.killpg(proc.pid, signal.SIGTSTP)  # Ctrl-Z: the terminal's foreground group
+    deadline = time.monotonic() + 30  # a hang guard: each stops within milliseconds
+    while ({_state(pid) for pid in (proc.pid, *workers)} != {"T"}
+           and time.monotonic() < deadline):
+        time.sleep(0.01)
+    states = [_state(pid) for pid in (proc.pid, *workers)]
+    (out / "go").touch()  # the workers finish once they run on
+    os.killpg(proc.pid, signal.SIGCONT)  # fg
+    rest, err = proc.communicate(timeout=300)
+    assert states == ["T", "T", "T"], states  # the command, then its two workers
+    assert (proc.returncode, err) == (0, ""), err[-3000:]
+    assert rest == f"wrote {out / 'results.md'}, {out / 'results.json'} and 0 plots\n"
 
 
 @pytest.mark.parametrize("variant", presets.VARIANTS)

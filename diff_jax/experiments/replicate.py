@@ -639,6 +639,33 @@ def _start_blocked(process: multiprocessing.process.BaseProcess) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def _to_group(pid: int, signum: int) -> None:
+    """Send `signum` to the process group of the worker `pid` (its own, `_pinned_worker`), or to
+    `pid` alone while it has not made its group yet."""
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        os.kill(pid, signum)
+
+
+def _suspend(pids: list[int]) -> None:
+    """Ctrl-Z for `side_by_side` (SIGTSTP, which reaches the command's process group alone):
+    stop each worker of `pids` (SIGSTOP to its group), then this process (the default action of
+    SIGTSTP, raised with the handler set aside), and once it is continued (fg, bg: SIGCONT)
+    continue the workers. Before, the command stopped and its workers trained on, the terminal
+    given back to the shell, and fg continued the command alone. A stop the kernel discards (a
+    process group without a parent in its session to resume it) continues them at once."""
+    for pid in pids:
+        _to_group(pid, signal.SIGSTOP)
+    handler = signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+    try:
+        signal.raise_signal(signal.SIGTSTP)  # returns once continued
+    finally:
+        signal.signal(signal.SIGTSTP, handler)
+    for pid in pids:
+        _to_group(pid, signal.SIGCONT)
+
+
 def _read_signals(fd: int) -> list[int]:
     """The signal numbers written to the non-blocking `fd` (`_signals_woken`) since the last
     read; [] when none."""
@@ -650,14 +677,15 @@ def _read_signals(fd: int) -> list[int]:
 
 @contextlib.contextmanager
 def _signals_woken(caught: list[int]) -> Iterator[int]:
-    """For the duration (main thread only) the signals of `AS_FORWARDED` do nothing here but
-    write their number to a pipe, whose read end is yielded (to wait on and `_read_signals`). On
-    the way out the previous handlers are restored, then the numbers still unread are appended
-    to `caught`."""
+    """For the duration (main thread only) the signals of `AS_FORWARDED` and SIGTSTP (Ctrl-Z,
+    `_suspend`) do nothing here but write their number to a pipe, whose read end is yielded (to
+    wait on and `_read_signals`). On the way out the previous handlers are restored, then the
+    numbers of `AS_FORWARDED` still unread are appended to `caught`."""
     read, write = os.pipe()
     for fd in (read, write):
         os.set_blocking(fd, False)  # set_wakeup_fd requires it of `write`
-    previous = {s: signal.signal(s, lambda signum, frame: None) for s in AS_FORWARDED}
+    previous = {s: signal.signal(s, lambda signum, frame: None)
+                for s in (*AS_FORWARDED, signal.SIGTSTP)}
     previous_fd = signal.set_wakeup_fd(write)
     try:
         yield read
@@ -665,7 +693,7 @@ def _signals_woken(caught: list[int]) -> Iterator[int]:
         signal.set_wakeup_fd(previous_fd)
         for s, handler in previous.items():
             signal.signal(s, handler)
-        caught += _read_signals(read)
+        caught += [s for s in _read_signals(read) if s in AS_FORWARDED]
         os.close(read)
         os.close(write)
 
@@ -700,9 +728,10 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
     own stopped, exit `EXIT_INTERRUPTED`, is an interruption too, not a failure: no new run
     starts, and once the others have finished the KeyboardInterrupt says what it kept (a
     signal here ends it so even where a run failed too: that run's output says why). A SIGHUP
-    (the terminal closed) is forwarded as a SIGTERM. Ctrl-Z stops this process alone, and
-    SIGQUIT ends it without its workers. Left by any other exception, it first sends the running
-    workers SIGTERM and waits for them to exit.
+    (the terminal closed) is forwarded as a SIGTERM. Ctrl-Z (SIGTSTP) stops the running workers
+    and then this process, and fg or bg continues them with it (`_suspend`); SIGQUIT ends it
+    without its workers. Left by any other exception, it first sends the running workers SIGTERM
+    and waits for them to exit.
     """
     spawn = multiprocessing.get_context("spawn")
     pending, free = list(runs), list(range(len(shares)))
@@ -726,10 +755,13 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
         sends.close()
 
     def forward(signals: list[int]) -> None:
-        for _, process, _, _ in running.values():
-            for signum in signals:  # any other signal with a Python handler: not forwarded
-                if signum in AS_FORWARDED:
-                    os.kill(process.pid, AS_FORWARDED[signum])
+        pids = [process.pid for _, process, _, _ in running.values()]
+        for signum in signals:  # any other signal with a Python handler: not forwarded
+            if signum == signal.SIGTSTP:
+                _suspend(pids)
+            elif signum in AS_FORWARDED:
+                for pid in pids:
+                    os.kill(pid, AS_FORWARDED[signum])
 
     with _signals_woken(caught) as woken:
         try:
@@ -744,7 +776,7 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
                 for ready in multiprocessing.connection.wait([*running, woken]):
                     if ready == woken:
                         signals = _read_signals(woken)
-                        caught += signals
+                        caught += [s for s in signals if s in AS_FORWARDED]
                         forward(signals)
                     else:
                         finish(ready)

@@ -326,9 +326,15 @@ def _run(config: Config) -> RunResult:
                          held_out=inputs.validation, training_data=training_data)
             try:
                 with _stop_signals(progress.message) as caught, peers.agreed_stop() as stop:
-                    return loop.run(state, inputs.train, start, caught, stop)
+                    result = loop.run(state, inputs.train, start, caught, stop)
             finally:
                 writer.close()
+            if caught and result.status == "done":  # caught after the last step's check (in
+                # its save's wait, say): every step is saved, and the caller stops as for one
+                # caught in training; once the handler is restored the caller's own one takes it
+                progress.message(f"{caught[0]} received: saved step {result.step}, exiting")
+                return dataclasses.replace(result, status="interrupted")
+            return result
 
 
 @dataclasses.dataclass

@@ -96,6 +96,25 @@ def test_sigterm_at_20_then_resume_to_30_equals_uninterrupted(corpus, tmp_path, 
             np.testing.assert_array_equal(resumed[step][key], uninterrupted[step][key], err_msg=f"{key}@{step}")
 
 
+def test_a_sigterm_after_the_last_step_is_an_interruption_with_every_step_saved(
+        corpus, tmp_path, monkeypatch):
+    """A SIGTERM or first Ctrl-C after the loop's last check (while the final save commits,
+    where "done" is printed) was caught and dropped: the run said it would save and exit, then
+    returned "done", and `replicate` went on to evaluate and train the next model. Now the run
+    is "interrupted" at its last step, which is saved."""
+    real = train_loop.checkpoint.wait
+
+    def wait(mngr):  # the final save's wait: after the loop's last look at the signals
+        real(mngr)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(train_loop.checkpoint, "wait", wait)
+    result = train_loop.run(tiny_config(corpus, tmp_path, "train.steps=3"))
+    assert (result.status, result.step) == ("interrupted", 3)
+    assert _ckpt_steps(tmp_path) == [3]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 def test_out_of_device_memory_mid_run_is_one_error_keeping_the_checkpoints(
         corpus, tmp_path, monkeypatch, uninterrupted, capsys):
     """XLA's out-of-memory error at step 15 ends train.py in one line that names the sizes to

@@ -1628,6 +1628,21 @@ def test_a_sigterm_outside_training_is_a_ctrl_c_under_jobs_1(phase, tmp_path):
         assert isinstance(json.loads((out / name).read_text()), dict), name
 
 
+def test_a_sigterm_is_a_ctrl_c_to_ablate(tmp_path):
+    """ablate ran under Python's default SIGTERM action: outside the changed model's training
+    (reading the replication, evaluating, writing its report) it ended on the spot, exit -15 and
+    no line. Now a SIGTERM is a Ctrl-C there as under `replicate` (`as_ctrl_c`)."""
+    out = tmp_path / "out"
+    proc = _waiting([*WAITS, "from diff_jax.experiments import ablate",
+                     "ablate.ablate = waits",
+                     f"leave(ablate.main([{str(out)!r}, '--set', 'model.subln_init=0.5']))"])
+    _lines_until(proc, "PHASE")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert (proc.returncode, err) == (130, f"interrupted: stopped at once; what {out} holds is "
+                                           "kept (the same command resumes)\n")
+
+
 def _state(pid: int) -> str:
     """The state letter of process `pid` (/proc/PID/stat: "T" stopped by a signal)."""
     return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]

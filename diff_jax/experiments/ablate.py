@@ -40,7 +40,7 @@ from diff_jax.experiments.lm_report import (gap_cell, init_rows, init_scale_tabl
                                              val_gaps_between, val_loss_at)
 from diff_jax.experiments.presets import LABELS, VARIANTS, Preset, RecallPreset
 from diff_jax.experiments.recall_report import SCOPES, claim_line, grid_mean, pair_claims, run_results
-from diff_jax.experiments.replicate import recorded_preset, train_and_evaluate
+from diff_jax.experiments.replicate import as_ctrl_c, recorded_preset, train_and_evaluate
 from diff_jax.experiments.stats import describe, paired
 from diff_jax.output_dir import write_whole
 
@@ -269,7 +269,8 @@ def ablate(out: Path, sets: tuple[str, ...], variant: str, init: str | None,
 
 def main(argv: list[str] | None = None) -> int:
     """The command line above; exit status 0, 2 on bad input (one `error:` line), 1 when the
-    changed model diverged."""
+    changed model diverged, 130 when a Ctrl-C or a SIGTERM stopped it (one `interrupted:`
+    line; the changed model's training saves its step first)."""
     parser = argparse.ArgumentParser(prog="python -m diff_jax.experiments.ablate",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("out", help="a finished replication's --out directory")
@@ -283,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     try:
-        data = ablate(out, tuple(args.sets), args.variant, args.init, args.seeds)
+        with as_ctrl_c():  # a SIGTERM too, at any phase: one `interrupted:` line
+            data = ablate(out, tuple(args.sets), args.variant, args.init, args.seeds)
     except train_loop.RUN_ERRORS as e:
         return train_loop.report(e, [(str(out), str(out))])
     except KeyboardInterrupt as e:  # the changed model's training saved its step, or Ctrl-C twice

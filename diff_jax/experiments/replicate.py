@@ -575,14 +575,14 @@ AS_FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
 
 
 @contextlib.contextmanager
-def _as_ctrl_c() -> Iterator[None]:
+def as_ctrl_c() -> Iterator[None]:
     """For the duration (main thread only) `FORWARDED` (SIGINT, SIGTERM) raise KeyboardInterrupt,
     as a Ctrl-C does, wherever the command or a worker is: where it handles them itself they
     reach its handler instead (`train_loop`'s while a model trains: the first saves the step;
     `_signals_woken`'s while workers run), and elsewhere (preparing corpora, evaluating, writing
     the report) it stops at once with one `interrupted:` line, what it had written whole
-    (`output_dir`). Under Python's default SIGTERM action `--jobs 1` ended there on the spot
-    (exit -15, no line). The previous handlers are restored on the way out."""
+    (`output_dir`). Under Python's default SIGTERM action `--jobs 1` (and `ablate`) ended there
+    on the spot (exit -15, no line). The previous handlers are restored on the way out."""
     previous = {s: signal.signal(s, signal.default_int_handler) for s in FORWARDED}
     try:
         yield
@@ -608,7 +608,7 @@ def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init:
     os.setpgid(0, 0)
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     unsaved = f"{run_dir(out, variant, seed, init)}: stopped before training"
-    with _as_ctrl_c():  # the worker starts with Python's SIGTERM action
+    with as_ctrl_c():  # the worker starts with Python's SIGTERM action
         try:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # those sent so far arrive
             os.sched_setaffinity(0, cores)
@@ -830,7 +830,7 @@ def main(argv: list[str] | None = None) -> int:
     """The command line above; returns the exit status: 0, 2 on bad input (config, data, a
     refused checkpoint, a file in DIR that cannot be written, or read where damaged: one `error:`
     line, as train.py), 1 when a model diverged (or, with --jobs > 1, a model's process failed
-    otherwise), 130 when a Ctrl-C or a SIGTERM stopped it (one `interrupted:` line, `_as_ctrl_c`).
+    otherwise), 130 when a Ctrl-C or a SIGTERM stopped it (one `interrupted:` line, `as_ctrl_c`).
     """
     parser = argparse.ArgumentParser(prog="python -m diff_jax.experiments.replicate",
                                      description=__doc__.splitlines()[0])
@@ -868,7 +868,7 @@ def main(argv: list[str] | None = None) -> int:
         preset = preset.with_steps(args.steps)
     out = Path(args.out or f"runs/replicate-{preset.name}")
     try:
-        with _as_ctrl_c():  # a SIGTERM too: at any phase, under any --jobs
+        with as_ctrl_c():  # a SIGTERM too: at any phase, under any --jobs
             results = replicate(preset, seeds, out, args.jobs,
                                 None if args.finished_from is None else Path(args.finished_from))
     except train_loop.RUN_ERRORS as e:  # what is saved stays; re-running resumes

@@ -1610,13 +1610,8 @@ def test_a_sigterm_outside_training_is_a_ctrl_c_under_jobs_1(phase, tmp_path):
     whole: no corpus, run record or report half written (the hidden file a write left behind
     is removed)."""
     out = tmp_path / "out"
-    proc = _waiting([*WAITS, *SERIAL_PHASES[phase], "leave(replicate.main(['--preset', 'micro', "
-                     f"'--out', {str(out)!r}, '--jobs', '1']))"])
-    _lines_until(proc, "PHASE")
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert (proc.returncode, err) == (130, f"interrupted: stopped at once; what {out} holds is "
-                                           "kept (the same command resumes)\n")
+    _sigterm_at_phase([*WAITS, *SERIAL_PHASES[phase], "leave(replicate.main(['--preset', "
+                       f"'micro', '--out', {str(out)!r}, '--jobs', '1']))"], out)
     if phase == "preparing the corpus":  # nothing written: OUT made for it is removed again
         assert not out.exists()
         return
@@ -1633,14 +1628,32 @@ def test_a_sigterm_is_a_ctrl_c_to_ablate(tmp_path):
     (reading the replication, evaluating, writing its report) it ended on the spot, exit -15 and
     no line. Now a SIGTERM is a Ctrl-C there as under `replicate` (`as_ctrl_c`)."""
     out = tmp_path / "out"
-    proc = _waiting([*WAITS, "from diff_jax.experiments import ablate",
-                     "ablate.ablate = waits",
-                     f"leave(ablate.main([{str(out)!r}, '--set', 'model.subln_init=0.5']))"])
+    _sigterm_at_phase([*WAITS, "from diff_jax.experiments import ablate", "ablate.ablate = waits",
+                       f"leave(ablate.main([{str(out)!r}, '--set', 'model.subln_init=0.5']))"],
+                      out)
+
+
+def _sigterm_at_phase(script: list[str], out: Path) -> None:
+    """Run `script` (`_waiting`) until it prints PHASE, send it SIGTERM, and require the
+    replication commands' one Ctrl-C line for OUT `out`, exit 130."""
+    proc = _waiting(script)
     _lines_until(proc, "PHASE")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert (proc.returncode, err) == (130, f"interrupted: stopped at once; what {out} holds is "
                                            "kept (the same command resumes)\n")
+
+
+def test_a_signal_forwarded_to_a_worker_that_has_exited_and_been_reaped_is_skipped():
+    """multiprocessing reaps the finished workers as it starts another, so one still among
+    `side_by_side`'s running can be gone when a signal is forwarded: its os.kill raised
+    ProcessLookupError, which ended the command in the middle of its workers."""
+    from diff_jax.experiments import replicate
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # exited and reaped
+    for signum, group in [(signal.SIGTERM, False), (signal.SIGSTOP, True), (signal.SIGCONT, True)]:
+        replicate._send(gone.pid, signum, group)
 
 
 def _state(pid: int) -> str:

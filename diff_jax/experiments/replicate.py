@@ -639,12 +639,19 @@ def _start_blocked(process: multiprocessing.process.BaseProcess) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _to_group(pid: int, signum: int) -> None:
-    """Send `signum` to the process group of the worker `pid` (its own, `_pinned_worker`), or to
-    `pid` alone while it has not made its group yet."""
-    try:
-        os.killpg(pid, signum)
-    except ProcessLookupError:
+def _send(pid: int, signum: int, group: bool = False) -> None:
+    """Send `signum` to the worker `pid`, or where `group` to its process group (its own,
+    `_pinned_worker`; to `pid` alone while it has not made its group yet). A worker that has
+    exited and been reaped since is skipped (`side_by_side` reads its exit): multiprocessing
+    reaps its finished children as it starts another, so a worker still among the running could
+    be gone, and the signal forwarded to it ended the command in a ProcessLookupError."""
+    with contextlib.suppress(ProcessLookupError):
+        if group:
+            try:
+                os.killpg(pid, signum)
+                return
+            except ProcessLookupError:
+                pass
         os.kill(pid, signum)
 
 
@@ -656,14 +663,14 @@ def _suspend(pids: list[int]) -> None:
     given back to the shell, and fg continued the command alone. A stop the kernel discards (a
     process group without a parent in its session to resume it) continues them at once."""
     for pid in pids:
-        _to_group(pid, signal.SIGSTOP)
+        _send(pid, signal.SIGSTOP, group=True)
     handler = signal.signal(signal.SIGTSTP, signal.SIG_DFL)
     try:
         signal.raise_signal(signal.SIGTSTP)  # returns once continued
     finally:
         signal.signal(signal.SIGTSTP, handler)
     for pid in pids:
-        _to_group(pid, signal.SIGCONT)
+        _send(pid, signal.SIGCONT, group=True)
 
 
 def _read_signals(fd: int) -> list[int]:
@@ -761,7 +768,7 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
                 _suspend(pids)
             elif signum in AS_FORWARDED:
                 for pid in pids:
-                    os.kill(pid, AS_FORWARDED[signum])
+                    _send(pid, AS_FORWARDED[signum])
 
     with _signals_woken(caught) as woken:
         try:

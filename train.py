@@ -8,7 +8,8 @@ cuda-aot extra installed). Exit status: 0 done, 2 bad input (config, data, shard
 refused or damaged checkpoint, a file that cannot be read or written, e.g. in train.run_dir, a
 model or batch too big for the devices' memory; the same as eval.py and python -m
 diff_jax.export), 1 diverged, 130 stopped at once by Ctrl-C (before
-training began, or pressed a second time: the first one finishes the step, saves it and exits 0).
+training began, or pressed a second time: the first one finishes the step, saves it and exits 0,
+as a SIGTERM or SIGHUP, the terminal closed, does in training).
 In a multi-process job, a process that another one's failure stopped says so in one line and exits
 with that one's status (diff_jax/peers.py).
 """

@@ -2,8 +2,8 @@
 
 `run(config)` is what `python train.py` calls. It resumes from the newest checkpoint in
 `<train.run_dir>/checkpoints` that verifies (or `checkpoint.resume_step`), saves every
-`checkpoint.every_steps`, at the end and on SIGTERM/SIGINT (the current step finishes first; in
-a multi-process job every process saves the step they agree on, `peers.AgreedStop`).
+`checkpoint.every_steps`, at the end and on SIGTERM/SIGINT/SIGHUP (the current step finishes
+first; in a multi-process job every process saves the step they agree on, `peers.AgreedStop`).
 A step is saved only when its loss, its updated parameters and optimizer state, and the loss of
 the updated parameters on the step's batch are all finite; otherwise the run stops without saving,
 naming the last good checkpoint. `config.yaml` is written (whole or not at all) only once the
@@ -29,7 +29,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from diff_jax import checkpoint, data, optim, peers
-from diff_jax.command import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE, failed
+from diff_jax.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE, failed,
+                              off_the_terminal)
 from diff_jax.config import (Config, ConfigError, DistributedConfig, TrainConfig, dump_config,
                              from_dict)
 from diff_jax.data.heldout import HeldOut
@@ -119,8 +120,12 @@ STOP_AT_ONCE = "SIGINT again"  # in `_stop_signals`' list: Ctrl-C was pressed a 
 
 @contextlib.contextmanager
 def _stop_signals(say: Callable[[str], None]) -> Iterator[list[str]]:
-    """Catches SIGTERM/SIGINT into a flag list for the duration (main thread only), saying what
-    happens next. A second SIGINT (Ctrl-C pressed again) raises KeyboardInterrupt at once: the
+    """Catches SIGTERM/SIGINT/SIGHUP into a flag list for the duration (main thread only), saying
+    what happens next. A SIGHUP (the terminal closed) is a SIGTERM, once stdout and stderr are
+    off the hung-up terminal (`off_the_terminal`), where the lines that follow failed with EIO;
+    before it was caught here Python's default action ended the run at once (exit -1), losing
+    every step since the last periodic save. A second SIGINT (Ctrl-C pressed again) raises
+    KeyboardInterrupt at once: the
     step in flight is not saved, a save already handed to orbax's writer still commits (closing
     the checkpoint manager waits for it; one cut inside the save call itself is dropped), and the
     checkpoints already committed stay as they are. It also
@@ -129,6 +134,7 @@ def _stop_signals(say: Callable[[str], None]) -> Iterator[list[str]]:
     caught: list[str] = []
 
     def handler(signum: int, _frame: Any) -> None:
+        off_the_terminal(signum)
         if signum == signal.SIGINT and caught:
             caught.append(STOP_AT_ONCE)
             raise KeyboardInterrupt
@@ -138,7 +144,8 @@ def _stop_signals(say: Callable[[str], None]) -> Iterator[list[str]]:
                "way completes first)" if signum == signal.SIGINT
                else ""))
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, handler)
+                for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         yield caught
     finally:

@@ -21,7 +21,8 @@ from diff_jax import checkpoint, peers, train_loop
 from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import dump_config, load_config
 from diff_jax.device_memory import DeviceMemoryError
-from training_fixtures import synthetic_corpus, tiny_config, write_corpus, xla_out_of_memory
+from training_fixtures import (in_a_terminal, synthetic_corpus, terminal_until, tiny_config,
+                               write_corpus, xla_out_of_memory)
 from train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,6 +114,33 @@ def test_a_sigterm_after_the_last_step_is_an_interruption_with_every_step_saved(
     assert (result.status, result.step) == ("interrupted", 3)
     assert _ckpt_steps(tmp_path) == [3]
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_closing_the_terminal_saves_the_step_in_flight_and_exits_as_for_sigterm(
+        corpus, tmp_path, capsys):
+    """train.py in a terminal of its own (a pty, its session's controlling terminal) that closes
+    while it trains, as a window closed or an ssh session dropped: the kernel hangs the terminal
+    up and sends SIGHUP, which ended the process on the spot (exit -1), every step since the
+    last `checkpoint.every_steps` save lost (here all of them). Now a SIGHUP is a SIGTERM: the
+    step in flight is saved and train.py exits 0, though every write to the hung-up terminal
+    after it (the line saying so, the progress line) fails with EIO; metrics.jsonl has every
+    step up to the saved one, and the re-run resumes from it."""
+    steps = 50000  # minutes of training (550 steps/s on 2 cores): it is never reached
+    config = _config_file(corpus, tmp_path, f"train.steps={steps}",
+                          f"checkpoint.every_steps={steps}")
+    proc, terminal = in_a_terminal(["train.py", "--config", config])
+    try:
+        drawn = terminal_until(terminal, rb"step (\d+)/", proc)  # the progress line: training
+    finally:
+        os.close(terminal)  # the terminal closes: SIGHUP to train.py, its session's leader
+    assert proc.wait(timeout=300) == 0
+    run = tmp_path / "run"
+    saved = _ckpt_steps(run)
+    assert len(saved) == 1 and int(drawn[1]) <= saved[0] < steps, saved
+    assert max(_metrics(run)) == saved[0]
+    assert train_main(["--config", config, f"train.steps={saved[0] + 1}"]) == 0
+    assert f"resumed from step {saved[0]} " in capsys.readouterr().err
+    assert _ckpt_steps(run) == [*saved, saved[0] + 1]
 
 
 def test_out_of_device_memory_mid_run_is_one_error_keeping_the_checkpoints(

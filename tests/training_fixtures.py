@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import os
+import pty
+import re
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from diff_jax.config import Config, load_config
 from diff_jax.data import TokenCorpus
@@ -64,3 +70,37 @@ def xla_out_of_memory() -> jax.errors.JaxRuntimeError:
     except jax.errors.JaxRuntimeError as e:
         return e
     raise AssertionError("a 1 PiB array was allocated")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def in_a_terminal(args: list[str]) -> tuple[subprocess.Popen, int]:
+    """Python run with `args` from the repository root in a session of its own whose controlling
+    terminal is a new pty, its stdin, stdout and stderr; returns the process and the terminal's
+    master end, which the test reads (`terminal_until`) and closes: the kernel then hangs the
+    terminal up and sends SIGHUP to the session's leader, the process, as when a terminal window
+    closes or an ssh session drops. Killed after 300 s (a hang guard: reading the terminal then
+    fails)."""
+    terminal, tty = pty.openpty()
+    controlling = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    proc = subprocess.Popen([sys.executable, "-c", controlling, *args], cwd=ROOT, stdin=tty,
+                            stdout=tty, stderr=tty, start_new_session=True)
+    os.close(tty)
+    guard = threading.Timer(300, proc.kill)
+    guard.daemon = True
+    guard.start()
+    return proc, terminal
+
+
+def terminal_until(terminal: int, pattern: bytes, proc: subprocess.Popen) -> re.Match:
+    """The first match of the regular expression `pattern` in what `proc` wrote to `terminal`
+    (`in_a_terminal`), read until it appears; fails the test when `proc` exits first."""
+    seen = b""
+    try:
+        while not (found := re.search(pattern, seen)):
+            seen += os.read(terminal, 4096)
+    except OSError:  # EIO: the process closed the terminal, exiting
+        pytest.fail(f"exited {proc.wait()} before writing {pattern!r}: {seen[-3000:]!r}")
+    return found

@@ -24,7 +24,7 @@ from diff_jax import variants
 from diff_jax.config import MAX_STEPS, ConfigError
 from diff_jax.device_memory import DeviceMemoryError
 from diff_jax.experiments import layout, lm_report, presets, recall_report, replicate, stats
-from training_fixtures import xla_out_of_memory
+from training_fixtures import in_a_terminal, terminal_until, xla_out_of_memory
 
 
 def test_v2_shape_matches_diff_attention_parameters():
@@ -1580,6 +1580,14 @@ WAITS = ["import signal, types",
          "    print('PHASE', flush=True)",
          "    while True:",
          "        signal.pause()"]
+FORKED = [  # after WAITS: `side_by_side`'s workers forked, not spawned, to run its stand-ins
+    "import multiprocessing, os, time",
+    "fork = multiprocessing.get_context('fork')",
+    "os.register_at_fork(after_in_child=lambda: signal.set_wakeup_fd(-1))  # as exec does",
+    "os.sched_setaffinity = lambda pid, cores: None",
+    "class Context:",
+    "    Pipe, Process = fork.Pipe, fork.Process",
+    "replicate.multiprocessing.get_context = lambda method: Context"]
 SERIAL_PHASES = {  # the stand-ins bringing `replicate --jobs 1` to the phase, waiting there
     "preparing the corpus": ["replicate.data.load_corpus = waits"],
     "evaluating": [
@@ -1602,16 +1610,17 @@ SERIAL_PHASES = {  # the stand-ins bringing `replicate --jobs 1` to the phase, w
         "replicate.lm_report.write = report"]}
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 @pytest.mark.parametrize("phase", list(SERIAL_PHASES))
-def test_a_sigterm_outside_training_is_a_ctrl_c_under_jobs_1(phase, tmp_path):
-    """`--jobs 1` handled SIGTERM only while a model trained (`train_loop` saves the step): at
-    any other phase Python's default action ended it on the spot, exit -15 and no line. Now a
-    SIGTERM is a Ctrl-C at every phase: one `interrupted:` line, exit 130, and what OUT holds is
-    whole: no corpus, run record or report half written (the hidden file a write left behind
-    is removed)."""
+def test_a_sigterm_outside_training_is_a_ctrl_c_under_jobs_1(phase, signum, tmp_path):
+    """`--jobs 1` handled SIGTERM only while a model trained (`train_loop` saves the step), and
+    SIGHUP (the terminal closed) not at all: at any other phase Python's default action ended it
+    on the spot, exit -15 or -1 and no line. Now a SIGTERM or SIGHUP is a Ctrl-C at every
+    phase: one `interrupted:` line, exit 130, and what OUT holds is whole: no corpus, run record
+    or report half written (the hidden file a write left behind is removed)."""
     out = tmp_path / "out"
-    _sigterm_at_phase([*WAITS, *SERIAL_PHASES[phase], "leave(replicate.main(['--preset', "
-                       f"'micro', '--out', {str(out)!r}, '--jobs', '1']))"], out)
+    _signal_at_phase([*WAITS, *SERIAL_PHASES[phase], "leave(replicate.main(['--preset', "
+                      f"'micro', '--out', {str(out)!r}, '--jobs', '1']))"], out, signum)
     if phase == "preparing the corpus":  # nothing written: OUT made for it is removed again
         assert not out.exists()
         return
@@ -1623,25 +1632,64 @@ def test_a_sigterm_outside_training_is_a_ctrl_c_under_jobs_1(phase, tmp_path):
         assert isinstance(json.loads((out / name).read_text()), dict), name
 
 
-def test_a_sigterm_is_a_ctrl_c_to_ablate(tmp_path):
-    """ablate ran under Python's default SIGTERM action: outside the changed model's training
-    (reading the replication, evaluating, writing its report) it ended on the spot, exit -15 and
-    no line. Now a SIGTERM is a Ctrl-C there as under `replicate` (`as_ctrl_c`)."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_sigterm_is_a_ctrl_c_to_ablate(signum, tmp_path):
+    """ablate ran under Python's default SIGTERM and SIGHUP actions: outside the changed model's
+    training (reading the replication, evaluating, writing its report) it ended on the spot,
+    exit -15 or -1 and no line. Now either is a Ctrl-C there as under `replicate`
+    (`as_ctrl_c`)."""
     out = tmp_path / "out"
-    _sigterm_at_phase([*WAITS, "from diff_jax.experiments import ablate", "ablate.ablate = waits",
-                       f"leave(ablate.main([{str(out)!r}, '--set', 'model.subln_init=0.5']))"],
-                      out)
+    _signal_at_phase([*WAITS, "from diff_jax.experiments import ablate", "ablate.ablate = waits",
+                      f"leave(ablate.main([{str(out)!r}, '--set', 'model.subln_init=0.5']))"],
+                     out, signum)
 
 
-def _sigterm_at_phase(script: list[str], out: Path) -> None:
-    """Run `script` (`_waiting`) until it prints PHASE, send it SIGTERM, and require the
-    replication commands' one Ctrl-C line for OUT `out`, exit 130."""
+def _signal_at_phase(script: list[str], out: Path, signum: int) -> None:
+    """Run `script` (`_waiting`) until it prints PHASE, send it `signum` (SIGTERM, SIGHUP), and
+    require the replication commands' one Ctrl-C line for OUT `out`, exit 130."""
     proc = _waiting(script)
     _lines_until(proc, "PHASE")
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=300)
     assert (proc.returncode, err) == (130, f"interrupted: stopped at once; what {out} holds is "
                                            "kept (the same command resumes)\n")
+
+
+def test_closing_the_terminal_stops_side_by_side_and_its_workers_each_saving(tmp_path):
+    """The command and its two workers write to one terminal (a pty, its session's controlling
+    terminal), which closes while they train: the kernel hangs it up and sends SIGHUP to the
+    command, which forwarded it as a SIGTERM. Each worker's line saying it saved its step then
+    failed on the hung-up terminal (EIO), its error line too (exit 1), and so did the command's
+    `interrupted:` line (a traceback, exit 1). Now the command and each worker, the SIGHUP
+    forwarded as itself, point their output off the closed terminal: each stand-in worker says
+    it saved and marks it in OUT, and the command exits 130."""
+    out = tmp_path / "out"
+    proc, terminal = in_a_terminal(["-W", "ignore:os.fork:RuntimeWarning", "-c", "\n".join([
+        *WAITS,
+        *FORKED,
+        "from diff_jax import train_loop",
+        "def trains(preset, variant, seed, init, out):  # as train_loop.run",
+        "    with train_loop._stop_signals(lambda text: print(text, flush=True)) as caught:",
+        "        print('TRAINING', flush=True)",
+        "        deadline = time.monotonic() + 60",
+        "        while not caught and time.monotonic() < deadline:",
+        "            time.sleep(0.01)",
+        "    print(f'{caught[0]} received: saved step 3, exiting', flush=True)",
+        "    (out / variant).touch()",
+        "    raise KeyboardInterrupt(f'{variant}: training interrupted at step 3')",
+        "replicate._train_and_evaluate_one = trains",
+        "def runs(preset, seeds, out, jobs, finished_from):",
+        "    out.mkdir()",
+        "    replicate.side_by_side(preset, [('diff', 0, 'scaled'), ('diff_v2', 0, 'scaled')],",
+        "                           out, [[0], [0]])",
+        "replicate.replicate = runs",
+        f"leave(replicate.main(['--preset', 'micro', '--out', {str(out)!r}]))"])])
+    try:
+        terminal_until(terminal, rb"TRAINING[\s\S]*TRAINING", proc)  # both workers train
+    finally:
+        os.close(terminal)  # the terminal closes: SIGHUP to the command, its session's leader
+    assert proc.wait(timeout=300) == 130
+    assert sorted(p.name for p in out.iterdir()) == ["diff", "diff_v2"]
 
 
 def test_a_signal_forwarded_to_a_worker_that_has_exited_and_been_reaped_is_skipped():
@@ -1671,13 +1719,7 @@ def test_ctrl_z_stops_side_by_side_with_its_workers_and_fg_continues_them(tmp_pa
     out = tmp_path / "out"
     proc = _waiting([
         *WAITS,
-        "import multiprocessing, os, time",
-        "fork = multiprocessing.get_context('fork')  # the stand-ins below reach the workers",
-        "os.register_at_fork(after_in_child=lambda: signal.set_wakeup_fd(-1))  # as exec does",
-        "os.sched_setaffinity = lambda pid, cores: None",
-        "class Context:",
-        "    Pipe, Process = fork.Pipe, fork.Process",
-        "replicate.multiprocessing.get_context = lambda method: Context",
+        *FORKED,
         "def trains(preset, variant, seed, init, out):",
         "    print('TRAINING', os.getpid(), flush=True)",
         "    while not (out / 'go').exists():",

@@ -269,8 +269,8 @@ def ablate(out: Path, sets: tuple[str, ...], variant: str, init: str | None,
 
 def main(argv: list[str] | None = None) -> int:
     """The command line above; exit status 0, 2 on bad input (one `error:` line), 1 when the
-    changed model diverged, 130 when a Ctrl-C or a SIGTERM stopped it (one `interrupted:`
-    line; the changed model's training saves its step first)."""
+    changed model diverged, 130 when a Ctrl-C, a SIGTERM or a SIGHUP (the terminal closed)
+    stopped it (one `interrupted:` line; the changed model's training saves its step first)."""
     parser = argparse.ArgumentParser(prog="python -m diff_jax.experiments.ablate",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("out", help="a finished replication's --out directory")
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     try:
-        with as_ctrl_c():  # a SIGTERM too, at any phase: one `interrupted:` line
+        with as_ctrl_c():  # a SIGTERM or SIGHUP too, at any phase: one `interrupted:` line
             data = ablate(out, tuple(args.sets), args.variant, args.init, args.seeds)
     except train_loop.RUN_ERRORS as e:
         return train_loop.report(e, [(str(out), str(out))])

@@ -62,7 +62,7 @@ import yaml
 
 from diff_jax import data, evaluation, recall, train_loop
 from diff_jax.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE, failed, leave,
-                              positive_int, run_kept)
+                              off_the_terminal, positive_int, run_kept)
 from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config, read_yaml
 from diff_jax.device_memory import devices_here, fit_or_explain
 from diff_jax.evaluation import EvalOptions
@@ -568,22 +568,29 @@ def cpu_shares(jobs: int) -> list[list[int]]:
     return core_shares(sorted(os.sched_getaffinity(0)), jobs)
 
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM)  # what `side_by_side` passes on to its workers
-# SIGHUP (the terminal closed: it reaches the command's group alone) goes on to them as SIGTERM
-AS_FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
-                signal.SIGHUP: signal.SIGTERM}
+# what `side_by_side` passes on to its workers, each as itself: a SIGHUP (the terminal closed;
+# it reaches the command's group alone) too, as each worker writes to that terminal
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _ctrl_c(signum: int, _frame: Any) -> None:
+    """`as_ctrl_c`'s handler: KeyboardInterrupt, after a SIGHUP once stdout and stderr are off
+    the closed terminal (`off_the_terminal`), as the `interrupted:` line is written next."""
+    off_the_terminal(signum)
+    raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
 def as_ctrl_c() -> Iterator[None]:
-    """For the duration (main thread only) `FORWARDED` (SIGINT, SIGTERM) raise KeyboardInterrupt,
-    as a Ctrl-C does, wherever the command or a worker is: where it handles them itself they
-    reach its handler instead (`train_loop`'s while a model trains: the first saves the step;
-    `_signals_woken`'s while workers run), and elsewhere (preparing corpora, evaluating, writing
-    the report) it stops at once with one `interrupted:` line, what it had written whole
-    (`output_dir`). Under Python's default SIGTERM action `--jobs 1` (and `ablate`) ended there
-    on the spot (exit -15, no line). The previous handlers are restored on the way out."""
-    previous = {s: signal.signal(s, signal.default_int_handler) for s in FORWARDED}
+    """For the duration (main thread only) `FORWARDED` (SIGINT, SIGTERM, SIGHUP) raise
+    KeyboardInterrupt, as a Ctrl-C does, wherever the command or a worker is: where it handles
+    them itself they reach its handler instead (`train_loop`'s while a model trains: the first
+    saves the step; `_signals_woken`'s while workers run), and elsewhere (preparing corpora,
+    evaluating, writing the report) it stops at once with one `interrupted:` line, what it had
+    written whole (`output_dir`). Under Python's default SIGTERM and SIGHUP actions `--jobs 1`
+    (and `ablate`) ended there on the spot (exit -15 or -1, no line). The previous handlers are
+    restored on the way out."""
+    previous = {s: signal.signal(s, _ctrl_c) for s in FORWARDED}
     try:
         yield
     finally:
@@ -597,10 +604,11 @@ def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init:
 
     It starts with `FORWARDED` blocked (`_start_blocked`): a signal sent while Python starts up
     (importing modules) waits. First it leaves the command's process group, so that a Ctrl-C at
-    the terminal reaches it once, forwarded by `side_by_side`; it takes SIGINT and SIGTERM alike,
-    as a Ctrl-C (outside training it stops at once; in training `train_loop` saves the step on
-    the first); it writes to the terminal from the background (SIGTTOU ignored, for `stty
-    tostop`). Then it unblocks them: one sent before it trains stops it before training.
+    the terminal reaches it once, forwarded by `side_by_side`; it takes SIGINT, SIGTERM and SIGHUP
+    alike, as a Ctrl-C (outside training it stops at once; in training `train_loop` saves the
+    step on the first; a SIGHUP points its stdout and stderr off the closed terminal); it writes
+    to the terminal from the background (SIGTTOU ignored, for `stty tostop`). Then it unblocks
+    them: one sent before it trains stops it before training.
     Stopped by either, it sends what it kept (the KeyboardInterrupt's text: the step its
     training saved; "RUN: stopped before training"; or "" when it stopped at once) through
     `kept` and exits `EXIT_INTERRUPTED` without a line of its own: `side_by_side`'s one
@@ -684,15 +692,16 @@ def _read_signals(fd: int) -> list[int]:
 
 @contextlib.contextmanager
 def _signals_woken(caught: list[int]) -> Iterator[int]:
-    """For the duration (main thread only) the signals of `AS_FORWARDED` and SIGTSTP (Ctrl-Z,
+    """For the duration (main thread only) the signals of `FORWARDED` and SIGTSTP (Ctrl-Z,
     `_suspend`) do nothing here but write their number to a pipe, whose read end is yielded (to
-    wait on and `_read_signals`). On the way out the previous handlers are restored, then the
-    numbers of `AS_FORWARDED` still unread are appended to `caught`."""
+    wait on and `_read_signals`), a SIGHUP once stdout and stderr are off the closed terminal
+    (`off_the_terminal`). On the way out the previous handlers are restored, then the numbers of
+    `FORWARDED` still unread are appended to `caught`."""
     read, write = os.pipe()
     for fd in (read, write):
         os.set_blocking(fd, False)  # set_wakeup_fd requires it of `write`
-    previous = {s: signal.signal(s, lambda signum, frame: None)
-                for s in (*AS_FORWARDED, signal.SIGTSTP)}
+    previous = {s: signal.signal(s, lambda signum, frame: off_the_terminal(signum))
+                for s in (*FORWARDED, signal.SIGTSTP)}
     previous_fd = signal.set_wakeup_fd(write)
     try:
         yield read
@@ -700,7 +709,7 @@ def _signals_woken(caught: list[int]) -> Iterator[int]:
         signal.set_wakeup_fd(previous_fd)
         for s, handler in previous.items():
             signal.signal(s, handler)
-        caught += [s for s in _read_signals(read) if s in AS_FORWARDED]
+        caught += [s for s in _read_signals(read) if s in FORWARDED]
         os.close(read)
         os.close(write)
 
@@ -735,9 +744,10 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
     own stopped, exit `EXIT_INTERRUPTED`, is an interruption too, not a failure: no new run
     starts, and once the others have finished the KeyboardInterrupt says what it kept (a
     signal here ends it so even where a run failed too: that run's output says why). A SIGHUP
-    (the terminal closed) is forwarded as a SIGTERM. Ctrl-Z (SIGTSTP) stops the running workers
-    and then this process, and fg or bg continues them with it (`_suspend`); SIGQUIT ends it
-    without its workers. Left by any other exception, it first sends the running workers SIGTERM
+    (the terminal closed) is a SIGTERM, forwarded as itself: each worker, writing to the same
+    terminal, points its stdout and stderr off it, as this process does. Ctrl-Z (SIGTSTP) stops
+    the running workers and then this process, and fg or bg continues them with it
+    (`_suspend`); SIGQUIT ends it without its workers. Left by any other exception, it first sends the running workers SIGTERM
     and waits for them to exit.
     """
     spawn = multiprocessing.get_context("spawn")
@@ -766,9 +776,9 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
         for signum in signals:  # any other signal with a Python handler: not forwarded
             if signum == signal.SIGTSTP:
                 _suspend(pids)
-            elif signum in AS_FORWARDED:
+            elif signum in FORWARDED:
                 for pid in pids:
-                    _send(pid, AS_FORWARDED[signum])
+                    _send(pid, signum)
 
     with _signals_woken(caught) as woken:
         try:
@@ -783,7 +793,7 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
                 for ready in multiprocessing.connection.wait([*running, woken]):
                     if ready == woken:
                         signals = _read_signals(woken)
-                        caught += [s for s in signals if s in AS_FORWARDED]
+                        caught += [s for s in signals if s in FORWARDED]
                         forward(signals)
                     else:
                         finish(ready)
@@ -837,8 +847,8 @@ def main(argv: list[str] | None = None) -> int:
     """The command line above; returns the exit status: 0, 2 on bad input (config, data, a
     refused checkpoint, a file in DIR that cannot be written, or read where damaged: one `error:`
     line, as train.py), 1 when a model diverged (or, with --jobs > 1, a model's process failed
-    otherwise), 130 when a Ctrl-C or a SIGTERM stopped it (one `interrupted:` line, `as_ctrl_c`).
-    """
+    otherwise), 130 when a Ctrl-C, a SIGTERM or a SIGHUP (the terminal closed) stopped it (one
+    `interrupted:` line, `as_ctrl_c`)."""
     parser = argparse.ArgumentParser(prog="python -m diff_jax.experiments.replicate",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small",
@@ -875,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
         preset = preset.with_steps(args.steps)
     out = Path(args.out or f"runs/replicate-{preset.name}")
     try:
-        with as_ctrl_c():  # a SIGTERM too: at any phase, under any --jobs
+        with as_ctrl_c():  # a SIGTERM or SIGHUP too: at any phase, under any --jobs
             results = replicate(preset, seeds, out, args.jobs,
                                 None if args.finished_from is None else Path(args.finished_from))
     except train_loop.RUN_ERRORS as e:  # what is saved stays; re-running resumes

@@ -747,8 +747,8 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
     (the terminal closed) is a SIGTERM, forwarded as itself: each worker, writing to the same
     terminal, points its stdout and stderr off it, as this process does. Ctrl-Z (SIGTSTP) stops
     the running workers and then this process, and fg or bg continues them with it
-    (`_suspend`); SIGQUIT ends it without its workers. Left by any other exception, it first sends the running workers SIGTERM
-    and waits for them to exit.
+    (`_suspend`); SIGQUIT ends it without its workers. Left by any other exception, it first
+    sends the running workers SIGTERM and waits for them to exit.
     """
     spawn = multiprocessing.get_context("spawn")
     pending, free = list(runs), list(range(len(shares)))

@@ -821,6 +821,10 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=str, default=str(RESULTS))
     p.add_argument("--tag", type=str, default="")
     args = p.parse_args(argv)
+    uneven = [t for t in dict.fromkeys([*args.seqs, args.tune_t]) if args.tokens % t]
+    if uneven:  # B = tokens / T at every T (B·T fixed): another was rounded down unsaid
+        p.error(f"--tokens {args.tokens}: expected a multiple of every sequence length (--seqs, "
+                f"--tune-t), not of {', '.join(map(str, uneven))}")
     if args.compile_threads is None:
         args.compile_threads = (len(os.sched_getaffinity(0)) if jax.default_backend() == "gpu"
                                 else 1)

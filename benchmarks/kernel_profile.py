@@ -184,8 +184,8 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--schedules: unknown {', '.join(unknown)}; expected some of "
                 f"{', '.join(SCHEDULES)}")
-    if args.tokens < args.t:
-        p.error(f"--tokens {args.tokens}: expected at least --t {args.t} (one sequence)")
+    if args.tokens % args.t:  # B = tokens / T sequences: another was rounded down unsaid
+        p.error(f"--tokens {args.tokens}: expected a multiple of --t {args.t} (whole sequences)")
     if args.run:  # the profiled child: a traceback here is its row's error, read by the parent
         _child(int(args.run[0]), args.run[1], args)
         return 0

@@ -48,7 +48,12 @@ ARGUMENTS = [
     ("attention", ["--smoke", "--block", "64,0"],
      "argument --block: expected a comma list of integers >= 1, got '64,0'"),
     ("kernel_profile", ["--t", "8192", "--tokens", "4096"],
-     "--tokens 4096: expected at least --t 8192 (one sequence)"),
+     "--tokens 4096: expected a multiple of --t 8192 (whole sequences)"),
+    ("kernel_profile", ["--t", "4096", "--tokens", "10000"],
+     "--tokens 10000: expected a multiple of --t 4096 (whole sequences)"),
+    ("attention", ["--smoke", "--seqs", "2048,3000,5000", "--tokens", "32768"],
+     "--tokens 32768: expected a multiple of every sequence length (--seqs, --tune-t), not of "
+     "3000, 5000"),
     ("mosaic_probe", ["--limit", "0"], "argument --limit: expected a number > 0, got '0'"),
     ("mosaic_probe", ["--split-registers", "256,20"],
      "argument --split-registers: expected K,V: two register counts, multiples of 8 in [24, 256] "

@@ -30,7 +30,9 @@ import contextlib
 import errno
 import math
 import os
+import select
 import signal
+import stat
 import subprocess
 import sys
 import termios
@@ -153,23 +155,38 @@ def leave(status: int) -> NoReturn:
 
 def off_the_terminal(signum: int) -> None:
     """After a SIGHUP (`signum`; any other signal: nothing), point stdout and stderr at
-    /dev/null where they are a terminal. A SIGHUP says the terminal closed (its window, a
-    dropped ssh session), and every later write to it fails with EIO: the line saying the step
-    in flight was saved, the progress line, the last `interrupted:` line each raised an OSError
-    in the middle of the save or the exit. Measured on Linux with a pty whose master closed:
-    os.write EIO, and isatty False (its TCGETS fails with EIO too), so a hung-up terminal is
-    told from a file or pipe by tcgetattr's EIO, not by isatty. nohup points a terminal's
-    descriptors elsewhere the same way (at nohup.out, before the command starts), daemon(3) at
-    /dev/null. A file or pipe (`> train.log`) is left as it is and receives every line; the run
-    directory's files are written as before. Called first by each handler that takes SIGHUP
+    /dev/null where they are a terminal, or a pipe whose reader is gone. A SIGHUP says the
+    terminal closed (its window, a dropped ssh session), and every later write to it fails with
+    EIO: the line saying the step in flight was saved, the progress line, the last
+    `interrupted:` line each raised an OSError in the middle of the save or the exit. Measured
+    on Linux with a pty whose master closed: os.write EIO, and isatty False (its TCGETS fails
+    with EIO too), so a hung-up terminal is told from a file by tcgetattr's EIO, not by isatty.
+    A pipe into the terminal (`2>&1 | tee train.log`, `| less`) loses its reader the same way:
+    the hangup ends it too, and every later write failed with EPIPE (BrokenPipeError, as Python
+    ignores SIGPIPE); measured with the pipe's read end closed before the SIGHUP: exit 1,
+    nothing committed, the handler's line raising into the loop. Such a pipe is told by poll's
+    POLLERR on its write end (Linux: no reader left). A pipe still read is kept: a `kill -HUP`
+    under a harness or supervisor that reads the output gets every line (the `interrupted:`
+    line of `replicate`, tested). nohup points a terminal's descriptors elsewhere the same way
+    (at nohup.out, before the command starts), daemon(3) at /dev/null. A regular file
+    (`> train.log`) is left as it is and receives every line; the run directory's files are
+    written as before. Called first by each handler that takes SIGHUP
     (`train_loop._stop_signals`, `replicate.as_ctrl_c`, `replicate._signals_woken`)."""
     if signum != signal.SIGHUP:
         return
     for fd in (1, 2):
         try:
-            termios.tcgetattr(fd)
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                polled = select.poll()
+                polled.register(fd, select.POLLOUT)
+                if not dict(polled.poll(0)).get(fd, 0) & select.POLLERR:  # still read
+                    continue
+            else:
+                termios.tcgetattr(fd)
+        except OSError:  # closed (EBADF)
+            continue
         except termios.error as e:
-            if e.args[0] != errno.EIO:  # not a terminal (ENOTTY), or closed (EBADF)
+            if e.args[0] != errno.EIO:  # not a terminal (ENOTTY)
                 continue
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, fd)

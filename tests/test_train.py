@@ -116,6 +116,21 @@ def test_a_sigterm_after_the_last_step_is_an_interruption_with_every_step_saved(
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
+NEVER = 50000  # train.steps of minutes of training (550 steps/s on 2 cores): never reached
+
+
+def _saved_in_flight_and_resumed(run: Path, config: str, drawn: int, capsys) -> None:
+    """Assert that the run in `run` (`config`, `NEVER` steps), stopped once its progress line
+    showed step `drawn`, committed one step at or after it, that metrics.jsonl ends at that
+    step, and that train.py resumes from it."""
+    saved = _ckpt_steps(run)
+    assert len(saved) == 1 and drawn <= saved[0] < NEVER, saved
+    assert max(_metrics(run)) == saved[0]
+    assert train_main(["--config", config, f"train.steps={saved[0] + 1}"]) == 0
+    assert f"resumed from step {saved[0]} " in capsys.readouterr().err
+    assert _ckpt_steps(run) == [*saved, saved[0] + 1]
+
+
 def test_closing_the_terminal_saves_the_step_in_flight_and_exits_as_for_sigterm(
         corpus, tmp_path, capsys):
     """train.py in a terminal of its own (a pty, its session's controlling terminal) that closes
@@ -125,22 +140,41 @@ def test_closing_the_terminal_saves_the_step_in_flight_and_exits_as_for_sigterm(
     step in flight is saved and train.py exits 0, though every write to the hung-up terminal
     after it (the line saying so, the progress line) fails with EIO; metrics.jsonl has every
     step up to the saved one, and the re-run resumes from it."""
-    steps = 50000  # minutes of training (550 steps/s on 2 cores): it is never reached
-    config = _config_file(corpus, tmp_path, f"train.steps={steps}",
-                          f"checkpoint.every_steps={steps}")
+    config = _config_file(corpus, tmp_path, f"train.steps={NEVER}",
+                          f"checkpoint.every_steps={NEVER}")
     proc, terminal = in_a_terminal(["train.py", "--config", config])
     try:
         drawn = terminal_until(terminal, rb"step (\d+)/", proc)  # the progress line: training
     finally:
         os.close(terminal)  # the terminal closes: SIGHUP to train.py, its session's leader
     assert proc.wait(timeout=300) == 0
-    run = tmp_path / "run"
-    saved = _ckpt_steps(run)
-    assert len(saved) == 1 and int(drawn[1]) <= saved[0] < steps, saved
-    assert max(_metrics(run)) == saved[0]
-    assert train_main(["--config", config, f"train.steps={saved[0] + 1}"]) == 0
-    assert f"resumed from step {saved[0]} " in capsys.readouterr().err
-    assert _ckpt_steps(run) == [*saved, saved[0] + 1]
+    _saved_in_flight_and_resumed(tmp_path / "run", config, int(drawn[1]), capsys)
+
+
+def test_closing_the_terminal_under_a_pipe_saves_the_step_in_flight_and_exits_as_for_sigterm(
+        corpus, tmp_path, capsys):
+    """`python train.py 2>&1 | tee train.log` in a terminal that closes: the hangup ends `tee`
+    too, and train.py's writes after the SIGHUP (the line saying the step in flight is saved,
+    the `error:` line) went into a pipe with no reader and raised BrokenPipeError, the first
+    one into the loop: exit 1, nothing committed. Now a pipe whose reader is gone is let go as
+    a hung-up terminal is: the step in flight is saved and train.py exits 0, metrics.jsonl has
+    every step up to it, and the re-run resumes from it."""
+    config = _config_file(corpus, tmp_path, f"train.steps={NEVER}",
+                          f"checkpoint.every_steps={NEVER}")
+    tee, out = os.pipe()
+    proc = subprocess.Popen([sys.executable, "train.py", "--config", config], cwd=ROOT,
+                            stdout=out, stderr=out)
+    os.close(out)
+    try:
+        try:
+            drawn = terminal_until(tee, rb"step (\d+)/", proc)  # the progress line: training
+        finally:
+            os.close(tee)  # tee ends with the terminal, then train.py gets its SIGHUP
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=300) == 0
+    finally:
+        proc.kill()
+    _saved_in_flight_and_resumed(tmp_path / "run", config, int(drawn[1]), capsys)
 
 
 def test_out_of_device_memory_mid_run_is_one_error_keeping_the_checkpoints(

@@ -96,11 +96,14 @@ def in_a_terminal(args: list[str]) -> tuple[subprocess.Popen, int]:
 
 def terminal_until(terminal: int, pattern: bytes, proc: subprocess.Popen) -> re.Match:
     """The first match of the regular expression `pattern` in what `proc` wrote to `terminal`
-    (`in_a_terminal`), read until it appears; fails the test when `proc` exits first."""
+    (`in_a_terminal`, or a pipe's read end), read until it appears; fails the test when `proc`
+    exits first."""
     seen = b""
     try:
         while not (found := re.search(pattern, seen)):
-            seen += os.read(terminal, 4096)
-    except OSError:  # EIO: the process closed the terminal, exiting
+            if not (chunk := os.read(terminal, 4096)):  # a pipe's end: the process exited
+                raise EOFError
+            seen += chunk
+    except (OSError, EOFError):  # EIO: the process closed the terminal, exiting
         pytest.fail(f"exited {proc.wait()} before writing {pattern!r}: {seen[-3000:]!r}")
     return found

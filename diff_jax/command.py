@@ -153,6 +153,17 @@ def leave(status: int) -> NoReturn:
     sys.exit(status)
 
 
+def not_ignored(signals: tuple[int, ...]) -> tuple[int, ...]:
+    """`signals` less SIGHUP where this process ignores it: `nohup` starts a command with SIGHUP
+    ignored so that closing the terminal does not stop it, and a handler installed for it (a
+    SIGHUP saves and exits, `train_loop._stop_signals`, `replicate.as_ctrl_c`) undid that: under
+    nohup a closed terminal stopped the run at the step in flight. Each place that takes SIGHUP
+    asks here first, so it stays ignored, in the processes a command starts too (an ignored
+    signal stays ignored across exec)."""
+    ignored = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    return tuple(s for s in signals if not (s == signal.SIGHUP and ignored))
+
+
 def off_the_terminal(signum: int) -> None:
     """After a SIGHUP (`signum`; any other signal: nothing), point stdout and stderr at
     /dev/null where they are a terminal, or a pipe whose reader is gone. A SIGHUP says the

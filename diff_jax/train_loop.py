@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 
 from diff_jax import checkpoint, data, optim, peers
 from diff_jax.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE, failed,
-                              off_the_terminal)
+                              not_ignored, off_the_terminal)
 from diff_jax.config import (Config, ConfigError, DistributedConfig, TrainConfig, dump_config,
                              from_dict)
 from diff_jax.data.heldout import HeldOut
@@ -145,7 +145,7 @@ def _stop_signals(say: Callable[[str], None]) -> Iterator[list[str]]:
                else ""))
 
     previous = {s: signal.signal(s, handler)
-                for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+                for s in not_ignored((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))}
     try:
         yield caught
     finally:

@@ -177,6 +177,34 @@ def test_closing_the_terminal_under_a_pipe_saves_the_step_in_flight_and_exits_as
     _saved_in_flight_and_resumed(tmp_path / "run", config, int(drawn[1]), capsys)
 
 
+def test_under_nohup_a_sighup_stays_ignored_and_the_run_trains_to_its_end(corpus, tmp_path):
+    """`nohup python train.py &` starts train.py with SIGHUP ignored, so that closing the
+    terminal leaves it training; the handler that makes a SIGHUP save and exit replaced that,
+    and the run stopped at the step in flight (exit 0, a step far from the end saved). Now a
+    SIGHUP train.py was started ignoring stays ignored: it trains every step."""
+    steps = 2000  # about 4 s at 550 steps/s: the SIGHUP lands early in it
+    config = _config_file(corpus, tmp_path, f"train.steps={steps}",
+                          f"checkpoint.every_steps={NEVER}")
+    nohup = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+             "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")  # as nohup(1) does
+    read, out = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-c", nohup, "train.py", "--config", config],
+                            cwd=ROOT, stdout=out, stderr=out)
+    os.close(out)
+    try:
+        terminal_until(read, rb"step (\d+)/", proc)  # the progress line: training
+        proc.send_signal(signal.SIGHUP)
+        rest = b""
+        while chunk := os.read(read, 1 << 16):
+            rest += chunk
+        assert proc.wait(timeout=300) == 0
+    finally:
+        os.close(read)
+        proc.kill()
+    assert b"SIGHUP" not in rest and f"done: step {steps},".encode() in rest, rest[-2000:]
+    assert _ckpt_steps(tmp_path / "run") == [steps]
+
+
 def test_out_of_device_memory_mid_run_is_one_error_keeping_the_checkpoints(
         corpus, tmp_path, monkeypatch, uninterrupted, capsys):
     """XLA's out-of-memory error at step 15 ends train.py in one line that names the sizes to

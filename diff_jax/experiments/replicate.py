@@ -62,7 +62,7 @@ import yaml
 
 from diff_jax import data, evaluation, recall, train_loop
 from diff_jax.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE, failed, leave,
-                              off_the_terminal, positive_int, run_kept)
+                              not_ignored, off_the_terminal, positive_int, run_kept)
 from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config, read_yaml
 from diff_jax.device_memory import devices_here, fit_or_explain
 from diff_jax.evaluation import EvalOptions
@@ -590,7 +590,7 @@ def as_ctrl_c() -> Iterator[None]:
     written whole (`output_dir`). Under Python's default SIGTERM and SIGHUP actions `--jobs 1`
     (and `ablate`) ended there on the spot (exit -15 or -1, no line). The previous handlers are
     restored on the way out."""
-    previous = {s: signal.signal(s, _ctrl_c) for s in FORWARDED}
+    previous = {s: signal.signal(s, _ctrl_c) for s in not_ignored(FORWARDED)}
     try:
         yield
     finally:
@@ -701,7 +701,7 @@ def _signals_woken(caught: list[int]) -> Iterator[int]:
     for fd in (read, write):
         os.set_blocking(fd, False)  # set_wakeup_fd requires it of `write`
     previous = {s: signal.signal(s, lambda signum, frame: off_the_terminal(signum))
-                for s in (*FORWARDED, signal.SIGTSTP)}
+                for s in not_ignored((*FORWARDED, signal.SIGTSTP))}
     previous_fd = signal.set_wakeup_fd(write)
     try:
         yield read

@@ -199,9 +199,17 @@ def off_the_terminal(signum: int) -> None:
         except termios.error as e:
             if e.args[0] != errno.EIO:  # not a terminal (ENOTTY)
                 continue
-        null = os.open(os.devnull, os.O_WRONLY)
+        to_devnull(fd)
+
+
+def to_devnull(*fds: int) -> None:
+    """Point the file descriptors `fds` at /dev/null: what is written to them from now on goes
+    nowhere, without an error (`off_the_terminal`; `peers`, whose stopped process's line stays
+    its last)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in fds:
         os.dup2(null, fd)
-        os.close(null)
+    os.close(null)
 
 
 @contextlib.contextmanager

@@ -49,7 +49,8 @@ from typing import Any, NoReturn
 
 import jax
 
-from diff_jax.command import EXIT_INTERRUPTED, before_leaving, failed, interrupted
+from diff_jax.command import (EXIT_INTERRUPTED, before_leaving, failed, interrupted,
+                              to_devnull)
 from diff_jax.error_text import first_line
 
 FAILED_KEY = "diff_jax/failed"  # the job's first failure, a `Failure` as JSON
@@ -234,9 +235,7 @@ def _last_output() -> None:
     line in 1 of 8 runs of the test)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
+    to_devnull(1, 2)
 
 
 def _handling_error(thread: int) -> bool:

@@ -33,7 +33,10 @@ with TMA reduce-adds); the check runs those first, --tune compares them with the
 first at both widths, and the profile stage splits a step's time between the kernels.
 
 Stages, each a subprocess with its own time limit whose failure or timeout is recorded and
-skipped past (so a hang or a crash in one cannot lose the others). When the env stage finds
+skipped past (so a hang or a crash in one cannot lose the others). A SIGINT, SIGTERM or SIGHUP
+to the session stops the stage in flight with it (SIGTERM, as at its limit: `limited_run`),
+records that stage with its output in session.json and .md, runs no other and ends in one
+`interrupted:` line, exit status 130; the stage was left running on the GPU. When the env stage finds
 that jax does not see the GPU (its backend is not "gpu", e.g. a CUDA plugin that failed to load
 and jax fell back to the CPU), the stages after it are recorded as skipped, not run on the CPU
 until their limits; once a kernel is seen to hang (a probe, or the check stage killed at its
@@ -150,7 +153,9 @@ import sys
 import time
 from pathlib import Path
 
-from limited_run import run_limited
+from limited_run import Stopped, run_limited
+
+from diff_jax.command import interrupted
 
 ROOT = Path(__file__).resolve().parents[1]
 # a stage's limit (the last stage of a call gets what is left of --total): the default call
@@ -171,6 +176,8 @@ TRAIN_RUNS = (("1.4b", "1.4b", 8, True, [], [], 128),
 SUMMARY_DIMS = (64, 128)
 SUMMARY_FIELDS = ("fused_over_cudnn_baseline", "fused_over_tokamax_two_calls", "fwd_tflops",
                   "bwd_tflops", "train_step_diff_over_transformer")
+# a stage's status when a signal stopped the session (`limited_run.Stopped`): no stage runs after it
+STOPPED = "stopped with the session"
 GPU_MEDIUM = Path("/tmp/diff_jax_gpu_medium")  # outlives a call only while the machine is warm
 # what earlier sessions brought back and were committed: their finished models are taken
 GPU_MEDIUM_RESULTS = ROOT / "docs" / "results" / "gpu-medium"
@@ -197,7 +204,8 @@ print("ENV " + json.dumps(info))
 def _run(name: str, cmd: list[str], limit: float, log, extra_path: str = "",
          grace: float = 20.0) -> dict:
     """Run one stage; its status, seconds and output tail (never raises). At `limit` seconds it
-    is sent SIGTERM and, `grace` seconds later, killed."""
+    is sent SIGTERM and, `grace` seconds later, killed; so is it when this process gets SIGINT,
+    SIGTERM or SIGHUP, and its status then says `STOPPED` (its output kept, as a timeout's)."""
     t0 = time.monotonic()
     log.write(f"\n===== {name}: {' '.join(cmd)} (limit {limit:.0f} s)\n")
     log.flush()
@@ -206,9 +214,12 @@ def _run(name: str, cmd: list[str], limit: float, log, extra_path: str = "",
                         "PYTHONUNBUFFERED": "1",
                         "JAX_COMPILATION_CACHE_DIR": "/tmp/diff_jax_jax_cache"}
     # at the limit, SIGTERM: a training loop checkpoints and stops (train_loop)
-    out, code = run_limited(cmd, limit, grace, env)
-    status = (f"timeout after {limit:.0f} s" if code is None else
-              "ok" if code == 0 else f"exit {code}")
+    try:
+        out, code = run_limited(cmd, limit, grace, env)
+        status = (f"timeout after {limit:.0f} s" if code is None else
+                  "ok" if code == 0 else f"exit {code}")
+    except Stopped as e:
+        out, status = e.output, f"{STOPPED}, which {e}"
     log.write(out)
     log.flush()
     print(f"[{name}] {status} in {time.monotonic() - t0:.0f} s", flush=True)
@@ -435,6 +446,9 @@ def main(argv=None) -> int:
                     run["summary_d"] = d
                     r["runs"].append(run)
                     r["status"] = "ok" if all(x["status"] == "ok" for x in r["runs"]) else "partial"
+                    if run["status"].startswith(STOPPED):
+                        r["status"] = run["status"]
+                        break
             elif stage == "replicate":
                 earlier = (["--finished-from", str(GPU_MEDIUM_RESULTS)]
                            if any(GPU_MEDIUM_RESULTS.glob("runs/*/metrics.jsonl")) else [])
@@ -457,6 +471,8 @@ def main(argv=None) -> int:
             report["stages"].append(r)
             report["summary"] = summary(report, previous)
             (out / "session.json").write_text(json.dumps(report, indent=1, default=str))
+            if r["status"].startswith(STOPPED):
+                break
 
     md = ["# Hopper session: Mosaic GPU differential kernel", ""]
     md += [f"- {r['stage']}: {r['status']} ({r.get('seconds', 0)} s)" for r in report["stages"]]
@@ -470,6 +486,10 @@ def main(argv=None) -> int:
     (out / "session.md").write_text("\n".join(md) + "\n")
     shutil.rmtree(parts, ignore_errors=True)  # their contents are in session.json / .md
     print("\n".join(md[: 3 + len(report["stages"])]), flush=True)
+    last = report["stages"][-1] if report["stages"] else {"status": ""}
+    if last["status"].startswith(STOPPED):
+        return interrupted(f"the {last['stage']} stage {last['status']}; {out}/session.json and "
+                           "session.md hold the stages run, that one's output included")
     return 0
 
 

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from limited_run import ROOT, run_limited
+from limited_run import ROOT, Stopped, run_limited
 
 sys.path.insert(0, str(ROOT))
 
@@ -164,7 +164,8 @@ def main(argv=None) -> int:
     """The command line in the module docstring (`argv`: None reads sys.argv). Exit status 0,
     each row that was not measured saying why; 2 on bad input (argparse's error line for an
     argument, one `error:` line for a DIR that cannot be made or written), before any child
-    runs; 130 after Ctrl-C (the rows already measured stay in DIR/kernel_profile.json)."""
+    runs; 130 after Ctrl-C, SIGTERM or SIGHUP (the rows already measured stay in
+    DIR/kernel_profile.json, the child in flight stopped with this process: `profile_all`)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--head-dims", type=positive_ints, default="128,64")
@@ -198,20 +199,31 @@ def main(argv=None) -> int:
 
 def profile_all(args: argparse.Namespace, schedules: list[str]) -> None:
     """`main`'s work for parsed `args`: a row per head width and schedule, each written to
-    DIR/kernel_profile.json as it ends, then DIR/kernel_profile.md."""
+    DIR/kernel_profile.json as it ends, then DIR/kernel_profile.md. A signal that stops this
+    process stops the child in flight too (`run_limited`), whose row (its output) is written,
+    with the markdown, before `Stopped` ends the command."""
     args.out.mkdir(parents=True, exist_ok=True)  # first: a DIR that cannot be made ends at once
     rows = []
     start = time.monotonic()
     for d in args.head_dims:
         for schedule in schedules:
             left = None if args.budget is None else args.budget - (time.monotonic() - start)
+            stopped = None
             if left is not None and left < args.limit:
                 rows.append({"d": d, "schedule": schedule, "T": args.t,
                              "error": f"skipped: {left:.0f} s of --budget left"})
             else:
-                rows.append(profile(d, schedule, args, args.out))
+                try:
+                    rows.append(profile(d, schedule, args, args.out))
+                except Stopped as e:
+                    stopped = e
+                    rows.append({"d": d, "schedule": schedule, "T": args.t,
+                                 "error": f"interrupted ({e}): {e.output[-1500:]}"})
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
             write_whole(args.out / "kernel_profile.json", json.dumps(rows, indent=1))
+            if stopped is not None:
+                write_whole(args.out / "kernel_profile.md", markdown(rows))
+                raise stopped
     write_whole(args.out / "kernel_profile.md", markdown(rows))
 
 

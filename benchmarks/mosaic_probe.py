@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from limited_run import ROOT, run_limited
+from limited_run import ROOT, Stopped, run_limited
 
 sys.path.insert(0, str(ROOT))
 
@@ -142,8 +142,8 @@ def main(argv=None) -> int:
     """The command line in the module docstring (`argv`: None reads sys.argv). Exit status 0
     when every probe is "ok", 1 when one hung or failed (the rows say which); 2 on bad input
     (argparse's error line for an argument, one `error:` line for a DIR that cannot be made or
-    written), before any probe runs; 130 after Ctrl-C (the probes already run stay in
-    DIR/mosaic_probe.json)."""
+    written), before any probe runs; 130 after Ctrl-C, SIGTERM or SIGHUP (the probes already run
+    stay in DIR/mosaic_probe.json, the one in flight stopped with this process: `probe_all`)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--limit", type=positive_float, default=45.0, help="seconds a probe may take")
@@ -168,13 +168,24 @@ def main(argv=None) -> int:
 
 def probe_all(names: list[str], args: argparse.Namespace, rows: list[dict]) -> None:
     """`main`'s work for parsed `args`: each probe of `names` in turn, its row appended to `rows`
-    and DIR/mosaic_probe.json written after each (a caller's own limit keeps what was probed)."""
+    and DIR/mosaic_probe.json written after each (a caller's own limit keeps what was probed).
+    A signal that stops this process stops the probe in flight too (`run_limited`), whose row
+    ("interrupted", its tail: the stacks it dumped at SIGTERM) is written before `Stopped`
+    ends the command."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)  # first: a DIR that cannot be made ends at once
     for name in names:
-        rows.append(probe(name, args.limit, args.split_registers))
-        print(json.dumps({k: x for k, x in rows[-1].items() if k != "tail"}), flush=True)
+        stopped = None
+        try:
+            row = probe(name, args.limit, args.split_registers)
+        except Stopped as e:
+            row, stopped = {"probe": name, "status": f"interrupted ({e})",
+                            "tail": e.output[-2500:]}, e
+        rows.append(row)
+        print(json.dumps({k: x for k, x in row.items() if k != "tail"}), flush=True)
         write_whole(out / "mosaic_probe.json", json.dumps(rows, indent=1))
+        if stopped is not None:
+            raise stopped
 
 
 if __name__ == "__main__":

@@ -47,6 +47,12 @@ EXIT_NON_FINITE = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 
+# the signals that stop a command (Ctrl-C; `kill`, `timeout`, a job scheduler; the terminal
+# closed), which a command passes on to the processes it started: `replicate.side_by_side` to its
+# workers, each as itself (a SIGHUP too, which reaches the command's group alone, as each worker
+# writes to that terminal); benchmarks/limited_run.py to a stage or a probe, as SIGTERM
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
 _last: list[Callable[[], None]] = []  # `before_leaving`'s hooks, for `leave` at once
 
 

@@ -7,9 +7,15 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import signal
 import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
+import limited_run
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,3 +193,115 @@ def test_ctrl_c_is_one_interrupted_line_and_exit_130(script, function, capsys, t
     assert bench.main(["--out", str(out)]) == 130
     assert capsys.readouterr().err == (f"interrupted: stopped at once; no half-written output is "
                                        f"left at --out {out}\n")
+
+
+# a process running run_limited (benchmarks/hopper_session.py, mosaic_probe.py, kernel_profile.py):
+# argv[1] is the child's program, argv[2] the grace seconds
+PARENT = """
+import sys
+from limited_run import Stopped, run_limited
+try:
+    run_limited([sys.executable, "-c", sys.argv[1]], 60, float(sys.argv[2]))
+except Stopped as e:
+    print(f"{e}: {e.output!r}", flush=True)
+    sys.exit(130)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("signum,stubborn", [(signal.SIGTERM, False), (signal.SIGHUP, False),
+                                             (signal.SIGINT, False), (signal.SIGTERM, True)],
+                         ids=["SIGTERM", "SIGHUP", "SIGINT", "SIGTERM-ignored"])
+def test_run_limited_stops_its_child_when_this_process_is_stopped(signum, stubborn, tmp_path):
+    """A SIGTERM, SIGHUP or SIGINT sent to the process running run_limited (here it alone, as
+    `kill PID` does) stops the child as at its limit: SIGTERM (it ran its handler and exited;
+    one that ignores it is killed after the grace), and `Stopped` carries what it printed. The
+    child ran on to its end (60 s here; on the GPU holding the device for the next stage): the
+    parent died of the signal at once (SIGINT: a KeyboardInterrupt after 0.25 s)."""
+    pid_file = tmp_path / "child.pid"
+    child = textwrap.dedent(f"""
+        import os, signal, sys, time
+        def term(*_):
+            print("got SIGTERM", flush=True)
+            if not {stubborn}:
+                sys.exit(3)
+        signal.signal(signal.SIGTERM, term)
+        print("started", flush=True)
+        with open({str(pid_file)!r} + ".partial", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace({str(pid_file)!r} + ".partial", {str(pid_file)!r})
+        time.sleep(60)
+    """)
+    env = os.environ | {"PYTHONPATH": f"{ROOT / 'benchmarks'}:{ROOT}"}
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, child, "1"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child_pid = None
+    try:
+        for _ in range(600):
+            if pid_file.exists() or parent.poll() is not None:
+                break
+            time.sleep(0.1)
+        child_pid = int(pid_file.read_text())
+        os.kill(parent.pid, signum)
+        out, err = parent.communicate(timeout=30)
+        assert not _alive(child_pid)
+        assert parent.returncode == 130, (parent.returncode, out, err)
+        assert out == f"got {signal.Signals(signum).name}: 'started\\ngot SIGTERM\\n'\n"
+    finally:
+        parent.kill()
+        if child_pid is not None and _alive(child_pid):
+            os.kill(child_pid, signal.SIGKILL)
+
+
+def _stopped_by_sigterm(*_args, **_kwargs):
+    raise limited_run.Stopped(signal.SIGTERM, "stacks of the probe in flight\n")
+
+
+def test_mosaic_probe_and_kernel_profile_keep_the_row_a_signal_stopped(capsys, tmp_path,
+                                                                       monkeypatch):
+    """A signal that stops mosaic_probe.py or kernel_profile.py while a child runs: that
+    child's row, with what it printed (a probe's stacks, dumped at SIGTERM, name where it
+    hangs), is written beside the rows before it, then one `interrupted:` line, exit status 130
+    (the command ended with the child running, its row lost)."""
+    import kernel_profile
+    import mosaic_probe
+
+    probed = []
+
+    def first_ok(name, *args):
+        if probed:
+            _stopped_by_sigterm()
+        probed.append(name)
+        return {"probe": name, "status": "ok"}
+
+    monkeypatch.setattr(mosaic_probe, "probe", first_ok)
+    out = tmp_path / "probe"
+    assert mosaic_probe.main(["--out", str(out), "--probes", "fwd-d64,bwd-d128,bwd-d96"]) == 130
+    assert capsys.readouterr().err == (f"interrupted: stopped at once; no half-written output is "
+                                       f"left at --out {out}\n")
+    assert json.loads((out / "mosaic_probe.json").read_text()) == [
+        {"probe": "fwd-d64", "status": "ok"},
+        {"probe": "bwd-d128", "status": "interrupted (got SIGTERM)",
+         "tail": "stacks of the probe in flight\n"}]
+    # the real probe: run_limited's Stopped reaches probe_all through it
+    monkeypatch.undo()
+    monkeypatch.setattr(mosaic_probe, "run_limited", _stopped_by_sigterm)
+    assert mosaic_probe.main(["--out", str(out), "--probes", "fwd-d64"]) == 130
+    (row,) = json.loads((out / "mosaic_probe.json").read_text())
+    assert row["status"] == "interrupted (got SIGTERM)"
+
+    monkeypatch.setattr(kernel_profile, "run_limited", _stopped_by_sigterm)
+    monkeypatch.setattr(kernel_profile.shutil, "which", lambda name: f"/usr/bin/{name}")
+    out = tmp_path / "profile"
+    assert kernel_profile.main(["--out", str(out), "--head-dims", "64", "--schedules",
+                                "table,fused"]) == 130
+    (row,) = json.loads((out / "kernel_profile.json").read_text())
+    assert row["error"] == "interrupted (got SIGTERM): stacks of the probe in flight\n"
+    assert "not measured: interrupted (got SIGTERM)" in (out / "kernel_profile.md").read_text()

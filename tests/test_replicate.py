@@ -1877,6 +1877,39 @@ def test_gpu_session_profile_stage_keeps_the_kernel_times(tmp_path, monkeypatch)
     assert "# Mosaic GPU kernels under Nsight Compute" in (tmp_path / "session.md").read_text()
 
 
+def test_gpu_session_stopped_by_a_signal_records_the_stage_in_flight_and_runs_no_other(
+        tmp_path, monkeypatch, capsys):
+    """A SIGTERM, SIGHUP or SIGINT to the session while a stage runs stops that stage too
+    (`limited_run.Stopped`): session.json and session.md record it with its output, no stage
+    after it runs, and the session ends in one `interrupted:` line, exit status 130. (The
+    session died of the signal at once, the stage's output and its record lost, the stage left
+    running on the GPU.)"""
+    import hopper_session
+    from limited_run import Stopped
+
+    ran = []
+
+    def run_limited(cmd, limit, grace, env=None):
+        ran.append(cmd[cmd.index("--tag") + 1])
+        if ran[-1] == "tune":
+            raise Stopped(signal.SIGTERM, "tune d=128 table: 64,64,64,2\n")
+        return "", 0
+
+    monkeypatch.setattr(hopper_session, "run_limited", run_limited)
+    assert hopper_session.main(["--out", str(tmp_path), "--stages", "check,tune,bench"]) == 130
+    assert ran == ["check", "tune"]
+    assert capsys.readouterr().err == (
+        "interrupted: the tune stage stopped with the session, which got SIGTERM; "
+        f"{tmp_path}/session.json and session.md hold the stages run, that one's output "
+        "included\n")
+    check, tune = json.loads((tmp_path / "session.json").read_text())["stages"]
+    assert check["status"] == "ok"
+    assert tune["status"] == "stopped with the session, which got SIGTERM"
+    assert tune["tail"] == "tune d=128 table: 64,64,64,2\n"
+    assert "- tune: stopped with the session" in (tmp_path / "session.md").read_text()
+    assert "tune d=128 table" in (tmp_path / "session.log").read_text()
+
+
 def test_gpu_session_records_stages_skipped_for_time_in_session_json(tmp_path):
     """A stage skipped because too little of the call's time is left is in session.json (the
     record that comes back even when the call is cut off), not only in session.md."""

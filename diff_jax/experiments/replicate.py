@@ -61,8 +61,8 @@ from typing import Any
 import yaml
 
 from diff_jax import data, evaluation, recall, train_loop
-from diff_jax.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE, failed, leave,
-                              not_ignored, off_the_terminal, positive_int, run_kept)
+from diff_jax.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE, FORWARDED, failed,
+                              leave, not_ignored, off_the_terminal, positive_int, run_kept)
 from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config, read_yaml
 from diff_jax.device_memory import devices_here, fit_or_explain
 from diff_jax.evaluation import EvalOptions
@@ -566,11 +566,6 @@ def cpu_shares(jobs: int) -> list[list[int]]:
         raise ValueError(f"--jobs {jobs} pins processes to CPU cores, which this platform does "
                          "not support: use --jobs 1")
     return core_shares(sorted(os.sched_getaffinity(0)), jobs)
-
-
-# what `side_by_side` passes on to its workers, each as itself: a SIGHUP (the terminal closed;
-# it reaches the command's group alone) too, as each worker writes to that terminal
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _ctrl_c(signum: int, _frame: Any) -> None:

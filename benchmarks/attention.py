@@ -789,6 +789,23 @@ def _triton_blocks(text: str) -> BlockSizes:
     return BlockSizes(*sizes)
 
 
+def _untaken_head_dims(args: argparse.Namespace) -> str | None:
+    """Why a width of --head-dims has no kernel to run in the modes `args` ask for, or None.
+    --tune starts each width from its row of the Mosaic GPU table (`_Width.base`: without one
+    it ended in a traceback); --bench (not --smoke, whose shapes are its own) runs "fused" on
+    the table's tiles, else on Triton's defaults, which take d a multiple of 16 in [16, 256]
+    (`flash.supports_head_dim`): another width was recorded as a refused row per route and
+    length, after compiling the others (d = 72 on the CPU). --check's cases are its own."""
+    if args.tune:
+        return hopper.untabled(args.head_dims, jnp.bfloat16)
+    if args.smoke or (args.check and not args.bench):
+        return None
+    untaken = [d for d in args.head_dims if not flash.supports_head_dim(d)]
+    table = hopper.untabled(untaken, jnp.bfloat16)
+    return table and (f"{table}, and the Triton kernel takes d a multiple of 16 in "
+                      f"[16, {flash.MAX_HEAD_DIM}]")
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter")
@@ -825,6 +842,9 @@ def main(argv=None) -> dict:
     if uneven:  # B = tokens / T at every T (B·T fixed): another was rounded down unsaid
         p.error(f"--tokens {args.tokens}: expected a multiple of every sequence length (--seqs, "
                 f"--tune-t), not of {', '.join(map(str, uneven))}")
+    untaken = _untaken_head_dims(args)
+    if untaken:  # before anything compiles: each such row was a refusal, after the others
+        p.error(f"--head-dims {','.join(map(str, args.head_dims))}: {untaken}")
     if args.compile_threads is None:
         args.compile_threads = (len(os.sched_getaffinity(0)) if jax.default_backend() == "gpu"
                                 else 1)

@@ -194,6 +194,13 @@ def main(argv=None) -> int:
     # backend here: by default that claims 75% of the GPU's memory for the whole run, beside the
     # child that ncu profiles. Without preallocation the parent holds only its CUDA context.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax.numpy as jnp
+
+    from kernels import hopper
+
+    untabled = hopper.untabled(args.head_dims, jnp.bfloat16)
+    if untabled:  # before any child: each schedule's row was a refusal, after the others ran
+        p.error(f"--head-dims {','.join(map(str, args.head_dims))}: {untabled}")
     return concluded(lambda: profile_all(args, schedules), (f"--out {args.out}", str(args.out)))
 
 

@@ -155,17 +155,37 @@ def _tiles(row: dict) -> Tiles:
                  row.get("dkv", "auto"), row.get("pingpong", True), dq)
 
 
+def _rows(dtype: jax.typing.DTypeLike, kind: str | None, path: Path) -> list[dict]:
+    """The table's rows for `dtype` that GPU `kind` (None: the attached one) reads: its own,
+    then "default"'s."""
+    words = (device_kind() if kind is None else kind).lower().split()
+    rows = [r for r in load_table(path) if r["dtype"] == jnp.dtype(dtype).name]
+    return ([r for r in rows if r["gpu"] != "default" and r["gpu"].lower() in words]
+            + [r for r in rows if r["gpu"] == "default"])
+
+
 def tiles_for(d: int, dtype: jax.typing.DTypeLike, kind: str | None = None,
               path: Path = TABLE) -> tuple[Tiles, dict]:
     """(Tiles, table row) for head width d and dtype on GPU `kind` (default: the attached one)."""
-    words = (device_kind() if kind is None else kind).lower().split()
-    name = jnp.dtype(dtype).name
-    rows = [r for r in load_table(path) if r["d"] == d and r["dtype"] == name]
-    own = [r for r in rows if r["gpu"] != "default" and r["gpu"].lower() in words]
-    row = (own or [r for r in rows if r["gpu"] == "default"] or [None])[0]
+    row = next((r for r in _rows(dtype, kind, path) if r["d"] == d), None)
     if row is None:
-        raise ValueError(f"{path} has no row for d={d}, dtype={name}")
+        raise ValueError(untabled([d], dtype, kind, path))
     return _tiles(row), row
+
+
+def untabled(dims: list[int], dtype: jax.typing.DTypeLike, kind: str | None = None,
+             path: Path = TABLE) -> str | None:
+    """Why `tiles_for` finds no row for some of the head widths `dims` in `dtype` on GPU `kind`
+    (default: the attached one), naming them and the widths it has; None where it finds all.
+    The benchmarks refuse such a --head-dims before anything compiles (`--tune` measured its
+    widths after the table's row as the first setting: a width without one was a traceback;
+    kernel_profile.py recorded a refused row per schedule, on the GPU)."""
+    have = sorted({r["d"] for r in _rows(dtype, kind, path)})
+    missing = [d for d in dims if d not in have]
+    if not missing:
+        return None
+    return (f"{path} has no {jnp.dtype(dtype).name} row for d = {', '.join(map(str, missing))}; "
+            f"it has d = {', '.join(map(str, have))}")
 
 
 def tiles_text(tiles: Tiles) -> str:

@@ -19,6 +19,7 @@ import limited_run
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TABLE = ROOT / "kernels" / "tuning" / "mosaic_gpu.json"
 
 
 def _refused(capsys, main, argv: list[str]) -> str:
@@ -60,6 +61,13 @@ ARGUMENTS = [
     ("attention", ["--smoke", "--seqs", "2048,3000,5000", "--tokens", "32768"],
      "--tokens 32768: expected a multiple of every sequence length (--seqs, --tune-t), not of "
      "3000, 5000"),
+    ("attention", ["--head-dims", "64,72,300"],
+     f"--head-dims 64,72,300: {TABLE} has no bfloat16 row for d = 72, 300; it has d = 64, 96, 128, "
+     "and the Triton kernel takes d a multiple of 16 in [16, 256]"),
+    ("attention", ["--tune", "--head-dims", "128,80"],
+     f"--head-dims 128,80: {TABLE} has no bfloat16 row for d = 80; it has d = 64, 96, 128"),
+    ("kernel_profile", ["--head-dims", "128,80"],
+     f"--head-dims 128,80: {TABLE} has no bfloat16 row for d = 80; it has d = 64, 96, 128"),
     ("mosaic_probe", ["--limit", "0"], "argument --limit: expected a number > 0, got '0'"),
     ("mosaic_probe", ["--split-registers", "256,20"],
      "argument --split-registers: expected K,V: two register counts, multiples of 8 in [24, 256] "
@@ -70,12 +78,32 @@ ARGUMENTS = [
 ]
 
 
+def test_head_dims_are_refused_only_where_no_kernel_takes_them():
+    """attention.py's --bench runs "fused" at a width the Mosaic GPU table lacks on Triton
+    (d = 80: a multiple of 16), which --tune, starting from the table's row, cannot; --check
+    and --smoke take no --head-dims."""
+    import argparse
+
+    import attention
+
+    def why(head_dims, **modes):
+        args = dict.fromkeys(("tune", "bench", "check", "smoke"), False) | modes
+        return attention._untaken_head_dims(argparse.Namespace(head_dims=head_dims, **args))
+
+    assert why([64, 80, 96]) is None and why([80], bench=True, check=True) is None
+    assert why([80], tune=True).endswith("has no bfloat16 row for d = 80; it has d = 64, 96, 128")
+    assert why([72], check=True) is None and why([72], smoke=True) is None
+    assert why([72], smoke=True, tune=True) is not None
+
+
 @pytest.mark.parametrize("script,argv,line", ARGUMENTS,
                          ids=[f"{a[0]}:{a[1][-2]}" for a in ARGUMENTS])
 def test_a_bad_argument_is_refused_by_argparse(script, argv, line, capsys, tmp_path):
     """Each ran on (a negative --steps or --repeats found no median to take; a --baseline-tree
     that is no checkout failed in its subprocess after measuring this one; --head-dims with a
-    letter raised ValueError; fit.py ranked an unknown slice after compiling on it)."""
+    letter raised ValueError; a --head-dims width no kernel takes was a refused row per route
+    and length after the others compiled, under --tune a traceback, in kernel_profile.py a
+    refused row per schedule; fit.py ranked an unknown slice after compiling on it)."""
     main = importlib.import_module(script).main
     out = [] if script == "fit" else ["--out", str(tmp_path / "out")]  # fit.py writes its own
     assert _usage_error(capsys, main, [*argv, *out]).endswith(f"error: {line}")

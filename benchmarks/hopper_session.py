@@ -110,7 +110,9 @@ time with segment ids; what this call did not measure is None, or comes from `--
 an earlier call's session.json: copy the first call's $OUT/session.json into the working tree
 (benchmarks/results/hopper_session_N.json, the next free N, committed with the tuned table) and
 pass it to the next call, whose summary is then the whole one), $OUT/session.md,
-$OUT/mosaic_gpu.json (the tile table after tuning), $OUT/session.log (all stages' output).
+$OUT/mosaic_gpu.json (the tile table after tuning), $OUT/session.log (all stages' output);
+session.json and .md are rewritten whole after every stage, so a call killed at the device
+tool's limit keeps them as of the last stage that ended.
 `--stages` takes any comma list of these. ptxas's registers and spills need no GPU: they come from
 `benchmarks/mosaic_ptxas.py` on a CPU (the `cuda-aot` extra).
 
@@ -156,6 +158,7 @@ from pathlib import Path
 from limited_run import Stopped, run_limited
 
 from diff_jax.command import interrupted
+from diff_jax.output_dir import write_whole
 
 ROOT = Path(__file__).resolve().parents[1]
 # a stage's limit (the last stage of a call gets what is left of --total): the default call
@@ -327,6 +330,26 @@ def summary(report: dict, previous: dict | None = None) -> dict:
     return out
 
 
+def _record(out: Path, report: dict, previous: dict | None) -> list[str]:
+    """Write out/session.json and out/session.md (with the stages' own markdown in out/parts),
+    each whole (`write_whole`), from `report` and its `summary` over `previous`; return the
+    markdown's lines. After every stage: a call killed at the device tool's limit keeps both
+    as of the last stage that ended (session.json was rewritten in place, so a kill part-way
+    through left half of it, and session.md was written only once every stage had run)."""
+    report["summary"] = summary(report, previous)
+    write_whole(out / "session.json", json.dumps(report, indent=1, default=str))
+    md = ["# Hopper session: Mosaic GPU differential kernel", ""]
+    md += [f"- {r['stage']}: {r['status']} ({r.get('seconds', 0)} s)" for r in report["stages"]]
+    md += ["", "## Summary (T = 4096)", "", "```json", json.dumps(report["summary"], indent=1),
+           "```"]
+    for name in ("attention_check.md", "attention_tune.md", "attention_bench.md",
+                 "kernel_profile.md", *(f"train_step_{run[0]}.md" for run in TRAIN_RUNS)):
+        if (out / "parts" / name).exists():
+            md += ["", (out / "parts" / name).read_text()]
+    write_whole(out / "session.md", "\n".join(md) + "\n")
+    return md
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/hopper_session"))
@@ -469,21 +492,10 @@ def main(argv=None) -> int:
                                else r["status"])
                 r["copied"] = _copy_replication(GPU_MEDIUM, out / "gpu-medium")
             report["stages"].append(r)
-            report["summary"] = summary(report, previous)
-            (out / "session.json").write_text(json.dumps(report, indent=1, default=str))
+            md = _record(out, report, previous)
             if r["status"].startswith(STOPPED):
                 break
 
-    md = ["# Hopper session: Mosaic GPU differential kernel", ""]
-    md += [f"- {r['stage']}: {r['status']} ({r.get('seconds', 0)} s)" for r in report["stages"]]
-    md += ["", "## Summary (T = 4096)", "", "```json",
-           json.dumps(summary(report, previous), indent=1), "```"]
-    for name in ("attention_check.md", "attention_tune.md", "attention_bench.md",
-                 "kernel_profile.md",
-                 *(f"train_step_{run[0]}.md" for run in TRAIN_RUNS)):
-        if (parts / name).exists():
-            md += ["", (parts / name).read_text()]
-    (out / "session.md").write_text("\n".join(md) + "\n")
     shutil.rmtree(parts, ignore_errors=True)  # their contents are in session.json / .md
     print("\n".join(md[: 3 + len(report["stages"])]), flush=True)
     last = report["stages"][-1] if report["stages"] else {"status": ""}

@@ -1910,6 +1910,41 @@ def test_gpu_session_stopped_by_a_signal_records_the_stage_in_flight_and_runs_no
     assert "tune d=128 table" in (tmp_path / "session.log").read_text()
 
 
+def _ok_run(limits):
+    """A fake hopper_session._run that records each stage's (limit, command) and ends at once."""
+
+    def run(name, cmd, limit, log, extra_path="", grace=20.0):
+        limits[name] = (limit, cmd)
+        return {"stage": name, "status": "ok", "seconds": 0.0, "tail": ""}
+
+    return run
+
+
+def test_gpu_session_keeps_session_json_and_md_whole_as_of_the_last_stage(tmp_path,
+                                                                         monkeypatch):
+    """A call killed part-way through writing session.json (the device tool's limit) keeps the
+    record of every stage before, whole, and session.md with it (session.json was rewritten in
+    place, half of it left; session.md was written only at the end)."""
+    import hopper_session
+
+    monkeypatch.setattr(hopper_session, "_run", _ok_run({}))
+    write_text = Path.write_text
+
+    def killed_in_tunes_write(self, text, *args, **kwargs):
+        if "session.json" in self.name and '"tune"' in text:
+            write_text(self, text[: len(text) // 2])
+            raise KeyboardInterrupt  # as the kill, part-way through
+        return write_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", killed_in_tunes_write)
+    with pytest.raises(KeyboardInterrupt):
+        hopper_session.main(["--out", str(tmp_path), "--stages", "check,tune,bench"])
+    monkeypatch.undo()
+    report = json.loads((tmp_path / "session.json").read_text())
+    assert [r["stage"] for r in report["stages"]] == ["check"]
+    assert "- check: ok" in (tmp_path / "session.md").read_text()
+
+
 def test_gpu_session_records_stages_skipped_for_time_in_session_json(tmp_path):
     """A stage skipped because too little of the call's time is left is in session.json (the
     record that comes back even when the call is cut off), not only in session.md."""

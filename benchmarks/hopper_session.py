@@ -161,7 +161,8 @@ from diff_jax.command import interrupted
 from diff_jax.output_dir import write_whole
 
 ROOT = Path(__file__).resolve().parents[1]
-# a stage's limit (the last stage of a call gets what is left of --total): the default call
+# a stage's limit (the last stage of a call gets what is left of --total, less GRACE; a stage
+# with less than `_least` is skipped): the default call
 # (env, check, tune, bench) fits 570 s, a 15-minute session's first call
 BUDGET = {"env": 40, "probe": 540, "check": 180, "tune": 200, "bench": 150, "profile": 300}
 # skipped when env finds no GPU
@@ -171,6 +172,11 @@ KERNEL_STAGES = ("check", "tune", "bench", "profile", "train")
 STAGES = ("env", *GPU_STAGES)
 SMI_SECONDS = 30  # nvidia-smi hangs on a wedged driver
 TOTAL = 570  # seconds for all stages: under the device tool's 600 s per command
+GRACE = 20.0  # seconds a stage has between SIGTERM at its limit and SIGKILL (`_run`)
+# seconds a stage keeps after the deadline it is given (attention.py's --deadline, kernel_profile's
+# --budget): the measurement in flight, then its JSON and markdown
+AFTER_DEADLINE = {"check": 60, "tune": 40, "bench": 45, "profile": 20}
+PROFILE_ROW = 90  # kernel_profile.py's --limit: a row starts only with that much --budget left
 # (name, config size, layers, segment ids, DIFF and Transformer overrides, d of the summary)
 TRAIN_RUNS = (("1.4b", "1.4b", 8, True, [], [], 128),
               ("830m_d64", "830m", 12, True, ["model.num_heads=12"], ["model.num_heads=24"], 64),
@@ -204,8 +210,19 @@ print("ENV " + json.dumps(info))
 """
 
 
+def _least(stage: str) -> float:
+    """The shortest limit `stage` is started with (else it is recorded as skipped): its
+    deadline 15 s away (profile: one row's `PROFILE_ROW`), a train run 60 s. A stage given less
+    than its `AFTER_DEADLINE` started past its deadline, measured nothing and spent its start-up
+    (jax and the GPU) for it: after a probe stage run to its 540 s, `--stages env,probe,check`
+    gives the check what is left of 570 s, under 30 s, a deadline below -30 s; a profile stage
+    under 110 s left kernel_profile.py a --budget under one row's --limit and skipped every
+    row."""
+    return AFTER_DEADLINE.get(stage, 0) + {"train": 60, "profile": PROFILE_ROW}.get(stage, 15)
+
+
 def _run(name: str, cmd: list[str], limit: float, log, extra_path: str = "",
-         grace: float = 20.0) -> dict:
+         grace: float = GRACE) -> dict:
     """Run one stage; its status, seconds and output tail (never raises). At `limit` seconds it
     is sent SIGTERM and, `grace` seconds later, killed; so is it when this process gets SIGINT,
     SIGTERM or SIGHUP, and its status then says `STOPPED` (its output kept, as a timeout's)."""
@@ -394,14 +411,16 @@ def main(argv=None) -> int:
     hangs = None  # why the kernel stages are skipped, once a probe or the check hung
     with open(out / "session.log", "w") as log:
         for stage in stages:
-            # the call's last stage gets what its earlier ones left
-            limit = left() if stage == stages[-1] else min(BUDGET.get(stage, left()), left())
-            if limit < (60 if stage == "train" else 15):
-                r = {"stage": stage, "status": f"skipped: {left():.0f} s left"}
-            elif no_gpu and stage in GPU_STAGES:
+            # the call's last stage gets what its earlier ones left, less the grace of a stage
+            # killed at its limit (a hung kernel ignores SIGTERM): the call ends within --total
+            limit = (left() - GRACE if stage == stages[-1]
+                     else min(BUDGET.get(stage, left()), left()))
+            if no_gpu and stage in GPU_STAGES:
                 r = {"stage": stage, "status": f"skipped: {no_gpu}"}
             elif hangs and stage in KERNEL_STAGES:
                 r = {"stage": stage, "status": f"skipped: {hangs}"}
+            elif limit < _least(stage):
+                r = {"stage": stage, "status": f"skipped: {left():.0f} s left"}
             elif stage == "env":
                 r = _run("env", [py, "-c", ENV_PROBE], limit, log, stub or "")
                 if shutil.which("nvidia-smi"):
@@ -429,13 +448,15 @@ def main(argv=None) -> int:
                 # a case (the kernel's and the oracle's fwd+bwd compiles) took up to 35 s on an
                 # H100: one started before the deadline ends before the limit unless it hangs
                 r = _run("check", bench + ["--check", "--tag", "check", "--deadline",
-                                           str(limit - 60)], limit, log, stub or "")
+                                           str(limit - AFTER_DEADLINE["check"])], limit, log,
+                         stub or "")
                 r["result"] = _read(parts / "attention_check.json")
                 if r["status"].startswith("timeout"):  # past its deadline: a case never returned
                     hangs = "the check stage hung (its tail names the case)"
             elif stage == "tune":
                 r = _run("tune", bench + ["--tune", "--tune-write", "--head-dims", "128,64",
-                                          "--tag", "tune", "--deadline", str(limit - 40)],
+                                          "--tag", "tune", "--deadline",
+                                          str(limit - AFTER_DEADLINE["tune"])],
                          limit, log, stub or "")
                 r["result"] = _read(parts / "attention_tune.json")
                 shutil.copy(ROOT / "kernels" / "tuning" / "mosaic_gpu.json",
@@ -443,16 +464,19 @@ def main(argv=None) -> int:
             elif stage == "bench":
                 r = _run("bench", bench + ["--bench", "--head-dims", "64,128", "--reps", "3",
                                            "--samples", "5", "--tag", "bench", "--deadline",
-                                           str(limit - 45)], limit, log, stub or "")
+                                           str(limit - AFTER_DEADLINE["bench"])], limit, log,
+                         stub or "")
                 r["result"] = _read(parts / "attention_bench.json")
             elif stage == "profile":
                 r = _run("profile", [py, "benchmarks/kernel_profile.py", "--out", str(parts),
-                                     "--budget", str(limit - 20)], limit, log, stub or "")
+                                     "--limit", str(PROFILE_ROW), "--budget",
+                                     str(limit - AFTER_DEADLINE["profile"])], limit, log,
+                         stub or "")
                 r["result"] = _read(parts / "kernel_profile.json")
             elif stage == "train":
                 r = {"stage": "train", "status": "ok", "runs": []}
                 for name, size, layers, segments, diff_set, base_set, d in TRAIN_RUNS:
-                    if left() < 60:
+                    if left() - GRACE < _least("train"):
                         r["runs"].append({"model": name, "status": f"skipped: {left():.0f} s left"})
                         continue
                     run = _run(f"train {name}", [
@@ -464,7 +488,7 @@ def main(argv=None) -> int:
                         "--baseline-set", "model.attention_impl=auto", *base_set, "--no-data",
                         *([] if segments else ["--no-segment-ids"]),
                         "--steps", "10", "--out", str(parts / f"train_step_{name}")],
-                        left() - 5, log, stub or "")
+                        left() - GRACE, log, stub or "")
                     run["result"] = _read(parts / f"train_step_{name}.json")
                     run["summary_d"] = d
                     r["runs"].append(run)

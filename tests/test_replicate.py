@@ -1920,6 +1920,37 @@ def _ok_run(limits):
     return run
 
 
+def test_gpu_session_ends_within_total_and_starts_no_stage_past_its_deadline(tmp_path,
+                                                                             monkeypatch):
+    """The call's last stage and each train run are given what is left less GRACE, so one
+    killed at its limit (a hung kernel ignores SIGTERM) ends within --total (they had all of it,
+    or all but 5 s: 20 s past the 570 s, under the device tool's 600 s only before the wheels'
+    install). A stage whose limit leaves its deadline (or profile's --budget) nothing is
+    recorded as skipped, not started: `--total 50` ran the check with --deadline -10, and a
+    profile stage under 110 s skipped every row, each after starting jax on the GPU."""
+    import hopper_session
+
+    limits = {}
+    monkeypatch.setattr(hopper_session, "_run", _ok_run(limits))
+    assert hopper_session.main(["--out", str(tmp_path / "a"), "--stages", "check,bench",
+                                "--total", "300"]) == 0
+    limit, cmd = limits["bench"]
+    assert 270 < limit <= 300 - hopper_session.GRACE
+    assert float(cmd[cmd.index("--deadline") + 1]) == limit - hopper_session.AFTER_DEADLINE["bench"]
+    assert hopper_session.main(["--out", str(tmp_path / "b"), "--stages", "train",
+                                "--total", "200"]) == 0
+    runs = [x for name, x in limits.items() if name.startswith("train ")]
+    assert len(runs) == len(hopper_session.TRAIN_RUNS)
+    assert all(limit <= 200 - hopper_session.GRACE for limit, _ in runs)
+    limits.clear()
+    for stages, total in (("check", 50), ("profile", 100), ("tune", 60)):
+        assert hopper_session.main(["--out", str(tmp_path / stages), "--stages", stages,
+                                    "--total", str(total)]) == 0
+        report = json.loads((tmp_path / stages / "session.json").read_text())
+        assert report["stages"][-1]["status"].startswith("skipped: "), report
+    assert not limits
+
+
 def test_gpu_session_keeps_session_json_and_md_whole_as_of_the_last_stage(tmp_path,
                                                                          monkeypatch):
     """A call killed part-way through writing session.json (the device tool's limit) keeps the

@@ -10,13 +10,14 @@ they describe. The state is restored onto whatever mesh is live: the restore tar
 new shardings. A checkpoint whose parameter shapes disagree with the config is refused before
 anything is read, naming the parameter.
 
-Integrity: `checksums` holds a 64-bit checksum of every array's bytes and of every process's
-data position (`_data_positions`), computed when the step is saved; every restore recomputes it
-over what was read and refuses a mismatch (`DamagedCheckpointError`, naming the step and the
-array). The checksum is a jitted reduction over the logical array, so on a multi-host mesh each
-process hashes only the shards it holds and the partial sums are combined by one all-reduce: no
-process reads an array it does not own, and the checksum does not depend on the mesh it is
-computed on (a restore onto another mesh verifies).
+Integrity: `checksums` holds a 64-bit checksum of every array's bytes, of every process's
+data position (`_data_positions`) and of the config's JSON (`_config_bytes`), computed when the
+step is saved; every restore recomputes it over what was read and refuses a mismatch
+(`DamagedCheckpointError`, naming the step and the array or item). The checksum is a jitted
+reduction over the logical array, so on a multi-host mesh each process hashes only the shards it
+holds and the partial sums are combined by one all-reduce: no process reads an array it does not
+own, and the checksum does not depend on the mesh it is computed on (a restore onto another mesh
+verifies).
 """
 
 from __future__ import annotations
@@ -166,18 +167,20 @@ def array_checksums(tree: Any) -> dict[str, str]:
             for (path, _), value in zip(leaves, sums)}
 
 
-def verify_checksums(tree: Any, recorded: dict[str, str], step: int | None, where: Path) -> None:
+def verify_checksums(tree: Any, recorded: dict[str, str], step: int | None, where: Path,
+                     hint: str = "") -> None:
     """Raise `DamagedCheckpointError` naming the first array of `tree` whose checksum differs from
-    `recorded` (or has none); `step` None names an export."""
+    `recorded` (or has none), followed by `hint` (the other steps); `step` None names an
+    export."""
     what = f"checkpoint step {step}" if step is not None else f"export {where.parent}"
     for name, value in array_checksums(tree).items():
         if name not in recorded:
             raise DamagedCheckpointError(step, f"{what} is damaged: {where} has no recorded "
-                                               f"checksum for {name}")
+                                               f"checksum for {name}{hint}")
         if recorded[name] != value:
             raise DamagedCheckpointError(
                 step, f"{what} is damaged: {name} read from {where} does not match the checksum "
-                      f"recorded when it was saved ({value} != {recorded[name]})")
+                      f"recorded when it was saved ({value} != {recorded[name]}){hint}")
 
 
 def checksums_record(*trees: Any) -> dict[str, Any]:
@@ -207,17 +210,19 @@ def recorded_checksums(saved: Any, step: int | None, where: Path) -> dict[str, s
 
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter: grain.DatasetIterator,
          config: Config, training_data: dict[str, Any]) -> None:
-    """Start saving `step` with its checksums (the state's and the data positions') and
-    `training_data` (the training split's `TokenCorpus.fingerprint`), async when configured;
-    the checksums are computed now, before `state` can be donated. `wait(mngr)` before exit.
-    When this save, or the async one before it, fails: `OSError` naming the step's directory
-    (`_write_errors`)."""
+    """Start saving `step` with its checksums (the state's, the data positions' and the
+    config's) and `training_data` (the training split's `TokenCorpus.fingerprint`), async when
+    configured; the checksums are computed now, before `state` can be donated. `wait(mngr)`
+    before exit. When this save, or the async one before it, fails: `OSError` naming the step's
+    directory (`_write_errors`)."""
+    saved_config = config.to_dict()
     with _write_errors(mngr):
         mngr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data_iter=grain.checkpoint.CheckpointSave(data_iter),
-            config=ocp.args.JsonSave(config.to_dict()),
-            checksums=ocp.args.JsonSave(checksums_record(state, _data_positions(data_iter))),
+            config=ocp.args.JsonSave(saved_config),
+            checksums=ocp.args.JsonSave(checksums_record(state, _data_positions(data_iter),
+                                                         _config_bytes(saved_config))),
             training_data=ocp.args.JsonSave(training_data),
         ), force=True)
 
@@ -401,9 +406,10 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     except CheckpointError as e:  # most often an override the first invocation had
         raise _as_configured(mngr, e) from e
     _check_process_count(step, where / "data_iter")
-    # the config first (read as eval and export will: it must parse), so that a step of another
-    # model of the same shapes is refused before its arrays are read
-    config = _read_config(mngr, step, where)
+    # the config first (read and verified as eval and export will: it must parse), so that a
+    # step of another model of the same shapes is refused before its arrays are read
+    recorded = _read_checksums(mngr, step, where)
+    config = _read_config(mngr, step, where, recorded)
     try:
         saved = from_dict(config).model
     except ConfigError:  # a config of an older diff-jax: its shapes were checked above
@@ -416,17 +422,12 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
             "a run resumes with the model it was trained with"))
     items = {"state": ocp.args.StandardRestore(target),
              "data_iter": grain.checkpoint.CheckpointRestore(data_iter)}
-    if _checksummed(mngr, step, where):
-        items["checksums"] = ocp.args.JsonRestore()
     if (where / "training_data").is_dir():
         items["training_data"] = ocp.args.JsonRestore()
     restored = _restore_items(mngr, step, where, items)
-    recorded = recorded_checksums(restored.get("checksums"), step, where)
     if recorded is not None:
         verify_checksums(restored["state"], recorded, step, where / "state")
-        state_arrays = {_leaf_name(path) for path, _ in
-                        jax.tree_util.tree_flatten_with_path(restored["state"])[0]}
-        if set(recorded) - state_arrays:  # a record of the state's arrays alone predates them
+        if any(name.startswith("data_iter/") for name in recorded):  # else it predates them
             verify_checksums(_data_positions(data_iter), recorded, step, where)
     _check_step(restored["state"].step, step, where)
     return restored["state"], {"config": config, "training_data": restored.get("training_data")}
@@ -448,6 +449,19 @@ def _data_positions(data_iter: grain.DatasetIterator) -> dict[str, Any]:
         gathered = multihost_utils.process_allgather(state)
         states = [jax.tree.map(lambda x, i=i: x[i], gathered) for i in range(n)]
     return {"data_iter": {f"process_{i}-of-{n}.json": s for i, s in enumerate(states)}}
+
+
+def _config_bytes(config: dict) -> dict[str, np.ndarray]:
+    """{"config": the UTF-8 bytes of `config`'s canonical JSON}, which the checksums record covers
+    beside the arrays: the `config` item is JSON with no checksum of its own, so a digit changed
+    in it (`"num_layers": 2` to 3, a learning rate) was read as the config the step was trained
+    with, by resume, eval and export alike. Canonical (keys sorted, no spaces) so that the dict
+    `Config.to_dict` gives when the step is saved and the one orbax's `JsonCheckpointHandler`
+    reads back (`json.dumps`, then `json.loads`) are the same bytes: key order is the file's, a
+    tuple comes back as a list (both written `[…]`), and a float is written as its shortest repr,
+    which reads back as the same float."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return {"config": np.frombuffer(text.encode(), np.uint8)}
 
 
 def _check_step(saved: jax.Array | np.ndarray, step: int, where: Path, hint: str = "") -> None:
@@ -671,11 +685,9 @@ def restore_inference(run_dir: str | Path, step: int | None,
                 raise CheckpointError(f"checkpoint {where} is partial: it has no {item!r} item")
         others = sorted(s for s in steps if s != step)
         hint = f"; other steps: {others}" if others else ""
-        checksummed = _checksummed(mngr, step, where, hint)
-        saved = {"config": _read_config(mngr, step, where, hint)}
-        if checksummed:
-            saved |= _restore_items(mngr, step, where, {"checksums": ocp.args.JsonRestore()}, hint)
-        target = make_target(saved["config"])
+        recorded = _read_checksums(mngr, step, where, hint)
+        config = _read_config(mngr, step, where, recorded, hint)
+        target = make_target(config)
         metadata = _state_metadata(mngr, step, where, hint)
         check_shapes(tree_shapes(metadata["params"]), tree_shapes(target), "checkpoint ")
         restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
@@ -688,14 +700,10 @@ def restore_inference(run_dir: str | Path, step: int | None,
                 restore_args={"params": restore_args,
                               "step": ocp.RestoreArgs(restore_type=np.ndarray)},
                 partial_restore=True)))
-        recorded = recorded_checksums(saved.get("checksums"), step, where)
         if recorded is not None:
-            try:
-                verify_checksums(state["state"], recorded, step, where / "state")
-            except DamagedCheckpointError as e:
-                raise DamagedCheckpointError(step, f"{e}{hint}") from None
+            verify_checksums(state["state"], recorded, step, where / "state", hint)
         _check_step(state["state"]["step"], step, where, hint)
-    return step, saved["config"], state["state"]["params"]
+    return step, config, state["state"]["params"]
 
 
 def _restore_items(mngr: ocp.CheckpointManager, step: int, where: Path, items: dict[str, Any],
@@ -710,13 +718,16 @@ def _restore_items(mngr: ocp.CheckpointManager, step: int, where: Path, items: d
     return restored
 
 
-def _read_config(mngr: ocp.CheckpointManager, step: int, where: Path, hint: str = "") -> dict:
+def _read_config(mngr: ocp.CheckpointManager, step: int, where: Path,
+                 recorded: dict[str, str] | None, hint: str = "") -> dict:
     """The `config` item of `step` (at `where`): the dict of sections `Config.to_dict` saved.
     `DamagedCheckpointError` when it does not read (`_restore_items`) or reads as JSON that no
     diff-jax saved (no object, a section that is no object, no model section): eval failed on
     a list in an AttributeError traceback, export in an error not naming the step, and resume
-    continued from such a step. Sections whose keys or values do not parse are an older
-    diff-jax's config, read as before (`restore` checks the state's shapes instead)."""
+    continued from such a step; or when it does not match its checksum in `recorded` (the
+    step's `_read_checksums`; a record without one, or none, predates it: read unverified).
+    Sections whose keys or values do not parse are an older diff-jax's config, read as before
+    (`restore` checks the state's shapes instead)."""
     config = _restore_items(mngr, step, where, {"config": ocp.args.JsonRestore()}, hint)["config"]
     if not (isinstance(config, dict) and isinstance(config.get("model"), dict)
             and all(isinstance(section, dict) for section in config.values())):
@@ -724,7 +735,20 @@ def _read_config(mngr: ocp.CheckpointManager, step: int, where: Path, hint: str 
                                            "holds no config (expected a JSON object of sections "
                                            f"with a model section, found {json.dumps(config):.60})"
                                            f"{hint}")
+    if recorded is not None and "config" in recorded:
+        verify_checksums(_config_bytes(config), recorded, step, where / "config", hint)
     return config
+
+
+def _read_checksums(mngr: ocp.CheckpointManager, step: int, where: Path,
+                    hint: str = "") -> dict[str, str] | None:
+    """The checksums `step` (at `where`) recorded when it was saved (`recorded_checksums`), None
+    for a step saved before diff-jax recorded them (`_checksummed`); read before anything they
+    cover, so that the config is verified as it is read."""
+    if not _checksummed(mngr, step, where, hint):
+        return recorded_checksums(None, step, where)
+    saved = _restore_items(mngr, step, where, {"checksums": ocp.args.JsonRestore()}, hint)
+    return recorded_checksums(saved["checksums"], step, where)
 
 
 def _state_metadata(mngr: ocp.CheckpointManager, step: int, where: Path, hint: str = "") -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -649,6 +650,70 @@ def test_a_data_position_edited_in_the_iterators_json_is_damage_and_an_older_ste
             assert (run / "damaged_checkpoints" / "20" / "data_iter").is_dir()
         else:
             assert "resumed from step 20" in err and "skipped" not in err and result.step == 21
+
+@pytest.mark.parametrize("saved,edited", [('"num_layers": 2', '"num_layers": 3'),
+                                          ('"lr": 0.01', '"lr": 0.02')])
+def test_a_value_changed_in_the_config_item_is_damage_to_resume_eval_and_export(
+        saved, edited, corpus, run20, tmp_path, capfd):
+    """The config item's JSON had no checksum: `"num_layers": 2` turned 3 (one bit of the digit)
+    was read as the model the step was trained with (eval and export built a 3-layer model and
+    refused the step as "written for another model", resume refused the run as "trained with
+    model.num_layers=3"), and a learning rate turned 0.02 was read without a word. The checksums
+    record covers the config's canonical JSON now: the step is damaged, named by eval and
+    export, skipped and set aside by resume."""
+    run = _copy(run20, tmp_path)
+    step = run / "checkpoints" / "20"
+    text = (step / "config" / "metadata").read_text()
+    assert text.count(saved) == 1
+    (step / "config" / "metadata").write_text(text.replace(saved, edited))
+    said = (f"checkpoint step 20 is damaged: config read from {step / 'config'} does not match "
+            "the checksum recorded when it was saved")
+    capfd.readouterr()
+    assert eval_main(["task=ppl", f"train.run_dir={run}"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {said}"), err
+    assert err[0].endswith("; other steps: [10]"), err
+    with pytest.raises(ExportError, match=re.escape(said)):
+        export.load(run)
+    result = train_loop.run(tiny_config(corpus, run, "train.steps=11"))
+    err = capfd.readouterr().err
+    assert result.step == 11 and f"skipped {said}" in err and "resumed from step 10" in err, err
+    assert (run / "damaged_checkpoints" / "20" / "config").is_dir()
+
+
+def test_a_step_whose_record_predates_the_config_checksum_reads_its_config_unverified(
+        corpus, run20, tmp_path, capfd):
+    """A step saved before the checksums record covered the config (its record holds the arrays
+    and data positions alone) is evaluated and resumed as before, its config unverified."""
+    run = _copy(run20, tmp_path)
+    sums = run / "checkpoints" / "20" / "checksums" / "metadata"
+    record = json.loads(sums.read_text())
+    del record["arrays"]["config"]
+    sums.write_text(json.dumps(record))
+    assert load(*parse_args(["task=ppl", f"train.run_dir={run}"])).step == 20
+    capfd.readouterr()
+    result = train_loop.run(tiny_config(corpus, run, "train.steps=21"))
+    err = capfd.readouterr().err
+    assert result.step == 21 and "resumed from step 20" in err and "skipped" not in err, err
+
+
+def test_the_config_checksum_covers_values_not_key_order_or_how_json_writes_them(corpus, tmp_path):
+    """What the config item's checksum covers is the same for the dict `Config.to_dict` gives at
+    save time and the one orbax's JSON handler reads back (`json.loads(json.dumps(...))`: lists
+    for tuples, floats by their shortest repr), in whatever key order; a changed value is not."""
+    config = tiny_config(corpus, tmp_path, "optim.lr=0.000123456789012345").to_dict()
+    config["model"]["probe"] = (1 / 3, 1e-300, 2.5e10)  # a tuple and floats of every kind
+
+    def reordered(x: Any) -> Any:
+        return {k: reordered(x[k]) for k in reversed(x)} if isinstance(x, dict) else x
+
+    read_back = reordered(json.loads(json.dumps(config)))
+    assert list(read_back) != list(config)
+    sums = [checkpoint.checksums_record(checkpoint._config_bytes(c)) for c in (config, read_back)]
+    assert sums[0] == sums[1] and list(sums[0]["arrays"]) == ["config"]
+    read_back["optim"]["lr"] = 0.000123456789012346
+    assert checkpoint.checksums_record(checkpoint._config_bytes(read_back)) != sums[0]
+
 
 def test_a_full_disk_while_rewriting_config_yaml_leaves_the_record_whole(corpus, run20, tmp_path):
     """A resume rewrites config.yaml; a write that fails part-way (the file-size limit standing in

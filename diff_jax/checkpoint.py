@@ -23,6 +23,7 @@ verifies).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import logging
@@ -399,7 +400,8 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     another optimizer."""
     where = Path(mngr.directory) / str(step)
     _check_readable(step, where)
-    metadata = _state_metadata(mngr, step, where)
+    # every field of the train state is read
+    metadata = _state_metadata(mngr, step, where, tuple(f.name for f in dataclasses.fields(target)))
     try:
         check_shapes(tree_shapes(metadata["params"]), tree_shapes(target.params), "checkpoint ")
         check_optimizer_state(metadata["opt_state"], target.opt_state, step)
@@ -688,7 +690,7 @@ def restore_inference(run_dir: str | Path, step: int | None,
         recorded = _read_checksums(mngr, step, where, hint)
         config = _read_config(mngr, step, where, recorded, hint)
         target = make_target(config)
-        metadata = _state_metadata(mngr, step, where, hint)
+        metadata = _state_metadata(mngr, step, where, ("params", "step"), hint)
         check_shapes(tree_shapes(metadata["params"]), tree_shapes(target), "checkpoint ")
         restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
         # and the step counter, which `_check_step` compares with the directory's name (read on
@@ -751,16 +753,35 @@ def _read_checksums(mngr: ocp.CheckpointManager, step: int, where: Path,
     return recorded_checksums(saved["checksums"], step, where)
 
 
-def _state_metadata(mngr: ocp.CheckpointManager, step: int, where: Path, hint: str = "") -> Any:
+def _state_metadata(mngr: ocp.CheckpointManager, step: int, where: Path, needs: tuple[str, ...],
+                    hint: str = "") -> Any:
     """The orbax metadata (array shapes and dtypes) of the `state` item of `step` (at `where`);
-    `DamagedCheckpointError` naming `state/_METADATA` when it cannot be read: orbax answers None
-    for an item whose metadata file is missing instead of raising."""
-    with _read_errors(step, where / "state" / "_METADATA", hint):
+    `DamagedCheckpointError` naming `state/_METADATA` when it cannot be read (orbax answers None
+    for an item whose metadata file is missing instead of raising), when it lists none of the
+    arrays of one of the train state's fields the caller reads (`needs`: "params", "step"…),
+    or lists one of those as no array: such a file (no `('step',)` entry, a `value_type` of
+    "string") read, and eval, export and resume ended in a KeyError or AttributeError
+    traceback."""
+    file = where / "state" / "_METADATA"
+    with _read_errors(step, file, hint):
         metadata = mngr.item_metadata(step)["state"]
     if metadata is None:
         raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: cannot read "
-                                           f"{where / 'state' / '_METADATA'} (missing or "
-                                           f"unreadable: it lists the saved arrays){hint}")
+                                           f"{file} (missing or unreadable: it lists the saved "
+                                           f"arrays){hint}")
+    listed = sorted(metadata.keys())
+    for field in needs:
+        if field not in listed:
+            raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: {file} lists "
+                                               f"no {field} (expected the train state's "
+                                               f"{', '.join(needs)}, found {', '.join(listed)})"
+                                               f"{hint}")
+        for path, leaf in jax.tree_util.tree_flatten_with_path(metadata[field])[0]:
+            if not isinstance(leaf, ocp.metadata.ArrayMetadata):
+                name = _leaf_name((jax.tree_util.DictKey(field), *path))
+                raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: {file} "
+                                                   f"lists {name} as {type(leaf).__name__}, not "
+                                                   f"an array{hint}")
     return metadata
 
 

@@ -597,6 +597,45 @@ def test_a_step_whose_state_metadata_is_gone_is_damage_named_by_eval_and_skipped
     assert (run / "damaged_checkpoints" / "20" / "state").is_dir()
 
 
+def _no_step(tree: dict) -> str:
+    del tree["('step',)"]
+    return "lists no step (expected the train state's "
+
+
+def _no_params(tree: dict) -> str:
+    for key in [k for k in tree if k.startswith("('params',")]:
+        del tree[key]
+    return "lists no params (expected the train state's "
+
+
+def _embed_a_string(tree: dict) -> str:
+    tree["('params', 'embed')"]["value_metadata"]["value_type"] = "string"
+    return "lists params/embed as StringMetadata, not an array"
+
+
+@pytest.mark.parametrize("edit", [_no_step, _no_params, _embed_a_string])
+def test_a_state_metadata_without_an_expected_entry_is_damage_naming_it(edit, corpus, run20,
+                                                                       tmp_path, capfd):
+    """A `state/_METADATA` that reads but lacks the step's or the parameters' entries, or lists
+    an array as another kind of value, is a damaged step naming the file, as an unreadable one
+    is: eval and export ended in a KeyError or AttributeError traceback, and so did resume
+    (except for a missing step entry, whose read failed later)."""
+    run = _copy(run20, tmp_path)
+    file = run / "checkpoints" / "20" / "state" / "_METADATA"
+    metadata = json.loads(file.read_text())
+    said = f"checkpoint step 20 is damaged: {file} {edit(metadata['tree_metadata'])}"
+    file.write_text(json.dumps(metadata))
+    with pytest.raises(DamagedCheckpointError, match=re.escape(said)):
+        load(*parse_args(["task=ppl", f"train.run_dir={run}"]))
+    with pytest.raises(ExportError, match=re.escape(said)):
+        export.load(run)
+    capfd.readouterr()
+    result = train_loop.run(tiny_config(corpus, run, "train.steps=11"))
+    err = capfd.readouterr().err
+    assert result.step == 11 and f"skipped {said}" in err and "resumed from step 10" in err, err
+    assert (run / "damaged_checkpoints" / "20" / "state").is_dir()
+
+
 def test_a_step_that_lost_its_checksums_item_is_damage_not_a_step_from_before_checksums(
         corpus, run20, tmp_path, capfd, caplog):
     """Only a step whose orbax record lists no `checksums` item was saved before checksums

@@ -397,42 +397,45 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     shardings in `target` (ShapeDtypeStructs) and verify its checksums; sets `data_iter`'s state.
     `DamagedCheckpointError` when it cannot be read or does not verify; `CheckpointError` when
     it was written for another model than `model` (shapes, or `ModelConfig.difference`) or
-    another optimizer."""
+    another optimizer. Read through a `_reader`, so that every process of a job reaches the
+    same verdict on every read (`_read_errors`)."""
     where = Path(mngr.directory) / str(step)
-    _check_readable(step, where)
-    # every field of the train state is read
-    metadata = _state_metadata(mngr, step, where, tuple(f.name for f in dataclasses.fields(target)))
-    try:
-        check_shapes(tree_shapes(metadata["params"]), tree_shapes(target.params), "checkpoint ")
-        check_optimizer_state(metadata["opt_state"], target.opt_state, step)
-    except CheckpointError as e:  # most often an override the first invocation had
-        raise _as_configured(mngr, e) from e
-    _check_process_count(step, where / "data_iter")
-    # the config first (read and verified as eval and export will: it must parse), so that a
-    # step of another model of the same shapes is refused before its arrays are read
-    recorded = _read_checksums(mngr, step, where)
-    config = _read_config(mngr, step, where, recorded)
-    try:
-        saved = from_dict(config).model
-    except ConfigError:  # a config of an older diff-jax: its shapes were checked above
-        saved = None
-    differs = None if saved is None else model.difference(saved)
-    if differs is not None:  # same shapes, another function: λ_init, RoPE θ, the heads' split…
-        key, theirs, ours = differs
-        raise _as_configured(mngr, CheckpointError(
-            f"checkpoint step {step} was trained with {key}={theirs} but the config gives {ours}; "
-            "a run resumes with the model it was trained with"))
-    items = {"state": ocp.args.StandardRestore(target),
-             "data_iter": grain.checkpoint.CheckpointRestore(data_iter)}
-    if (where / "training_data").is_dir():
-        items["training_data"] = ocp.args.JsonRestore()
-    restored = _restore_items(mngr, step, where, items)
-    if recorded is not None:
-        verify_checksums(restored["state"], recorded, step, where / "state")
-        if any(name.startswith("data_iter/") for name in recorded):  # else it predates them
-            verify_checksums(_data_positions(data_iter), recorded, step, where)
-    _check_step(restored["state"].step, step, where)
-    return restored["state"], {"config": config, "training_data": restored.get("training_data")}
+    with _reader(Path(mngr.directory).parent, ocp.StandardCheckpointHandler()) as reader:
+        _check_readable(step, where)
+        fields = tuple(f.name for f in dataclasses.fields(target))  # all of them are read
+        metadata = _state_metadata(reader, step, where, fields)
+        try:
+            check_shapes(tree_shapes(metadata["params"]), tree_shapes(target.params), "checkpoint ")
+            check_optimizer_state(metadata["opt_state"], target.opt_state, step)
+        except CheckpointError as e:  # most often an override the first invocation had
+            raise _as_configured(mngr, e) from e
+        _check_process_count(step, where / "data_iter")
+        # the config first (read and verified as eval and export will: it must parse), so that a
+        # step of another model of the same shapes is refused before its arrays are read
+        recorded = _read_checksums(reader, step, where)
+        config = _read_config(reader, step, where, recorded)
+        try:
+            saved = from_dict(config).model
+        except ConfigError:  # a config of an older diff-jax: its shapes were checked above
+            saved = None
+        differs = None if saved is None else model.difference(saved)
+        if differs is not None:  # same shapes, another function: λ_init, RoPE θ, the heads' split…
+            key, theirs, ours = differs
+            raise _as_configured(mngr, CheckpointError(
+                f"checkpoint step {step} was trained with {key}={theirs} but the config gives "
+                f"{ours}; a run resumes with the model it was trained with"))
+        items = {"state": ocp.args.StandardRestore(target),
+                 "data_iter": grain.checkpoint.CheckpointRestore(data_iter)}
+        if (where / "training_data").is_dir():
+            items["training_data"] = ocp.args.JsonRestore()
+        restored = _restore_items(reader, step, where, items)
+        if recorded is not None:
+            verify_checksums(restored["state"], recorded, step, where / "state")
+            if any(name.startswith("data_iter/") for name in recorded):  # else it predates them
+                verify_checksums(_data_positions(data_iter), recorded, step, where)
+        _check_step(restored["state"].step, step, where)
+        return restored["state"], {"config": config,
+                                   "training_data": restored.get("training_data")}
 
 
 def _data_positions(data_iter: grain.DatasetIterator) -> dict[str, Any]:
@@ -598,7 +601,8 @@ def resume(mngr: ocp.CheckpointManager, cfg: CheckpointConfig, target: Any,
     nothing is moved and `CheckpointError` says why). With it set: that step, which must verify;
     later steps are deleted only with `cfg.discard_later`, else refused (a deletion that was
     interrupted is finished first, before a step is picked). Every process reaches the
-    same verdict: the checksums are global values, and read failures are agreed on.
+    same verdict: the checksums are global values, and read failures are agreed on, each read's
+    before any process goes on (`_read_errors`), each step's before one is set aside.
     """
     _finish_discard(mngr, say)
     steps = sorted(mngr.all_steps())
@@ -646,17 +650,28 @@ def _not_read_only_note(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Given directory is read only")
 
 
-def _reader(run_dir: Path) -> ocp.CheckpointManager:
+def _reader(run_dir: Path, state: ocp.CheckpointHandler) -> ocp.CheckpointManager:
+    """A read-only manager of `<run_dir>/checkpoints` (`state` reads the `state` item: `_items`)
+    for this process alone, whose reads pass no barrier: orbax ends every restore with one that
+    all processes of a job must reach, and a process whose read failed never reached it, so the
+    others paired it with the next collective that process went on to (`_agree`, as resume
+    handles the failure) and the job's processes fell out of step (measured: process 1 unable
+    to read step 6's state, a two-process resume ended with "no checkpoint verifies" though step
+    3 was intact; with `_read_errors`'s agreement but a reader for all processes, in orbax's
+    "sync_global_devices name mismatch"). Each read is this process's own; `_read_errors`
+    agrees on its outcome."""
     ckpt_dir = run_dir / "checkpoints"
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"no checkpoints directory at {ckpt_dir} (train first: "
                               f"python train.py train.run_dir={run_dir})")
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    alone = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(),
+                                               active_processes={jax.process_index()})
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
+                                           multiprocessing_options=alone)
     absl = logging.getLogger("absl")
     absl.addFilter(_not_read_only_note)
     try:
-        return ocp.CheckpointManager(ckpt_dir, options=options,
-                                     item_handlers=_items(ocp.PyTreeCheckpointHandler()))
+        return ocp.CheckpointManager(ckpt_dir, options=options, item_handlers=_items(state))
     finally:
         absl.removeFilter(_not_read_only_note)
 
@@ -672,7 +687,7 @@ def restore_inference(run_dir: str | Path, step: int | None,
     renamed) is damaged, as it is to resume (`_check_step`).
     """
     run_dir = Path(run_dir).resolve()
-    with _reader(run_dir) as mngr:
+    with _reader(run_dir, ocp.PyTreeCheckpointHandler()) as mngr:
         steps = mngr.all_steps()
         if not steps:
             raise CheckpointError(f"{run_dir / 'checkpoints'} holds no complete checkpoint")
@@ -806,15 +821,22 @@ def _checksummed(mngr: ocp.CheckpointManager, step: int, where: Path, hint: str 
 def _read_errors(step: int, where: Path, hint: str = "") -> Iterator[None]:
     """Any failure to read `where` -> one-line `DamagedCheckpointError` naming the step; XLA's
     out-of-memory error (`device_memory.out_of_memory_in`) is raised as itself. What the read's
-    abandoned operations raise where nobody catches it is dropped (`_drop_abandoned_io_noise`)."""
+    abandoned operations raise where nobody catches it is dropped (`_drop_abandoned_io_noise`).
+    The processes of a job agree on the read (`_agree`): when it fails on one, it raises on
+    every one, before any goes on into a collective (a checksum, the next read's agreement)
+    that the one which failed would not join (`_reader`)."""
     _drop_abandoned_io_noise()
     try:  # only orbax calls run inside: none raises a CheckpointError of ours
         yield
     except Exception as e:  # orbax/tensorstore raise many types for unreadable bytes
         if (no_room := out_of_memory_in(e)) is not None:  # the step is fine; the devices full
             raise no_room from e
+        _agree(False)
         raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: cannot read "
                                            f"{_unreadable(e, where)}{hint}") from e
+    if not _agree(True):
+        raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: another process "
+                                           f"cannot read {where}{hint}")
 
 
 def _unreadable(error: BaseException, where: Path) -> str:

@@ -86,6 +86,21 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
+# train.py, but process 1 alone fails to read step 6's train state (an I/O error on its host:
+# each process reads only the shards it holds, from a file system of its own mount)
+STATE_UNREADABLE_ON_1 = """
+import errno, runpy
+import jax
+import orbax.checkpoint as ocp
+restore = ocp.StandardCheckpointHandler.restore
+def failing(handler, directory, *args, **kwargs):
+    if jax.process_index() == 1 and directory.parent.name == "6":
+        raise OSError(errno.EIO, "Input/output error", str(directory))
+    return restore(handler, directory, *args, **kwargs)
+ocp.StandardCheckpointHandler.restore = failing
+runpy.run_path("train.py", run_name="__main__")
+"""
+
 def _args(corpus: Path, run: Path, script: tuple[str, ...] = ("train.py",)) -> list[str]:
     return [sys.executable, *script, "model.vocab_size=64", "model.embed_dim=32",
             "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=64", "train.seq_len=16",
@@ -273,3 +288,25 @@ def test_a_signal_one_process_caught_stops_every_process_at_one_saved_step(tmp_p
     assert "Traceback" not in outs[0] + outs[1] and "Check failure" not in outs[0] + outs[1]
     resumed = _two_processes(corpus, run, "train.steps=10")
     assert f"resumed from step {saved}" in resumed[0] and "step 10/10" in resumed[0]
+
+
+def test_a_step_one_process_cannot_read_is_set_aside_by_both_and_both_resume_together(tmp_path):
+    """Process 1 alone fails to read step 6's train state (`STATE_UNREADABLE_ON_1`) while
+    process 0 reads it whole. Both must reach one verdict before either goes on into a
+    collective the other does not join: step 6 is damaged, set aside, and both resume from
+    step 3 and train to the end on the same losses. Before, process 1 left the read while
+    process 0 waited in the barrier orbax ends a restore with, each took the other's next
+    collective for its own, and both exited 2 on `no checkpoint … verifies` (step 3 intact)."""
+    corpus = write_corpus(tmp_path / "corpus")
+    run = tmp_path / "run"
+    _two_processes(corpus, run)
+    losses = _losses(run)
+    procs = _start(corpus, run, process_1=("-c", STATE_UNREADABLE_ON_1), out=tmp_path)
+    statuses, outs = _outcome(procs, tmp_path, 240)  # the processes start in about 30 s
+    assert statuses == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    state = run.resolve() / "checkpoints" / "6" / "state"
+    assert (f"skipped checkpoint step 6 is damaged: another process cannot read {state}; moved it "
+            "to") in outs[0] and "resumed from step 3" in outs[0], outs[0][-3000:]
+    assert sorted(p.name for p in (run / "damaged_checkpoints").iterdir()) == ["6"]
+    assert "Traceback" not in outs[0] + outs[1] and "Check failure" not in outs[0] + outs[1]
+    np.testing.assert_allclose(_losses(run), losses, rtol=1e-6)

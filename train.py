@@ -9,7 +9,8 @@ refused or damaged checkpoint, a file that cannot be read or written, e.g. in tr
 model or batch too big for the devices' memory; the same as eval.py and python -m
 diff_jax.export), 1 diverged, 130 stopped at once by Ctrl-C (before
 training began, or pressed a second time: the first one finishes the step, saves it and exits 0,
-as a SIGTERM or SIGHUP, the terminal closed, does in training).
+as a SIGTERM or SIGHUP, the terminal closed, does in training). A SIGTERM or SIGHUP before
+training began is a Ctrl-C too (diff_jax/command.py).
 In a multi-process job, a process that another one's failure stopped says so in one line and exits
 with that one's status (diff_jax/peers.py).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from diff_jax.command import failed, interrupted, leave
+from diff_jax.command import as_ctrl_c, failed, interrupted, leave
 from diff_jax.config import ConfigError, load_config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
@@ -49,14 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return failed(str(e))
     try:
-        # Imported after parsing so that jax.distributed.initialize is the first JAX call.
-        from diff_jax import aot, train_loop
+        with as_ctrl_c():  # a SIGTERM or SIGHUP too, before training began
+            # Imported after parsing so that jax.distributed.initialize is the first JAX call.
+            from diff_jax import aot, train_loop
 
-        if config.train.compile_only:
-            train_loop.initialize_distributed(config.distributed)
-            aot.report(config)
-            return 0
-        train_loop.run(config)
+            if config.train.compile_only:
+                train_loop.initialize_distributed(config.distributed)
+                aot.report(config)
+                return 0
+            train_loop.run(config)
     except KeyboardInterrupt:  # Ctrl-C before training began (the imports too), or pressed twice
         return interrupted(_kept(config.train.run_dir))
     except train_loop.RUN_ERRORS as e:

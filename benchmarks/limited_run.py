@@ -12,11 +12,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from diff_jax.command import FORWARDED, not_ignored, off_the_terminal  # noqa: E402
+from diff_jax.command import STOPS, not_ignored, off_the_terminal  # noqa: E402
 
 
 class Stopped(KeyboardInterrupt):
-    """This process got `signum` (one of `FORWARDED`) while `run_limited`'s child ran, which was
+    """This process got `signum` (one of `STOPS`) while `run_limited`'s child ran, which was
     stopped with it; `output`: what the child printed until then, for the caller to record
     before it stops as after a Ctrl-C (a KeyboardInterrupt: `command.concluded`'s
     `interrupted:` line and exit status 130)."""
@@ -32,7 +32,7 @@ def run_limited(cmd: list[str], limit: float, grace: float,
     sent SIGTERM and, `grace` seconds later, killed. Returns (its output, its exit status, or
     None when it ran past `limit`).
 
-    When this process gets SIGINT, SIGTERM or SIGHUP (`FORWARDED`; in the main thread) while the
+    When this process gets SIGINT, SIGTERM or SIGHUP (`STOPS`; in the main thread) while the
     child runs, the child is stopped as at its limit (SIGTERM: attention.py writes what it
     measured, a training loop saves its step, a probe dumps its stacks; killed `grace` seconds
     later, or at once on a second signal), then `Stopped` is raised with its output. Before,
@@ -63,7 +63,7 @@ def run_limited(cmd: list[str], limit: float, grace: float,
             proc.kill()
 
     main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, forward) for s in not_ignored(FORWARDED)} if main else {}
+    previous = {s: signal.signal(s, forward) for s in not_ignored(STOPS)} if main else {}
     try:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env or dict(os.environ),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -17,6 +17,9 @@ closed on the way out. What must run as the process ends all the same (`before_l
 multi-process job's failed process leaves without jax's shutdown barrier, `diff_jax.peers`) runs
 first.
 
+A SIGTERM or SIGHUP (the terminal closed) is a Ctrl-C where a command takes them (`as_ctrl_c`:
+train.py, `replicate`, `ablate`).
+
 `concluded` ends a command this way once its arguments are parsed (the benchmark scripts); the
 argparse types below refuse an argument as argparse does (its usage and an error line naming
 the argument, exit status 2).
@@ -48,10 +51,11 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 
 # the signals that stop a command (Ctrl-C; `kill`, `timeout`, a job scheduler; the terminal
-# closed), which a command passes on to the processes it started: `replicate.side_by_side` to its
-# workers, each as itself (a SIGHUP too, which reaches the command's group alone, as each worker
-# writes to that terminal); benchmarks/limited_run.py to a stage or a probe, as SIGTERM
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# closed): a command that takes them stops on each as on a Ctrl-C (`as_ctrl_c`), and passes them
+# on to the processes it started: `replicate.side_by_side` to its workers, each as itself (a
+# SIGHUP too, which reaches the command's group alone, as each worker writes to that terminal);
+# benchmarks/limited_run.py to a stage or a probe, as SIGTERM
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _last: list[Callable[[], None]] = []  # `before_leaving`'s hooks, for `leave` at once
 
@@ -162,12 +166,39 @@ def leave(status: int) -> NoReturn:
 def not_ignored(signals: tuple[int, ...]) -> tuple[int, ...]:
     """`signals` less SIGHUP where this process ignores it: `nohup` starts a command with SIGHUP
     ignored so that closing the terminal does not stop it, and a handler installed for it (a
-    SIGHUP saves and exits, `train_loop._stop_signals`, `replicate.as_ctrl_c`) undid that: under
+    SIGHUP saves and exits, `train_loop._stop_signals`, `as_ctrl_c`) undid that: under
     nohup a closed terminal stopped the run at the step in flight. Each place that takes SIGHUP
     asks here first, so it stays ignored, in the processes a command starts too (an ignored
     signal stays ignored across exec)."""
     ignored = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
     return tuple(s for s in signals if not (s == signal.SIGHUP and ignored))
+
+
+def _ctrl_c(signum: int, _frame: Any) -> None:
+    """`as_ctrl_c`'s handler: KeyboardInterrupt, after a SIGHUP once stdout and stderr are off
+    the closed terminal (`off_the_terminal`), as the `interrupted:` line is written next."""
+    off_the_terminal(signum)
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def as_ctrl_c() -> Iterator[None]:
+    """For the duration (main thread only) the `STOPS` (SIGINT, SIGTERM, SIGHUP) raise
+    KeyboardInterrupt, as a Ctrl-C does, wherever the command is: where it handles them
+    itself they reach its handler instead (`train_loop`'s while a model trains: the first
+    saves the step; `replicate._signals_woken`'s while workers run), and elsewhere (preparing
+    data, compiling, evaluating, writing a report) it stops at once with one `interrupted:`
+    line, what it had written whole (`output_dir`). Under Python's default SIGTERM and SIGHUP
+    actions train.py before training (measured: SIGTERM or SIGHUP 1 s after "run directory:",
+    while it built the model: exit -15 or -1, no line, where a Ctrl-C gave the line and 130),
+    `replicate --jobs 1` and `ablate` ended there on the spot. The previous handlers are
+    restored on the way out."""
+    previous = {s: signal.signal(s, _ctrl_c) for s in not_ignored(STOPS)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def off_the_terminal(signum: int) -> None:
@@ -188,7 +219,7 @@ def off_the_terminal(signum: int) -> None:
     (at nohup.out, before the command starts), daemon(3) at /dev/null. A regular file
     (`> train.log`) is left as it is and receives every line; the run directory's files are
     written as before. Called first by each handler that takes SIGHUP
-    (`train_loop._stop_signals`, `replicate.as_ctrl_c`, `replicate._signals_woken`)."""
+    (`train_loop._stop_signals`, `as_ctrl_c`, `replicate._signals_woken`)."""
     if signum != signal.SIGHUP:
         return
     for fd in (1, 2):

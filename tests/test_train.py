@@ -177,6 +177,47 @@ def test_closing_the_terminal_under_a_pipe_saves_the_step_in_flight_and_exits_as
     _saved_in_flight_and_resumed(tmp_path / "run", config, int(drawn[1]), capsys)
 
 
+# the stand-ins bringing train.py to a phase before training, waiting there for a signal
+BEFORE_TRAINING = {"preparing the data": "train_loop.data.build",
+                   "restoring a checkpoint": "train_loop.checkpoint.resume"}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("phase", list(BEFORE_TRAINING))
+def test_a_sigterm_or_sighup_before_training_is_a_ctrl_c(corpus, tmp_path, phase, signum):
+    """Before training begins (the data read and tokenized, the model built, initialized or
+    restored, steps compiled) a SIGTERM or SIGHUP ended train.py on the spot under Python's
+    default action: exit -15 or -1, no line, where a Ctrl-C there gives one `interrupted:` line
+    and 130. Now either is that Ctrl-C. Nothing is saved at that phase, and nothing is left
+    looking complete: no checkpoint committed, no config.yaml (written just before the first
+    step)."""
+    config = _config_file(corpus, tmp_path)
+    script = "\n".join([
+        "import signal",
+        "from diff_jax import train_loop",
+        "from diff_jax.command import leave",
+        "import train",
+        "def waits(*args, **kwargs):  # the phase is reached: it waits for the test's signal",
+        "    print('PHASE', flush=True)",
+        "    while True:",
+        "        signal.pause()",
+        f"{BEFORE_TRAINING[phase]} = waits",
+        f"leave(train.main(['--config', {config!r}]))"])
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "PHASE\n", proc.stderr.read()[-3000:]
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    run = tmp_path / "run"
+    assert (proc.returncode, err.splitlines()[-1:]) == (130, [
+        f"interrupted: stopped at once; no checkpoint had been committed in {run} (re-run to "
+        "start again)"]), err[-3000:]
+    assert not checkpoint.committed_steps(str(run)) and not (run / "config.yaml").exists()
+
+
 def test_under_nohup_a_sighup_stays_ignored_and_the_run_trains_to_its_end(corpus, tmp_path):
     """`nohup python train.py &` starts train.py with SIGHUP ignored, so that closing the
     terminal leaves it training; the handler that makes a SIGHUP save and exit replaced that,

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from diff_jax import train_loop
-from diff_jax.command import leave, run_kept
+from diff_jax.command import as_ctrl_c, leave, run_kept
 from diff_jax.config import ConfigError, parse_override
 from diff_jax.experiments.layout import eval_json, field, read_eval, read_json, run_dir
 from diff_jax.experiments.init_scale import residual_writes
@@ -40,7 +40,7 @@ from diff_jax.experiments.lm_report import (gap_cell, init_rows, init_scale_tabl
                                              val_gaps_between, val_loss_at)
 from diff_jax.experiments.presets import LABELS, VARIANTS, Preset, RecallPreset
 from diff_jax.experiments.recall_report import SCOPES, claim_line, grid_mean, pair_claims, run_results
-from diff_jax.experiments.replicate import as_ctrl_c, recorded_preset, train_and_evaluate
+from diff_jax.experiments.replicate import recorded_preset, train_and_evaluate
 from diff_jax.experiments.stats import describe, paired
 from diff_jax.output_dir import write_whole
 

@@ -61,8 +61,9 @@ from typing import Any
 import yaml
 
 from diff_jax import data, evaluation, recall, train_loop
-from diff_jax.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE, FORWARDED, failed,
-                              leave, not_ignored, off_the_terminal, positive_int, run_kept)
+from diff_jax.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE, STOPS, as_ctrl_c,
+                              failed, leave, not_ignored, off_the_terminal, positive_int,
+                              run_kept)
 from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config, read_yaml
 from diff_jax.device_memory import devices_here, fit_or_explain
 from diff_jax.evaluation import EvalOptions
@@ -568,36 +569,11 @@ def cpu_shares(jobs: int) -> list[list[int]]:
     return core_shares(sorted(os.sched_getaffinity(0)), jobs)
 
 
-def _ctrl_c(signum: int, _frame: Any) -> None:
-    """`as_ctrl_c`'s handler: KeyboardInterrupt, after a SIGHUP once stdout and stderr are off
-    the closed terminal (`off_the_terminal`), as the `interrupted:` line is written next."""
-    off_the_terminal(signum)
-    raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def as_ctrl_c() -> Iterator[None]:
-    """For the duration (main thread only) `FORWARDED` (SIGINT, SIGTERM, SIGHUP) raise
-    KeyboardInterrupt, as a Ctrl-C does, wherever the command or a worker is: where it handles
-    them itself they reach its handler instead (`train_loop`'s while a model trains: the first
-    saves the step; `_signals_woken`'s while workers run), and elsewhere (preparing corpora,
-    evaluating, writing the report) it stops at once with one `interrupted:` line, what it had
-    written whole (`output_dir`). Under Python's default SIGTERM and SIGHUP actions `--jobs 1`
-    (and `ablate`) ended there on the spot (exit -15 or -1, no line). The previous handlers are
-    restored on the way out."""
-    previous = {s: signal.signal(s, _ctrl_c) for s in not_ignored(FORWARDED)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
 def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init: str, out: Path,
                    cores: list[int], kept: multiprocessing.connection.Connection) -> None:
     """One model in a spawned process: pinned to `cores` before JAX starts its CPU client.
 
-    It starts with `FORWARDED` blocked (`_start_blocked`): a signal sent while Python starts up
+    It starts with `STOPS` blocked (`_start_blocked`): a signal sent while Python starts up
     (importing modules) waits. First it leaves the command's process group, so that a Ctrl-C at
     the terminal reaches it once, forwarded by `side_by_side`; it takes SIGINT, SIGTERM and SIGHUP
     alike, as a Ctrl-C (outside training it stops at once; in training `train_loop` saves the
@@ -613,7 +589,7 @@ def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init:
     unsaved = f"{run_dir(out, variant, seed, init)}: stopped before training"
     with as_ctrl_c():  # the worker starts with Python's SIGTERM action
         try:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # those sent so far arrive
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)  # those sent so far arrive
             os.sched_setaffinity(0, cores)
             import jax
 
@@ -630,12 +606,12 @@ def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init:
 
 
 def _start_blocked(process: multiprocessing.process.BaseProcess) -> None:
-    """Start `process` with `FORWARDED` blocked: a spawned process keeps the mask through exec,
+    """Start `process` with `STOPS` blocked: a spawned process keeps the mask through exec,
     and a signal sent to it waits until `_pinned_worker` unblocks it. multiprocessing's resource
     tracker is started first (where it is not running): starting it unblocks both signals
     (`resource_tracker.ensure_running`), and the first worker would start unprotected."""
     multiprocessing.resource_tracker.ensure_running()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
     try:
         process.start()
     finally:
@@ -687,16 +663,16 @@ def _read_signals(fd: int) -> list[int]:
 
 @contextlib.contextmanager
 def _signals_woken(caught: list[int]) -> Iterator[int]:
-    """For the duration (main thread only) the signals of `FORWARDED` and SIGTSTP (Ctrl-Z,
+    """For the duration (main thread only) the signals of `STOPS` and SIGTSTP (Ctrl-Z,
     `_suspend`) do nothing here but write their number to a pipe, whose read end is yielded (to
     wait on and `_read_signals`), a SIGHUP once stdout and stderr are off the closed terminal
     (`off_the_terminal`). On the way out the previous handlers are restored, then the numbers of
-    `FORWARDED` still unread are appended to `caught`."""
+    `STOPS` still unread are appended to `caught`."""
     read, write = os.pipe()
     for fd in (read, write):
         os.set_blocking(fd, False)  # set_wakeup_fd requires it of `write`
     previous = {s: signal.signal(s, lambda signum, frame: off_the_terminal(signum))
-                for s in not_ignored((*FORWARDED, signal.SIGTSTP))}
+                for s in not_ignored((*STOPS, signal.SIGTSTP))}
     previous_fd = signal.set_wakeup_fd(write)
     try:
         yield read
@@ -704,7 +680,7 @@ def _signals_woken(caught: list[int]) -> Iterator[int]:
         signal.set_wakeup_fd(previous_fd)
         for s, handler in previous.items():
             signal.signal(s, handler)
-        caught += [s for s in _read_signals(read) if s in FORWARDED]
+        caught += [s for s in _read_signals(read) if s in STOPS]
         os.close(read)
         os.close(write)
 
@@ -771,7 +747,7 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
         for signum in signals:  # any other signal with a Python handler: not forwarded
             if signum == signal.SIGTSTP:
                 _suspend(pids)
-            elif signum in FORWARDED:
+            elif signum in STOPS:
                 for pid in pids:
                     _send(pid, signum)
 
@@ -788,7 +764,7 @@ def side_by_side(preset: Preset | RecallPreset, runs: list[tuple[str, int, str]]
                 for ready in multiprocessing.connection.wait([*running, woken]):
                     if ready == woken:
                         signals = _read_signals(woken)
-                        caught += [s for s in signals if s in FORWARDED]
+                        caught += [s for s in signals if s in STOPS]
                         forward(signals)
                     else:
                         finish(ready)

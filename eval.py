@@ -6,8 +6,8 @@ instead of train.run_dir, and step=N for another step of a run. Writes RUN/eval/
 named by step=N or its directory: RUN/eval/step-N/NAME.json; out_dir=DIR: DIR/NAME.json). See the
 README for every task's keys. Exit status: 0 done, 2 bad input (arguments, config, a missing or
 damaged checkpoint, a file that cannot be read or written, a task too big for the devices'
-memory), 1 a result that is NaN (the JSON is still written), 130 stopped by Ctrl-C (each result
-file is whole: this run's or the earlier one).
+memory), 1 a result that is NaN (the JSON is still written), 130 stopped by Ctrl-C or by
+stdout's reader gone, `| head` (each result file is whole: this run's or the earlier one).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import sys
 from typing import Any
 
 from diff_jax.checkpoint import CheckpointError, quiet_abandoned_io
-from diff_jax.command import EXIT_BAD_INPUT, EXIT_NON_FINITE, failed, interrupted, leave
+from diff_jax.command import (EXIT_BAD_INPUT, EXIT_NON_FINITE, as_ctrl_c, failed, interrupted,
+                              leave)
 from diff_jax.config import ConfigError
 from diff_jax.data import DataError
 from diff_jax.device_memory import DeviceMemoryError
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0 if args else EXIT_BAD_INPUT
     try:
-        path = run(args)
+        with as_ctrl_c(signals=()):  # a closed stdout (`| head`) is a Ctrl-C; SIGTERM as it was
+            path = run(args)
     except (ConfigError, CheckpointError, DataError, EvalError, DeviceMemoryError) as e:
         quiet_abandoned_io()  # a damaged checkpoint's reads: this line stays the last
         return failed(str(e))

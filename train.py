@@ -10,7 +10,8 @@ model or batch too big for the devices' memory; the same as eval.py and python -
 diff_jax.export), 1 diverged, 130 stopped at once by Ctrl-C (before
 training began, or pressed a second time: the first one finishes the step, saves it and exits 0,
 as a SIGTERM or SIGHUP, the terminal closed, does in training). A SIGTERM or SIGHUP before
-training began is a Ctrl-C too (diff_jax/command.py).
+training began, and an output whose reader is gone (`2>&1 | head`), are a Ctrl-C too: the
+latter saves the step in flight in training (diff_jax/command.py).
 In a multi-process job, a process that another one's failure stopped says so in one line and exits
 with that one's status (diff_jax/peers.py).
 """
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return failed(str(e))
     try:
-        with as_ctrl_c():  # a SIGTERM or SIGHUP too, before training began
+        with as_ctrl_c():  # a SIGTERM, SIGHUP or closed output too, before training began
             # Imported after parsing so that jax.distributed.initialize is the first JAX call.
             from diff_jax import aot, train_loop
 

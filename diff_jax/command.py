@@ -18,7 +18,21 @@ multi-process job's failed process leaves without jax's shutdown barrier, `diff_
 first.
 
 A SIGTERM or SIGHUP (the terminal closed) is a Ctrl-C where a command takes them (`as_ctrl_c`:
-train.py, `replicate`, `ablate`).
+train.py, `replicate`, `ablate`), and so, in every command, is an output whose reader is gone
+(`python eval.py | head`, `2>&1 | head`, `| less` quit): Python ignores SIGPIPE, which by the
+Unix default stops the writer, and the next write raised BrokenPipeError, a traceback (or an
+`error: [Errno 32] Broken pipe` line, exit 2, taken for bad input; exit 120 and "Exception
+ignored" where stdout is block-buffered and the failure came at the interpreter's exit flush).
+Now the command stops as a user stopping it would: train.py in training saves the step in
+flight as for SIGTERM (`unread`, `train_loop._stop_signals`), elsewhere it stops at once, with
+the `interrupted:` line of a Ctrl-C saying that the reader is gone, and the same exit status:
+130, or 0 where train.py saved its step. Not 141 (128 + SIGPIPE, what a shell reports for a
+writer SIGPIPE killed): these commands stop on their own, keeping what the line says, as for
+the other ways of stopping them; and a terminal closed under `2>&1 | tee` ends the reader and
+sends SIGHUP together, so the command sees either first, and its status must not depend on
+which. The pipe is pointed at /dev/null (`let_go`), so nothing more is written to it and the
+interpreter's flush at exit does not fail again; with stderr in the same pipe the line goes
+nowhere.
 
 `concluded` ends a command this way once its arguments are parsed (the benchmark scripts); the
 argparse types below refuse an argument as argparse does (its usage and an error line naming
@@ -58,18 +72,30 @@ EXIT_INTERRUPTED = 130
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _last: list[Callable[[], None]] = []  # `before_leaving`'s hooks, for `leave` at once
+_gone: list[str] = []  # "stdout", "stderr": let go of as their pipe's reader left (`let_go`)
+
+
+def _say(line: str) -> None:
+    """Print `line` on stderr; where stderr is a pipe whose reader is gone (`2>&1 | head`) the
+    line goes nowhere, stderr pointed at /dev/null (`to_devnull`): its BrokenPipeError ended the
+    command in a traceback into the pipe, exit 1 (measured: `eval.py` refusing its input)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except BrokenPipeError:
+        to_devnull(2)
 
 
 def failed(text: str, status: int = EXIT_BAD_INPUT) -> int:
-    """Print `error: TEXT` on stderr; return `status` (bad input unless given)."""
-    print(f"error: {text}", file=sys.stderr)
+    """Print `error: TEXT` on stderr (`_say`); return `status` (bad input unless given)."""
+    _say(f"error: {text}")
     return status
 
 
 def interrupted(what: str) -> int:
-    """Print `interrupted: WHAT` (how it stopped, what was kept) on stderr; return
-    `EXIT_INTERRUPTED`."""
-    print(f"interrupted: {what}", file=sys.stderr)
+    """Print `interrupted: WHAT` (how it stopped, what was kept) on stderr (`_say`), saying
+    first whose reader is gone where that stopped it (`let_go`); return `EXIT_INTERRUPTED`."""
+    why = f"the reader of {' and '.join(_gone)} is gone (SIGPIPE); " if _gone else ""
+    _say(f"interrupted: {why}{what}")
     return EXIT_INTERRUPTED
 
 
@@ -95,9 +121,11 @@ def concluded(work: Callable[[], object], output: tuple[str, str] | None,
     `cmd` the text naming the child: the child's last line on stderr; `EXIT_NON_FINITE` unless
     the child exited `EXIT_BAD_INPUT`). A Ctrl-C is one `interrupted:` line (`output_kept`).
     `output`: (the argument naming what the command writes, e.g. "--out OUT", the directory it
-    writes in); None where it writes no file."""
+    writes in); None where it writes no file. An output whose reader is gone is a Ctrl-C too
+    (`as_ctrl_c`); SIGTERM keeps its default action."""
     try:
-        work()
+        with as_ctrl_c(signals=()):
+            work()
     except bad_input as e:
         return failed(str(e))
     except OSError as e:
@@ -182,9 +210,9 @@ def _ctrl_c(signum: int, _frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def as_ctrl_c() -> Iterator[None]:
-    """For the duration (main thread only) the `STOPS` (SIGINT, SIGTERM, SIGHUP) raise
-    KeyboardInterrupt, as a Ctrl-C does, wherever the command is: where it handles them
+def as_ctrl_c(signals: tuple[int, ...] = STOPS) -> Iterator[None]:
+    """For the duration (main thread only) `signals` (the `STOPS`: SIGINT, SIGTERM, SIGHUP)
+    raise KeyboardInterrupt, as a Ctrl-C does, wherever the command is: where it handles them
     itself they reach its handler instead (`train_loop`'s while a model trains: the first
     saves the step; `replicate._signals_woken`'s while workers run), and elsewhere (preparing
     data, compiling, evaluating, writing a report) it stops at once with one `interrupted:`
@@ -192,13 +220,60 @@ def as_ctrl_c() -> Iterator[None]:
     actions train.py before training (measured: SIGTERM or SIGHUP 1 s after "run directory:",
     while it built the model: exit -15 or -1, no line, where a Ctrl-C gave the line and 130),
     `replicate --jobs 1` and `ablate` ended there on the spot. The previous handlers are
-    restored on the way out."""
-    previous = {s: signal.signal(s, _ctrl_c) for s in not_ignored(STOPS)}
+    restored on the way out.
+
+    A write to stdout or stderr whose pipe's reader is gone (BrokenPipeError) is a Ctrl-C too
+    (`let_go`); stdout and stderr are flushed before the block ends, so that a block-buffered
+    stdout's last write fails here, not at the interpreter's exit. A BrokenPipeError of another
+    pipe (a child's stdin) propagates as it is."""
+    previous = {s: signal.signal(s, _ctrl_c) for s in not_ignored(signals)}
     try:
         yield
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:
+        if not let_go() and not _gone:
+            raise
+        raise KeyboardInterrupt from None
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _readerless(fd: int) -> bool:
+    """Whether `fd` is a pipe whose reader is gone: poll's POLLERR on its write end (Linux)."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+    except OSError:  # closed (EBADF)
+        return False
+    polled = select.poll()
+    polled.register(fd, select.POLLOUT)
+    return bool(dict(polled.poll(0)).get(fd, 0) & select.POLLERR)
+
+
+def let_go() -> list[str]:
+    """Point stdout and stderr at /dev/null where each is a pipe whose reader is gone, and
+    remember them (`interrupted` names them); the names of those pointed away now ("stdout",
+    "stderr"), [] where none. Writing to such a pipe raised BrokenPipeError at every write,
+    and once more at the interpreter's exit flush ("Exception ignored", exit 120), as Python
+    ignores SIGPIPE; /dev/null takes the writes that follow without an error."""
+    gone = [(fd, name) for fd, name in ((1, "stdout"), (2, "stderr")) if _readerless(fd)]
+    if gone:
+        to_devnull(*(fd for fd, _ in gone))
+        _gone.extend(name for _, name in gone)
+    return [name for _, name in gone]
+
+
+def unread(error: BrokenPipeError) -> None:
+    """A write to stdout or stderr failed with `error`, its pipe's reader gone: where a handler
+    takes SIGPIPE (`train_loop._stop_signals`, which lets go of the pipe and saves the step in
+    flight, as on SIGTERM) SIGPIPE is raised for it and the write is dropped; elsewhere `error`
+    is raised again, and `as_ctrl_c` stops the command at once. The kernel sends SIGPIPE on
+    such a write too, which that handler may have taken already (it acts once)."""
+    if not callable(signal.getsignal(signal.SIGPIPE)):
+        raise error
+    signal.raise_signal(signal.SIGPIPE)
 
 
 def off_the_terminal(signum: int) -> None:
@@ -225,9 +300,7 @@ def off_the_terminal(signum: int) -> None:
     for fd in (1, 2):
         try:
             if stat.S_ISFIFO(os.fstat(fd).st_mode):
-                polled = select.poll()
-                polled.register(fd, select.POLLOUT)
-                if not dict(polled.poll(0)).get(fd, 0) & select.POLLERR:  # still read
+                if not _readerless(fd):  # still read
                     continue
             else:
                 termios.tcgetattr(fd)

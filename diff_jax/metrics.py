@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from diff_jax.command import unread
 from diff_jax.file_errors import naming
 from diff_jax.output_dir import write_whole
 
@@ -207,14 +208,21 @@ class Progress:
         done = int(bar_w * step / max(self.total, 1))
         line = (f"[{'#' * done}{'.' * (bar_w - done)}] step {step}/{self.total}  loss {loss:.4f}  "
                 f"{tokens_per_sec:,.0f} tok/s  ETA {eta}")
-        self.stream.write(("\r" + line) if self.tty else line + "\n")
-        self.stream.flush()
+        self._write(("\r" + line) if self.tty else line + "\n")
 
     def message(self, text: str) -> None:
         """Print `text` on a line of its own (below the status line on a terminal)."""
         if self.enabled:
-            self.stream.write(("\n" if self.tty else "") + text + "\n")
+            self._write(("\n" if self.tty else "") + text + "\n")
+
+    def _write(self, text: str) -> None:
+        """Write `text` to the stream now; where its pipe's reader is gone (`2>&1 | head`) the
+        training loop stops as on SIGTERM, saving the step in flight (`command.unread`)."""
+        try:
+            self.stream.write(text)
             self.stream.flush()
+        except BrokenPipeError as e:
+            unread(e)
 
 
 def _duration(seconds: float) -> str:

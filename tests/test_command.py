@@ -139,3 +139,69 @@ def test_a_side_by_side_worker_stopped_on_its_own_is_an_interruption_not_a_failu
                                                 r"s0: stopped at once; 2 run\(s\) not started$"):
         replicate.side_by_side(presets.PRESETS["micro"], runs, tmp_path, replicate.cpu_shares(1))
     assert multiprocessing.active_children() == []
+
+
+def _unread(script: list[str], buffered: bool, stderr_too: bool = False
+            ) -> subprocess.CompletedProcess:
+    """`script` run by Python from the repository root with its stdout (and, `stderr_too`, its
+    stderr: `2>&1 | head`) a pipe whose reader is gone before it writes (`| head -0`, or a
+    `head -3` that has read its lines), stdout `buffered` (block-buffered, as Python makes a
+    pipe, the first write then coming at a flush) or not (PYTHONUNBUFFERED=1)."""
+    read, write = os.pipe()
+    os.close(read)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    try:
+        return subprocess.run([sys.executable, "-c", "\n".join(script)], cwd=ROOT, env=env,
+                              stdout=write, stderr=write if stderr_too else subprocess.PIPE,
+                              text=True, timeout=300)
+    finally:
+        os.close(write)
+
+
+# (module, the function its main's work calls, argv, the interrupted line) for each command
+# whose stdout is read through a pipe: eval, the replication commands, a benchmark script
+# (`command.concluded`)
+UNREAD = [case for case in CASES if case[0] in ("eval", "diff_jax.experiments.replicate",
+                                                 "diff_jax.experiments.ablate")] + [
+    ("train_step", "measure", ["--out", "OUT"],
+     "stopped at once; no half-written output is left at --out OUT")]
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize("module,function,argv,line", UNREAD, ids=[c[0] for c in UNREAD])
+def test_stdout_whose_reader_is_gone_is_one_interrupted_line_and_exit_130(
+        module, function, argv, line, buffered):
+    """`python eval.py ... | head` once head has gone: the next write to stdout raised
+    BrokenPipeError (Python ignores SIGPIPE), which the commands took for bad input (`error:
+    [Errno 32] Broken pipe`, exit 2), or, stdout block-buffered, which failed at the
+    interpreter's exit flush ("Exception ignored", exit 120). Now it stops the command as a
+    Ctrl-C does, its line saying why, exit 130; stdout is pointed at /dev/null, so the exit
+    flush writes nowhere. The work, stood in for, prints a table."""
+    proc = _unread([
+        "import importlib, sys",
+        "sys.path.insert(0, 'benchmarks')",
+        "from diff_jax.command import leave",
+        f"cli = importlib.import_module({module!r})",
+        "def prints(*args, **kwargs):",
+        "    print('a table of results')",
+        "    return {'plots': [], 'label': 'changed', 'init': 'scaled'}",
+        f"setattr(cli, {function!r}, prints)",
+        f"leave(cli.main({argv!r}))"], buffered)
+    assert (proc.returncode, proc.stderr) == (
+        130, f"interrupted: the reader of stdout is gone (SIGPIPE); {line}\n"), proc.stderr[-3000:]
+
+
+def test_an_error_line_into_a_pipe_whose_reader_is_gone_keeps_its_status():
+    """`python eval.py ... 2>&1 | head` with bad input once head has gone: the `error:` line's
+    write raised BrokenPipeError, a traceback into the pipe and exit 1. Now the line goes
+    nowhere (stderr is pointed at /dev/null) and the status is still 2, bad input."""
+    proc = _unread(["import eval",
+                    "from diff_jax.command import leave",
+                    "from diff_jax.evaluation import EvalError",
+                    "def refuses(argv):",
+                    "    raise EvalError('task=nope: expected one of ppl, ...')",
+                    "eval.run = refuses",
+                    "leave(eval.main(['task=nope']))"], buffered=False, stderr_too=True)
+    assert proc.returncode == 2

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -151,6 +152,26 @@ def test_closing_the_terminal_saves_the_step_in_flight_and_exits_as_for_sigterm(
     _saved_in_flight_and_resumed(tmp_path / "run", config, int(drawn[1]), capsys)
 
 
+def _reader_gone_in_training(config: str, then: Callable[[subprocess.Popen], None]) -> int:
+    """Run train.py on `config` with its stdout and stderr into a pipe, read until the progress
+    line shows training, close the read end (the reader is gone), call `then(proc)`, and
+    require exit status 0; returns the step the progress line showed."""
+    read, out = os.pipe()
+    proc = subprocess.Popen([sys.executable, "train.py", "--config", config], cwd=ROOT,
+                            stdout=out, stderr=out)
+    os.close(out)
+    try:
+        try:
+            drawn = terminal_until(read, rb"step (\d+)/", proc)  # the progress line: training
+        finally:
+            os.close(read)
+        then(proc)
+        assert proc.wait(timeout=300) == 0
+    finally:
+        proc.kill()
+    return int(drawn[1])
+
+
 def test_closing_the_terminal_under_a_pipe_saves_the_step_in_flight_and_exits_as_for_sigterm(
         corpus, tmp_path, capsys):
     """`python train.py 2>&1 | tee train.log` in a terminal that closes: the hangup ends `tee`
@@ -161,20 +182,38 @@ def test_closing_the_terminal_under_a_pipe_saves_the_step_in_flight_and_exits_as
     every step up to it, and the re-run resumes from it."""
     config = _config_file(corpus, tmp_path, f"train.steps={NEVER}",
                           f"checkpoint.every_steps={NEVER}")
-    tee, out = os.pipe()
-    proc = subprocess.Popen([sys.executable, "train.py", "--config", config], cwd=ROOT,
-                            stdout=out, stderr=out)
-    os.close(out)
+    # tee ends with the terminal, then train.py gets its SIGHUP
+    drawn = _reader_gone_in_training(config, lambda proc: proc.send_signal(signal.SIGHUP))
+    _saved_in_flight_and_resumed(tmp_path / "run", config, drawn, capsys)
+
+
+def test_an_output_whose_reader_is_gone_saves_the_step_in_flight_and_exits_as_for_sigterm(
+        corpus, tmp_path, capsys):
+    """`python train.py 2>&1 | head -3`: once head has read its lines and gone, the next
+    progress line's write raised BrokenPipeError (Python ignores SIGPIPE, whose default action
+    stops the writer) into the loop: exit 1, nothing committed. Now it stops the run as a
+    SIGTERM does: the pipe is pointed at /dev/null, the step in flight is saved, train.py exits
+    0, metrics.jsonl has every step up to it, and the re-run resumes from it."""
+    config = _config_file(corpus, tmp_path, f"train.steps={NEVER}",
+                          f"checkpoint.every_steps={NEVER}")
+    drawn = _reader_gone_in_training(config, lambda proc: None)  # head has its lines
+    _saved_in_flight_and_resumed(tmp_path / "run", config, drawn, capsys)
+
+
+def test_an_output_whose_reader_is_gone_before_training_stops_it_at_once(corpus, tmp_path):
+    """`python train.py 2>&1 | head -0`: the first line's write ("run directory: ...") raised
+    BrokenPipeError, a traceback into the pipe and exit 1. Now it is a Ctrl-C there: exit 130,
+    its `interrupted:` line going nowhere, and nothing made in the run directory."""
+    config = _config_file(corpus, tmp_path)
+    head, out = os.pipe()
+    os.close(head)
     try:
-        try:
-            drawn = terminal_until(tee, rb"step (\d+)/", proc)  # the progress line: training
-        finally:
-            os.close(tee)  # tee ends with the terminal, then train.py gets its SIGHUP
-        proc.send_signal(signal.SIGHUP)
-        assert proc.wait(timeout=300) == 0
+        proc = subprocess.run([sys.executable, "train.py", "--config", config], cwd=ROOT,
+                              stdout=out, stderr=out, timeout=300)
     finally:
-        proc.kill()
-    _saved_in_flight_and_resumed(tmp_path / "run", config, int(drawn[1]), capsys)
+        os.close(out)
+    assert proc.returncode == 130
+    assert not (tmp_path / "run").exists()
 
 
 # the stand-ins bringing train.py to a phase before training, waiting there for a signal

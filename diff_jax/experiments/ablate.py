@@ -284,13 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     try:
-        with as_ctrl_c():  # a SIGTERM or SIGHUP too, at any phase: one `interrupted:` line
+        with as_ctrl_c():  # a SIGTERM, SIGHUP or closed stdout too, at any phase: one line
             data = ablate(out, tuple(args.sets), args.variant, args.init, args.seeds)
+            print(f"wrote {out / 'ablations' / (data['label'] + '-' + data['init'])}.json and .md")
     except train_loop.RUN_ERRORS as e:
         return train_loop.report(e, [(str(out), str(out))])
     except KeyboardInterrupt as e:  # the changed model's training saved its step, or Ctrl-C twice
         return run_kept(e, out)
-    print(f"wrote {out / 'ablations' / (data['label'] + '-' + data['init'])}.json and .md")
     return 0
 
 

@@ -587,8 +587,8 @@ def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init:
     os.setpgid(0, 0)
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     unsaved = f"{run_dir(out, variant, seed, init)}: stopped before training"
-    with as_ctrl_c():  # the worker starts with Python's SIGTERM action
-        try:
+    try:
+        with as_ctrl_c():  # the worker starts with Python's SIGTERM action; a closed stdout too
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)  # those sent so far arrive
             os.sched_setaffinity(0, cores)
             import jax
@@ -598,11 +598,11 @@ def _pinned_worker(preset: Preset | RecallPreset, variant: str, seed: int, init:
                                 f"default backend here is {jax.default_backend()}: use --jobs 1"))
             unsaved = ""  # from here on a stop without a saved step is "stopped at once"
             _train_and_evaluate_one(preset, variant, seed, init, out)
-        except train_loop.RUN_ERRORS as e:  # one line, as the serial path; its status says why
-            sys.exit(train_loop.report(e, [(f"--out {out}", str(out))]))
-        except KeyboardInterrupt as e:  # a signal `side_by_side` forwarded, or one of its own
-            kept.send(str(e) or unsaved)
-            leave(EXIT_INTERRUPTED)
+    except train_loop.RUN_ERRORS as e:  # one line, as the serial path; its status says why
+        sys.exit(train_loop.report(e, [(f"--out {out}", str(out))]))
+    except KeyboardInterrupt as e:  # a signal `side_by_side` forwarded, one of its own, or a
+        kept.send(str(e) or unsaved)  # closed stdout (`as_ctrl_c`, around the handlers above)
+        leave(EXIT_INTERRUPTED)
 
 
 def _start_blocked(process: multiprocessing.process.BaseProcess) -> None:
@@ -856,16 +856,17 @@ def main(argv: list[str] | None = None) -> int:
         preset = preset.with_steps(args.steps)
     out = Path(args.out or f"runs/replicate-{preset.name}")
     try:
-        with as_ctrl_c():  # a SIGTERM or SIGHUP too: at any phase, under any --jobs
+        with as_ctrl_c():  # a SIGTERM, SIGHUP or closed stdout too: at any phase, any --jobs
             results = replicate(preset, seeds, out, args.jobs,
                                 None if args.finished_from is None else Path(args.finished_from))
+            print(f"wrote {out / 'results.md'}, {out / 'results.json'} and "
+                  f"{len(results['plots'])} plots")
     except train_loop.RUN_ERRORS as e:  # what is saved stays; re-running resumes
         return train_loop.report(e, [(f"--out {out}", str(out))])
     except RunsFailed as e:
         return failed(str(e), e.status)
     except KeyboardInterrupt as e:  # a run's training saved its step and stopped, or Ctrl-C twice
         return run_kept(e, out)
-    print(f"wrote {out / 'results.md'}, {out / 'results.json'} and {len(results['plots'])} plots")
     return 0
 
 

@@ -772,13 +772,11 @@ def test_outputs_that_cannot_be_written_are_bad_input_naming_the_key(runs, tmp_p
 def test_export_with_a_short_max_seq_len_loads_with_a_fitting_default_length(runs, tmp_path):
     """An export carries only the model: the default eval length must not exceed its max_seq_len."""
     from diff_jax.export import export
+    from diff_jax.export.sources import read_source
 
-    exp = export(runs["diff"], tmp_path / "short", "orbax-params")
-    cfg_path = exp / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    model = cfg.get("model", cfg)
-    model["max_seq_len"] = 64
-    cfg_path.write_text(json.dumps(cfg))
+    source = read_source(runs["diff"])  # exported as a model of max_seq_len 64 (same shapes)
+    short = dataclasses.replace(source, config=dataclasses.replace(source.config, max_seq_len=64))
+    exp = export(short, tmp_path / "short", "orbax-params")
     options, overrides = parse_args(["task=generate", "prompt=def f(x):", "max_new_tokens=3",
                                      f"checkpoint={exp}"])
     report, _ = run_task(options, overrides)

@@ -219,7 +219,8 @@ def test_reading_an_orbax_export_closes_its_checkpointer(diff_run, tmp_path, mon
     ex.load(out)
     other = dataclasses.replace(config, embed_dim=2 * config.embed_dim)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(other)))
-    with pytest.raises(ex.ExportError):
+    _without_config_checksum(out)  # refused by the shapes, with the checkpointer open
+    with pytest.raises(ex.ExportError, match="has shape"):
         ex.load(out)
     assert len(opened) == 2 and all(any(c is o for c in closed) for o in opened)
 
@@ -308,6 +309,7 @@ def test_config_that_does_not_match_the_checkpoint_is_refused(tmp_path):
                                              r"but the config gives \(128, 64\)"):
         ex.load(wider)
     out = ex.export(write_run(tmp_path / "run", config, params), tmp_path / "export", "safetensors")
+    _without_config_checksum(out)  # what is left to refuse it, its config.json unverified
     edited = dataclasses.asdict(config) | {"num_layers": 1}
     (out / "config.json").write_text(json.dumps(edited))
     with pytest.raises(ex.ExportError, match=r"model.safetensors: '?layers.1.attn.k_proj.weight'? is "
@@ -355,7 +357,7 @@ def test_a_flipped_bit_in_model_safetensors_is_refused_naming_the_tensor(dtype, 
         (n,) = struct.unpack("<Q", data[:8])  # the header, parsed without the package
         header = json.loads(data[8: 8 + n])
         name = sorted(k for k in header if k != "__metadata__")[1]
-        assert sorted(recorded) == sorted(k for k in header if k != "__metadata__")
+        assert sorted(recorded) == sorted([*(k for k in header if k != "__metadata__"), "config"])
         begin, end = header[name]["data_offsets"]
         data[8 + n + (begin + end) // 2] ^= 0x10
         (out / "model.safetensors").write_bytes(bytes(data))
@@ -368,6 +370,42 @@ def test_a_flipped_bit_in_model_safetensors_is_refused_naming_the_tensor(dtype, 
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: checkpoint={tmp_path / 'safetensors'}: "
                                                f"export {tmp_path / 'safetensors'} is damaged: "), err
+
+
+@pytest.mark.parametrize("fmt, key, value, field", [
+    ("safetensors", "rope_theta", 20000.0, "rope_theta"),
+    ("orbax-params", "lambda_init", 0.5, "lambda_init"),
+    ("hf-diffllama", "rms_norm_eps", 1e-6, "norm_eps"),
+])
+def test_a_value_changed_in_an_exports_config_json_is_refused_naming_the_file(
+        fmt, key, value, field, diff_run, tmp_path, capfd):
+    """config.json has no checksum of its own: a value changed in it (RoPE θ, λ_init, the norms'
+    ε: the same shapes) was read as the model the parameters were exported from, by `load`,
+    `eval.py checkpoint=DIR` and the import of an hf-diffllama export alike. Exports now record
+    the checksum of its JSON in checksums.json (`checkpoint.config_bytes`, the training
+    checkpoints' own), and an edited one is refused in one line naming the file; an export whose
+    record has no config entry (written before) reads it unverified."""
+    from diff_jax.export.hf_import import read_hf
+    from eval import main as eval_main
+
+    read = (lambda d: read_hf(d).config) if fmt == "hf-diffllama" else (lambda d: ex.load(d)[0])
+    out = ex.export(diff_run[0], tmp_path / fmt, fmt, tokenizer="none")
+    file = out / "config.json"
+    assert getattr(read(out), field) != value  # untouched: verified and read
+    file.write_text(json.dumps({**json.loads(file.read_text()), key: value}, indent=2))
+    with pytest.raises(ex.ExportError, match=re.escape(
+            f"export {out} is damaged: config read from {file} does not match the checksum "
+            "recorded when it was saved (")) as raised:
+        read(out)
+    assert "\n" not in str(raised.value)
+    if fmt != "hf-diffllama":
+        capfd.readouterr()
+        assert eval_main(["task=ppl", f"checkpoint={out}"]) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(
+            f"error: checkpoint={out}: export {out} is damaged: config read from {file} "), err
+    _without_config_checksum(out)
+    assert getattr(read(out), field) == value
 
 
 def test_cli_writes_an_export_and_reports_errors(diff_run, tmp_path, capsys):
@@ -416,11 +454,14 @@ def test_cli_file_system_errors_name_out_and_help_shows_defaults(diff_run, tmp_p
 
 def test_the_tokenizer_defaults_to_the_runs_data_tokenizer(tmp_path):
     pytest.importorskip("tokenizers")
+    from diff_jax.export.hf_import import read_hf
+
     config = dataclasses.replace(CONFIGS["diff"], vocab_size=320)  # cl100k_first_256: ids 0..256
     run = write_run(tmp_path / "run", config, random_params(config),
                     saved_data={"tokenizer": "cl100k_first_256"})
     hf_dir = ex.export(run, tmp_path / "hf", "hf-diffllama")
     assert json.loads((hf_dir / "config.json").read_text())["eos_token_id"] == 256
+    read_hf(hf_dir)  # its checksums.json covers config.json as the eos id left it
     assert json.loads((hf_dir / "tokenizer_config.json").read_text())["tiktoken_encoding"] == \
         "cl100k_first_256"
     exported = ex.export(run, tmp_path / "st", "safetensors")  # records it for a later export
@@ -575,6 +616,13 @@ def _truncate_the_largest_array_file(export_dir: Path) -> None:
     largest.write_bytes(largest.read_bytes()[:100])
 
 
+def _without_config_checksum(export_dir: Path) -> None:
+    """Its checksums.json as an export written before the record covered config.json."""
+    record = json.loads((export_dir / "checksums.json").read_text())
+    del record["arrays"]["config"]
+    (export_dir / "checksums.json").write_text(json.dumps(record))
+
+
 @pytest.mark.parametrize("damage, error", [
     (lambda d: (d / "export.json").write_text("{"), "{d}/export.json: not valid JSON: "),
     (lambda d: (d / "export.json").write_text('{"format": "hf-diffllama"}'),
@@ -582,6 +630,8 @@ def _truncate_the_largest_array_file(export_dir: Path) -> None:
      "safetensors and orbax-params can (python -m diff_jax.export.hf_import {d} --out DIR "
      "converts this one)"),
     (lambda d: (d / "config.json").write_text("[1]"),
+     "export {d} is damaged: config read from {d}/config.json does not match the checksum "),
+    (lambda d: (_without_config_checksum(d), (d / "config.json").write_text("[1]")),
      "{d}/config.json: expected the model config as a JSON object, got [1]"),
     (lambda d: shutil.rmtree(d / "params"), "{d}/params: missing; the export is incomplete"),
     (lambda d: (d / "checksums.json").write_text("{}"),

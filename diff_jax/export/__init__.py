@@ -13,8 +13,9 @@
   the exports made from it, else none, as for an import; `none` for none; see
   `diff_jax.export.tokenizer`).
 
-Every format also writes `checksums.json`, the checksum of each stored tensor (the training
-checkpoints' own), which loading verifies (`diff_jax.export.sources`).
+Every format also writes `checksums.json`, the checksum of each stored tensor and of
+`config.json`'s JSON (the training checkpoints' own), which loading verifies
+(`diff_jax.export.sources`).
 
 `python -m diff_jax.export.hf_import HF_DIR --out DIR` is the other direction: a local
 `DiffLlamaForCausalLM` or `LlamaForCausalLM` checkpoint to an orbax-params export

@@ -41,7 +41,7 @@ from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_io import read_safetensors
 from diff_jax.export.sources import (CHECKSUMS_FILE, EXPORT_MARKER, Source, read_json,
-                                     recorded_checksums, verify)
+                                     recorded_checksums, verify, verify_config)
 from diff_jax.export.state_dict import from_state_dict
 from diff_jax.export.writer import export
 from diff_jax.file_errors import describe
@@ -238,11 +238,13 @@ def read_hf(hf_dir: str | Path) -> Source:
     hf_config = read_json(config_file, "HF_DIR must be a local save_pretrained directory")
     if not isinstance(hf_config, dict):
         raise ExportError(f"{config_file}: expected a JSON object")
+    # a diff-jax hf-diffllama export, whose config.json and stored tensors carry their checksums
+    exported = (hf_dir / EXPORT_MARKER).is_file() and (hf_dir / CHECKSUMS_FILE).is_file()
+    recorded = recorded_checksums(hf_dir) if exported else None
+    verify_config(hf_config, recorded, config_file)
     config = model_config_from_hf(hf_config, str(config_file))
     tensors = read_hf_tensors(hf_dir)
-    if (hf_dir / EXPORT_MARKER).is_file() and (hf_dir / CHECKSUMS_FILE).is_file():
-        # a diff-jax hf-diffllama export, whose stored tensors carry their checksums
-        verify(tensors, recorded_checksums(hf_dir), hf_dir / _SINGLE_FILE)
+    verify(tensors, recorded, hf_dir / _SINGLE_FILE)
     # Buffers some older checkpoints carry: RoPE frequencies, recomputed from rope_theta.
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_embeddings and "lm_head.weight" in tensors:

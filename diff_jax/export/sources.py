@@ -5,8 +5,10 @@ Training checkpoints (`<run_dir>/checkpoints/<step>/`) are read with
 Exports carry `export.json` (format, dtype, source, step, the run's data.tokenizer, and `run`:
 its data section, train.seed and train.seq_len, which define its held-out split) beside
 `config.json` (the model config), their tensors and `checksums.json`: the checksum of every
-stored array (`checkpoint.checksums_record`, the training checkpoints' own), which loading
-verifies. Exports written before a format recorded them are read with a warning.
+stored array and of `config.json`'s JSON (`checkpoint.checksums_record` and
+`checkpoint.config_bytes`, the training checkpoints' own), which loading verifies. Exports written
+before a format recorded them are read with a warning; those written before the record covered
+`config.json` read it unverified.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ EXPORT_MARKER = "export.json"
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 PARAMS_DIR = "params"
-CHECKSUMS_FILE = "checksums.json"  # `checkpoint.checksums_record` of the stored arrays
+CHECKSUMS_FILE = "checksums.json"  # `checkpoint.checksums_record` of the arrays and config.json
 EVAL_DIR = "eval"  # eval.py's output directory in a run or an export (evaluation.loading)
 
 
@@ -144,17 +146,19 @@ def _read_export(path: Path) -> Source:
                 if fmt == "hf-diffllama" else "")
         raise ExportError(f"{path / EXPORT_MARKER}: format {fmt!r} cannot be loaded back; "
                           f"exports in formats safetensors and orbax-params can{hint}")
-    config = model_config_from_json(read_json(path / CONFIG_FILE), str(path / CONFIG_FILE))
+    recorded = recorded_checksums(path)
+    data = read_json(path / CONFIG_FILE)
+    verify_config(data, recorded, path / CONFIG_FILE)
+    config = model_config_from_json(data, str(path / CONFIG_FILE))
     if fmt == "safetensors":
         file = path / SAFETENSORS_FILE
         if not file.is_file():
             raise ExportError(f"{file}: missing; the export is incomplete")
-        recorded = recorded_checksums(path)
         tensors, _ = read_safetensors(file)
         verify(tensors, recorded, file)
         params = jax.tree.map(jnp.asarray, from_state_dict(tensors, config, str(file)))
     else:
-        params = _restore_params(path / PARAMS_DIR, config)
+        params = _restore_params(path / PARAMS_DIR, config, recorded)
     step, run, tokenizer = info.get("step"), info.get("run"), info.get("tokenizer")
     if run is None:  # written before exports recorded it
         run = {"data": {"tokenizer": tokenizer}} if isinstance(tokenizer, str) else None
@@ -165,12 +169,12 @@ def _read_export(path: Path) -> Source:
     return Source(config, params, str(path), step if isinstance(step, int) else None, run)
 
 
-def _restore_params(path: Path, config: ModelConfig) -> dict[str, Any]:
+def _restore_params(path: Path, config: ModelConfig,
+                    recorded: dict[str, str] | None) -> dict[str, Any]:
     """A params-only orbax PyTree checkpoint -> float32 parameters, checked against `config` and
-    against the checksums recorded beside it (verified in the stored dtype, then cast)."""
+    against the checksums `recorded` beside it (verified in the stored dtype, then cast)."""
     if not path.is_dir():
         raise ExportError(f"{path}: missing; the export is incomplete")
-    recorded = recorded_checksums(path.parent)
     with ocp.PyTreeCheckpointer() as checkpointer:  # closed on every way out
         try:
             # resolved: orbax answers None for the metadata of a relative path
@@ -223,6 +227,18 @@ def verify(arrays: Any, recorded: dict[str, str] | None, where: Path) -> None:
         return
     try:
         checkpoint.verify_checksums(arrays, recorded, None, where)
+    except DamagedCheckpointError as e:
+        raise ExportError(str(e)) from e
+
+
+def verify_config(config: Any, recorded: dict[str, str] | None, file: Path) -> None:
+    """`ExportError` naming `file`, the export's `config.json`, when `config` (the JSON read from
+    it) is not the config whose checksum `recorded` holds (`checkpoint.verify_config`): a digit
+    changed in it (a layer count, λ_init, RoPE θ, a head count of the same shapes) was read as
+    the model the parameters were exported from. An export written before its record covered
+    the config reads it unverified."""
+    try:
+        checkpoint.verify_config(config, recorded, None, file)
     except DamagedCheckpointError as e:
         raise ExportError(str(e)) from e
 

@@ -46,43 +46,49 @@ def _config_json(config: ModelConfig) -> str:
 
 
 def _write_checksums(out: Path, stored: Any) -> None:
-    """The checksums of the arrays as stored (cast), committed with them by the export's rename."""
-    (out / CHECKSUMS_FILE).write_text(json.dumps(checkpoint.checksums_record(stored), indent=1))
+    """The checksums of the arrays as stored (cast) and of `config.json` as written (its JSON's
+    `checkpoint.config_bytes`, after its last change: the tokenizer's eos_token_id), committed
+    with them by the export's rename."""
+    config = json.loads((out / CONFIG_FILE).read_text())
+    record = checkpoint.checksums_record(stored, checkpoint.config_bytes(config))
+    (out / CHECKSUMS_FILE).write_text(json.dumps(record, indent=1))
 
 
 def _write_model_safetensors(out: Path, tensors: dict[str, np.ndarray], config: ModelConfig) -> None:
     write_safetensors(out / SAFETENSORS_FILE, tensors,
                       {"format": "pt", "model_config": json.dumps(dataclasses.asdict(config))})
-    _write_checksums(out, tensors)
 
 
-def _write_safetensors(out: Path, source: Source, dtype: str) -> None:
+def _write_safetensors(out: Path, source: Source, dtype: str) -> Any:
     tensors = _cast(to_state_dict(source.params, source.config), dtype)
     _write_model_safetensors(out, tensors, source.config)
     (out / CONFIG_FILE).write_text(_config_json(source.config))
+    return tensors
 
 
-def _write_orbax_params(out: Path, source: Source, dtype: str) -> None:
+def _write_orbax_params(out: Path, source: Source, dtype: str) -> Any:
     params = jax.tree.map(lambda x: np.asarray(x).astype(DTYPES[dtype]), source.params)
     # orbax's writer threads go on after a Ctrl-C: let them finish before `staged` removes `out`
     with finish_first("the parameters' write"), ocp.PyTreeCheckpointer() as checkpointer:
         checkpointer.save((out / PARAMS_DIR).resolve(), params)
-    _write_checksums(out, params)
     (out / CONFIG_FILE).write_text(_config_json(source.config))
+    return params
 
 
-def _write_hf_diffllama(out: Path, source: Source, dtype: str) -> None:
+def _write_hf_diffllama(out: Path, source: Source, dtype: str) -> Any:
     state_dict = to_state_dict(source.params, source.config)
     tensors = _cast(hf.hf_state_dict(state_dict, source.config), dtype)
     _write_model_safetensors(out, tensors, source.config)
     (out / CONFIG_FILE).write_text(json.dumps(hf.hf_config(source.config, dtype), indent=2))
+    return tensors
 
 
 # Every entry an export of any format holds: what replacing one with --overwrite may delete.
 EXPORT_FILES = frozenset({EXPORT_MARKER, CONFIG_FILE, SAFETENSORS_FILE, PARAMS_DIR,
                           CHECKSUMS_FILE, *TOKENIZER_FILES})
 
-_WRITERS: dict[str, Callable[[Path, Source, str], None]] = {
+# Each writes the stored arrays and config.json, and returns the arrays as stored (`_write_checksums`).
+_WRITERS: dict[str, Callable[[Path, Source, str], Any]] = {
     "safetensors": _write_safetensors,
     "orbax-params": _write_orbax_params,
     "hf-diffllama": _write_hf_diffllama,
@@ -166,9 +172,10 @@ def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors
         _check_tokenizer(name, loaded.config, f"data.tokenizer={name} (the run's, the default "
                          "--tokenizer)" if from_run else f"--tokenizer {name}")
     with staged(out) as tmp:
-        _WRITERS[fmt](tmp, loaded, dtype)
+        stored = _WRITERS[fmt](tmp, loaded, dtype)
         if fmt == "hf-diffllama" and name != "none":
             _add_tokenizer(tmp, name, loaded.config)
+        _write_checksums(tmp, stored)
         info: dict[str, Any] = {"format": fmt, "dtype": dtype, "source": loaded.origin,
                                 "step": loaded.step, "tokenizer": loaded.tokenizer,
                                 "run": loaded.run}

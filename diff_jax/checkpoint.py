@@ -524,13 +524,27 @@ def _check_readable(step: int, where: Path) -> None:
                                   "this user read access to it)") from e
 
 
-def _agree(ok: bool) -> bool:
-    """True on every process when `ok` is true on every process (a no-op with one process)."""
+def _agree(error: str | None) -> tuple[int, str] | None:
+    """None on every process when `error` (this process's failure, None: none) is None on every
+    process; else, on every process, (the first process that failed, its `error`): gathered from
+    it, so that every process reports what the failing one saw (process 0, the one that prints,
+    said only "another process cannot read …/6/state", and the failing process, which printed
+    nothing, knew which file and why). One all-gather of the errors' lengths, and one of their
+    bytes when any failed (every process sees the same lengths, so all take it or none does);
+    with one process, `error` itself."""
     if jax.process_count() == 1:
-        return ok
+        return None if error is None else (0, error)
     from jax.experimental import multihost_utils
 
-    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+    text = (error or "").encode()
+    lengths = multihost_utils.process_allgather(np.int32(-1 if error is None else len(text)))
+    failed = [p for p, n in enumerate(lengths) if n >= 0]
+    if not failed:
+        return None
+    width = max(1, int(lengths.max()))
+    texts = multihost_utils.process_allgather(np.frombuffer(text.ljust(width, b"\0"), np.uint8))
+    first = failed[0]
+    return first, bytes(texts[first][:lengths[first]]).decode()
 
 
 def _set_aside(mngr: ocp.CheckpointManager, step: int) -> Path:
@@ -603,7 +617,8 @@ def resume(mngr: ocp.CheckpointManager, cfg: CheckpointConfig, target: Any,
     later steps are deleted only with `cfg.discard_later`, else refused (a deletion that was
     interrupted is finished first, before a step is picked). Every process reaches the
     same verdict: the checksums are global values, and read failures are agreed on, each read's
-    before any process goes on (`_read_errors`), each step's before one is set aside.
+    before any process goes on (`_read_errors`), each step's before one is set aside; each
+    reports the first failing process's error (`_agree`), so `say` names what it saw.
     """
     _finish_discard(mngr, say)
     steps = sorted(mngr.all_steps())
@@ -630,12 +645,12 @@ def resume(mngr: ocp.CheckpointManager, cfg: CheckpointConfig, target: Any,
             state, saved = restore(mngr, step, target, data_iter, model)
         except DamagedCheckpointError as e:
             error = e
-        if _agree(error is None):
+        agreed = _agree(None if error is None else str(error))
+        if agreed is None:
             for bad, why in damaged:
                 say(f"skipped {why}; moved it to {_set_aside(mngr, bad)}")
             return step, state, saved
-        damaged.append((step, str(error) if error else
-                        f"checkpoint step {step}: damaged as read by another process"))
+        damaged.append((step, agreed[1]))  # the first failing process's error, on every process
     if damaged:
         raise CheckpointError(f"no checkpoint in {where} verifies; the newest: {damaged[0][1]} "
                               f"(move the damaged steps away, or choose another train.run_dir)")
@@ -834,19 +849,24 @@ def _read_errors(step: int, where: Path, hint: str = "") -> Iterator[None]:
     abandoned operations raise where nobody catches it is dropped (`_drop_abandoned_io_noise`).
     The processes of a job agree on the read (`_agree`): when it fails on one, it raises on
     every one, before any goes on into a collective (a checksum, the next read's agreement)
-    that the one which failed would not join (`_reader`)."""
+    that the one which failed would not join (`_reader`). Every process raises the same line,
+    naming the process that failed and what it saw ("process 1 cannot read …/6/state: OSError:
+    …"): process 0 prints it (resume's `skipped` line), and before it printed only "another
+    process cannot read …/6/state"."""
     _drop_abandoned_io_noise()
+    failure: Exception | None = None
     try:  # only orbax calls run inside: none raises a CheckpointError of ours
         yield
     except Exception as e:  # orbax/tensorstore raise many types for unreadable bytes
         if (no_room := out_of_memory_in(e)) is not None:  # the step is fine; the devices full
             raise no_room from e
-        _agree(False)
-        raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: cannot read "
-                                           f"{_unreadable(e, where)}{hint}") from e
-    if not _agree(True):
-        raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: another process "
-                                           f"cannot read {where}{hint}")
+        failure = e
+    agreed = _agree(None if failure is None else f"cannot read {_unreadable(failure, where)}")
+    if agreed is not None:  # always when this process's read failed
+        process, what = agreed
+        who = f"process {process} " if jax.process_count() > 1 else ""
+        raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: {who}{what}"
+                                           f"{hint}") from failure
 
 
 def _unreadable(error: BaseException, where: Path) -> str:

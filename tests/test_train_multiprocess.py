@@ -296,7 +296,10 @@ def test_a_step_one_process_cannot_read_is_set_aside_by_both_and_both_resume_tog
     collective the other does not join: step 6 is damaged, set aside, and both resume from
     step 3 and train to the end on the same losses. Before, process 1 left the read while
     process 0 waited in the barrier orbax ends a restore with, each took the other's next
-    collective for its own, and both exited 2 on `no checkpoint … verifies` (step 3 intact)."""
+    collective for its own, and both exited 2 on `no checkpoint … verifies` (step 3 intact).
+    Process 0, which prints the `skipped` line, names what process 1 saw (the file and its
+    error, gathered in the agreement): before, it said only "another process cannot read …",
+    and process 1's own error was shown nowhere."""
     corpus = write_corpus(tmp_path / "corpus")
     run = tmp_path / "run"
     _two_processes(corpus, run)
@@ -305,8 +308,9 @@ def test_a_step_one_process_cannot_read_is_set_aside_by_both_and_both_resume_tog
     statuses, outs = _outcome(procs, tmp_path, 240)  # the processes start in about 30 s
     assert statuses == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     state = run.resolve() / "checkpoints" / "6" / "state"
-    assert (f"skipped checkpoint step 6 is damaged: another process cannot read {state}; moved it "
-            "to") in outs[0] and "resumed from step 3" in outs[0], outs[0][-3000:]
+    assert (f"skipped checkpoint step 6 is damaged: process 1 cannot read {state}: OSError: "
+            f"[Errno 5] Input/output error: '{state}'; moved it to") in outs[0], outs[0][-3000:]
+    assert "resumed from step 3" in outs[0], outs[0][-3000:]
     assert sorted(p.name for p in (run / "damaged_checkpoints").iterdir()) == ["6"]
     assert "Traceback" not in outs[0] + outs[1] and "Check failure" not in outs[0] + outs[1]
     np.testing.assert_allclose(_losses(run), losses, rtol=1e-6)

@@ -11,7 +11,7 @@ new shardings. A checkpoint whose parameter shapes disagree with the config is r
 anything is read, naming the parameter.
 
 Integrity: `checksums` holds a 64-bit checksum of every array's bytes, of every process's
-data position (`_data_positions`) and of the config's JSON (`config_bytes`), computed when the
+data position (`_data_positions`) and of the config's JSON (`json_bytes`), computed when the
 step is saved; every restore recomputes it over what was read and refuses a mismatch
 (`DamagedCheckpointError`, naming the step and the array or item). The checksum is a jitted
 reduction over the logical array, so on a multi-host mesh each process hashes only the shards it
@@ -223,7 +223,7 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter: grain.Da
             data_iter=grain.checkpoint.CheckpointSave(data_iter),
             config=ocp.args.JsonSave(saved_config),
             checksums=ocp.args.JsonSave(checksums_record(state, _data_positions(data_iter),
-                                                         config_bytes(saved_config))),
+                                                         json_bytes(saved_config))),
             training_data=ocp.args.JsonSave(training_data),
         ), force=True)
 
@@ -456,18 +456,19 @@ def _data_positions(data_iter: grain.DatasetIterator) -> dict[str, Any]:
     return {"data_iter": {f"process_{i}-of-{n}.json": s for i, s in enumerate(states)}}
 
 
-def config_bytes(config: Any) -> dict[str, np.ndarray]:
-    """{"config": the UTF-8 bytes of `config`'s canonical JSON}, which the checksums record covers
-    beside the arrays: the `config` item is JSON with no checksum of its own, so a digit changed
-    in it (`"num_layers": 2` to 3, a learning rate) was read as the config the step was trained
-    with, by resume, eval and export alike (and an export's `config.json`, by everything that
-    loads the export: `diff_jax.export.sources`). Canonical (keys sorted, no spaces) so that the dict
-    `Config.to_dict` gives when the step is saved and the one orbax's `JsonCheckpointHandler`
-    reads back (`json.dumps`, then `json.loads`) are the same bytes: key order is the file's, a
-    tuple comes back as a list (both written `[…]`), and a float is written as its shortest repr,
-    which reads back as the same float."""
-    text = json.dumps(config, sort_keys=True, separators=(",", ":"))
-    return {"config": np.frombuffer(text.encode(), np.uint8)}
+def json_bytes(value: Any, name: str = "config") -> dict[str, np.ndarray]:
+    """{name: the UTF-8 bytes of `value`'s canonical JSON}, which the checksums record covers
+    beside the arrays. JSON files have no checksum of their own, so a digit changed in one was
+    read as written: in a step's `config` item (`"num_layers": 2` to 3, a learning rate) by
+    resume, eval and export alike, and in an export's `config.json` and `export.json` (whose
+    `run` section decides which documents eval.py holds out) by everything that loads the export
+    (`diff_jax.export.sources`). Canonical (keys sorted, no spaces) so that the dict written
+    (`Config.to_dict` when the step is saved) and the one read back (`json.loads`, as orbax's
+    `JsonCheckpointHandler` does) are the same bytes: key order is the file's, a tuple comes back
+    as a list (both written `[…]`), and a float is written as its shortest repr, which reads back
+    as the same float."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return {name: np.frombuffer(text.encode(), np.uint8)}
 
 
 def _check_step(saved: jax.Array | np.ndarray, step: int, where: Path, hint: str = "") -> None:
@@ -768,18 +769,18 @@ def _read_config(mngr: ocp.CheckpointManager, step: int, where: Path,
                                            "holds no config (expected a JSON object of sections "
                                            f"with a model section, found {json.dumps(config):.60})"
                                            f"{hint}")
-    verify_config(config, recorded, step, where / "config", hint)
+    verify_json(config, recorded, step, where / "config", hint=hint)
     return config
 
 
-def verify_config(config: Any, recorded: dict[str, str] | None, step: int | None, where: Path,
-                  hint: str = "") -> None:
-    """`DamagedCheckpointError` (`verify_checksums`) when `config`, the JSON read from `where`,
-    is not the config whose `config_bytes` checksum `recorded` holds; a record without one, or
-    none, predates it (steps and exports saved before the config was covered): nothing to
+def verify_json(value: Any, recorded: dict[str, str] | None, step: int | None, where: Path,
+                name: str = "config", hint: str = "") -> None:
+    """`DamagedCheckpointError` (`verify_checksums`) when `value`, the JSON read from `where`, is
+    not the one whose `json_bytes(…, name)` checksum `recorded` holds; a record without one, or
+    none, predates it (steps and exports saved before their JSON was covered): nothing to
     check. `step` None names an export."""
-    if recorded is not None and "config" in recorded:
-        verify_checksums(config_bytes(config), recorded, step, where, hint)
+    if recorded is not None and name in recorded:
+        verify_checksums(json_bytes(value, name), recorded, step, where, hint)
 
 
 def _read_checksums(mngr: ocp.CheckpointManager, step: int, where: Path,

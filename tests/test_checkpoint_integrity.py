@@ -748,10 +748,10 @@ def test_the_config_checksum_covers_values_not_key_order_or_how_json_writes_them
 
     read_back = reordered(json.loads(json.dumps(config)))
     assert list(read_back) != list(config)
-    sums = [checkpoint.checksums_record(checkpoint.config_bytes(c)) for c in (config, read_back)]
+    sums = [checkpoint.checksums_record(checkpoint.json_bytes(c)) for c in (config, read_back)]
     assert sums[0] == sums[1] and list(sums[0]["arrays"]) == ["config"]
     read_back["optim"]["lr"] = 0.000123456789012346
-    assert checkpoint.checksums_record(checkpoint.config_bytes(read_back)) != sums[0]
+    assert checkpoint.checksums_record(checkpoint.json_bytes(read_back)) != sums[0]
 
 
 def test_a_full_disk_while_rewriting_config_yaml_leaves_the_record_whole(corpus, run20, tmp_path):

@@ -357,7 +357,8 @@ def test_a_flipped_bit_in_model_safetensors_is_refused_naming_the_tensor(dtype, 
         (n,) = struct.unpack("<Q", data[:8])  # the header, parsed without the package
         header = json.loads(data[8: 8 + n])
         name = sorted(k for k in header if k != "__metadata__")[1]
-        assert sorted(recorded) == sorted([*(k for k in header if k != "__metadata__"), "config"])
+        stored = [k for k in header if k != "__metadata__"]
+        assert sorted(recorded) == sorted([*stored, "config", "export"])
         begin, end = header[name]["data_offsets"]
         data[8 + n + (begin + end) // 2] ^= 0x10
         (out / "model.safetensors").write_bytes(bytes(data))
@@ -382,7 +383,7 @@ def test_a_value_changed_in_an_exports_config_json_is_refused_naming_the_file(
     """config.json has no checksum of its own: a value changed in it (RoPE θ, λ_init, the norms'
     ε: the same shapes) was read as the model the parameters were exported from, by `load`,
     `eval.py checkpoint=DIR` and the import of an hf-diffllama export alike. Exports now record
-    the checksum of its JSON in checksums.json (`checkpoint.config_bytes`, the training
+    the checksum of its JSON in checksums.json (`checkpoint.json_bytes`, the training
     checkpoints' own), and an edited one is refused in one line naming the file; an export whose
     record has no config entry (written before) reads it unverified."""
     from diff_jax.export.hf_import import read_hf
@@ -616,11 +617,19 @@ def _truncate_the_largest_array_file(export_dir: Path) -> None:
     largest.write_bytes(largest.read_bytes()[:100])
 
 
-def _without_config_checksum(export_dir: Path) -> None:
-    """Its checksums.json as an export written before the record covered config.json."""
+def _without_config_checksum(export_dir: Path, name: str = "config") -> None:
+    """Its checksums.json as an export written before the record covered config.json (or
+    export.json, `name` "export")."""
     record = json.loads((export_dir / "checksums.json").read_text())
-    del record["arrays"]["config"]
+    del record["arrays"][name]
     (export_dir / "checksums.json").write_text(json.dumps(record))
+
+
+def _with_seed(export_dir: Path, seed: int) -> dict:
+    """The export's export.json with train.seed of its `run` set to `seed`."""
+    info = json.loads((export_dir / "export.json").read_text())
+    info["run"]["train"]["seed"] = seed
+    return info
 
 
 @pytest.mark.parametrize("damage, error", [
@@ -631,6 +640,13 @@ def _without_config_checksum(export_dir: Path) -> None:
      "converts this one)"),
     (lambda d: (d / "config.json").write_text("[1]"),
      "export {d} is damaged: config read from {d}/config.json does not match the checksum "),
+    # export.json's run decides eval.py's held-out split: a seed changed in it is damage
+    (lambda d: (d / "export.json").write_text(json.dumps(_with_seed(d, 7))),
+     "export {d} is damaged: export read from {d}/export.json does not match the checksum "),
+    (lambda d: (_without_config_checksum(d, "export"),
+                (d / "export.json").write_text(json.dumps(_with_seed(d, 7))),
+                (d / "params").rename(d / "moved")),  # read unverified: on to the parameters
+     "{d}/params: missing; the export is incomplete"),
     (lambda d: (_without_config_checksum(d), (d / "config.json").write_text("[1]")),
      "{d}/config.json: expected the model config as a JSON object, got [1]"),
     (lambda d: shutil.rmtree(d / "params"), "{d}/params: missing; the export is incomplete"),

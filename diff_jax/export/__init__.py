@@ -13,8 +13,8 @@
   the exports made from it, else none, as for an import; `none` for none; see
   `diff_jax.export.tokenizer`).
 
-Every format also writes `checksums.json`, the checksum of each stored tensor and of
-`config.json`'s JSON (the training checkpoints' own), which loading verifies
+Every format also writes `checksums.json`, the checksum of each stored tensor and of the JSON
+of `config.json` and `export.json` (the training checkpoints' own), which loading verifies
 (`diff_jax.export.sources`).
 
 `python -m diff_jax.export.hf_import HF_DIR --out DIR` is the other direction: a local

@@ -41,7 +41,7 @@ from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_io import read_safetensors
 from diff_jax.export.sources import (CHECKSUMS_FILE, EXPORT_MARKER, Source, read_json,
-                                     recorded_checksums, verify, verify_config)
+                                     recorded_checksums, verify, verify_json)
 from diff_jax.export.state_dict import from_state_dict
 from diff_jax.export.writer import export
 from diff_jax.file_errors import describe
@@ -241,7 +241,7 @@ def read_hf(hf_dir: str | Path) -> Source:
     # a diff-jax hf-diffllama export, whose config.json and stored tensors carry their checksums
     exported = (hf_dir / EXPORT_MARKER).is_file() and (hf_dir / CHECKSUMS_FILE).is_file()
     recorded = recorded_checksums(hf_dir) if exported else None
-    verify_config(hf_config, recorded, config_file)
+    verify_json(hf_config, recorded, config_file)
     config = model_config_from_hf(hf_config, str(config_file))
     tensors = read_hf_tensors(hf_dir)
     verify(tensors, recorded, hf_dir / _SINGLE_FILE)

@@ -5,10 +5,10 @@ Training checkpoints (`<run_dir>/checkpoints/<step>/`) are read with
 Exports carry `export.json` (format, dtype, source, step, the run's data.tokenizer, and `run`:
 its data section, train.seed and train.seq_len, which define its held-out split) beside
 `config.json` (the model config), their tensors and `checksums.json`: the checksum of every
-stored array and of `config.json`'s JSON (`checkpoint.checksums_record` and
-`checkpoint.config_bytes`, the training checkpoints' own), which loading verifies. Exports written
-before a format recorded them are read with a warning; those written before the record covered
-`config.json` read it unverified.
+stored array and of the JSON of `config.json` and `export.json` (`checkpoint.checksums_record`
+and `checkpoint.json_bytes`, the training checkpoints' own), which loading verifies. Exports
+written before a format recorded them are read with a warning; those written before the record
+covered a JSON file read it unverified.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ EXPORT_MARKER = "export.json"
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 PARAMS_DIR = "params"
-CHECKSUMS_FILE = "checksums.json"  # `checkpoint.checksums_record` of the arrays and config.json
+CHECKSUMS_FILE = "checksums.json"  # `checkpoint.checksums_record`: arrays, config.json, export.json
 EVAL_DIR = "eval"  # eval.py's output directory in a run or an export (evaluation.loading)
 
 
@@ -147,8 +147,9 @@ def _read_export(path: Path) -> Source:
         raise ExportError(f"{path / EXPORT_MARKER}: format {fmt!r} cannot be loaded back; "
                           f"exports in formats safetensors and orbax-params can{hint}")
     recorded = recorded_checksums(path)
+    verify_json(info, recorded, path / EXPORT_MARKER)
     data = read_json(path / CONFIG_FILE)
-    verify_config(data, recorded, path / CONFIG_FILE)
+    verify_json(data, recorded, path / CONFIG_FILE)
     config = model_config_from_json(data, str(path / CONFIG_FILE))
     if fmt == "safetensors":
         file = path / SAFETENSORS_FILE
@@ -231,14 +232,15 @@ def verify(arrays: Any, recorded: dict[str, str] | None, where: Path) -> None:
         raise ExportError(str(e)) from e
 
 
-def verify_config(config: Any, recorded: dict[str, str] | None, file: Path) -> None:
-    """`ExportError` naming `file`, the export's `config.json`, when `config` (the JSON read from
-    it) is not the config whose checksum `recorded` holds (`checkpoint.verify_config`): a digit
-    changed in it (a layer count, λ_init, RoPE θ, a head count of the same shapes) was read as
-    the model the parameters were exported from. An export written before its record covered
-    the config reads it unverified."""
+def verify_json(value: Any, recorded: dict[str, str] | None, file: Path) -> None:
+    """`ExportError` naming `file`, the export's `config.json` or `export.json`, when `value` (the
+    JSON read from it) is not the one whose checksum `recorded` holds under the file's stem
+    (`checkpoint.verify_json`): a digit changed in config.json (a layer count, λ_init, RoPE θ, a
+    head count of the same shapes) was read as the model the parameters were exported from, and
+    one in export.json's `run` (train.seed, the data section) as the split that eval.py holds
+    out. An export written before its record covered the file reads it unverified."""
     try:
-        checkpoint.verify_config(config, recorded, None, file)
+        checkpoint.verify_json(value, recorded, None, file, name=file.stem)
     except DamagedCheckpointError as e:
         raise ExportError(str(e)) from e
 

@@ -46,11 +46,12 @@ def _config_json(config: ModelConfig) -> str:
 
 
 def _write_checksums(out: Path, stored: Any) -> None:
-    """The checksums of the arrays as stored (cast) and of `config.json` as written (its JSON's
-    `checkpoint.config_bytes`, after its last change: the tokenizer's eos_token_id), committed
-    with them by the export's rename."""
-    config = json.loads((out / CONFIG_FILE).read_text())
-    record = checkpoint.checksums_record(stored, checkpoint.config_bytes(config))
+    """The checksums of the arrays as stored (cast) and of `config.json` and `export.json` as
+    written (their JSON's `checkpoint.json_bytes`, each under its file's stem, after their last
+    change: the tokenizer's eos_token_id), committed with them by the export's rename."""
+    written = [checkpoint.json_bytes(json.loads((out / name).read_text()), Path(name).stem)
+               for name in (CONFIG_FILE, EXPORT_MARKER)]
+    record = checkpoint.checksums_record(stored, *written)
     (out / CHECKSUMS_FILE).write_text(json.dumps(record, indent=1))
 
 
@@ -175,9 +176,9 @@ def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors
         stored = _WRITERS[fmt](tmp, loaded, dtype)
         if fmt == "hf-diffllama" and name != "none":
             _add_tokenizer(tmp, name, loaded.config)
-        _write_checksums(tmp, stored)
         info: dict[str, Any] = {"format": fmt, "dtype": dtype, "source": loaded.origin,
                                 "step": loaded.step, "tokenizer": loaded.tokenizer,
                                 "run": loaded.run}
         (tmp / EXPORT_MARKER).write_text(json.dumps(info, indent=2))
+        _write_checksums(tmp, stored)
     return out

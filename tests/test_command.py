@@ -205,3 +205,50 @@ def test_an_error_line_into_a_pipe_whose_reader_is_gone_keeps_its_status():
                     "eval.run = refuses",
                     "leave(eval.main(['task=nope']))"], buffered=False, stderr_too=True)
     assert proc.returncode == 2
+
+
+FIXTURE = ROOT / "tests" / "fixtures" / "safetensors_export_v0"  # an export: a quick source
+
+# (command, the lines of a script that run it on tiny inputs in TMP, its slow work stood in
+# where it has one, setting `status`; the interrupted line's text after why; the file under TMP
+# that holds its output, written whole before its last lines: None where none is)
+FINISHED = [
+    ("export", ["from diff_jax.export import __main__ as cli",
+                f"status = cli.main([{str(FIXTURE)!r}, '--out', 'TMP/out'])"],
+     "stopped at once; no half-written output is left at --out TMP/out", "out/export.json"),
+    ("hf_import", ["from diff_jax.export import export, hf_import as cli",
+                   f"export({str(FIXTURE)!r}, 'TMP/hf', 'hf-diffllama', tokenizer='none')",
+                   "status = cli.main(['TMP/hf', '--out', 'TMP/out'])"],
+     "stopped at once; no half-written output is left at --out TMP/out", "out/export.json"),
+    ("data", ["from diff_jax.data import __main__ as cli",
+              "status = cli.main(['prepare', 'TMP/text.txt', 'TMP/out'])"],
+     "stopped at once; no half-written output is left at OUT_DIR TMP/out", "out/meta.json"),
+    ("init_scale", ["from diff_jax.experiments import init_scale as cli, lm_report",
+                    "cli.stdlib_rows = lambda tokenizer, seq_len: None",
+                    "cli.residual_writes = lambda config, rows: None",
+                    "lm_report.init_scale_table = lambda models, seq_len, corpus: ['a table']",
+                    "status = cli.main(['micro'])"],
+     "stopped at once (it writes no file)", None),
+]
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize("name,lines,kept,file", FINISHED, ids=[c[0] for c in FINISHED])
+def test_the_last_lines_into_a_pipe_whose_reader_is_gone_are_one_interrupted_line(
+        name, lines, kept, file, buffered, tmp_path):
+    """`python -m diff_jax.export ... | head` once head has gone: the export, import, corpus
+    and init_scale printed their last lines outside `command.as_ctrl_c`: a BrokenPipeError
+    traceback (exit 1) or, stdout block-buffered, "Exception ignored" at the interpreter's exit
+    flush (exit 120). Now it stops each as a Ctrl-C does, its line saying why, exit 130, and
+    what was written is kept."""
+    if name == "hf_import":
+        pytest.importorskip("safetensors")
+    (tmp_path / "text.txt").write_text("a line of text to tokenize\n")
+    proc = _unread(["from diff_jax.command import leave",
+                    *(line.replace("TMP", str(tmp_path)) for line in lines),
+                    "leave(status)"], buffered)
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1] == ("interrupted: the reader of stdout is gone (SIGPIPE); "
+                                            + kept.replace("TMP", str(tmp_path)))
+    if file:
+        assert (tmp_path / file).is_file()

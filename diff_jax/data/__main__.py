@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from diff_jax.command import failed, leave, output_kept
+from diff_jax.command import as_ctrl_c, failed, leave, output_kept
 from diff_jax.data.corpus import prepare
 from diff_jax.data.sources import DataError
 from diff_jax.data.tokenizer import BASE
@@ -39,8 +39,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="replace a prepared corpus at OUT_DIR once the new one is written")
     args = parser.parse_args(argv)
     try:
-        meta = prepare(args.sources, args.out_dir, args.text_field, args.tokenizer,
-                       overwrite=args.overwrite)
+        with as_ctrl_c(signals=()):  # a closed stdout (`| head`) is a Ctrl-C; SIGTERM as it was
+            meta = prepare(args.sources, args.out_dir, args.text_field, args.tokenizer,
+                           overwrite=args.overwrite)
+            skipped = meta.pop("skipped")
+            print(json.dumps(dict(meta, skipped=len(skipped)), indent=1))
+            for line in skipped[:20]:
+                print(f"skipped: {_as_typed(line)}", file=sys.stderr)
     except DataError as e:
         return failed(_as_typed(str(e)))
     except OSError as e:  # OUT_DIR cannot be made or written, or a source cannot be read
@@ -48,10 +53,6 @@ def main(argv: list[str] | None = None) -> int:
         return failed(describe(e, named))
     except KeyboardInterrupt:
         return output_kept(f"OUT_DIR {args.out_dir}")
-    skipped = meta.pop("skipped")
-    print(json.dumps(dict(meta, skipped=len(skipped)), indent=1))
-    for line in skipped[:20]:
-        print(f"skipped: {_as_typed(line)}", file=sys.stderr)
     return 0
 
 

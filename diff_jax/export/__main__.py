@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from diff_jax.checkpoint import quiet_abandoned_io
-from diff_jax.command import failed, leave, output_kept
+from diff_jax.command import as_ctrl_c, failed, leave, output_kept
 from diff_jax.export import DTYPES, FORMATS, ExportError, export
 from diff_jax.export.sources import EVAL_DIR, EXPORT_MARKER, read_json
 from diff_jax.file_errors import describe
@@ -35,8 +35,12 @@ def main(argv: list[str] | None = None) -> int:
                              f"{EVAL_DIR}/ (eval.py results), which is never deleted")
     args = parser.parse_args(argv)
     try:
-        out = export(args.source, args.out, args.format, dtype=args.dtype, overwrite=args.overwrite,
-                     tokenizer=args.tokenizer)
+        with as_ctrl_c(signals=()):  # a closed stdout (`| head`) is a Ctrl-C; SIGTERM as it was
+            out = export(args.source, args.out, args.format, dtype=args.dtype,
+                         overwrite=args.overwrite, tokenizer=args.tokenizer)
+            step = read_json(out / EXPORT_MARKER).get("step")  # the step the source resolved to
+            at = "" if step is None else f" (step {step})"
+            print(f"wrote {args.format} ({args.dtype}) export of {args.source}{at} to {out}")
     except ExportError as e:
         quiet_abandoned_io()  # a damaged checkpoint's reads: this line stays the last
         return failed(str(e))
@@ -45,9 +49,6 @@ def main(argv: list[str] | None = None) -> int:
         return failed(describe(e, [(f'--out {args.out}', args.out)]))
     except KeyboardInterrupt:
         return output_kept(f"--out {args.out}")
-    step = read_json(out / EXPORT_MARKER).get("step")  # the step the source resolved to
-    at = "" if step is None else f" (step {step})"
-    print(f"wrote {args.format} ({args.dtype}) export of {args.source}{at} to {out}")
     return 0
 
 

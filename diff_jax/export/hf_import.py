@@ -35,7 +35,7 @@ import numpy as np
 from diff_jax import variants
 from diff_jax.attention import LAMBDA_VECTORS
 from diff_jax.checkpoint import quiet_abandoned_io
-from diff_jax.command import failed, leave, output_kept
+from diff_jax.command import as_ctrl_c, failed, leave, output_kept
 from diff_jax.config import ConfigError, ModelConfig, override_value
 from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
@@ -302,8 +302,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export at --out")
     args = parser.parse_args(argv)
     try:
-        source = read_hf(args.hf_dir)
-        out = export(source, args.out, "orbax-params", dtype="float32", overwrite=args.overwrite)
+        with as_ctrl_c(signals=()):  # a closed stdout (`| head`) is a Ctrl-C; SIGTERM as it was
+            source = read_hf(args.hf_dir)
+            out = export(source, args.out, "orbax-params", dtype="float32",
+                         overwrite=args.overwrite)
+            print(f"imported {args.hf_dir} ({source.config.variant}) to {out} (orbax-params, "
+                  "float32)")
+            print("evaluate:  python eval.py task=ppl " + shlex.quote(f"checkpoint={out}"))
+            # a run directory of its own: the config file's (configs/tiny.yaml: runs/tiny) may
+            # hold a run, which would resume instead, ignoring train.init_from
+            print("fine-tune: python train.py " + shlex.join(
+                [*finetune_overrides(source.config, out),
+                 f"train.run_dir=runs/{out.name}-finetune"]))
     except ExportError as e:
         quiet_abandoned_io()  # a damaged checkpoint's reads: this line stays the last
         return failed(str(e))
@@ -313,12 +323,6 @@ def main(argv: list[str] | None = None) -> int:
         return failed(describe(e, named))
     except KeyboardInterrupt:
         return output_kept(f"--out {args.out}")
-    print(f"imported {args.hf_dir} ({source.config.variant}) to {out} (orbax-params, float32)")
-    print("evaluate:  python eval.py task=ppl " + shlex.quote(f"checkpoint={out}"))
-    # a run directory of its own: the config file's (configs/tiny.yaml: runs/tiny) may hold a
-    # run, which would resume instead, ignoring train.init_from
-    print("fine-tune: python train.py " + shlex.join(
-        [*finetune_overrides(source.config, out), f"train.run_dir=runs/{out.name}-finetune"]))
     return 0
 
 

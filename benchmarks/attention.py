@@ -64,7 +64,7 @@ import numpy as np  # noqa: E402
 
 import kernels  # noqa: E402
 from diff_jax.attention import HeadLayout  # noqa: E402
-from diff_jax.command import positive_int, positive_ints  # noqa: E402
+from diff_jax.command import concluded, leave, positive_int, positive_ints  # noqa: E402
 from diff_jax.config import ModelConfig  # noqa: E402
 from diff_jax.output_dir import write_whole  # noqa: E402
 from diff_jax.variants import DIFF  # noqa: E402
@@ -807,6 +807,27 @@ def _untaken_head_dims(args: argparse.Namespace) -> str | None:
 
 
 def main(argv=None) -> dict:
+    """The command line in the module docstring (`argv`: None reads sys.argv): the modes it
+    asks for; returns what the JSON holds. `command` ends it as a command line."""
+    return measured(arguments(argv))
+
+
+def command(argv=None) -> int:
+    """`main` as the command line, ended as every command is (`command.concluded`): exit
+    status 0; 2 on bad input (argparse's usage and error line; one `error:` line for an --out
+    that cannot be made or written); 130 after Ctrl-C or once stdout's or stderr's reader is
+    gone (`| head`), in one `interrupted:` line: it stops at once, its JSON and markdown each
+    written whole or not at all. Measured with --smoke before: a Ctrl-C while it compiled was a
+    KeyboardInterrupt traceback (exit -2), `| head` a BrokenPipeError traceback at the first
+    row's print (exit 1; 120 with stdout block-buffered), nothing written. SIGTERM keeps the
+    deadline's handler (what was measured is written, exit 0)."""
+    args = arguments(argv)
+    return concluded(lambda: measured(args), (f"--out {args.out}", args.out))
+
+
+def arguments(argv=None) -> argparse.Namespace:
+    """The parsed command line (`argv`: None reads sys.argv); argparse's usage and error line,
+    exit status 2, for one no measurement could take."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter")
     p.add_argument("--check", action="store_true",
@@ -845,6 +866,11 @@ def main(argv=None) -> dict:
     untaken = _untaken_head_dims(args)
     if untaken:  # before anything compiles: each such row was a refusal, after the others
         p.error(f"--head-dims {','.join(map(str, args.head_dims))}: {untaken}")
+    return args
+
+
+def measured(args: argparse.Namespace) -> dict:
+    """`main`'s work for parsed `args`, under the deadline and its SIGTERM handler."""
     if args.compile_threads is None:
         args.compile_threads = (len(os.sched_getaffinity(0)) if jax.default_backend() == "gpu"
                                 else 1)
@@ -987,4 +1013,4 @@ def _modes(args, deadline: Deadline) -> dict:
 
 if __name__ == "__main__":
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
-    main()
+    leave(command())  # after Ctrl-C without the interpreter's teardown (diff_jax.command)

@@ -157,7 +157,7 @@ from pathlib import Path
 
 from limited_run import Stopped, run_limited
 
-from diff_jax.command import interrupted
+from diff_jax.command import concluded, interrupted, leave
 from diff_jax.output_dir import write_whole
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -396,13 +396,33 @@ def main(argv=None) -> int:
         if previous is None:
             p.error(f"--previous {args.previous}: not a session.json with a summary")
     out = Path(args.out)
+    report: dict = {"stages": [], "argv": sys.argv}
+    status = concluded(lambda: session(args, stages, previous, report), (f"--out {out}", str(out)))
+    last = report["stages"][-1] if report["stages"] else {"status": ""}
+    if status == 0 and last["status"].startswith(STOPPED):
+        return interrupted(f"the {last['stage']} stage {last['status']}; {out}/session.json and "
+                           "session.md hold the stages run, that one's output included")
+    return status
+
+
+def session(args: argparse.Namespace, stages: list[str], previous: dict | None,
+            report: dict) -> None:
+    """`main`'s work for parsed `args`: the `stages` in turn, each appended to `report` and
+    recorded (`_record`) as it ends, then the stages' lines printed; none after one a signal
+    stopped (`STOPPED`). Under `command.concluded`: a Ctrl-C outside a stage (between two, or
+    while one is recorded) or an output whose reader is gone (`| head`) ends the session in
+    one `interrupted:` line, exit 130, session.json and .md holding the stages recorded
+    (session.log and parts/ the output of the one in flight). Measured before: each was a
+    traceback (`| head`: a BrokenPipeError at the first stage's line, exit 1, or 120 with
+    stdout block-buffered, that stage left out of session.json, which was not yet written)."""
+    out = Path(args.out)
     parts = out / "parts"
     parts.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     py = sys.executable
     bench = [py, "benchmarks/attention.py", "--out", str(parts)]
     stub = _xprof_stub(Path("/tmp/diff_jax_xprof_stub"))
-    report: dict = {"stages": [], "argv": sys.argv, "xprof_stub": stub is not None}
+    report["xprof_stub"] = stub is not None
 
     def left() -> float:
         return args.total - (time.monotonic() - start)
@@ -522,12 +542,7 @@ def main(argv=None) -> int:
 
     shutil.rmtree(parts, ignore_errors=True)  # their contents are in session.json / .md
     print("\n".join(md[: 3 + len(report["stages"])]), flush=True)
-    last = report["stages"][-1] if report["stages"] else {"status": ""}
-    if last["status"].startswith(STOPPED):
-        return interrupted(f"the {last['stage']} stage {last['status']}; {out}/session.json and "
-                           "session.md hold the stages run, that one's output included")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())  # after Ctrl-C without the interpreter's teardown (diff_jax.command)

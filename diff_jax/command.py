@@ -34,7 +34,8 @@ which. The pipe is pointed at /dev/null (`let_go`), so nothing more is written t
 interpreter's flush at exit does not fail again; with stderr in the same pipe the line goes
 nowhere.
 
-`concluded` ends a command this way once its arguments are parsed (the benchmark scripts); the
+`concluded` ends a command this way once its arguments are parsed (the benchmark scripts, and
+hopper_session.py around its stages, whose signals benchmarks/limited_run.py takes); the
 argparse types below refuse an argument as argparse does (its usage and an error line naming
 the argument, exit status 2).
 """

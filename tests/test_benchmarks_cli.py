@@ -333,3 +333,39 @@ def test_mosaic_probe_and_kernel_profile_keep_the_row_a_signal_stopped(capsys, t
     (row,) = json.loads((out / "kernel_profile.json").read_text())
     assert row["error"] == "interrupted (got SIGTERM): stacks of the probe in flight\n"
     assert "not measured: interrupted (got SIGTERM)" in (out / "kernel_profile.md").read_text()
+
+
+# (script, the function its command line calls it by, the function its work calls that the Ctrl-C
+# lands in, argv less --out; fit.py writes its own results, under ROOT, here the test's directory)
+ENDED = [("attention", "command", "_modes", ["--smoke"]),
+         ("fit", "main", "compile_one", ["--configs", "diff-830m", "--impls", "xla", "--slices",
+                                         "v5p:2x2x2"]),
+         ("hopper_session", "main", "_record", ["--stages", "env", "--total", "1"])]
+
+
+@pytest.mark.parametrize("script,command,function,argv", ENDED, ids=[c[0] for c in ENDED])
+def test_ctrl_c_and_an_out_that_cannot_be_made_end_these_scripts_in_one_line(
+        script, command, function, argv, capfd, tmp_path, monkeypatch):
+    """attention.py, fit.py and hopper_session.py ended through no `command.concluded`: a Ctrl-C
+    in their work (hopper_session.py: outside a stage, whose signals `limited_run` takes) was
+    a KeyboardInterrupt traceback, and so was an --out under a file (attention.py, the
+    session). Now one `interrupted:` line, exit 130, and one `error:` line naming --out, exit 2
+    (fit.py has no --out). On stderr's file descriptor: attention.py registers it with
+    faulthandler."""
+    bench = importlib.import_module(script)
+    main = getattr(bench, command)
+    monkeypatch.setattr(bench, function, _stop)
+    if script == "fit":
+        (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+        monkeypatch.setattr(bench, "ROOT", tmp_path)
+    out = [] if script == "fit" else ["--out", str(tmp_path / "out")]
+    assert main([*argv, *out]) == 130
+    where = "benchmarks/results/tpu_fit.json" if script == "fit" else f"--out {tmp_path / 'out'}"
+    assert capfd.readouterr().err == (f"interrupted: stopped at once; no half-written output is "
+                                       f"left at {where}\n")
+    if script != "fit":
+        monkeypatch.undo()  # the work as it is: the first thing it writes is in --out
+        (tmp_path / "file").write_text("")
+        out = tmp_path / "file" / "out"
+        assert _refused(capfd, main, [*argv, "--out", str(out)]).startswith(
+            f"error: --out {out}: {out}")

@@ -229,6 +229,22 @@ FINISHED = [
                     "lm_report.init_scale_table = lambda models, seq_len, corpus: ['a table']",
                     "status = cli.main(['micro'])"],
      "stopped at once (it writes no file)", None),
+    ("attention", ["import attention",  # a row measured, as --smoke prints it
+                   "attention._modes = lambda args, deadline: print({'variant': 'fused'})",
+                   "status = attention.command(['--smoke', '--out', 'TMP/out'])"],
+     "stopped at once; no half-written output is left at --out TMP/out", None),
+    ("fit", ["import pathlib, fit",
+             "fit.ROOT = pathlib.Path('TMP')",  # its results there, not in the repository's
+             "fit.compile_one = lambda config, topology, impl, timeout: {'config': config, "
+             "'topology': topology, 'impl': impl, 'error': 'compile > 1s'}",
+             "status = fit.main(['--configs', 'diff-830m', '--impls', 'xla', '--slices', "
+             "'v5p:2x2x2'])"],
+     "stopped at once; no half-written output is left at benchmarks/results/tpu_fit.json",
+     "benchmarks/results/tpu_fit.json"),
+    ("hopper_session", ["import hopper_session",  # no time left: the stage is skipped
+                        "status = hopper_session.main(['--out', 'TMP/out', '--stages', 'env', "
+                        "'--total', '1'])"],
+     "stopped at once; no half-written output is left at --out TMP/out", "out/session.json"),
 ]
 
 
@@ -237,14 +253,18 @@ FINISHED = [
 def test_the_last_lines_into_a_pipe_whose_reader_is_gone_are_one_interrupted_line(
         name, lines, kept, file, buffered, tmp_path):
     """`python -m diff_jax.export ... | head` once head has gone: the export, import, corpus
-    and init_scale printed their last lines outside `command.as_ctrl_c`: a BrokenPipeError
-    traceback (exit 1) or, stdout block-buffered, "Exception ignored" at the interpreter's exit
-    flush (exit 120). Now it stops each as a Ctrl-C does, its line saying why, exit 130, and
-    what was written is kept."""
+    and init_scale printed their last lines outside `command.as_ctrl_c`, and attention.py,
+    fit.py and hopper_session.py ended in no `command.concluded`: a BrokenPipeError traceback
+    (exit 1) or, stdout block-buffered, "Exception ignored" at the interpreter's exit flush
+    (exit 120). Now it stops each as a Ctrl-C does, its line saying why, exit 130, and what
+    was written is kept."""
     if name == "hf_import":
         pytest.importorskip("safetensors")
     (tmp_path / "text.txt").write_text("a line of text to tokenize\n")
-    proc = _unread(["from diff_jax.command import leave",
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "docs").mkdir()
+    proc = _unread(["import sys", "sys.path.insert(0, 'benchmarks')",
+                    "from diff_jax.command import leave",
                     *(line.replace("TMP", str(tmp_path)) for line in lines),
                     "leave(status)"], buffered)
     assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

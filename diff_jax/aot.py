@@ -24,7 +24,7 @@ import jax.export
 from diff_jax.attention_op import resolve_impl
 from diff_jax.config import Config, ConfigError
 from diff_jax.device_memory import devices_here, fit_or_explain, train_advice
-from diff_jax.platforms import describe_missing_tpu_host
+from diff_jax.platforms import describe_missing_tpu_host, signals_kept
 from diff_jax.sharding import make_mesh
 from diff_jax.step import Batch, Steps, TrainState, build_steps
 from kernels import ptxas
@@ -111,9 +111,10 @@ def topology_devices(topology: str, slices: int = 1) -> list[Any]:
                           "e.g. h100:8")
     describe_missing_tpu_host(topology)
     try:
-        return list(topologies.get_topology_desc(topology, platform="tpu",
-                                                 **({"num_slices": slices} if slices > 1 else {})
-                                                 ).devices)
+        with signals_kept():  # libtpu loads here, and ignores SIGHUP in this process
+            return list(topologies.get_topology_desc(
+                topology, platform="tpu", **({"num_slices": slices} if slices > 1 else {})
+            ).devices)
     except Exception as e:  # libtpu missing or an unknown topology name
         raise ConfigError(f"train.compile_topology={topology!r}: cannot describe this TPU slice "
                           f"({type(e).__name__}: {e}); it needs libtpu (pip install 'jax[tpu]') "

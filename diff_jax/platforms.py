@@ -8,14 +8,19 @@ missing TPU metadata before every command. `default_to_cpu_without_accelerators`
 TPU, NVIDIA or AMD device node exists, it sets `JAX_PLATFORMS=cpu`. AOT compiles for a TPU slice
 (`train.compile_topology`) do not use that backend and still work; an explicit `JAX_PLATFORMS`
 is always left as it is. `describe_missing_tpu_host` does the same for those compiles, which load
-libtpu themselves. `use_compile_cache` points JAX's persistent compilation cache at a directory
+libtpu themselves; `signals_kept` undoes the SIGHUP disposition that loading sets. On a TPU host
+JAX's own backend loads libtpu (not measured there: no TPU here). `use_compile_cache` points JAX's persistent compilation cache at a directory
 (`train.compile_cache_dir`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 ACCELERATOR_DEVICE_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
@@ -39,6 +44,28 @@ def describe_missing_tpu_host(topology: str) -> None:
         return
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{topology.split(':')[0]}-8")
+
+
+@contextlib.contextmanager
+def signals_kept(signals: tuple[int, ...] = (signal.SIGHUP,)) -> Iterator[None]:
+    """For code that loads libtpu (a TPU slice described for an AOT compile): on the way out,
+    `signals` are set back to what Python had set them to before (main thread only; a
+    disposition Python did not set, `getsignal` None, is left). Measured with libtpu for jax
+    0.10.2: the first `get_topology_desc(platform="tpu")` set SIGHUP and SIGPROF to SIG_IGN with
+    sigaction, behind Python's back. `signal.getsignal` still answered SIG_DFL, so
+    `command.not_ignored` could not see it, and every process started afterwards inherited
+    SIGHUP ignored, as under nohup (a child started after the load printed SIG_IGN for it; the
+    test suite's run_limited SIGHUP test, run after a TPU compile in the same pytest worker,
+    hung with its child left running). SIGPROF is libtpu's to ignore: set back to SIG_DFL, the
+    process was killed by it (exit -27) within a second."""
+    main = threading.current_thread() is threading.main_thread()
+    before = {s: signal.getsignal(s) for s in signals} if main else {}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            if handler is not None:
+                signal.signal(s, handler)
 
 
 def use_compile_cache(path: str | None) -> None:

@@ -6,6 +6,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import jax
 import pytest
@@ -16,6 +20,7 @@ from diff_jax.config import ConfigError, load_config
 from diff_jax.summary import abstract_params
 from test_kernels import TRITON
 
+ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["model.vocab_size=512", "model.embed_dim=64", "model.num_layers=2", "model.num_heads=2",
          "model.max_seq_len=64", "train.seq_len=16", "train.batch_size=8"]
 
@@ -52,6 +57,34 @@ def test_unknown_topology_is_a_config_error():
     with pytest.raises(ConfigError, match=r"^train.compile_slices=2: slices are TPU slices; "
                                           r"train.compile_topology='h100:8' describes GPUs"):
         topology_devices("h100:8", 2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu not installed (optional extra: jax[tpu])")
+def test_describing_a_tpu_slice_leaves_sighup_as_it_was():
+    """Loading libtpu set SIGHUP to SIG_IGN in this process behind Python's back
+    (`platforms.signals_kept`): every process started afterwards inherited SIGHUP ignored, as
+    under nohup, and the kernel's SigIgn gained its bit while `signal.getsignal` said SIG_DFL.
+    In a fresh process, as the first load is the one that sets it."""
+    probe = textwrap.dedent("""
+        import signal, subprocess, sys
+        from diff_jax.aot import topology_devices
+
+        def ignored():
+            line = next(l for l in open("/proc/self/status") if l.startswith("SigIgn"))
+            return [s for s in (signal.SIGHUP,) if int(line.split()[1], 16) >> (s - 1) & 1]
+
+        before = ignored()
+        assert len(topology_devices("v5p:2x2x2")) == 8
+        child = subprocess.run([sys.executable, "-c", "import signal; "
+                                "print(signal.getsignal(signal.SIGHUP))"],
+                               capture_output=True, text=True).stdout.strip()
+        print(before, ignored(), child)
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[] [] 0", out.stdout  # 0: SIG_DFL
 
 
 SHARDED = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "model.dtype=bfloat16",

@@ -628,11 +628,11 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
 
 def _tpu_compile(fn, *abstract):
     """`fn` compiled through Mosaic and XLA:TPU for one chip of a v5p slice (no TPU needed)."""
-    from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    topo = topologies.get_topology_desc(topology_name="v5p:2x2x2", platform="tpu")
-    one = NamedSharding(Mesh(np.array(topo.devices[:1]).reshape(1), ("x",)), P())
+    from diff_jax.aot import topology_devices
+
+    one = NamedSharding(Mesh(np.array(topology_devices("v5p:2x2x2")[:1]).reshape(1), ("x",)), P())
     return jax.jit(fn).lower(*(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one)
                                for a in abstract)).compile()
 

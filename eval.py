@@ -3,8 +3,8 @@
 Tasks: ppl, score (input=FILE), niah, recall, attention, outliers, quant, generate (prompt="...");
 or checkpoint=PATH (a run, a step directory RUN/checkpoints/N, or an orbax-params export)
 instead of train.run_dir, and step=N for another step of a run. Writes RUN/eval/NAME.json (a step
-named by step=N or its directory: RUN/eval/step-N/NAME.json; out_dir=DIR: DIR/NAME.json). See the
-README for every task's keys. Exit status: 0 done, 2 bad input (arguments, config, a missing or
+named by step=N or its directory: RUN/eval/step-N/NAME.json; out_dir=DIR: DIR/NAME.json). See
+docs/evaluation.md for every task's keys. Exit status: 0 done, 2 bad input (arguments, config, a missing or
 damaged checkpoint, a file that cannot be read or written, a task too big for the devices'
 memory), 1 a result that is NaN (the JSON is still written), 130 stopped by Ctrl-C or by
 stdout's reader gone, `| head` (each result file is whole: this run's or the earlier one).

@@ -514,10 +514,10 @@ class DistributedConfig:
     num_processes: int | None = None
     process_id: int | None = None
     # A process that sends no heartbeat for this long (killed, its host lost) is taken for dead
-    # and jax aborts the others (jax's default; README "Multi-host")
+    # and jax aborts the others (jax's default; docs/training.md, "Multi-host")
     heartbeat_timeout_s: int = 100
     # A process stops in one line when the job's processes have not all connected within this
-    # (one refused its config before connecting, say); jax's default (README "Multi-host")
+    # (one refused its config before connecting, say); jax's default (docs/training.md, "Multi-host")
     initialization_timeout_s: int = 300
 
     def __post_init__(self) -> None:

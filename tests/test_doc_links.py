@@ -26,3 +26,32 @@ def test_every_local_link_in_the_readme_and_the_reports_names_a_file_that_exists
                 missing.append(f"{page.relative_to(ROOT)}: {target}")
     assert not missing, missing
     assert checked >= 10  # the README alone links its results directories and design notes
+
+
+def _heading_anchors(markdown: Path) -> set[str]:
+    """The anchors GitHub gives `markdown`'s headings: lower case, punctuation dropped (letters,
+    digits, `_` and `-` kept), spaces as hyphens."""
+    return {re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+            for title in re.findall(r"^#+ (.+)$", markdown.read_text(), re.M)}
+
+
+def test_every_link_to_a_section_names_a_heading_of_its_page():
+    """A `page.md#section` link (or an in-page `#section`) names a heading that page has: the
+    README links its sections to the docs pages, and a heading renamed or moved to another page
+    would leave the link pointing at the top of the page."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+             *sorted((ROOT / "benchmarks").rglob("*.md"))]
+    checked, missing = 0, []
+    for page in pages:
+        for target in LINK.findall(page.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")) or "#" not in target:
+                continue
+            path, section = target.split("#", 1)
+            linked = page.parent / path if path else page
+            if linked.suffix != ".md" or not linked.exists():
+                continue  # a missing page is the test above's
+            checked += 1
+            if section not in _heading_anchors(linked):
+                missing.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not missing, missing
+    assert checked >= 10  # the README links the docs pages' sections

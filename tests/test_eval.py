@@ -974,13 +974,13 @@ def test_counts_below_one_are_one_error(key):
         parse_args(["task=niah", f"{key}=0"])
 
 
-def test_the_defaults_are_the_readmes():
-    """Every `key=value` default the README's table of eval.py tasks names is EvalOptions'
+def test_the_defaults_are_those_docs_evaluation_names():
+    """Every `key=value` default docs/evaluation.md's table of eval.py tasks names is EvalOptions'
     default (a default that drifted from the table, e.g. samples=2, passed every test: the
     tests name their keys)."""
     import re
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parent.parent / "docs" / "evaluation.md").read_text()
     table = readme[readme.index("| task | what | keys (defaults) |"):].split("\n\n")[0]
     named = {}
     for row in table.splitlines()[2:]:
@@ -1057,7 +1057,7 @@ def test_no_arguments_print_the_usage_and_are_bad_input(capsys):
 
 def test_a_tokenizer_whose_ids_exactly_fill_the_vocabulary_is_used(tmp_path):
     """text_encoding accepts cl100k_first_256 (257 ids) for model.vocab_size=257 and refuses it
-    for 256. Refusing the exact fit (the README's cl100k_first_4096 with vocab_size=4097, the
+    for 256. Refusing the exact fit (docs/training.md's cl100k_first_4096 with vocab_size=4097, the
     cpu-small preset's niah) passed every test: ppl checks the held-out ids by itself."""
     from diff_jax.evaluation.loading import text_encoding
 

@@ -116,7 +116,7 @@ def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path, monk
     with pytest.raises(ConfigError, match="model.vocab_size: 300 is smaller than the data's "
                                           r"vocabulary \(301 ids\)"):
         train_loop.run(config)
-    # 300 ranks and end-of-text at id 300: model.vocab_size=301 holds every id, as the README says
+    # 300 ranks and end-of-text at id 300: model.vocab_size=301 holds every id, as docs/training.md says
     train_loop._check_vocab_size(dataclasses.replace(
         config, model=dataclasses.replace(config.model, vocab_size=301)), 301)
 

@@ -2,7 +2,7 @@
 
 `run(argv)` parses `task=NAME [key=value ...] [section.key=value ...]`, loads the checkpoint,
 runs the task, prints a table and writes `<RUN>/eval/<task>.json` (`<RUN>/eval/step-N/` for a step
-named by `step=N` or its directory; the README lists each task's keys and fields).
+named by `step=N` or its directory; docs/evaluation.md lists each task's keys and fields).
 """
 
 from __future__ import annotations

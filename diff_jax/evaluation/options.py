@@ -38,7 +38,7 @@ class EvalError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class EvalOptions:
-    """Keys of `python eval.py task=NAME [key=value ...]` (see the README for each task's keys)."""
+    """Keys of `python eval.py task=NAME [key=value ...]` (docs/evaluation.md lists each task's keys)."""
 
     task: str
     checkpoint: str | None = None  # a run dir, a step dir RUN/checkpoints/N, or an export dir

@@ -69,6 +69,14 @@ class DamagedCheckpointError(CheckpointError):
         self.step = step
 
 
+# How a read fails, by its index, which the processes agree on (`_read_errors`): damage to the
+# step's bytes, or out of memory, which says nothing of the step: the devices' (XLA's error, which
+# `device_memory.fit_or_explain` reports) or the host's, raised as that error again
+READ_FAILURES: tuple[type[Exception], ...] = (DamagedCheckpointError, jax.errors.JaxRuntimeError,
+                                              MemoryError)
+DAMAGE = 0
+
+
 def _items(state: ocp.CheckpointHandler) -> dict[str, Any]:
     """The handler of each item of a step (`state`'s differs: whole restores or partial reads)."""
     return {"state": state,
@@ -525,27 +533,30 @@ def _check_readable(step: int, where: Path) -> None:
                                   "this user read access to it)") from e
 
 
-def _agree(error: str | None) -> tuple[int, str] | None:
+def _agree(error: str | None, kind: int = DAMAGE) -> tuple[int, int, str] | None:
     """None on every process when `error` (this process's failure, None: none) is None on every
-    process; else, on every process, (the first process that failed, its `error`): gathered from
-    it, so that every process reports what the failing one saw (process 0, the one that prints,
-    said only "another process cannot read …/6/state", and the failing process, which printed
-    nothing, knew which file and why). One all-gather of the errors' lengths, and one of their
-    bytes when any failed (every process sees the same lengths, so all take it or none does);
-    with one process, `error` itself."""
+    process; else, on every process, (the first process that failed, its `kind`: `DAMAGE` or
+    what `_read_errors` raises instead, its `error`): gathered from it, so that every process
+    reports what the failing one saw (process 0, the one that prints, said only "another
+    process cannot read …/6/state", and the failing process, which printed nothing, knew which
+    file and why). One all-gather of the errors' lengths and kinds, and one of their bytes when
+    any failed (every process sees the same lengths, so all take it or none does); with one
+    process, `error` itself."""
     if jax.process_count() == 1:
-        return None if error is None else (0, error)
+        return None if error is None else (0, kind, error)
     from jax.experimental import multihost_utils
 
     text = (error or "").encode()
-    lengths = multihost_utils.process_allgather(np.int32(-1 if error is None else len(text)))
+    heads = multihost_utils.process_allgather(
+        np.array([-1 if error is None else len(text), kind], np.int32))
+    lengths = heads[:, 0]
     failed = [p for p, n in enumerate(lengths) if n >= 0]
     if not failed:
         return None
     width = max(1, int(lengths.max()))
     texts = multihost_utils.process_allgather(np.frombuffer(text.ljust(width, b"\0"), np.uint8))
     first = failed[0]
-    return first, bytes(texts[first][:lengths[first]]).decode()
+    return first, int(heads[first, 1]), bytes(texts[first][:lengths[first]]).decode()
 
 
 def _set_aside(mngr: ocp.CheckpointManager, step: int) -> Path:
@@ -651,7 +662,7 @@ def resume(mngr: ocp.CheckpointManager, cfg: CheckpointConfig, target: Any,
             for bad, why in damaged:
                 say(f"skipped {why}; moved it to {_set_aside(mngr, bad)}")
             return step, state, saved
-        damaged.append((step, agreed[1]))  # the first failing process's error, on every process
+        damaged.append((step, agreed[2]))  # the first failing process's error, on every process
     if damaged:
         raise CheckpointError(f"no checkpoint in {where} verifies; the newest: {damaged[0][1]} "
                               f"(move the damaged steps away, or choose another train.run_dir)")
@@ -845,29 +856,47 @@ def _checksummed(mngr: ocp.CheckpointManager, step: int, where: Path, hint: str 
 
 @contextlib.contextmanager
 def _read_errors(step: int, where: Path, hint: str = "") -> Iterator[None]:
-    """Any failure to read `where` -> one-line `DamagedCheckpointError` naming the step; XLA's
-    out-of-memory error (`device_memory.out_of_memory_in`) is raised as itself. What the read's
-    abandoned operations raise where nobody catches it is dropped (`_drop_abandoned_io_noise`).
-    The processes of a job agree on the read (`_agree`): when it fails on one, it raises on
-    every one, before any goes on into a collective (a checksum, the next read's agreement)
-    that the one which failed would not join (`_reader`). Every process raises the same line,
-    naming the process that failed and what it saw ("process 1 cannot read …/6/state: OSError:
-    …"): process 0 prints it (resume's `skipped` line), and before it printed only "another
-    process cannot read …/6/state"."""
+    """Any failure to read `where` -> one-line `DamagedCheckpointError` naming the step; out of
+    memory (XLA's, `device_memory.out_of_memory_in`, or Python's MemoryError) says nothing of the
+    step: it is raised as that type again (`READ_FAILURES`), with its first line. What the
+    read's abandoned operations raise where nobody catches it is dropped
+    (`_drop_abandoned_io_noise`). The processes of a job agree on the read whatever it raised
+    (`_agree`): when it fails on one, it raises on every one, before any goes on into a
+    collective (a checksum, the next read's agreement) that the one which failed would not join
+    (`_reader`). Every process raises the same line, naming the process that failed and what it
+    saw ("process 1 cannot read …/6/state: OSError: …", "process 1: RESOURCE_EXHAUSTED: Out of
+    memory …"): process 0 prints it (resume's `skipped` line); before, it printed only "another
+    process cannot read …/6/state". Out of memory was raised on the failing process alone, so the
+    others waited in the agreement (two processes without `peers.stop_together`: until jax's
+    shutdown barrier aborted both, 305 s; train.py's peers stopped process 0 within seconds, but
+    with another line than process 1's), and a MemoryError was damage: resume set the step
+    aside. A KeyboardInterrupt or SystemExit is no failure of the read: it propagates, unagreed
+    (train.py's `peers.stop_together` stops the others)."""
     _drop_abandoned_io_noise()
     failure: Exception | None = None
     try:  # only orbax calls run inside: none raises a CheckpointError of ours
         yield
     except Exception as e:  # orbax/tensorstore raise many types for unreadable bytes
-        if (no_room := out_of_memory_in(e)) is not None:  # the step is fine; the devices full
-            raise no_room from e
         failure = e
-    agreed = _agree(None if failure is None else f"cannot read {_unreadable(failure, where)}")
-    if agreed is not None:  # always when this process's read failed
-        process, what = agreed
-        who = f"process {process} " if jax.process_count() > 1 else ""
-        raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: {who}{what}"
-                                           f"{hint}") from failure
+    kind, what = DAMAGE, None
+    if failure is not None:
+        no_room = out_of_memory_in(failure) or next(
+            (e for e in chain(failure) if isinstance(e, MemoryError)), None)
+        if no_room is None:
+            what = f"cannot read {_unreadable(failure, where)}"
+        else:  # the step is fine; the devices or the host full
+            kind = next(i for i, t in enumerate(READ_FAILURES) if isinstance(no_room, t))
+            what = first_line(no_room, "out of memory")
+    agreed = _agree(what, kind)
+    if agreed is None:  # never when this process's read failed
+        return
+    process, kind, what = agreed
+    many = jax.process_count() > 1
+    if kind != DAMAGE:
+        raise READ_FAILURES[kind](f"process {process}: {what}" if many else what) from failure
+    who = f"process {process} " if many else ""
+    raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: {who}{what}"
+                                       f"{hint}") from failure
 
 
 def _unreadable(error: BaseException, where: Path) -> str:

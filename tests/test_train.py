@@ -290,7 +290,8 @@ def test_out_of_device_memory_mid_run_is_one_error_keeping_the_checkpoints(
     """XLA's out-of-memory error at step 15 ends train.py in one line that names the sizes to
     change (exit 2, bad input); step 10's checkpoint stays, and the run resumes from it exactly.
     Out of memory while restoring it is that line too, not "step 10 is damaged" (which made a
-    resume pass over every step). Any other XLA runtime error still propagates as itself."""
+    resume pass over every step); out of host memory (a MemoryError) is no damage either, and
+    propagates. Any other XLA runtime error still propagates as itself."""
     import orbax.checkpoint as ocp
 
     real_restore = ocp.CheckpointManager.restore
@@ -318,7 +319,21 @@ def test_out_of_device_memory_mid_run_is_one_error_keeping_the_checkpoints(
     monkeypatch.setattr(ocp.CheckpointManager, "restore", restore_without_room)
     assert train_main(["--config", config]) == 2
     line = _one_error_line(capsys)
-    assert line.startswith("error: out of device memory (") and "damaged" not in line, line
+    assert line.startswith(f"error: out of device memory ({str(oom).splitlines()[0]}): "), line
+
+    # out of host memory (Python's MemoryError, orbax-wrapped) is no damage either: it propagates
+    # as train.py's other unexpected errors do (before, the step was damaged: with no other
+    # step, "no checkpoint … verifies", exit 2; with one, it was set aside)
+    def restore_without_host_memory(self, *args, **kwargs):
+        try:
+            raise MemoryError("Unable to allocate 8.00 GiB for an array")
+        except MemoryError as e:
+            raise Exception("Encountered error while reading array index") from e
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", restore_without_host_memory)
+    with pytest.raises(MemoryError, match="^Unable to allocate 8.00 GiB for an array$"):
+        train_main(["--config", config])
+    assert _ckpt_steps(tmp_path / "run") == [10]
     monkeypatch.setattr(ocp.CheckpointManager, "restore", real_restore)
 
     other = jax.errors.JaxRuntimeError("INTERNAL: something else")

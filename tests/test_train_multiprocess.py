@@ -86,20 +86,28 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
-# train.py, but process 1 alone fails to read step 6's train state (an I/O error on its host:
-# each process reads only the shards it holds, from a file system of its own mount)
-STATE_UNREADABLE_ON_1 = """
+# train.py, but process 1 alone fails to read step 6's train state: FAILS there
+STATE_FAILS_ON_1 = """
 import errno, runpy
-import jax
+import jax, jax.numpy as jnp
 import orbax.checkpoint as ocp
 restore = ocp.StandardCheckpointHandler.restore
 def failing(handler, directory, *args, **kwargs):
     if jax.process_index() == 1 and directory.parent.name == "6":
-        raise OSError(errno.EIO, "Input/output error", str(directory))
+        FAILS
     return restore(handler, directory, *args, **kwargs)
 ocp.StandardCheckpointHandler.restore = failing
 runpy.run_path("train.py", run_name="__main__")
 """
+# an I/O error on its host: each process reads only the shards it holds, from a file system of
+# its own mount
+STATE_UNREADABLE_ON_1 = STATE_FAILS_ON_1.replace(
+    "FAILS", 'raise OSError(errno.EIO, "Input/output error", str(directory))')
+# out of device memory: XLA's own error, a 1 PiB array asked of the CPU backend
+# (`training_fixtures.xla_out_of_memory`)
+STATE_OUT_OF_MEMORY_ON_1 = STATE_FAILS_ON_1.replace(
+    "FAILS", "jax.block_until_ready(jnp.ones((1 << 50,), jnp.uint8))")
+
 
 def _args(corpus: Path, run: Path, script: tuple[str, ...] = ("train.py",)) -> list[str]:
     return [sys.executable, *script, "model.vocab_size=64", "model.embed_dim=32",
@@ -299,11 +307,30 @@ def test_a_step_one_process_cannot_read_is_set_aside_by_both_and_both_resume_tog
     collective for its own, and both exited 2 on `no checkpoint … verifies` (step 3 intact).
     Process 0, which prints the `skipped` line, names what process 1 saw (the file and its
     error, gathered in the agreement): before, it said only "another process cannot read …",
-    and process 1's own error was shown nowhere."""
+    and process 1's own error was shown nowhere.
+
+    First, process 1 alone runs out of device memory reading step 6's state
+    (`STATE_OUT_OF_MEMORY_ON_1`): no damage, but agreed on all the same, so both processes end
+    in the same out-of-memory line naming process 1 and XLA's error, exit status 2, and no step
+    is set aside. Before, process 1 raised it alone: process 0 waited in the agreement until
+    train.py's peers stopped it with another line (`process 1 of 2 failed: DeviceMemoryError:
+    …; this process stopped with it`), and without them until jax's shutdown barrier aborted
+    both (305 s, exit status -6)."""
     corpus = write_corpus(tmp_path / "corpus")
     run = tmp_path / "run"
     _two_processes(corpus, run)
     losses = _losses(run)
+    procs = _start(corpus, run, process_1=("-c", STATE_OUT_OF_MEMORY_ON_1), out=tmp_path)
+    statuses, outs = _outcome(procs, tmp_path, 240, after_error=60)
+    assert statuses == [2, 2], outs[0][-3000:] + outs[1][-3000:]
+    lines = [out.splitlines()[-1] for out in outs]
+    assert lines[0] == lines[1], lines
+    assert lines[0].startswith("error: out of device memory (process 1: RESOURCE_EXHAUSTED: Out "
+                               "of memory allocating 1125899906842624 bytes.): the training run "
+                               "at train.batch_size=8, "), lines[0]
+    assert "Traceback" not in outs[0] + outs[1] and "Check failure" not in outs[0] + outs[1]
+    assert committed_steps(run) == [3, 6] and not (run / "damaged_checkpoints").exists()
+
     procs = _start(corpus, run, process_1=("-c", STATE_UNREADABLE_ON_1), out=tmp_path)
     statuses, outs = _outcome(procs, tmp_path, 240)  # the processes start in about 30 s
     assert statuses == [0, 0], outs[0][-3000:] + outs[1][-3000:]

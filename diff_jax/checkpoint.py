@@ -880,8 +880,7 @@ def _read_errors(step: int, where: Path, hint: str = "") -> Iterator[None]:
         failure = e
     kind, what = DAMAGE, None
     if failure is not None:
-        no_room = out_of_memory_in(failure) or next(
-            (e for e in chain(failure) if isinstance(e, MemoryError)), None)
+        no_room = out_of_memory_in(failure)
         if no_room is None:
             what = f"cannot read {_unreadable(failure, where)}"
         else:  # the step is fine; the devices or the host full

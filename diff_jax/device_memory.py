@@ -48,10 +48,13 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def out_of_memory_in(error: BaseException) -> BaseException | None:
-    """The out-of-memory error (`is_out_of_memory`) in the chain of `error` (its causes and
-    contexts; orbax wraps what a restore raised), or None. A reader that labels its failures
-    (damaged checkpoint or export) re-raises it, so that `fit_or_explain` reports it."""
-    return next((e for e in chain(error) if is_out_of_memory(e)), None)
+    """The out-of-memory error in the chain of `error` (its causes and contexts; orbax wraps what
+    a restore raised): XLA's (`is_out_of_memory`) or the host's (`MemoryError`); else None. A
+    reader that labels its failures (damaged checkpoint or export) re-raises it instead, so that
+    `fit_or_explain` reports XLA's, and a full host is not called damage (an export read that
+    ran out of host memory was "the export is damaged")."""
+    return next((e for e in chain(error) if is_out_of_memory(e) or isinstance(e, MemoryError)),
+                None)
 
 
 @contextlib.contextmanager

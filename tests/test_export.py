@@ -666,6 +666,21 @@ def test_a_damaged_orbax_export_is_one_error_naming_the_file(orbax_export, tmp_p
     assert "\n" not in str(raised.value)
 
 
+def test_an_orbax_export_read_out_of_host_memory_is_no_damage(orbax_export, monkeypatch):
+    """Running out of host memory while the parameters are read says nothing of the export: the
+    MemoryError (wrapped by orbax, as its restore wraps what tensorstore raised) propagates; it
+    was "the export is damaged: could not read the parameters"."""
+    def no_room(self, *args, **kwargs):
+        try:
+            raise MemoryError("cannot allocate 64 GiB")
+        except MemoryError as e:
+            raise ValueError("restore failed") from e
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "restore", no_room)
+    with pytest.raises(MemoryError, match="^cannot allocate 64 GiB$"):
+        ex.load(orbax_export)
+
+
 @pytest.mark.parametrize("call, error", [
     (lambda run, tmp: ex.export(run, tmp / "out", "onnx"),
      "--format 'onnx': must be one of ['safetensors', 'orbax-params', 'hf-diffllama']"),

@@ -36,7 +36,11 @@ Stages, each a subprocess with its own time limit whose failure or timeout is re
 skipped past (so a hang or a crash in one cannot lose the others). A SIGINT, SIGTERM or SIGHUP
 to the session stops the stage in flight with it (SIGTERM, as at its limit: `limited_run`),
 records that stage with its output in session.json and .md, runs no other and ends in one
-`interrupted:` line, exit status 130; the stage was left running on the GPU. When the env stage finds
+`interrupted:` line, exit status 130; the stage was left running on the GPU. A SIGKILL (the
+device tool at its command's limit, the OOM killer), which the session cannot pass on, kills the
+stage with it on Linux (`limited_run.run_limited`), and the program ncu profiles in the profile
+stage (`limited_run.dies_with`): they ran on, holding the GPU and its memory for the next call.
+When the env stage finds
 that jax does not see the GPU (its backend is not "gpu", e.g. a CUDA plugin that failed to load
 and jax fell back to the CPU), the stages after it are recorded as skipped, not run on the CPU
 until their limits; once a kernel is seen to hang (a probe, or the check stage killed at its

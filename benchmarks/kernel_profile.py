@@ -18,7 +18,9 @@ the rest kept; `bwd_ms` sums the backward kernels. The step's XLA work around th
 padding) is not counted. Writes DIR/kernel_profile.json (rows, and each child's ncu log) and
 DIR/kernel_profile.md. A row whose child fails, runs past --limit, or finds no ncu (or one that
 cannot read the GPU's counters: on gVisor ncu fails with "LibraryNotLoaded") records why; so does
-one that --budget (seconds for all rows) leaves no --limit for.
+one that --budget (seconds for all rows) leaves no --limit for. Should this process be killed
+(SIGKILL: nothing it can pass on), ncu dies with it (`limited_run.run_limited`) and so does the
+profiled program, ncu's child (it watches this process: `limited_run.dies_with`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from limited_run import ROOT, Stopped, run_limited
+from limited_run import ROOT, Stopped, dies_with, run_limited
 
 sys.path.insert(0, str(ROOT))
 
@@ -127,7 +129,8 @@ def profile(d: int, schedule: str, args, out: Path) -> dict:
            "--csv", "--metrics",
            METRIC, "-k", "regex:diff_flash", "--log-file", str(log), sys.executable,
            str(Path(__file__).resolve()), "--run", str(d), schedule, "--t", str(args.t),
-           "--tokens", str(args.tokens), "--heads", str(args.heads), "--reps", str(args.reps)]
+           "--tokens", str(args.tokens), "--heads", str(args.heads), "--reps", str(args.reps),
+           "--dies-with", str(os.getpid())]
     t0 = time.monotonic()
     text, code = run_limited(cmd, args.limit, 10.0, os.environ | {"PYTHONUNBUFFERED": "1"})
     row["seconds"] = round(time.monotonic() - t0, 1)
@@ -179,6 +182,7 @@ def main(argv=None) -> int:
                    help="seconds for all rows: a row that would start with less than --limit "
                         "left is recorded as skipped")
     p.add_argument("--run", nargs=2, metavar=("D", "SCHEDULE"), help=argparse.SUPPRESS)
+    p.add_argument("--dies-with", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     schedules = args.schedules.split(",")
     unknown = [s for s in schedules if s not in SCHEDULES]
@@ -188,6 +192,8 @@ def main(argv=None) -> int:
     if args.tokens % args.t:  # B = tokens / T sequences: another was rounded down unsaid
         p.error(f"--tokens {args.tokens}: expected a multiple of --t {args.t} (whole sequences)")
     if args.run:  # the profiled child: a traceback here is its row's error, read by the parent
+        if args.dies_with is not None:  # the kernel_profile.py that ran ncu: gone, so is this
+            dies_with(args.dies_with)
         _child(int(args.run[0]), args.run[1], args)
         return 0
     # The parent checks each row's tiles for the attached GPU's kind, which starts jax's CUDA

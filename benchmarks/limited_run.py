@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -13,6 +14,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from diff_jax.command import STOPS, not_ignored, off_the_terminal  # noqa: E402
+
+# What `run_limited` starts its child through on Linux: a Python that asks the kernel for SIGKILL
+# when its parent (argv[1], the process running run_limited) dies, PR_SET_PDEATHSIG, and execs
+# the child (argv[2:]), which keeps it: exec clears it only for set-user-ID or set-group-ID
+# programs and ones with file capabilities. A parent that died before the prctl (the child is
+# then another process's, init's or a subreaper's) is caught by the parent id it left. Python
+# ignores SIGPIPE and SIGXFSZ at its start: they are put back as Popen's restore_signals leaves
+# them, so the child (ncu, nvidia-smi) starts with them as it did without this Python.
+DIES_WITH_PARENT = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    os.kill(os.getpid(), signal.SIGKILL)
+for s in (signal.SIGPIPE, signal.SIGXFSZ):
+    signal.signal(s, signal.SIG_DFL)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 
 class Stopped(KeyboardInterrupt):
@@ -43,7 +61,24 @@ def run_limited(cmd: list[str], limit: float, grace: float,
     process group: a signal sent to the whole group (Ctrl-C at a terminal, `timeout`, a SIGKILL
     that nothing can pass on) reaches it as before, and it is passed on as SIGTERM, which a
     child that got it itself takes twice without harm (a second SIGINT would stop a training
-    loop without saving its step)."""
+    loop without saving its step).
+
+    A SIGKILL to this process alone (the device tool at its command's limit, the OOM killer)
+    cannot be passed on: the child ran on, and on the GPU held the device and its memory for the
+    next call. On Linux it now dies with this process, SIGKILLed by the kernel as the thread
+    that started it (it waits here for the child) exits (`DIES_WITH_PARENT`; measured with a
+    session SIGKILLed in its env stage, a 600 s sleep: still sleeping 30 s later before, gone
+    17-31 ms after the kill now). SIGKILL, not SIGTERM: once this
+    process is gone nothing reads the child's output (its pipe's reader was this process) and
+    nothing kills it after `grace`, while a hung kernel, the case that matters most, ignores
+    SIGTERM; and a training child saving its step on SIGTERM would still be writing its run
+    directory when the next call's replicate stage resumes from it. A training child killed
+    so resumes from its last checkpoint. Through a Python that execs the child, not a Popen
+    `preexec_fn`: kernel_profile.py's parent has started jax's backend, whose threads make a
+    fork that runs Python in the child risk a deadlock (jax warns at each one); the Python
+    costs the child about 17 ms at its start (/bin/true: 17-18 ms against 0.6-0.8 ms).
+    Elsewhere the child is started as it is. Only the child: a process it starts is its own
+    (`dies_with` for one of ours)."""
     proc: subprocess.Popen | None = None
     caught: list[int] = []
     kill = threading.Timer(grace, lambda: proc.kill())
@@ -65,6 +100,8 @@ def run_limited(cmd: list[str], limit: float, grace: float,
     main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, forward) for s in not_ignored(STOPS)} if main else {}
     try:
+        if sys.platform.startswith("linux"):
+            cmd = [sys.executable, "-I", "-S", "-c", DIES_WITH_PARENT, str(os.getpid()), *cmd]
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env or dict(os.environ),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if caught and kill.ident is None:  # got while it started
@@ -87,3 +124,28 @@ def run_limited(cmd: list[str], limit: float, grace: float,
     if caught:
         raise Stopped(caught[0], out)
     return out, code
+
+
+def dies_with(pid: int) -> None:
+    """SIGKILL this process once process `pid` exits, where `pid` started it through others:
+    kernel_profile.py's profiled program, which ncu starts. Where `ncu` is a launcher script
+    that runs the profiler binary as its child (the `ncu` beside target/ in an Nsight Compute
+    install is a `sh` one, as packagings reproduce it; the lent machine's was not looked at), a
+    kernel_profile.py SIGKILLed takes the script with it (`run_limited`) and left the profiler
+    and the program running on the GPU (tested with such a script);
+    PR_SET_PDEATHSIG names the parent only (the profiler, which lives on) and is not inherited
+    across fork. A thread waits on a pidfd of `pid` instead, readable once it has exited (a
+    zombie not yet reaped included); where `pid` is gone already, at once. Without pidfds (not
+    Linux, or before 5.3) nothing is watched."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)
+    except (AttributeError, OSError):
+        return
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name=f"dies with {pid}", daemon=True).start()

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -244,6 +245,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _written_pid(parent: subprocess.Popen, pid_file: Path) -> int:
+    """The process id in `pid_file` once a process that `parent` started has written it (a
+    FileNotFoundError where `parent` ended first, or after 120 s)."""
+    for _ in range(1200):
+        if pid_file.exists() or parent.poll() is not None:
+            break
+        time.sleep(0.1)
+    return int(pid_file.read_text())
+
+
 @pytest.mark.parametrize("signum,stubborn", [(signal.SIGTERM, False), (signal.SIGHUP, False),
                                              (signal.SIGINT, False), (signal.SIGTERM, True)],
                          ids=["SIGTERM", "SIGHUP", "SIGINT", "SIGTERM-ignored"])
@@ -272,11 +283,7 @@ def test_run_limited_stops_its_child_when_this_process_is_stopped(signum, stubbo
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     child_pid = None
     try:
-        for _ in range(600):
-            if pid_file.exists() or parent.poll() is not None:
-                break
-            time.sleep(0.1)
-        child_pid = int(pid_file.read_text())
+        child_pid = _written_pid(parent, pid_file)
         os.kill(parent.pid, signum)
         out, err = parent.communicate(timeout=30)
         assert not _alive(child_pid)
@@ -286,6 +293,122 @@ def test_run_limited_stops_its_child_when_this_process_is_stopped(signum, stubbo
         parent.kill()
         if child_pid is not None and _alive(child_pid):
             os.kill(child_pid, signal.SIGKILL)
+
+
+def _waiting(pid_file: Path) -> str:
+    """A program that writes its id to `pid_file` and waits 600 s: a stage, a profiled program
+    (on the GPU, holding it)."""
+    return textwrap.dedent(f"""
+        import os, time
+        with open({str(pid_file)!r} + ".partial", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace({str(pid_file)!r} + ".partial", {str(pid_file)!r})
+        time.sleep(600)
+    """)
+
+
+def _gone_once_killed(parent: subprocess.Popen, pid_file: Path) -> bool:
+    """SIGKILL `parent` once the process it started (itself or through others, `_waiting`) has
+    written its id to `pid_file`; whether that process is gone within 30 s (killed here if
+    not)."""
+    pid = None
+    try:
+        pid = _written_pid(parent, pid_file)
+        parent.kill()
+        parent.wait(timeout=30)
+        for _ in range(300):
+            if not _alive(pid):
+                return True
+            time.sleep(0.1)
+        return False
+    finally:
+        parent.kill()
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+# benchmarks/hopper_session.py with argv[1] as its env stage's program, argv[2:] its arguments
+SESSION = """
+import sys
+import hopper_session
+from diff_jax.command import leave
+hopper_session.ENV_PROBE = sys.argv[1]
+leave(hopper_session.main(sys.argv[2:]))
+"""
+BENCHMARKS_ENV = {"PYTHONPATH": f"{ROOT / 'benchmarks'}:{ROOT}"}
+LINUX_ONLY = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="PR_SET_PDEATHSIG and pidfds are Linux's")
+
+
+@LINUX_ONLY
+def test_a_stage_dies_with_a_session_killed_by_sigkill(tmp_path):
+    """A SIGKILL to hopper_session.py alone (the device tool at its command's limit, the OOM
+    killer), which it cannot pass on: the stage in flight is killed with it, by the kernel
+    (`limited_run.DIES_WITH_PARENT`). It ran on to its end (600 s here; on the GPU holding the
+    device and its memory for the next call)."""
+    pid_file = tmp_path / "stage.pid"
+    session = subprocess.Popen([sys.executable, "-c", SESSION, _waiting(pid_file), "--out",
+                                str(tmp_path / "out"), "--stages", "env"],
+                               env=os.environ | BENCHMARKS_ENV, cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert _gone_once_killed(session, pid_file)
+
+
+@LINUX_ONLY
+def test_dies_with_parent_catches_a_parent_gone_before_it_and_keeps_the_signals(monkeypatch):
+    """`limited_run.DIES_WITH_PARENT`: a parent that died before the prctl (here: its id is not
+    the one given) is caught, the child killed before it runs; otherwise the child runs with
+    SIGPIPE and SIGXFSZ as Popen leaves them (the Python before it ignores both), and with
+    SIGKILL as its parent-death signal. Off Linux run_limited starts the child as it is, and
+    `dies_with` watches nothing where there are no pidfds."""
+    wrap = [sys.executable, "-I", "-S", "-c", limited_run.DIES_WITH_PARENT]
+    ran = subprocess.run([*wrap, "1", sys.executable, "-c", "print('ran')"], capture_output=True,
+                         text=True, timeout=60)
+    assert ran.returncode == -signal.SIGKILL and ran.stdout == "", ran
+    ignored = ["grep", "^SigIgn:", "/proc/self/status"]
+    assert subprocess.run([*wrap, str(os.getpid()), *ignored], capture_output=True, text=True,
+                          timeout=60).stdout == subprocess.run(ignored, capture_output=True,
+                                                               text=True).stdout
+    death_signal = ("import ctypes; s = ctypes.c_int(); "
+                    "ctypes.CDLL(None).prctl(2, ctypes.byref(s)); print(s.value)")  # PR_GET_
+    assert limited_run.run_limited([sys.executable, "-c", death_signal], 60, 1) == (
+        f"{int(signal.SIGKILL)}\n", 0)
+    monkeypatch.setattr(limited_run.sys, "platform", "darwin")
+    assert limited_run.run_limited([sys.executable, "-c", death_signal], 60, 1) == ("0\n", 0)
+    monkeypatch.delattr(limited_run.os, "pidfd_open")
+    threads = threading.active_count()
+    limited_run.dies_with(os.getpid())
+    assert threading.active_count() == threads
+
+
+@LINUX_ONLY
+def test_the_profiled_program_dies_with_kernel_profile_killed_by_sigkill(tmp_path):
+    """kernel_profile.py SIGKILLed while ncu profiles its program: ncu dies with it
+    (`run_limited`), and where `ncu` is a launcher script that runs the profiler as its child
+    (here an `sh` that runs one more `sh`, the profiler, which runs the program) the program
+    too, which watches kernel_profile.py (`limited_run.dies_with`); PR_SET_PDEATHSIG names the
+    parent only, the profiler, which lives on. The program ran on (600 s here; on the GPU its
+    steps, to their end). It is kernel_profile.py's own `--run`, its steps a wait (no GPU)."""
+    pid_file = tmp_path / "profiled.pid"
+    profiled = tmp_path / "profiled.py"
+    profiled.write_text(textwrap.dedent(f"""
+        import sys
+        import kernel_profile
+        kernel_profile._child = lambda *_: exec({_waiting(pid_file)!r})
+        sys.exit(kernel_profile.main(sys.argv[2:]))
+    """))
+    ncu = tmp_path / "bin" / "ncu"
+    ncu.parent.mkdir()
+    profiler = (f'while [ "$1" != --log-file ]; do shift; done; py=$3; shift 3; '
+                f'"$py" {profiled} "$@"')  # ncu's options, its log, then the program
+    ncu.write_text(f"#!/bin/sh\nsh -c '{profiler}; :' profiler \"$@\"\necho launched\n")
+    ncu.chmod(0o755)
+    env = os.environ | BENCHMARKS_ENV | {"PATH": f"{ncu.parent}{os.pathsep}{os.environ['PATH']}"}
+    parent = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "kernel_profile.py"),
+                               "--out", str(tmp_path / "out"), "--head-dims", "128",
+                               "--schedules", "table"], env=env, cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert _gone_once_killed(parent, pid_file)
 
 
 def _stopped_by_sigterm(*_args, **_kwargs):

@@ -40,7 +40,8 @@ records that stage with its output in session.json and .md, runs no other and en
 device tool at its command's limit, the OOM killer), which the session cannot pass on, kills the
 stage with it on Linux (`limited_run.run_limited`), and the program ncu profiles in the profile
 stage (`limited_run.dies_with`): they ran on, holding the GPU and its memory for the next call.
-When the env stage finds
+A stage's line is printed once session.json and .md hold it, so a stdout whose reader is gone
+(which ends the session, `interrupted:`, exit 130) cannot lose it. When the env stage finds
 that jax does not see the GPU (its backend is not "gpu", e.g. a CUDA plugin that failed to load
 and jax fell back to the CPU), the stages after it are recorded as skipped, not run on the CPU
 until their limits; once a kernel is seen to hang (a probe, or the check stage killed at its
@@ -227,9 +228,10 @@ def _least(stage: str) -> float:
 
 def _run(name: str, cmd: list[str], limit: float, log, extra_path: str = "",
          grace: float = GRACE) -> dict:
-    """Run one stage; its status, seconds and output tail (never raises). At `limit` seconds it
-    is sent SIGTERM and, `grace` seconds later, killed; so is it when this process gets SIGINT,
-    SIGTERM or SIGHUP, and its status then says `STOPPED` (its output kept, as a timeout's)."""
+    """Run one stage; its status, seconds and output tail (never raises; its line is printed
+    once it is recorded, `_progress`). At `limit` seconds it is sent SIGTERM and, `grace`
+    seconds later, killed; so is it when this process gets SIGINT, SIGTERM or SIGHUP, and its
+    status then says `STOPPED` (its output kept, as a timeout's)."""
     t0 = time.monotonic()
     log.write(f"\n===== {name}: {' '.join(cmd)} (limit {limit:.0f} s)\n")
     log.flush()
@@ -246,9 +248,20 @@ def _run(name: str, cmd: list[str], limit: float, log, extra_path: str = "",
         out, status = e.output, f"{STOPPED}, which {e}"
     log.write(out)
     log.flush()
-    print(f"[{name}] {status} in {time.monotonic() - t0:.0f} s", flush=True)
     return {"stage": name, "status": status, "seconds": round(time.monotonic() - t0, 1),
             "tail": out[-3000:]}
+
+
+def _progress(r: dict) -> None:
+    """Print the line of stage `r`, one that ran (of each of its runs, together as the stage
+    ends: the train stage's), after `_record`: a stdout whose reader is gone raises at this
+    print (BrokenPipeError, which ends the session: `session`). Printed in `_run`, the line
+    ended the session before its stage was recorded, that stage's output in session.log alone
+    (measured: `--stages env` with stdout a pipe whose reader had closed: exit 130 and no
+    session.json)."""
+    for x in r.get("runs", [r]):
+        if "seconds" in x:
+            print(f"[{x['stage']}] {x['status']} in {x['seconds']:.0f} s", flush=True)
 
 
 def _copy_replication(src: Path, dst: Path) -> int:
@@ -415,10 +428,11 @@ def session(args: argparse.Namespace, stages: list[str], previous: dict | None,
     recorded (`_record`) as it ends, then the stages' lines printed; none after one a signal
     stopped (`STOPPED`). Under `command.concluded`: a Ctrl-C outside a stage (between two, or
     while one is recorded) or an output whose reader is gone (`| head`) ends the session in
-    one `interrupted:` line, exit 130, session.json and .md holding the stages recorded
-    (session.log and parts/ the output of the one in flight). Measured before: each was a
-    traceback (`| head`: a BrokenPipeError at the first stage's line, exit 1, or 120 with
-    stdout block-buffered, that stage left out of session.json, which was not yet written)."""
+    one `interrupted:` line, exit 130, session.json and .md holding the stages recorded, the
+    one whose line failed included (`_progress`; session.log and parts/ the output of one in
+    flight). Measured before: each was a traceback (`| head`: a BrokenPipeError at the first
+    stage's line, exit 1, or 120 with stdout block-buffered, that stage left out of
+    session.json, which was not yet written)."""
     out = Path(args.out)
     parts = out / "parts"
     parts.mkdir(parents=True, exist_ok=True)
@@ -541,6 +555,7 @@ def session(args: argparse.Namespace, stages: list[str], previous: dict | None,
                 r["copied"] = _copy_replication(GPU_MEDIUM, out / "gpu-medium")
             report["stages"].append(r)
             md = _record(out, report, previous)
+            _progress(r)
             if r["status"].startswith(STOPPED):
                 break
 

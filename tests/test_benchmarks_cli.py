@@ -411,6 +411,29 @@ def test_the_profiled_program_dies_with_kernel_profile_killed_by_sigkill(tmp_pat
     assert _gone_once_killed(parent, pid_file)
 
 
+def test_gpu_session_records_the_stage_whose_line_its_closed_stdout_refused(tmp_path):
+    """hopper_session.py writing to a pipe whose reader is gone: the stage's line fails
+    (BrokenPipeError) and the session ends in one `interrupted:` line, exit 130, with that stage
+    in session.json and .md (its line was printed before it was recorded: session.json was never
+    written, the stage's output in session.log alone)."""
+    out = tmp_path / "out"
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        session = subprocess.run([sys.executable, "-c", SESSION, "print('ENV {}')", "--out",
+                                  str(out), "--stages", "env"], env=os.environ | BENCHMARKS_ENV,
+                                 cwd=ROOT, stdout=write, stderr=subprocess.PIPE, text=True,
+                                 timeout=300)
+    finally:
+        os.close(write)
+    assert session.returncode == 130 and session.stderr == (
+        "interrupted: the reader of stdout is gone (SIGPIPE); stopped at once; no half-written "
+        f"output is left at --out {out}\n"), session.stderr
+    (env_stage,) = json.loads((out / "session.json").read_text())["stages"]
+    assert env_stage["status"] == "ok" and env_stage["tail"] == "ENV {}\n"
+    assert "- env: ok" in (out / "session.md").read_text()
+
+
 def _stopped_by_sigterm(*_args, **_kwargs):
     raise limited_run.Stopped(signal.SIGTERM, "stacks of the probe in flight\n")
 

@@ -670,13 +670,10 @@ def test_an_orbax_export_read_out_of_host_memory_is_no_damage(orbax_export, monk
     """Running out of host memory while the parameters are read says nothing of the export: the
     MemoryError (wrapped by orbax, as its restore wraps what tensorstore raised) propagates; it
     was "the export is damaged: could not read the parameters"."""
-    def no_room(self, *args, **kwargs):
-        try:
-            raise MemoryError("cannot allocate 64 GiB")
-        except MemoryError as e:
-            raise ValueError("restore failed") from e
+    from training_fixtures import read_out_of_host_memory
 
-    monkeypatch.setattr(ocp.PyTreeCheckpointer, "restore", no_room)
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "restore",
+                        read_out_of_host_memory("cannot allocate 64 GiB"))
     with pytest.raises(MemoryError, match="^cannot allocate 64 GiB$"):
         ex.load(orbax_export)
 

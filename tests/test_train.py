@@ -22,8 +22,8 @@ from diff_jax import checkpoint, peers, train_loop
 from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import dump_config, load_config
 from diff_jax.device_memory import DeviceMemoryError
-from training_fixtures import (in_a_terminal, synthetic_corpus, terminal_until, tiny_config,
-                               write_corpus, xla_out_of_memory)
+from training_fixtures import (in_a_terminal, read_out_of_host_memory, synthetic_corpus,
+                               terminal_until, tiny_config, write_corpus, xla_out_of_memory)
 from train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -324,13 +324,8 @@ def test_out_of_device_memory_mid_run_is_one_error_keeping_the_checkpoints(
     # out of host memory (Python's MemoryError, orbax-wrapped) is no damage either: it propagates
     # as train.py's other unexpected errors do (before, the step was damaged: with no other
     # step, "no checkpoint … verifies", exit 2; with one, it was set aside)
-    def restore_without_host_memory(self, *args, **kwargs):
-        try:
-            raise MemoryError("Unable to allocate 8.00 GiB for an array")
-        except MemoryError as e:
-            raise Exception("Encountered error while reading array index") from e
-
-    monkeypatch.setattr(ocp.CheckpointManager, "restore", restore_without_host_memory)
+    monkeypatch.setattr(ocp.CheckpointManager, "restore",
+                        read_out_of_host_memory("Unable to allocate 8.00 GiB for an array"))
     with pytest.raises(MemoryError, match="^Unable to allocate 8.00 GiB for an array$"):
         train_main(["--config", config])
     assert _ckpt_steps(tmp_path / "run") == [10]

@@ -72,6 +72,17 @@ def xla_out_of_memory() -> jax.errors.JaxRuntimeError:
     raise AssertionError("a 1 PiB array was allocated")
 
 
+def read_out_of_host_memory(message: str):
+    """A stand-in for an orbax restore whose read ran out of host memory: Python's MemoryError
+    with `message`, wrapped as orbax wraps what tensorstore raised."""
+    def restore(self, *args, **kwargs):
+        try:
+            raise MemoryError(message)
+        except MemoryError as e:
+            raise Exception("Encountered error while reading array index") from e
+    return restore
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -215,14 +215,14 @@ FIXTURE = ROOT / "tests" / "fixtures" / "safetensors_export_v0"  # an export: a 
 FINISHED = [
     ("export", ["from diff_jax.export import __main__ as cli",
                 f"status = cli.main([{str(FIXTURE)!r}, '--out', 'TMP/out'])"],
-     "stopped at once; no half-written output is left at --out TMP/out", "out/export.json"),
+     "stopped once the output at --out TMP/out was written whole; it is kept", "out/export.json"),
     ("hf_import", ["from diff_jax.export import export, hf_import as cli",
                    f"export({str(FIXTURE)!r}, 'TMP/hf', 'hf-diffllama', tokenizer='none')",
                    "status = cli.main(['TMP/hf', '--out', 'TMP/out'])"],
-     "stopped at once; no half-written output is left at --out TMP/out", "out/export.json"),
+     "stopped once the output at --out TMP/out was written whole; it is kept", "out/export.json"),
     ("data", ["from diff_jax.data import __main__ as cli",
               "status = cli.main(['prepare', 'TMP/text.txt', 'TMP/out'])"],
-     "stopped at once; no half-written output is left at OUT_DIR TMP/out", "out/meta.json"),
+     "stopped once the output at OUT_DIR TMP/out was written whole; it is kept", "out/meta.json"),
     ("init_scale", ["from diff_jax.experiments import init_scale as cli, lm_report",
                     "cli.stdlib_rows = lambda tokenizer, seq_len: None",
                     "cli.residual_writes = lambda config, rows: None",
@@ -257,7 +257,8 @@ def test_the_last_lines_into_a_pipe_whose_reader_is_gone_are_one_interrupted_lin
     fit.py and hopper_session.py ended in no `command.concluded`: a BrokenPipeError traceback
     (exit 1) or, stdout block-buffered, "Exception ignored" at the interpreter's exit flush
     (exit 120). Now it stops each as a Ctrl-C does, its line saying why, exit 130, and what
-    was written is kept."""
+    was written is kept; the export, import and corpus, whole by then, say so (their line said
+    "no half-written output is left", as if nothing had been written)."""
     if name == "hf_import":
         pytest.importorskip("safetensors")
     (tmp_path / "text.txt").write_text("a line of text to tokenize\n")

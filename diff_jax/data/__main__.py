@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true",
                    help="replace a prepared corpus at OUT_DIR once the new one is written")
     args = parser.parse_args(argv)
+    meta = None  # the corpus's meta.json, once the corpus is written whole
     try:
         with as_ctrl_c(signals=()):  # a closed stdout (`| head`) is a Ctrl-C; SIGTERM as it was
             meta = prepare(args.sources, args.out_dir, args.text_field, args.tokenizer,
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         named = [(f"OUT_DIR {args.out_dir}", args.out_dir), *((f"SRC {x}", x) for x in args.sources)]
         return failed(describe(e, named))
     except KeyboardInterrupt:
-        return output_kept(f"OUT_DIR {args.out_dir}")
+        return output_kept(f"OUT_DIR {args.out_dir}", complete=meta is not None)
     return 0
 
 

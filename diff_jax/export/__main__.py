@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="replace an existing export at --out; refused while it holds "
                              f"{EVAL_DIR}/ (eval.py results), which is never deleted")
     args = parser.parse_args(argv)
+    out = None  # the export's directory, once it is written whole
     try:
         with as_ctrl_c(signals=()):  # a closed stdout (`| head`) is a Ctrl-C; SIGTERM as it was
             out = export(args.source, args.out, args.format, dtype=args.dtype,
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_abandoned_io()
         return failed(describe(e, [(f'--out {args.out}', args.out)]))
     except KeyboardInterrupt:
-        return output_kept(f"--out {args.out}")
+        return output_kept(f"--out {args.out}", complete=out is not None)
     return 0
 
 

@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the export directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export at --out")
     args = parser.parse_args(argv)
+    out = None  # the export's directory, once it is written whole
     try:
         with as_ctrl_c(signals=()):  # a closed stdout (`| head`) is a Ctrl-C; SIGTERM as it was
             source = read_hf(args.hf_dir)
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         named = [(f"--out {args.out}", args.out), (f"HF_DIR {args.hf_dir}", args.hf_dir)]
         return failed(describe(e, named))
     except KeyboardInterrupt:
-        return output_kept(f"--out {args.out}")
+        return output_kept(f"--out {args.out}", complete=out is not None)
     return 0
 
 

@@ -62,13 +62,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import kernels  # noqa: E402
+from diff_jax import kernels  # noqa: E402
 from diff_jax.attention import HeadLayout  # noqa: E402
 from diff_jax.command import concluded, leave, positive_int, positive_ints  # noqa: E402
 from diff_jax.config import ModelConfig  # noqa: E402
+from diff_jax.kernels import BlockSizes, flash, flash_mgpu, float64_reference, hopper  # noqa: E402
 from diff_jax.output_dir import write_whole  # noqa: E402
 from diff_jax.variants import DIFF  # noqa: E402
-from kernels import BlockSizes, flash, flash_mgpu, float64_reference, hopper  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAM = 0.37

@@ -200,7 +200,7 @@ ABLATION = ("model.subln_init=0.1",)
 
 ENV_PROBE = """
 import json, jax, jax.numpy as jnp
-from kernels import flash, hopper
+from diff_jax.kernels import flash, hopper
 info = {"jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__")
         else None, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
         "device_kind": hopper.device_kind(), "compute_capability": hopper.compute_capability(),

@@ -89,7 +89,7 @@ def tiles_of(d: int, schedule: str):
     naming the tile that does not fit)."""
     import jax.numpy as jnp
 
-    from kernels import flash_mgpu, hopper
+    from diff_jax.kernels import flash_mgpu, hopper
 
     tiles = dataclasses.replace(hopper.tiles_for(d, jnp.bfloat16)[0], **SCHEDULES[schedule])
     flash_mgpu.warpgroups(d, tiles)
@@ -102,7 +102,7 @@ def _child(d: int, schedule: str, args) -> None:
     import jax.numpy as jnp
 
     from attention import LAM, Shape, _fwd_and_step, _inputs, variants
-    from kernels import BlockSizes, hopper
+    from diff_jax.kernels import BlockSizes, hopper
 
     tiles = tiles_of(d, schedule)
     print(f"d={d} {schedule}: {hopper.tiles_text(tiles)}", flush=True)
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax.numpy as jnp
 
-    from kernels import hopper
+    from diff_jax.kernels import hopper
 
     untabled = hopper.untabled(args.head_dims, jnp.bfloat16)
     if untabled:  # before any child: each schedule's row was a refusal, after the others ran

@@ -62,8 +62,8 @@ def _child(name: str, split_registers: str | None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    import kernels
-    from kernels import BlockSizes, flash, flash_mgpu, hopper
+    from diff_jax import kernels
+    from diff_jax.kernels import BlockSizes, flash, flash_mgpu, hopper
 
     if split_registers:
         k_regs, v_regs = (int(x) for x in split_registers.split(","))

@@ -38,8 +38,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from diff_jax.aot import gpu_devices  # noqa: E402
 from diff_jax.command import concluded, leave, positive_int  # noqa: E402
+from diff_jax.kernels import flash_mgpu, hopper, ptxas  # noqa: E402
 from diff_jax.output_dir import write_whole  # noqa: E402
-from kernels import flash_mgpu, hopper, ptxas  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / f"mosaic_ptxas_sm90a_jax{jax.__version__}"
 COLS = ["d", "case", "tiles", "seg", "kernel", "registers", "spill_store_bytes",

@@ -24,10 +24,10 @@ import jax.export
 from diff_jax.attention_op import resolve_impl
 from diff_jax.config import Config, ConfigError
 from diff_jax.device_memory import devices_here, fit_or_explain, train_advice
+from diff_jax.kernels import ptxas
 from diff_jax.platforms import describe_missing_tpu_host, signals_kept
 from diff_jax.sharding import make_mesh
 from diff_jax.step import Batch, Steps, TrainState, build_steps
-from kernels import ptxas
 
 GiB = 2**30
 

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-import kernels
+from diff_jax import kernels
 from diff_jax.config import ConfigError, ModelConfig, check_section
 from diff_jax.sharding import axes_size
 

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
-from kernels.reference import MAX_LOGIT_BITS
+from diff_jax.kernels.reference import MAX_LOGIT_BITS
 
 
 INT32_MAX = 2**31 - 1

@@ -25,10 +25,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from kernels.decode import decode_attention
-from kernels.flash import MAX_HEAD_DIM, BlockSizes, flash_attention, supports_head_dim
-from kernels.hopper import target as gpu_target
-from kernels.reference import (attention_mask, attention_reference, check_layout,
+from .decode import decode_attention
+from .flash import MAX_HEAD_DIM, BlockSizes, flash_attention, supports_head_dim
+from .hopper import target as gpu_target
+from .reference import (attention_mask, attention_reference, check_layout,
                                diff_attention_reference)
 
 __all__ = ["IMPLS", "MAX_HEAD_DIM", "BlockSizes", "decode_attention", "diff_attention",

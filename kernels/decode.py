@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.reference import check_layout, is_array, kind_of
+from .reference import check_layout, is_array, kind_of
 
 NEG_INF = -1e30
 DEFAULT_CHUNK = 128

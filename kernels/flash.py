@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels import flash_gpu, flash_mgpu, flash_tpu, hopper
-from kernels.reference import check_layout
+from . import flash_gpu, flash_mgpu, flash_tpu, hopper
+from .reference import check_layout
 
 
 @dataclasses.dataclass(frozen=True)

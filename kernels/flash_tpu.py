@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import cost
+from . import cost
 
 NEG_INF = -1e30
 LANES = 128

@@ -29,8 +29,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from kernels import flash_mgpu
-from kernels.flash_mgpu import Tiles
+from . import flash_mgpu
+from .flash_mgpu import Tiles
 
 TABLE = Path(__file__).resolve().parent / "tuning" / "mosaic_gpu.json"
 HOPPER = (9, 0)

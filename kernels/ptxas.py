@@ -231,7 +231,7 @@ def mosaic_kernels(devices: list[Any], d: int, tiles: Any, *, has_seg: bool,
     import jax
     import jax.numpy as jnp
 
-    from kernels import flash_mgpu
+    from . import flash_mgpu
 
     dtype = jnp.bfloat16 if dtype is None else dtype
     flash_mgpu.warpgroups(d, tiles)

@@ -6,8 +6,10 @@ environment variable: the `train.py`, `eval.py` and benchmark processes tests st
 workers `replicate --jobs` spawns, see one CPU device, as on a user's CPU machine. A test that
 needs more in a process it starts gives it `training_fixtures.process_env(N)`."""
 
+import importlib
 import os
 import shutil
+import sys
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
@@ -44,6 +46,31 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _SESSION_CACHE = tempfile.mkdtemp(prefix="diff_jax_tests_xla_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _SESSION_CACHE
 
+
+
+def _hugging_face_kernels_first() -> None:
+    """Import Hugging Face's `kernels` distribution, where installed, before any test imports
+    transformers (>= 5.25 imports it). `python -m pytest` puts the repository root on sys.path,
+    where the top-level kernels/ folder would be found under that name instead; installed, this
+    project's kernels are `diff_jax.kernels` and nothing imports them as `kernels`."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("kernels")
+    except PackageNotFoundError:
+        return
+    root = Path(__file__).resolve().parents[1]
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
+    try:
+        importlib.import_module("kernels")
+    except ImportError:  # a broken install: transformers' own import then says what is missing
+        pass
+    finally:
+        sys.path[:] = saved
+
+
+_hugging_face_kernels_first()
 
 import jax  # noqa: E402  (after the environment above; its backend starts at the first use)
 

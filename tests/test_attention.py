@@ -248,7 +248,7 @@ def test_sown_maps_and_logit_quantization():
 
 
 def test_quantize_logits_levels():
-    from kernels.reference import quantize_logits
+    from diff_jax.kernels.reference import quantize_logits
     s = jnp.asarray([[[[-2.0, 0.1, 0.9, 2.0]]]])
     q = np.asarray(quantize_logits(s, None, 3))  # 3 levels each side: step 2/3
     np.testing.assert_allclose(q, [[[[-2.0, 0.0, 2 / 3 * 1, 2.0]]]], atol=1e-6)
@@ -266,7 +266,7 @@ def test_quantize_logits_scales_each_map_whole_and_rounds_to_nearest():
     """One absmax scale per (batch, score map) over its whole (T, S) map, and round to nearest,
     against float64 NumPy on maps of other magnitudes (batch 1 ×10, map 2 ×4); a scale per row
     or one for the whole array, or truncation toward 0, passed the one-row test above."""
-    from kernels.reference import quantize_logits
+    from diff_jax.kernels.reference import quantize_logits
 
     s = np.random.default_rng(5).standard_normal((2, 3, 4, 5)).astype(np.float32)
     s *= np.float32([1.0, 10.0])[:, None, None, None] * np.float32([1.0, 0.25, 4.0])[:, None, None]

@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 from jax import export
 
-import kernels
 import numpy_reference as npr
-from kernels import BlockSizes, cost, flash, flash_mgpu, hopper
-from kernels.flash import flash_attention
-from kernels.float64_reference import diff_attention as np_diff_attention
-from kernels.float64_reference import mask as np_mask
+from diff_jax import kernels
+from diff_jax.kernels import BlockSizes, cost, flash, flash_mgpu, hopper
+from diff_jax.kernels.flash import flash_attention
+from diff_jax.kernels.float64_reference import diff_attention as np_diff_attention
+from diff_jax.kernels.float64_reference import mask as np_mask
 
 F32_TOL, BF16_TOL = 1e-5, 2e-2
 SMALL = BlockSizes(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)  # several ragged tiles
@@ -591,7 +591,7 @@ def test_triton_tiles_are_the_largest_power_of_two_within_the_request():
     the shared memory a setting asks for), at most the length rounded up to a power of two and at
     least 16. The export above lowers a 64-row tile as well, so a rule rounding 48 up passed
     every test."""
-    from kernels.flash_gpu import _tile
+    from diff_jax.kernels.flash_gpu import _tile
 
     assert [_tile(48, 100), _tile(64, 100), _tile(127, 1000), _tile(128, 20), _tile(8, 100)] == [
         32, 64, 64, 32, 16]
@@ -1196,7 +1196,7 @@ def test_gpu_check_cotangent_keeps_dlambda_from_cancelling():
     bf16 rows; with this one, ≤ 5.8e-5."""
     import attention as bench
 
-    from kernels import float64_reference as ref
+    from diff_jax.kernels import float64_reference as ref
 
     b, t, h, hkv, d, causal, _, dtype, _ = bench.CHECK_CASES[4]
     q, k, v, g = bench._inputs(bench.Shape(b, t, h, d, hkv), dtype, seed=104)

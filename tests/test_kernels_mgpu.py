@@ -27,10 +27,10 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # no pub
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
-import kernels
-from kernels import BlockSizes, flash, flash_mgpu, hopper
-from kernels.flash import flash_attention
-from kernels.float64_reference import diff_attention as np_diff_attention
+from diff_jax import kernels
+from diff_jax.kernels import BlockSizes, flash, flash_mgpu, hopper
+from diff_jax.kernels.flash import flash_attention
+from diff_jax.kernels.float64_reference import diff_attention as np_diff_attention
 from test_kernels import TRITON, _abstract, _fwd_bwd, make_inputs, rel
 
 MOSAIC = "stablehlo.custom_call @mosaic_gpu"

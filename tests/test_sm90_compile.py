@@ -18,7 +18,7 @@ import pytest
 
 from diff_jax.aot import GPU_TARGETS, HBM_BYTES, gpu_devices, topology_devices
 from diff_jax.config import ConfigError
-from kernels import flash_mgpu, hopper, ptxas
+from diff_jax.kernels import flash_mgpu, hopper, ptxas
 
 ROOT = Path(__file__).resolve().parents[1]
 

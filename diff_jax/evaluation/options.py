@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from diff_jax.config import SEED_LIMIT, ConfigError, coerce, is_blank_path, parse_override
-from kernels.reference import MAX_LOGIT_BITS
+from diff_jax.kernels.reference import MAX_LOGIT_BITS
 
 TASKS = ("ppl", "score", "niah", "attention", "outliers", "quant", "generate", "recall")
 PATH_OPTIONS: dict[str, str] = {  # the options naming a file or directory: what each expects

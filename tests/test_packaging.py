@@ -1,0 +1,101 @@
+"""What the distribution installs: one top-level package, `diff_jax`.
+
+The attention kernels live in the repository's top-level kernels/ folder and install as
+`diff_jax.kernels` (diff_jax/kernels links to the folder). A top-level `kernels` package would be
+Hugging Face's `kernels` distribution's import name, which transformers >= 5.25 requires and
+imports: installing both would put two packages in one site-packages folder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOP_LEVEL_IMPORT = re.compile(r"^\s*(?:from\s+kernels(?:\.\w+)*\s+import|import\s+kernels\b)", re.M)
+
+
+def _sources() -> list[Path]:
+    """Every Python file of the project (diff_jax/kernels, the link, read once as kernels/)."""
+    files = [ROOT / "train.py", ROOT / "eval.py"]
+    for folder in ("diff_jax", "kernels", "tests", "benchmarks"):
+        files += [p for p in (ROOT / folder).rglob("*.py")
+                  if not p.relative_to(ROOT).as_posix().startswith("diff_jax/kernels/")]
+    return files
+
+
+def test_nothing_imports_the_kernels_folder_as_a_top_level_package():
+    """Code (and code held in strings, such as the GPU session's environment probe) imports the
+    kernels as `diff_jax.kernels`, and the kernels import each other relatively: an installed
+    diff-jax has no `kernels` to import, and from a clone the folder would be a second copy of
+    every kernel module under another name."""
+    found = [f"{p.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0).strip()}"
+             for p in _sources() for text in [p.read_text()]
+             for m in TOP_LEVEL_IMPORT.finditer(text)]
+    assert not found, found
+    assert len(_sources()) > 100  # the walk saw the project
+
+
+def test_diff_jax_kernels_is_the_kernels_folder():
+    from diff_jax import kernels
+
+    link = ROOT / "diff_jax" / "kernels"
+    assert link.is_symlink() and link.resolve() == (ROOT / "kernels").resolve()
+    assert Path(kernels.__file__).resolve() == (ROOT / "kernels" / "__init__.py").resolve()
+
+
+def test_diff_jax_kernels_imports_without_flax():
+    """`diff_jax.kernels` needs only jax: diff_jax's own names (DecoderLM, load_config, ...) are
+    read from their modules on first use (the jax 0.11 kernel check runs in a venv with jax
+    alone), and they still import as before."""
+    code = ("import sys\nfrom diff_jax import kernels\nassert 'flax' not in sys.modules\n"
+            "assert 'kernels' not in sys.modules\n"
+            "from diff_jax import DecoderLM, load_config\nimport diff_jax\n"
+            "assert 'DecoderLM' in dir(diff_jax) and 'flax' in sys.modules\n"
+            "try:\n    diff_jax.no_such_name\nexcept AttributeError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "tests", capture_output=True,
+                         text=True, env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+                                         "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "module 'diff_jax' has no attribute 'no_such_name'"
+
+
+def test_the_wheel_installs_diff_jax_alone(tmp_path):
+    """The wheel pip builds from a copy of the project: no top-level `kernels`, the kernels and
+    their tile table under diff_jax/kernels (the link's files, not a link)."""
+    if tuple(int(x) for x in version("setuptools").split(".")[:2]) < (77, 0):
+        pytest.skip("building needs setuptools >= 77 (pyproject's build-system)")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "kernels", src / "kernels", ignore=ignore)
+    shutil.copytree(ROOT / "diff_jax", src / "diff_jax", symlinks=True, ignore=ignore)
+    # Not from the clone's root (nor with it on PYTHONPATH): Hugging Face's `kernels`, where
+    # installed, adds an egg_info writer to every setuptools build, which would import the
+    # folder kernels/ under its name.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                          "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr
+    (wheel,) = (tmp_path / "dist").glob("diff_jax-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        (top_level,) = [n for n in names if n.endswith(".dist-info/top_level.txt")]
+        assert z.read(top_level).decode().split() == ["diff_jax"]
+        table = z.read("diff_jax/kernels/tuning/mosaic_gpu.json")
+    assert all(n.startswith(("diff_jax/", "diff_jax-")) for n in names), names
+    kernels = {n.removeprefix("diff_jax/kernels/") for n in names
+               if n.startswith("diff_jax/kernels/") and n.endswith(".py")}
+    assert kernels == {p.name for p in (ROOT / "kernels").glob("*.py")}
+    assert table == (ROOT / "kernels" / "tuning" / "mosaic_gpu.json").read_bytes()

@@ -33,7 +33,8 @@ with TMA reduce-adds); the check runs those first, --tune compares them with the
 first at both widths, and the profile stage splits a step's time between the kernels.
 
 Stages, each a subprocess with its own time limit whose failure or timeout is recorded and
-skipped past (so a hang or a crash in one cannot lose the others). A SIGINT, SIGTERM or SIGHUP
+skipped past (so a hang or a crash in one cannot lose the others; a program that cannot be
+started is such a failure, "exit 127" and one line naming it: `limited_run.not_started`). A SIGINT, SIGTERM or SIGHUP
 to the session stops the stage in flight with it (SIGTERM, as at its limit: `limited_run`),
 records that stage with its output in session.json and .md, runs no other and ends in one
 `interrupted:` line, exit status 130; the stage was left running on the GPU. A SIGKILL (the

@@ -21,7 +21,9 @@ from diff_jax.command import STOPS, not_ignored, off_the_terminal  # noqa: E402
 # programs and ones with file capabilities. A parent that died before the prctl (the child is
 # then another process's, init's or a subreaper's) is caught by the parent id it left. Python
 # ignores SIGPIPE and SIGXFSZ at its start: they are put back as Popen's restore_signals leaves
-# them, so the child (ncu, nvidia-smi) starts with them as it did without this Python.
+# them, so the child (ncu, nvidia-smi) starts with them as it did without this Python. A program
+# exec cannot start is one line and exit status 127 or 126, as `not_started` says it (its
+# traceback named no path, exit status 1: a child that ran and failed, to the callers).
 DIES_WITH_PARENT = """
 import ctypes, os, signal, sys
 ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -29,7 +31,11 @@ if os.getppid() != int(sys.argv[1]):
     os.kill(os.getpid(), signal.SIGKILL)
 for s in (signal.SIGPIPE, signal.SIGXFSZ):
     signal.signal(s, signal.SIG_DFL)
-os.execvp(sys.argv[2], sys.argv[2:])
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as e:
+    print(f"could not start: {sys.argv[2]}: {e.strerror}", file=sys.stderr)
+    sys.exit(127 if isinstance(e, FileNotFoundError) else 126)
 """
 
 
@@ -44,11 +50,25 @@ class Stopped(KeyboardInterrupt):
         self.signum, self.output = signum, output
 
 
+def not_started(path: str, error: OSError) -> tuple[str, int]:
+    """`run_limited`'s output and exit status for a child whose program `path` could not be
+    started (`error`: exec's or Popen's): one line, "could not start: PATH: No such file or
+    directory", and 127 where there is no such file, else 126 ("Permission denied", "Exec
+    format error"), as a POSIX shell reports a command it could not find or could not run.
+    `DIES_WITH_PARENT` says it the same way. Measured before: `run_limited(["/nonexistent"])`
+    returned the wrapper's FileNotFoundError traceback, which names no path, and exit status 1
+    (a probe that ran and failed, in mosaic_probe.py's rows and hopper_session.py's stages);
+    off Linux Popen's FileNotFoundError escaped it (and hopper_session.py's `_run`)."""
+    return f"could not start: {path}: {error.strerror}\n", (
+        127 if isinstance(error, FileNotFoundError) else 126)
+
+
 def run_limited(cmd: list[str], limit: float, grace: float,
                 env: dict[str, str] | None = None) -> tuple[str, int | None]:
     """Run `cmd` in the repository root, stdout and stderr together; at `limit` seconds it is
     sent SIGTERM and, `grace` seconds later, killed. Returns (its output, its exit status, or
-    None when it ran past `limit`).
+    None when it ran past `limit`); a program that cannot be started is a child that failed,
+    its output one line naming it (`not_started`).
 
     When this process gets SIGINT, SIGTERM or SIGHUP (`STOPS`; in the main thread) while the
     child runs, the child is stopped as at its limit (SIGTERM: attention.py writes what it
@@ -102,21 +122,25 @@ def run_limited(cmd: list[str], limit: float, grace: float,
     try:
         if sys.platform.startswith("linux"):
             cmd = [sys.executable, "-I", "-S", "-c", DIES_WITH_PARENT, str(os.getpid()), *cmd]
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env or dict(os.environ),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if caught and kill.ident is None:  # got while it started
-            stop()
         try:
-            out, _ = proc.communicate(timeout=max(limit, 1))
-            code = proc.returncode
-        except subprocess.TimeoutExpired:
-            proc.terminate()
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env or dict(os.environ),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        except OSError as e:  # off Linux, the program (on Linux the wrapper's exec says it)
+            out, code = not_started(cmd[0], e)
+        else:
+            if caught and kill.ident is None:  # got while it started
+                stop()
             try:
-                out, _ = proc.communicate(timeout=grace)
+                out, _ = proc.communicate(timeout=max(limit, 1))
+                code = proc.returncode
             except subprocess.TimeoutExpired:
-                proc.kill()
-                out, _ = proc.communicate()
-            code = None
+                proc.terminate()
+                try:
+                    out, _ = proc.communicate(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    out, _ = proc.communicate()
+                code = None
     finally:
         kill.cancel()
         for s, handler in previous.items():

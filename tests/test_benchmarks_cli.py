@@ -381,6 +381,48 @@ def test_dies_with_parent_catches_a_parent_gone_before_it_and_keeps_the_signals(
     assert threading.active_count() == threads
 
 
+@pytest.mark.parametrize("platform", ["linux", "darwin"])
+def test_a_child_that_cannot_start_is_one_line_its_callers_record(platform, tmp_path,
+                                                                 monkeypatch):
+    """A program run_limited cannot start (ncu gone, a stage's program mistyped, a launcher
+    script whose interpreter is missing, a file not executable): one line naming it, exit
+    status 127 where there is no such file, else 126 (as a shell's), recorded as a child that
+    failed: hopper_session.py's stage, kernel_profile.py's row (and its markdown line), the
+    other rows still run. Before, on Linux (through `DIES_WITH_PARENT`): exec's
+    FileNotFoundError traceback, which names no path, and exit status 1, a child that ran and
+    failed (kernel_profile.md: "not measured: exit 1: Traceback (most recent call last):");
+    elsewhere (here Linux with its wrapper left out) Popen's FileNotFoundError escaped
+    run_limited: hopper_session.py's `_run`, which never raises, and kernel_profile.py, an
+    `error:` line and exit status 2 before its other rows."""
+    import io
+
+    import hopper_session
+    import kernel_profile
+
+    monkeypatch.setattr(limited_run.sys, "platform", platform)
+    missing, no_shell, not_executable = (tmp_path / x for x in ("missing", "ncu", "data"))
+    no_shell.write_text("#!/nonexistent/sh\n")
+    no_shell.chmod(0o755)
+    not_executable.write_text("")
+    for path, code, why in ((missing, 127, "No such file or directory"),
+                            (no_shell, 127, "No such file or directory"),
+                            (not_executable, 126, "Permission denied")):
+        assert limited_run.run_limited([str(path), "--x"], 60, 1) == (
+            f"could not start: {path}: {why}\n", code)
+    stage = hopper_session._run("env", [str(missing)], 60, io.StringIO())
+    assert (stage["status"], stage["tail"]) == (
+        "exit 127", f"could not start: {missing}: No such file or directory\n")
+    monkeypatch.setattr(kernel_profile.shutil, "which", lambda name: str(missing))
+    out = tmp_path / "out"
+    assert kernel_profile.main(["--out", str(out), "--head-dims", "64,128", "--schedules",
+                                "table"]) == 0
+    line = f"exit 127: could not start: {missing}: No such file or directory"
+    assert [r["error"] for r in json.loads((out / "kernel_profile.json").read_text())] == [
+        line + "\n"] * 2
+    assert f"- d = 128, table, T = 4096: not measured: {line}\n" in (
+        out / "kernel_profile.md").read_text()
+
+
 @LINUX_ONLY
 def test_the_profiled_program_dies_with_kernel_profile_killed_by_sigkill(tmp_path):
     """kernel_profile.py SIGKILLed while ncu profiles its program: ncu dies with it

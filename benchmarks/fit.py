@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from diff_jax.command import concluded, leave, positive_int  # noqa: E402
+from diff_jax.command import Written, concluded, leave, positive_int  # noqa: E402
 from diff_jax.output_dir import write_whole  # noqa: E402
 
 CONFIGS = ["diff-830m", "diff-1.4b", "diff-2.8b", "diff-3b", "diff-6.8b", "diff-13.1b"]
@@ -133,11 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     """The command line in the module docstring (`argv`: None reads sys.argv); its exit status
     (`command.concluded`): 0; 2 on bad input (argparse's usage and error line for an argument,
     one `error:` line for a results file that cannot be read or written); 130 after Ctrl-C or
-    once stdout's or stderr's reader is gone (`| head`), in one `interrupted:` line: the JSON
-    holds every compile that ended (written whole after each), the markdown is written whole
-    or not at all. Measured before: a Ctrl-C while a compile ran was a KeyboardInterrupt
-    traceback (exit -2); `| head` a BrokenPipeError traceback at the first row's print (exit 1,
-    120 with stdout block-buffered), which came before that row was written."""
+    once stdout's or stderr's reader is gone (`| head`), in one `interrupted:` line counting
+    them: the JSON holds every compile that ended (written whole after each), the markdown is
+    written whole or not at all. Measured before: a Ctrl-C while a compile ran was a
+    KeyboardInterrupt traceback (exit -2); `| head` a BrokenPipeError traceback at the first
+    row's print (exit 1, 120 with stdout block-buffered), which came before that row was
+    written."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", choices=sorted(SLICES), default="tpu")
     p.add_argument("--timeout", type=positive_int, default=1800)
@@ -153,14 +154,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"some of {', '.join(slices)}")
     kind = "tpu" if args.target == "tpu" else "gpu"
     path = ROOT / f"benchmarks/results/{kind}_fit.json"
-    return concluded(lambda: search(args, slices, kind, path),
-                     (str(path.relative_to(ROOT)), str(path)))
+    written = Written()
+    return concluded(lambda: search(args, slices, kind, path, written),
+                     (str(path.relative_to(ROOT)), str(path)), written=written)
 
 
-def search(args: argparse.Namespace, slices: list[str], kind: str, path: Path) -> None:
+def search(args: argparse.Namespace, slices: list[str], kind: str, path: Path,
+           written: Written) -> None:
     """`main`'s work for parsed `args`: each (config, attention impl) compiled on `slices`,
     smallest first, until it fits; `path` (the `kind`'s results JSON) rewritten after each
-    compile, then docs/{kind}-fit.md, and the table printed."""
+    compile (counted in `written`), then docs/{kind}-fit.md, and the table printed."""
     # Rows from before the attention column were compiled with the default, xla (and no FLOPs).
     earlier = [{"impl": "xla", **r} for r in (json.loads(path.read_text()) if path.exists() else [])]
     merged = {(r["config"], r["impl"], r["topology"]): r for r in earlier}
@@ -175,6 +178,7 @@ def search(args: argparse.Namespace, slices: list[str], kind: str, path: Path) -
                 merged[(config, impl, topology)] = r
                 results = [merged[k] for k in sorted(merged, key=order)]
                 write_whole(path, json.dumps(results, indent=1))
+                written.count += 1
                 print(json.dumps(r), flush=True)  # after: a `| head` gone here keeps the row
                 if r.get("fits") or "error" in r and not _verdict(r).startswith("no"):
                     break

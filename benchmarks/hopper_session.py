@@ -163,7 +163,7 @@ from pathlib import Path
 
 from limited_run import Stopped, run_limited
 
-from diff_jax.command import concluded, interrupted, leave
+from diff_jax.command import Written, concluded, interrupted, leave
 from diff_jax.output_dir import write_whole
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -415,7 +415,9 @@ def main(argv=None) -> int:
             p.error(f"--previous {args.previous}: not a session.json with a summary")
     out = Path(args.out)
     report: dict = {"stages": [], "argv": sys.argv}
-    status = concluded(lambda: session(args, stages, previous, report), (f"--out {out}", str(out)))
+    written = Written("stage")
+    status = concluded(lambda: session(args, stages, previous, report, written),
+                       (f"--out {out}", str(out)), written=written)
     last = report["stages"][-1] if report["stages"] else {"status": ""}
     if status == 0 and last["status"].startswith(STOPPED):
         return interrupted(f"the {last['stage']} stage {last['status']}; {out}/session.json and "
@@ -424,16 +426,16 @@ def main(argv=None) -> int:
 
 
 def session(args: argparse.Namespace, stages: list[str], previous: dict | None,
-            report: dict) -> None:
+            report: dict, written: Written) -> None:
     """`main`'s work for parsed `args`: the `stages` in turn, each appended to `report` and
-    recorded (`_record`) as it ends, then the stages' lines printed; none after one a signal
-    stopped (`STOPPED`). Under `command.concluded`: a Ctrl-C outside a stage (between two, or
-    while one is recorded) or an output whose reader is gone (`| head`) ends the session in
-    one `interrupted:` line, exit 130, session.json and .md holding the stages recorded, the
-    one whose line failed included (`_progress`; session.log and parts/ the output of one in
-    flight). Measured before: each was a traceback (`| head`: a BrokenPipeError at the first
-    stage's line, exit 1, or 120 with stdout block-buffered, that stage left out of
-    session.json, which was not yet written)."""
+    recorded (`_record`; counted in `written`) as it ends, then the stages' lines printed; none
+    after one a signal stopped (`STOPPED`). Under `command.concluded`: a Ctrl-C outside a stage
+    (between two, or while one is recorded) or an output whose reader is gone (`| head`) ends
+    the session in one `interrupted:` line counting the stages that session.json and .md hold,
+    exit 130, the one whose line failed included (`_progress`; session.log and parts/ the
+    output of one in flight). Measured before: each was a traceback (`| head`: a
+    BrokenPipeError at the first stage's line, exit 1, or 120 with stdout block-buffered, that
+    stage left out of session.json, which was not yet written)."""
     out = Path(args.out)
     parts = out / "parts"
     parts.mkdir(parents=True, exist_ok=True)
@@ -556,6 +558,7 @@ def session(args: argparse.Namespace, stages: list[str], previous: dict | None,
                 r["copied"] = _copy_replication(GPU_MEDIUM, out / "gpu-medium")
             report["stages"].append(r)
             md = _record(out, report, previous)
+            written.count = len(report["stages"])
             _progress(r)
             if r["status"].startswith(STOPPED):
                 break

@@ -41,8 +41,8 @@ from limited_run import ROOT, Stopped, dies_with, run_limited
 
 sys.path.insert(0, str(ROOT))
 
-from diff_jax.command import (concluded, leave, positive_float, positive_int,  # noqa: E402
-                              positive_ints)
+from diff_jax.command import (Written, concluded, leave, positive_float,  # noqa: E402
+                              positive_int, positive_ints)
 from diff_jax.output_dir import write_whole  # noqa: E402
 
 METRIC = "gpu__time_duration.sum"
@@ -207,14 +207,17 @@ def main(argv=None) -> int:
     untabled = hopper.untabled(args.head_dims, jnp.bfloat16)
     if untabled:  # before any child: each schedule's row was a refusal, after the others ran
         p.error(f"--head-dims {','.join(map(str, args.head_dims))}: {untabled}")
-    return concluded(lambda: profile_all(args, schedules), (f"--out {args.out}", str(args.out)))
+    written = Written()
+    return concluded(lambda: profile_all(args, schedules, written),
+                     (f"--out {args.out}", str(args.out)), written=written)
 
 
-def profile_all(args: argparse.Namespace, schedules: list[str]) -> None:
+def profile_all(args: argparse.Namespace, schedules: list[str], written: Written) -> None:
     """`main`'s work for parsed `args`: a row per head width and schedule, each written to
-    DIR/kernel_profile.json as it ends, then DIR/kernel_profile.md. A signal that stops this
-    process stops the child in flight too (`run_limited`), whose row (its output) is written,
-    with the markdown, before `Stopped` ends the command."""
+    DIR/kernel_profile.json as it ends (counted in `written`), then printed (before, it was
+    printed first: a `| head` gone there lost it), then DIR/kernel_profile.md. A signal that
+    stops this process stops the child in flight too (`run_limited`), whose row (its output)
+    is written, with the markdown, before `Stopped` ends the command."""
     args.out.mkdir(parents=True, exist_ok=True)  # first: a DIR that cannot be made ends at once
     rows = []
     start = time.monotonic()
@@ -232,8 +235,9 @@ def profile_all(args: argparse.Namespace, schedules: list[str]) -> None:
                     stopped = e
                     rows.append({"d": d, "schedule": schedule, "T": args.t,
                                  "error": f"interrupted ({e}): {e.output[-1500:]}"})
-            print(markdown(rows[-1:]).splitlines()[-1], flush=True)
             write_whole(args.out / "kernel_profile.json", json.dumps(rows, indent=1))
+            written.count = len(rows)
+            print(markdown(rows[-1:]).splitlines()[-1], flush=True)
             if stopped is not None:
                 write_whole(args.out / "kernel_profile.md", markdown(rows))
                 raise stopped

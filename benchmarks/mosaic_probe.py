@@ -30,7 +30,7 @@ from limited_run import ROOT, Stopped, run_limited
 
 sys.path.insert(0, str(ROOT))
 
-from diff_jax.command import concluded, leave, positive_float  # noqa: E402
+from diff_jax.command import Written, concluded, leave, positive_float  # noqa: E402
 from diff_jax.output_dir import write_whole  # noqa: E402
 
 # name: (d, causal, segment ids, backward, Tiles fields over the table's)
@@ -160,18 +160,22 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--probes: unknown {', '.join(unknown)}; expected some of {', '.join(PROBES)}")
     rows: list[dict] = []
-    status = concluded(lambda: probe_all(names, args, rows), (f"--out {args.out}", args.out))
+    written = Written()
+    status = concluded(lambda: probe_all(names, args, rows, written),
+                       (f"--out {args.out}", args.out), written=written)
     if status == 0 and any(r["status"] != "ok" for r in rows):
         return 1  # hopper_session's probe stage: "exit 1", and the rows' statuses
     return status
 
 
-def probe_all(names: list[str], args: argparse.Namespace, rows: list[dict]) -> None:
+def probe_all(names: list[str], args: argparse.Namespace, rows: list[dict],
+              written: Written) -> None:
     """`main`'s work for parsed `args`: each probe of `names` in turn, its row appended to `rows`
-    and DIR/mosaic_probe.json written after each (a caller's own limit keeps what was probed).
-    A signal that stops this process stops the probe in flight too (`run_limited`), whose row
-    ("interrupted", its tail: the stacks it dumped at SIGTERM) is written before `Stopped`
-    ends the command."""
+    and DIR/mosaic_probe.json written after each (a caller's own limit keeps what was probed;
+    counted in `written`), then printed (before, it was printed first: a `| head` gone there
+    lost it). A signal that stops this process stops the probe in flight too (`run_limited`),
+    whose row ("interrupted", its tail: the stacks it dumped at SIGTERM) is written before
+    `Stopped` ends the command."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)  # first: a DIR that cannot be made ends at once
     for name in names:
@@ -182,8 +186,9 @@ def probe_all(names: list[str], args: argparse.Namespace, rows: list[dict]) -> N
             row, stopped = {"probe": name, "status": f"interrupted ({e})",
                             "tail": e.output[-2500:]}, e
         rows.append(row)
-        print(json.dumps({k: x for k, x in row.items() if k != "tail"}), flush=True)
         write_whole(out / "mosaic_probe.json", json.dumps(rows, indent=1))
+        written.count = len(rows)
+        print(json.dumps({k: x for k, x in row.items() if k != "tail"}), flush=True)
         if stopped is not None:
             raise stopped
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import dataclasses
 import errno
 import math
 import os
@@ -100,15 +101,33 @@ def interrupted(what: str) -> int:
     return EXIT_INTERRUPTED
 
 
-def output_kept(argument: str, complete: bool = False) -> int:
+@dataclasses.dataclass
+class Written:
+    """What a command that writes its output as it goes has written there so far, each rewrite
+    whole (`output_dir.write_whole`): `count` `noun`s (rows, stages), which the command sets
+    once each is on disk and `concluded`'s `interrupted:` line says are kept (`output_kept`)."""
+
+    noun: str = "row"
+    count: int = 0
+
+
+def output_kept(argument: str, complete: bool = False, written: Written | None = None) -> int:
     """`interrupted` for a command writing one output directory (`output_dir.staged`): none is
     left half-written at `argument` (e.g. "--out DIR"). `complete`: the output was already in
     place, whole, when the stop came (a Ctrl-C, or the reader of stdout gone, at the lines
     printed after it), and the line says it is kept: "no half-written output" read as nothing
     written (measured: `python -m diff_jax.export RUN --out DIR | head -0` left the whole export
-    at DIR with that line, exit 130, as every export into a reader gone before its end does)."""
+    at DIR with that line, exit 130, as every export into a reader gone before its end does).
+    `written`: the rows a command writing as it goes has there, which the line counts as kept;
+    it read "no half-written output" too (measured: fit.py, kernel_profile.py and
+    mosaic_probe.py stopped in their second row, hopper_session.py in its second stage, the
+    first on disk)."""
     if complete:
         return interrupted(f"stopped once the output at {argument} was written whole; it is kept")
+    if written is not None and written.count:
+        n = written.count
+        return interrupted(f"stopped at once; the {n} {written.noun}{'' if n == 1 else 's'} "
+                           f"written so far {'is' if n == 1 else 'are'} kept at {argument}")
     return interrupted(f"stopped at once; no half-written output is left at {argument}")
 
 
@@ -120,7 +139,8 @@ def run_kept(error: KeyboardInterrupt, out: object) -> int:
 
 
 def concluded(work: Callable[[], object], output: tuple[str, str] | None,
-              bad_input: tuple[type[Exception], ...] = (ConfigError,)) -> int:
+              bad_input: tuple[type[Exception], ...] = (ConfigError,),
+              written: Written | None = None) -> int:
     """The exit status of a command whose arguments are parsed, `work` doing the rest: 0 once it
     returns. Bad input found on the way is one `error:` line and `EXIT_BAD_INPUT`: an error of
     `bad_input` (its text, as train.py prints it), an `OSError` (`file_errors.describe`,
@@ -128,8 +148,9 @@ def concluded(work: Callable[[], object], output: tuple[str, str] | None,
     `cmd` the text naming the child: the child's last line on stderr; `EXIT_NON_FINITE` unless
     the child exited `EXIT_BAD_INPUT`). A Ctrl-C is one `interrupted:` line (`output_kept`).
     `output`: (the argument naming what the command writes, e.g. "--out OUT", the directory it
-    writes in); None where it writes no file. An output whose reader is gone is a Ctrl-C too
-    (`as_ctrl_c`); SIGTERM keeps its default action."""
+    writes in); None where it writes no file. `written`: what `work` has written there so far,
+    where it writes as it goes (a row at a time), which that line says is kept. An output
+    whose reader is gone is a Ctrl-C too (`as_ctrl_c`); SIGTERM keeps its default action."""
     try:
         with as_ctrl_c(signals=()):
             work()
@@ -142,8 +163,8 @@ def concluded(work: Callable[[], object], output: tuple[str, str] | None,
         return failed(f"{e.cmd} exited {e.returncode}: {lines[-1].removeprefix('error: ')}",
                       EXIT_BAD_INPUT if e.returncode == EXIT_BAD_INPUT else EXIT_NON_FINITE)
     except KeyboardInterrupt:
-        return output_kept(output[0]) if output else interrupted("stopped at once (it writes "
-                                                                 "no file)")
+        return (output_kept(output[0], written=written) if output
+                else interrupted("stopped at once (it writes no file)"))
     return 0
 
 

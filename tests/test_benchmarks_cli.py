@@ -224,6 +224,59 @@ def test_ctrl_c_is_one_interrupted_line_and_exit_130(script, function, capsys, t
                                        f"left at --out {out}\n")
 
 
+# (script, the function each row's work calls, what it returns for the first row, argv less
+# --out, the file under --out holding the rows, the interrupted line's end; fit.py writes its own
+# results, under ROOT, here the test's directory)
+ROW_BY_ROW = [
+    ("fit", "compile_one", lambda config, topology, impl, timeout: {
+        "config": config, "topology": topology, "impl": impl, "error": "RESOURCE_EXHAUSTED"},
+     ["--configs", "diff-830m", "--impls", "xla", "--slices", "v5p:2x2x2", "v5p:2x2x4"],
+     "benchmarks/results/tpu_fit.json",
+     "the 1 row written so far is kept at benchmarks/results/tpu_fit.json"),
+    ("kernel_profile", "profile", lambda d, schedule, args, out: {
+        "d": d, "schedule": schedule, "T": args.t, "error": "exit 1"},
+     ["--head-dims", "64,128", "--schedules", "table"], "out/kernel_profile.json",
+     "the 1 row written so far is kept at --out OUT"),
+    ("mosaic_probe", "probe", lambda name, *_: {"probe": name, "status": "ok"},
+     ["--probes", "fwd-d64,bwd-d128"], "out/mosaic_probe.json",
+     "the 1 row written so far is kept at --out OUT"),
+    ("hopper_session", "_run", lambda name, *_a, **_k: {  # env finds a GPU: check runs next
+        "stage": name, "status": "ok", "tail": 'ENV {"backend": "gpu", "device_kind": "H100", '
+                                               '"jax": "0.10.2"}\n'},
+     ["--stages", "env,check"], "out/session.json",
+     "the 1 stage written so far is kept at --out OUT"),
+]
+
+
+@pytest.mark.parametrize("script,function,first,argv,rows,kept", ROW_BY_ROW,
+                         ids=[c[0] for c in ROW_BY_ROW])
+def test_ctrl_c_after_a_row_was_written_says_the_rows_are_kept(
+        script, function, first, argv, rows, kept, capsys, tmp_path, monkeypatch):
+    """fit.py, kernel_profile.py, mosaic_probe.py and hopper_session.py write their rows (their
+    stages) as they go, each rewrite whole: a Ctrl-C in the second leaves the first on disk, and
+    their line said "stopped at once; no half-written output is left at --out OUT", read as
+    nothing written. Now it counts the rows kept (`command.Written`)."""
+    bench = importlib.import_module(script)
+    calls = []
+
+    def second_stops(*args, **kwargs):
+        calls.append(args)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return first(*args, **kwargs)
+
+    monkeypatch.setattr(bench, function, second_stops)
+    if script == "fit":
+        (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+        monkeypatch.setattr(bench, "ROOT", tmp_path)
+    out = [] if script == "fit" else ["--out", str(tmp_path / "out")]
+    assert bench.main([*argv, *out]) == 130
+    assert capsys.readouterr().err == (f"interrupted: stopped at once; "
+                                       f"{kept.replace('OUT', str(tmp_path / 'out'))}\n")
+    saved = json.loads((tmp_path / rows).read_text())
+    assert len(saved["stages"] if script == "hopper_session" else saved) == 1
+
+
 # a process running run_limited (benchmarks/hopper_session.py, mosaic_probe.py, kernel_profile.py):
 # argv[1] is the child's program, argv[2] the grace seconds
 PARENT = """
@@ -469,8 +522,8 @@ def test_gpu_session_records_the_stage_whose_line_its_closed_stdout_refused(tmp_
     finally:
         os.close(write)
     assert session.returncode == 130 and session.stderr == (
-        "interrupted: the reader of stdout is gone (SIGPIPE); stopped at once; no half-written "
-        f"output is left at --out {out}\n"), session.stderr
+        "interrupted: the reader of stdout is gone (SIGPIPE); stopped at once; the 1 stage "
+        f"written so far is kept at --out {out}\n"), session.stderr
     (env_stage,) = json.loads((out / "session.json").read_text())["stages"]
     assert env_stage["status"] == "ok" and env_stage["tail"] == "ENV {}\n"
     assert "- env: ok" in (out / "session.md").read_text()
@@ -500,8 +553,8 @@ def test_mosaic_probe_and_kernel_profile_keep_the_row_a_signal_stopped(capsys, t
     monkeypatch.setattr(mosaic_probe, "probe", first_ok)
     out = tmp_path / "probe"
     assert mosaic_probe.main(["--out", str(out), "--probes", "fwd-d64,bwd-d128,bwd-d96"]) == 130
-    assert capsys.readouterr().err == (f"interrupted: stopped at once; no half-written output is "
-                                       f"left at --out {out}\n")
+    assert capsys.readouterr().err == (f"interrupted: stopped at once; the 2 rows written so far "
+                                       f"are kept at --out {out}\n")
     assert json.loads((out / "mosaic_probe.json").read_text()) == [
         {"probe": "fwd-d64", "status": "ok"},
         {"probe": "bwd-d128", "status": "interrupted (got SIGTERM)",

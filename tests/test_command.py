@@ -239,12 +239,25 @@ FINISHED = [
              "'topology': topology, 'impl': impl, 'error': 'compile > 1s'}",
              "status = fit.main(['--configs', 'diff-830m', '--impls', 'xla', '--slices', "
              "'v5p:2x2x2'])"],
-     "stopped at once; no half-written output is left at benchmarks/results/tpu_fit.json",
+     "stopped at once; the 1 row written so far is kept at benchmarks/results/tpu_fit.json",
      "benchmarks/results/tpu_fit.json"),
+    ("mosaic_probe", ["import mosaic_probe",  # its first row's line: the row is written first
+                      "mosaic_probe.probe = lambda name, *_: {'probe': name, 'status': 'ok'}",
+                      "status = mosaic_probe.main(['--out', 'TMP/out', '--probes', "
+                      "'fwd-d64,bwd-d128'])"],
+     "stopped at once; the 1 row written so far is kept at --out TMP/out",
+     "out/mosaic_probe.json"),
+    ("kernel_profile", ["import kernel_profile",
+                        "kernel_profile.profile = lambda d, schedule, args, out: {'d': d, "
+                        "'schedule': schedule, 'T': args.t, 'error': 'exit 1'}",
+                        "status = kernel_profile.main(['--out', 'TMP/out', '--head-dims', "
+                        "'64,128', '--schedules', 'table'])"],
+     "stopped at once; the 1 row written so far is kept at --out TMP/out",
+     "out/kernel_profile.json"),
     ("hopper_session", ["import hopper_session",  # no time left: the stage is skipped
                         "status = hopper_session.main(['--out', 'TMP/out', '--stages', 'env', "
                         "'--total', '1'])"],
-     "stopped at once; no half-written output is left at --out TMP/out", "out/session.json"),
+     "stopped at once; the 1 stage written so far is kept at --out TMP/out", "out/session.json"),
 ]
 
 
@@ -257,8 +270,10 @@ def test_the_last_lines_into_a_pipe_whose_reader_is_gone_are_one_interrupted_lin
     fit.py and hopper_session.py ended in no `command.concluded`: a BrokenPipeError traceback
     (exit 1) or, stdout block-buffered, "Exception ignored" at the interpreter's exit flush
     (exit 120). Now it stops each as a Ctrl-C does, its line saying why, exit 130, and what
-    was written is kept; the export, import and corpus, whole by then, say so (their line said
-    "no half-written output is left", as if nothing had been written)."""
+    was written is kept; the export, import and corpus, whole by then, say so, and so do
+    fit.py, mosaic_probe.py, kernel_profile.py and hopper_session.py of the rows (stages) they
+    wrote (their line said "no half-written output is left", as if nothing had been written);
+    mosaic_probe.py and kernel_profile.py wrote a row after its line, which lost it."""
     if name == "hf_import":
         pytest.importorskip("safetensors")
     (tmp_path / "text.txt").write_text("a line of text to tokenize\n")

@@ -64,7 +64,7 @@ import numpy as np  # noqa: E402
 
 from diff_jax import kernels  # noqa: E402
 from diff_jax.attention import HeadLayout  # noqa: E402
-from diff_jax.command import concluded, leave, positive_int, positive_ints  # noqa: E402
+from diff_jax.command import Written, concluded, leave, positive_int, positive_ints  # noqa: E402
 from diff_jax.config import ModelConfig  # noqa: E402
 from diff_jax.kernels import BlockSizes, flash, flash_mgpu, float64_reference, hopper  # noqa: E402
 from diff_jax.output_dir import write_whole  # noqa: E402
@@ -822,7 +822,9 @@ def command(argv=None) -> int:
     row's print (exit 1; 120 with stdout block-buffered), nothing written. SIGTERM keeps the
     deadline's handler (what was measured is written, exit 0)."""
     args = arguments(argv)
-    return concluded(lambda: measured(args), (f"--out {args.out}", args.out))
+    written = Written()
+    return concluded(lambda: measured(args, written), (f"--out {args.out}", args.out),
+                     written=written)
 
 
 def arguments(argv=None) -> argparse.Namespace:
@@ -869,8 +871,9 @@ def arguments(argv=None) -> argparse.Namespace:
     return args
 
 
-def measured(args: argparse.Namespace) -> dict:
-    """`main`'s work for parsed `args`, under the deadline and its SIGTERM handler."""
+def measured(args: argparse.Namespace, written: Written | None = None) -> dict:
+    """`main`'s work for parsed `args`, under the deadline and its SIGTERM handler; `written`
+    says when the JSON and markdown are in place (`command.concluded`)."""
     if args.compile_threads is None:
         args.compile_threads = (len(os.sched_getaffinity(0)) if jax.default_backend() == "gpu"
                                 else 1)
@@ -882,14 +885,16 @@ def measured(args: argparse.Namespace) -> dict:
     # thread's stack goes to stderr first (in C), so the log names the call that hangs.
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     try:
-        return _modes(args, deadline)
+        return _modes(args, deadline, written or Written())
     finally:
         faulthandler.unregister(signal.SIGTERM)
         signal.signal(signal.SIGTERM, before)
 
 
-def _modes(args, deadline: Deadline) -> dict:
-    """`main`'s work for parsed `args`: the modes asked for, then the JSON and markdown."""
+def _modes(args, deadline: Deadline, written: Written) -> dict:
+    """`main`'s work for parsed `args`: the modes asked for, then the JSON and markdown
+    (`written`), then the benchmark's tables (before, they were printed first: a `| head` gone
+    there lost every measurement)."""
     triton_blocks = args.block
     on_gpu = jax.default_backend() == "gpu"
     head_dims = args.head_dims
@@ -980,9 +985,6 @@ def _modes(args, deadline: Deadline) -> dict:
                    "config": {"tokens": tokens, "heads": heads, "head_dims": dims,
                               "dtype": jnp.dtype(dtype).name, "causal": True, "lam": LAM,
                               "reps": reps, "samples": samples}}
-        print(_table(rows, BENCH_COLS))
-        print(_table(ratios, _ratio_cols(ratios)))
-        print(json.dumps(result["summary"], indent=1))
 
     tag = args.tag or ("smoke" if args.smoke else env["device"].replace(" ", "_"))
     stem = out_dir / f"attention_{tag}"
@@ -1007,6 +1009,11 @@ def _modes(args, deadline: Deadline) -> dict:
                "## Planned memory of one fwd+bwd step (bytes)", "",
                _table(result["memory"], ["d", "T", "B", "fused_bytes", "xla_bytes"]), ""]
     write_whole(stem.with_suffix(".md"), "\n".join(md))
+    written.whole = True
+    if "bench" in result:
+        print(_table(result["bench"], BENCH_COLS))
+        print(_table(result["ratios"], _ratio_cols(result["ratios"])))
+        print(json.dumps(result["summary"], indent=1))
     print(f"wrote {stem}.json / .md")
     return result
 

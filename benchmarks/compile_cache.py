@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's package, which train.py runs on
 
-from diff_jax.command import concluded, leave, positive_int  # noqa: E402
+from diff_jax.command import Written, concluded, leave, positive_int  # noqa: E402
 from diff_jax.config import load_config  # noqa: E402
 from diff_jax.output_dir import write_whole  # noqa: E402
 
@@ -156,10 +156,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="writes OUT.json and OUT.md, replacing them (default: %(default)s, "
                              "the committed CPU results)")
     args = parser.parse_args(argv)
-    return concluded(lambda: compare(args), (f"--out {args.out}", str(Path(args.out).parent)))
+    written = Written()
+    return concluded(lambda: compare(args, written),
+                     (f"--out {args.out}", str(Path(args.out).parent)), written=written)
 
 
-def compare(args: argparse.Namespace) -> None:
+def compare(args: argparse.Namespace, written: Written) -> None:
     """`main`'s work for parsed `args`: the runs, then the table printed and written."""
     load_config(ROOT / args.config, args.set)  # before any run: a bad config ends at once
     out = Path(args.out)
@@ -167,6 +169,7 @@ def compare(args: argparse.Namespace) -> None:
     result = run(args.config, args.set, args.steps, args.repeats)
     write_whole(Path(f"{out}.json"), json.dumps(result, indent=1) + "\n")
     write_whole(Path(f"{out}.md"), markdown(result))
+    written.whole = True
     print(markdown(result))
 
 

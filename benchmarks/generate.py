@@ -22,6 +22,10 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from diff_jax.command import Written
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(config, *map(int, sizes))))
         return 0
     sys.path.insert(0, str(ROOT))  # this tree's package (a child's is on its PYTHONPATH)
-    from diff_jax.command import concluded, positive_int
+    from diff_jax.command import Written, concluded, positive_int
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "configs/tiny.yaml"))
@@ -107,13 +111,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="writes OUT.json and OUT.md, replacing them (default: none written; the "
                         "committed CPU results are benchmarks/results/generate_cpu)")
     args = p.parse_args(argv)
-    return concluded(lambda: compare(args),
-                     None if args.out is None else (f"--out {args.out}", str(args.out.parent)))
+    written = Written()
+    return concluded(lambda: compare(args, written),
+                     None if args.out is None else (f"--out {args.out}", str(args.out.parent)),
+                     written=written)
 
 
-def compare(args: argparse.Namespace) -> None:
-    """`main`'s work for parsed `args`: the measurements of each tree, alternating; print the
-    table and write it with the JSON to --out."""
+def compare(args: argparse.Namespace, written: Written) -> None:
+    """`main`'s work for parsed `args`: the measurements of each tree, alternating; write the
+    table and the JSON to --out (`written`), then print the table (before, it was printed
+    first: a `| head` gone there lost what was measured)."""
     from diff_jax.config import ConfigError, load_config
     from diff_jax.output_dir import write_whole
 
@@ -144,10 +151,11 @@ def compare(args: argparse.Namespace) -> None:
     for name, s in summary.items():
         per_round = ", ".join(f"{r['tokens_per_s']:.0f}" for r in s["rounds"])
         lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {per_round} | {s['first_call_s']:.1f} |")
-    print("\n".join(lines))
     if args.out:
         write_whole(Path(f"{args.out}.json"), json.dumps(result, indent=1))
         write_whole(Path(f"{args.out}.md"), "\n".join(lines) + "\n")
+        written.whole = True
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

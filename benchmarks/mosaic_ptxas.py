@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from diff_jax.aot import gpu_devices  # noqa: E402
-from diff_jax.command import concluded, leave, positive_int  # noqa: E402
+from diff_jax.command import Written, concluded, leave, positive_int  # noqa: E402
 from diff_jax.kernels import flash_mgpu, hopper, ptxas  # noqa: E402
 from diff_jax.output_dir import write_whole  # noqa: E402
 
@@ -155,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT,
                         help="writes OUT.json and OUT.md, replacing them (default: %(default)s)")
     args = parser.parse_args(argv)
-    return concluded(lambda: report(args.dims, args.out), (f"--out {args.out}",
-                                                            str(args.out.parent)))
+    written = Written()
+    return concluded(lambda: report(args.dims, args.out, written),
+                     (f"--out {args.out}", str(args.out.parent)), written=written)
 
 
-def report(dims: list[int], out: Path) -> None:
+def report(dims: list[int], out: Path, written: Written) -> None:
     """`main`'s work: the sweep over `dims`, written to OUT.json and OUT.md."""
     out.parent.mkdir(parents=True, exist_ok=True)  # before the sweep: a bad --out ends at once
     rows = sweep(dims)
@@ -170,6 +171,7 @@ def report(dims: list[int], out: Path) -> None:
     out_json, out_md = Path(f"{out}.json"), Path(f"{out}.md")  # OUT may hold dots
     write_whole(out_json, json.dumps({"env": env, "rows": rows}, indent=1))
     write_whole(out_md, markdown(rows, env))
+    written.whole = True
     print(f"wrote {out_json} and {out_md}")
 
 

@@ -43,7 +43,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from diff_jax.command import concluded, leave, positive_int  # noqa: E402
+from diff_jax.command import Written, concluded, leave, positive_int  # noqa: E402
 from diff_jax.config import Config, ConfigError, load_config  # noqa: E402
 from diff_jax.metrics import mfu  # noqa: E402
 from diff_jax.output_dir import write_whole  # noqa: E402
@@ -130,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="writes OUT.json and OUT.md, replacing them (default: %(default)s, the "
                         "committed CPU results)")
     args = p.parse_args(argv)
-    return concluded(lambda: measure(args), (f"--out {args.out}", str(Path(args.out).parent)),
-                     BAD_INPUT)
+    written = Written()
+    return concluded(lambda: measure(args, written),
+                     (f"--out {args.out}", str(Path(args.out).parent)), BAD_INPUT, written)
 
 
-def measure(args: argparse.Namespace) -> None:
+def measure(args: argparse.Namespace, written: Written) -> None:
     """`main`'s work for parsed `args`: time both models, print and save the table."""
     out = Path(args.out)  # OUT.json and OUT.md; OUT may hold a dot (train_step_1.4b)
     out.parent.mkdir(parents=True, exist_ok=True)  # before the compiles: a bad --out ends at once
@@ -188,6 +189,7 @@ def measure(args: argparse.Namespace) -> None:
         md += [f"Data pipeline alone: {pipeline:,.0f} tokens/s = **{pipeline / consumed:.0f}×** what the "
                f"DIFF model consumes ({consumed:,.0f} tokens/s; target ≥ 10×)", ""]
     write_whole(Path(f"{out}.md"), "\n".join(md))
+    written.whole = True
     print("\n".join(md))
 
 

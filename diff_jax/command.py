@@ -103,12 +103,15 @@ def interrupted(what: str) -> int:
 
 @dataclasses.dataclass
 class Written:
-    """What a command that writes its output as it goes has written there so far, each rewrite
-    whole (`output_dir.write_whole`): `count` `noun`s (rows, stages), which the command sets
-    once each is on disk and `concluded`'s `interrupted:` line says are kept (`output_kept`)."""
+    """What a command has written at its output so far, each file whole
+    (`output_dir.write_whole`), which `concluded`'s `interrupted:` line says is kept
+    (`output_kept`): one writing as it goes sets `count` `noun`s (rows, stages) once each is on
+    disk; one writing once, at its end, sets `whole` once it is all there (the lines it prints
+    after it met a reader gone: `| head`)."""
 
     noun: str = "row"
     count: int = 0
+    whole: bool = False
 
 
 def output_kept(argument: str, complete: bool = False, written: Written | None = None) -> int:
@@ -118,11 +121,12 @@ def output_kept(argument: str, complete: bool = False, written: Written | None =
     printed after it), and the line says it is kept: "no half-written output" read as nothing
     written (measured: `python -m diff_jax.export RUN --out DIR | head -0` left the whole export
     at DIR with that line, exit 130, as every export into a reader gone before its end does).
-    `written`: the rows a command writing as it goes has there, which the line counts as kept;
-    it read "no half-written output" too (measured: fit.py, kernel_profile.py and
-    mosaic_probe.py stopped in their second row, hopper_session.py in its second stage, the
-    first on disk)."""
-    if complete:
+    `written`: what the command has there (`Written`): its rows, which the line counts as kept,
+    or the whole output (`complete`); it read "no half-written output" too (measured: fit.py,
+    kernel_profile.py and mosaic_probe.py stopped in their second row, hopper_session.py in its
+    second stage, the first on disk; `benchmarks/train_step.py ... | head -0`, its JSON and
+    markdown whole)."""
+    if complete or written is not None and written.whole:
         return interrupted(f"stopped once the output at {argument} was written whole; it is kept")
     if written is not None and written.count:
         n = written.count

@@ -230,9 +230,26 @@ FINISHED = [
                     "status = cli.main(['micro'])"],
      "stopped at once (it writes no file)", None),
     ("attention", ["import attention",  # a row measured, as --smoke prints it
-                   "attention._modes = lambda args, deadline: print({'variant': 'fused'})",
+                   "attention._modes = lambda args, *_: print({'variant': 'fused'})",
                    "status = attention.command(['--smoke', '--out', 'TMP/out'])"],
      "stopped at once; no half-written output is left at --out TMP/out", None),
+    # the benchmarks that write their output once, at the end, and print after it
+    ("compile_cache", ["import compile_cache",
+                       "compile_cache.run = lambda config, overrides, steps, repeats: {}",
+                       "compile_cache.markdown = lambda result: 'a table'",
+                       "status = compile_cache.main(['--out', 'TMP/out/cc'])"],
+     "stopped once the output at --out TMP/out/cc was written whole; it is kept", "out/cc.md"),
+    ("mosaic_ptxas", ["import types, mosaic_ptxas as m",
+                      "m.sweep = lambda dims: []",
+                      "m.gpu_devices = lambda topology: [types.SimpleNamespace(device_kind='H100')]",
+                      "m.ptxas_version = lambda: 'ptxas'",
+                      "status = m.main(['--out', 'TMP/out/ptx'])"],
+     "stopped once the output at --out TMP/out/ptx was written whole; it is kept", "out/ptx.md"),
+    ("generate", ["import generate",  # it printed its table before writing it: both were lost
+                  "generate._run = lambda tree, args: {'tokens_per_s': 10.0, 'first_call_s': 1.0, "
+                  "'device': 'cpu', 'jax': 'x'}",
+                  "status = generate.main(['--rounds', '1', '--out', 'TMP/out/gen'])"],
+     "stopped once the output at --out TMP/out/gen was written whole; it is kept", "out/gen.md"),
     ("fit", ["import pathlib, fit",
              "fit.ROOT = pathlib.Path('TMP')",  # its results there, not in the repository's
              "fit.compile_one = lambda config, topology, impl, timeout: {'config': config, "
@@ -270,10 +287,12 @@ def test_the_last_lines_into_a_pipe_whose_reader_is_gone_are_one_interrupted_lin
     fit.py and hopper_session.py ended in no `command.concluded`: a BrokenPipeError traceback
     (exit 1) or, stdout block-buffered, "Exception ignored" at the interpreter's exit flush
     (exit 120). Now it stops each as a Ctrl-C does, its line saying why, exit 130, and what
-    was written is kept; the export, import and corpus, whole by then, say so, and so do
-    fit.py, mosaic_probe.py, kernel_profile.py and hopper_session.py of the rows (stages) they
-    wrote (their line said "no half-written output is left", as if nothing had been written);
-    mosaic_probe.py and kernel_profile.py wrote a row after its line, which lost it."""
+    was written is kept; the export, import and corpus, whole by then, say so, as do the
+    benchmarks that write once, at their end, and print after it (compile_cache.py,
+    mosaic_ptxas.py, generate.py; train_step.py measured), and fit.py, mosaic_probe.py,
+    kernel_profile.py and hopper_session.py of the rows (stages) they wrote (their line said
+    "no half-written output is left", as if nothing had been written); generate.py printed its
+    table before writing it, and mosaic_probe.py and kernel_profile.py a row, which lost them."""
     if name == "hf_import":
         pytest.importorskip("safetensors")
     (tmp_path / "text.txt").write_text("a line of text to tokenize\n")

@@ -47,7 +47,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _SESSION_CACHE
 
 
-
 def _hugging_face_kernels_first() -> None:
     """Import Hugging Face's `kernels` distribution, where installed, before any test imports
     transformers (>= 5.25 imports it). `python -m pytest` puts the repository root on sys.path,

@@ -572,6 +572,30 @@ def test_export_dir_and_step_dir_load_the_same_model(runs, tmp_path):
     assert math.isclose(report.fields["loss"], direct["loss"], rel_tol=1e-6)
 
 
+def test_an_override_that_makes_another_model_of_the_same_shapes_is_refused(runs, tmp_path):
+    """`model.rope_theta`, `model.lambda_init` (or `model.gqa_pairing`) change what the saved
+    parameters compute but no shape: eval ran such a model and reported its numbers as the
+    checkpoint's (RoPE θ 5e5 on this run: another loss). Refused naming the override, for a run
+    and an export alike, as resuming and `train.init_from` refuse it; an override that computes
+    the same model (num_kv_heads = num_heads, the attention path) still loads."""
+    from diff_jax.evaluation.loading import load
+    from diff_jax.export import export
+
+    run = runs["diff"]
+    exp = export(run, tmp_path / "exp", "orbax-params")
+    for where, override, trained in ((f"train.run_dir={run}", "model.rope_theta=500000", "10000.0"),
+                                     (f"checkpoint={exp}", "model.lambda_init=0.5", "null")):
+        key, _, value = override.partition("=")
+        with pytest.raises(EvalError, match=rf"^{key}={value}(.0)?: {where} holds a model with "
+                                            rf"{key}={trained}, and its parameters compute only "
+                                            rf"that model; leave {key} out to evaluate it$"):
+            load(*parse_args(["task=ppl", where, override]))
+    for where in (f"train.run_dir={run}", f"checkpoint={exp}"):
+        loaded = load(*parse_args(["task=ppl", where, "model.num_kv_heads=2",
+                                   "model.attention_impl=xla"]))
+        assert loaded.config.model.kv_heads == 2
+
+
 def test_the_runs_tokenizer_is_used_and_another_that_does_not_fit_is_one_error(runs, tmp_path):
     """A model trained with a small tokenizer (cl100k_first_256, 257 ids): its export evaluates
     with that tokenizer; naming one whose ids exceed model.vocab_size is refused by every task
@@ -628,8 +652,8 @@ def test_errors_name_what_and_where(runs, tmp_path, capsys):
     shutil.rmtree(partial / "checkpoints" / "1" / "state")
     with pytest.raises(CheckpointError, match="checkpoints/1 is partial: it has no 'state'"):
         run_task(*parse_args(["task=ppl", f"train.run_dir={partial}"]))
-    with pytest.raises(CheckpointError,
-                       match=r"params\['embed'\] has shape \(100288, 32\) but the config gives"):
+    with pytest.raises(EvalError, match=rf"^model.embed_dim=64: train.run_dir={run} holds a "
+                                        r"model with model.embed_dim=32, and its parameters"):
         run_task(*parse_args(["task=ppl", f"train.run_dir={run}", "model.embed_dim=64"]))
     with pytest.raises(ConfigError, match="model.variant"):
         run_task(*parse_args(["task=ppl", f"train.run_dir={run}", "model.variant=gpt"]))

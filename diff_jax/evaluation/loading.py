@@ -16,8 +16,8 @@ import tiktoken
 
 from diff_jax import checkpoint
 from diff_jax.checkpoint import CheckpointError
-from diff_jax.config import (Config, ConfigError, TrainConfig, apply_overrides, from_dict,
-                             is_blank_path, parse_override)
+from diff_jax.config import (Config, ConfigError, ModelConfig, TrainConfig, apply_overrides,
+                             from_dict, is_blank_path, parse_override)
 from diff_jax.data import encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.export import ExportError
@@ -74,6 +74,20 @@ def _last_override(overrides: Sequence[str], dotted: str) -> Any:
     return found
 
 
+def _check_same_model(saved: ModelConfig, config: ModelConfig, what: str) -> None:
+    """`EvalError` naming the first field (`ModelConfig.difference`) in which an override makes
+    `config` another model than `saved`, the model whose parameters `what` holds. Where the
+    shapes still match (RoPE θ, λ_init, the GQA pairing) the task ran and reported another
+    model's numbers under this checkpoint's name (measured: `model.gqa_pairing=naive` on a
+    flash-paired GQA run, ppl loss 11.5535 for 11.5542), as neither training (on resume) nor
+    `train.init_from` lets happen; where they do not, this names the override, not a tensor."""
+    differs = config.difference(saved)
+    if differs is not None:
+        key, theirs, ours = differs
+        raise EvalError(f"{key}={ours}: {what} holds a model with {key}={theirs}, and its "
+                        f"parameters compute only that model; leave {key} out to evaluate it")
+
+
 def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
     """Load `checkpoint=PATH` (else `train.run_dir=RUN`), step `options.step` or the latest."""
     key = "checkpoint" if options.checkpoint else "train.run_dir"  # what the user named it by
@@ -107,6 +121,12 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
 
     def target(saved: dict) -> Any:
         config.append(from_dict(apply_overrides(saved, overrides)))
+        try:
+            trained = from_dict(saved).model
+        except ConfigError:  # a config of an older diff-jax: its shapes are checked after this
+            trained = None
+        if trained is not None:
+            _check_same_model(trained, config[0].model, f"{key}={path}")
         _use_compile_cache(config[0])  # before the parameters' checksums compile
         return abstract_params(config[0].model)
 
@@ -141,6 +161,7 @@ def _load_export(path: Path, key: str, options: EvalOptions, overrides: Sequence
     except ConfigError as e:
         raise CheckpointError(f"{key}={path}: the run's config recorded in export.json: {e}") from e
     config = from_dict(apply_overrides(saved, overrides))
+    _check_same_model(source.config, config.model, f"{key}={path}")
     _use_compile_cache(config)
     target = abstract_params(config.model)
     checkpoint.check_shapes(checkpoint.tree_shapes(source.params), checkpoint.tree_shapes(target),

@@ -447,6 +447,25 @@ def test_quant_counts_the_scored_targets_and_plots_each_width_at_its_bits(runs, 
     assert drawn == [([8, 4], {"perplexity": out["ppl"][1:]})]
 
 
+def test_ppl_and_quant_say_when_the_split_held_fewer_tokens_than_asked(runs, capsys):
+    """ppl and quant read at most the whole batches the held-out split holds. quant's table
+    showed no token count and no note (only the JSON's num_tokens told that batches=1000 read
+    a few batches); both now show the count and the same note as ppl."""
+    run, small = runs["transformer"], "data.validation_fraction=0.03"  # one row of 64
+    ppl = _run(run, "task=ppl", "batch_size=4", "batches=1", "held_out_tokens=100000000", small)
+    quant = _run(run, "task=quant", "batch_size=4", "batches=1000", "bits=[8]", small)
+    read = ppl["num_tokens"]  # every row of whole batches: no loss mask
+    assert read == quant["num_tokens"] and 0 < read < 4 * 1000 * 64 and read % 64 == 0
+    assert ppl["notes"] == [f"the held-out split has room for {read:,} tokens in whole batches, "
+                            "fewer than held_out_tokens=100,000,000"]
+    assert quant["notes"] == [f"the held-out split has room for {read:,} tokens in whole batches, "
+                              "fewer than batches·batch_size·length = 1000·4·64 = 256,000"]
+    assert eval_main(["task=quant", f"train.run_dir={run}", "batch_size=2", "batches=1",
+                      "bits=[8]"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out tokens  128\n" in out and "note:" not in out
+
+
 @pytest.mark.parametrize("variant", ["diff", "transformer"])
 def test_generate_matches_the_engine(runs, variant, capsys):
     assert eval_main(["task=generate", f"train.run_dir={runs[variant]}", "prompt=def main(",

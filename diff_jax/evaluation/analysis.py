@@ -29,8 +29,8 @@ from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalOptions
 from diff_jax.evaluation.report import Report
 from diff_jax.evaluation.retrieval import accuracy_grid, cell_samples, niah_lengths
-from diff_jax.evaluation.scoring import (counted_nll, eval_length, held_out_batches,
-                                         held_out_corpus)
+from diff_jax.evaluation.scoring import (counted_nll, eval_length, fewer_rows_note,
+                                         held_out_batches, held_out_corpus)
 from diff_jax.transformer import DecoderLM
 
 TOP_K = (1, 2, 3, 10, 100)
@@ -183,11 +183,17 @@ def quant(loaded: Loaded, options: EvalOptions) -> Report:
                               "loss": losses, "ppl": ppls}
     if options.niah:
         fields["niah_accuracy"] = accuracies
-    table = [("bits", "ppl" + ("     niah" if options.niah else ""))]
+    table = [("held-out tokens", f"{counted:,}"),
+             ("bits", "ppl" + ("     niah" if options.niah else ""))]
     for i, b in enumerate(bits):
         table.append((str(b or "none"),
                       f"{ppls[i]:.3f}" + (f"  {accuracies[i]:.3f}" if options.niah else "")))
     report = Report(fields, table, notes=[loaded.split_note] if loaded.split_note else [])
+    # a split too small for batches=: the table said nothing of it, and the JSON's num_tokens only
+    asked = options.batches * options.batch_size * length
+    report.notes += fewer_rows_note(batches, asked, f"batches·batch_size·length = "
+                                                    f"{options.batches}·{options.batch_size}·"
+                                                    f"{length} = {asked:,}")
     png = loaded.out_dir / "quant.png"
     series = {"perplexity": ppls[1:]}
     plots.attach(report, png, plots.lines(

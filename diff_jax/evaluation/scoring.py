@@ -94,6 +94,17 @@ def held_out_batches(corpus: TokenCorpus, length: int, batch_size: int, batches:
     return held_out_rows(corpus, length, batch_size, batches * batch_size * length).batches
 
 
+def fewer_rows_note(batches: list[Batch], asked: int, asked_as: str) -> list[str]:
+    """[a note] when the held-out split held fewer whole batches of rows than a task asked for:
+    its `batches` hold fewer target tokens than `asked` (named by `asked_as`, the option or
+    product of options that asked); [] otherwise."""
+    read = sum(b["tokens"].size for b in batches)  # rows × length
+    if read >= asked:
+        return []
+    return [f"the held-out split has room for {read:,} tokens in whole batches, fewer than "
+            f"{asked_as}"]
+
+
 def nll_by_position(model_cfg: ModelConfig, params: Any, corpus: TokenCorpus, length: int,
                     max_docs: int, batch_size: int) -> tuple[np.ndarray, int]:
     """((length,) mean NLL at each position 0..length−1, number of documents) over the first
@@ -142,10 +153,8 @@ def ppl(loaded: Loaded, options: EvalOptions) -> Report:
                                       "from its start")])
     if loaded.split_note:
         report.notes.append(loaded.split_note)
-    read = sum(b["targets"].size for b in rows.batches)  # rows × length; nll.size with no mask
-    if read < options.held_out_tokens:
-        report.notes.append(f"the held-out split has room for {read:,} tokens in whole "
-                            f"batches, fewer than held_out_tokens={options.held_out_tokens:,}")
+    report.notes += fewer_rows_note(rows.batches, options.held_out_tokens,
+                                    f"held_out_tokens={options.held_out_tokens:,}")
     if masked:
         report.notes.append("the corpus has a loss mask: by_position (every target of whole "
                             "documents) is not computed")

@@ -79,7 +79,8 @@ def resolve_impl(config: ModelConfig, platform: str) -> str:
                           f"be a multiple of 16 in [16, {kernels.MAX_HEAD_DIM}], got {d}; use xla or auto")
     if impl == "cudnn" and platform != "gpu":
         raise ConfigError(f"model.attention_impl=cudnn runs only on NVIDIA GPUs; these devices "
-                          f"are {platform}")
+                          f"are {platform}: use auto or xla (the same function; e.g. "
+                          f"model.attention_impl=auto to evaluate a run trained with cudnn)")
     return impl
 
 

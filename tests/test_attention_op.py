@@ -204,7 +204,8 @@ def test_impossible_implementations_are_config_errors():
     odd = ModelConfig(variant="transformer", embed_dim=64, num_heads=8, attention_impl="pallas")
     with pytest.raises(ConfigError, match="model.attention_impl=pallas: .*got 8"):
         resolve_impl(odd, "tpu")
-    with pytest.raises(ConfigError, match="model.attention_impl=cudnn runs only on NVIDIA GPUs"):
+    with pytest.raises(ConfigError, match="model.attention_impl=cudnn runs only on NVIDIA GPUs; "
+                       "these devices are cpu: use auto or xla"):
         resolve_impl(_cfg(attention_impl="cudnn", dtype="bfloat16"), "cpu")
     with pytest.raises(ConfigError, match="model.attention_impl: cudnn runs bfloat16 only"):
         _cfg(attention_impl="cudnn")

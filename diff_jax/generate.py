@@ -174,8 +174,11 @@ def generate(
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
     prompts = _prompt_ids(prompts)
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+    if not prompts:
+        raise ValueError("prompts is empty: expected one or more prompts, each a list of token ids")
+    empty = next((i for i, p in enumerate(prompts) if len(p) == 0), None)
+    if empty is not None:
+        raise ValueError(f"prompt {empty} is empty: every prompt needs at least one token")
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if not _is_int(seed) or not 0 <= seed < SEED_LIMIT:

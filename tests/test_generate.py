@@ -97,8 +97,10 @@ def test_eos_seed_and_errors():
     assert a != generate(cfg, params, [[3, 4]] * 2, max_new_tokens=8, sampling=hot, seed=8)
     with pytest.raises(ValueError, match=r"exceeds model.max_seq_len \(32\)"):
         generate(cfg, params, [[1] * 30], max_new_tokens=3)
-    with pytest.raises(ValueError, match="at least one token"):
-        generate(cfg, params, [[]], max_new_tokens=3)
+    with pytest.raises(ValueError, match="prompt 1 is empty: every prompt needs at least one token"):
+        generate(cfg, params, [[3], []], max_new_tokens=3)
+    with pytest.raises(ValueError, match="prompts is empty: expected one or more prompts"):
+        generate(cfg, params, [], max_new_tokens=3)
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(top_p=0)
     with pytest.raises(ValueError, match=r"top_k must be an int >= 0, got -1$"):

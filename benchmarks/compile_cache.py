@@ -48,7 +48,7 @@ COUNTS = {"hits": "/jax/compilation_cache/cache_hits",
 
 def child(stats_path: str, argv: list[str]) -> int:
     """train.py's main on `argv` with JAX's compile events summed into `stats_path` (JSON)."""
-    from train import main  # imports diff_jax first: its platform default, before JAX starts
+    from diff_jax.train import main  # diff_jax first: its platform default, before JAX starts
 
     from jax import monitoring
 

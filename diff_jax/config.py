@@ -1,6 +1,7 @@
 """Typed, validated configuration: frozen dataclasses loaded from YAML plus dotted overrides.
 
 A YAML file may name another with `base: FILE` (relative to itself); its keys are applied on top.
+A file name that names no file, without a folder, is one of the shipped configs (`SHIPPED_CONFIGS`).
 Overrides are `section.key=value` strings whose value is parsed as YAML (`model.dtype=bfloat16`,
 `train.steps=100`, `mesh.rules=[[batch,[data,fsdp]]]`). Unknown keys, wrong types and impossible
 combinations raise `ConfigError` naming the key and the rule.
@@ -23,6 +24,10 @@ import yaml
 
 from diff_jax.kernels.reference import MAX_LOGIT_BITS
 
+
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+"""The paper's configurations, their Transformer twins and the tiny ones: the repository's
+configs/ folder (diff_jax/configs links to it), installed with the package."""
 
 INT32_MAX = 2**31 - 1
 """The largest int32. JAX computes integers in int32 (64-bit types are off): a Python int beyond it
@@ -807,9 +812,26 @@ def model_config_from_dict(data: dict) -> ModelConfig:
     return _build(ModelConfig, data, "model")
 
 
+def config_file(path: str | Path) -> Path:
+    """The config file `path` names: the file itself, or where no such file exists and `path` is a
+    bare name (`diff-830m.yaml`, `diff-830m`), the shipped config of that name (an installed
+    diff-jax has no configs/ folder beside the caller). ConfigError naming the shipped configs
+    when neither exists."""
+    path = Path(path)
+    if path.exists() or path.parent != Path("."):
+        return path
+    for name in (path.name, f"{path.name}.yaml"):
+        if (SHIPPED_CONFIGS / name).is_file():
+            return SHIPPED_CONFIGS / name
+    shipped = ", ".join(sorted(p.name for p in SHIPPED_CONFIGS.glob("*.yaml")))
+    raise ConfigError(f"config file not found: {path.resolve()} (nor is {path} a shipped config: "
+                      f"{shipped})")
+
+
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
-    """Load a YAML config (or the defaults when `path` is None) and apply `key=value` overrides."""
-    data = read_yaml(Path(path)) if path is not None else {}
+    """Load a YAML config (or the defaults when `path` is None; `config_file` says what `path`
+    may name) and apply `key=value` overrides."""
+    data = read_yaml(config_file(path)) if path is not None else {}
     return from_dict(apply_overrides(data, overrides))
 
 

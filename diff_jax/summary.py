@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m diff_jax.summary", description=doc[0],
         usage="python -m diff_jax.summary [--config] CONFIG [key=value ...]")
-    parser.add_argument("--config", help="YAML config file (or give it as the first argument)")
+    parser.add_argument("--config", help="YAML config file or a shipped config's name (or give it "
+                        "as the first argument)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="section.key=value overrides")
     args = parser.parse_intermixed_args(argv)  # overrides before and after --config

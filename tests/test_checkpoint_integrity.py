@@ -28,7 +28,7 @@ from diff_jax.evaluation import parse_args
 from diff_jax.evaluation.loading import load
 from diff_jax.export import ExportError
 from diff_jax.export.__main__ import main as export_main
-from eval import main as eval_main
+from diff_jax.eval import main as eval_main
 from training_fixtures import process_env, tiny_config, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ def _stop_saved(*_args, **_kwargs):  # replicate's training saved its step after
 
 # (module, the function its main calls that the Ctrl-C lands in, argv, the interrupted line)
 CASES = [
-    ("eval", "run", ["task=ppl", "train.run_dir=RUN"],
+    ("diff_jax.eval", "run", ["task=ppl", "train.run_dir=RUN"],
      "stopped at once; each result file is whole (this run's or the earlier one)"),
     ("diff_jax.export.__main__", "export", ["RUN", "--out", "OUT"],
      "stopped at once; no half-written output is left at --out OUT"),
@@ -163,7 +163,7 @@ def _unread(script: list[str], buffered: bool, stderr_too: bool = False
 # (module, the function its main's work calls, argv, the interrupted line) for each command
 # whose stdout is read through a pipe: eval, the replication commands, a benchmark script
 # (`command.concluded`)
-UNREAD = [case for case in CASES if case[0] in ("eval", "diff_jax.experiments.replicate",
+UNREAD = [case for case in CASES if case[0] in ("diff_jax.eval", "diff_jax.experiments.replicate",
                                                  "diff_jax.experiments.ablate")] + [
     ("train_step", "measure", ["--out", "OUT"],
      "stopped at once; no half-written output is left at --out OUT")]
@@ -197,7 +197,7 @@ def test_an_error_line_into_a_pipe_whose_reader_is_gone_keeps_its_status():
     """`python eval.py ... 2>&1 | head` with bad input once head has gone: the `error:` line's
     write raised BrokenPipeError, a traceback into the pipe and exit 1. Now the line goes
     nowhere (stderr is pointed at /dev/null) and the status is still 2, bad input."""
-    proc = _unread(["import eval",
+    proc = _unread(["from diff_jax import eval",
                     "from diff_jax.command import leave",
                     "from diff_jax.evaluation import EvalError",
                     "def refuses(argv):",
@@ -205,6 +205,19 @@ def test_an_error_line_into_a_pipe_whose_reader_is_gone_keeps_its_status():
                     "eval.run = refuses",
                     "leave(eval.main(['task=nope']))"], buffered=False, stderr_too=True)
     assert proc.returncode == 2
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+def test_eval_help_into_a_pipe_whose_reader_is_gone_is_one_interrupted_line(buffered):
+    """`python eval.py --help | head -3`: the help's write raised BrokenPipeError, a traceback
+    and exit 1 (2 times in 5 by hand, as head went before or after the write). Now it is the
+    Ctrl-C every command's closed stdout is."""
+    proc = _unread(["from diff_jax import eval",
+                    "from diff_jax.command import leave",
+                    "leave(eval.main(['--help']))"], buffered)
+    assert (proc.returncode, proc.stderr) == (
+        130, "interrupted: the reader of stdout is gone (SIGPIPE); stopped at once (it writes no "
+        "file)\n"), proc.stderr[-3000:]
 
 
 FIXTURE = ROOT / "tests" / "fixtures" / "safetensors_export_v0"  # an export: a quick source

@@ -10,7 +10,7 @@ import pytest
 
 from diff_jax.config import (CheckpointConfig, Config, ConfigError, DataConfig, DistributedConfig,
                              MeshConfig, ModelConfig, OptimConfig, TrainConfig, dump_config,
-                             from_dict, load_config)
+                             config_file, from_dict, load_config)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SIZES = ["830m", "1.4b", "2.8b", "6.8b", "13.1b", "3b"]
@@ -219,6 +219,30 @@ def test_data_settings_the_sources_do_not_read_are_said_not_refused():
                  ["data.mixture=files:1,niah:1", "data.paths=/x", "data.text_field=body"]):
         assert load_config(None, read).data.unread() == []
     assert load_config(CONFIGS / "tiny.yaml").data.unread() == []
+
+
+def test_a_bare_name_is_a_shipped_config_unless_a_file_has_it(tmp_path, monkeypatch):
+    """An installed diff-jax has no configs/ folder beside the caller: `--config diff-830m.yaml`
+    (or `diff-830m`) names the shipped one. A file of that name in the working directory comes
+    first, a path with a folder is only that path, and a name found nowhere is one line that
+    lists the shipped configs."""
+    monkeypatch.chdir(tmp_path)
+    shipped = load_config(CONFIGS / "diff-830m.yaml")
+    assert load_config("diff-830m.yaml") == shipped
+    assert load_config("diff-830m", ["train.steps=7"]) == load_config(
+        CONFIGS / "diff-830m.yaml", ["train.steps=7"])
+    assert config_file("tiny-transformer").resolve() == (CONFIGS / "tiny-transformer.yaml").resolve()
+    (tmp_path / "diff-830m.yaml").write_text("base: " + str(CONFIGS / "diff-830m.yaml") +
+                                             "\nmodel:\n  num_layers: 2\n")
+    assert load_config("diff-830m.yaml").model.num_layers == 2  # the working directory's file
+    assert load_config("diff-830m").model.num_layers == 24  # no file is named `diff-830m`
+    with pytest.raises(ConfigError, match=r"^config file not found: .*sub/tiny\.yaml$"):
+        load_config("sub/tiny.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_config("diff-83m.yaml")
+    assert str(e.value).startswith(f"config file not found: {tmp_path / 'diff-83m.yaml'} (nor is "
+                                   "diff-83m.yaml a shipped config: diff-1.4b.yaml, ")
+    assert "diff-830m.yaml, " in str(e.value) and str(e.value).endswith("transformer-830m.yaml)")
 
 
 def test_file_errors(tmp_path):

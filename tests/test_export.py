@@ -347,7 +347,7 @@ def test_a_flipped_bit_in_model_safetensors_is_refused_naming_the_tensor(dtype, 
     import struct
 
     from diff_jax.export.hf_import import read_hf
-    from eval import main as eval_main
+    from diff_jax.eval import main as eval_main
 
     for fmt, read in (("safetensors", ex.load), ("hf-diffllama", read_hf)):
         out = ex.export(diff_run[0], tmp_path / fmt, fmt, dtype=dtype, tokenizer="none")
@@ -387,7 +387,7 @@ def test_a_value_changed_in_an_exports_config_json_is_refused_naming_the_file(
     checkpoints' own), and an edited one is refused in one line naming the file; an export whose
     record has no config entry (written before) reads it unverified."""
     from diff_jax.export.hf_import import read_hf
-    from eval import main as eval_main
+    from diff_jax.eval import main as eval_main
 
     read = (lambda d: read_hf(d).config) if fmt == "hf-diffllama" else (lambda d: ex.load(d)[0])
     out = ex.export(diff_run[0], tmp_path / fmt, fmt, tokenizer="none")

@@ -24,7 +24,7 @@ from diff_jax.config import dump_config, load_config
 from diff_jax.device_memory import DeviceMemoryError
 from training_fixtures import (in_a_terminal, read_out_of_host_memory, synthetic_corpus,
                                terminal_until, tiny_config, write_corpus, xla_out_of_memory)
-from train import main as train_main
+from diff_jax.train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPARED = ("loss", "grad_norm", "lr", "lambda")
@@ -235,7 +235,7 @@ def test_a_sigterm_or_sighup_before_training_is_a_ctrl_c(corpus, tmp_path, phase
         "import signal",
         "from diff_jax import train_loop",
         "from diff_jax.command import leave",
-        "import train",
+        "from diff_jax import train",
         "def waits(*args, **kwargs):  # the phase is reached: it waits for the test's signal",
         "    print('PHASE', flush=True)",
         "    while True:",

@@ -47,6 +47,7 @@ from diff_jax.device_memory import out_of_memory_in
 from diff_jax.error_text import chain, first_line
 from diff_jax.file_errors import naming
 from diff_jax.output_dir import write_whole
+from diff_jax.transformer import LAYERS
 
 CHECKSUM_ALGORITHM = "fmix32-sum-x2"  # recorded with the checksums: what `array_checksums` computes
 DAMAGED_DIR = "damaged_checkpoints"  # beside checkpoints/: where a resume sets damaged steps aside
@@ -398,6 +399,21 @@ def check_optimizer_state(saved: Any, expected: Any, step: int) -> None:
                           "optim.clip_norm=0 has not)")
 
 
+def _check_layer_layout(params: Any, model: ModelConfig, step: int) -> None:
+    """`CheckpointError` unless the parameters saved at `step` (orbax metadata) hold their layers
+    in the layout `model.scan_layers` gives: the optimizer state mirrors that layout, so a run
+    resumes in the one it was trained in (before, the first missing layer was named, as if
+    the checkpoint were of another model)."""
+    scanned = LAYERS in params
+    if scanned != model.scan_layers:
+        held = ("stacked (model.scan_layers=true)" if scanned
+                else "one by one (model.scan_layers=false)")
+        raise CheckpointError(
+            f"checkpoint step {step} holds its layers {held} but the config gives "
+            f"model.scan_layers={str(model.scan_layers).lower()}; a run resumes in the layout it "
+            "was trained in (eval.py and train.init_from read either)")
+
+
 def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
             data_iter: grain.DatasetIterator, model: ModelConfig) -> tuple[Any, dict[str, Any]]:
     """(state, {"config": the config dict it was saved with, "training_data": the fingerprint
@@ -413,6 +429,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
         fields = tuple(f.name for f in dataclasses.fields(target))  # all of them are read
         metadata = _state_metadata(reader, step, where, fields)
         try:
+            _check_layer_layout(metadata["params"], model, step)
             check_shapes(tree_shapes(metadata["params"]), tree_shapes(target.params), "checkpoint ")
             check_optimizer_state(metadata["opt_state"], target.opt_state, step)
         except CheckpointError as e:  # most often an override the first invocation had

@@ -120,6 +120,11 @@ class ModelConfig:
     # FlashDiff code) or `naive` (the reference's repeated sub-heads; see `attention._attend`)
     gqa_pairing: Literal["flash", "naive"] = "flash"
     remat: Literal["none", "full", "dots"] = "none"
+    # the layers as one `nn.scan` over parameters stacked on a leading `layers` axis: one layer
+    # is traced and compiled whatever the depth (MaxText's scan_layers); the parameter tree holds
+    # `layers` instead of layers_0 ... layers_{L-1}. Exports are the same either way, and eval.py
+    # and train.init_from read either layout; a run resumes in the layout it was trained in
+    scan_layers: bool = False
     # the next-token loss projects this many positions of a row onto the vocabulary at a time,
     # recomputing them in the backward pass: (B, loss_chunk, vocab) float32 logits exist at once
     # instead of (B, T, vocab); 0: all T positions at once
@@ -257,6 +262,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("vocab", "tensor"),
     ("act_vocab", "tensor"),
     ("norm", None),
+    ("layers", None),  # the stacked layers' axis (model.scan_layers): not split, each layer as above
 )
 
 

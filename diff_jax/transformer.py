@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 from diff_jax import variants
@@ -19,6 +20,29 @@ _REMAT_POLICIES = {
 }
 
 
+LAYERS = "layers"
+"""The scanned layers' name in DecoderLM's collections (`model.scan_layers`): one subtree whose
+every leaf has a leading axis of `num_layers`, where the unrolled model has `layers_0`, ...
+`layers_{L-1}` (`unstacked_layers`, `stacked_layers`)."""
+
+
+def _decoder_layer(module: nn.Module, x: jax.Array, depth: int | jax.Array, rope: Rope,
+                   segment_ids: jax.Array | None, positions: jax.Array | None) -> jax.Array:
+    """The body of `DecoderLayer` in `module` (its config, decode and attention_op): x (B, T, E)
+    -> (B, T, E) at the 0-based layer index `depth` (an int, or a traced int32 in the scan)."""
+    cfg = module.config
+    dtype = jnp.dtype(cfg.dtype)
+    attn = variants.spec(cfg.variant).module(cfg, depth=depth, decode=module.decode,
+                                             attention_op=module.attention_op, name="attn")
+    y = x + attn(RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x), rope=rope,
+                 positions=positions, segment_ids=segment_ids)
+    y = nn.with_logical_constraint(y, ("batch", "length", "act_embed"))
+    ffn = SwiGLU(cfg.resolved_mlp_dim, dtype, cfg.init_std, residual_out_std(cfg), name="ffn")
+    out = y + ffn(RMSNorm(cfg.norm_eps, dtype, name="ffn_norm")(y))
+    module.sow("intermediates", "hidden", out)
+    return nn.with_logical_constraint(out, ("batch", "length", "act_embed"))
+
+
 class DecoderLayer(nn.Module):
     """Y = X + Attn(RMSNorm(X)); X' = Y + SwiGLU(RMSNorm(Y))."""
 
@@ -32,17 +56,58 @@ class DecoderLayer(nn.Module):
                  positions: jax.Array | None = None) -> jax.Array:
         """x (B, T, E) -> (B, T, E); `rope` (cos, sin) (B, T, d/2), `segment_ids` and
         `positions` (B, T) as in `DecoderLM`. Sows the output as `intermediates/hidden`."""
-        cfg = self.config
-        dtype = jnp.dtype(cfg.dtype)
-        attn = variants.spec(cfg.variant).module(cfg, depth=self.depth, decode=self.decode,
-                                                 attention_op=self.attention_op, name="attn")
-        y = x + attn(RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x), rope=rope,
-                     positions=positions, segment_ids=segment_ids)
-        y = nn.with_logical_constraint(y, ("batch", "length", "act_embed"))
-        ffn = SwiGLU(cfg.resolved_mlp_dim, dtype, cfg.init_std, residual_out_std(cfg), name="ffn")
-        out = y + ffn(RMSNorm(cfg.norm_eps, dtype, name="ffn_norm")(y))
-        self.sow("intermediates", "hidden", out)
-        return nn.with_logical_constraint(out, ("batch", "length", "act_embed"))
+        return _decoder_layer(self, x, self.depth, rope, segment_ids, positions)
+
+
+class _ScannedLayer(nn.Module):
+    """`DecoderLayer` as one step of the layer scan (`model.scan_layers`): (x, depth) -> (x',
+    None), `depth` the scanned layer index (int32), the other arguments the same in every
+    layer."""
+
+    config: ModelConfig
+    decode: bool = False
+    attention_op: AttentionOp | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, depth: jax.Array, rope: Rope, segment_ids: jax.Array | None,
+                 positions: jax.Array | None) -> tuple[jax.Array, None]:
+        return _decoder_layer(self, x, depth, rope, segment_ids, positions), None
+
+
+def unstacked_layers(tree: dict, num_layers: int) -> dict:
+    """A DecoderLM collection (parameters unboxed, intermediates, cache) with the scanned layers
+    (`LAYERS`) as `layers_0` ... `layers_{L-1}`, the unrolled model's names; a tree without
+    `LAYERS` as it is. The analyses, the reference layout and λ read layers one at a time."""
+    if LAYERS not in tree:
+        return tree
+    out = {k: v for k, v in tree.items() if k != LAYERS}
+    for i in range(num_layers):
+        out[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], tree[LAYERS])
+    return out
+
+
+def stacked_layers(tree: dict, num_layers: int) -> dict:
+    """The inverse of `unstacked_layers`: `layers_0` ... `layers_{L-1}` as one `LAYERS` subtree
+    (NumPy leaves stay NumPy); a tree that is stacked already as it is."""
+    if LAYERS in tree:
+        return tree
+    names = [f"layers_{i}" for i in range(num_layers)]
+
+    def stack(*leaves):
+        return (jnp.stack(leaves) if isinstance(leaves[0], jax.Array)
+                else np.stack([np.asarray(a) for a in leaves]))
+
+    out = {k: v for k, v in tree.items() if k not in names}
+    out[LAYERS] = jax.tree.map(stack, *(tree[n] for n in names))
+    return out
+
+
+def in_layout(params: dict, config: ModelConfig) -> dict:
+    """Unboxed parameters of either layout in the one `config.scan_layers` gives (a checkpoint
+    or export of the other layout read for this model: `train.init_from`, eval.py)."""
+    if config.scan_layers:
+        return stacked_layers(params, config.num_layers)
+    return unstacked_layers(params, config.num_layers)
 
 
 def _vocab_logits(x: jax.Array, head: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -169,12 +234,23 @@ class DecoderLM(nn.Module):
         rope = rope_tables(positions, cfg.resolved_head_dim, cfg.rope_theta)  # (B, T, d/2)
 
         op = self.attention_op or AttentionOp.build(cfg)
-        layer_cls = DecoderLayer
-        if cfg.remat != "none":
-            layer_cls = nn.remat(DecoderLayer, policy=_REMAT_POLICIES[cfg.remat])
-        for i in range(cfg.num_layers):
-            x = layer_cls(cfg, depth=i, decode=self.decode, attention_op=op, name=f"layers_{i}")(
-                x, rope, segment_ids, positions)
+        policy = _REMAT_POLICIES.get(cfg.remat)
+        if cfg.scan_layers:  # one traced layer, its parameters stacked on a `layers` axis
+            step = _ScannedLayer
+            if cfg.remat != "none":
+                step = nn.remat(_ScannedLayer, policy=policy, prevent_cse=False)
+            stack = nn.scan(step, variable_axes={"params": 0, "cache": 0, "intermediates": 0},
+                            split_rngs={"params": True}, length=cfg.num_layers,
+                            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                            metadata_params={nn.PARTITION_NAME: "layers"})
+            x, _ = stack(cfg, decode=self.decode, attention_op=op, name=LAYERS)(
+                x, jnp.arange(cfg.num_layers, dtype=jnp.int32), rope, segment_ids, positions)
+        else:
+            layer_cls = DecoderLayer if cfg.remat == "none" else nn.remat(DecoderLayer,
+                                                                          policy=policy)
+            for i in range(cfg.num_layers):
+                x = layer_cls(cfg, depth=i, decode=self.decode, attention_op=op,
+                              name=f"layers_{i}")(x, rope, segment_ids, positions)
         x = RMSNorm(cfg.norm_eps, dtype, name="norm")(x)
         if logits_at is not None:  # as NumPy indexes: −1 is the last; outside [−T, T): NaN
             x = jnp.take_along_axis(x, logits_at[..., None], axis=1, mode="fill")
@@ -198,7 +274,7 @@ def layer_lambdas(params: dict, config: ModelConfig) -> jax.Array:
     a layer scalar (`Variant.differential_op`: DIFF V1)."""
     if not variants.spec(config.variant).differential_op:
         raise ValueError(f"per-layer λ exists for variant diff only, not {config.variant!r}")
-    params = nn.meta.unbox(params.get("params", params))
+    params = unstacked_layers(nn.meta.unbox(params.get("params", params)), config.num_layers)
     return jnp.stack([
         diff_lambda(*(params[f"layers_{i}"]["attn"][n] for n in LAMBDA_VECTORS),
                     lambda_init(i, config.lambda_init))

@@ -31,7 +31,7 @@ from diff_jax.evaluation.report import Report
 from diff_jax.evaluation.retrieval import accuracy_grid, cell_samples, niah_lengths
 from diff_jax.evaluation.scoring import (counted_nll, eval_length, fewer_rows_note,
                                          held_out_batches, held_out_corpus)
-from diff_jax.transformer import DecoderLM
+from diff_jax.transformer import DecoderLM, unstacked_layers
 
 TOP_K = (1, 2, 3, 10, 100)
 
@@ -43,7 +43,7 @@ def _capturing(model_cfg: ModelConfig) -> DecoderLM:
 
 def _intermediates(model_cfg: ModelConfig, params: Any, tokens: jax.Array) -> dict:
     _, state = _capturing(model_cfg).apply({"params": params}, tokens, mutable=["intermediates"])
-    return state["intermediates"]
+    return unstacked_layers(state["intermediates"], model_cfg.num_layers)
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg",))
@@ -115,7 +115,7 @@ def _activations(model_cfg: ModelConfig, params: Any, tokens: jax.Array, segment
     """(|attention logits| (L, B, N, T, S) with −1 on masked entries, |hidden| (L, B, T, E))."""
     _, state = _capturing(model_cfg).apply({"params": params}, tokens, positions=positions,
                                            segment_ids=segment_ids, mutable=["intermediates"])
-    inter = state["intermediates"]
+    inter = unstacked_layers(state["intermediates"], model_cfg.num_layers)
     logits, hidden = [], []
     for i in range(model_cfg.num_layers):
         layer = inter[f"layers_{i}"]

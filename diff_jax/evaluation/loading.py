@@ -24,6 +24,7 @@ from diff_jax.export import ExportError
 from diff_jax.export.sources import EVAL_DIR, LOADABLE, abstract_params, locate, read_source
 from diff_jax.file_errors import describe
 from diff_jax.platforms import use_compile_cache
+from diff_jax.transformer import in_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,10 +129,14 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
         if trained is not None:
             _check_same_model(trained, config[0].model, f"{key}={path}")
         _use_compile_cache(config[0])  # before the parameters' checksums compile
-        return abstract_params(config[0].model)
+        model = config[0].model  # read in the layout it was saved in (model.scan_layers)
+        if trained is not None:
+            model = dataclasses.replace(model, scan_layers=trained.scan_layers)
+        return abstract_params(model)
 
     named = step is not None  # step=N or a step directory, not whichever step is the latest
     step, _, params = checkpoint.restore_inference(run_dir, step, target)
+    params = in_layout(params, config[0].model)
     # a named step's results beside, not over, the latest step's (which a rerun would replace)
     default = run_dir / EVAL_DIR / f"step-{step}" if named else run_dir / EVAL_DIR
     out_dir = Path(options.out_dir) if options.out_dir else default
@@ -164,9 +169,10 @@ def _load_export(path: Path, key: str, options: EvalOptions, overrides: Sequence
     _check_same_model(source.config, config.model, f"{key}={path}")
     _use_compile_cache(config)
     target = abstract_params(config.model)
-    checkpoint.check_shapes(checkpoint.tree_shapes(source.params), checkpoint.tree_shapes(target),
+    params = in_layout(source.params, config.model)
+    checkpoint.check_shapes(checkpoint.tree_shapes(params), checkpoint.tree_shapes(target),
                             f"{key}={path}: ")
-    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), source.params)
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     out_dir = Path(options.out_dir) if options.out_dir else path / EVAL_DIR
     note = None
     if "train" not in (source.run or {}):

@@ -29,7 +29,7 @@ from flax import linen as nn
 
 from diff_jax.command import as_ctrl_c, interrupted, leave
 from diff_jax.config import ModelConfig
-from diff_jax.transformer import DecoderLM
+from diff_jax.transformer import DecoderLM, unstacked_layers
 
 
 def _rms(x: jax.Array) -> jax.Array:
@@ -44,7 +44,7 @@ def _writes(tokens: jax.Array, config: ModelConfig, seed: int) -> dict[str, jax.
     params = model.init(jax.random.key(seed), tokens[:1, :2])["params"]
     _, state = model.apply({"params": params}, tokens, capture_intermediates=lambda module,
                            method: method == "__call__" and module.name in ("attn", "ffn"))
-    layers = state["intermediates"]
+    layers = unstacked_layers(state["intermediates"], config.num_layers)
     return {"embed": _rms(nn.meta.unbox(params)["embed"][tokens]),
             **{part: jnp.stack([_rms(layers[f"layers_{i}"][part]["__call__"][0])
                                 for i in range(config.num_layers)])

@@ -20,6 +20,7 @@ import numpy as np
 from diff_jax.config import ConfigError, ModelConfig
 from diff_jax.export.errors import ExportError
 from diff_jax.export.sources import read_source
+from diff_jax.transformer import in_layout
 
 
 def check_same_model(saved: ModelConfig, config: ModelConfig, where: str) -> None:
@@ -47,4 +48,4 @@ def initial_params(path: str | Path, config: ModelConfig, shardings: Any) -> Any
         host = np.asarray(value, np.float32)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
-    return jax.tree.map(place, source.params, shardings)
+    return jax.tree.map(place, in_layout(source.params, config), shardings)

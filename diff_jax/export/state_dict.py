@@ -18,6 +18,7 @@ from diff_jax.checkpoint import check_shapes
 from diff_jax.config import ModelConfig
 from diff_jax.export.errors import ExportError
 from diff_jax.interop import from_reference, reference_shapes, to_reference
+from diff_jax.transformer import in_layout, unstacked_layers
 
 _FFN = ("w_gate", "w_up", "w_down")
 
@@ -41,7 +42,9 @@ def state_dict_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def to_state_dict(params: Mapping[str, Any], config: ModelConfig) -> dict[str, np.ndarray]:
-    """Our (unboxed) parameter tree -> {export name: numpy array in PyTorch layout}."""
+    """Our (unboxed) parameter tree, of either layer layout -> {export name: numpy array in
+    PyTorch layout}."""
+    params = unstacked_layers(dict(params), config.num_layers)
     out = {"embed.weight": np.asarray(params["embed"])}
     for i in range(config.num_layers):
         layer = params[f"layers_{i}"]
@@ -58,7 +61,8 @@ def to_state_dict(params: Mapping[str, Any], config: ModelConfig) -> dict[str, n
 
 
 def from_state_dict(tensors: Mapping[str, np.ndarray], config: ModelConfig, where: str) -> dict:
-    """{export name: array} -> our parameter tree, float32 (the model's parameter dtype).
+    """{export name: array} -> our parameter tree, float32 (the model's parameter dtype), in the
+    layer layout of `config` (`model.scan_layers`).
 
     `where` names the source in error messages.
     """
@@ -81,4 +85,4 @@ def from_state_dict(tensors: Mapping[str, np.ndarray], config: ModelConfig, wher
     params["norm"] = {"scale": get("norm.weight")}
     if not config.tie_embeddings:
         params["lm_head"] = get("lm_head.weight", True)
-    return params
+    return in_layout(params, config)

@@ -721,15 +721,20 @@ def _reader(run_dir: Path, state: ocp.CheckpointHandler) -> ocp.CheckpointManage
         absl.removeFilter(_not_read_only_note)
 
 
-def restore_inference(run_dir: str | Path, step: int | None,
-                      make_target: Callable[[dict], Any]) -> tuple[int, dict, Any]:
+def restore_inference(run_dir: str | Path, step: int | None, make_target: Callable[[dict], Any],
+                      ask_for: Callable[[int], str]) -> tuple[int, dict, Any]:
     """(step, saved config dict, params) of `step` (None: the latest complete step).
 
     `make_target(saved config dict)` returns the abstract parameters (ShapeDtypeStructs with
     shardings) to restore onto; only the parameters and the step counter are read, not the
     optimizer or data state, and their checksums are verified (`DamagedCheckpointError` naming
     the step and the array); a step directory whose state counts another step (copied or
-    renamed) is damaged, as it is to resume (`_check_step`).
+    renamed) is damaged, as it is to resume (`_check_step`). The error ends with the run's other
+    committed steps and `ask_for(N)`, how the caller's command reads the newest of them instead
+    ("evaluate the newest with step=N"): eval and export said "other steps: [10]" and left the
+    user to find the key. The other steps are listed, not read: verifying one would read all
+    of its parameters (as long again as this step's read, for each), and the command the user
+    runs next verifies the one it names.
     """
     run_dir = Path(run_dir).resolve()
     with _reader(run_dir, ocp.PyTreeCheckpointHandler()) as mngr:
@@ -746,7 +751,7 @@ def restore_inference(run_dir: str | Path, step: int | None,
             if not (where / item).is_dir():
                 raise CheckpointError(f"checkpoint {where} is partial: it has no {item!r} item")
         others = sorted(s for s in steps if s != step)
-        hint = f"; other steps: {others}" if others else ""
+        hint = f"; other steps: {others} (unverified): {ask_for(others[-1])}" if others else ""
         recorded = _read_checksums(mngr, step, where, hint)
         config = _read_config(mngr, step, where, recorded, hint)
         target = make_target(config)

@@ -127,13 +127,15 @@ def test_damaged_latest_checkpoint_is_refused_by_eval_and_export_and_skipped_by_
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: checkpoint step 20 is damaged"), err
     assert "other steps: [10]" in err[0] and ("params/" in err[0] or "cannot read" in err[0])
+    assert err[0].endswith("other steps: [10] (unverified): evaluate the newest with step=10")
     if how == "flip":  # the command itself: the reads abandoned at exit print nothing after
         proc = subprocess.run([sys.executable, "eval.py", "task=ppl", f"train.run_dir={run}"],
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
         last = proc.stderr.strip().splitlines()[-1]  # which damaged array is read first varies
         assert proc.returncode == 2 and last.startswith("error: checkpoint step 20 is damaged"), (
             proc.stderr[-3000:])
-        assert last.endswith("other steps: [10]"), proc.stderr[-3000:]
+        assert last.endswith("other steps: [10] (unverified): evaluate the newest with step=10"), (
+            proc.stderr[-3000:])
     with pytest.raises(DamagedCheckpointError, match="checkpoint step 20 is damaged"):
         load(*parse_args(["task=ppl", f"train.run_dir={run}"]))
     assert load(*parse_args(["task=ppl", f"train.run_dir={run}", "step=10"])).step == 10
@@ -143,6 +145,8 @@ def test_damaged_latest_checkpoint_is_refused_by_eval_and_export_and_skipped_by_
     assert export_main([str(run), "--out", str(tmp_path / "exp")]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "checkpoint step 20 is damaged" in err[0], err
+    assert err[0].endswith(f"other steps: [10] (unverified): name the newest instead: "
+                           f"{run / 'checkpoints' / '10'}"), err
     assert not (tmp_path / "exp").exists()
     export.load(run / "checkpoints" / "10")  # another step, asked for by its directory
     capfd.readouterr()
@@ -488,22 +492,30 @@ def test_a_step_directory_holding_another_steps_state_is_refused_by_eval_and_exp
     """They read the parameters alone, and evaluated or exported the copy checkpoints/10 -> 25 as
     step 25 (the export's export.json said step 25). The latest or named by step=25 or its
     directory, it is refused as damaged like any other damaged step, in one line naming the
-    directory and both steps; another step still reads."""
+    directory and both steps, and how the command reads the newest of the others (the line
+    listed them, "other steps: [10, 20]", and left the user to find the key); another step still
+    reads."""
     run = _copy(run20, tmp_path)
     shutil.copytree(run / "checkpoints" / "10", run / "checkpoints" / "25")
+    newest = run / "checkpoints" / "20"
     said = (f"checkpoint step 25 is damaged: {run / 'checkpoints' / '25' / 'state'} holds the "
-            "train state of step 10; other steps: [10, 20]")
+            "train state of step 10; other steps: [10, 20] (unverified): ")
     capfd.readouterr()
-    for named in ([f"train.run_dir={run}"], [f"train.run_dir={run}", "step=25"],
-                  [f"checkpoint={run / 'checkpoints' / '25'}"]):
+    for named, way in (([f"train.run_dir={run}"], "step=20"),
+                       ([f"train.run_dir={run}", "step=25"], "step=20"),
+                       ([f"checkpoint={run / 'checkpoints' / '25'}"], f"checkpoint={newest}")):
         assert eval_main(["task=ppl", *named]) == 2
-        assert capfd.readouterr().err.strip().splitlines() == [f"error: {said}"], named
+        assert capfd.readouterr().err.strip().splitlines() == [
+            f"error: {said}evaluate the newest with {way}"], named
     with pytest.raises(ExportError, match="holds the train state of step 10"):
         export.load(run / "checkpoints" / "25")
     assert export_main([str(run), "--out", str(tmp_path / "exp")]) == 2
-    assert capfd.readouterr().err.strip().splitlines() == [f"error: {run}: {said}"]
+    assert capfd.readouterr().err.strip().splitlines() == [
+        f"error: {run}: {said}name the newest instead: {newest}"]
     assert not (tmp_path / "exp").exists()
     assert load(*parse_args(["task=ppl", f"train.run_dir={run}", "step=20"])).step == 20
+    assert load(*parse_args(["task=ppl", f"checkpoint={newest}"])).step == 20
+    assert export.load(newest)[0].num_layers == 2
 
 UNREADABLE = """
 import sys
@@ -574,7 +586,8 @@ def test_a_config_item_that_is_json_but_no_config_is_damage_to_resume_as_to_eval
             f"config (expected a JSON object of sections with a model section, found {text})")
     capfd.readouterr()
     assert eval_main(["task=ppl", f"train.run_dir={run}"]) == 2
-    assert capfd.readouterr().err.strip().splitlines() == [f"error: {said}; other steps: [10]"]
+    assert capfd.readouterr().err.strip().splitlines() == [
+        f"error: {said}; other steps: [10] (unverified): evaluate the newest with step=10"]
     result = train_loop.run(tiny_config(corpus, run, "train.steps=11"))
     err = capfd.readouterr().err
     assert result.step == 11 and f"skipped {said}; moved it to" in err
@@ -711,7 +724,7 @@ def test_a_value_changed_in_the_config_item_is_damage_to_resume_eval_and_export(
     assert eval_main(["task=ppl", f"train.run_dir={run}"]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {said}"), err
-    assert err[0].endswith("; other steps: [10]"), err
+    assert err[0].endswith("; other steps: [10] (unverified): evaluate the newest with step=10"), err
     with pytest.raises(ExportError, match=re.escape(said)):
         export.load(run)
     result = train_loop.run(tiny_config(corpus, run, "train.steps=11"))

@@ -134,8 +134,13 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
             model = dataclasses.replace(model, scan_layers=trained.scan_layers)
         return abstract_params(model)
 
+    def ask_for(other: int) -> str:  # a step directory's name would contradict step=N
+        way = (f"{key}={run_dir / 'checkpoints' / str(other)}" if location.step is not None
+               else f"step={other}")
+        return f"evaluate the newest with {way}"
+
     named = step is not None  # step=N or a step directory, not whichever step is the latest
-    step, _, params = checkpoint.restore_inference(run_dir, step, target)
+    step, _, params = checkpoint.restore_inference(run_dir, step, target, ask_for)
     params = in_layout(params, config[0].model)
     # a named step's results beside, not over, the latest step's (which a rerun would replace)
     default = run_dir / EVAL_DIR / f"step-{step}" if named else run_dir / EVAL_DIR

@@ -256,7 +256,9 @@ def _read_train_checkpoint(path: Path, location: Location) -> Source:
         return abstract_params(configs[0])
 
     try:
-        step, saved, params = checkpoint.restore_inference(run_dir, step, target)
+        step, saved, params = checkpoint.restore_inference(
+            run_dir, step, target,
+            lambda other: f"name the newest instead: {run_dir / 'checkpoints' / str(other)}")
     except CheckpointError as e:
         raise ExportError(f"{path}: {e}") from e
     return Source(configs[0], params, str(run_dir / "checkpoints" / str(step)), step,

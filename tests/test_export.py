@@ -23,7 +23,7 @@ from diff_jax.config import (Config, ConfigError, ModelConfig, TrainConfig, load
                              override_value)
 from diff_jax.export.__main__ import main
 from diff_jax.export.init_from import initial_params
-from diff_jax.export.safetensors_io import read_safetensors
+from diff_jax.export.safetensors_io import read_safetensors, write_safetensors
 from diff_jax.export.sources import Source, abstract_params
 from diff_jax.interop import to_reference
 from diff_jax.transformer import DecoderLM
@@ -312,6 +312,13 @@ def test_config_that_does_not_match_the_checkpoint_is_refused(tmp_path):
     _without_config_checksum(out)  # what is left to refuse it, its config.json unverified
     edited = dataclasses.asdict(config) | {"num_layers": 1}
     (out / "config.json").write_text(json.dumps(edited))
+    with pytest.raises(ex.ExportError, match=r"config.json gives model.num_layers=1 but \S+/"
+                                             r"model.safetensors holds a model with "
+                                             r"model.num_layers=2 \(its model_config metadata"):
+        ex.load(out)
+    tensors, metadata = read_safetensors(out / "model.safetensors")  # both copies say 1 layer
+    write_safetensors(out / "model.safetensors", tensors,
+                      {**metadata, "model_config": json.dumps(edited)})
     with pytest.raises(ex.ExportError, match=r"model.safetensors: '?layers.1.attn.k_proj.weight'? is "
                                              r"not part of the model"):
         ex.load(out)
@@ -385,7 +392,9 @@ def test_a_value_changed_in_an_exports_config_json_is_refused_naming_the_file(
     `eval.py checkpoint=DIR` and the import of an hf-diffllama export alike. Exports now record
     the checksum of its JSON in checksums.json (`checkpoint.json_bytes`, the training
     checkpoints' own), and an edited one is refused in one line naming the file; an export whose
-    record has no config entry (written before) reads it unverified."""
+    record has no config entry (written before) reads it unverified, except that a safetensors
+    export's is compared with the config model.safetensors holds (its model_config metadata),
+    and refused naming both files where the two compute different models."""
     from diff_jax.export.hf_import import read_hf
     from diff_jax.eval import main as eval_main
 
@@ -406,7 +415,17 @@ def test_a_value_changed_in_an_exports_config_json_is_refused_naming_the_file(
         assert len(err) == 1 and err[0].startswith(
             f"error: checkpoint={out}: export {out} is damaged: config read from {file} "), err
     _without_config_checksum(out)
-    assert getattr(read(out), field) == value
+    if fmt == "safetensors":
+        said = (f"{file} gives model.{field}={value} but {out / 'model.safetensors'} holds a model "
+                f"with model.{field}=")
+        with pytest.raises(ex.ExportError, match=re.escape(said)):
+            read(out)
+        capfd.readouterr()
+        assert eval_main(["task=ppl", f"checkpoint={out}"]) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: checkpoint={out}: {said}"), err
+    else:
+        assert getattr(read(out), field) == value
 
 
 def test_cli_writes_an_export_and_reports_errors(diff_run, tmp_path, capsys):

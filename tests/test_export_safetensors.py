@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import struct
 from pathlib import Path
 
@@ -59,6 +60,37 @@ def test_a_file_from_the_former_writer_still_loads(caplog):
     assert f"{FIXTURE} has no recorded checksums (written before diff-jax recorded them)" in caplog.text
     assert config == FIXTURE_CONFIG
     jax.tree.map(np.testing.assert_array_equal, params, fixture_params())
+
+
+@pytest.mark.parametrize("key, value", [("rope_theta", 500000.0), ("norm_eps", 1e-6),
+                                        ("lambda_init", 0.5), ("num_layers", 2)])
+def test_a_config_json_that_is_not_the_one_in_model_safetensors_is_refused(key, value, tmp_path):
+    """The export writes the model config twice, config.json and model.safetensors' model_config
+    metadata, and read config.json alone: in an export whose checksums.json does not cover it
+    (this one, from the former writer, has none), an edited config.json or one copied from
+    another export of the same shapes loaded as the model the tensors were trained as (RoPE θ,
+    the norms' ε, λ_init). It is refused naming both files and the field; a field that changes
+    nothing the parameters compute may differ (eval.py's overrides change them too)."""
+    export = tmp_path / "export"
+    shutil.copytree(FIXTURE, export)
+    config = json.loads((export / "config.json").read_text())
+    (export / "config.json").write_text(json.dumps(config | {key: value}))
+    with pytest.raises(ex.ExportError, match=re.escape(
+            f"{export / 'config.json'} gives model.{key}={value} but "
+            f"{export / 'model.safetensors'} holds a model with model.{key}="
+            f"{config.get(key, 'null')} (its model_config metadata); the export wrote both "
+            "from one config, so one was edited or comes from another export")):
+        ex.load(export)
+    free = {"max_seq_len": 8, "dtype": "bfloat16"}  # nothing the parameters compute
+    (export / "config.json").write_text(json.dumps(config | free))
+    assert ex.load(export)[0].max_seq_len == 8
+    tensors, metadata = read_safetensors(FIXTURE / "model.safetensors")
+    write_safetensors(export / "model.safetensors", tensors, {**metadata, "model_config": "{"})
+    with pytest.raises(ex.ExportError, match=re.escape(
+            f"{export / 'model.safetensors'} model_config metadata: not valid JSON: ")):
+        ex.load(export)
+    write_safetensors(export / "model.safetensors", tensors, {"format": "pt"})  # not ours: no copy
+    assert ex.load(export)[0].max_seq_len == 8
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

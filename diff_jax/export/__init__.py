@@ -5,7 +5,9 @@
 
 - `safetensors`: `model.safetensors` with PyTorch-layout (out, in) tensors under the names of
   `diff_jax.export.state_dict` (the V1 attention tensors are the reference module's state dict),
-  the model config as JSON in its metadata (`model_config`) and in `config.json`.
+  the model config as JSON in its metadata (`model_config`) and in `config.json` (loading
+  builds the model from `config.json` and refuses one that gives another model than the
+  metadata).
 - `orbax-params`: a parameters-only orbax checkpoint (`params/`) and `config.json`, for inference.
 - `hf-diffllama`: a `transformers` `DiffLlamaForCausalLM` directory (DIFF V1 only; see
   `diff_jax.export.hf` for the mapping and what is refused), with Hugging Face tokenizer files

@@ -8,7 +8,9 @@ its data section, train.seed and train.seq_len, which define its held-out split)
 stored array and of the JSON of `config.json` and `export.json` (`checkpoint.checksums_record`
 and `checkpoint.json_bytes`, the training checkpoints' own), which loading verifies. Exports
 written before a format recorded them are read with a warning; those written before the record
-covered a JSON file read it unverified.
+covered a JSON file read it unverified. A safetensors export's `config.json` is compared with
+the model config its `model.safetensors` carries (`model_config` metadata) as well
+(`_check_config_copies`).
 """
 
 from __future__ import annotations
@@ -155,7 +157,8 @@ def _read_export(path: Path) -> Source:
         file = path / SAFETENSORS_FILE
         if not file.is_file():
             raise ExportError(f"{file}: missing; the export is incomplete")
-        tensors, _ = read_safetensors(file)
+        tensors, metadata = read_safetensors(file)
+        _check_config_copies(config, metadata, path / CONFIG_FILE, file)
         verify(tensors, recorded, file)
         params = jax.tree.map(jnp.asarray, from_state_dict(tensors, config, str(file)))
     else:
@@ -168,6 +171,34 @@ def _read_export(path: Path) -> Source:
         raise ExportError(f"{path / EXPORT_MARKER}: 'run' must map data and train to sections of "
                           f"the run's config, got {run!r:.200}")
     return Source(config, params, str(path), step if isinstance(step, int) else None, run)
+
+
+def _check_config_copies(config: ModelConfig, metadata: dict[str, str], config_file: Path,
+                         file: Path) -> None:
+    """`ExportError` naming both files and the first field (`ModelConfig.difference`) in which
+    `config`, read from `config_file`, computes another model than the `model_config` metadata
+    of `file` (the export's model.safetensors, whose `metadata`), which the export wrote from the
+    same config. Nothing compared the two, and config.json alone was read: an export whose
+    checksums.json predates config.json's entry (or has none) loaded an edited config.json, or
+    one copied from another export, as the model its tensors were trained as (measured:
+    `rope_theta` 10000 -> 500000 in a 2-step run's export, eval.py's ppl loss 4.099431 for
+    4.099423, exit 0). Fields that change nothing the parameters compute (dtype,
+    attention_impl, max_seq_len…) may differ, as eval.py's overrides may change them. A file
+    without the metadata (not written by a diff-jax export) has nothing to compare."""
+    if "model_config" not in metadata:
+        return
+    where = f"{file} model_config metadata"
+    try:
+        written = model_config_from_json(json.loads(metadata["model_config"]), where)
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{where}: not valid JSON: {e}") from e
+    differs = config.difference(written)
+    if differs is not None:
+        key, theirs, ours = differs
+        raise ExportError(f"{config_file} gives {key}={ours} but {file} holds a model with "
+                          f"{key}={theirs} (its model_config metadata); the export wrote both "
+                          "from one config, so one was edited or comes from another export: "
+                          "put back the export's own files, or export the run again")
 
 
 def _restore_params(path: Path, config: ModelConfig,

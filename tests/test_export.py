@@ -312,8 +312,8 @@ def test_config_that_does_not_match_the_checkpoint_is_refused(tmp_path):
     _without_config_checksum(out)  # what is left to refuse it, its config.json unverified
     edited = dataclasses.asdict(config) | {"num_layers": 1}
     (out / "config.json").write_text(json.dumps(edited))
-    with pytest.raises(ex.ExportError, match=r"config.json gives model.num_layers=1 but \S+/"
-                                             r"model.safetensors holds a model with "
+    with pytest.raises(ex.ExportError, match=r"config.json gives a model with model.num_layers=1 "
+                                             r"but \S+/model.safetensors holds one with "
                                              r"model.num_layers=2 \(its model_config metadata"):
         ex.load(out)
     tensors, metadata = read_safetensors(out / "model.safetensors")  # both copies say 1 layer
@@ -392,9 +392,11 @@ def test_a_value_changed_in_an_exports_config_json_is_refused_naming_the_file(
     `eval.py checkpoint=DIR` and the import of an hf-diffllama export alike. Exports now record
     the checksum of its JSON in checksums.json (`checkpoint.json_bytes`, the training
     checkpoints' own), and an edited one is refused in one line naming the file; an export whose
-    record has no config entry (written before) reads it unverified, except that a safetensors
-    export's is compared with the config model.safetensors holds (its model_config metadata),
-    and refused naming both files where the two compute different models."""
+    record has no config entry (written before) reads it unverified, and then, but for an
+    orbax-params export, it is compared with the config model.safetensors holds (its
+    model_config metadata), refused naming both files where the two make different models: it
+    was read as the model the parameters were exported from."""
+    from diff_jax.export.hf_import import main as import_main
     from diff_jax.export.hf_import import read_hf
     from diff_jax.eval import main as eval_main
 
@@ -415,17 +417,21 @@ def test_a_value_changed_in_an_exports_config_json_is_refused_naming_the_file(
         assert len(err) == 1 and err[0].startswith(
             f"error: checkpoint={out}: export {out} is damaged: config read from {file} "), err
     _without_config_checksum(out)
-    if fmt == "safetensors":
-        said = (f"{file} gives model.{field}={value} but {out / 'model.safetensors'} holds a model "
-                f"with model.{field}=")
-        with pytest.raises(ex.ExportError, match=re.escape(said)):
-            read(out)
-        capfd.readouterr()
-        assert eval_main(["task=ppl", f"checkpoint={out}"]) == 2
-        err = capfd.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith(f"error: checkpoint={out}: {said}"), err
-    else:
+    if fmt == "orbax-params":  # one copy only
         assert getattr(read(out), field) == value
+        return
+    said = (f"{file} gives a model with model.{field}={value} but {out / 'model.safetensors'} "
+            f"holds one with model.{field}=")
+    with pytest.raises(ex.ExportError, match=re.escape(said)):
+        read(out)
+    capfd.readouterr()
+    if fmt == "safetensors":
+        assert eval_main(["task=ppl", f"checkpoint={out}"]) == 2
+        said = f"checkpoint={out}: {said}"
+    else:
+        assert import_main([str(out), "--out", str(tmp_path / "imported")]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {said}"), err
 
 
 def test_cli_writes_an_export_and_reports_errors(diff_run, tmp_path, capsys):
@@ -545,6 +551,19 @@ def test_hf_export_refuses_naive_gqa_pairing(tmp_path):
     run = write_run(tmp_path / "naive", naive, random_params(naive))
     with pytest.raises(ex.ExportError, match="gqa_pairing naive with num_kv_heads < num_heads"):
         ex.export(run, tmp_path / "hf", "hf-diffllama")
+
+
+def test_an_hf_export_of_naive_pairing_without_gqa_imports_as_flash(tmp_path):
+    """Without GQA the two pairings compute one function, so the export lets naive through and
+    the import, DiffLlama having no pairing, reads flash: not another model than the config the
+    export wrote into model.safetensors (`check_config_copies`)."""
+    from diff_jax.export.hf_import import read_hf
+
+    mha = dataclasses.replace(CONFIGS["diff"], num_kv_heads=None, gqa_pairing="naive")
+    out = ex.export(write_run(tmp_path / "mha", mha, random_params(mha)), tmp_path / "hf",
+                    "hf-diffllama", tokenizer="none")
+    imported = read_hf(out).config
+    assert imported.gqa_pairing == "flash" and imported.kv_heads == imported.num_heads == 2
 
 
 @pytest.mark.parametrize("change, error", [

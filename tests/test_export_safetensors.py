@@ -76,8 +76,8 @@ def test_a_config_json_that_is_not_the_one_in_model_safetensors_is_refused(key, 
     config = json.loads((export / "config.json").read_text())
     (export / "config.json").write_text(json.dumps(config | {key: value}))
     with pytest.raises(ex.ExportError, match=re.escape(
-            f"{export / 'config.json'} gives model.{key}={value} but "
-            f"{export / 'model.safetensors'} holds a model with model.{key}="
+            f"{export / 'config.json'} gives a model with model.{key}={value} but "
+            f"{export / 'model.safetensors'} holds one with model.{key}="
             f"{config.get(key, 'null')} (its model_config metadata); the export wrote both "
             "from one config, so one was edited or comes from another export")):
         ex.load(export)

@@ -9,7 +9,9 @@
   of every head permuted from half-split RoPE pairs (r, r + d/2) to interleaved pairs (2r, 2r + 1).
 
 HF_DIR is what `save_pretrained` writes: `config.json` and `model.safetensors` (or shards listed
-in `model.safetensors.index.json`); nothing is downloaded. Every tensor becomes float32, the
+in `model.safetensors.index.json`); nothing is downloaded. A diff-jax `hf-diffllama` export's
+`config.json` is verified against its `checksums.json` and compared with the config its
+`model.safetensors` carries (`sources.check_config_copies`). Every tensor becomes float32, the
 parameter dtype of our models. Configurations that the model cannot compute exactly are refused
 with the reason: `rope_scaling` / a rope type other than default, partial rotary factors,
 attention or MLP biases, an activation other than silu, attention dropout, sliding windows,
@@ -40,8 +42,9 @@ from diff_jax.config import ConfigError, ModelConfig, override_value
 from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_io import read_safetensors
-from diff_jax.export.sources import (CHECKSUMS_FILE, EXPORT_MARKER, Source, read_json,
-                                     recorded_checksums, verify, verify_json)
+from diff_jax.export.sources import (CHECKSUMS_FILE, EXPORT_MARKER, Source, check_config_copies,
+                                     read_json, recorded_checksums, verify, verify_json,
+                                     written_config)
 from diff_jax.export.state_dict import from_state_dict
 from diff_jax.export.writer import export
 from diff_jax.file_errors import describe
@@ -160,11 +163,12 @@ def model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         raise ExportError(f"{where}: gives an invalid diff-jax model config: {err}") from err
 
 
-def read_hf_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
-    """Every tensor of `model.safetensors`, or of the shards `model.safetensors.index.json` lists."""
+def read_hf_tensors(hf_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(every tensor of `model.safetensors`, or of the shards `model.safetensors.index.json`
+    lists; the single file's metadata, {} for shards)."""
     index = hf_dir / _INDEX_FILE
     if (hf_dir / _SINGLE_FILE).is_file():
-        return read_safetensors(hf_dir / _SINGLE_FILE)[0]
+        return read_safetensors(hf_dir / _SINGLE_FILE)
     if not index.is_file():
         found = sorted(p.name for p in hf_dir.glob("*.bin")) or ["no weights"]
         raise ExportError(f"{hf_dir}: no {_SINGLE_FILE} or {_INDEX_FILE} (found {found[0]}); "
@@ -184,7 +188,7 @@ def read_hf_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
     missing = sorted(set(weight_map) - set(tensors))
     if missing:
         raise ExportError(f"{index}: {missing[0]!r} is listed but in none of its shards")
-    return tensors
+    return tensors, {}
 
 
 def _llama_to_ours(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
@@ -243,8 +247,15 @@ def read_hf(hf_dir: str | Path) -> Source:
     recorded = recorded_checksums(hf_dir) if exported else None
     verify_json(hf_config, recorded, config_file)
     config = model_config_from_hf(hf_config, str(config_file))
-    tensors = read_hf_tensors(hf_dir)
+    tensors, metadata = read_hf_tensors(hf_dir)
     verify(tensors, recorded, hf_dir / _SINGLE_FILE)
+    # a diff-jax hf-diffllama export also holds the config it was exported from; DiffLlama has
+    # no GQA pairing, and without GQA (the one case `hf.check_mappable` lets naive through) the
+    # two pairings compute one function: compared as the import maps it
+    written = written_config(metadata, hf_dir / _SINGLE_FILE)
+    if written is not None and written.kv_heads == written.num_heads:
+        written = dataclasses.replace(written, gqa_pairing=config.gqa_pairing)
+    check_config_copies(config, written, config_file, hf_dir / _SINGLE_FILE)
     # Buffers some older checkpoints carry: RoPE frequencies, recomputed from rope_theta.
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_embeddings and "lm_head.weight" in tensors:

@@ -10,7 +10,7 @@ and `checkpoint.json_bytes`, the training checkpoints' own), which loading verif
 written before a format recorded them are read with a warning; those written before the record
 covered a JSON file read it unverified. A safetensors export's `config.json` is compared with
 the model config its `model.safetensors` carries (`model_config` metadata) as well
-(`_check_config_copies`).
+(`check_config_copies`).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def _read_export(path: Path) -> Source:
         if not file.is_file():
             raise ExportError(f"{file}: missing; the export is incomplete")
         tensors, metadata = read_safetensors(file)
-        _check_config_copies(config, metadata, path / CONFIG_FILE, file)
+        check_config_copies(config, written_config(metadata, file), path / CONFIG_FILE, file)
         verify(tensors, recorded, file)
         params = jax.tree.map(jnp.asarray, from_state_dict(tensors, config, str(file)))
     else:
@@ -173,32 +173,39 @@ def _read_export(path: Path) -> Source:
     return Source(config, params, str(path), step if isinstance(step, int) else None, run)
 
 
-def _check_config_copies(config: ModelConfig, metadata: dict[str, str], config_file: Path,
-                         file: Path) -> None:
-    """`ExportError` naming both files and the first field (`ModelConfig.difference`) in which
-    `config`, read from `config_file`, computes another model than the `model_config` metadata
-    of `file` (the export's model.safetensors, whose `metadata`), which the export wrote from the
-    same config. Nothing compared the two, and config.json alone was read: an export whose
-    checksums.json predates config.json's entry (or has none) loaded an edited config.json, or
-    one copied from another export, as the model its tensors were trained as (measured:
-    `rope_theta` 10000 -> 500000 in a 2-step run's export, eval.py's ppl loss 4.099431 for
-    4.099423, exit 0). Fields that change nothing the parameters compute (dtype,
-    attention_impl, max_seq_len…) may differ, as eval.py's overrides may change them. A file
-    without the metadata (not written by a diff-jax export) has nothing to compare."""
+def written_config(metadata: dict[str, str], file: Path) -> ModelConfig | None:
+    """The model config an export wrote into `file` (its model.safetensors, whose `metadata`)
+    beside config.json: `model_config`, the same config's JSON; None for a file without it (not
+    written by a diff-jax export: Hugging Face's `save_pretrained` writes only `format`).
+    `ExportError` naming the metadata when it is no model config."""
     if "model_config" not in metadata:
-        return
+        return None
     where = f"{file} model_config metadata"
     try:
-        written = model_config_from_json(json.loads(metadata["model_config"]), where)
+        return model_config_from_json(json.loads(metadata["model_config"]), where)
     except json.JSONDecodeError as e:
         raise ExportError(f"{where}: not valid JSON: {e}") from e
-    differs = config.difference(written)
+
+
+def check_config_copies(config: ModelConfig, written: ModelConfig | None, config_file: Path,
+                        file: Path) -> None:
+    """`ExportError` naming both files and the first field (`ModelConfig.difference`) in which
+    `config`, read from `config_file`, computes another model than `written`, the config the
+    export wrote into `file` from the same config (`written_config`; None: nothing to compare).
+    Nothing compared the two, and config.json alone was read: an export whose checksums.json
+    predates config.json's entry (or has none) loaded an edited config.json, or one copied from
+    another export, as the model its tensors were trained as (measured: `rope_theta` 10000 ->
+    500000 in a 2-step run's safetensors export, eval.py's ppl loss 4.099431 for 4.099423, exit
+    0; `rms_norm_eps` 1e-5 -> 1e-3 in its hf-diffllama export, imported as norm_eps 0.001).
+    Fields that change nothing the parameters compute (dtype, attention_impl, max_seq_len…) may
+    differ, as eval.py's overrides may change them."""
+    differs = None if written is None else config.difference(written)
     if differs is not None:
         key, theirs, ours = differs
-        raise ExportError(f"{config_file} gives {key}={ours} but {file} holds a model with "
-                          f"{key}={theirs} (its model_config metadata); the export wrote both "
-                          "from one config, so one was edited or comes from another export: "
-                          "put back the export's own files, or export the run again")
+        raise ExportError(f"{config_file} gives a model with {key}={ours} but {file} holds one "
+                          f"with {key}={theirs} (its model_config metadata); the export wrote "
+                          "both from one config, so one was edited or comes from another "
+                          "export: put back the export's own files, or export the run again")
 
 
 def _restore_params(path: Path, config: ModelConfig,

@@ -16,7 +16,9 @@ checkpoint). Medians over repeats are printed and saved as JSON + a markdown tab
 device and versions. JAX caches only programs that took at least
 `jax_persistent_cache_min_compile_time_secs` (1 s) to compile, as in training. The committed results: benchmarks/results/compile_cache_cpu (the defaults) and
 compile_cache_cpu_12l (`--set model.num_layers=12 --set model.embed_dim=384 --set
-model.num_heads=6 --out benchmarks/results/compile_cache_cpu_12l`).
+model.num_heads=6 --out benchmarks/results/compile_cache_cpu_12l`), and compile_cache_cpu_24l
+and compile_cache_cpu_24l_scan (`--set model.num_layers=24 --set model.scan_layers=false` or
+`true`, `--repeats 2`: the layers unrolled and scanned).
 """
 
 from __future__ import annotations

@@ -510,11 +510,15 @@ def _check_step(saved: jax.Array | np.ndarray, step: int, where: Path, hint: str
 
 
 def _as_configured(mngr: ocp.CheckpointManager, error: CheckpointError) -> CheckpointError:
-    """`error` followed by the command that resumes the run as its `config.yaml` records it."""
+    """`error` followed by the command that resumes the run as its `config.yaml` records it:
+    `python -m diff_jax.train`, which runs from a clone's root and where diff-jax is installed
+    alike (a clone's `python train.py` is no file where the package alone is installed, nor in
+    any directory but the clone's root)."""
     run_dir = Path(mngr.directory).parent  # config.yaml names the directory the run was
     # trained in: another one when the run has been moved or copied since
-    return CheckpointError(f"{error} (to resume this run as it was configured: python train.py "
-                           f"--config {run_dir / 'config.yaml'} train.run_dir={run_dir})")
+    return CheckpointError(f"{error} (to resume this run as it was configured: python -m "
+                           f"diff_jax.train --config {run_dir / 'config.yaml'} "
+                           f"train.run_dir={run_dir})")
 
 
 def _check_process_count(step: int, data_iter_dir: Path) -> None:
@@ -708,7 +712,7 @@ def _reader(run_dir: Path, state: ocp.CheckpointHandler) -> ocp.CheckpointManage
     ckpt_dir = run_dir / "checkpoints"
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"no checkpoints directory at {ckpt_dir} (train first: "
-                              f"python train.py train.run_dir={run_dir})")
+                              f"python -m diff_jax.train train.run_dir={run_dir})")
     alone = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(),
                                                active_processes={jax.process_index()})
     options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,

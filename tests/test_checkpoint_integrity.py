@@ -280,7 +280,7 @@ def test_a_resume_as_another_model_of_the_same_shapes_is_refused_before_anything
     assert not isinstance(e.value, DamagedCheckpointError)
     assert str(e.value) == (
         f"checkpoint step 10 was trained with {named}; a run resumes with the model it was "
-        f"trained with (to resume this run as it was configured: python train.py --config "
+        f"trained with (to resume this run as it was configured: python -m diff_jax.train --config "
         f"{run / 'config.yaml'} train.run_dir={run})")
     assert _ckpt_steps(run) == [10, 20] and (run / "config.yaml").read_bytes() == record
 
@@ -301,7 +301,7 @@ def test_a_resume_with_another_optimizer_structure_is_refused_as_such_not_as_dam
         "checkpoint step 20 holds another optimizer state than optim.* gives (first difference: "
         "opt_state/0/count is not saved); it was written with other optimizer settings "
         "(optim.clip_norm > 0 adds a clipping stage that optim.clip_norm=0 has not) (to resume "
-        f"this run as it was configured: python train.py --config {run / 'config.yaml'} "
+        f"this run as it was configured: python -m diff_jax.train --config {run / 'config.yaml'} "
         f"train.run_dir={run})")
     assert _ckpt_steps(run) == [10, 20] and not (run / "damaged_checkpoints").exists()
     assert (run / "config.yaml").read_bytes() == record

@@ -662,7 +662,9 @@ def test_errors_name_what_and_where(runs, tmp_path, capsys):
         run_task(*parse_args(["task=ppl", f"checkpoint={tmp_path / 'plain'}"]))
     (tmp_path / "empty_run").mkdir()
     (tmp_path / "empty_run" / "config.yaml").write_text("")
-    with pytest.raises(CheckpointError, match="no checkpoints directory at .*empty_run"):
+    with pytest.raises(CheckpointError, match=r"no checkpoints directory at .*empty_run/"
+                                              r"checkpoints \(train first: python -m "
+                                              r"diff_jax.train train.run_dir="):
         run_task(*parse_args(["task=ppl", f"train.run_dir={tmp_path / 'empty_run'}"]))
     with pytest.raises(CheckpointError, match="has no step 7; complete steps: \\[1\\]"):
         run_task(*parse_args(["task=ppl", "step=7", f"train.run_dir={run}"]))

@@ -179,6 +179,10 @@ def test_cli_imports_prints_how_to_fine_tune_and_refuses_overwriting(tmp_path, c
     assert main([str(tmp_path / "hf"), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"train.init_from={out}" in printed and "model.variant=transformer" in printed
+    # commands an installed diff-jax runs too: it has no train.py or eval.py to run
+    evaluate, fine_tune = printed.splitlines()[1:]
+    assert evaluate == f"evaluate:  python -m diff_jax.eval task=ppl checkpoint={out}"
+    assert fine_tune.startswith("fine-tune: python -m diff_jax.train model.variant=transformer ")
     # a run directory of its own: the config file's may hold a run, which would resume instead
     assert printed.rstrip().endswith(f"train.init_from={out} train.run_dir=runs/ours-finetune")
     assert json.loads((out / "export.json").read_text())["format"] == "orbax-params"

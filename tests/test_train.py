@@ -533,7 +533,7 @@ def test_restore_onto_another_mesh_and_refuse_other_shapes(corpus, tmp_path, mon
         np.testing.assert_allclose(other[30][key], uninterrupted[30][key], rtol=1e-5)
     with pytest.raises(CheckpointError, match=r"checkpoint params\['embed'\] has shape \(64, 32\) "
                                               r"but the config gives \(64, 48\).*\(to resume this "
-                                              r"run as it was configured: python train.py --config "
+                                              r"run as it was configured: python -m diff_jax.train --config "
                                               rf"{tmp_path / 'config.yaml'} "
                                               rf"train.run_dir={tmp_path}\)$"):
         train_loop.run(tiny_config(corpus, tmp_path, "train.steps=40", "model.embed_dim=48"))

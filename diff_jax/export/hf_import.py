@@ -17,8 +17,9 @@ with the reason: `rope_scaling` / a rope type other than default, partial rotary
 attention or MLP biases, an activation other than silu, attention dropout, sliding windows,
 quantized checkpoints, and DiffLlama head counts without an even split into (Q1, Q2) / (K1, K2).
 
-The result is an export like any other: `eval.py checkpoint=DIR`, `python -m diff_jax.export DIR
---format ...`, and `python train.py ... train.init_from=DIR` (fine-tuning) read it.
+The result is an export like any other: `python -m diff_jax.eval checkpoint=DIR`, `python -m
+diff_jax.export DIR --format ...`, and `python -m diff_jax.train ... train.init_from=DIR`
+(fine-tuning) read it; the import prints those two commands.
 """
 
 from __future__ import annotations
@@ -320,10 +321,12 @@ def main(argv: list[str] | None = None) -> int:
                          overwrite=args.overwrite)
             print(f"imported {args.hf_dir} ({source.config.variant}) to {out} (orbax-params, "
                   "float32)")
-            print("evaluate:  python eval.py task=ppl " + shlex.quote(f"checkpoint={out}"))
+            # the commands as `python -m`, which an installed diff-jax runs as a clone's root does
+            print("evaluate:  python -m diff_jax.eval task=ppl "
+                  + shlex.quote(f"checkpoint={out}"))
             # a run directory of its own: the config file's (configs/tiny.yaml: runs/tiny) may
             # hold a run, which would resume instead, ignoring train.init_from
-            print("fine-tune: python train.py " + shlex.join(
+            print("fine-tune: python -m diff_jax.train " + shlex.join(
                 [*finetune_overrides(source.config, out),
                  f"train.run_dir=runs/{out.name}-finetune"]))
     except ExportError as e:

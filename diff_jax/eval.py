@@ -1,15 +1,17 @@
-"""Evaluate a checkpoint: python eval.py task=NAME train.run_dir=RUN [key=value ...]
+"""Evaluate a checkpoint: python -m diff_jax.eval task=NAME train.run_dir=RUN [key=value ...]
 
-From a clone, `python eval.py`; where diff-jax is installed, `python -m diff_jax.eval` (the same
-command).
+Where diff-jax is installed and from a clone's root alike; a clone's `python eval.py` is the same
+command.
 Tasks: ppl, score (input=FILE), niah, recall, attention, outliers, quant, generate (prompt="...");
-or checkpoint=PATH (a run, a step directory RUN/checkpoints/N, or an orbax-params export)
-instead of train.run_dir, and step=N for another step of a run. Writes RUN/eval/NAME.json (a step
-named by step=N or its directory: RUN/eval/step-N/NAME.json; out_dir=DIR: DIR/NAME.json). See
-docs/evaluation.md for every task's keys. Exit status: 0 done, 2 bad input (arguments, config, a missing or
-damaged checkpoint, a file that cannot be read or written, a task too big for the devices'
-memory), 1 a result that is NaN (the JSON is still written), 130 stopped by Ctrl-C or by
-stdout's reader gone, `| head` (each result file is whole: this run's or the earlier one).
+or checkpoint=PATH (a run, a step directory RUN/checkpoints/N, or a safetensors or orbax-params
+export) instead of train.run_dir, and step=N for another step of a run. Writes RUN/eval/NAME.json
+(a step named by step=N or its directory: RUN/eval/step-N/NAME.json; out_dir=DIR: DIR/NAME.json).
+Every task's keys and defaults: docs/evaluation.md in diff-jax's source, which the package does
+not install (a key no task takes is refused with the list of those that are). Exit status: 0
+done, 2 bad input (arguments, config, a missing or damaged checkpoint, a file that cannot be read
+or written, a task too big for the devices' memory), 1 a result that is NaN (the JSON is still
+written), 130 stopped by Ctrl-C or by stdout's reader gone, `| head` (each result file is whole:
+this run's or the earlier one).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Train a diff-jax model: python train.py [--config FILE] [key=value ...]
+"""Train a diff-jax model: python -m diff_jax.train [--config FILE] [key=value ...]
 
-From a clone, `python train.py`; where diff-jax is installed, `python -m diff_jax.train` (the same
-command). --config takes a YAML file, or the name of a shipped config (`--config diff-830m.yaml`,
+Where diff-jax is installed and from a clone's root alike; a clone's `python train.py` is the same
+command. --config takes a YAML file, or the name of a shipped config (`--config diff-830m.yaml`,
 configs/ in a clone, installed with the package). With no arguments it trains configs/tiny.yaml
 on the embedded default corpus. Re-running with the
 same train.run_dir resumes from its newest checkpoint that verifies (checkpoint.resume_step=N for
@@ -9,8 +9,8 @@ another). train.compile_only=true compiles the step instead, for the local devic
 train.compile_topology, for a TPU slice (v5p:4x4x4, libtpu installed) or H100s (h100:8, the
 cuda-aot extra installed). Exit status: 0 done, 2 bad input (config, data, sharding, a
 refused or damaged checkpoint, a file that cannot be read or written, e.g. in train.run_dir, a
-model or batch too big for the devices' memory; the same as eval.py and python -m
-diff_jax.export), 1 diverged, 130 stopped at once by Ctrl-C (before
+model or batch too big for the devices' memory; the same as python -m diff_jax.eval and
+python -m diff_jax.export), 1 diverged, 130 stopped at once by Ctrl-C (before
 training began, or pressed a second time: the first one finishes the step, saves it and exits 0,
 as a SIGTERM or SIGHUP, the terminal closed, does in training). A SIGTERM or SIGHUP before
 training began, and an output whose reader is gone (`2>&1 | head`), are a Ctrl-C too: the
@@ -43,7 +43,9 @@ def _kept(run_dir: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line above (`argv`: None reads sys.argv); returns the exit status."""
-    parser = argparse.ArgumentParser(description=__doc__,
+    # prog named: argparse's default, sys.argv[0]'s file name, is `train.py` under `python -m`
+    # too, a file an installed diff-jax has in no working directory
+    parser = argparse.ArgumentParser(prog="python -m diff_jax.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(DEFAULT_CONFIG),
                         help="YAML config file, or a shipped config's name (default: %(default)s)")

@@ -137,7 +137,8 @@ def test_the_installed_package_trains_and_evaluates_without_a_clone(wheel, tmp_p
     """The wheel's files alone (unpacked, as pip installs a pure-Python wheel), run from an
     empty directory: `python -m diff_jax.train` with its default config and a shipped config's
     name, then `python -m diff_jax.eval` on the run. Before, the two commands were the clone's
-    train.py and eval.py and the configs were not installed: a pip user had neither."""
+    train.py and eval.py and the configs were not installed: a pip user had neither. Their usage
+    lines name `python -m`, not the clone's scripts."""
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as z:
         z.extractall(site)
@@ -153,6 +154,10 @@ def test_the_installed_package_trains_and_evaluates_without_a_clone(wheel, tmp_p
         assert out.returncode == 0, out.stdout[-3000:]
         return out.stdout
 
+    # usage lines that name these commands (argparse's default named the file, `train.py`)
+    assert run("-m", "diff_jax.train", "--help").startswith("usage: python -m diff_jax.train ")
+    assert run("-m", "diff_jax.eval", "--help").startswith(
+        "Evaluate a checkpoint: python -m diff_jax.eval task=NAME ")
     where = run("-c", "import diff_jax.train as t; print(t.__file__, t.DEFAULT_CONFIG)")
     assert where.split() == [str(site / "diff_jax" / "train.py"),
                              str(site / "diff_jax" / "configs" / "tiny.yaml")]

@@ -1169,7 +1169,10 @@ def test_help_shows_the_whole_docstring_and_a_directory_is_no_config(tmp_path, c
         train_main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert e.value.code == 0 and "Exit status: 0 done, 2 bad input" in out
-    assert f"(default: {ROOT / 'configs' / 'tiny.yaml'})" in out, out
+    # not argparse's default, sys.argv[0]'s name: `train.py` under `python -m diff_jax.train`
+    assert out.startswith("usage: python -m diff_jax.train [-h] [--config CONFIG]"), out
+    # the shipped config, through the package's configs link (configs/ in a clone)
+    assert f"(default: {ROOT / 'diff_jax' / 'configs' / 'tiny.yaml'})" in out, out
     assert train_main(["--config", str(tmp_path)]) == 2
     assert _one_error_line(capsys) == (f"error: {tmp_path.resolve()}: is a directory; expected "
                                        "a YAML config file")

@@ -822,16 +822,24 @@ def config_file(path: str | Path) -> Path:
     """The config file `path` names: the file itself, or where no such file exists and `path` is a
     bare name (`diff-830m.yaml`, `diff-830m`), the shipped config of that name (an installed
     diff-jax has no configs/ folder beside the caller). ConfigError naming the shipped configs
-    when neither exists."""
+    when neither exists, and naming the shipped config to give instead when a path with a folder
+    is missing but ends in a shipped config's name: the docs' `--config configs/diff-830m.yaml`,
+    run where diff-jax is installed, named only the missing file."""
     path = Path(path)
-    if path.exists() or path.parent != Path("."):
+    if path.exists():
         return path
-    for name in (path.name, f"{path.name}.yaml"):
-        if (SHIPPED_CONFIGS / name).is_file():
-            return SHIPPED_CONFIGS / name
-    shipped = ", ".join(sorted(p.name for p in SHIPPED_CONFIGS.glob("*.yaml")))
+    shipped = [name for name in (path.name, f"{path.name}.yaml")
+               if (SHIPPED_CONFIGS / name).is_file()][:1]
+    if path.parent != Path("."):
+        if shipped:
+            raise ConfigError(f"config file not found: {path.resolve()} ({shipped[0]}, a shipped "
+                              "config, is named without a folder)")
+        return path  # read_yaml names the missing file
+    if shipped:
+        return SHIPPED_CONFIGS / shipped[0]
+    names = ", ".join(sorted(p.name for p in SHIPPED_CONFIGS.glob("*.yaml")))
     raise ConfigError(f"config file not found: {path.resolve()} (nor is {path} a shipped config: "
-                      f"{shipped})")
+                      f"{names})")
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:

@@ -224,8 +224,8 @@ def test_data_settings_the_sources_do_not_read_are_said_not_refused():
 def test_a_bare_name_is_a_shipped_config_unless_a_file_has_it(tmp_path, monkeypatch):
     """An installed diff-jax has no configs/ folder beside the caller: `--config diff-830m.yaml`
     (or `diff-830m`) names the shipped one. A file of that name in the working directory comes
-    first, a path with a folder is only that path, and a name found nowhere is one line that
-    lists the shipped configs."""
+    first, a path with a folder is only that path (one ending in a shipped config's name is
+    refused naming it), and a name found nowhere is one line that lists the shipped configs."""
     monkeypatch.chdir(tmp_path)
     shipped = load_config(CONFIGS / "diff-830m.yaml")
     assert load_config("diff-830m.yaml") == shipped
@@ -236,8 +236,15 @@ def test_a_bare_name_is_a_shipped_config_unless_a_file_has_it(tmp_path, monkeypa
                                              "\nmodel:\n  num_layers: 2\n")
     assert load_config("diff-830m.yaml").model.num_layers == 2  # the working directory's file
     assert load_config("diff-830m").model.num_layers == 24  # no file is named `diff-830m`
-    with pytest.raises(ConfigError, match=r"^config file not found: .*sub/tiny\.yaml$"):
-        load_config("sub/tiny.yaml")
+    with pytest.raises(ConfigError, match=r"^config file not found: .*sub/mine\.yaml$"):
+        load_config("sub/mine.yaml")
+    # the docs' configs/NAME away from a clone: still only that path, and the name to give
+    with pytest.raises(ConfigError, match=r"^config file not found: .*/configs/diff-830m\.yaml "
+                                          r"\(diff-830m\.yaml, a shipped config, is named "
+                                          r"without a folder\)$"):
+        load_config("configs/diff-830m.yaml")
+    with pytest.raises(ConfigError, match=r"sub/tiny \(tiny\.yaml, a shipped config, is named"):
+        load_config("sub/tiny")
     with pytest.raises(ConfigError) as e:
         load_config("diff-83m.yaml")
     assert str(e.value).startswith(f"config file not found: {tmp_path / 'diff-83m.yaml'} (nor is "

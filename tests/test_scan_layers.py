@@ -45,8 +45,8 @@ def _tree_rel(a, b) -> float:
                                    for y in jax.tree.leaves(b))))
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-@pytest.mark.parametrize("variant", ["diff", "diff_v2", "transformer"])
+@pytest.mark.parametrize("variant,remat", [("diff", "none"), ("diff_v2", "none"),
+                                           ("transformer", "none"), ("diff", "full")])
 def test_the_scanned_model_computes_the_unrolled_one(variant, remat):
     unrolled, scanned = _configs(variant, f"model.remat={remat}")
     params = nn.meta.unbox(DecoderLM(unrolled).init(jax.random.key(0), TOKENS)["params"])

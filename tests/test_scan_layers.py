@@ -110,15 +110,20 @@ def test_the_analyses_read_the_scanned_layers_one_by_one():
 def test_a_scanned_run_is_read_in_either_layout_and_resumes_only_in_its_own(tmp_path):
     """Train 2 steps scanned; its checkpoint loads (diff_jax.export.load), exports in the
     reference layout and as orbax parameters, evaluates with model.scan_layers=false, and gives an
-    unrolled run its parameters through train.init_from, each computing the same logits. Resuming it
+    unrolled run its parameters through train.init_from (and a scanned run an unrolled export's,
+    both on a mesh of 8 devices), each computing the same logits. Resuming it
     unrolled is refused before anything is read."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
     from diff_jax import export as ex
     from diff_jax import train_loop
     from diff_jax.checkpoint import CheckpointError
+    from diff_jax.config import MeshConfig
     from diff_jax.evaluation.loading import load
     from diff_jax.evaluation.options import EvalOptions
     from diff_jax.export.init_from import initial_params
-    from diff_jax.export.sources import abstract_params
+    from diff_jax.export.sources import Source, abstract_params
+    from diff_jax.sharding import make_mesh
     from training_fixtures import tiny_config, write_corpus
 
     corpus = write_corpus(tmp_path / "corpus")
@@ -148,10 +153,18 @@ def test_a_scanned_run_is_read_in_either_layout_and_resumes_only_in_its_own(tmp_
         assert not loaded.config.model.scan_layers and "layers_0" in loaded.params, location
         assert _rel(logits(flat, loaded.params), want) < 1e-6, location
 
-    target = abstract_params(flat)  # the unrolled run's parameters, placed as it places them
-    started = initial_params(run, flat, jax.tree.map(lambda a: a.sharding, target))
-    assert jax.tree.map(np.shape, started) == jax.tree.map(np.shape, target)
-    assert _rel(logits(flat, started), want) < 1e-6  # the same parameters, unrolled
+    # an unrolled run's parameters from the scanned run, and a scanned run's from an unrolled
+    # export, each placed under a training mesh of 8 devices as train.py places them
+    unrolled_export = ex.export(Source(flat, in_layout(params, flat), str(run), 2), tmp_path / "u",
+                                "orbax-params")
+    mesh = make_mesh(MeshConfig(data=8))
+    for model, path in ((flat, run), (config, unrolled_export)):
+        target = abstract_params(model)
+        with jax.set_mesh(mesh):
+            started = initial_params(path, model, jax.tree.map(
+                lambda _: NamedSharding(mesh, PartitionSpec()), target))
+        assert jax.tree.map(np.shape, started) == jax.tree.map(np.shape, target), path
+        assert _rel(logits(model, started), want) < 1e-6, path  # the same parameters
 
     with pytest.raises(CheckpointError, match=(
             r"^checkpoint step 2 holds its layers stacked \(model.scan_layers=true\) but the config "

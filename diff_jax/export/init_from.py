@@ -44,8 +44,11 @@ def initial_params(path: str | Path, config: ModelConfig, shardings: Any) -> Any
         raise ConfigError(f"train.init_from: {e}") from e
     check_same_model(source.config, config, str(path))
 
-    def place(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-        host = np.asarray(value, np.float32)
+    def place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
-    return jax.tree.map(place, in_layout(source.params, config), shardings)
+    # the other layer layout (`model.scan_layers`) is sliced or stacked on the host: jax refuses
+    # to index or stack arrays of the reading device under a training mesh of several devices
+    # (before: "Received incompatible devices for jitted computation" on a 2x2x2 mesh)
+    host = jax.tree.map(lambda value: np.asarray(value, np.float32), source.params)
+    return jax.tree.map(place, in_layout(host, config), shardings)

@@ -159,11 +159,15 @@ def compile_train_step(config: Config, devices: list[Any] | None = None) -> dict
 
 def _loops_counted_once(config: Config) -> str | None:
     """What `flops_per_chip` undercounts: XLA's cost analysis counts a loop's body once, and the
-    step loops over its micro-batches (`train.grad_accum`) and its loss chunks (`model.loss_chunk`)."""
-    t, chunk = config.train, config.model.loss_chunk
+    step loops over its micro-batches (`train.grad_accum`), its layers (`model.scan_layers`:
+    measured on CPU, 31.2 MFLOP with 2 layers unrolled, 16.7 scanned, 17.4 with 4 scanned) and
+    its loss chunks (`model.loss_chunk`)."""
+    t, m = config.train, config.model
     loops = [f"the {t.grad_accum} micro-batches (train.grad_accum)"] if t.grad_accum > 1 else []
-    if 0 < chunk < t.seq_len:
-        loops.append(f"the {-(-t.seq_len // chunk)} loss chunks (model.loss_chunk)")
+    if m.scan_layers and m.num_layers > 1:
+        loops.append(f"the {m.num_layers} layers (model.scan_layers)")
+    if 0 < m.loss_chunk < t.seq_len:
+        loops.append(f"the {-(-t.seq_len // m.loss_chunk)} loss chunks (model.loss_chunk)")
     if not loops:
         return None
     return ("flops_per_chip counts one pass of the loop over " + " and of the loop over ".join(loops)

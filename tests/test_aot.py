@@ -29,15 +29,17 @@ def test_fsdp_divides_the_state_across_devices():
     config = load_config(None, MODEL + ["mesh.data=8"])
     state_bytes = 3 * 4 * sum(x.size for x in jax.tree.leaves(abstract_params(config.model)))
     replicated = compile_train_step(config)
-    # with a loss chunk and micro-batches: loops whose bodies XLA counts once, which it says
+    # with micro-batches, scanned layers and a loss chunk: loops whose bodies XLA counts once,
+    # which it says
     sharded = compile_train_step(load_config(None, MODEL + ["mesh.data=1", "mesh.fsdp=8",
                                                             "model.loss_chunk=6", "train.grad_accum=2",
-                                                            "train.batch_size=16"]))
+                                                            "train.batch_size=16",
+                                                            "model.scan_layers=true"]))
     assert "flops_note" not in replicated
     assert sharded["flops_note"] == (
         "flops_per_chip counts one pass of the loop over the 2 micro-batches (train.grad_accum) "
-        "and of the loop over the 3 loss chunks (model.loss_chunk): XLA's cost analysis counts "
-        "a loop's body once")
+        "and of the loop over the 2 layers (model.scan_layers) and of the loop over the 3 loss "
+        "chunks (model.loss_chunk): XLA's cost analysis counts a loop's body once")
     assert replicated["devices"] == sharded["devices"] == 8
     assert sharded["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
     assert replicated["argument_gib"] * GiB >= state_bytes  # params + Adam moments on every device

@@ -360,6 +360,8 @@ def test_fine_tuning_starts_from_the_imported_parameters(tmp_path):
     out = import_hf(tmp_path / "hf", tmp_path / "imported")
     imported_config, imported = ex.load(out)
     lr = 1e-3
+    # how the run computes is the config file's: model.scan_layers: true there is kept
+    assert not [o for o in finetune_overrides(imported_config, out) if "scan_layers" in o]
     config = tiny_config(write_corpus(tmp_path / "corpus"), tmp_path / "run",
                          *finetune_overrides(imported_config, out), "train.steps=1", f"optim.lr={lr}",
                          "optim.warmup_steps=0", "checkpoint.async_save=false")

@@ -224,7 +224,8 @@ class ModelConfig:
         return 128 * math.ceil(8 * self.embed_dim / 3 / 128)
 
     # What a set of parameters computes: (field or property, the key users override). The rest
-    # (dtype, attention_impl, remat, loss_chunk, max_seq_len, the init-only fields, learn_lambda)
+    # (dtype, attention_impl, remat, scan_layers, loss_chunk, max_seq_len, the init-only fields,
+    # learn_lambda)
     # may differ between the model that wrote parameters and the one that reads them.
     SEMANTIC: ClassVar[tuple[tuple[str, str], ...]] = (
         ("variant", "model.variant"), ("vocab_size", "model.vocab_size"),

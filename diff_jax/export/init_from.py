@@ -5,7 +5,7 @@ written by `diff_jax.export.hf_import`), a run directory, or one of its checkpoi
 parameters are taken: the step, the optimizer state and the data position start afresh. The
 config's model must be the one the parameters were saved for; fields that change what the
 parameters compute are compared one by one (compute dtype, attention implementation, remat,
-loss_chunk, max_seq_len and init_std may differ). A run that already has checkpoints resumes from them and
+scan_layers, loss_chunk, max_seq_len and init_std may differ). A run that already has checkpoints resumes from them and
 ignores `train.init_from`.
 """
 

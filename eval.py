@@ -4,7 +4,8 @@ The command is diff_jax/eval.py (`python -m diff_jax.eval` where diff-jax is ins
 docstring and `python eval.py --help` say what it takes and its exit statuses.
 """
 
-from diff_jax.eval import cli
+from diff_jax.command import leave
+from diff_jax.eval import main
 
 if __name__ == "__main__":
-    cli()
+    leave(main())

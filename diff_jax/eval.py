@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 from diff_jax.checkpoint import CheckpointError, quiet_abandoned_io
 from diff_jax.command import (EXIT_BAD_INPUT, EXIT_NON_FINITE, as_ctrl_c, concluded, failed,
@@ -73,11 +73,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def cli() -> NoReturn:
-    """`python eval.py` and `python -m diff_jax.eval`: `main` on sys.argv, exiting with its
-    status (after Ctrl-C without the interpreter's teardown, diff_jax.command.leave)."""
-    leave(main())
-
-
 if __name__ == "__main__":
-    cli()
+    leave(main())  # after Ctrl-C without the interpreter's teardown (diff_jax.command)

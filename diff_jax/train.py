@@ -22,7 +22,6 @@ with that one's status (diff_jax/peers.py).
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
 
 from diff_jax.command import as_ctrl_c, failed, interrupted, leave
 from diff_jax.config import SHIPPED_CONFIGS, ConfigError, load_config
@@ -76,11 +75,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def cli() -> NoReturn:
-    """`python train.py` and `python -m diff_jax.train`: `main` on sys.argv, exiting with its
-    status (after Ctrl-C without the interpreter's teardown, diff_jax.command.leave)."""
-    leave(main())
-
-
 if __name__ == "__main__":
-    cli()
+    leave(main())  # after Ctrl-C without the interpreter's teardown (diff_jax.command)

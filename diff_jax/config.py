@@ -209,6 +209,13 @@ class ModelConfig:
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     @property
+    def resolved_gqa_pairing(self) -> str:
+        """The GQA pairing the model computes with: `gqa_pairing` where there is GQA
+        (kv_heads < num_heads), else `flash`, since without GQA the two pair every query sub-head
+        with its own K sub-head alike (`attention._attend` expands naive's only under GQA)."""
+        return self.gqa_pairing if self.kv_heads < self.num_heads else "flash"
+
+    @property
     def resolved_head_dim(self) -> int:
         """The (component) head width d: `head_dim`, else E / (sub-heads · H) (diff: E/(2H), always;
         diff_v2: E/(2h); transformer: E/H)."""
@@ -233,7 +240,7 @@ class ModelConfig:
         ("num_heads", "model.num_heads"), ("kv_heads", "model.num_kv_heads"),
         ("resolved_head_dim", "model.head_dim"), ("resolved_mlp_dim", "model.mlp_dim"),
         ("rope_theta", "model.rope_theta"), ("norm_eps", "model.norm_eps"),
-        ("tie_embeddings", "model.tie_embeddings"), ("gqa_pairing", "model.gqa_pairing"),
+        ("tie_embeddings", "model.tie_embeddings"), ("resolved_gqa_pairing", "model.gqa_pairing"),
         ("lambda_init", "model.lambda_init"), ("head_norm", "model.head_norm"),
         ("v2_head_norm", "model.v2_head_norm"))
 

@@ -60,16 +60,21 @@ def test_diff_v1_matches_numpy(heads, kv, pairing, depth, segmented):
 
 def test_gqa_pairings_differ_when_grouped():
     """flash and naive agree for MHA and disagree (by O(1)) when Hkv < H: the two reference files
-    pair GQA sub-heads differently."""
-    outs = {}
+    pair GQA sub-heads differently. `ModelConfig.difference` agrees: without GQA the two are one
+    model (before, resume, train.init_from and eval refused naive parameters for a flash config
+    that computes the same), with GQA another."""
+    outs, cfgs = {}, {}
     for kv in (4, 2):
         for pairing in ("flash", "naive"):
             cfg = ModelConfig(variant="diff", embed_dim=E, num_heads=4, num_kv_heads=kv, gqa_pairing=pairing)
+            cfgs[kv, pairing] = cfg
             sd = npr.random_state_dict(reference_shapes(cfg), seed=kv)
             x, cos, sin = _inputs(cfg.resolved_head_dim)
             outs[kv, pairing] = _run(cfg, 2, sd, x, cos, sin)
     assert npr.rel_err(outs[4, "naive"], outs[4, "flash"]) < 1e-6
     assert npr.rel_err(outs[2, "naive"], outs[2, "flash"]) > 0.05
+    assert cfgs[4, "naive"].difference(cfgs[4, "flash"]) is None
+    assert cfgs[2, "naive"].difference(cfgs[2, "flash"]) == ("model.gqa_pairing", "flash", "naive")
 
 
 @pytest.mark.parametrize("heads,kv,head_dim", [(4, 2, 8), (4, 4, 8), (2, 1, 16)])

@@ -41,7 +41,7 @@ def check_mappable(config: ModelConfig) -> None:
     refusal = variants.spec(config.variant).hf_export_refusal
     if refusal is not None:
         raise ExportError(f"variant {config.variant} cannot be exported to DiffLlama: {refusal}")
-    if config.gqa_pairing == "naive" and config.kv_heads < config.num_heads:
+    if config.resolved_gqa_pairing == "naive":
         raise ExportError(
             "gqa_pairing naive with num_kv_heads < num_heads cannot be exported to DiffLlama: "
             "DiffLlama pairs Q1/Q2 of a head with K1/K2 of one kv group (the flash pairing)")

@@ -250,12 +250,10 @@ def read_hf(hf_dir: str | Path) -> Source:
     config = model_config_from_hf(hf_config, str(config_file))
     tensors, metadata = read_hf_tensors(hf_dir)
     verify(tensors, recorded, hf_dir / _SINGLE_FILE)
-    # a diff-jax hf-diffllama export also holds the config it was exported from; DiffLlama has
-    # no GQA pairing, and without GQA (the one case `hf.check_mappable` lets naive through) the
-    # two pairings compute one function: compared as the import maps it
+    # a diff-jax hf-diffllama export also holds the config it was exported from (DiffLlama has
+    # no GQA pairing; naive without GQA, the one case `hf.check_mappable` lets through, computes
+    # flash's function: `ModelConfig.resolved_gqa_pairing`)
     written = written_config(metadata, hf_dir / _SINGLE_FILE)
-    if written is not None and written.kv_heads == written.num_heads:
-        written = dataclasses.replace(written, gqa_pairing=config.gqa_pairing)
     check_config_copies(config, written, config_file, hf_dir / _SINGLE_FILE)
     # Buffers some older checkpoints carry: RoPE frequencies, recomputed from rope_theta.
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}

@@ -87,8 +87,9 @@ limit, past its deadline), the kernel stages after it (check, tune, bench, train
          (`TRAIN_RUNS`): 1.4B (d = 128, 8 of 24 layers) with segment ids as train.py feeds
          them (cuDNN gets them as a dense T×T mask), 830M at d = 64 (12 of 24 layers, 12 DIFF
          heads against 24, as benchmarks/results/train_step_h100), 1.4B without segment ids
-         (causal only), then 830M as configured (d = 96), each with what is left (skipped,
-         recorded, under 60 s); the 1.4B pair took 185 s, 100 s of it DIFF's first call,
+         (causal only), then 830M as configured (d = 96), then the 1.4B pair with its
+         layers scanned (`model.scan_layers`, against the first pair: the scan's step time),
+         each with what is left (skipped, recorded, under 60 s); the 1.4B pair took 185 s, 100 s of it DIFF's first call,
          before the kernels were jitted once per shape (`flash_mgpu.fwd`).
   replicate  (its own calls) the `gpu-medium` replication, one seed, init `scaled`, in
          /tmp/diff_jax_gpu_medium with all the time left; it resumes where the last call
@@ -187,7 +188,9 @@ PROFILE_ROW = 90  # kernel_profile.py's --limit: a row starts only with that muc
 TRAIN_RUNS = (("1.4b", "1.4b", 8, True, [], [], 128),
               ("830m_d64", "830m", 12, True, ["model.num_heads=12"], ["model.num_heads=24"], 64),
               ("1.4b_causal", "1.4b", 8, False, [], [], None),
-              ("830m", "830m", 12, True, [], [], None))
+              ("830m", "830m", 12, True, [], [], None),
+              ("1.4b_scan", "1.4b", 8, True, ["model.scan_layers=true"],
+               ["model.scan_layers=true"], None))
 SUMMARY_DIMS = (64, 128)
 SUMMARY_FIELDS = ("fused_over_cudnn_baseline", "fused_over_tokamax_two_calls", "fwd_tflops",
                   "bwd_tflops", "train_step_diff_over_transformer")

@@ -14,6 +14,7 @@ import jax
 import optax
 
 from diff_jax.config import OptimConfig
+from diff_jax.transformer import LAYERS
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -32,13 +33,17 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 
 def decay_mask(params: Any, cfg: OptimConfig) -> Any:
-    """True for leaves that get weight decay."""
+    """True for leaves that get weight decay: matrices. A leaf of the scanned layers
+    (`model.scan_layers`) counts its dimensions without the stacked `layers` axis, so each
+    parameter decays as it does in the unrolled model."""
 
     def decays(path: tuple, leaf: Any) -> bool:
-        name = str(getattr(path[-1], "key", path[-1]))
+        names = [str(getattr(k, "key", k)) for k in path]
+        name = names[-1]
         if name == "embed":
             return cfg.decay_embeddings
-        if name.startswith("lambda") or name in ("scale", "weight") or leaf.ndim < 2:
+        ndim = leaf.ndim - (LAYERS in names[:-1])
+        if name.startswith("lambda") or name in ("scale", "weight") or ndim < 2:
             return cfg.decay_norms_and_lambdas
         return True
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,6 +82,10 @@ def unstacked_layers(tree: dict, num_layers: int) -> dict:
     `LAYERS` as it is. The analyses, the reference layout and λ read layers one at a time."""
     if LAYERS not in tree:
         return tree
+    held = {np.shape(a)[0] for a in jax.tree.leaves(tree[LAYERS])}
+    if held - {num_layers}:
+        raise ValueError(f"the stacked layers' leading axis holds {sorted(held)} layers, "
+                         f"expected {num_layers} (model.num_layers)")
     out = {k: v for k, v in tree.items() if k != LAYERS}
     for i in range(num_layers):
         out[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], tree[LAYERS])
@@ -92,6 +98,12 @@ def stacked_layers(tree: dict, num_layers: int) -> dict:
     if LAYERS in tree:
         return tree
     names = [f"layers_{i}" for i in range(num_layers)]
+    held = {k for k in tree if re.fullmatch(r"layers_\d+", k)}
+    if held != set(names):
+        raise ValueError(f"the tree holds {len(held)} layers named layers_N "
+                         f"({', '.join(sorted(held, key=lambda k: int(k[7:]))[:4]) or 'none'}"
+                         f"{', ...' if len(held) > 4 else ''}), expected layers_0 ... "
+                         f"layers_{num_layers - 1} (model.num_layers={num_layers})")
 
     def stack(*leaves):
         return (jnp.stack(leaves) if isinstance(leaves[0], jax.Array)

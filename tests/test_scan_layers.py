@@ -54,6 +54,14 @@ def test_the_scanned_model_computes_the_unrolled_one(variant, remat):
     assert set(stacked) == {"embed", LAYERS, "norm"}
     assert unstacked_layers(stacked, L).keys() == params.keys()
     assert _tree_rel(unstacked_layers(stacked, L), params) == 0.0
+    # another layer count is one error, not a model silently short of layers
+    with pytest.raises(ValueError, match=rf"holds \[{L}\] layers, expected {L - 1}"):
+        unstacked_layers(stacked, L - 1)
+    with pytest.raises(ValueError, match=rf"holds {L} layers named .* expected layers_0 \.\.\. "
+                                         rf"layers_{L}"):
+        stacked_layers(params, L + 1)
+    with pytest.raises(ValueError, match=rf"holds {L} layers named"):
+        stacked_layers(params, L - 1)
 
     assert _rel(DecoderLM(scanned).apply({"params": stacked}, TOKENS),
                 DecoderLM(unrolled).apply({"params": params}, TOKENS)) < 1e-6

@@ -272,6 +272,28 @@ def test_weight_decay_mask_exempts_norms_lambdas_and_embeddings():
     assert decay_mask(params, OptimConfig())["layers_0"]["attn"]["lambda_proj"] == {"kernel": True}
 
 
+def test_weight_decay_mask_is_the_same_for_scanned_layers():
+    """A stacked leaf counts its dimensions without the `layers` axis: a vector (here a bias,
+    which none of the models has, so that the rule and not the name decides) stays exempt, a
+    matrix decays, and every parameter of a scanned model decays as its unrolled twin's."""
+    tree = {"layers": {"b": {"bias": jnp.zeros((3, 8))}, "w": {"kernel": jnp.zeros((3, 8, 8))}},
+            "layers_0": {"b": {"bias": jnp.zeros(8)}}, "head": jnp.zeros((8, 4))}
+    mask = decay_mask(tree, OptimConfig())
+    assert mask == {"layers": {"b": {"bias": False}, "w": {"kernel": True}},
+                    "layers_0": {"b": {"bias": False}}, "head": True}
+    for variant in ("diff", "diff_v2", "transformer"):
+        masks = []
+        for scan in (False, True):
+            model = DecoderLM(dataclasses.replace(MODEL, variant=variant, scan_layers=scan))
+            params = nn.meta.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0),
+                                                  jnp.zeros((1, 1), jnp.int32)))["params"]
+            masks.append(decay_mask(params, OptimConfig()))
+        unrolled, scanned = masks
+        assert scanned["layers"] == unrolled["layers_0"] == unrolled[f"layers_{MODEL.num_layers - 1}"]
+        assert {k: v for k, v in scanned.items() if k != "layers"} == {
+            k: v for k, v in unrolled.items() if not k.startswith("layers_")}
+
+
 def test_schedule_warmup_then_linear_decay_to_the_floor():
     lr = schedule(OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, schedule="linear"), 110)
     np.testing.assert_allclose([lr(0), lr(5), lr(10), lr(60), lr(110), lr(200)],

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -47,7 +48,7 @@ from diff_jax.device_memory import out_of_memory_in
 from diff_jax.error_text import chain, first_line
 from diff_jax.file_errors import naming
 from diff_jax.output_dir import write_whole
-from diff_jax.transformer import LAYERS
+from diff_jax.transformer import LAYERS, in_layout
 
 CHECKSUM_ALGORITHM = "fmix32-sum-x2"  # recorded with the checksums: what `array_checksums` computes
 DAMAGED_DIR = "damaged_checkpoints"  # beside checkpoints/: where a resume sets damaged steps aside
@@ -399,27 +400,14 @@ def check_optimizer_state(saved: Any, expected: Any, step: int) -> None:
                           "optim.clip_norm=0 has not)")
 
 
-def _check_layer_layout(params: Any, model: ModelConfig, step: int) -> None:
-    """`CheckpointError` unless the parameters saved at `step` (orbax metadata) hold their layers
-    in the layout `model.scan_layers` gives: the optimizer state mirrors that layout, so a run
-    resumes in the one it was trained in (before, the first missing layer was named, as if
-    the checkpoint were of another model)."""
-    scanned = LAYERS in params
-    if scanned != model.scan_layers:
-        held = ("stacked (model.scan_layers=true)" if scanned
-                else "one by one (model.scan_layers=false)")
-        raise CheckpointError(
-            f"checkpoint step {step} holds its layers {held} but the config gives "
-            f"model.scan_layers={str(model.scan_layers).lower()}; a run resumes in the layout it "
-            "was trained in (eval.py and train.init_from read either)")
-
-
 def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
             data_iter: grain.DatasetIterator, model: ModelConfig) -> tuple[Any, dict[str, Any]]:
     """(state, {"config": the config dict it was saved with, "training_data": the fingerprint
     it was saved with, or None for a step that predates it}): restore `step` onto the
     shardings in `target` (ShapeDtypeStructs) and verify its checksums; sets `data_iter`'s state.
-    `DamagedCheckpointError` when it cannot be read or does not verify; `CheckpointError` when
+    A step saved with its layers in the other layout (`model.scan_layers`) is read in that one,
+    verified, and its parameters and optimizer state stacked or sliced onto `target` (on the
+    devices: both copies are held for that moment). `DamagedCheckpointError` when it cannot be read or does not verify; `CheckpointError` when
     it was written for another model than `model` (shapes, or `ModelConfig.difference`) or
     another optimizer. Read through a `_reader`, so that every process of a job reaches the
     same verdict on every read (`_read_errors`)."""
@@ -428,10 +416,12 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
         _check_readable(step, where)
         fields = tuple(f.name for f in dataclasses.fields(target))  # all of them are read
         metadata = _state_metadata(reader, step, where, fields)
+        # the layout it was saved in: the optimizer state holds the parameters' tree again
+        layout = dataclasses.replace(model, scan_layers=LAYERS in metadata["params"])
+        read = target if layout == model else in_layout(target, layout)
         try:
-            _check_layer_layout(metadata["params"], model, step)
-            check_shapes(tree_shapes(metadata["params"]), tree_shapes(target.params), "checkpoint ")
-            check_optimizer_state(metadata["opt_state"], target.opt_state, step)
+            check_shapes(tree_shapes(metadata["params"]), tree_shapes(read.params), "checkpoint ")
+            check_optimizer_state(metadata["opt_state"], read.opt_state, step)
         except CheckpointError as e:  # most often an override the first invocation had
             raise _as_configured(mngr, e) from e
         _check_process_count(step, where / "data_iter")
@@ -449,7 +439,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
             raise _as_configured(mngr, CheckpointError(
                 f"checkpoint step {step} was trained with {key}={theirs} but the config gives "
                 f"{ours}; a run resumes with the model it was trained with"))
-        items = {"state": ocp.args.StandardRestore(target),
+        items = {"state": ocp.args.StandardRestore(read),
                  "data_iter": grain.checkpoint.CheckpointRestore(data_iter)}
         if (where / "training_data").is_dir():
             items["training_data"] = ocp.args.JsonRestore()
@@ -459,7 +449,11 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
             if any(name.startswith("data_iter/") for name in recorded):  # else it predates them
                 verify_checksums(_data_positions(data_iter), recorded, step, where)
         _check_step(restored["state"].step, step, where)
-        return restored["state"], {"config": config,
+        state = restored["state"]
+        if read is not target:
+            state = jax.jit(functools.partial(in_layout, config=model),
+                            out_shardings=jax.tree.map(lambda x: x.sharding, target))(state)
+        return state, {"config": config,
                                    "training_data": restored.get("training_data")}
 
 

@@ -123,7 +123,8 @@ class ModelConfig:
     # the layers as one `nn.scan` over parameters stacked on a leading `layers` axis: one layer
     # is traced and compiled whatever the depth (MaxText's scan_layers); the parameter tree holds
     # `layers` instead of layers_0 ... layers_{L-1}. Exports are the same either way, and eval.py
-    # and train.init_from read either layout; a run resumes in the layout it was trained in
+    # and train.init_from read either layout, and a run resumes in either (checkpoint.restore
+    # stacks or slices its parameters and optimizer state)
     scan_layers: bool = False
     # the next-token loss projects this many positions of a row onto the vocabulary at a time,
     # recomputing them in the backward pass: (B, loss_chunk, vocab) float32 logits exist at once

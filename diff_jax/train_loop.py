@@ -211,7 +211,8 @@ def resume_notes(saved: dict, config: Config, step: int, data_then: dict | None 
     order (`train.batch_size`, `seq_len`, `seed`, the `data.*` the sources read, but not
     `data.read_threads` or `prefetch`), the training split's contents under the same settings
     (`data_then`, the fingerprint the step was saved with, None for a step that predates it,
-    against `data_now`: files edited or a corpus prepared again) and the learning-rate schedule
+    against `data_now`: files edited or a corpus prepared again), the layers' layout
+    (`model.scan_layers`, which `checkpoint.restore` converted) and the learning-rate schedule
     and optimizer (`train.steps`, `optim.*`). Empty when they agree (or `saved` does not
     parse)."""
     try:
@@ -234,6 +235,12 @@ def resume_notes(saved: dict, config: Config, step: int, data_then: dict | None 
                      "contents changed, so the saved data position counts rows of the old split "
                      "and the rows from here differ from an uninterrupted run's (documents may "
                      "repeat or be skipped)")
+    if old.model.scan_layers != config.model.scan_layers:
+        now = "stacked for the scan" if config.model.scan_layers else "sliced into one per layer"
+        notes.append(f"resumed with model.scan_layers={str(config.model.scan_layers).lower()}, "
+                     f"where step {step} was saved with "
+                     f"{str(old.model.scan_layers).lower()}: its parameters and optimizer state "
+                     f"were {now}; the model computes the same function (to float32 rounding)")
     schedule_changes = (_changes(old.train, config.train, "train", ("steps",))
                         + _changes(old.optim, config.optim, "optim"))
     if schedule_changes:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diff_jax import variants
 from diff_jax.attention import LAMBDA_VECTORS, Rope, diff_lambda, lambda_init
@@ -79,22 +80,31 @@ class _ScannedLayer(nn.Module):
 def unstacked_layers(tree: dict, num_layers: int) -> dict:
     """A DecoderLM collection (parameters unboxed, intermediates, cache) with the scanned layers
     (`LAYERS`) as `layers_0` ... `layers_{L-1}`, the unrolled model's names; a tree without
-    `LAYERS` as it is. The analyses, the reference layout and λ read layers one at a time."""
+    `LAYERS` as it is. The analyses, the reference layout and λ read layers one at a time.
+    A `jax.ShapeDtypeStruct` leaf becomes one without the leading axis (its NamedSharding's spec
+    too)."""
     if LAYERS not in tree:
         return tree
     held = {np.shape(a)[0] for a in jax.tree.leaves(tree[LAYERS])}
     if held - {num_layers}:
         raise ValueError(f"the stacked layers' leading axis holds {sorted(held)} layers, "
                          f"expected {num_layers} (model.num_layers)")
+
+    def layer(a, i: int):
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=_layers_axis(a.sharding, False))
+        return a[i]
+
     out = {k: v for k, v in tree.items() if k != LAYERS}
     for i in range(num_layers):
-        out[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], tree[LAYERS])
+        out[f"layers_{i}"] = jax.tree.map(lambda a, i=i: layer(a, i), tree[LAYERS])
     return out
 
 
 def stacked_layers(tree: dict, num_layers: int) -> dict:
     """The inverse of `unstacked_layers`: `layers_0` ... `layers_{L-1}` as one `LAYERS` subtree
-    (NumPy leaves stay NumPy); a tree that is stacked already as it is."""
+    (NumPy leaves stay NumPy; `jax.ShapeDtypeStruct`s gain the axis, unsplit in their
+    NamedSharding); a tree that is stacked already as it is."""
     if LAYERS in tree:
         return tree
     names = [f"layers_{i}" for i in range(num_layers)]
@@ -106,7 +116,11 @@ def stacked_layers(tree: dict, num_layers: int) -> dict:
                          f"layers_{num_layers - 1} (model.num_layers={num_layers})")
 
     def stack(*leaves):
-        return (jnp.stack(leaves) if isinstance(leaves[0], jax.Array)
+        first = leaves[0]
+        if isinstance(first, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((len(leaves), *first.shape), first.dtype,
+                                        sharding=_layers_axis(first.sharding, True))
+        return (jnp.stack(leaves) if isinstance(first, jax.Array)
                 else np.stack([np.asarray(a) for a in leaves]))
 
     out = {k: v for k, v in tree.items() if k not in names}
@@ -114,12 +128,28 @@ def stacked_layers(tree: dict, num_layers: int) -> dict:
     return out
 
 
-def in_layout(params: dict, config: ModelConfig) -> dict:
-    """Unboxed parameters of either layout in the one `config.scan_layers` gives (a checkpoint
-    or export of the other layout read for this model: `train.init_from`, eval.py)."""
-    if config.scan_layers:
-        return stacked_layers(params, config.num_layers)
-    return unstacked_layers(params, config.num_layers)
+def _layers_axis(sharding, stacked: bool):
+    """An abstract leaf's sharding with a leading, unsplit layers axis added (`stacked`) or
+    removed; None and shardings without a spec (one device) as they are."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec)
+    return NamedSharding(sharding.mesh, P(*((None, *spec) if stacked else spec[1:])))
+
+
+def _holds_layers(tree) -> bool:
+    return isinstance(tree, dict) and (LAYERS in tree or "layers_0" in tree)
+
+
+def in_layout(tree, config: ModelConfig):
+    """`tree` with every collection of layers in it in the layout `config.scan_layers` gives:
+    unboxed parameters of either layout (a checkpoint or export of the other read for this
+    model: `train.init_from`, eval.py), or a whole train state, whose optimizer state holds the
+    parameters' tree again (a run resumed in the other layout). Leaves: arrays (traced ones too),
+    NumPy arrays, or `jax.ShapeDtypeStruct`s (an abstract target)."""
+    convert = stacked_layers if config.scan_layers else unstacked_layers
+    return jax.tree.map(lambda x: convert(x, config.num_layers) if _holds_layers(x) else x, tree,
+                        is_leaf=_holds_layers)
 
 
 def _vocab_logits(x: jax.Array, head: jax.Array, dtype: jnp.dtype) -> jax.Array:

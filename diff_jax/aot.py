@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import re
 from typing import Any, Iterator, Sequence
@@ -24,6 +25,7 @@ import jax.export
 from diff_jax.attention_op import resolve_impl
 from diff_jax.config import Config, ConfigError
 from diff_jax.device_memory import devices_here, fit_or_explain, train_advice
+from diff_jax.error_text import first_line
 from diff_jax.kernels import ptxas
 from diff_jax.platforms import describe_missing_tpu_host, signals_kept
 from diff_jax.sharding import make_mesh
@@ -115,11 +117,21 @@ def topology_devices(topology: str, slices: int = 1) -> list[Any]:
             return list(topologies.get_topology_desc(
                 topology, platform="tpu", **({"num_slices": slices} if slices > 1 else {})
             ).devices)
-    except Exception as e:  # libtpu missing or an unknown topology name
+    except Exception as e:  # libtpu missing or held, or an unknown topology name
         raise ConfigError(f"train.compile_topology={topology!r}: cannot describe this TPU slice "
-                          f"({type(e).__name__}: {e}); it needs libtpu (pip install 'jax[tpu]') "
-                          f"and a name like v5p:2x2x2 (GPUs: NAME:N, NAME one of "
-                          f"{sorted(GPU_TARGETS)})") from e
+                          f"({type(e).__name__}: {first_line(e)}); "
+                          f"{_why_no_slice(str(e))}") from e
+
+
+def _why_no_slice(error: str) -> str:
+    """What to do when libtpu could not describe a TPU slice, by the likely cause."""
+    if importlib.util.find_spec("libtpu") is None:
+        return "it needs libtpu: pip install 'jax[tpu]' (or diff-jax's tpu extra)"
+    if "lockfile" in error:  # only on a TPU host: elsewhere describe_missing_tpu_host allows it
+        return ("another process on this TPU host has libtpu loaded (a training run, another "
+                "compile): compile when it has ended, or on a machine without TPU chips")
+    return (f"expected a TPU slice name such as v5p:2x2x2 (GPUs: NAME:N, NAME one of "
+            f"{sorted(GPU_TARGETS)})")
 
 
 def _abstract_args(config: Config, steps: Steps) -> tuple[TrainState, Batch]:

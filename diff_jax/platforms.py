@@ -38,12 +38,17 @@ def default_to_cpu_without_accelerators() -> None:
 def describe_missing_tpu_host(topology: str) -> None:
     """Before libtpu loads to compile for `topology` (e.g. `v5p:2x2x2`) on a machine without a
     TPU: give it the host facts it would otherwise look up in TPU VM metadata, and print errors
-    about (worker hostnames: this host; accelerator type: one host of that generation). The
-    compile targets the described slice either way; set variables are left as they are."""
+    about (worker hostnames: this host; accelerator type: one host of that generation), and let
+    it load beside another process that has it loaded (a training run's compile, another
+    compile-only run): its lockfile guards TPU chips, and there are none here (without
+    `ALLOW_MULTIPLE_LIBTPU_LOAD` the second load failed, "Internal error when accessing libtpu
+    multi-process lockfile"). The compile targets the described slice either way; set variables
+    are left as they are."""
     if any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICE_NODES):
         return
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{topology.split(':')[0]}-8")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 @contextlib.contextmanager

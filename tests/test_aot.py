@@ -61,6 +61,33 @@ def test_unknown_topology_is_a_config_error():
         topology_devices("h100:8", 2)
 
 
+@pytest.mark.parametrize("libtpu,said,hint", [
+    (None, "No module named 'libtpu'", "it needs libtpu: pip install 'jax[tpu]'"),
+    ("spec", "ABORTED: Internal error when accessing libtpu multi-process lockfile.",
+     "another process on this TPU host has libtpu loaded"),
+    ("spec", "INVALID_ARGUMENT: Invalid TPU external name: TPU v5q",
+     "expected a TPU slice name such as v5p:2x2x2"),
+])
+def test_a_slice_libtpu_cannot_describe_is_one_line_with_the_likely_cause(monkeypatch, libtpu,
+                                                                         said, hint):
+    """libtpu missing, its lockfile held by another process on a TPU host, or a name it does
+    not know: before, each ended "it needs libtpu ... and a name like v5p:2x2x2"."""
+    from jax.experimental import topologies
+
+    from diff_jax import aot
+
+    def fail(*args, **kwargs):
+        raise RuntimeError(said + "\nits second line")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", fail)
+    monkeypatch.setattr(aot.importlib.util, "find_spec", lambda name: libtpu)
+    with pytest.raises(ConfigError) as e:
+        topology_devices("v5q:2x2x1")
+    assert str(e.value).startswith(f"train.compile_topology='v5q:2x2x1': cannot describe this "
+                                   f"TPU slice (RuntimeError: {said}); {hint}")
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu not installed (optional extra: jax[tpu])")
 def test_describing_a_tpu_slice_leaves_sighup_as_it_was():

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 import json
 import logging
@@ -48,7 +47,7 @@ from diff_jax.device_memory import out_of_memory_in
 from diff_jax.error_text import chain, first_line
 from diff_jax.file_errors import naming
 from diff_jax.output_dir import write_whole
-from diff_jax.transformer import LAYERS, in_layout
+from diff_jax.transformer import LAYERS, in_layout, in_layout_placed
 
 CHECKSUM_ALGORITHM = "fmix32-sum-x2"  # recorded with the checksums: what `array_checksums` computes
 DAMAGED_DIR = "damaged_checkpoints"  # beside checkpoints/: where a resume sets damaged steps aside
@@ -406,8 +405,8 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     it was saved with, or None for a step that predates it}): restore `step` onto the
     shardings in `target` (ShapeDtypeStructs) and verify its checksums; sets `data_iter`'s state.
     A step saved with its layers in the other layout (`model.scan_layers`) is read in that one,
-    verified, and its parameters and optimizer state stacked or sliced onto `target` (on the
-    devices: both copies are held for that moment). `DamagedCheckpointError` when it cannot be read or does not verify; `CheckpointError` when
+    verified, and its parameters and optimizer state stacked or sliced onto `target` on the
+    devices, one parameter at a time (`in_layout_placed`). `DamagedCheckpointError` when it cannot be read or does not verify; `CheckpointError` when
     it was written for another model than `model` (shapes, or `ModelConfig.difference`) or
     another optimizer. Read through a `_reader`, so that every process of a job reaches the
     same verdict on every read (`_read_errors`)."""
@@ -451,10 +450,8 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
         _check_step(restored["state"].step, step, where)
         state = restored["state"]
         if read is not target:
-            state = jax.jit(functools.partial(in_layout, config=model),
-                            out_shardings=jax.tree.map(lambda x: x.sharding, target))(state)
-        return state, {"config": config,
-                                   "training_data": restored.get("training_data")}
+            state = in_layout_placed(state, model, jax.tree.map(lambda x: x.sharding, target))
+        return state, {"config": config, "training_data": restored.get("training_data")}
 
 
 def _data_positions(data_iter: grain.DatasetIterator) -> dict[str, Any]:

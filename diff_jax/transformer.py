@@ -152,6 +152,59 @@ def in_layout(tree, config: ModelConfig):
                         is_leaf=_holds_layers)
 
 
+def in_layout_placed(tree, config: ModelConfig, shardings):
+    """`in_layout(tree, config)` for a tree of jax arrays (a train state restored in the other
+    layout), each result placed on its sharding in `shardings` (a tree of the result's
+    structure), one parameter's stack of layers at a time: each source array is deleted once
+    its stack or its slices are placed, so the devices hold the tree and one parameter's layers
+    more at the peak, not the tree twice."""
+    num_layers = config.num_layers
+
+    def convert(x, placed):
+        if not _holds_layers(x):
+            return x
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
+        in_layout(abstract, config)  # the layer count's error, before anything is deleted
+        if config.scan_layers == (LAYERS in x):
+            return x
+        if config.scan_layers:
+            names = [f"layers_{i}" for i in range(num_layers)]
+            out = {k: v for k, v in x.items() if k not in names}
+            out[LAYERS] = jax.tree.map(lambda sharding, *parts: _stack_placed(parts, sharding),
+                                       placed[LAYERS], *(x[n] for n in names))
+            return out
+        out = {k: v for k, v in x.items() if k != LAYERS}
+        sliced = jax.tree.map(lambda a, *sh: _slices_placed(a, sh), x[LAYERS],
+                              *(placed[f"layers_{i}"] for i in range(num_layers)))
+        for i in range(num_layers):
+            out[f"layers_{i}"] = jax.tree.map(lambda parts, i=i: parts[i], sliced,
+                                              is_leaf=lambda t: isinstance(t, tuple))
+        return out
+
+    return jax.tree.map(convert, tree, shardings, is_leaf=_holds_layers)
+
+
+def _stack(*parts: jax.Array) -> jax.Array:
+    return jnp.stack(parts)
+
+
+def _slices(stacked: jax.Array, n: int) -> tuple[jax.Array, ...]:
+    return tuple(stacked[i] for i in range(n))
+
+
+def _stack_placed(parts: tuple[jax.Array, ...], sharding) -> jax.Array:
+    stacked = jax.jit(_stack, out_shardings=sharding)(*parts)
+    for part in parts:
+        part.delete()
+    return stacked
+
+
+def _slices_placed(stacked: jax.Array, shardings: tuple) -> tuple[jax.Array, ...]:
+    parts = jax.jit(_slices, static_argnums=1, out_shardings=shardings)(stacked, len(shardings))
+    stacked.delete()
+    return parts
+
+
 def _vocab_logits(x: jax.Array, head: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """x (B, T, E) @ head (E, vocab) in `dtype` -> logits (B, T, vocab) float32."""
     logits = jnp.einsum("bte,ev->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)

@@ -19,8 +19,8 @@ import pytest
 from flax import linen as nn
 
 from diff_jax.config import ModelConfig, load_config
-from diff_jax.transformer import (LAYERS, DecoderLM, in_layout, layer_lambdas, stacked_layers,
-                                  unstacked_layers)
+from diff_jax.transformer import (LAYERS, DecoderLM, in_layout, in_layout_placed, layer_lambdas,
+                                  stacked_layers, unstacked_layers)
 
 L = 3
 TOKENS = jax.random.randint(jax.random.key(1), (2, 12), 0, 96)
@@ -173,6 +173,52 @@ def test_a_scanned_run_is_read_in_either_layout(tmp_path):
         assert jax.tree.map(np.shape, started) == jax.tree.map(np.shape, target), path
         assert _rel(logits(model, started), want) < 1e-6, path  # the same parameters
 
+
+
+def test_in_layout_placed_moves_a_sharded_state_one_parameter_at_a_time():
+    """A train state's parameters and AdamW moments, sharded on an fsdp × tensor mesh, stacked
+    and sliced again on the devices: the values are `in_layout`'s, each leaf is on the sharding
+    asked for, and every source array converted is deleted (so the peak holds one parameter's
+    layers twice, not the state); leaves outside the layers stay as they were."""
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from diff_jax.config import MeshConfig
+    from diff_jax.sharding import make_mesh
+
+    unrolled, scanned = _configs("diff")
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    params = nn.meta.unbox(DecoderLM(unrolled).init(jax.random.key(0), TOKENS)["params"])
+    state = {"params": params, "opt": optax.adam(1e-3).init(params), "step": jnp.int32(7)}
+    state = jax.tree.map(lambda a: a + 0, state)  # moments that are not all zeros
+    state["opt"] = jax.tree.map(lambda a: a + 1 if a.ndim else a, state["opt"])
+
+    def fsdp(a):  # the first axis that fsdp divides, else replicated
+        axes = [None] * np.ndim(a)
+        for i, n in enumerate(np.shape(a)):
+            if n % 2 == 0:
+                axes[i] = "fsdp"
+                break
+        return NamedSharding(mesh, P(*axes))
+
+    placed = jax.tree.map(lambda a: jax.device_put(a, fsdp(a)), state)
+    host = jax.tree.map(np.asarray, state)
+    for config in (scanned, unrolled):
+        want = in_layout(host, config)
+        shardings = jax.tree.map(fsdp, want)
+        sources = jax.tree.leaves(placed)
+        moved = in_layout_placed(placed, config, shardings)
+        assert jax.tree.structure(moved) == jax.tree.structure(want)
+        assert _tree_rel(moved, want) == 0.0
+        for got, sharding in zip(jax.tree.leaves(moved), jax.tree.leaves(shardings), strict=True):
+            assert got.sharding == sharding
+        layered = [a for a in sources if not any(a is b for b in jax.tree.leaves(moved))]
+        assert layered and all(a.is_deleted() for a in layered)
+        assert moved["step"] is placed["step"] and moved["params"]["embed"] is placed["params"]["embed"]
+        placed = moved
+    with pytest.raises(ValueError, match="expected layers_0"):
+        in_layout_placed(placed, dataclasses.replace(scanned, num_layers=L + 1), shardings)
+    assert not any(a.is_deleted() for a in jax.tree.leaves(placed))
 
 
 def test_a_run_resumes_in_the_other_layout_as_if_it_had_not_changed(tmp_path, capsys):

@@ -12,7 +12,8 @@ from JAX's own monitoring events, the seconds its programs took to compile or to
 the cache (`/jax/core/compile/backend_compile_duration`), the persistent cache's hits and misses
 and the compile seconds its hits saved, net of reading them (`.../compile_time_saved_sec`); the
 parent records the process's wall time (start-up, data, compiles, the steps and the final
-checkpoint). Medians over repeats are printed and saved as JSON + a markdown table with the
+checkpoint). The compile seconds of the runs without a cache are also split by program (the
+jitted function's name: the initialization `init_state`, the step `train_step`, ...). Medians over repeats are printed and saved as JSON + a markdown table with the
 device and versions. JAX caches only programs that took at least
 `jax_persistent_cache_min_compile_time_secs` (1 s) to compile, as in training. The committed results: benchmarks/results/compile_cache_cpu (the defaults) and
 compile_cache_cpu_12l (`--set model.num_layers=12 --set model.embed_dim=384 --set
@@ -55,11 +56,14 @@ def child(stats_path: str, argv: list[str]) -> int:
     from jax import monitoring
 
     totals = {key: 0.0 for key in EVENTS} | {key: 0 for key in COUNTS}
+    programs: dict[str, float] = {}
 
-    def duration(event: str, seconds: float, **_) -> None:
+    def duration(event: str, seconds: float, fun_name: str = "?", **_) -> None:
         for key, name in EVENTS.items():
             if event == name:
                 totals[key] += seconds
+        if event == EVENTS["compile_s"]:
+            programs[fun_name] = programs.get(fun_name, 0.0) + seconds
 
     def count(event: str, **_) -> None:
         for key, name in COUNTS.items():
@@ -69,7 +73,7 @@ def child(stats_path: str, argv: list[str]) -> int:
     monitoring.register_event_duration_secs_listener(duration)
     monitoring.register_event_listener(count)
     status = main(argv)
-    Path(stats_path).write_text(json.dumps(totals))
+    Path(stats_path).write_text(json.dumps(totals | {"compile_s_by_program": programs}))
     return status
 
 
@@ -113,8 +117,12 @@ def run(config: str, settings: list[str], steps: int, repeats: int) -> dict:
     keys = ("wall_s", *EVENTS, *COUNTS)
     medians = {mode: {k: statistics.median(x[k] for x in rows if x["mode"] == mode) for k in keys}
                for mode in MODES}
+    uncached = [x["compile_s_by_program"] for x in rows if x["mode"] == "none"]
+    names = sorted({name for x in uncached for name in x})
+    by_program = {name: statistics.median(x.get(name, 0.0) for x in uncached) for name in names}
     return {"config": config, "settings": settings, "steps": steps, "repeats": repeats,
             **versions(), "rows": rows, "median": medians,
+            "none_compile_s_by_program": dict(sorted(by_program.items(), key=lambda kv: -kv[1])),
             "warm_over_none_wall": medians["warm"]["wall_s"] / medians["none"]["wall_s"],
             "warm_over_none_compile": medians["warm"]["compile_s"] / medians["none"]["compile_s"]}
 
@@ -135,6 +143,13 @@ def markdown(result: dict) -> str:
                      f"{x['misses']:.0f} | {x['saved_s']:.1f} |")
     lines += ["", f"Warm over none: wall {result['warm_over_none_wall']:.2f}×, compile (or cache "
               f"read) time {result['warm_over_none_compile']:.2f}×."]
+    programs = result["none_compile_s_by_program"]
+    big = {name: s for name, s in programs.items() if s >= 0.5}
+    rest = len(programs) - len(big)
+    lines += ["", "Without a cache, the programs that took 0.5 s or more to compile (medians): "
+              + (", ".join(f"`{name}` {s:.1f} s" for name, s in big.items()) or "none")
+              + f"; the rest ({rest} program{'' if rest == 1 else 's'}) "
+              f"{sum(programs.values()) - sum(big.values()):.1f} s."]
     return "\n".join(lines) + "\n"
 
 

@@ -610,3 +610,30 @@ def test_ctrl_c_and_an_out_that_cannot_be_made_end_these_scripts_in_one_line(
         out = tmp_path / "file" / "out"
         assert _refused(capfd, main, [*argv, "--out", str(out)]).startswith(
             f"error: --out {out}: {out}")
+
+
+def test_compile_seconds_by_program_are_medians_of_the_uncached_runs(monkeypatch):
+    """compile_cache.py splits the compile time of the runs without a cache by program (the
+    jitted function's name JAX's compile event carries), as medians over repeats, and names the
+    programs of 0.5 s or more; the cached runs' compiles are not counted."""
+    import compile_cache
+
+    seconds = iter([{"jit(init_state)": 29.0, "jit(train_step)": 18.0, "jit(stage)": 0.1},
+                    {"jit(init_state)": 31.0, "jit(train_step)": 20.0},
+                    {"jit(init_state)": 30.0, "jit(train_step)": 16.0, "jit(stage)": 0.3}])
+
+    def measure(argv, scratch):
+        none = not any(a.startswith("train.compile_cache_dir=") for a in argv)
+        by_program = next(seconds) if none else {"jit(train_step)": 99.0}
+        return {"wall_s": 1.0, "compile_s": sum(by_program.values()), "saved_s": 0.0,
+                "hits": 0, "misses": 0, "compile_s_by_program": by_program}
+
+    monkeypatch.setattr(compile_cache, "measure", measure)
+    monkeypatch.setattr(compile_cache, "versions", lambda: {"device": "d", "host": "h",
+                                                            "python": "3", "jax": "0"})
+    result = compile_cache.run("configs/tiny.yaml", [], 2, 3)
+    assert result["none_compile_s_by_program"] == {"jit(init_state)": 30.0, "jit(train_step)": 18.0,
+                                                   "jit(stage)": 0.1}
+    assert ("Without a cache, the programs that took 0.5 s or more to compile (medians): "
+            "`jit(init_state)` 30.0 s, `jit(train_step)` 18.0 s; the rest (1 program) 0.1 s."
+            ) in compile_cache.markdown(result)

@@ -244,6 +244,11 @@ class ModelConfig:
         ("tie_embeddings", "model.tie_embeddings"), ("resolved_gqa_pairing", "model.gqa_pairing"),
         ("lambda_init", "model.lambda_init"), ("head_norm", "model.head_norm"),
         ("v2_head_norm", "model.v2_head_norm"))
+    # How the one model is computed, not what it computes or how it is trained: the same
+    # function to float rounding, from the same initial parameters (scan_layers draws other ones
+    # from the same seed), so an ablation of one of them measures nothing of the model
+    HOW_COMPUTED: ClassVar[tuple[str, ...]] = ("attention_impl", "remat", "scan_layers",
+                                               "loss_chunk")
 
     def difference(self, other: ModelConfig) -> tuple[str, str, str] | None:
         """(key, other's value, this one's) of the first `SEMANTIC` field in which this model

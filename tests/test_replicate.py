@@ -254,6 +254,9 @@ def _check_ablation(out: Path, capsys) -> None:
     # bad input: one error line each, nothing trained
     for args, says in ((["--set", "train.steps=8"], "expected model.KEY=VALUE or optim.KEY"),
                        (["--set", "model.subln_init=1.0"], "changes nothing"),
+                       (["--set", "model.remat=full"], "model.remat chooses how the same model "
+                                                       "is computed, not the model"),
+                       (["--set", "model.scan_layers=true"], "draws other initial parameters"),
                        (["--set", "model.subln_init=0.5", "--variant", "transformer"], "--variant"),
                        (["--set", "model.subln_init=0.5", "--seeds", "2"], "has 1 seed"),
                        ([], "give at least one")):

@@ -33,7 +33,7 @@ from typing import Any
 
 from diff_jax import train_loop
 from diff_jax.command import as_ctrl_c, leave, run_kept
-from diff_jax.config import ConfigError, parse_override
+from diff_jax.config import ConfigError, ModelConfig, parse_override
 from diff_jax.experiments.layout import eval_json, field, read_eval, read_json, run_dir
 from diff_jax.experiments.init_scale import residual_writes
 from diff_jax.experiments.lm_report import (gap_cell, init_rows, init_scale_table, read_metrics,
@@ -64,6 +64,12 @@ def check_sets(sets: tuple[str, ...]) -> None:
         if len(keys) != 2 or keys[0] not in SETTABLE:
             raise ConfigError(f"--set {text}: expected model.KEY=VALUE or optim.KEY=VALUE (the "
                               "data, budget and schedule stay the replication's)")
+        if keys[0] == "model" and keys[1] in ModelConfig.HOW_COMPUTED:
+            raise ConfigError(f"--set {text}: model.{keys[1]} chooses how the same model is "
+                              "computed, not the model or its training"
+                              + (" (and draws other initial parameters from the same seed, "
+                                 "which no pairing controls)" if keys[1] == "scan_layers" else "")
+                              + "; an ablation changes what is trained")
         if not _LABEL_CHARS.fullmatch(text):
             raise ConfigError(f"--set {text}: use letters, digits and _ . , = - only (it names "
                               "the run's directory)")

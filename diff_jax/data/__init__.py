@@ -48,7 +48,7 @@ def _source(cfg: DataConfig, name: str) -> TokenCorpus:
     if name == "stdlib":
         return tokenize(stdlib_documents(), cfg.tokenizer, threads=cfg.read_threads)
     if name == "files":
-        return tokenize(file_documents(cfg.paths, cfg.text_field), cfg.tokenizer,
+        return tokenize(file_documents(cfg.paths, cfg.text_field, cfg.prompt_field), cfg.tokenizer,
                         threads=cfg.read_threads)
     if len(cfg.paths) != 1:
         raise DataError(f"data.paths: data.source=tokens takes exactly one prepared directory, "

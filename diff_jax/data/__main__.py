@@ -1,5 +1,5 @@
-"""python -m diff_jax.data prepare SRC... OUT_DIR [--text-field F] [--tokenizer NAME]
-[--overwrite]"""
+"""python -m diff_jax.data prepare SRC... OUT_DIR [--text-field F] [--prompt-field P]
+[--tokenizer NAME] [--overwrite]"""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from diff_jax.data.tokenizer import BASE
 from diff_jax.file_errors import describe
 
 # The data.* keys that the data package's messages name, as this command's user types them.
-_TYPED = {"data.paths": "SRC", "data.text_field": "--text-field", "data.tokenizer": "--tokenizer"}
+_TYPED = {"data.paths": "SRC", "data.text_field": "--text-field",
+          "data.prompt_field": "--prompt-field", "data.tokenizer": "--tokenizer"}
 
 
 def _as_typed(text: str) -> str:
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("sources", nargs="+", help="files, directories, globs, or 'stdlib'")
     p.add_argument("out_dir")
     p.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    p.add_argument("--prompt-field", default=None,
+                   help="JSONL field holding the prompt the text continues: its tokens are "
+                        "context, not training targets (written as loss_mask.bin)")
     p.add_argument("--tokenizer", default=BASE,
                    help=f"{BASE} or cl100k_first_N (data.tokenizer)")
     p.add_argument("--overwrite", action="store_true",
@@ -42,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with as_ctrl_c(signals=()):  # a closed stdout (`| head`) is a Ctrl-C; SIGTERM as it was
             meta = prepare(args.sources, args.out_dir, args.text_field, args.tokenizer,
-                           overwrite=args.overwrite)
+                           overwrite=args.overwrite, prompt_field=args.prompt_field)
             skipped = meta.pop("skipped")
             print(json.dumps(dict(meta, skipped=len(skipped)), indent=1))
             for line in skipped[:20]:

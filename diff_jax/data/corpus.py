@@ -11,6 +11,7 @@ from the whole corpus, so it copies both parts into memory (4 bytes a token).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from diff_jax.data.sources import DataError, Documents, expand_paths, iter_documents
+from diff_jax.data.sources import DataError, Documents, expand_paths, iter_records
 from diff_jax.data.tokenizer import BASE, encoding, is_encoding_name
 from diff_jax.output_dir import refusal, staged
 
@@ -118,18 +119,28 @@ def unigram_loss(train: TokenCorpus, held_out: TokenCorpus) -> float:
 
 
 def tokenize(docs: Documents, encoding_name: str, seed: int = 0, threads: int = 4) -> TokenCorpus:
-    """Encode every document (+ end-of-text) in a seeded shuffled document order."""
+    """Encode every document (+ end-of-text) in a seeded shuffled document order. With
+    `docs.prompts`, a document is its prompt's tokens, then its text's (each encoded on its own),
+    then end-of-text, and the corpus has a loss mask that counts the text's tokens and the
+    end-of-text as targets, not the prompt's."""
     enc = encoding(encoding_name)
     order = list(range(len(docs.texts)))
     random.Random(seed).shuffle(order)
     ids = enc.encode_ordinary_batch([docs.texts[i] for i in order], num_threads=threads)
-    lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
+    prompts = ([[] for _ in order] if docs.prompts is None else
+               enc.encode_ordinary_batch([docs.prompts[i] for i in order], num_threads=threads))
+    lengths = np.array([len(p) + len(x) + 1 for p, x in zip(prompts, ids)], dtype=np.int64)
     tokens = np.empty(int(lengths.sum()), dtype=TOKEN_DTYPE)
+    mask = None if docs.prompts is None else np.ones(len(tokens), np.uint8)
     doc_starts = np.concatenate([[0], np.cumsum(lengths)])
-    for i, x in enumerate(ids):
-        tokens[doc_starts[i]: doc_starts[i + 1] - 1] = x
+    for i, (p, x) in enumerate(zip(prompts, ids)):
+        start, middle = doc_starts[i], doc_starts[i] + len(p)
+        tokens[start:middle] = p
+        tokens[middle: doc_starts[i + 1] - 1] = x
         tokens[doc_starts[i + 1] - 1] = enc.eot_token
-    return TokenCorpus(tokens, doc_starts, enc.n_vocab, docs.skipped)
+        if mask is not None:
+            mask[start:middle] = 0
+    return TokenCorpus(tokens, doc_starts, enc.n_vocab, docs.skipped, mask)
 
 
 def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
@@ -177,12 +188,13 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
 
 def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
             encoding_name: str = BASE, chunk_chars: int = 1 << 25, *,
-            overwrite: bool = False) -> dict:
+            overwrite: bool = False, prompt_field: str | None = None) -> dict:
     """Tokenize files/globs (or `stdlib`) into `out_dir`, streaming: the documents are read
-    (`iter_documents`: a JSONL file a record at a time), tokenized and written about
+    (`iter_records`: a JSONL file a record at a time), tokenized and written about
     `chunk_chars` characters of text at a time, each chunk's documents in a seeded shuffled
     order, so the memory taken is a chunk's (about 50 bytes a token: tiktoken's id lists), not
-    the corpus's.
+    the corpus's. With `prompt_field`, each JSONL record's prompt comes first and is no
+    training target (`tokenize`): loss_mask.bin holds the mask, one byte a token.
 
     The corpus is written whole or not at all (`diff_jax.output_dir`): a failure leaves `out_dir`
     as it was, or absent. An existing non-empty `out_dir` is a DataError unless `overwrite` and
@@ -193,20 +205,32 @@ def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
     problem = refusal(out, overwrite, "meta.json", "a prepared token corpus", CORPUS_FILES)
     if problem is not None:
         raise DataError(f"OUT_DIR {out}: {problem}")
+    if prompt_field is not None and prompt_field in ("", text_field):
+        raise DataError(f"data.prompt_field={prompt_field!r}: must be a JSONL field name other "
+                        f"than data.text_field ({text_field!r})")
     enc = encoding(encoding_name)
     starts, skipped, total = [np.zeros(1, np.int64)], [], 0  # 8 bytes a document
     if sources == ["stdlib"]:
+        if prompt_field is not None:
+            raise DataError(f"data.prompt_field={prompt_field}: stdlib has no JSONL records to "
+                            "read prompts from")
         docs = stdlib_documents()
         skipped.extend(docs.skipped)
-        chunks: Iterable[list[str]] = [list(docs.texts)]
+        chunks: Iterable[list[tuple[str, str]]] = [[("", t) for t in docs.texts]]
     else:
         files = expand_paths(tuple(sources))
         random.Random(0).shuffle(files)
-        chunks = _chunks(iter_documents(files, text_field, skipped), chunk_chars)
-    with staged(out) as tmp, open(tmp / "tokens.bin", "wb") as f:  # f closes before the rename
-        for texts in chunks:
-            part = tokenize(Documents(tuple(t for t in texts if t.strip()), ()), encoding_name)
+        chunks = _chunks(iter_records(files, text_field, prompt_field, skipped), chunk_chars)
+    with (staged(out) as tmp, open(tmp / "tokens.bin", "wb") as f,  # closed before the rename
+          open(tmp / "loss_mask.bin", "wb") if prompt_field is not None
+          else contextlib.nullcontext() as masks):
+        for records in chunks:
+            kept = [(p, t) for p, t in records if t.strip()]
+            part = tokenize(Documents(tuple(t for _, t in kept), (), None if masks is None
+                                      else tuple(p for p, _ in kept)), encoding_name)
             part.tokens.tofile(f)
+            if masks is not None:
+                part.loss_mask.tofile(masks)
             starts.append(part.doc_starts[1:] + total)
             total += len(part.tokens)
         if total == 0:
@@ -215,19 +239,20 @@ def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
         doc_starts = np.concatenate(starts).astype(np.int64)
         np.save(tmp / "doc_starts.npy", doc_starts)
         meta = dict(sources=sources, tokenizer=encoding_name, num_docs=len(doc_starts) - 1,
-                    num_tokens=total, vocab_size=enc.n_vocab, skipped=skipped)
+                    num_tokens=total, vocab_size=enc.n_vocab, skipped=skipped,
+                    **({} if prompt_field is None else {"prompt_field": prompt_field}))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta
 
 
-def _chunks(texts: Iterable[str], chars: int) -> Iterator[list[str]]:
-    """`texts` in consecutive lists of at least `chars` characters (the last may hold fewer; a
-    text longer than `chars` ends its list)."""
-    chunk: list[str] = []
+def _chunks(records: Iterable[tuple[str, str]], chars: int) -> Iterator[list[tuple[str, str]]]:
+    """(prompt, text) `records` in consecutive lists of at least `chars` characters (the last
+    may hold fewer; a record longer than `chars` ends its list)."""
+    chunk: list[tuple[str, str]] = []
     size = 0
-    for text in texts:
-        chunk.append(text)
-        size += len(text)
+    for record in records:
+        chunk.append(record)
+        size += len(record[0]) + len(record[1])
         if size >= chars:
             yield chunk
             chunk, size = [], 0

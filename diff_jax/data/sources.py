@@ -27,10 +27,12 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")
 
 @dataclasses.dataclass(frozen=True)
 class Documents:
-    """Raw document texts and what was skipped on the way."""
+    """Raw document texts and what was skipped on the way; with `prompts`, each text continues
+    its prompt, whose tokens are context and not training targets (`data.prompt_field`)."""
 
     texts: tuple[str, ...]
     skipped: tuple[str, ...]  # "path[:line]: reason" for every skipped document
+    prompts: tuple[str, ...] | None = None  # one a text ("" for a plain file); None: no prompts
 
 
 def stdlib_documents() -> Documents:
@@ -96,14 +98,20 @@ def _text_files_under(root: Path) -> list[Path]:
     return found
 
 
-def file_documents(patterns: tuple[str, ...], text_field: str) -> Documents:
-    """Every text file is one document; every JSONL line is one document (its `text_field`)."""
-    texts, skipped = read_files(expand_paths(patterns), text_field)
-    texts = [t for t in texts if t.strip()]
-    if not texts:
+def file_documents(patterns: tuple[str, ...], text_field: str,
+                   prompt_field: str | None = None) -> Documents:
+    """Every text file is one document; every JSONL line is one document (its `text_field`,
+    after its `prompt_field` where one is named: `iter_records`). Documents whose text is blank
+    are left out."""
+    skipped: list[str] = []
+    records = [(prompt, text) for prompt, text
+               in iter_records(expand_paths(patterns), text_field, prompt_field, skipped)
+               if text.strip()]
+    if not records:
         raise DataError(f"data.paths {list(patterns)}: no non-empty document"
                         + (f" ({len(skipped)} skipped, first: {skipped[0]})" if skipped else ""))
-    return Documents(tuple(texts), tuple(skipped))
+    prompts = tuple(p for p, _ in records) if prompt_field is not None else None
+    return Documents(tuple(t for _, t in records), tuple(skipped), prompts)
 
 
 def _is_text(path: Path) -> bool:
@@ -119,14 +127,22 @@ def read_files(files: list[Path], text_field: str) -> tuple[list[str], list[str]
 
 
 def iter_documents(files: Iterable[Path], text_field: str, skipped: list[str]) -> Iterator[str]:
-    """The texts of `files`, in order, as they are read: one per plain file, one per JSONL
-    record's `text_field` (gzip allowed). A JSONL file is read and decoded a record at a time,
-    so it takes the memory of its longest record however large it is, and a record that is no
-    UTF-8 is one bad record. Unreadable files and bad records are appended to `skipped` with a
-    reason; a JSONL file that cannot be read past some point (a damaged or truncated .gz) keeps
-    the records before it (`path: unreadable after line N (...)`). Records end at a newline (or
-    CR LF) only: JSON strings may hold U+2028, U+0085 and the other line boundaries of
-    `str.splitlines` unescaped."""
+    """The texts of `files`, in order, as they are read (`iter_records` without prompts)."""
+    for _, text in iter_records(files, text_field, None, skipped):
+        yield text
+
+
+def iter_records(files: Iterable[Path], text_field: str, prompt_field: str | None,
+                 skipped: list[str]) -> Iterator[tuple[str, str]]:
+    """(prompt, text) of each document of `files`, in order, as they are read: one per plain
+    file (its prompt ""), one per JSONL record: its `text_field`, and its `prompt_field` (a
+    string, "" allowed) where one is named, else "" (gzip allowed). A JSONL file is read and
+    decoded a record at a time, so it takes the memory of its longest record however large it
+    is, and a record that is no UTF-8 is one bad record. Unreadable files and bad records are
+    appended to `skipped` with a reason; a JSONL file that cannot be read past some point (a
+    damaged or truncated .gz) keeps the records before it (`path: unreadable after line N
+    (...)`). Records end at a newline (or CR LF) only: JSON strings may hold U+2028, U+0085 and
+    the other line boundaries of `str.splitlines` unescaped."""
     for path in files:
         jsonl = path.name.removesuffix(".gz").endswith(".jsonl")
         line = 0
@@ -135,7 +151,7 @@ def iter_documents(files: Iterable[Path], text_field: str, skipped: list[str]) -
             if jsonl:
                 with opener(path, "rb") as f:
                     for line, raw in enumerate(f, 1):
-                        record = _jsonl_text(raw, path, line, text_field, skipped)
+                        record = _jsonl_record(raw, path, line, text_field, prompt_field, skipped)
                         if record is not None:
                             yield record
                 continue
@@ -146,13 +162,15 @@ def iter_documents(files: Iterable[Path], text_field: str, skipped: list[str]) -
             where = f"unreadable after line {line}" if line else "unreadable"
             skipped.append(f"{path}: {where} ({type(e).__name__}: {e})")
             continue
-        yield text
+        yield "", text
 
 
-def _jsonl_text(line: bytes, path: Path, n: int, field: str, skipped: list[str]) -> str | None:
-    """The `field` text of the JSONL record `line` (line `n` of `path`; a first line's
-    byte-order mark, which Windows editors write, is no part of it), or None for a blank line
-    or, appended to `skipped`, a bad record."""
+def _jsonl_record(line: bytes, path: Path, n: int, field: str, prompt_field: str | None,
+                  skipped: list[str]) -> tuple[str, str] | None:
+    """(prompt, text) of the JSONL record `line` (line `n` of `path`; a first line's byte-order
+    mark, which Windows editors write, is no part of it): its `field`, after its `prompt_field`
+    where one is named (else ""); or None for a blank line or, appended to `skipped`, a bad
+    record."""
     where = f"{path}:{n}"
     try:
         text = line.decode("utf-8-sig" if n == 1 else "utf-8")
@@ -166,7 +184,8 @@ def _jsonl_text(line: bytes, path: Path, n: int, field: str, skipped: list[str])
     except json.JSONDecodeError as e:
         skipped.append(f"{where}: not JSON ({e.msg})")
         return None
-    if not isinstance(record, dict) or not isinstance(record.get(field), str):
-        skipped.append(f"{where}: no string field {field!r} (data.text_field)")
-        return None
-    return record[field]
+    for name, key in ((field, "data.text_field"), (prompt_field, "data.prompt_field")):
+        if name is not None and not (isinstance(record, dict) and isinstance(record.get(name), str)):
+            skipped.append(f"{where}: no string field {name!r} ({key})")
+            return None
+    return ("" if prompt_field is None else record[prompt_field]), record[field]

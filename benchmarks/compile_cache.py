@@ -13,9 +13,11 @@ the cache (`/jax/core/compile/backend_compile_duration`), the persistent cache's
 and the compile seconds its hits saved, net of reading them (`.../compile_time_saved_sec`); the
 parent records the process's wall time (start-up, data, compiles, the steps and the final
 checkpoint). The compile seconds of the runs without a cache are also split by program (the
-jitted function's name: the initialization `init_state`, the step `train_step`, ...). Medians over repeats are printed and saved as JSON + a markdown table with the
-device and versions. JAX caches only programs that took at least
-`jax_persistent_cache_min_compile_time_secs` (1 s) to compile, as in training. The committed results: benchmarks/results/compile_cache_cpu (the defaults) and
+jitted function's name: the initialization `init_state`, the step `train_step`, ...). Medians
+over repeats are printed and saved as JSON + a markdown table with the device and versions. JAX
+caches only programs that took at least `jax_persistent_cache_min_compile_time_secs` (1 s) to
+compile, as in training. The committed results: benchmarks/results/compile_cache_cpu (the
+defaults) and
 compile_cache_cpu_12l (`--set model.num_layers=12 --set model.embed_dim=384 --set
 model.num_heads=6 --out benchmarks/results/compile_cache_cpu_12l`), and compile_cache_cpu_24l
 and compile_cache_cpu_24l_scan (`--set model.num_layers=24 --set model.scan_layers=false` or

@@ -89,8 +89,9 @@ limit, past its deadline), the kernel stages after it (check, tune, bench, train
          heads against 24, as benchmarks/results/train_step_h100), 1.4B without segment ids
          (causal only), then 830M as configured (d = 96), then the 1.4B pair with its
          layers scanned (`model.scan_layers`, against the first pair: the scan's step time),
-         each with what is left (skipped, recorded, under 60 s); the 1.4B pair took 185 s, 100 s of it DIFF's first call,
-         before the kernels were jitted once per shape (`flash_mgpu.fwd`).
+         each with what is left (skipped, recorded, under 60 s); the 1.4B pair took 185 s,
+         100 s of it DIFF's first call, before the kernels were jitted once per shape
+         (`flash_mgpu.fwd`).
   replicate  (its own calls) the `gpu-medium` replication, one seed, init `scaled`, in
          /tmp/diff_jax_gpu_medium with all the time left; it resumes where the last call
          stopped, so issue the same call again at once (the machine keeps /tmp only while it

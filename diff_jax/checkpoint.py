@@ -406,7 +406,8 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     shardings in `target` (ShapeDtypeStructs) and verify its checksums; sets `data_iter`'s state.
     A step saved with its layers in the other layout (`model.scan_layers`) is read in that one,
     verified, and its parameters and optimizer state stacked or sliced onto `target` on the
-    devices, one parameter at a time (`in_layout_placed`). `DamagedCheckpointError` when it cannot be read or does not verify; `CheckpointError` when
+    devices, one parameter at a time (`in_layout_placed`). `DamagedCheckpointError` when it
+    cannot be read or does not verify; `CheckpointError` when
     it was written for another model than `model` (shapes, or `ModelConfig.difference`) or
     another optimizer. Read through a `_reader`, so that every process of a job reaches the
     same verdict on every read (`_read_errors`)."""

@@ -92,7 +92,8 @@ def unstacked_layers(tree: dict, num_layers: int) -> dict:
 
     def layer(a, i: int):
         if isinstance(a, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=_layers_axis(a.sharding, False))
+            return jax.ShapeDtypeStruct(a.shape[1:], a.dtype,
+                                        sharding=_layers_axis(a.sharding, False))
         return a[i]
 
     out = {k: v for k, v in tree.items() if k != LAYERS}

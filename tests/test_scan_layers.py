@@ -214,7 +214,8 @@ def test_in_layout_placed_moves_a_sharded_state_one_parameter_at_a_time():
             assert got.sharding == sharding
         layered = [a for a in sources if not any(a is b for b in jax.tree.leaves(moved))]
         assert layered and all(a.is_deleted() for a in layered)
-        assert moved["step"] is placed["step"] and moved["params"]["embed"] is placed["params"]["embed"]
+        assert moved["step"] is placed["step"]
+        assert moved["params"]["embed"] is placed["params"]["embed"]
         placed = moved
     with pytest.raises(ValueError, match="expected layers_0"):
         in_layout_placed(placed, dataclasses.replace(scanned, num_layers=L + 1), shardings)
@@ -262,7 +263,8 @@ def test_a_run_resumes_in_the_other_layout_as_if_it_had_not_changed(tmp_path, ca
     for run, steps in ((scanned, (3, 4, 5, 6)), (back, (5, 6))):
         got = metrics(run)
         for step in steps:
-            np.testing.assert_allclose(got[step], want[step], rtol=1e-5, err_msg=f"{run.name}@{step}")
+            np.testing.assert_allclose(got[step], want[step], rtol=1e-5,
+                                       err_msg=f"{run.name}@{step}")
     config, params = load(full)
     for run in (scanned, back):
         other, theirs = load(run)

@@ -289,7 +289,8 @@ def test_weight_decay_mask_is_the_same_for_scanned_layers():
                                                   jnp.zeros((1, 1), jnp.int32)))["params"]
             masks.append(decay_mask(params, OptimConfig()))
         unrolled, scanned = masks
-        assert scanned["layers"] == unrolled["layers_0"] == unrolled[f"layers_{MODEL.num_layers - 1}"]
+        last = f"layers_{MODEL.num_layers - 1}"
+        assert scanned["layers"] == unrolled["layers_0"] == unrolled[last]
         assert {k: v for k, v in scanned.items() if k != "layers"} == {
             k: v for k, v in unrolled.items() if not k.startswith("layers_")}
 

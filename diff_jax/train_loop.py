@@ -306,7 +306,7 @@ def _run(config: Config) -> RunResult:
     for line in config.data.unread():
         progress.message(line)
     if inputs.corpus.skipped:
-        progress.message(f"data: skipped {len(inputs.corpus.skipped)} unreadable document(s), "
+        progress.message(f"data: skipped {len(inputs.corpus.skipped)} file(s) or record(s), "
                          f"first: {inputs.corpus.skipped[0]}")
     flops = flops_per_token(config.model, t.seq_len)
 

@@ -761,7 +761,7 @@ def test_validation_without_a_held_out_split_unused_settings_and_skipped_documen
     assert ("train.eval_every=2: no validation, since data.validation_fraction=0 holds no "
             "documents out") in err
     assert "data.mixture_tokens=1000: not used, since data.mixture is not set\n" in err
-    assert ("data: skipped 2 unreadable document(s), first: a.txt: unreadable "
+    assert ("data: skipped 2 file(s) or record(s), first: a.txt: unreadable "
             "(UnicodeDecodeError)\n") in err
     assert not any("val_loss" in x for x in (tmp_path / "metrics.jsonl").read_text().splitlines())
 

@@ -20,7 +20,7 @@ from diff_jax.config import ConfigError, DataConfig, ModelConfig, TrainConfig, l
 from diff_jax.data import (DataError, PackedRows, TokenCorpus, build, encoding, file_documents,
                            held_out, load, load_corpus, prepare, sources, stdlib_documents,
                            tokenize, train_iterator, unigram_loss)
-from diff_jax.data.sources import Documents, expand_paths, iter_documents
+from diff_jax.data.sources import Documents, expand_paths, read_files
 from diff_jax.data.__main__ import main as data_main
 from diff_jax.transformer import DecoderLM
 from training_fixtures import EOT, synthetic_corpus
@@ -761,8 +761,7 @@ def test_a_jsonl_record_that_is_no_utf8_is_one_bad_record_and_a_damaged_gz_keeps
     (tmp_path / "b.jsonl.gz").write_bytes(packed[:len(packed) // 2])  # a copy cut short
 
     def read(name: str) -> tuple[list[str], list[str]]:
-        skipped: list[str] = []
-        return list(iter_documents([tmp_path / name], "text", skipped)), skipped
+        return read_files([tmp_path / name], "text")
 
     assert read("a.jsonl") == (good, [f"{tmp_path / 'a.jsonl'}:151: not UTF-8 (invalid start "
                                       "byte at byte 10)"])

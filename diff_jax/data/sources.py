@@ -120,16 +120,10 @@ def _is_text(path: Path) -> bool:
 
 
 def read_files(files: list[Path], text_field: str) -> tuple[list[str], list[str]]:
-    """(texts, skipped) of `files`, read whole: `iter_documents` collected."""
+    """(texts, skipped) of `files`, read whole: the texts of `iter_records` without prompts."""
     skipped: list[str] = []
-    texts = list(iter_documents(files, text_field, skipped))
+    texts = [text for _, text in iter_records(files, text_field, None, skipped)]
     return texts, skipped
-
-
-def iter_documents(files: Iterable[Path], text_field: str, skipped: list[str]) -> Iterator[str]:
-    """The texts of `files`, in order, as they are read (`iter_records` without prompts)."""
-    for _, text in iter_records(files, text_field, None, skipped):
-        yield text
 
 
 def iter_records(files: Iterable[Path], text_field: str, prompt_field: str | None,

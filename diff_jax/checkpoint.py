@@ -43,7 +43,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from diff_jax.config import CheckpointConfig, Config, ConfigError, ModelConfig, from_dict
-from diff_jax.device_memory import out_of_memory_in
+from diff_jax.device_memory import devices_here, fit_or_explain, out_of_memory_in
 from diff_jax.error_text import chain, first_line
 from diff_jax.file_errors import naming
 from diff_jax.output_dir import write_whole
@@ -406,7 +406,8 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
     shardings in `target` (ShapeDtypeStructs) and verify its checksums; sets `data_iter`'s state.
     A step saved with its layers in the other layout (`model.scan_layers`) is read in that one,
     verified, and its parameters and optimizer state stacked or sliced onto `target` on the
-    devices, one parameter at a time (`in_layout_placed`). `DamagedCheckpointError` when it
+    devices, one parameter at a time (`in_layout_placed`; out of device memory there, a
+    `DeviceMemoryError` that names the saved layout). `DamagedCheckpointError` when it
     cannot be read or does not verify; `CheckpointError` when
     it was written for another model than `model` (shapes, or `ModelConfig.difference`) or
     another optimizer. Read through a `_reader`, so that every process of a job reaches the
@@ -451,7 +452,14 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
         _check_step(restored["state"].step, step, where)
         state = restored["state"]
         if read is not target:
-            state = in_layout_placed(state, model, jax.tree.map(lambda x: x.sharding, target))
+            saved_as = str(layout.scan_layers).lower()
+            with fit_or_explain(
+                    f"converting checkpoint step {step} from model.scan_layers={saved_as} to "
+                    f"{str(model.scan_layers).lower()} holds its state and one parameter's "
+                    f"layers more on {devices_here()}; resume with model.scan_layers={saved_as} "
+                    "(the layout it was saved in) or shard the parameters and optimizer state "
+                    "over more devices (mesh.fsdp)"):
+                state = in_layout_placed(state, model, jax.tree.map(lambda x: x.sharding, target))
         return state, {"config": config, "training_data": restored.get("training_data")}
 
 

@@ -272,6 +272,37 @@ def test_a_run_resumes_in_the_other_layout_as_if_it_had_not_changed(tmp_path, ca
         assert _tree_rel(in_layout(theirs, config), params) < 1e-5, run.name
 
 
+def test_a_conversion_out_of_device_memory_names_the_layout_it_was_saved_in(tmp_path,
+                                                                            monkeypatch):
+    """Out of device memory while a resume stacks an unrolled step for the scan: one
+    `DeviceMemoryError` whose advice is the saved layout (not the train step's batch size), and
+    the step stays on disk: the run resumes from it in the layout it was saved in."""
+    from diff_jax import checkpoint, train_loop
+    from diff_jax.device_memory import DeviceMemoryError
+    from training_fixtures import tiny_config, write_corpus
+
+    corpus, run = write_corpus(tmp_path / "corpus"), tmp_path / "run"
+    train_loop.run(tiny_config(corpus, run, "train.steps=2", "checkpoint.every_steps=2"))
+
+    def no_room(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1024 bytes.")
+
+    monkeypatch.setattr(checkpoint, "in_layout_placed", no_room)
+    with pytest.raises(DeviceMemoryError) as failed:
+        train_loop.run(tiny_config(corpus, run, "train.steps=3", "checkpoint.every_steps=2",
+                                   "model.scan_layers=true"))
+    message = str(failed.value)
+    assert message.startswith("out of device memory (RESOURCE_EXHAUSTED: Out of memory while")
+    assert ("converting checkpoint step 2 from model.scan_layers=false to true" in message
+            and "resume with model.scan_layers=false (the layout it was saved in)" in message)
+    assert "train.batch_size" not in message
+    monkeypatch.undo()
+    train_loop.run(tiny_config(corpus, run, "train.steps=3", "checkpoint.every_steps=2"))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r][-1] == 3
+
+
 def test_the_scanned_train_step_shards_each_layer_as_the_unrolled_one():
     """On a data × fsdp × tensor mesh (8 devices) the stacked parameters keep each layer's
     sharding, their `layers` axis unsplit; the sharded loss equals the unrolled model's on the

@@ -326,12 +326,16 @@ def _as_axes(v: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with warmup, then linear (to `min_lr`) or cosine decay; global-norm clipping."""
+    """AdamW with warmup, then linear, cosine or 1 − √ decay to `min_lr` (over the last
+    `decay_steps` steps, the rate held at `lr` before them), or constant; global-norm clipping."""
 
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 100
-    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    schedule: Literal["linear", "cosine", "one_minus_sqrt", "constant"] = "linear"
+    # the decay's length, ending at train.steps: the rate stays at lr from warmup to its start
+    # (warmup-stable-decay); None: every step after the warmup decays
+    decay_steps: int | None = None
     b1: float = 0.9
     b2: float = 0.98
     eps: float = 1e-8
@@ -346,6 +350,11 @@ class OptimConfig:
         _require(0 <= self.min_lr <= self.lr, "optim.min_lr", "must be in [0, optim.lr]")
         _require(0 <= self.warmup_steps <= MAX_STEPS, "optim.warmup_steps",
                  f"must be in [0, {MAX_STEPS}] (optax counts steps in int32)")
+        if self.decay_steps is not None:
+            _require(1 <= self.decay_steps <= MAX_STEPS, "optim.decay_steps",
+                     f"must be in [1, {MAX_STEPS}] or null (every step after the warmup)")
+            _require(self.schedule != "constant", "optim.decay_steps",
+                     "has nothing to decay with optim.schedule=constant; leave it null")
         _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, "optim.b1/b2", "must be in [0, 1)")
         _require(self.eps >= 0, "optim.eps", "must be >= 0")
         _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
@@ -604,6 +613,11 @@ class Config:
                  "checkpoint.resume_step", f"{ck.resume_step} with checkpoint.discard_later=true "
                  f"must be below train.steps={self.train.steps}: it would delete the later "
                  "checkpoints and train nothing")
+        o = self.optim
+        _require(o.decay_steps is None or o.warmup_steps + o.decay_steps <= self.train.steps,
+                 "optim.decay_steps", f"{o.decay_steps} after optim.warmup_steps="
+                 f"{o.warmup_steps} is more than train.steps={self.train.steps}: the decay would "
+                 "begin inside the warmup")
         _require(self.model.learn_lambda or not self.optim.decay_norms_and_lambdas,
                  "optim.decay_norms_and_lambdas", "would decay λ's vectors, which "
                  "model.learn_lambda=false holds fixed; leave it false")

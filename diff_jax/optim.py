@@ -1,4 +1,4 @@
-"""The optimizer: AdamW with warmup + linear/cosine decay, global-norm clipping, decay masks.
+"""The optimizer: AdamW with warmup, stable and decay phases, global-norm clipping, decay masks.
 
 Weight decay applies to matrices (projections, LM head); norms, λ vectors and the embedding are
 exempt unless `optim.decay_norms_and_lambdas` / `optim.decay_embeddings` say otherwise.
@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from diff_jax.config import OptimConfig
@@ -18,18 +19,33 @@ from diff_jax.transformer import LAYERS
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup 0 -> lr over `warmup_steps`, then linear/cosine decay to `min_lr` or constant."""
-    warmup = optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
-    decay_steps = max(total_steps - cfg.warmup_steps, 1)
+    """The learning rate of update number t (0-based, as optax counts): linear warmup 0 -> lr
+    over `warmup_steps`; then lr held until the decay's D last steps (D = `decay_steps`, or
+    every step after the warmup), over which it falls to `min_lr` linearly, along a half cosine,
+    or as 1 − √(s/D) (the cooldown of warmup-stable-decay runs), s counting from the decay's
+    start; min_lr after `total_steps`. `constant`: lr after the warmup."""
+    lr, low = cfg.lr, cfg.min_lr
+    length = max(total_steps - cfg.warmup_steps, 1)
+    span = length if cfg.decay_steps is None else min(cfg.decay_steps, length)
     if cfg.schedule == "linear":
-        decay = optax.linear_schedule(cfg.lr, cfg.min_lr, decay_steps)
+        decay = optax.linear_schedule(lr, low, span)
     elif cfg.schedule == "cosine":
-        decay = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.min_lr / cfg.lr)
+        decay = optax.cosine_decay_schedule(lr, span, alpha=low / lr)
+    elif cfg.schedule == "one_minus_sqrt":
+        def decay(count):
+            return low + (lr - low) * (1 - jnp.sqrt(jnp.clip(count / span, 0.0, 1.0)))
     else:
-        decay = optax.constant_schedule(cfg.lr)
-    if cfg.warmup_steps == 0:
+        decay = optax.constant_schedule(lr)
+    parts, boundaries = [], []
+    if cfg.warmup_steps:
+        parts.append(optax.linear_schedule(0.0, lr, cfg.warmup_steps))
+        boundaries.append(cfg.warmup_steps)
+    if span < length:  # the stable phase
+        parts.append(optax.constant_schedule(lr))
+        boundaries.append(cfg.warmup_steps + length - span)
+    if not parts:
         return decay
-    return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
+    return optax.join_schedules([*parts, decay], boundaries)
 
 
 def decay_mask(params: Any, cfg: OptimConfig) -> Any:

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diff_jax.config import OptimConfig
+from diff_jax import optim
+from diff_jax.config import ConfigError, OptimConfig, load_config
 from diff_jax.optim import make_optimizer
 
 # Leaves named as in DecoderLM's params (DIFF V1, one layer), with whether each one decays under
@@ -59,18 +60,21 @@ def _flat(tree: dict, prefix=()) -> dict:
 
 def _reference_lr(cfg: OptimConfig, total_steps: int, step: int) -> float:
     """The learning rate of update number `step` (0-based): linear warmup from 0 over
-    `warmup_steps` updates, then linear/cosine decay from lr to min_lr over the remaining
-    `total_steps - warmup_steps` updates (held at min_lr after), or constant lr."""
+    `warmup_steps` updates; lr until the last `decay_steps` updates before `total_steps` (all
+    the updates after the warmup when it is None), over which it falls from lr to min_lr
+    linearly, along a half cosine or as 1 - sqrt(fraction); held at min_lr after; or constant
+    lr."""
     w = cfg.warmup_steps
     if step < w:
         return cfg.lr * step / w
-    d = max(total_steps - w, 1)
-    frac = min(step - w, d) / d
-    if cfg.schedule == "linear":
-        return cfg.lr + (cfg.min_lr - cfg.lr) * frac
-    if cfg.schedule == "cosine":
-        return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * frac))
-    return cfg.lr
+    d = max(total_steps - w, 1) if cfg.decay_steps is None else cfg.decay_steps
+    start = max(total_steps, w + 1) - d  # the decay's first update
+    if cfg.schedule == "constant" or step < start:
+        return cfg.lr
+    frac = min(step - start, d) / d
+    shape = {"linear": 1 - frac, "cosine": 0.5 * (1 + math.cos(math.pi * frac)),
+             "one_minus_sqrt": 1 - math.sqrt(frac)}[cfg.schedule]
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * shape
 
 
 def _reference_adamw(cfg: OptimConfig, total_steps: int, params: dict, grads: list[dict]) -> dict:
@@ -109,7 +113,9 @@ def _reference_adamw(cfg: OptimConfig, total_steps: int, params: dict, grads: li
                 clip_norm=1.0, decay_norms_and_lambdas=True),
     OptimConfig(lr=1e-2, min_lr=0.0, warmup_steps=0, schedule="constant", weight_decay=0.2,
                 clip_norm=0.0, decay_embeddings=True),
-], ids=["linear", "cosine-decay-norms", "constant-noclip-decay-embed"])
+    OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, schedule="one_minus_sqrt",
+                decay_steps=3, weight_decay=0.1),
+], ids=["linear", "cosine-decay-norms", "constant-noclip-decay-embed", "wsd-one-minus-sqrt"])
 def test_updates_equal_float64_adamw_from_the_equations(cfg):
     total_steps = 5  # fewer than the updates applied: the decay's end (held at min_lr) is reached
     rng = np.random.default_rng(0)
@@ -139,3 +145,46 @@ def test_updates_equal_float64_adamw_from_the_equations(cfg):
         # |got - want| 3.8e-7, ~0.11 of this tolerance (float32 ~1e-6). A dropped decay mask or
         # clipping that never applies moves the params by ~1e-3 or more.
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg="/".join(k))
+
+
+@pytest.mark.parametrize("shape,warmup,decay,total", [
+    (shape, *sizes) for shape in ("linear", "cosine", "one_minus_sqrt", "constant")
+    for sizes in ((0, None, 9), (3, None, 12), (3, 4, 12), (0, 5, 9), (2, 10, 12), (4, None, 3))
+    if shape != "constant" or sizes[1] is None])  # constant with decay_steps: a config error
+def test_the_schedule_is_warmup_stable_decay_from_the_equations(shape, warmup, decay, total):
+    """Every update's rate, and 5 past `total_steps`, equals `_reference_lr` (float32: 1e-6);
+    with `decay_steps` the rate is lr exactly from the warmup's end to the decay's start."""
+    cfg = OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=warmup, schedule=shape,
+                      decay_steps=decay)
+    lr = optim.schedule(cfg, total)
+    got = np.array([float(lr(t)) for t in range(total + 5)])
+    want = np.array([_reference_lr(cfg, total, t) for t in range(total + 5)])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+    if decay is not None:
+        assert (got[warmup:total - decay + 1] == np.float32(3e-3)).all()  # stable, decay's s = 0
+        assert abs(got[total] - 3e-4) < 1e-9
+
+
+def test_a_longer_run_keeps_the_stable_phase_it_has_trained():
+    """Warmup-stable-decay: raising train.steps moves the decay, not the rates before it, so a
+    run resumed with more steps during its stable phase continues as if it had been planned so
+    (the linear schedule without decay_steps changes every rate after the warmup)."""
+    wsd = OptimConfig(lr=1e-3, min_lr=0.0, warmup_steps=10, decay_steps=20)
+    short, longer = optim.schedule(wsd, 100), optim.schedule(wsd, 400)
+    assert all(float(short(t)) == float(longer(t)) for t in range(80))
+    plain = OptimConfig(lr=1e-3, min_lr=0.0, warmup_steps=10)
+    assert float(optim.schedule(plain, 100)(50)) != float(optim.schedule(plain, 400)(50))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["optim.decay_steps=0"], "optim.decay_steps: must be in [1, "),
+    (["optim.schedule=constant", "optim.decay_steps=5"],
+     "optim.decay_steps: has nothing to decay with optim.schedule=constant"),
+    (["train.steps=20", "optim.warmup_steps=10", "optim.decay_steps=11"],
+     "optim.decay_steps: 11 after optim.warmup_steps=10 is more than train.steps=20"),
+    (["optim.schedule=wsd"], "optim.schedule"),
+])
+def test_a_decay_that_cannot_be_is_one_config_error(overrides, message):
+    with pytest.raises(ConfigError) as failed:
+        load_config(None, overrides)
+    assert message in str(failed.value)

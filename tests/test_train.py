@@ -608,6 +608,35 @@ def test_a_resume_with_other_data_or_schedule_settings_says_what_changes(corpus,
             "0.0001)") in err, err
 
 
+def test_a_warmup_stable_decay_run_lengthened_while_stable_is_the_longer_run(corpus, tmp_path,
+                                                                           capsys):
+    """`optim.decay_steps`: a run planned for 10 steps (decay over the last 4), resumed at its
+    step 4 (stable) with train.steps=16, trains steps 5-16 as a run planned for 16 from the
+    start does: the same rate and loss at every step (float32 on one process: 1e-6), and the
+    resume note gives step 5's rate, lr under either schedule."""
+    wsd = ("optim.schedule=one_minus_sqrt", "optim.decay_steps=4", "optim.warmup_steps=2",
+           "checkpoint.every_steps=4")
+    planned = tmp_path / "planned"
+    train_loop.run(tiny_config(corpus, planned, "train.steps=16", *wsd))
+    grown = tmp_path / "grown"
+    train_loop.run(tiny_config(corpus, grown, "train.steps=10", *wsd))
+    capsys.readouterr()
+    train_loop.run(tiny_config(corpus, grown, "train.steps=16", *wsd, "checkpoint.resume_step=4",
+                               "checkpoint.discard_later=true"))
+    assert ("resumed with other optimizer settings than step 4 was saved with (train.steps 10 → "
+            "16): the learning rate of step 5 is 0.01 (the saved run's schedule: 0.01)"
+            ) in capsys.readouterr().err
+
+    def rows(run):
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: (r["lr"], r["loss"]) for r in lines if "loss" in r}
+
+    want, got = rows(planned), rows(grown)
+    for step in range(5, 17):
+        np.testing.assert_allclose(got[step], want[step], rtol=1e-6, err_msg=f"step {step}")
+    assert want[12][0] == np.float32(1e-2) > want[16][0]  # stable through 12, decayed at 16
+
+
 def test_a_resume_on_changed_training_data_says_so(tmp_path, capsys):
     """Each step records its training split's fingerprint (`checkpoint/<step>/training_data`);
     a resume under the same settings whose sources now hold other contents (here: the prepared

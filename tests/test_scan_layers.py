@@ -279,21 +279,20 @@ def test_a_conversion_out_of_device_memory_names_the_layout_it_was_saved_in(tmp_
     the step stays on disk: the run resumes from it in the layout it was saved in."""
     from diff_jax import checkpoint, train_loop
     from diff_jax.device_memory import DeviceMemoryError
-    from training_fixtures import tiny_config, write_corpus
+    from training_fixtures import tiny_config, write_corpus, xla_out_of_memory
 
     corpus, run = write_corpus(tmp_path / "corpus"), tmp_path / "run"
     train_loop.run(tiny_config(corpus, run, "train.steps=2", "checkpoint.every_steps=2"))
 
     def no_room(*args, **kwargs):
-        raise jax.errors.JaxRuntimeError(
-            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1024 bytes.")
+        raise xla_out_of_memory()
 
     monkeypatch.setattr(checkpoint, "in_layout_placed", no_room)
     with pytest.raises(DeviceMemoryError) as failed:
         train_loop.run(tiny_config(corpus, run, "train.steps=3", "checkpoint.every_steps=2",
                                    "model.scan_layers=true"))
     message = str(failed.value)
-    assert message.startswith("out of device memory (RESOURCE_EXHAUSTED: Out of memory while")
+    assert message.startswith("out of device memory (RESOURCE_EXHAUSTED: Out of memory")
     assert ("converting checkpoint step 2 from model.scan_layers=false to true" in message
             and "resume with model.scan_layers=false (the layout it was saved in)" in message)
     assert "train.batch_size" not in message

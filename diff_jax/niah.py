@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 from collections.abc import Sequence
 
 import numpy as np
-import tiktoken
+
+if typing.TYPE_CHECKING:  # diff_jax.data imports this module
+    from diff_jax.data.tokenizer import Encoding
 
 CITIES = (
     "Amsterdam", "Athens", "Bangkok", "Barcelona", "Beijing", "Berlin", "Bogota", "Boston",
@@ -59,7 +62,7 @@ def question_text(cities: Sequence[str], city: str) -> str:
 
 
 @functools.cache
-def haystack(enc: tiktoken.Encoding) -> np.ndarray:
+def haystack(enc: Encoding) -> np.ndarray:
     """(N,) int32: the haystack token stream, every `pydoc_data` topic, in sorted order,
     blank-line separated."""
     from pydoc_data.topics import topics
@@ -99,7 +102,7 @@ class NiahSample:
 
 def make_sample(
     rng: np.random.Generator,
-    enc: tiktoken.Encoding,
+    enc: Encoding,
     *,
     length: int,
     num_needles: int,
@@ -152,7 +155,7 @@ def make_sample(
 
 def training_documents(
     rng: np.random.Generator,
-    enc: tiktoken.Encoding,
+    enc: Encoding,
     *,
     num_tokens: int,
     doc_tokens: int,

@@ -154,3 +154,32 @@ def test_an_encoding_hf_tokenizers_cannot_express_is_refused(tmp_path, monkeypat
     with pytest.raises(ex.ExportError, match=re.escape(error)):
         tokenizer.write_tokenizer(tmp_path, "stub", 64)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_hugging_face_tokenizer_is_exported_as_it_is(tmp_path):
+    """`--tokenizer PATH` (or a run's data.tokenizer PATH): the tokenizer.json is copied byte for
+    byte, its tokenizer_config.json too where there is one (else one naming its end-of-text),
+    eos_token_id is its end-of-text, and AutoTokenizer encodes as the pipeline does; ids past
+    the model's vocabulary are refused as a tiktoken encoding's are."""
+    from diff_jax.export.tokenizer import build_tokenizer
+
+    source = tmp_path / "tokenizer"
+    source.mkdir()
+    build_tokenizer("cl100k_first_1000").save(str(source / "tokenizer.json"))
+    out = export_with_tokenizer(tmp_path / "a", 1001, tokenizer=str(source))
+    assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 1000
+    assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
+    auto = transformers.AutoTokenizer.from_pretrained(out)
+    text = MIXED.replace("<|endoftext|>", "")
+    assert (auto(text, add_special_tokens=False)["input_ids"]
+            == encoding(str(source)).encode_ordinary(text)
+            == encoding("cl100k_first_1000").encode_ordinary(text))
+    assert auto.eos_token_id == 1000
+    (source / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                              "model_max_length": 7}))
+    out = export_with_tokenizer(tmp_path / "b", 1001, tokenizer=str(source / "tokenizer.json"))
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 7
+    with pytest.raises(ex.ExportError, match=rf"--tokenizer {source}: its ids reach 1000 but "
+                                             "model.vocab_size is 1000"):
+        export_with_tokenizer(tmp_path / "c", 1000, tokenizer=str(source))

@@ -197,6 +197,43 @@ def test_cli_imports_prints_how_to_fine_tune_and_refuses_overwriting(tmp_path, c
                                        "exists and is not a directory\n")
 
 
+def test_an_hf_dir_with_its_tokenizer_gets_commands_that_read_text_with_it(tmp_path, capsys):
+    """A tokenizer.json beside the checkpoint whose ids fit the model: the printed commands pass
+    `data.tokenizer=HF_DIR` (absolute), and the evaluate command's tokenizer is the one that
+    reads a prompt (`task=generate`: its token count is the word-level tokenizer's). One whose
+    ids do not fit: a note says the commands read text with cl100k, and why."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from diff_jax.export.tokenizer import build_tokenizer
+
+    hf = tmp_path / "hf"
+    save_hf("llama-gqa", hf)
+    words = ["<unk>", "</s>", "hello", "world", *(f"w{i}" for i in range(VOCAB - 4))]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(hf / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    out = tmp_path / "ours"
+    assert main([str(hf), "--out", str(out)]) == 0
+    evaluate, fine_tune = capsys.readouterr().out.splitlines()[1:]
+    assert evaluate == (f"evaluate:  python -m diff_jax.eval task=ppl checkpoint={out} "
+                        f"data.tokenizer={hf.resolve()}")
+    assert f" data.tokenizer={hf.resolve()} train.run_dir=runs/ours-finetune" in fine_tune
+    report = json.loads(eval_run(["task=generate", f"checkpoint={out}", "prompt=hello w3 world",
+                                  "max_new_tokens=2", f"data.tokenizer={hf.resolve()}",
+                                  f"out_dir={tmp_path / 'eval'}"]).read_text())
+    assert report["prompt_tokens"] == 3 and all(t < VOCAB for t in report["new_tokens"])
+
+    build_tokenizer("cl100k_first_1000").save(str(hf / "tokenizer.json"))  # 1,001 ids
+    (hf / "tokenizer_config.json").unlink()
+    assert main([str(hf), "--out", str(out), "--overwrite"]) == 0
+    printed = capsys.readouterr().out
+    assert (f"note: the commands below read text with cl100k, not the checkpoint's tokenizer "
+            f"({hf.resolve() / 'tokenizer.json'}: its ids reach 1000, past the model's vocab_size "
+            f"{VOCAB})") in printed
+    assert "data.tokenizer" not in printed
+
+
 @pytest.mark.parametrize("name", ["absent", "a-file"])
 def test_cli_and_import_hf_refuse_an_hf_dir_that_is_not_a_directory_alike(tmp_path, capsys, name):
     hf_dir = tmp_path / name

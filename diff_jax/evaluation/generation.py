@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import tiktoken
 
+from diff_jax.data.tokenizer import Encoding
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.evaluation.report import Report
@@ -33,18 +33,19 @@ def run(loaded: Loaded, options: EvalOptions) -> Report:
          ("text", options.prompt + text)])
 
 
-def _decode(enc: tiktoken.Encoding, ids: list[int]) -> tuple[str, list[int]]:
+def _decode(enc: Encoding, ids: list[int]) -> tuple[str, list[int]]:
     """(text, the ids left out of it): the ids that are no token of `enc` (the embedding's
     padding rows past its vocabulary, and the gaps below `n_vocab` between cl100k's ordinary
     and special tokens, 100256 and 100261–100275) are left out, as is end-of-text; a sampled one
-    made tiktoken's decode raise KeyError. Bytes that are no UTF-8 become U+FFFD, as
-    `Encoding.decode` makes them."""
-    pieces, undecodable = [], []
+    made tiktoken's decode raise KeyError. The rest is decoded together (bytes that are no
+    UTF-8 become U+FFFD)."""
+    known, undecodable = [], []
     for t in ids:
         if t == enc.eot_token:
             continue
         try:
-            pieces.append(enc.decode_single_token_bytes(t))
+            enc.decode_single_token_bytes(t)
+            known.append(t)
         except KeyError:
             undecodable.append(t)
-    return b"".join(pieces).decode("utf-8", errors="replace"), undecodable
+    return enc.decode(known), undecodable

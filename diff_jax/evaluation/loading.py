@@ -12,13 +12,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-import tiktoken
 
 from diff_jax import checkpoint
 from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import (Config, ConfigError, ModelConfig, TrainConfig, apply_overrides,
                              from_dict, is_blank_path, parse_override)
 from diff_jax.data import encoding
+from diff_jax.data.tokenizer import Encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.export import ExportError
 from diff_jax.export.sources import EVAL_DIR, LOADABLE, abstract_params, locate, read_source
@@ -41,7 +41,7 @@ class Loaded:
     split_note: str | None = None
 
 
-def text_encoding(config: Config) -> tiktoken.Encoding:
+def text_encoding(config: Config) -> Encoding:
     """The encoding of `data.tokenizer`; `EvalError` when its ids do not all fit
     `model.vocab_size` (the model was trained with another tokenizer)."""
     enc = encoding(config.data.tokenizer)

@@ -15,10 +15,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tiktoken
 
 from diff_jax import niah as needles
 from diff_jax.config import Config, ModelConfig
+from diff_jax.data.tokenizer import Encoding
 from diff_jax.evaluation import plots
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
@@ -37,7 +37,7 @@ def niah_lengths(config: Config, options: EvalOptions) -> tuple[int, ...]:
     return tuple(lengths)
 
 
-def cell_samples(enc: tiktoken.Encoding, options: EvalOptions, depth: int,
+def cell_samples(enc: Encoding, options: EvalOptions, depth: int,
                  length: int) -> list[needles.NiahSample]:
     """The S samples of one (depth %, length) cell; each cell has its own seeded stream."""
     rng = needles.eval_rng(options.seed, depth, length)
@@ -86,7 +86,7 @@ def accuracy(model_cfg: ModelConfig, params: Any, samples: list[needles.NiahSamp
     return float(np.mean(per_sample))
 
 
-def accuracy_grid(model_cfg: ModelConfig, params: Any, enc: tiktoken.Encoding,
+def accuracy_grid(model_cfg: ModelConfig, params: Any, enc: Encoding,
                   options: EvalOptions, lengths: tuple[int, ...],
                   logit_bits: int | None = None) -> tuple[np.ndarray, list[dict]]:
     """(accuracy (depths, lengths), per-cell records with the answer needles' start positions);

@@ -27,9 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
                         help="storage dtype of every tensor (default: %(default)s)")
     parser.add_argument("--tokenizer",
-                        help="hf-diffllama: the tiktoken encoding to write Hugging Face tokenizer "
-                             "files for, or none (default: the run's data.tokenizer; none "
-                             "when the source records none, as an import's)")
+                        help="hf-diffllama: the tokenizer to write Hugging Face tokenizer "
+                             "files for (a tiktoken encoding, or a tokenizer.json to copy), or "
+                             "none (default: the run's data.tokenizer; none when the source "
+                             "records none, as an import's)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing export at --out; refused while it holds "
                              f"{EVAL_DIR}/ (eval.py results), which is never deleted")

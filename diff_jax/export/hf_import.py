@@ -301,6 +301,27 @@ def finetune_overrides(config: ModelConfig, out: str | Path) -> list[str]:
     return [*overrides, f"train.init_from={out}"]
 
 
+def own_tokenizer(hf_dir: str | Path, config: ModelConfig) -> tuple[list[str], str | None]:
+    """(`["data.tokenizer=ABSOLUTE_HF_DIR"]` where `hf_dir` holds a tokenizer.json that loads
+    (`HFEncoding`) and whose ids fit `config.vocab_size`, so that the printed commands read text
+    with the model's own tokenizer, else []; why one that is there cannot be used, else None).
+    Without it the commands' tokenizer, cl100k, is another vocabulary's."""
+    from diff_jax.data import DataError
+    from diff_jax.data.tokenizer import HF_FILE, HFEncoding
+
+    where = Path(hf_dir).expanduser().resolve()
+    if not (where / HF_FILE).is_file():
+        return [], None
+    try:
+        top = HFEncoding(str(where)).n_vocab
+    except DataError as e:
+        return [], str(e)
+    if top > config.vocab_size:
+        return [], (f"{where / HF_FILE}: its ids reach {top - 1}, past the model's vocab_size "
+                    f"{config.vocab_size}")
+    return [f"data.tokenizer={where}"], None
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m diff_jax.export.hf_import HF_DIR --out DIR [--overwrite]`; 2 on bad input."""
     parser = argparse.ArgumentParser(
@@ -319,13 +340,17 @@ def main(argv: list[str] | None = None) -> int:
                          overwrite=args.overwrite)
             print(f"imported {args.hf_dir} ({source.config.variant}) to {out} (orbax-params, "
                   "float32)")
+            tokenizer, unusable = own_tokenizer(args.hf_dir, source.config)
+            if unusable is not None:
+                print(f"note: the commands below read text with cl100k, not the checkpoint's "
+                      f"tokenizer ({unusable})")
             # the commands as `python -m`, which an installed diff-jax runs as a clone's root does
             print("evaluate:  python -m diff_jax.eval task=ppl "
-                  + shlex.quote(f"checkpoint={out}"))
+                  + shlex.join([f"checkpoint={out}", *tokenizer]))
             # a run directory of its own: the config file's (configs/tiny.yaml: runs/tiny) may
             # hold a run, which would resume instead, ignoring train.init_from
             print("fine-tune: python -m diff_jax.train " + shlex.join(
-                [*finetune_overrides(source.config, out),
+                [*finetune_overrides(source.config, out), *tokenizer,
                  f"train.run_dir=runs/{out.name}-finetune"]))
     except ExportError as e:
         quiet_abandoned_io()  # a damaged checkpoint's reads: this line stays the last

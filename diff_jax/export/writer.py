@@ -146,8 +146,9 @@ def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors
     read, e.g. by `diff_jax.export.hf_import`) to `out` in `fmt`.
 
     `dtype` is the storage dtype of every tensor (`float32` or `bfloat16`). `tokenizer`
-    (hf-diffllama only): the tiktoken encoding whose Hugging Face tokenizer files are written
-    beside the model (`diff_jax.export.tokenizer`), or "none"; None: the source's
+    (hf-diffllama only): the tokenizer whose Hugging Face tokenizer files are written beside
+    the model (`diff_jax.export.tokenizer`: a tiktoken encoding's built, a tokenizer.json
+    copied), or "none"; None: the source's
     `data.tokenizer` (`Source.tokenizer`), else (an import, whose vocabulary is another
     tokenizer's) "none". Returns `out`.
     """

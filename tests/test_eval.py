@@ -194,6 +194,97 @@ def test_score_is_the_log_probability_of_each_next_token(runs, tmp_path):
     np.testing.assert_allclose(np.load(out["output"]), direct(ids[:20]), atol=1e-5)
 
 
+CHOICE_ITEMS = [
+    {"context": "The capital of France is", "choices": [" Paris", " Berlin", " a city"],
+     "label": 0},
+    {"context": "", "choices": ["def", "class"], "label": 1},  # end-of-text as its context
+    {"context": "x = 1\n" * 12 + "print(", "choices": ["x)", "y)", "x + 1)", "'x')"], "label": 2},
+    {"context": "Water boils at 100 degrees", "choices": [" Celsius.", " Fahrenheit."],
+     "label": 0},
+]
+
+
+@pytest.mark.parametrize("variant", ["diff", "transformer"])
+def test_choice_sums_each_choice_s_log_probability_given_its_context(runs, tmp_path, variant):
+    """task=choice against the model applied directly to each context + choice, cut from the
+    left to `length` (float32 sums of a few log-probabilities: 1e-4): the per-choice sums, the
+    argmax accuracy, the per-character one and the cut contexts' count; rows in batches of 3
+    (the last one padded) give what one row at a time does."""
+    loaded = _params(runs[variant])
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps(i) + "\n" for i in CHOICE_ITEMS) + "\n")
+    out = _run(runs[variant], "task=choice", f"input={items}", "length=24", "batch_size=3")
+
+    @jax.jit
+    def logp(window: jax.Array) -> jax.Array:
+        logits = DecoderLM(loaded.config.model).apply({"params": loaded.params}, window[None])
+        return jnp.take_along_axis(jax.nn.log_softmax(logits[0], axis=-1)[:-1], window[1:, None],
+                                   axis=-1)[:, 0]
+
+    want, cut = [], 0
+    for item in CHOICE_ITEMS:
+        context = ENC.encode_ordinary(item["context"]) or [ENC.eot_token]
+        sums = []
+        for choice in item["choices"]:
+            ids = ENC.encode_ordinary(choice)
+            kept = context[-(24 - len(ids)):]
+            cut += len(kept) < len(context)
+            sums.append(float(np.sum(np.asarray(logp(jnp.asarray(kept + ids)))[-len(ids):])))
+        want.append(sums)
+    for got, expected in zip(out["logprobs"], want):
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+    assert out["contexts_cut"] == cut == 4  # item 3's context is 38 tokens
+    labels = [i["label"] for i in CHOICE_ITEMS]
+    argmax = [int(np.argmax(s)) for s in want]
+    per_char = [int(np.argmax(np.array(s) / [len(c) for c in i["choices"]]))
+                for s, i in zip(want, CHOICE_ITEMS)]
+    assert out["predictions"] == argmax and out["predictions_norm"] == per_char
+    assert out["accuracy"] == np.mean(np.array(argmax) == labels)
+    assert out["accuracy_norm"] == np.mean(np.array(per_char) == labels)
+    assert out["num_items"] == 4 and out["chance"] == np.mean([1 / 3, 1 / 2, 1 / 4, 1 / 2])
+    one = _run(runs[variant], "task=choice", f"input={items}", "length=24", "batch_size=1")
+    np.testing.assert_allclose(np.concatenate(one["logprobs"]), np.concatenate(out["logprobs"]),
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("line,error", [
+    ("[1, 2]", ":2: a JSON list, not an object"),
+    ('{"context": "a", "choices": [" b", " c"]}', ":2: no 'label'"),
+    ('{"context": "a", "choices": [" b"], "label": 0}',
+     ":2: 'choices' must be a list of two or more non-blank strings"),
+    ('{"context": "a", "choices": [" b", " "], "label": 0}',
+     ":2: 'choices' must be a list of two or more non-blank strings"),
+    ('{"context": 3, "choices": [" b", " c"], "label": 0}', ":2: 'context' is no string"),
+    ('{"context": "a", "choices": [" b", " c"], "label": 2}',
+     ":2: 'label' 2 is not the index of one of its 2 choices"),
+    ('{"context": "a", "choices": [" b", " c"], "label": true}', ":2: 'label' True is not"),
+    ("{not json", ":2: not JSON"),
+])
+def test_a_choice_file_with_a_bad_item_is_one_error_naming_its_line(runs, tmp_path, line, error):
+    items = tmp_path / "items.jsonl"
+    items.write_text(json.dumps(CHOICE_ITEMS[0]) + "\n" + line + "\n")
+    with pytest.raises(EvalError) as failed:
+        _run(runs["diff"], "task=choice", f"input={items}")
+    assert str(failed.value).startswith(f"input={items}{error}")
+    assert str(failed.value).endswith('expected {"context": str, "choices": [str, ...], '
+                                      '"label": int}')
+
+
+def test_choice_inputs_that_cannot_be_scored_are_refused(runs, tmp_path):
+    with pytest.raises(EvalError, match="task=choice needs input=FILE.jsonl"):
+        EvalOptions(task="choice", input="items.txt")
+    with pytest.raises(EvalError, match="task=choice needs input=FILE.jsonl"):
+        EvalOptions(task="choice")
+    items = tmp_path / "items.jsonl"
+    items.write_text(json.dumps({"context": "a", "choices": [" b" * 30, " c"], "label": 0}))
+    with pytest.raises(EvalError, match="length=16: a choice of 30 tokens leaves no room for its "
+                                        "context; raise length"):
+        _run(runs["diff"], "task=choice", f"input={items}", "length=16")
+    items.write_text("\n\n")
+    with pytest.raises(EvalError, match="holds no item"):
+        _run(runs["diff"], "task=choice", f"input={items}")
+
+
 def test_niah_grid_is_seeded_and_puts_needles_at_the_requested_depths(runs):
     args = ("task=niah", "lengths=[64,128]", "samples=2", "needles=2", "queries=2", "seed=5")
     out = _run(runs["diff"], *args)

@@ -11,12 +11,12 @@ from pathlib import Path
 from diff_jax.config import SEED_LIMIT, ConfigError, coerce, is_blank_path, parse_override
 from diff_jax.kernels.reference import MAX_LOGIT_BITS
 
-TASKS = ("ppl", "score", "niah", "attention", "outliers", "quant", "generate", "recall")
+TASKS = ("ppl", "score", "niah", "attention", "outliers", "quant", "generate", "recall", "choice")
 PATH_OPTIONS: dict[str, str] = {  # the options naming a file or directory: what each expects
     "checkpoint": "a run, a step directory RUN/checkpoints/N or an export (or leave it out and "
                   "give train.run_dir=RUN)",
     "out_dir": "a directory (or leave it out: the checkpoint's eval/)",
-    "input": "a .txt or .npy file",
+    "input": "a .txt or .npy file (choice: a .jsonl file of items)",
     "output": "a .npy file (or leave it out: OUT_DIR/score.npy)",
 }
 
@@ -27,7 +27,7 @@ MEMORY_OPTIONS: dict[str, tuple[str, ...]] = {
     "ppl": ("batch_size", "length"), "score": ("length",), "niah": ("batch_size", "lengths"),
     "attention": ("lengths",), "outliers": ("batch_size", "length"),
     "quant": ("batch_size", "length", "lengths"), "generate": ("max_new_tokens", "prompt"),
-    "recall": ("batch_size", "lengths"),
+    "recall": ("batch_size", "lengths"), "choice": ("batch_size", "length"),
 }
 assert tuple(MEMORY_OPTIONS) == TASKS
 
@@ -51,7 +51,8 @@ class EvalOptions:
     batches: int = 8
     held_out_tokens: int = 262_144  # ppl: held-out tokens scored (at most the split's)
     # score
-    input: str | None = None  # .txt (encoded with data.tokenizer) or .npy of int ids
+    # score: .txt (encoded with data.tokenizer) or .npy of int ids; choice: .jsonl of items
+    input: str | None = None
     output: str | None = None  # None: OUT_DIR/score.npy (out_dir or its default)
     # niah / attention (and quant with niah=true); recall: needles = key–value pairs N
     needles: int = 4
@@ -110,6 +111,9 @@ class EvalOptions:
                                 "scores are written as a NumPy array)")
             if self.input is not None and _same_file(self.output, self.input):
                 raise EvalError(f"output={self.output}: is the input file; name another")
+        if self.task == "choice" and (self.input is None or Path(self.input).suffix != ".jsonl"):
+            raise EvalError(f"task=choice needs input=FILE.jsonl (one multiple-choice item a "
+                            f"line), got input={self.input}")
         if self.task == "generate" and not self.prompt:
             raise EvalError('task=generate needs prompt="..."')
 
@@ -123,7 +127,8 @@ class EvalOptions:
             if name == "prompt":
                 shown.append(f"a prompt of {len(value)} characters")
             elif value in (None, ()):
-                default = "model.max_seq_len" if self.task == "score" else "train.seq_len"
+                default = ("model.max_seq_len" if self.task in ("score", "choice")
+                           else "train.seq_len")
                 shown.append(f"{name} unset (the run's {default})")
             else:
                 shown.append(f"{name}={list(value) if isinstance(value, tuple) else value}")

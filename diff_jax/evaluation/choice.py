@@ -1,0 +1,161 @@
+"""The `choice` task: zero-shot multiple choice by log-likelihood, as the paper's Table 1 scores
+ARC, BoolQ, HellaSwag, OBQA, PIQA and WinoGrande (the LM Eval Harness's `acc` and `acc_norm`).
+
+`input=ITEMS.jsonl` holds one item a line: `{"context": str, "choices": [str, ...], "label": int}`
+(the index of the right choice). Each choice is scored as the sum of log p(choice tokens | context
+tokens), the context and the choice encoded apart with `data.tokenizer` (so a choice written
+" Paris" keeps its leading space as a token of its own, as in the harness's usual prompts); an
+empty context is end-of-text alone. The prediction is the choice of the highest sum (`accuracy`)
+and of the highest sum per character of the choice's text (`accuracy_norm`, the harness's
+`acc_norm`). A context longer than fits `length` tokens with its choice loses its first tokens
+(counted in `contexts_cut`). Every (item, choice) pair is one row, scored `batch_size` rows at a
+time in rows of one width, so one program is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from diff_jax.config import Config, ModelConfig
+from diff_jax.evaluation.loading import Loaded, text_encoding
+from diff_jax.evaluation.options import EvalError, EvalOptions
+from diff_jax.evaluation.report import Report
+from diff_jax.evaluation.scoring import token_nll
+from diff_jax.transformer import DecoderLM
+
+ITEM_FORMAT = '{"context": str, "choices": [str, ...], "label": int}'
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One question: its context's token ids, each choice's ids and characters, the answer."""
+
+    context: tuple[int, ...]
+    choices: tuple[tuple[int, ...], ...]
+    chars: tuple[int, ...]  # each choice's length in characters (acc_norm's denominator)
+    label: int
+
+
+def read_items(path: Path, config: Config) -> list[Item]:
+    """The items of the JSONL file `path`, encoded with `data.tokenizer`; an `EvalError` naming
+    the line for one that is not an item (a benchmark scored on part of its items would report
+    another benchmark's accuracy)."""
+    if not path.is_file():
+        raise EvalError(f"input={path}: no such file; expected a .jsonl file of {ITEM_FORMAT}")
+    enc = text_encoding(config)
+    items = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise EvalError(f"input={path}: not UTF-8 (byte {e.start}: {e.reason})") from e
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise EvalError(f"input={path}:{n}: not JSON ({e.msg}); expected {ITEM_FORMAT}") from e
+        problem = _item_problem(record)
+        if problem is not None:
+            raise EvalError(f"input={path}:{n}: {problem}; expected {ITEM_FORMAT}")
+        context = enc.encode_ordinary(record["context"]) or [enc.eot_token]
+        choices = [enc.encode_ordinary(c) for c in record["choices"]]
+        items.append(Item(tuple(context), tuple(map(tuple, choices)),
+                          tuple(len(c) for c in record["choices"]), record["label"]))
+    if not items:
+        raise EvalError(f"input={path}: holds no item; expected one {ITEM_FORMAT} a line")
+    return items
+
+
+def _item_problem(record: Any) -> str | None:
+    """What makes `record` no item, or None."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    missing = [k for k in ("context", "choices", "label") if k not in record]
+    if missing:
+        return f"no {missing[0]!r}"
+    choices, label = record["choices"], record["label"]
+    if not isinstance(record["context"], str):
+        return "'context' is no string"
+    if not (isinstance(choices, list) and len(choices) >= 2
+            and all(isinstance(c, str) and c.strip() for c in choices)):
+        return "'choices' must be a list of two or more non-blank strings"
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(choices):
+        return f"'label' {label!r} is not the index of one of its {len(choices)} choices"
+    return None
+
+
+def choice_logprobs(model_cfg: ModelConfig, params: Any, items: list[Item], length: int,
+                    batch_size: int) -> tuple[list[np.ndarray], int]:
+    """(per item, (choices,) float64 sums of log p(choice tokens | context), how many contexts
+    were cut to fit `length` tokens with a choice). Rows are right-padded to one width, the
+    longest pair's (at most `length`): padding comes after every scored token, so the causal
+    model never reads it; missing rows of the last batch repeat row 0."""
+    rows, cut = [], 0
+    for item in items:
+        for choice in item.choices:
+            if len(choice) >= length:
+                raise EvalError(f"length={length}: a choice of {len(choice)} tokens leaves no "
+                                "room for its context; raise length")
+            context = item.context[-(length - len(choice)):]
+            cut += len(context) < len(item.context)
+            rows.append((context, choice))
+    width = max(len(c) + len(x) for c, x in rows)  # tokens; the model reads width − 1 of them
+    tokens = np.zeros((len(rows), width), np.int32)
+    for r, (context, choice) in enumerate(rows):
+        tokens[r, : len(context) + len(choice)] = context + choice
+    padded = -len(rows) % batch_size
+    tokens = np.concatenate([tokens, np.repeat(tokens[:1], padded, axis=0)])
+    model = DecoderLM(model_cfg)
+    nll = np.concatenate([
+        np.asarray(token_nll(model, params, jnp.asarray(b[:, :-1]), jnp.asarray(b[:, 1:])),
+                   np.float64) for b in np.split(tokens, len(tokens) // batch_size)])
+    sums = np.array([-nll[r, len(c) - 1: len(c) + len(x) - 1].sum()
+                     for r, (c, x) in enumerate(rows)])
+    per_item, start = [], 0
+    for item in items:
+        per_item.append(sums[start: start + len(item.choices)])
+        start += len(item.choices)
+    return per_item, cut
+
+
+def choice_task(loaded: Loaded, options: EvalOptions) -> Report:
+    """Accuracy and length-normalized accuracy over the items of `input`."""
+    cfg = loaded.config
+    length = options.length or cfg.model.max_seq_len
+    if length > cfg.model.max_seq_len:
+        raise EvalError(f"length={length} exceeds model.max_seq_len ({cfg.model.max_seq_len})")
+    items = read_items(Path(options.input), cfg)
+    sums, cut = choice_logprobs(cfg.model, loaded.params, items, length, options.batch_size)
+    predicted = [int(np.argmax(s)) for s in sums]
+    normalized = [int(np.argmax(s / np.array(item.chars))) for s, item in zip(sums, items)]
+    labels = [item.label for item in items]
+    n = len(items)
+    acc = sum(p == y for p, y in zip(predicted, labels)) / n
+    acc_norm = sum(p == y for p, y in zip(normalized, labels)) / n
+    chance = float(np.mean([1 / len(item.choices) for item in items]))
+
+    def stderr(p: float) -> float:  # of the mean of n 0/1 outcomes, as the harness reports it
+        return math.sqrt(p * (1 - p) / max(n - 1, 1))
+
+    report = Report(
+        {"input": str(options.input), "num_items": n, "length": length,
+         "accuracy": acc, "accuracy_stderr": stderr(acc), "accuracy_norm": acc_norm,
+         "accuracy_norm_stderr": stderr(acc_norm), "chance": chance, "contexts_cut": cut,
+         "predictions": predicted, "predictions_norm": normalized,
+         "logprobs": [s.tolist() for s in sums]},
+        [("items", f"{n:,} ({sum(len(i.choices) for i in items):,} choices; chance "
+                   f"{chance:.3f})"),
+         ("accuracy", f"{acc:.4f} ± {stderr(acc):.4f}"),
+         ("accuracy (per character)", f"{acc_norm:.4f} ± {stderr(acc_norm):.4f}")])
+    if cut:
+        report.notes.append(f"{cut} context(s) lost their first tokens to fit length={length} "
+                            "with a choice")
+    return report

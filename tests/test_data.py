@@ -1110,3 +1110,39 @@ def test_prompt_field_settings_are_checked_and_named_where_unread():
         "data.prompt_field=q: not used, since no data source is files (.jsonl or .parquet records; a "
         "prepared corpus holds its loss mask)"]
     assert DataConfig(source="files", paths=("x",), prompt_field="q").unread() == []
+
+
+@pytest.mark.parametrize("encode", ["string", "large_string", "string_view", "dictionary"])
+def test_a_parquet_string_column_is_read_however_arrow_encodes_it(tmp_path, encode):
+    """A string column reads the same documents whatever its Arrow encoding; dictionary-encoded
+    (pandas' category dtype, pyarrow's dictionary_encode) was skipped as 'not strings'."""
+    pa = pytest.importorskip("pyarrow")
+    texts = ["first row", "second row", "first row", None, "third"]
+    column = (pa.array(texts).dictionary_encode() if encode == "dictionary"
+              else pa.array(texts, getattr(pa, encode)()))
+    path = _parquet(tmp_path / "a.parquet", {"text": column, "prompt": column})
+    docs = file_documents((str(path),), "text", "prompt")
+    assert docs.texts == docs.prompts == ("first row", "second row", "first row", "third")
+    assert docs.skipped == (f"{path}: row 4: null 'prompt'",)
+
+
+def test_a_glob_reads_the_parts_of_a_parquet_directory(tmp_path, monkeypatch):
+    """Spark and pyarrow.dataset write a table as a directory `x.parquet` of part files: a glob
+    that matches it reads its parts as naming the directory does (it was passed over, and a glob
+    matching such directories alone read no document). Other directories a glob matches are
+    passed over, and a glob that matches no file says so."""
+    pytest.importorskip("pyarrow")
+    for name, rows in (("a.parquet", ["a0", "a1"]), ("b.parquet", ["b0"])):
+        (tmp_path / "out" / name).mkdir(parents=True)
+        _parquet(tmp_path / "out" / name / "part-00000.parquet", {"text": rows[:1]})
+        _parquet(tmp_path / "out" / name / "part-00001.parquet", {"text": rows[1:]})
+        (tmp_path / "out" / name / "_SUCCESS").write_text("")
+    (tmp_path / "out" / "logs").mkdir()
+    (tmp_path / "out" / "logs" / "run.txt").write_text("a log, not data")
+    monkeypatch.chdir(tmp_path)
+    named = file_documents(("out/a.parquet", "out/b.parquet"), "text").texts
+    assert named == ("a0", "a1", "b0")
+    assert file_documents(("out/*.parquet",), "text").texts == named
+    assert file_documents(("out/*",), "text").texts == named  # logs/ passed over
+    with pytest.raises(DataError, match=re.escape("data.paths: 'out/l*' matches no file")):
+        file_documents(("out/l*",), "text")

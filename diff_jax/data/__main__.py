@@ -33,10 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prepare", help="tokenize text files/globs (or 'stdlib') into a token corpus")
     p.add_argument("sources", nargs="+", help="files, directories, globs, or 'stdlib'")
     p.add_argument("out_dir")
-    p.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    p.add_argument("--text-field", default="text",
+                   help="JSONL field (Parquet column) holding the text")
     p.add_argument("--prompt-field", default=None,
-                   help="JSONL field holding the prompt the text continues: its tokens are "
-                        "context, not training targets (written as loss_mask.bin)")
+                   help="JSONL field (Parquet column) holding the prompt the text continues: "
+                        "its tokens are context, not training targets (written as loss_mask.bin)")
     p.add_argument("--tokenizer", default=BASE,
                    help=f"{BASE}, cl100k_first_N or a Hugging Face tokenizer.json "
                         "(data.tokenizer)")

@@ -58,7 +58,9 @@ def expand_paths(patterns: tuple[str, ...]) -> list[Path]:
     `**` glob is) and globs, each file once however many patterns name it and however they spell
     it (relative, absolute, `..`, a symlink): a file read twice would be two documents, one
     possibly held out beside the other. Sorted by the real file's path, so that the corpus (its
-    order, split and fingerprint) does not depend on the spelling."""
+    order, split and fingerprint) does not depend on the spelling. A directory a glob matches is
+    passed over unless it is named `*.parquet` (a data set Spark or pyarrow.dataset wrote in
+    parts), which is read as a directory named is."""
     if not patterns:
         raise DataError("data.paths: empty; name at least one file, directory or glob")
     files: dict[Path, Path] = {}  # the real file -> the first spelling naming it
@@ -67,8 +69,12 @@ def expand_paths(patterns: tuple[str, ...]) -> list[Path]:
             raise DataError(f"data.paths: {pattern!r} is empty; name a file, directory or glob")
         p = Path(pattern).expanduser()
         if any(c in pattern for c in "*?[") and not p.exists():  # "notes [draft].txt" is a file
-            matches = [Path(m) for m in glob.glob(str(p), recursive=True)]
-            if not matches:
+            matches = []
+            for m in map(Path, glob.glob(str(p), recursive=True)):
+                # a directory x.parquet is one data set written in parts (Spark, pyarrow.dataset)
+                parts = m.is_dir() and m.name.endswith(PARQUET_SUFFIX)
+                matches += _text_files_under(m) if parts else [m]
+            if not any(m.is_file() for m in matches):
                 raise DataError(f"data.paths: {pattern!r} matches no file")
         elif p.is_dir():
             matches = _text_files_under(p)
@@ -199,7 +205,8 @@ def _jsonl_record(line: bytes, path: Path, n: int, field: str, prompt_field: str
 def _parquet_records(path: Path, field: str, prompt_field: str | None,
                      skipped: list[str]) -> Iterator[tuple[str, str]]:
     """(prompt, text) of each row of the Parquet file `path`: its string column `field`, after
-    `prompt_field`'s where one is named (else ""), as `_jsonl_record` reads a record. Only those
+    `prompt_field`'s where one is named (else ""), as `_jsonl_record` reads a record (a
+    dictionary-encoded string column, as pandas writes its category dtype, too). Only those
     columns are read, `PARQUET_BATCH_ROWS` rows at a time, so the file takes the memory of one
     row group's columns (as written: often 100K rows or 128 MiB), not its own. A row whose value
     is null, or a blank text, is skipped and named (`path: row N: ...`, N from 1); a file that
@@ -219,8 +226,10 @@ def _parquet_records(path: Path, field: str, prompt_field: str | None,
                                                   (field, "data.text_field")) if name is not None]
         for name, key in columns:
             kind = schema.field(name).type if name in schema.names else None
-            if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-                                    or pa.types.is_string_view(kind)):
+            # a dictionary-encoded column (pandas' category dtype) holds strings by index
+            values = kind.value_type if kind is not None and pa.types.is_dictionary(kind) else kind
+            if values is None or not (pa.types.is_string(values) or pa.types.is_large_string(values)
+                                      or pa.types.is_string_view(values)):
                 what = (f"no column {name!r} ({key})" if kind is None else
                         f"column {name!r} ({key}) holds {kind}, not strings")
                 skipped.append(f"{path}: {what}; its columns: {', '.join(schema.names[:8])}"

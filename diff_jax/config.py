@@ -351,8 +351,10 @@ class OptimConfig:
         _require(0 <= self.warmup_steps <= MAX_STEPS, "optim.warmup_steps",
                  f"must be in [0, {MAX_STEPS}] (optax counts steps in int32)")
         if self.decay_steps is not None:
-            _require(1 <= self.decay_steps <= MAX_STEPS, "optim.decay_steps",
-                     f"must be in [1, {MAX_STEPS}] or null (every step after the warmup)")
+            # the decay's first step runs at lr (it reaches min_lr after train.steps)
+            _require(2 <= self.decay_steps <= MAX_STEPS, "optim.decay_steps",
+                     f"must be in [2, {MAX_STEPS}] or null (every step after the warmup): the "
+                     "decay's first step runs at optim.lr, so 1 would decay nothing")
             _require(self.schedule != "constant", "optim.decay_steps",
                      "has nothing to decay with optim.schedule=constant; leave it null")
         _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, "optim.b1/b2", "must be in [0, 1)")

@@ -177,7 +177,12 @@ def test_a_longer_run_keeps_the_stable_phase_it_has_trained():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["optim.decay_steps=0"], "optim.decay_steps: must be in [1, "),
+    (["optim.decay_steps=0"], "optim.decay_steps: must be in [2, "),
+    # the decay's first step runs at lr: one step would decay nothing (it was accepted, and the
+    # run's last step ran at lr)
+    (["optim.decay_steps=1"], "optim.decay_steps: must be in [2, 2147483647] or null (every step "
+                              "after the warmup): the decay's first step runs at optim.lr, so 1 "
+                              "would decay nothing"),
     (["optim.schedule=constant", "optim.decay_steps=5"],
      "optim.decay_steps: has nothing to decay with optim.schedule=constant"),
     (["train.steps=20", "optim.warmup_steps=10", "optim.decay_steps=11"],

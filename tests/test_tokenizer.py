@@ -184,7 +184,7 @@ def test_a_hugging_face_tokenizer_reads_text_as_the_tiktoken_it_was_built_from(h
                              depth=0.3) for e in (hf, want))
     assert np.array_equal(a.sequence(0)[0], b.sequence(0)[0])
     ids = want.encode_ordinary(TEXT) + [1000, 1001, 5000] + want.encode_ordinary("done")
-    assert _decode(hf, ids) == _decode(want, ids) == (TEXT + "done", [1001, 5000])
+    assert _decode(hf, ids, []) == _decode(want, ids, []) == (TEXT + "done", [1001, 5000])
 
 
 def test_a_hugging_face_tokenizer_that_cannot_be_used_is_one_error(hf_dir, tmp_path,
@@ -248,3 +248,41 @@ def test_a_corpus_prepared_with_a_hugging_face_tokenizer_is_read_with_that_one(h
                                             rf"Hugging Face tokenizer {hf_dir} \(tokenizer.json "
                                             "SHA-256 "):
             load(tmp_path / "tok", name)
+
+
+@pytest.mark.parametrize("style", ["sentencepiece", "wordpiece"])
+def test_generation_decodes_its_tokens_as_they_follow_the_prompt(tmp_path, style):
+    """A Llama-2-style tokenizer (Metaspace pieces, byte fallback) decodes "▁world" alone as
+    "world", as a WordPiece one does "world": the completion after "hello" read "helloworld".
+    Decoded after the prompt's ids, it is " world café" (byte-fallback tokens joined), without
+    end-of-text and the id that is no token."""
+    pytest.importorskip("tokenizers")
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from diff_jax.evaluation.generation import _decode
+
+    if style == "sentencepiece":
+        pieces = ["<unk>", "</s>", "▁hello", "▁world", "▁caf", "<0xC3>", "<0xA9>"]
+        tokenizer = Tokenizer(models.Unigram([(p, -1.0) for p in pieces], unk_id=0,
+                                             byte_fallback=True))
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+        tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "),
+                                               decoders.ByteFallback(), decoders.Fuse(),
+                                               decoders.Strip(" ", 1, 0)])
+        new = ["▁world", "▁caf", "<0xC3>", "<0xA9>"]
+    else:
+        pieces = ["[UNK]", "</s>", "hello", "world", "caf", "##é"]
+        tokenizer = Tokenizer(models.WordPiece({p: i for i, p in enumerate(pieces)},
+                                               unk_token="[UNK]"))
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tokenizer.decoder = decoders.WordPiece()
+        new = ["world", "caf", "##é"]
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    enc = encoding(str(tmp_path))
+    prompt = enc.encode_ordinary("hello")
+    ids = [pieces.index(p) for p in new] + [enc.eot_token, len(pieces) + 3]
+    assert enc.decode(prompt + ids[:-2]) == "hello world café"
+    assert _decode(enc, ids, prompt) == (" world café", [len(pieces) + 3])

@@ -20,7 +20,7 @@ def run(loaded: Loaded, options: EvalOptions) -> Report:
                        sampling=sampling, seed=options.seed, eos_id=enc.eot_token)[0]
     except ValueError as e:
         raise EvalError(f"generate: {e}") from e
-    text, undecodable = _decode(enc, new)
+    text, undecodable = _decode(enc, new, ids)
     return Report(
         {"prompt": options.prompt, "completion": text, "prompt_tokens": len(ids),
          "new_tokens": new, "undecodable_tokens": undecodable,
@@ -33,12 +33,15 @@ def run(loaded: Loaded, options: EvalOptions) -> Report:
          ("text", options.prompt + text)])
 
 
-def _decode(enc: Encoding, ids: list[int]) -> tuple[str, list[int]]:
-    """(text, the ids left out of it): the ids that are no token of `enc` (the embedding's
-    padding rows past its vocabulary, and the gaps below `n_vocab` between cl100k's ordinary
-    and special tokens, 100256 and 100261–100275) are left out, as is end-of-text; a sampled one
-    made tiktoken's decode raise KeyError. The rest is decoded together (bytes that are no
-    UTF-8 become U+FFFD)."""
+def _decode(enc: Encoding, ids: list[int], context: list[int]) -> tuple[str, list[int]]:
+    """(text, the ids left out of it): the text `ids` add after `context` (the prompt's ids).
+    The ids that are no token of `enc` (the embedding's padding rows past its vocabulary, and
+    the gaps below `n_vocab` between cl100k's ordinary and special tokens, 100256 and
+    100261–100275) are left out, as is end-of-text; a sampled one made tiktoken's decode raise
+    KeyError. The rest is decoded together after the context, whose own text is then cut off
+    (bytes that are no UTF-8 become U+FFFD): a Hugging Face decoder reads a token by what
+    precedes it, and alone a SentencePiece "▁word" or a WordPiece "word" loses the space before
+    it, which joined the prompt's last word to the completion's first."""
     known, undecodable = [], []
     for t in ids:
         if t == enc.eot_token:
@@ -48,4 +51,5 @@ def _decode(enc: Encoding, ids: list[int]) -> tuple[str, list[int]]:
             known.append(t)
         except KeyError:
             undecodable.append(t)
-    return enc.decode(known), undecodable
+    head, whole = enc.decode(context), enc.decode([*context, *known])
+    return (whole[len(head):] if whole.startswith(head) else enc.decode(known)), undecodable

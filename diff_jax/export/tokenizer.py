@@ -159,7 +159,8 @@ def write_tokenizer(directory: str | Path, name: str, model_max_length: int) -> 
     """Write the `TOKENIZER_FILES` for the tokenizer `name` into `directory`; returns the
     end-of-text id (the `eos_token_id` for the model's config). A Hugging Face tokenizer
     (`data.tokenizer` a path) is copied: its tokenizer.json, and its tokenizer_config.json and
-    special_tokens_map.json where they are beside it (else written, naming its end-of-text)."""
+    special_tokens_map.json where they are beside it (else written, naming its end-of-text and
+    reading special tokens' text as text, as the pipeline does)."""
     directory = Path(directory)
     hf = _hf_encoding(name)
     if hf is not None:
@@ -193,6 +194,7 @@ def _copy_hf_tokenizer(directory: Path, hf, model_max_length: int) -> int:
     eos = hf.decode([hf.eot_token])
     for extra, default in (("tokenizer_config.json", {
             "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+            "split_special_tokens": True,  # special tokens' text is text, as HFEncoding reads it
             "model_max_length": model_max_length}),
             ("special_tokens_map.json", {"eos_token": eos})):
         beside = file.parent / extra

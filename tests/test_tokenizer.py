@@ -157,16 +157,16 @@ def hf_dir(tmp_path_factory) -> Path:
 
 
 def test_a_hugging_face_tokenizer_reads_text_as_the_tiktoken_it_was_built_from(hf_dir,
-                                                                             monkeypatch):
+                                                                              monkeypatch):
     """data.tokenizer=PATH (the directory or its tokenizer.json) encodes as tiktoken's
-    cl100k_first_1000 does (special tokens' text as text, nothing added; a batch of texts 3 at
-    a time), ends documents with its <|endoftext|>, and so gives the same corpus and needle
-    samples; generation's decode gives the same text and the same undecodable ids."""
+    cl100k_first_1000 does (special tokens' text as text, nothing added; a batch in parts of
+    `HF_BATCH_TEXTS` texts), ends documents with its <|endoftext|>, and so gives the same corpus
+    and needle samples; generation's decode gives the same text and the same undecodable ids."""
     from diff_jax.data import tokenizer
     from diff_jax.data.tokenizer import HFEncoding
-
-    monkeypatch.setattr(tokenizer, "HF_BATCH_TEXTS", 3)
     from diff_jax.evaluation.generation import _decode
+
+    monkeypatch.setattr(tokenizer, "HF_BATCH_TEXTS", 3)  # the 4 texts below in two parts
 
     want = encoding("cl100k_first_1000")
     texts = [sample_text(), TEXT, "second document", "  \n"]

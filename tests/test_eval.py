@@ -198,9 +198,10 @@ CHOICE_ITEMS = [
     {"context": "The capital of France is", "choices": [" Paris", " Berlin", " a city"],
      "label": 0},
     {"context": "", "choices": ["def", "class"], "label": 1},  # end-of-text as its context
-    {"context": "x = 1\n" * 12 + "print(", "choices": ["x)", "y)", "x + 1)", "'x')"], "label": 2},
-    {"context": "Water boils at 100 degrees", "choices": [" Celsius.", " Fahrenheit."],
-     "label": 0},
+    {"context": "x = 1\n" * 12 + "print", "choices": ["(x)", "(y)", "(x + 1)", "('x')"],
+     "label": 2},  # every context + choice encodes as the context's ids, then more
+    {"context": "Water boils at 100 degrees ", "choices": ["Celsius.", "Fahrenheit."],
+     "label": 0},  # the trailing space moves to the choices, as the harness moves it
 ]
 
 
@@ -222,18 +223,24 @@ def test_choice_sums_each_choice_s_log_probability_given_its_context(runs, tmp_p
                                    axis=-1)[:, 0]
 
     want, cut = [], 0
-    for item in CHOICE_ITEMS:
-        context = ENC.encode_ordinary(item["context"]) or [ENC.eot_token]
+    for item in CHOICE_ITEMS:  # split as lm-eval's _encode_pair splits a request
         sums = []
         for choice in item["choices"]:
-            ids = ENC.encode_ordinary(choice)
+            text = item["context"]
+            spaces = len(text) - len(text.rstrip())
+            if spaces:
+                text, choice = text[:-spaces], text[-spaces:] + choice
+            context = ENC.encode_ordinary(text) if text else [ENC.eot_token]
+            ids = ENC.encode_ordinary(text + choice)[len(context):] if text else \
+                ENC.encode_ordinary(choice)
+            assert not text or ENC.encode_ordinary(text + choice)[:len(context)] == context
             kept = context[-(24 - len(ids)):]
             cut += len(kept) < len(context)
             sums.append(float(np.sum(np.asarray(logp(jnp.asarray(kept + ids)))[-len(ids):])))
         want.append(sums)
     for got, expected in zip(out["logprobs"], want):
         np.testing.assert_allclose(got, expected, atol=1e-4)
-    assert out["contexts_cut"] == cut == 4  # item 3's context is 38 tokens
+    assert out["contexts_cut"] == cut == 4  # item 3's context is 61 tokens
     labels = [i["label"] for i in CHOICE_ITEMS]
     argmax = [int(np.argmax(s)) for s in want]
     per_char = [int(np.argmax(np.array(s) / [len(c) for c in i["choices"]]))
@@ -245,6 +252,24 @@ def test_choice_sums_each_choice_s_log_probability_given_its_context(runs, tmp_p
     one = _run(runs[variant], "task=choice", f"input={items}", "length=24", "batch_size=1")
     np.testing.assert_allclose(np.concatenate(one["logprobs"]), np.concatenate(out["logprobs"]),
                                atol=1e-5)
+
+
+def test_a_choice_is_split_from_its_context_as_the_harness_splits_it():
+    """`pair_tokens`: trailing spaces move to the choice and the choice's ids are the whole
+    text's past the context's; where a token spans the boundary ("3.1" + "4159"), the two are
+    encoded apart, so the ids always decode to context + choice."""
+    from diff_jax.evaluation.choice import pair_tokens
+
+    for context, choice in [("The answer is", " 42"), ("x = [", "1, 2]"), ("3.1", "4159"),
+                            ("www.", "google.com"), ("Water boils at 100 degrees ", "Celsius"),
+                            ("", "def"), ("  ", "x")]:
+        head, tail = pair_tokens(ENC, context, choice)
+        assert ENC.decode(head + tail) == (context + choice if context.strip() else
+                                           "<|endoftext|>" + context + choice)
+    assert pair_tokens(ENC, "degrees ", "Celsius") == (ENC.encode_ordinary("degrees"),
+                                                       ENC.encode_ordinary(" Celsius"))
+    assert ENC.encode_ordinary("3.14159")[:3] != ENC.encode_ordinary("3.1")  # the case above
+    assert pair_tokens(ENC, "3.1", "4159")[1] == ENC.encode_ordinary("4159")
 
 
 @pytest.mark.parametrize("line,error", [

@@ -3,9 +3,11 @@ ARC, BoolQ, HellaSwag, OBQA, PIQA and WinoGrande (the LM Eval Harness's `acc` an
 
 `input=ITEMS.jsonl` holds one item a line: `{"context": str, "choices": [str, ...], "label": int}`
 (the index of the right choice). Each choice is scored as the sum of log p(choice tokens | context
-tokens), the context and the choice encoded apart with `data.tokenizer` (so a choice written
-" Paris" keeps its leading space as a token of its own, as in the harness's usual prompts); an
-empty context is end-of-text alone. The prediction is the choice of the highest sum (`accuracy`)
+tokens), split as the harness splits them (`pair_tokens`): the context's trailing spaces move to
+the choice, context + choice is encoded whole with `data.tokenizer`, and the choice's tokens are
+those after the context's own encoding (a SentencePiece tokenizer would prefix a choice encoded
+alone with "▁"; a token across the boundary has the two encoded apart); an empty context is
+end-of-text alone. The prediction is the choice of the highest sum (`accuracy`)
 and of the highest sum per character of the choice's text (`accuracy_norm`, the harness's
 `acc_norm`). A context longer than fits `length` tokens with its choice loses its first tokens
 (counted in `contexts_cut`). Every (item, choice) pair is one row, scored `batch_size` rows at a
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diff_jax.config import Config, ModelConfig
+from diff_jax.data.tokenizer import Encoding
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.evaluation.report import Report
@@ -35,7 +38,8 @@ ITEM_FORMAT = '{"context": str, "choices": [str, ...], "label": int}'
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-    """One question: its context's token ids, each choice's ids and characters, the answer."""
+    """One question: its context's token ids, each choice's ids and characters, the answer
+    (every choice's context ids are the context's own encoding: `pair_tokens`)."""
 
     context: tuple[int, ...]
     choices: tuple[tuple[int, ...], ...]
@@ -65,13 +69,32 @@ def read_items(path: Path, config: Config) -> list[Item]:
         problem = _item_problem(record)
         if problem is not None:
             raise EvalError(f"input={path}:{n}: {problem}; expected {ITEM_FORMAT}")
-        context = enc.encode_ordinary(record["context"]) or [enc.eot_token]
-        choices = [enc.encode_ordinary(c) for c in record["choices"]]
-        items.append(Item(tuple(context), tuple(map(tuple, choices)),
+        pairs = [pair_tokens(enc, record["context"], c) for c in record["choices"]]
+        if any(not choice for _, choice in pairs):
+            raise EvalError(f"input={path}:{n}: a choice adds no token after its context "
+                            f"(data.tokenizer={config.data.tokenizer}); expected {ITEM_FORMAT}")
+        items.append(Item(tuple(pairs[0][0]), tuple(tuple(c) for _, c in pairs),
                           tuple(len(c) for c in record["choices"]), record["label"]))
     if not items:
         raise EvalError(f"input={path}: holds no item; expected one {ITEM_FORMAT} a line")
     return items
+
+
+def pair_tokens(enc: Encoding, context: str, choice: str) -> tuple[list[int], list[int]]:
+    """(context ids, choice ids) as the LM Eval Harness splits a request: the context's trailing
+    whitespace moves to the start of the choice; the choice's ids are those of the whole text
+    past the context's own; an empty (or blank) context is end-of-text, the choice encoded
+    alone. Where the whole's ids do not begin with the context's ("foo" + "bar" is one token),
+    the choice is encoded alone, so that the ids scored always spell context + choice (the
+    harness then scores ids past the context's count, which spell another text)."""
+    stripped = context.rstrip()
+    choice = context[len(stripped):] + choice
+    if not stripped:
+        return [enc.eot_token], enc.encode_ordinary(choice)
+    head, whole = enc.encode_ordinary(stripped), enc.encode_ordinary(stripped + choice)
+    if whole[:len(head)] == head:
+        return head, whole[len(head):]
+    return head, enc.encode_ordinary(choice)  # a token across the boundary: the two apart
 
 
 def _item_problem(record: Any) -> str | None:

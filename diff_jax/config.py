@@ -622,7 +622,7 @@ class Config:
                  "checkpoints and train nothing")
         o = self.optim
         _require(o.decay_steps is None or o.warmup_steps + o.decay_steps <= self.train.steps,
-                 "optim.decay_steps", f"{o.decay_steps} after optim.warmup_steps="
+                 "optim.decay_steps", f"{o.decay_steps} plus optim.warmup_steps="
                  f"{o.warmup_steps} is more than train.steps={self.train.steps}: the decay would "
                  "begin inside the warmup")
         _require(self.model.learn_lambda or not self.optim.decay_norms_and_lambdas,

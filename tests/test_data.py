@@ -1042,7 +1042,7 @@ def test_parquet_rows_are_records_as_jsonl_lines_are(tmp_path, monkeypatch, caps
     got = file_documents((str(parquet),), "answer", "prompt")
     assert (got.texts, got.prompts) == (want.texts, want.prompts) and len(got.texts) == 9
     assert got.skipped == (f"{parquet}: row 4: blank field 'answer' (data.text_field)",
-                           f"{parquet}: row 8: null 'prompt'")
+                           f"{parquet}: row 8: null 'prompt' (data.prompt_field)")
     assert [s.split(": ", 1)[1] for s in want.skipped] == [
         "blank field 'answer' (data.text_field)", "no string field 'prompt' (data.prompt_field)"]
     assert file_documents((str(parquet),), "answer").prompts is None  # the texts alone
@@ -1123,7 +1123,7 @@ def test_a_parquet_string_column_is_read_however_arrow_encodes_it(tmp_path, enco
     path = _parquet(tmp_path / "a.parquet", {"text": column, "prompt": column})
     docs = file_documents((str(path),), "text", "prompt")
     assert docs.texts == docs.prompts == ("first row", "second row", "first row", "third")
-    assert docs.skipped == (f"{path}: row 4: null 'prompt'",)
+    assert docs.skipped == (f"{path}: row 4: null 'prompt' (data.prompt_field)",)
 
 
 def test_a_glob_reads_the_parts_of_a_parquet_directory(tmp_path, monkeypatch):

@@ -186,7 +186,7 @@ def test_a_longer_run_keeps_the_stable_phase_it_has_trained():
     (["optim.schedule=constant", "optim.decay_steps=5"],
      "optim.decay_steps: has nothing to decay with optim.schedule=constant"),
     (["train.steps=20", "optim.warmup_steps=10", "optim.decay_steps=11"],
-     "optim.decay_steps: 11 after optim.warmup_steps=10 is more than train.steps=20"),
+     "optim.decay_steps: 11 plus optim.warmup_steps=10 is more than train.steps=20"),
     (["optim.schedule=wsd"], "optim.schedule"),
 ])
 def test_a_decay_that_cannot_be_is_one_config_error(overrides, message):

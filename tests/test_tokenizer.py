@@ -218,6 +218,15 @@ def test_a_hugging_face_tokenizer_that_cannot_be_used_is_one_error(hf_dir, tmp_p
             in error(str(own)))
     (own / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "!"}}))
     assert HFEncoding(str(own)).eot_token == encoding("cl100k_first_1000").encode_ordinary("!")[0]
+    from tokenizers import Tokenizer, models
+
+    words = tmp_path / "words"
+    words.mkdir()
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(
+        str(words / "tokenizer.json"))
+    assert error(str(words)).endswith(
+        "found no end-of-text token (no tokenizer_config.json eos_token beside it, none of "
+        "<|endoftext|>, <|end_of_text|>, </s>, <eos>), which ends every document")
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     assert error(str(hf_dir)) == (f"data.tokenizer={hf_dir}: a Hugging Face tokenizer needs the "
                                   "`tokenizers` package (pip install 'diff-jax[hf]')")
@@ -248,6 +257,11 @@ def test_a_corpus_prepared_with_a_hugging_face_tokenizer_is_read_with_that_one(h
                                             rf"Hugging Face tokenizer {hf_dir} \(tokenizer.json "
                                             "SHA-256 "):
             load(tmp_path / "tok", name)
+    assert meta["tokenizer_eot"] == 1000
+    (moved / "tokenizer_config.json").write_text('{"eos_token": "!"}')  # the file, another end
+    with pytest.raises(DataError, match=rf"data.paths={tmp_path / 'tok'} ends its documents with "
+                                        rf"id 1000, but data.tokenizer={moved}'s end-of-text is 0"):
+        load(tmp_path / "tok", str(moved))
 
 
 @pytest.mark.parametrize("style", ["sentencepiece", "wordpiece"])

@@ -146,8 +146,8 @@ def tokenize(docs: Documents, encoding_name: str, seed: int = 0, threads: int = 
 def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
     """Memory-map a corpus written by `prepare`. With `tokenizer` (`data.tokenizer`), a corpus
     whose meta.json names a different tiktoken encoding, or records another Hugging Face
-    tokenizer.json (its SHA-256, wherever the file now is), is a DataError: its ids would be
-    decoded with the wrong one. (A corpus naming no tokenizer, or an unknown one, loads as it is.)
+    tokenizer.json (its SHA-256, wherever the file now is) or end-of-text id, is a DataError: its
+    ids would be decoded with the wrong one. (A corpus naming no tokenizer, or an unknown one, loads as it is.)
     One prepared with `prompt_field` whose loss_mask.bin is gone (a copy of the three files an
     unmasked corpus has) is a DataError too: before, it loaded unmasked and trained on every
     prompt token without a word."""
@@ -173,6 +173,12 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
                                 f"{prepared_with} (tokenizer.json SHA-256 {sha[:12]}…) but "
                                 f"data.tokenizer={tokenizer} is another; set data.tokenizer to "
                                 "that tokenizer.json")
+            eot = meta.get("tokenizer_eot", ours.eot_token)
+            if eot != ours.eot_token:  # the same file, another tokenizer_config.json beside it
+                raise DataError(f"data.paths={d} ends its documents with id {eot}, but "
+                                f"data.tokenizer={tokenizer}'s end-of-text is {ours.eot_token} "
+                                "(the eos_token of the tokenizer_config.json beside it); use the "
+                                "tokenizer_config.json it was prepared with")
         elif prepared_with != tokenizer and is_encoding_name(prepared_with):
             raise DataError(f"data.paths={d} was prepared with tokenizer {prepared_with} but "
                             f"data.tokenizer={tokenizer}; set data.tokenizer={prepared_with}")
@@ -255,7 +261,8 @@ def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
         np.save(tmp / "doc_starts.npy", doc_starts)
         meta = dict(sources=sources, tokenizer=encoding_name, num_docs=len(doc_starts) - 1,
                     num_tokens=total, vocab_size=enc.n_vocab, skipped=skipped,
-                    **({"tokenizer_sha256": enc.sha256} if isinstance(enc, HFEncoding) else {}),
+                    **({"tokenizer_sha256": enc.sha256, "tokenizer_eot": enc.eot_token}
+                       if isinstance(enc, HFEncoding) else {}),
                     **({} if prompt_field is None else {"prompt_field": prompt_field}))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta

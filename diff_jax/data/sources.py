@@ -242,8 +242,9 @@ def _parquet_records(path: Path, field: str, prompt_field: str | None,
             for prompt, text in zip(prompts, values[-1]):
                 row += 1
                 if prompt is None or text is None:
-                    null = prompt_field if prompt is None else field
-                    skipped.append(f"{path}: row {row}: null {null!r}")
+                    null = (prompt_field, "data.prompt_field") if prompt is None else (
+                        field, "data.text_field")
+                    skipped.append(f"{path}: row {row}: null {null[0]!r} ({null[1]})")
                 elif not text.strip():
                     skipped.append(f"{path}: row {row}: blank field {field!r} (data.text_field)")
                 else:

@@ -88,9 +88,11 @@ class HFEncoding:
         eos = _configured_eos(file.parent / "tokenizer_config.json")
         found = [eos] if eos is not None else [t for t in EOS_CANDIDATES if t in vocab]
         if not found or found[0] not in vocab:
-            raise DataError(f"data.tokenizer={name}: found no end-of-text token (tokenizer_"
-                            f"config.json's eos_token {eos!r} beside it, or one of "
-                            f"{', '.join(EOS_CANDIDATES)}), which ends every document")
+            looked = (f"tokenizer_config.json's eos_token {eos!r} beside it" if eos is not None
+                      else f"no tokenizer_config.json eos_token beside it, none of "
+                           f"{', '.join(EOS_CANDIDATES)}")
+            raise DataError(f"data.tokenizer={name}: found no end-of-text token ({looked}), "
+                            "which ends every document")
         self.eot_token = vocab[found[0]]
 
     def encode_ordinary(self, text: str) -> list[int]:

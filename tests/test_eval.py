@@ -310,6 +310,31 @@ def test_choice_inputs_that_cannot_be_scored_are_refused(runs, tmp_path):
         _run(runs["diff"], "task=choice", f"input={items}")
 
 
+def test_evaluation_texts_begin_with_the_tokenizer_s_beginning_of_text(runs, tmp_path):
+    """With a Hugging Face tokenizer whose template puts <s> first (Llama's), generate's prompt,
+    score's text and choice's contexts begin with it, as the training documents do
+    (tests/test_tokenizer.py): counted in prompt_tokens and num_tokens, and choice's sums are
+    those of the model reading <s> + context + choice."""
+    pytest.importorskip("tokenizers")
+    from training_fixtures import word_tokenizer
+
+    tok = word_tokenizer(tmp_path / "tok", template=True)
+    run, flag = runs["diff"], f"data.tokenizer={tok}"
+    out = _run(run, "task=generate", "prompt=hello world", "max_new_tokens=1", flag)
+    assert out["prompt_tokens"] == 3
+    (tmp_path / "t.txt").write_text("hello world the answer")
+    assert _run(run, "task=score", f"input={tmp_path / 't.txt'}", flag)["num_tokens"] == 5
+    items = tmp_path / "items.jsonl"
+    items.write_text(json.dumps({"context": "the answer", "choices": [" is", " world"],
+                                 "label": 0}) + "\n")
+    got = _run(run, "task=choice", f"input={items}", flag)["logprobs"][0]
+    loaded = _params(run)
+    logits = DecoderLM(loaded.config.model).apply({"params": loaded.params},
+                                                  jnp.asarray([[1, 5, 6]]))
+    logp = np.asarray(jax.nn.log_softmax(logits[0, -1]))
+    np.testing.assert_allclose(got, [logp[7], logp[4]], atol=1e-5)
+
+
 def test_niah_grid_is_seeded_and_puts_needles_at_the_requested_depths(runs):
     args = ("task=niah", "lengths=[64,128]", "samples=2", "needles=2", "queries=2", "seed=5")
     out = _run(runs["diff"], *args)

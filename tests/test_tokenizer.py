@@ -15,6 +15,7 @@ import regex
 from diff_jax import niah
 from diff_jax.config import ConfigError, load_config
 from diff_jax.data import DataError, Documents, encoding, file_documents, tokenize
+from training_fixtures import word_tokenizer
 
 TEXT = ("Grüße aus Zürich — naïve café, 東京の天気は晴れ。 Привет! 🤗🚀 e\u0301\n\r\n\ttabs  \n\n"
         "1234567 3.14159 0x1F it's we'll THEY'RE <|endoftext|> stays text; trailing   ")
@@ -300,3 +301,35 @@ def test_generation_decodes_its_tokens_as_they_follow_the_prompt(tmp_path, style
     ids = [pieces.index(p) for p in new] + [enc.eot_token, len(pieces) + 3]
     assert enc.decode(prompt + ids[:-2]) == "hello world café"
     assert _decode(enc, ids, prompt) == (" world café", [len(pieces) + 3])
+
+
+@pytest.mark.parametrize("template,config,prefix", [
+    (True, None, [1]), (False, None, []), (True, {"add_bos_token": False}, []),
+    (False, {"add_bos_token": True}, [1])])
+def test_a_hugging_face_template_s_beginning_of_text_starts_every_text(tmp_path, template, config,
+                                                                      prefix):
+    """A tokenizer whose template puts <s> before a text (Llama's), or whose
+    tokenizer_config.json says add_bos_token, begins every training document with it (masked
+    as context with a prompt field), and so do generate's prompt, score's text and choice's
+    contexts; transformers' own encoding of the export's copy agrees. Without either: nothing."""
+    pytest.importorskip("tokenizers")
+    from diff_jax.data.tokenizer import text_prefix
+    from diff_jax.evaluation.choice import pair_tokens
+
+    tok = word_tokenizer(tmp_path / "tok", template, config)
+    enc = encoding(str(tok))
+    assert text_prefix(enc) == prefix
+    plain = tokenize(Documents(("hello world", "the answer is"), ()), str(tok))
+    assert [plain.tokens[a:b].tolist() for a, b in zip(plain.doc_starts, plain.doc_starts[1:])
+            ] == [prefix + [3, 4, 2], prefix + [5, 6, 7, 2]]
+    prompted = tokenize(Documents(("world",), (), ("hello",)), str(tok))
+    assert prompted.tokens.tolist() == prefix + [3, 4, 2]
+    assert prompted.loss_mask.tolist() == [0] * len(prefix) + [0, 1, 1]
+    assert pair_tokens(enc, "the answer", " is") == (prefix + [5, 6], [7])
+    assert pair_tokens(enc, "", "hello") == (prefix or [2], [3])
+    transformers = pytest.importorskip("transformers")
+    auto = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok / "tokenizer.json"),
+                                                **({} if config is None else config),
+                                                bos_token="<s>", eos_token="</s>")
+    if config is None:  # transformers' add_bos_token only where the config says it
+        assert auto("hello world")["input_ids"] == prefix + [3, 4]

@@ -118,3 +118,24 @@ def terminal_until(terminal: int, pattern: bytes, proc: subprocess.Popen) -> re.
     except (OSError, EOFError):  # EIO: the process closed the terminal, exiting
         pytest.fail(f"exited {proc.wait()} before writing {pattern!r}: {seen[-3000:]!r}")
     return found
+
+
+def word_tokenizer(directory: Path, template: bool, config: dict | None = None) -> Path:
+    """A word-level tokenizer.json of 8 words with <s> (id 1) and </s> (id 2), whose template
+    puts <s> before a text where `template` (as Llama 2's does), and a tokenizer_config.json."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = ["<unk>", "<s>", "</s>", "hello", "world", "the", "answer", "is"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<s>", "</s>"])
+    if template:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", 1)])
+    directory.mkdir(parents=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "</s>", "bos_token": "<s>", **(config or {})}))
+    return directory

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from diff_jax.data.sources import DataError, Documents, expand_paths, iter_records
-from diff_jax.data.tokenizer import BASE, HFEncoding, encoding, is_encoding_name
+from diff_jax.data.tokenizer import BASE, HFEncoding, encoding, is_encoding_name, text_prefix
 from diff_jax.output_dir import refusal, staged
 
 TOKEN_DTYPE = np.dtype("<u4")
@@ -119,16 +119,19 @@ def unigram_loss(train: TokenCorpus, held_out: TokenCorpus) -> float:
 
 
 def tokenize(docs: Documents, encoding_name: str, seed: int = 0, threads: int = 4) -> TokenCorpus:
-    """Encode every document (+ end-of-text) in a seeded shuffled document order. With
-    `docs.prompts`, a document is its prompt's tokens, then its text's (each encoded on its own),
-    then end-of-text, and the corpus has a loss mask that counts the text's tokens and the
-    end-of-text as targets, not the prompt's."""
+    """Encode every document (+ end-of-text) in a seeded shuffled document order, each after the
+    tokenizer's `text_prefix` (a Hugging Face tokenizer's beginning-of-text; none for
+    tiktoken's). With `docs.prompts`, a document is the prefix and its prompt's tokens, then its
+    text's (each encoded on its own), then end-of-text, and the corpus has a loss mask that
+    counts the text's tokens and the end-of-text as targets, not the prefix's and prompt's."""
     enc = encoding(encoding_name)
+    head = text_prefix(enc)
     order = list(range(len(docs.texts)))
     random.Random(seed).shuffle(order)
     ids = enc.encode_ordinary_batch([docs.texts[i] for i in order], num_threads=threads)
-    prompts = ([[] for _ in order] if docs.prompts is None else
-               enc.encode_ordinary_batch([docs.prompts[i] for i in order], num_threads=threads))
+    prompts = ([list(head) for _ in order] if docs.prompts is None else
+               [head + p for p in enc.encode_ordinary_batch([docs.prompts[i] for i in order],
+                                                            num_threads=threads)])
     lengths = np.array([len(p) + len(x) + 1 for p, x in zip(prompts, ids)], dtype=np.int64)
     tokens = np.empty(int(lengths.sum()), dtype=TOKEN_DTYPE)
     mask = None if docs.prompts is None else np.ones(len(tokens), np.uint8)

@@ -61,7 +61,8 @@ class HFEncoding:
     `encode_ordinary_batch`, `decode`, `decode_single_token_bytes` (a KeyError for an id that
     is no token), `eot_token` (tokenizer_config.json's `eos_token` beside the file, else the
     first of `EOS_CANDIDATES` it has), `n_vocab` (one past its largest id) and `name` (the path
-    as given). `sha256` is the tokenizer.json's, what a prepared corpus records."""
+    as given). `prefix` holds the ids its template puts before a text (`text_prefix`); `sha256`
+    is the tokenizer.json's, what a prepared corpus records."""
 
     def __init__(self, name: str):
         path = Path(name).expanduser()
@@ -94,6 +95,8 @@ class HFEncoding:
             raise DataError(f"data.tokenizer={name}: found no end-of-text token ({looked}), "
                             "which ends every document")
         self.eot_token = vocab[found[0]]
+        self.prefix = _template_prefix(self._tokenizer, file.parent / "tokenizer_config.json",
+                                       vocab)
 
     def encode_ordinary(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -110,6 +113,40 @@ class HFEncoding:
         if self._tokenizer.id_to_token(int(token)) is None:
             raise KeyError(token)
         return self.decode([token]).encode("utf-8")
+
+
+def _template_prefix(tokenizer, config: Path, vocab: dict[str, int]) -> tuple[int, ...]:
+    """The ids `tokenizer`'s post-processor puts before a single text (Llama 2's `<s>`, Llama
+    3's `<|begin_of_text|>`; none for GPT-2's), found by encoding a probe both ways; where
+    tokenizer_config.json sets `add_bos_token`, it decides, as it does in transformers (true:
+    its `bos_token`, if the template adds none)."""
+    probe = "a"
+    whole = tokenizer.encode(probe, add_special_tokens=True).ids
+    plain = tokenizer.encode(probe, add_special_tokens=False).ids
+    at = next((i for i in range(len(whole) - len(plain) + 1)
+               if whole[i:i + len(plain)] == plain), 0)
+    prefix = tuple(whole[:at])
+    try:
+        settings = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return prefix
+    add = settings.get("add_bos_token") if isinstance(settings, dict) else None
+    if add is False:
+        return ()
+    bos = settings.get("bos_token")
+    bos = bos.get("content") if isinstance(bos, dict) else bos
+    if add is True and not prefix and isinstance(bos, str) and bos in vocab:
+        return (vocab[bos],)
+    return prefix
+
+
+def text_prefix(enc: Encoding) -> list[int]:
+    """The ids every text begins with under `enc`, before its own: a Hugging Face tokenizer's
+    beginning-of-text where its template adds one (`HFEncoding.prefix`), as the checkpoint it
+    comes with was trained and as transformers encodes; none for tiktoken's encodings. Each
+    training document starts with them (`corpus.tokenize`), and so do the texts evaluation
+    scores or continues."""
+    return list(enc.prefix) if isinstance(enc, HFEncoding) else []
 
 
 def _configured_eos(config: Path) -> str | None:

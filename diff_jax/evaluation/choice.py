@@ -6,8 +6,9 @@ ARC, BoolQ, HellaSwag, OBQA, PIQA and WinoGrande (the LM Eval Harness's `acc` an
 tokens), split as the harness splits them (`pair_tokens`): the context's trailing spaces move to
 the choice, context + choice is encoded whole with `data.tokenizer`, and the choice's tokens are
 those after the context's own encoding (a SentencePiece tokenizer would prefix a choice encoded
-alone with "▁"; a token across the boundary has the two encoded apart); an empty context is
-end-of-text alone. The prediction is the choice of the highest sum (`accuracy`)
+alone with "▁"; a token across the boundary has the two encoded apart); the context begins with
+the tokenizer's beginning-of-text where it has one (`text_prefix`), and an empty context is that
+alone, else end-of-text. The prediction is the choice of the highest sum (`accuracy`)
 and of the highest sum per character of the choice's text (`accuracy_norm`, the harness's
 `acc_norm`). A context longer than fits `length` tokens with its choice loses its first tokens
 (counted in `contexts_cut`). Every (item, choice) pair is one row, scored `batch_size` rows at a
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diff_jax.config import Config, ModelConfig
-from diff_jax.data.tokenizer import Encoding
+from diff_jax.data.tokenizer import Encoding, text_prefix
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.evaluation.report import Report
@@ -83,18 +84,18 @@ def read_items(path: Path, config: Config) -> list[Item]:
 def pair_tokens(enc: Encoding, context: str, choice: str) -> tuple[list[int], list[int]]:
     """(context ids, choice ids) as the LM Eval Harness splits a request: the context's trailing
     whitespace moves to the start of the choice; the choice's ids are those of the whole text
-    past the context's own; an empty (or blank) context is end-of-text, the choice encoded
-    alone. Where the whole's ids do not begin with the context's ("foo" + "bar" is one token),
+    past the context's own; the context's ids begin with the tokenizer's `text_prefix`, and an
+    empty (or blank) context is that prefix, else end-of-text, the choice encoded alone. Where the whole's ids do not begin with the context's ("foo" + "bar" is one token),
     the choice is encoded alone, so that the ids scored always spell context + choice (the
     harness then scores ids past the context's count, which spell another text)."""
-    stripped = context.rstrip()
+    stripped, prefix = context.rstrip(), text_prefix(enc)
     choice = context[len(stripped):] + choice
     if not stripped:
-        return [enc.eot_token], enc.encode_ordinary(choice)
+        return prefix or [enc.eot_token], enc.encode_ordinary(choice)
     head, whole = enc.encode_ordinary(stripped), enc.encode_ordinary(stripped + choice)
     if whole[:len(head)] == head:
-        return head, whole[len(head):]
-    return head, enc.encode_ordinary(choice)  # a token across the boundary: the two apart
+        return prefix + head, whole[len(head):]
+    return prefix + head, enc.encode_ordinary(choice)  # a token across the boundary: apart
 
 
 def _item_problem(record: Any) -> str | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from diff_jax.data.tokenizer import Encoding
+from diff_jax.data.tokenizer import Encoding, text_prefix
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.evaluation.report import Report
@@ -13,7 +13,7 @@ from diff_jax.generate import SamplingConfig, generate
 def run(loaded: Loaded, options: EvalOptions) -> Report:
     """Continue `options.prompt` by up to `max_new_tokens` tokens (stops at end-of-text)."""
     enc = text_encoding(loaded.config)
-    ids = enc.encode_ordinary(options.prompt)
+    ids = text_prefix(enc) + enc.encode_ordinary(options.prompt)
     try:
         sampling = SamplingConfig(options.temperature, options.top_k, options.top_p)
         new = generate(loaded.config.model, loaded.params, [ids], max_new_tokens=options.max_new_tokens,

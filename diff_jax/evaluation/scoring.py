@@ -15,6 +15,7 @@ import numpy as np
 
 from diff_jax.config import Config, ModelConfig
 from diff_jax.data import Batch, DataError, HeldOut, TokenCorpus, held_out, split_corpus
+from diff_jax.data.tokenizer import text_prefix
 from diff_jax.error_text import first_line
 from diff_jax.evaluation import plots
 from diff_jax.evaluation.loading import Loaded, text_encoding
@@ -206,7 +207,8 @@ def read_tokens(path: Path, config: Config) -> np.ndarray:
         except UnicodeDecodeError as e:
             raise EvalError(f"input={path}: not UTF-8 text (byte {e.start}: {e.reason}); pass "
                             "UTF-8 text or a .npy of token ids") from e
-        ids = np.asarray(text_encoding(config).encode_ordinary(text))
+        enc = text_encoding(config)
+        ids = np.asarray(text_prefix(enc) + enc.encode_ordinary(text))
     else:
         raise EvalError(f"input={path}: expected a .txt or .npy file")
     if len(ids) < 2:

@@ -6,8 +6,8 @@
 OUT is a finished replication (`python -m diff_jax.experiments.replicate --out OUT`, its
 results.json written). For each of its seeds (the first N with `--seeds`) this trains
 `--variant` under the same recipe, init, corpus, data order and initialization key with the
-`--set` overrides added (`model.*` or `optim.*` only: the data, budget and schedule stay the
-replication's), in OUT/runs/LABEL-INIT-sSEED with LABEL = VARIANT+KEY=VALUE+... (re-running
+`--set` overrides added (`model.*` or `optim.*` only: the data and the `train.*` budget stay
+the replication's), in OUT/runs/LABEL-INIT-sSEED with LABEL = VARIANT+KEY=VALUE+... (re-running
 resumes), scores it, and writes OUT/ablations/LABEL-INIT.json and .md: per seed the measures of
 the changed model, the unchanged one and the Transformer, the paired differences changed −
 unchanged and changed − Transformer (and unchanged − Transformer) with their spread over seeds
@@ -44,7 +44,7 @@ from diff_jax.experiments.replicate import recorded_preset, train_and_evaluate
 from diff_jax.experiments.stats import describe, paired
 from diff_jax.output_dir import write_whole
 
-SETTABLE = ("model", "optim")  # what an ablation may change; data, budget and schedule stay
+SETTABLE = ("model", "optim")  # what an ablation may change; the data and train.* stay
 _LABEL_CHARS = re.compile(r"[A-Za-z0-9_.,=-]+")
 PAIRS = (("changed", "unchanged"), ("changed", "transformer"), ("unchanged", "transformer"))
 
@@ -63,7 +63,7 @@ def check_sets(sets: tuple[str, ...]) -> None:
         keys, _ = parse_override(text)
         if len(keys) != 2 or keys[0] not in SETTABLE:
             raise ConfigError(f"--set {text}: expected model.KEY=VALUE or optim.KEY=VALUE (the "
-                              "data, budget and schedule stay the replication's)")
+                              "data and the train.* budget stay the replication's)")
         if keys[0] == "model" and keys[1] in ModelConfig.HOW_COMPUTED:
             raise ConfigError(f"--set {text}: model.{keys[1]} chooses how the same model is "
                               "computed, not the model or its training"

@@ -272,6 +272,34 @@ def test_a_choice_is_split_from_its_context_as_the_harness_splits_it():
     assert pair_tokens(ENC, "3.1", "4159")[1] == ENC.encode_ordinary("4159")
 
 
+def test_a_choice_across_a_token_boundary_reads_as_it_follows_its_context(tmp_path):
+    """Under a SentencePiece-style tokenizer, which begins a text encoded alone with "▁" (a
+    space), a choice encoded apart from its context ("ab" + "c": "abc" is "▁a" "bc", "ab" is
+    "▁ab") has the ids it has after other text, so that the ids still spell "abc", not "ab c";
+    elsewhere the split is the harness's, after <s>. A context the tokenizer encodes to no id
+    (a BPE without <unk> drops what it has no token for) is end-of-text where there is no
+    beginning-of-text."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from diff_jax.evaluation.choice import pair_tokens
+    from training_fixtures import sentencepiece_tokenizer
+
+    path = sentencepiece_tokenizer(tmp_path / "sp")
+    enc, ids = data.encoding(str(path)), Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id
+    head, tail = pair_tokens(enc, "ab", "c")
+    assert (head, tail) == ([1, ids("▁ab")], [ids("c")])
+    assert enc.decode(head[1:] + tail) == "abc" != enc.decode(head[1:] + enc.encode_ordinary("c"))
+    words = [ids("▁the"), ids("▁capital"), ids("▁is")]
+    for context, choice in [("the capital is", " paris"), ("the capital is ", "paris")]:
+        assert pair_tokens(enc, context, choice) == ([1, *words], [ids("▁paris")])
+    assert pair_tokens(enc, "", "paris") == ([1], [ids("▁paris")])  # a text's start: "▁"
+    dropping = Tokenizer(models.BPE({"</s>": 0, "a": 1}, []))
+    dropping.pre_tokenizer = pre_tokenizers.Whitespace()
+    dropping.save(str(tmp_path / "drops.json"))
+    assert pair_tokens(data.encoding(str(tmp_path / "drops.json")), "日本", " a") == ([0], [1])
+
+
 @pytest.mark.parametrize("line,error", [
     ("[1, 2]", ":2: a JSON list, not an object"),
     ('{"context": "a", "choices": [" b", " c"]}', ":2: no 'label'"),

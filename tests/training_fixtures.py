@@ -139,3 +139,41 @@ def word_tokenizer(directory: Path, template: bool, config: dict | None = None) 
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "</s>", "bos_token": "<s>", **(config or {})}))
     return directory
+
+
+# words whose pieces `sentencepiece_tokenizer` merges, after "b"+"c" first: "abc" encodes as
+# "▁a" "bc", "ab" as "▁ab" — a token across the boundary of "ab" + "c"
+SENTENCEPIECE_WORDS = ("▁ab", "▁the", "▁capital", "▁of", "▁is", "▁paris", "▁berlin", "▁rome",
+                       "▁city", "▁print")
+
+
+def sentencepiece_tokenizer(directory: Path) -> Path:
+    """A Llama-2-style tokenizer.json of 73 ids: a BPE over "▁", a-z and "(),." with merges
+    that build `SENTENCEPIECE_WORDS` piece by piece, a Metaspace pre-tokenizer that puts "▁"
+    before a text and for each space (so a text encoded alone begins with "▁"), <unk> (id 0),
+    <s> (1) and </s> (2), and a template that puts <s> first; with a tokenizer_config.json
+    naming them."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", "▁",
+                                         *"abcdefghijklmnopqrstuvwxyz(),."])}
+    merges = [("b", "c")]
+    for word in SENTENCEPIECE_WORDS:
+        for end in range(2, len(word) + 1):
+            merges.append((word[:end - 1], word[end - 1]))
+            vocab.setdefault(word[:end], len(vocab))
+    vocab["bc"] = len(vocab)
+    merges = list(dict.fromkeys(merges))
+    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                             special_tokens=[("<s>", 1)])
+    directory.mkdir(parents=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "</s>", "bos_token": "<s>", "unk_token": "<unk>"}))
+    return directory

@@ -6,13 +6,13 @@ ARC, BoolQ, HellaSwag, OBQA, PIQA and WinoGrande (the LM Eval Harness's `acc` an
 tokens), split as the harness splits them (`pair_tokens`): the context's trailing spaces move to
 the choice, context + choice is encoded whole with `data.tokenizer`, and the choice's tokens are
 those after the context's own encoding (a SentencePiece tokenizer would prefix a choice encoded
-alone with "▁"; a token across the boundary has the two encoded apart); the context begins with
-the tokenizer's beginning-of-text where it has one (`text_prefix`), and an empty context is that
-alone, else end-of-text. The prediction is the choice of the highest sum (`accuracy`)
-and of the highest sum per character of the choice's text (`accuracy_norm`, the harness's
-`acc_norm`). A context longer than fits `length` tokens with its choice loses its first tokens
-(counted in `contexts_cut`). Every (item, choice) pair is one row, scored `batch_size` rows at a
-time in rows of one width, so one program is compiled.
+alone with "▁"; a token across the boundary has the choice encoded apart, as it reads after other
+text); the context begins with the tokenizer's beginning-of-text where it has one
+(`text_prefix`), and an empty context is that alone, else end-of-text. The prediction is the
+choice of the highest sum (`accuracy`) and of the highest sum per character of the choice's text
+(`accuracy_norm`, the harness's `acc_norm`). A context longer than fits `length` tokens with its
+choice loses its first tokens (counted in `contexts_cut`). Every (item, choice) pair is one row,
+scored `batch_size` rows at a time in rows of one width, so one program is compiled.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ from diff_jax.evaluation.scoring import token_nll
 from diff_jax.transformer import DecoderLM
 
 ITEM_FORMAT = '{"context": str, "choices": [str, ...], "label": int}'
+# what a choice encoded apart from its context is encoded after (`_following`): a newline, which
+# tokenizers split from the text after it
+FOLLOWING = "\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,18 +87,26 @@ def read_items(path: Path, config: Config) -> list[Item]:
 def pair_tokens(enc: Encoding, context: str, choice: str) -> tuple[list[int], list[int]]:
     """(context ids, choice ids) as the LM Eval Harness splits a request: the context's trailing
     whitespace moves to the start of the choice; the choice's ids are those of the whole text
-    past the context's own; the context's ids begin with the tokenizer's `text_prefix`, and an
-    empty (or blank) context is that prefix, else end-of-text, the choice encoded alone. Where the whole's ids do not begin with the context's ("foo" + "bar" is one token),
-    the choice is encoded alone, so that the ids scored always spell context + choice (the
-    harness then scores ids past the context's count, which spell another text)."""
-    stripped, prefix = context.rstrip(), text_prefix(enc)
+    past the context's own; the context's ids begin with the tokenizer's `text_prefix`, and a
+    context of no ids (empty, blank, or one the tokenizer drops) is end-of-text where there is no
+    prefix. Where the whole's ids do not begin with the context's ("foo" + "bar" is one token),
+    the choice is encoded apart, as it reads after other text (`_following`), so that the ids
+    scored always spell context + choice (the harness then scores ids past the context's count,
+    which spell another text)."""
+    stripped = context.rstrip()
     choice = context[len(stripped):] + choice
-    if not stripped:
-        return prefix or [enc.eot_token], enc.encode_ordinary(choice)
     head, whole = enc.encode_ordinary(stripped), enc.encode_ordinary(stripped + choice)
-    if whole[:len(head)] == head:
-        return prefix + head, whole[len(head):]
-    return prefix + head, enc.encode_ordinary(choice)  # a token across the boundary: apart
+    tail = whole[len(head):] if whole[:len(head)] == head else _following(enc, choice)
+    return (text_prefix(enc) + head) or [enc.eot_token], tail
+
+
+def _following(enc: Encoding, text: str) -> list[int]:
+    """The ids of `text` where it follows other text: those of FOLLOWING + text past
+    FOLLOWING's own, where they begin so; else `text`'s alone. A SentencePiece-style tokenizer
+    (Llama 2's) begins a text encoded alone with "▁", a space: "x)" alone after "print(" would
+    read "print( x)"."""
+    anchor, ids = enc.encode_ordinary(FOLLOWING), enc.encode_ordinary(FOLLOWING + text)
+    return ids[len(anchor):] if ids[:len(anchor)] == anchor else enc.encode_ordinary(text)
 
 
 def _item_problem(record: Any) -> str | None:

@@ -300,6 +300,26 @@ def test_a_choice_across_a_token_boundary_reads_as_it_follows_its_context(tmp_pa
     assert pair_tokens(data.encoding(str(tmp_path / "drops.json")), "日本", " a") == ([0], [1])
 
 
+def test_choice_items_end_at_a_newline_only(runs, tmp_path):
+    """JSON strings may hold U+2028 and U+0085 unescaped (`json.dumps(ensure_ascii=False)`
+    writes them so), which `str.splitlines` would break lines at; a byte-order mark and CR LF
+    line ends are read too: the items score as the same items written escaped. A line that is
+    no UTF-8 is an error naming it."""
+    records = [{"context": "one\u2028two", "choices": [" three", " four"], "label": 0},
+               {"context": "five\x85six", "choices": [" seven", " eight"], "label": 1}]
+    plain, raw = tmp_path / "plain.jsonl", tmp_path / "raw.jsonl"
+    plain.write_text("".join(json.dumps(r) + "\n" for r in records))
+    raw.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r, ensure_ascii=False) + "\r\n"
+                                             for r in records).encode())
+    assert "\u2028" in raw.read_text(encoding="utf-8")
+    want = _run(runs["diff"], "task=choice", f"input={plain}")["logprobs"]
+    assert _run(runs["diff"], "task=choice", f"input={raw}")["logprobs"] == want
+    raw.write_bytes(plain.read_bytes() + b'{"context": "\xff", "choices": [" b", " c"], "label": 0}')
+    with pytest.raises(EvalError) as failed:
+        _run(runs["diff"], "task=choice", f"input={raw}")
+    assert str(failed.value).startswith(f"input={raw}:3: not UTF-8 (invalid start byte at byte ")
+
+
 @pytest.mark.parametrize("line,error", [
     ("[1, 2]", ":2: a JSON list, not an object"),
     ('{"context": "a", "choices": [" b", " c"]}', ":2: no 'label'"),

@@ -52,18 +52,23 @@ class Item:
 
 
 def read_items(path: Path, config: Config) -> list[Item]:
-    """The items of the JSONL file `path`, encoded with `data.tokenizer`; an `EvalError` naming
-    the line for one that is not an item (a benchmark scored on part of its items would report
-    another benchmark's accuracy)."""
+    """The items of the JSONL file `path` (UTF-8, a newline after each), encoded with
+    `data.tokenizer`; an `EvalError` naming the line for one that is not an item (a benchmark
+    scored on part of its items would report another benchmark's accuracy)."""
     if not path.is_file():
         raise EvalError(f"input={path}: no such file; expected a .jsonl file of {ITEM_FORMAT}")
     enc = text_encoding(config)
     items = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+    data = path.read_bytes()
+    try:  # utf-8-sig: a leading byte-order mark (Windows editors write one) is not text
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise EvalError(f"input={path}: not UTF-8 (byte {e.start}: {e.reason})") from e
-    for n, line in enumerate(lines, 1):
+        line = data.count(b"\n", 0, e.start) + 1
+        raise EvalError(f"input={path}:{line}: not UTF-8 ({e.reason} at byte {e.start}); "
+                        f"expected {ITEM_FORMAT}") from e
+    # items end at a newline (or CR LF) only, as training's JSONL records do: JSON strings may
+    # hold U+2028, U+0085 and the other line boundaries of `str.splitlines` unescaped
+    for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:

@@ -234,6 +234,85 @@ def test_an_hf_dir_with_its_tokenizer_gets_commands_that_read_text_with_it(tmp_p
     assert "data.tokenizer" not in printed
 
 
+@pytest.mark.parametrize("name", ["llama-gqa", "diffllama-gqa"])
+def test_eval_with_a_llama_tokenizer_reads_text_as_transformers_and_scores_as_torch(name, tmp_path,
+                                                                                    capsys):
+    """An import with a Llama-2-style tokenizer beside it (<s> before a text, "▁" for a space),
+    evaluated with the data.tokenizer its printed command names, against transformers' tokenizer
+    and the torch model run in float64: task=choice's sums are torch's over <s> + context + choice
+    split as lm-eval's `_encode_pair` splits them (with add_bos_token=True; an empty context is
+    <s>), its accuracies those of these sums; where a token spans the boundary ("ab" + "c" is
+    "▁a" "bc"), the choice's ids are those transformers decodes to context + choice after the
+    context's. task=score's log-probs are torch's over transformers' ids of the text;
+    task=generate's greedy tokens are torch's `generate`."""
+    from training_fixtures import sentencepiece_tokenizer
+
+    hf, out, work = tmp_path / "hf", tmp_path / "ours", tmp_path / "eval"
+    model = save_hf(name, hf)
+    sentencepiece_tokenizer(hf)
+    assert main([str(hf), "--out", str(out)]) == 0
+    flag = f"data.tokenizer={hf.resolve()}"
+    assert flag in capsys.readouterr().out.splitlines()[1]
+    tok = transformers.AutoTokenizer.from_pretrained(hf)
+
+    def run(*args: str) -> dict:
+        report = eval_run([*args, f"checkpoint={out}", flag, f"out_dir={work}"])
+        return json.loads(report.read_text())
+
+    items = [{"context": "the capital of paris is", "choices": [" berlin", " the city of rome"],
+              "label": 1},
+             {"context": "the city is ", "choices": ["paris", "rome", "the capital"], "label": 0},
+             {"context": "", "choices": ["paris", "the capital"], "label": 1},
+             {"context": "ab", "choices": ["c", " c"], "label": 0},
+             {"context": "café 日本 is", "choices": [" rome", " of", " a", " the", " print(x)"],
+              "label": 4}]  # <unk>s
+    (tmp_path / "items.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
+    got = run("task=choice", f"input={tmp_path / 'items.jsonl'}", "batch_size=4")
+    sums = []
+    for item in items:
+        sums.append([])
+        for choice in item["choices"]:
+            context = item["context"].rstrip()
+            choice = item["context"][len(context):] + choice
+            if not context:
+                head, tail = [tok.bos_token_id], tok(choice, add_special_tokens=False)["input_ids"]
+            else:
+                head, whole = tok(context)["input_ids"], tok(context + choice)["input_ids"]
+                tail = whole[len(head):]
+                if whole[:len(head)] != head:  # "ab" + "c": "c" after "▁ab"
+                    assert (context, choice) == ("ab", "c")
+                    tail = tok.convert_tokens_to_ids(["c"])
+                    assert tok.decode(head + tail, skip_special_tokens=True) == context + choice
+            assert head[0] == tok.bos_token_id == 1
+            sums[-1].append(torch_logprobs(model, np.array(head + tail))[-len(tail):].sum())
+    for ours, theirs in zip(got["logprobs"], sums):
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4)
+    labels = np.array([i["label"] for i in items])
+    argmax = [int(np.argmax(s)) for s in sums]
+    per_char = [int(np.argmax(np.array(s) / [len(c) for c in i["choices"]]))
+                for s, i in zip(sums, items)]
+    assert got["predictions"] == argmax and got["predictions_norm"] == per_char
+    assert got["accuracy"] == np.mean(argmax == labels)
+    assert got["accuracy_norm"] == np.mean(per_char == labels)
+
+    text = "the capital of paris is the city of paris, print(rome)"
+    (tmp_path / "t.txt").write_text(text)
+    run("task=score", f"input={tmp_path / 't.txt'}", f"output={tmp_path / 'logp.npy'}")
+    ids = np.array(tok(text)["input_ids"])
+    theirs = torch_logprobs(model, ids)
+    assert ids[0] == 1
+    assert np.all(np.abs(np.load(tmp_path / "logp.npy") - theirs) <= LOGP_RTOL * (1 + np.abs(theirs)))
+
+    prompt = tok("the capital of", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        greedy = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                max_new_tokens=5, eos_token_id=2, pad_token_id=2)
+    greedy = greedy[0, prompt.shape[1]:]
+    generated = run("task=generate", "prompt=the capital of", "max_new_tokens=5")
+    assert generated["prompt_tokens"] == prompt.shape[1]
+    assert generated["new_tokens"] == greedy.tolist()  # no end-of-text among them
+
+
 @pytest.mark.parametrize("name", ["absent", "a-file"])
 def test_cli_and_import_hf_refuse_an_hf_dir_that_is_not_a_directory_alike(tmp_path, capsys, name):
     hf_dir = tmp_path / name

@@ -172,7 +172,7 @@ def sentencepiece_tokenizer(directory: Path) -> Path:
     tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
                                                              special_tokens=[("<s>", 1)])
-    directory.mkdir(parents=True)
+    directory.mkdir(parents=True, exist_ok=True)  # a checkpoint's directory, say
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "</s>", "bos_token": "<s>", "unk_token": "<unk>"}))

@@ -118,8 +118,9 @@ class HFEncoding:
 def _template_prefix(tokenizer, config: Path, vocab: dict[str, int]) -> tuple[int, ...]:
     """The ids `tokenizer`'s post-processor puts before a single text (Llama 2's `<s>`, Llama
     3's `<|begin_of_text|>`; none for GPT-2's), found by encoding a probe both ways; where
-    tokenizer_config.json sets `add_bos_token`, it decides, as it does in transformers (true:
-    its `bos_token`, if the template adds none)."""
+    tokenizer_config.json sets `add_bos_token`, it decides, as transformers 4's Llama tokenizer
+    classes read it (true: its `bos_token`, if the template adds none; transformers 5's
+    AutoTokenizer ignores it beside a tokenizer.json)."""
     probe = "a"
     whole = tokenizer.encode(probe, add_special_tokens=True).ids
     plain = tokenizer.encode(probe, add_special_tokens=False).ids

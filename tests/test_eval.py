@@ -192,6 +192,11 @@ def test_score_is_the_log_probability_of_each_next_token(runs, tmp_path):
     out = _run(runs["diff"], "task=score", f"input={tmp_path / 't.txt'}")
     assert out["output"] == str(runs["diff"] / "eval" / "score.npy")
     np.testing.assert_allclose(np.load(out["output"]), direct(ids[:20]), atol=1e-5)
+    # a byte-order mark (Windows editors write one) is no text, as a training .txt file's is not
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + (tmp_path / "t.txt").read_bytes())
+    out = _run(runs["diff"], "task=score", f"input={tmp_path / 'bom.txt'}")
+    assert out["num_tokens"] == 20
+    np.testing.assert_allclose(np.load(out["output"]), direct(ids[:20]), atol=1e-5)
 
 
 CHOICE_ITEMS = [

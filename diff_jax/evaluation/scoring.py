@@ -203,7 +203,8 @@ def read_tokens(path: Path, config: Config) -> np.ndarray:
                             f"{ids.dtype} {ids.shape}")
     elif path.suffix == ".txt":
         try:
-            text = path.read_text(encoding="utf-8")
+            # utf-8-sig: a leading byte-order mark (Windows editors write one) is not text
+            text = path.read_text(encoding="utf-8-sig")
         except UnicodeDecodeError as e:
             raise EvalError(f"input={path}: not UTF-8 text (byte {e.start}: {e.reason}); pass "
                             "UTF-8 text or a .npy of token ids") from e

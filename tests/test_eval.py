@@ -1216,14 +1216,17 @@ def test_counts_below_one_are_one_error(key):
 def test_the_defaults_are_those_docs_evaluation_names():
     """Every `key=value` default docs/evaluation.md's table of eval.py tasks names is EvalOptions'
     default (a default that drifted from the table, e.g. samples=2, passed every test: the
-    tests name their keys)."""
+    tests name their keys). Each row has the table's three cells (choice's `p(a | b)` made a
+    fourth, which a renderer drops, keys and all)."""
     import re
 
     readme = (Path(__file__).parent.parent / "docs" / "evaluation.md").read_text()
     table = readme[readme.index("| task | what | keys (defaults) |"):].split("\n\n")[0]
     named = {}
     for row in table.splitlines()[2:]:
-        keys = re.split(r"(?<!\\)\|", row)[3]
+        cells = re.split(r"(?<!\\)\|", row)
+        assert len(cells) == 5, f"{row[:30]}: an unescaped | makes a cell past the table's three"
+        keys = cells[3]
         named.update(re.findall(r"`(\w+)=([^`]+)`", keys))
     assert len(named) >= 14, named
     defaults = EvalOptions(task="ppl")

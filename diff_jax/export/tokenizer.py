@@ -188,8 +188,7 @@ def _copy_hf_tokenizer(directory: Path, hf, model_max_length: int) -> int:
     """`write_tokenizer` for a Hugging Face tokenizer (`HFEncoding`)."""
     from diff_jax.data.tokenizer import HF_FILE
 
-    path = Path(hf.name).expanduser()
-    file = path / HF_FILE if path.is_dir() else path
+    file = hf.file
     (directory / HF_FILE).write_bytes(file.read_bytes())
     eos = hf.decode([hf.eot_token])
     for extra, default in (("tokenizer_config.json", {

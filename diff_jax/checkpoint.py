@@ -1,9 +1,11 @@
-"""Checkpoints with orbax: train state, data-iterator state, the resolved config, the state's
-checksums and the training split's fingerprint, saved async.
+"""Checkpoints with orbax: train state, data-iterator state, the resolved config, the training
+split's fingerprint with its tokenizer, and their checksums, saved async.
 
 Layout: `<train.run_dir>/checkpoints/<step>/{state,data_iter,config,checksums,training_data}`
-(`training_data`: `TokenCorpus.fingerprint` of the split the data position counts rows of; steps
-saved before diff-jax recorded it have none, and a resume then compares nothing). Orbax commits a
+(`training_data`: `TokenCorpus.fingerprint` of the split the data position counts rows of, with
+the `tokenizer.identity` of `data.tokenizer`, which eval and export read text with; steps saved
+before diff-jax recorded it have none, and a resume then compares nothing; those saved before
+its tokenizer keys, or their checksum, compare what they hold). Orbax commits a
 step atomically (a step directory appears only once every item is complete), so a crash mid-save
 leaves the last good checkpoint as the latest, and the checksums are committed with the arrays
 they describe. The state is restored onto whatever mesh is live: the restore target carries the
@@ -76,6 +78,7 @@ class DamagedCheckpointError(CheckpointError):
 READ_FAILURES: tuple[type[Exception], ...] = (DamagedCheckpointError, jax.errors.JaxRuntimeError,
                                               MemoryError)
 DAMAGE = 0
+TRAINING_DATA = "training_data"  # the item and its checksum's name
 
 
 def _items(state: ocp.CheckpointHandler) -> dict[str, Any]:
@@ -84,7 +87,7 @@ def _items(state: ocp.CheckpointHandler) -> dict[str, Any]:
             "data_iter": grain.checkpoint.CheckpointHandler(),
             "config": ocp.JsonCheckpointHandler(),
             "checksums": ocp.JsonCheckpointHandler(),
-            "training_data": ocp.JsonCheckpointHandler()}
+            TRAINING_DATA: ocp.JsonCheckpointHandler()}
 
 
 def manager(run_dir: str | Path, cfg: CheckpointConfig) -> ocp.CheckpointManager:
@@ -220,8 +223,9 @@ def recorded_checksums(saved: Any, step: int | None, where: Path) -> dict[str, s
 
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter: grain.DatasetIterator,
          config: Config, training_data: dict[str, Any]) -> None:
-    """Start saving `step` with its checksums (the state's, the data positions' and the
-    config's) and `training_data` (the training split's `TokenCorpus.fingerprint`), async when
+    """Start saving `step` with its checksums (the state's, the data positions', the config's
+    and `training_data`'s) and `training_data` (the training split's `TokenCorpus.fingerprint`
+    and its tokenizer's `identity`), async when
     configured; the checksums are computed now, before `state` can be donated. `wait(mngr)`
     before exit. When this save, or the async one before it, fails: `OSError` naming the step's
     directory (`_write_errors`)."""
@@ -231,9 +235,10 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter: grain.Da
             state=ocp.args.StandardSave(state),
             data_iter=grain.checkpoint.CheckpointSave(data_iter),
             config=ocp.args.JsonSave(saved_config),
-            checksums=ocp.args.JsonSave(checksums_record(state, _data_positions(data_iter),
-                                                         json_bytes(saved_config))),
-            training_data=ocp.args.JsonSave(training_data),
+            checksums=ocp.args.JsonSave(checksums_record(
+                state, _data_positions(data_iter), json_bytes(saved_config),
+                json_bytes(training_data, TRAINING_DATA))),
+            **{TRAINING_DATA: ocp.args.JsonSave(training_data)},
         ), force=True)
 
 
@@ -442,9 +447,8 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
                 f"{ours}; a run resumes with the model it was trained with"))
         items = {"state": ocp.args.StandardRestore(read),
                  "data_iter": grain.checkpoint.CheckpointRestore(data_iter)}
-        if (where / "training_data").is_dir():
-            items["training_data"] = ocp.args.JsonRestore()
         restored = _restore_items(reader, step, where, items)
+        training_data = _read_training_data(reader, step, where, recorded)
         if recorded is not None:
             verify_checksums(restored["state"], recorded, step, where / "state")
             if any(name.startswith("data_iter/") for name in recorded):  # else it predates them
@@ -460,7 +464,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, target: Any,
                     "(the layout it was saved in) or shard the parameters and optimizer state "
                     "over more devices (mesh.fsdp)"):
                 state = in_layout_placed(state, model, jax.tree.map(lambda x: x.sharding, target))
-        return state, {"config": config, "training_data": restored.get("training_data")}
+        return state, {"config": config, "training_data": training_data}
 
 
 def _data_positions(data_iter: grain.DatasetIterator) -> dict[str, Any]:
@@ -726,8 +730,10 @@ def _reader(run_dir: Path, state: ocp.CheckpointHandler) -> ocp.CheckpointManage
 
 
 def restore_inference(run_dir: str | Path, step: int | None, make_target: Callable[[dict], Any],
-                      ask_for: Callable[[int], str]) -> tuple[int, dict, Any]:
-    """(step, saved config dict, params) of `step` (None: the latest complete step).
+                      ask_for: Callable[[int], str]) -> tuple[int, dict, Any, Any]:
+    """(step, saved config dict, params, training data record) of `step` (None: the latest
+    complete step); the record (`save`'s `training_data`: the training split's fingerprint and
+    its tokenizer's `identity`) is verified as the config is, None for a step that predates it.
 
     `make_target(saved config dict)` returns the abstract parameters (ShapeDtypeStructs with
     shardings) to restore onto; only the parameters and the step counter are read, not the
@@ -758,6 +764,7 @@ def restore_inference(run_dir: str | Path, step: int | None, make_target: Callab
         hint = f"; other steps: {others} (unverified): {ask_for(others[-1])}" if others else ""
         recorded = _read_checksums(mngr, step, where, hint)
         config = _read_config(mngr, step, where, recorded, hint)
+        training_data = _read_training_data(mngr, step, where, recorded, hint)
         target = make_target(config)
         metadata = _state_metadata(mngr, step, where, ("params", "step"), hint)
         check_shapes(tree_shapes(metadata["params"]), tree_shapes(target), "checkpoint ")
@@ -774,7 +781,7 @@ def restore_inference(run_dir: str | Path, step: int | None, make_target: Callab
         if recorded is not None:
             verify_checksums(state["state"], recorded, step, where / "state", hint)
         _check_step(state["state"]["step"], step, where, hint)
-    return step, config, state["state"]["params"]
+    return step, config, state["state"]["params"], training_data
 
 
 def _restore_items(mngr: ocp.CheckpointManager, step: int, where: Path, items: dict[str, Any],
@@ -787,6 +794,19 @@ def _restore_items(mngr: ocp.CheckpointManager, step: int, where: Path, items: d
         with _read_errors(step, where / name, hint):
             restored[name] = mngr.restore(step, args=ocp.args.Composite(**{name: args}))[name]
     return restored
+
+
+def _read_training_data(mngr: ocp.CheckpointManager, step: int, where: Path,
+                        recorded: dict[str, str] | None, hint: str = "") -> Any:
+    """The `training_data` item of `step` (at `where`), verified against its checksum in
+    `recorded` where the step has one (`verify_json`); None for a step saved before diff-jax
+    recorded it."""
+    if not (where / TRAINING_DATA).is_dir():
+        return None
+    value = _restore_items(mngr, step, where, {TRAINING_DATA: ocp.args.JsonRestore()},
+                           hint)[TRAINING_DATA]
+    verify_json(value, recorded, step, where / TRAINING_DATA, name=TRAINING_DATA, hint=hint)
+    return value
 
 
 def _read_config(mngr: ocp.CheckpointManager, step: int, where: Path,

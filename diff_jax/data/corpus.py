@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from diff_jax.data.sources import DataError, Documents, expand_paths, iter_records
-from diff_jax.data.tokenizer import BASE, HFEncoding, encoding, is_encoding_name, text_prefix
+from diff_jax.data.tokenizer import BASE, encoding, identity, mismatch, text_prefix
 from diff_jax.output_dir import refusal, staged
 
 TOKEN_DTYPE = np.dtype("<u4")
@@ -167,24 +167,10 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
         raise DataError(f"{d / 'meta.json'}: expected a JSON object whose vocab_size is a positive "
                         f"integer (the ids are below it), got {vocab_size!r}")
-    prepared_with, sha = meta.get("tokenizer"), meta.get("tokenizer_sha256")
-    if tokenizer is not None and isinstance(prepared_with, str):
-        if sha is not None:  # a Hugging Face tokenizer's: its file, wherever it is now
-            ours = encoding(tokenizer)
-            if not (isinstance(ours, HFEncoding) and ours.sha256 == sha):
-                raise DataError(f"data.paths={d} was prepared with the Hugging Face tokenizer "
-                                f"{prepared_with} (tokenizer.json SHA-256 {sha[:12]}…) but "
-                                f"data.tokenizer={tokenizer} is another; set data.tokenizer to "
-                                "that tokenizer.json")
-            eot = meta.get("tokenizer_eot", ours.eot_token)
-            if eot != ours.eot_token:  # the same file, another tokenizer_config.json beside it
-                raise DataError(f"data.paths={d} ends its documents with id {eot}, but "
-                                f"data.tokenizer={tokenizer}'s end-of-text is {ours.eot_token} "
-                                "(the eos_token of the tokenizer_config.json beside it); use the "
-                                "tokenizer_config.json it was prepared with")
-        elif prepared_with != tokenizer and is_encoding_name(prepared_with):
-            raise DataError(f"data.paths={d} was prepared with tokenizer {prepared_with} but "
-                            f"data.tokenizer={tokenizer}; set data.tokenizer={prepared_with}")
+    if tokenizer is not None and isinstance(meta, dict):
+        problem = mismatch(meta, encoding(tokenizer), f"data.paths={d}", "prepared")
+        if problem is not None:
+            raise DataError(problem)
     if (doc_starts.ndim != 1 or len(doc_starts) < 2 or doc_starts[0] != 0
             or doc_starts[-1] != len(tokens) or np.any(np.diff(doc_starts) <= 0)):
         raise DataError(f"{d}: doc_starts.npy does not match tokens.bin ({len(tokens)} tokens): "
@@ -262,10 +248,8 @@ def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
             raise DataError(f"prepare {sources}: no non-empty document{first}")
         doc_starts = np.concatenate(starts).astype(np.int64)
         np.save(tmp / "doc_starts.npy", doc_starts)
-        meta = dict(sources=sources, tokenizer=encoding_name, num_docs=len(doc_starts) - 1,
+        meta = dict(sources=sources, **identity(enc), num_docs=len(doc_starts) - 1,
                     num_tokens=total, vocab_size=enc.n_vocab, skipped=skipped,
-                    **({"tokenizer_sha256": enc.sha256, "tokenizer_eot": enc.eot_token}
-                       if isinstance(enc, HFEncoding) else {}),
                     **({} if prompt_field is None else {"prompt_field": prompt_field}))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta

@@ -20,7 +20,9 @@ import functools
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import tiktoken
 
@@ -142,6 +144,60 @@ def text_prefix(enc: Encoding) -> list[int]:
     training document starts with them (`corpus.tokenize`), and so do the texts evaluation
     scores or continues."""
     return list(enc.prefix) if isinstance(enc, HFEncoding) else []
+
+
+def identity(enc: Encoding) -> dict[str, Any]:
+    """What makes `enc` the tokenizer it is, as a prepared corpus's meta.json and a checkpoint's
+    `training_data` record it: {"tokenizer": its name}, and for a Hugging Face tokenizer its
+    tokenizer.json's "tokenizer_sha256", its end-of-text id "tokenizer_eot" and the ids it
+    begins a text with, "tokenizer_prefix" (the last two also read from the
+    tokenizer_config.json beside it, which can change while tokenizer.json does not)."""
+    if isinstance(enc, HFEncoding):
+        return {"tokenizer": enc.name, "tokenizer_sha256": enc.sha256,
+                "tokenizer_eot": enc.eot_token, "tokenizer_prefix": list(enc.prefix)}
+    return {"tokenizer": enc.name}
+
+
+def recorded_identity(record: Any) -> dict[str, Any] | None:
+    """The `identity` keys of `record` (a checkpoint's training-data record, an export.json's
+    `trained_tokenizer`); None where it records no tokenizer (saved before they did)."""
+    if not isinstance(record, dict) or not isinstance(record.get("tokenizer"), str):
+        return None
+    return {k: v for k, v in record.items() if k == "tokenizer" or k.startswith("tokenizer_")}
+
+
+def mismatch(recorded: Mapping[str, Any], enc: Encoding, what: str, done: str,
+             key: str = "data.tokenizer") -> str | None:
+    """One line saying how `enc` (chosen by `key`: `data.tokenizer`, or a command's
+    `--tokenizer`) is not the tokenizer `recorded` (an `identity`, perhaps of an older diff-jax
+    with fewer keys) with which `what` was `done` ("prepared", "trained"), and what to use
+    instead; None where it is that tokenizer as far as `recorded` tells. A Hugging Face tokenizer
+    is the same file (its SHA-256, wherever it is now) with the same end-of-text and
+    beginning-of-text; a tiktoken encoding is the same name. A recorded name that is neither
+    (an older corpus's "synthetic") compares nothing."""
+    name, sha = recorded.get("tokenizer"), recorded.get("tokenizer_sha256")
+    sep = " " if key.startswith("--") else "="
+    given = f"{key}{sep}{enc.name}"
+    if isinstance(sha, str):
+        if not (isinstance(enc, HFEncoding) and enc.sha256 == sha):
+            return (f"{what} was {done} with the Hugging Face tokenizer {name} (tokenizer.json "
+                    f"SHA-256 {sha[:12]}…) but {given} is another; set {key} to that "
+                    "tokenizer.json")
+        beside = f"the tokenizer_config.json it was {done} with beside the tokenizer.json"
+        eot = recorded.get("tokenizer_eot", enc.eot_token)
+        if eot != enc.eot_token:  # the same file, another tokenizer_config.json beside it
+            return (f"{what} was {done} with end-of-text id {eot}, but {given}'s end-of-text is "
+                    f"{enc.eot_token} (the eos_token of the tokenizer_config.json beside it); "
+                    f"use {beside}")
+        prefix = recorded.get("tokenizer_prefix", list(enc.prefix))
+        if prefix != list(enc.prefix):
+            return (f"{what} was {done} with texts beginning with ids {prefix}, but {given} "
+                    f"begins them with {list(enc.prefix)} (its template, or add_bos_token in the "
+                    f"tokenizer_config.json beside it); use {beside}")
+        return None
+    if isinstance(name, str) and is_encoding_name(name) and name != enc.name:
+        return f"{what} was {done} with tokenizer {name} but {given}; set {key}{sep}{name}"
+    return None
 
 
 def _settings(config: Path) -> dict:

@@ -82,7 +82,7 @@ def attention(loaded: Loaded, options: EvalOptions) -> Report:
     """Share of the query positions' attention on the answer span vs the rest, per depth."""
     cfg = loaded.config
     length = max(niah_lengths(cfg, options))
-    enc = text_encoding(cfg)
+    enc = text_encoding(loaded)
     per_depth = []
     for depth in options.depths:
         shares = []
@@ -174,7 +174,7 @@ def quant(loaded: Loaded, options: EvalOptions) -> Report:
     for b in bits:
         losses.append(float(counted_nll(model_cfg, loaded.params, batches, b).mean()))
         if options.niah:
-            grid, _ = accuracy_grid(model_cfg, loaded.params, text_encoding(cfg),
+            grid, _ = accuracy_grid(model_cfg, loaded.params, text_encoding(loaded),
                                     options, niah_lengths(cfg, options), b)
             accuracies.append(float(grid.mean()))
     ppls = [math.exp(x) for x in losses]

@@ -26,7 +26,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from diff_jax.config import Config, ModelConfig
+from diff_jax.config import ModelConfig
 from diff_jax.data.tokenizer import Encoding, text_prefix
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
@@ -51,13 +51,13 @@ class Item:
     label: int
 
 
-def read_items(path: Path, config: Config) -> list[Item]:
+def read_items(path: Path, loaded: Loaded) -> list[Item]:
     """The items of the JSONL file `path` (UTF-8, a newline after each), encoded with
     `data.tokenizer`; an `EvalError` naming the line for one that is not an item (a benchmark
     scored on part of its items would report another benchmark's accuracy)."""
     if not path.is_file():
         raise EvalError(f"input={path}: no such file; expected a .jsonl file of {ITEM_FORMAT}")
-    enc = text_encoding(config)
+    enc = text_encoding(loaded)
     items = []
     data = path.read_bytes()
     try:  # utf-8-sig: a leading byte-order mark (Windows editors write one) is not text
@@ -81,7 +81,7 @@ def read_items(path: Path, config: Config) -> list[Item]:
         pairs = [pair_tokens(enc, record["context"], c) for c in record["choices"]]
         if any(not choice for _, choice in pairs):
             raise EvalError(f"input={path}:{n}: a choice adds no token after its context "
-                            f"(data.tokenizer={config.data.tokenizer}); expected {ITEM_FORMAT}")
+                            f"(data.tokenizer={enc.name}); expected {ITEM_FORMAT}")
         items.append(Item(tuple(pairs[0][0]), tuple(tuple(c) for _, c in pairs),
                           tuple(len(c) for c in record["choices"]), record["label"]))
     if not items:
@@ -172,7 +172,7 @@ def choice_task(loaded: Loaded, options: EvalOptions) -> Report:
     length = options.length or cfg.model.max_seq_len
     if length > cfg.model.max_seq_len:
         raise EvalError(f"length={length} exceeds model.max_seq_len ({cfg.model.max_seq_len})")
-    items = read_items(Path(options.input), cfg)
+    items = read_items(Path(options.input), loaded)
     sums, cut = choice_logprobs(cfg.model, loaded.params, items, length, options.batch_size)
     predicted = [int(np.argmax(s)) for s in sums]
     normalized = [int(np.argmax(s / np.array(item.chars))) for s, item in zip(sums, items)]

@@ -12,7 +12,7 @@ from diff_jax.generate import SamplingConfig, generate
 
 def run(loaded: Loaded, options: EvalOptions) -> Report:
     """Continue `options.prompt` by up to `max_new_tokens` tokens (stops at end-of-text)."""
-    enc = text_encoding(loaded.config)
+    enc = text_encoding(loaded)
     ids = text_prefix(enc) + enc.encode_ordinary(options.prompt)
     try:
         sampling = SamplingConfig(options.temperature, options.top_k, options.top_p)

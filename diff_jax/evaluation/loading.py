@@ -18,7 +18,7 @@ from diff_jax.checkpoint import CheckpointError
 from diff_jax.config import (Config, ConfigError, ModelConfig, TrainConfig, apply_overrides,
                              from_dict, is_blank_path, parse_override)
 from diff_jax.data import encoding
-from diff_jax.data.tokenizer import Encoding
+from diff_jax.data.tokenizer import Encoding, mismatch, recorded_identity
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.export import ExportError
 from diff_jax.export.sources import EVAL_DIR, LOADABLE, abstract_params, locate, read_source
@@ -39,16 +39,27 @@ class Loaded:
     # why held-out text may not be the run's validation documents (an export that records no
     # data section of its run), for the tasks that read held-out text to report; else None
     split_note: str | None = None
+    # the `tokenizer.identity` the parameters were trained with, where recorded (a checkpoint's
+    # training data, an export's `trained_tokenizer`), which `text_encoding` holds data.tokenizer to
+    trained_tokenizer: dict[str, Any] | None = None
 
 
-def text_encoding(config: Config) -> Encoding:
-    """The encoding of `data.tokenizer`; `EvalError` when its ids do not all fit
-    `model.vocab_size` (the model was trained with another tokenizer)."""
+def text_encoding(loaded: Loaded) -> Encoding:
+    """The encoding of `data.tokenizer` that the tasks read and write text with; `EvalError`
+    when it is not the tokenizer the parameters were trained with: where recorded
+    (`Loaded.trained_tokenizer`: another tiktoken encoding, another tokenizer.json or an edited
+    one, another end- or beginning-of-text), or where its ids do not all fit
+    `model.vocab_size`."""
+    config = loaded.config
     enc = encoding(config.data.tokenizer)
     if enc.n_vocab > config.model.vocab_size:
         raise EvalError(f"data.tokenizer={config.data.tokenizer}: its {enc.n_vocab:,} ids do not "
                         f"fit model.vocab_size ({config.model.vocab_size:,}); pass the tokenizer "
                         "the model was trained with")
+    if loaded.trained_tokenizer is not None:
+        problem = mismatch(loaded.trained_tokenizer, enc, loaded.source, "trained")
+        if problem is not None:
+            raise EvalError(problem)
     return enc
 
 
@@ -140,12 +151,13 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
         return f"evaluate the newest with {way}"
 
     named = step is not None  # step=N or a step directory, not whichever step is the latest
-    step, _, params = checkpoint.restore_inference(run_dir, step, target, ask_for)
+    step, _, params, training_data = checkpoint.restore_inference(run_dir, step, target, ask_for)
     params = in_layout(params, config[0].model)
     # a named step's results beside, not over, the latest step's (which a rerun would replace)
     default = run_dir / EVAL_DIR / f"step-{step}" if named else run_dir / EVAL_DIR
     out_dir = Path(options.out_dir) if options.out_dir else default
-    return Loaded(config[0], params, f"{run_dir}/checkpoints/{step}", step, out_dir)
+    return Loaded(config[0], params, f"{run_dir}/checkpoints/{step}", step, out_dir,
+                  trained_tokenizer=recorded_identity(training_data))
 
 
 def _load_export(path: Path, key: str, options: EvalOptions, overrides: Sequence[str]) -> Loaded:
@@ -184,4 +196,4 @@ def _load_export(path: Path, key: str, options: EvalOptions, overrides: Sequence
         note = ("the export records no data section of its run (written before exports did, or "
                 "imported): the held-out text is the split that data.* as given here draws, "
                 "not necessarily documents the model never trained on")
-    return Loaded(config, params, str(path), source.step, out_dir, note)
+    return Loaded(config, params, str(path), source.step, out_dir, note, source.trained_tokenizer)

@@ -108,7 +108,7 @@ def niah(loaded: Loaded, options: EvalOptions) -> Report:
     """Accuracy per (depth, length) and on average, with a heatmap."""
     cfg = loaded.config
     lengths = niah_lengths(cfg, options)
-    grid, cells = accuracy_grid(cfg.model, loaded.params, text_encoding(cfg), options,
+    grid, cells = accuracy_grid(cfg.model, loaded.params, text_encoding(loaded), options,
                                 lengths)
     report = Report(
         {"needles": options.needles, "queries": options.queries, "samples": options.samples,

@@ -189,7 +189,7 @@ def _load_npy(path: Path) -> np.ndarray:
         raise EvalError(f"input={path}: not a NumPy array of token ids ({reason})") from e
 
 
-def read_tokens(path: Path, config: Config) -> np.ndarray:
+def read_tokens(path: Path, loaded: Loaded) -> np.ndarray:
     """(n,) int32: the ids of a .npy file (1-D integers) or the encoding of a .txt file
     (data.tokenizer), checked against the vocabulary (n ≥ 2)."""
     if path.is_dir():
@@ -208,14 +208,15 @@ def read_tokens(path: Path, config: Config) -> np.ndarray:
         except UnicodeDecodeError as e:
             raise EvalError(f"input={path}: not UTF-8 text (byte {e.start}: {e.reason}); pass "
                             "UTF-8 text or a .npy of token ids") from e
-        enc = text_encoding(config)
+        enc = text_encoding(loaded)
         ids = np.asarray(text_prefix(enc) + enc.encode_ordinary(text))
     else:
         raise EvalError(f"input={path}: expected a .txt or .npy file")
     if len(ids) < 2:
         raise EvalError(f"input={path}: {len(ids)} token(s); scoring needs at least 2")
-    if ids.min() < 0 or ids.max() >= config.model.vocab_size:
-        raise EvalError(f"input={path}: token ids must be in [0, {config.model.vocab_size})")
+    vocab = loaded.config.model.vocab_size
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise EvalError(f"input={path}: token ids must be in [0, {vocab})")
     return ids.astype(np.int32)
 
 
@@ -246,7 +247,7 @@ def token_logprobs(model_cfg: ModelConfig, params: Any, ids: np.ndarray, window:
 def score(loaded: Loaded, options: EvalOptions) -> Report:
     """Per-token log-probabilities of `input` to `output` (.npy float32, one per predicted token)."""
     cfg = loaded.config
-    ids = read_tokens(Path(options.input), cfg)
+    ids = read_tokens(Path(options.input), loaded)
     window = options.length or cfg.model.max_seq_len
     if window > cfg.model.max_seq_len:
         raise EvalError(f"length={window} exceeds model.max_seq_len ({cfg.model.max_seq_len})")

@@ -281,7 +281,11 @@ def read_hf(hf_dir: str | Path) -> Source:
     except ExportError as e:
         raise ExportError(f"{hf_dir}: {e}") from e
     params = from_state_dict(ours, config, str(hf_dir))
-    return Source(config, params, str(hf_dir), None)
+    from diff_jax.data.tokenizer import identity
+
+    enc, _ = own_encoding(hf_dir, config)  # the tokenizer the checkpoint was trained with
+    return Source(config, params, str(hf_dir), None,
+                  trained_tokenizer=None if enc is None else identity(enc))
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
@@ -301,25 +305,33 @@ def finetune_overrides(config: ModelConfig, out: str | Path) -> list[str]:
     return [*overrides, f"train.init_from={out}"]
 
 
-def own_tokenizer(hf_dir: str | Path, config: ModelConfig) -> tuple[list[str], str | None]:
-    """(`["data.tokenizer=ABSOLUTE_HF_DIR"]` where `hf_dir` holds a tokenizer.json that loads
-    (`HFEncoding`) and whose ids fit `config.vocab_size`, so that the printed commands read text
-    with the model's own tokenizer, else []; why one that is there cannot be used, else None).
-    Without it the commands' tokenizer, cl100k, is another vocabulary's."""
+def own_encoding(hf_dir: str | Path, config: ModelConfig) -> tuple[Any, str | None]:
+    """(the `HFEncoding` of the tokenizer.json in `hf_dir`, named by its absolute directory,
+    where it loads and its ids fit `config.vocab_size`, else None; why one that is there cannot
+    be used, else None)."""
     from diff_jax.data import DataError
     from diff_jax.data.tokenizer import HF_FILE, HFEncoding
 
     where = Path(hf_dir).expanduser().resolve()
     if not (where / HF_FILE).is_file():
-        return [], None
+        return None, None
     try:
-        top = HFEncoding(str(where)).n_vocab
+        enc = HFEncoding(str(where))
     except DataError as e:
-        return [], str(e)
-    if top > config.vocab_size:
-        return [], (f"{where / HF_FILE}: its ids reach {top - 1}, past the model's vocab_size "
-                    f"{config.vocab_size}")
-    return [f"data.tokenizer={where}"], None
+        return None, str(e)
+    if enc.n_vocab > config.vocab_size:
+        return None, (f"{where / HF_FILE}: its ids reach {enc.n_vocab - 1}, past the model's "
+                      f"vocab_size {config.vocab_size}")
+    return enc, None
+
+
+def own_tokenizer(hf_dir: str | Path, config: ModelConfig) -> tuple[list[str], str | None]:
+    """(`["data.tokenizer=ABSOLUTE_HF_DIR"]` where `hf_dir` holds a usable tokenizer.json
+    (`own_encoding`), so that the printed commands read text with the model's own tokenizer,
+    else []; why one that is there cannot be used, else None). Without it the commands'
+    tokenizer, cl100k, is another vocabulary's."""
+    enc, unusable = own_encoding(hf_dir, config)
+    return ([] if enc is None else [f"data.tokenizer={enc.name}"]), unusable
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from diff_jax.config import ConfigError, ModelConfig
+from diff_jax.data.tokenizer import encoding, mismatch
 from diff_jax.export.errors import ExportError
 from diff_jax.export.sources import read_source
 from diff_jax.transformer import in_layout
@@ -34,15 +35,23 @@ def check_same_model(saved: ModelConfig, config: ModelConfig, where: str) -> Non
                           "section) to fine-tune it")
 
 
-def initial_params(path: str | Path, config: ModelConfig, shardings: Any) -> Any:
+def initial_params(path: str | Path, config: ModelConfig, shardings: Any,
+                   tokenizer: str | None = None) -> Any:
     """The float32 parameters at `path`, checked against `config` and placed on `shardings` (a
-    tree of `jax.sharding.Sharding` matching the parameter tree; every process reads `path`)."""
+    tree of `jax.sharding.Sharding` matching the parameter tree; every process reads `path`).
+    With `tokenizer` (the run's `data.tokenizer`), parameters that record the tokenizer they
+    were trained with (`Source.trained_tokenizer`) and another one are a `ConfigError`: their
+    embedding rows are that tokenizer's ids."""
     try:
         with jax.set_mesh(None):  # read on this process's first device, not on the training mesh
             source = read_source(path)
     except ExportError as e:
         raise ConfigError(f"train.init_from: {e}") from e
     check_same_model(source.config, config, str(path))
+    if tokenizer is not None and source.trained_tokenizer is not None:
+        problem = mismatch(source.trained_tokenizer, encoding(tokenizer), str(path), "trained")
+        if problem is not None:
+            raise ConfigError(f"train.init_from: {problem}")
 
     def place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

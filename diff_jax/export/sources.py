@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from diff_jax import checkpoint, summary
 from diff_jax.checkpoint import CheckpointError, DamagedCheckpointError
 from diff_jax.config import ConfigError, ModelConfig, model_config_from_dict
+from diff_jax.data.tokenizer import recorded_identity
 from diff_jax.device_memory import out_of_memory_in
 from diff_jax.error_text import first_line
 from diff_jax.export.errors import ExportError
@@ -53,6 +54,10 @@ class Source:
     # known: recorded in export.json; exports written before it was give only
     # {"data": {"tokenizer": ...}}, imports None
     run: dict[str, Any] | None = None
+    # the `tokenizer.identity` of the tokenizer the parameters were trained with, where known:
+    # recorded in the step's training data and export.json (`trained_tokenizer`); an import's
+    # own tokenizer.json where it has a usable one
+    trained_tokenizer: dict[str, Any] | None = None
 
     @property
     def tokenizer(self) -> str | None:
@@ -164,13 +169,18 @@ def _read_export(path: Path) -> Source:
     else:
         params = _restore_params(path / PARAMS_DIR, config, recorded)
     step, run, tokenizer = info.get("step"), info.get("run"), info.get("tokenizer")
+    trained = info.get("trained_tokenizer")
+    if trained is not None and recorded_identity(trained) != trained:
+        raise ExportError(f"{path / EXPORT_MARKER}: 'trained_tokenizer' must be a tokenizer's "
+                          f"record (its name and tokenizer_* keys), got {trained!r:.200}")
     if run is None:  # written before exports recorded it
         run = {"data": {"tokenizer": tokenizer}} if isinstance(tokenizer, str) else None
     elif not (isinstance(run, dict) and set(run) <= {"data", "train"}
               and all(isinstance(v, dict) for v in run.values())):
         raise ExportError(f"{path / EXPORT_MARKER}: 'run' must map data and train to sections of "
                           f"the run's config, got {run!r:.200}")
-    return Source(config, params, str(path), step if isinstance(step, int) else None, run)
+    return Source(config, params, str(path), step if isinstance(step, int) else None, run,
+                  trained)
 
 
 def written_config(metadata: dict[str, str], file: Path) -> ModelConfig | None:
@@ -294,10 +304,10 @@ def _read_train_checkpoint(path: Path, location: Location) -> Source:
         return abstract_params(configs[0])
 
     try:
-        step, saved, params = checkpoint.restore_inference(
+        step, saved, params, training_data = checkpoint.restore_inference(
             run_dir, step, target,
             lambda other: f"name the newest instead: {run_dir / 'checkpoints' / str(other)}")
     except CheckpointError as e:
         raise ExportError(f"{path}: {e}") from e
     return Source(configs[0], params, str(run_dir / "checkpoints" / str(step)), step,
-                  run_sections(saved))
+                  run_sections(saved), recorded_identity(training_data))

@@ -30,6 +30,7 @@ from diff_jax.export.safetensors_io import write_safetensors
 from diff_jax.export.sources import (CHECKSUMS_FILE, CONFIG_FILE, EVAL_DIR, EXPORT_MARKER,
                                      PARAMS_DIR, SAFETENSORS_FILE, Source, read_source)
 from diff_jax.export.state_dict import to_state_dict
+from diff_jax.data.tokenizer import encoding, mismatch
 from diff_jax.export.tokenizer import TOKENIZER_FILES, max_token_id, write_tokenizer
 from diff_jax.output_dir import refusal, staged
 
@@ -96,15 +97,23 @@ _WRITERS: dict[str, Callable[[Path, Source, str], Any]] = {
 }
 
 
-def _check_tokenizer(name: str, config: ModelConfig, where: str) -> None:
-    """Refuse a tokenizer whose ids do not all fit the model's vocabulary (`where`: how the
-    tokenizer was chosen, for the message)."""
+def _check_tokenizer(name: str, loaded: Source, where: str) -> None:
+    """Refuse a tokenizer whose ids do not all fit the model's vocabulary, or that is not the
+    one the parameters were trained with where `loaded` records it (`Source.trained_tokenizer`:
+    a tokenizer.json edited since, or another tokenizer, would be written beside them);
+    `where`: how the tokenizer was chosen, for the message."""
     if name == "none":
         return
-    top = max_token_id(name)
-    if top >= config.vocab_size:
+    top = max_token_id(name)  # an ExportError naming --tokenizer for one that does not load
+    if top >= loaded.config.vocab_size:
         raise ExportError(f"{where}: its ids reach {top} but model.vocab_size is "
-                          f"{config.vocab_size}; pass --tokenizer none to export without one")
+                          f"{loaded.config.vocab_size}; pass --tokenizer none to export without "
+                          "one")
+    if loaded.trained_tokenizer is not None:
+        problem = mismatch(loaded.trained_tokenizer, encoding(name), loaded.origin, "trained",
+                           key="--tokenizer")
+        if problem is not None:
+            raise ExportError(f"{where}: {problem}, or --tokenizer none to export without one")
 
 
 def _add_tokenizer(out: Path, name: str, config: ModelConfig) -> None:
@@ -171,7 +180,7 @@ def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors
     if fmt == "hf-diffllama":
         hf.check_mappable(loaded.config)
         from_run = tokenizer is None and loaded.tokenizer is not None
-        _check_tokenizer(name, loaded.config, f"data.tokenizer={name} (the run's, the default "
+        _check_tokenizer(name, loaded, f"data.tokenizer={name} (the run's, the default "
                          "--tokenizer)" if from_run else f"--tokenizer {name}")
     with staged(out) as tmp:
         stored = _WRITERS[fmt](tmp, loaded, dtype)
@@ -179,7 +188,7 @@ def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors
             _add_tokenizer(tmp, name, loaded.config)
         info: dict[str, Any] = {"format": fmt, "dtype": dtype, "source": loaded.origin,
                                 "step": loaded.step, "tokenizer": loaded.tokenizer,
-                                "run": loaded.run}
+                                "run": loaded.run, "trained_tokenizer": loaded.trained_tokenizer}
         (tmp / EXPORT_MARKER).write_text(json.dumps(info, indent=2))
         _write_checksums(tmp, stored)
     return out

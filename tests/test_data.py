@@ -771,6 +771,148 @@ def test_a_jsonl_record_that_is_no_utf8_is_one_bad_record_and_a_damaged_gz_keeps
         f"{tmp_path / 'b.jsonl.gz'}: unreadable after line {len(texts)} ("), skipped
 
 
+def _zstd_frames(*parts: bytes) -> bytes:
+    """`parts` compressed a frame each (with a checksum, as the zstd CLI writes) and concatenated,
+    as pzstd writes a file and `cat` joins two."""
+    import zstandard
+
+    return b"".join(zstandard.ZstdCompressor(write_checksum=True).compress(p) for p in parts)
+
+
+SKIPPABLE_FRAME = b"\x50\x2a\x4d\x18\x04\x00\x00\x00size"  # pzstd writes one before each frame
+
+
+def test_zst_files_give_what_their_plain_and_gz_copies_give(tmp_path, capsys):
+    """A .zst file (read whole across its frames, skippable ones too) gives the documents,
+    prompts and skips its plain and gzipped copies give, in a directory, a glob and
+    `prepare`."""
+    pytest.importorskip("zstandard")
+    records = [{"prompt": f"q{i}", "answer": f"answer {i} " + "x" * i} for i in range(60)]
+    records[7] = {"prompt": "q7"}
+    lines = "".join(json.dumps(r) + "\n" for r in records).encode() + b"not json\r\n"
+    text = b"plain\r\ntext\n"
+    middle = len(lines) // 2  # inside a record: records cross frames
+    copies = {"plain": {"a.jsonl": lines, "b.txt": text},
+              "gz": {"a.jsonl.gz": gzip.compress(lines), "b.txt.gz": gzip.compress(text)},
+              "zst": {"a.jsonl.zst": _zstd_frames(lines[:middle]) + SKIPPABLE_FRAME
+                      + _zstd_frames(lines[middle:]), "b.txt.zst": _zstd_frames(text)}}
+    for directory, files in copies.items():
+        for name, data in files.items():
+            (tmp_path / directory).mkdir(exist_ok=True)
+            (tmp_path / directory / name).write_bytes(data)
+
+    def read(*patterns: str) -> Documents:  # each skip names its own file: .../a.jsonl.zst -> a
+        docs = file_documents(patterns, "answer", "prompt")
+        return dataclasses.replace(docs, skipped=tuple(re.sub(r"^.*/a\.[a-z.]+:", "a:", s)
+                                                       for s in docs.skipped))
+
+    expected = read(str(tmp_path / "plain"))
+    assert len(expected.texts) == 60 and expected.texts[-1] == "plain\ntext\n"
+    assert expected.skipped == ("a:8: no string field 'answer' (data.text_field)",
+                                "a:61: not JSON (Expecting value)")
+    for directory in copies:
+        assert read(str(tmp_path / directory)) == expected, directory
+    assert read(str(tmp_path / "zst" / "*.zst")) == expected
+    for directory in ("plain", "zst"):
+        assert data_main(["prepare", str(tmp_path / directory), str(tmp_path / f"{directory}.tok"),
+                          "--text-field", "answer", "--prompt-field", "prompt"]) == 0
+    capsys.readouterr()
+    written = {d: _files(tmp_path / f"{d}.tok") for d in ("plain", "zst")}
+    for files in written.values():
+        files.pop("meta.json")
+    assert written["zst"] == written["plain"]
+
+
+@pytest.mark.parametrize("damage", ["cut in the first frame's header", "cut in the first frame",
+                                    "cut at the end of the first frame", "cut in the second frame",
+                                    "flipped bytes in the second frame",
+                                    "bytes after the last frame that are no frame", "empty file",
+                                    "cut plain text"])
+def test_a_cut_or_damaged_zst_keeps_the_records_before_the_damage_and_says_so(tmp_path, damage):
+    """zstandard's own stream reader returns a file cut inside a frame as a shorter one (or as
+    nothing) without an error; here a cut or damaged .zst keeps the records before the damage
+    and is one skipped entry (`unreadable after line N`), as a .gz is, and a file cut where a
+    frame ends is a whole file of fewer frames. The frames hold over one 128 KiB block each."""
+    pytest.importorskip("zstandard")
+    rng = np.random.default_rng(0)
+    good = [f"record {i} " + rng.bytes(40).hex() for i in range(3000)]
+    lines = [json.dumps({"text": t}).encode() + b"\n" for t in good]
+    first, second = _zstd_frames(b"".join(lines[:2000])), _zstd_frames(b"".join(lines[2000:]))
+    flipped = bytearray(first + second)
+    flipped[len(first) + 100:len(first) + 110] = bytes(b ^ 0xFF for b in flipped[len(first) + 100:
+                                                                             len(first) + 110])
+    data, records, error = {
+        "cut in the first frame's header": (first[:5], (0, 0), "EOFError: compressed file ended "
+                                                               "inside a zstd frame: cut short"),
+        # past its first block (128 KiB of output), whose records are read
+        "cut in the first frame": (first[:len(first) * 3 // 4], (1, 1999), "EOFError: "),
+        "cut at the end of the first frame": (first, (2000, 2000), None),
+        "cut in the second frame": (first + second[:len(second) // 2], (2000, 2999), "EOFError: "),
+        "flipped bytes in the second frame": (bytes(flipped), (2000, 2999), "BadZstdFile: "),
+        "bytes after the last frame that are no frame": (first + b"not zstd", (2000, 2000),
+                                                         "BadZstdFile: zstd decompressor error: "
+                                                         "Unknown frame descriptor"),
+        "empty file": (b"", (0, 0), "EOFError: empty file: no zstd frame"),
+        "cut plain text": (first[:-1], (0, 0), "EOFError: "),
+    }[damage]
+    path = tmp_path / ("a.txt.zst" if damage == "cut plain text" else "a.jsonl.zst")
+    path.write_bytes(data)
+    texts, skipped = read_files([path], "text")
+    assert records[0] <= len(texts) <= records[1] and texts == good[:len(texts)], len(texts)
+    where = f"unreadable after line {len(texts)}" if texts else "unreadable"
+    if error is None:
+        assert skipped == []
+    else:
+        assert len(skipped) == 1 and skipped[0].startswith(f"{path}: {where} ({error}"), skipped
+
+
+@pytest.mark.skipif(shutil.which("zstd") is None, reason="no zstd CLI")
+def test_zst_files_the_zstd_cli_writes_are_read_whole(tmp_path):
+    """What the zstd CLI writes (a frame with a checksum), pzstd's skippable and data frames, and
+    two zstd files joined by `cat` read as their .jsonl does; the CLI's file cut short, as the
+    reader's own frames do."""
+    pytest.importorskip("zstandard")
+    good = [f"record {i} " + "y" * (i % 50) for i in range(2000)]
+    source = tmp_path / "a.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in good))
+    halves = [tmp_path / "h0.jsonl", tmp_path / "h1.jsonl"]
+    halves[0].write_bytes(source.read_bytes()[:10_000])
+    halves[1].write_bytes(source.read_bytes()[10_000:])
+    for src, out in ((source, "b.jsonl.zst"), *((h, f"{h.name}.zst") for h in halves)):
+        subprocess.run(["zstd", "-q", "-19", str(src), "-o", str(tmp_path / out)], check=True)
+    (tmp_path / "c.jsonl.zst").write_bytes(b"".join(
+        (tmp_path / f"{h.name}.zst").read_bytes() for h in halves))
+    written = ["b.jsonl.zst", "c.jsonl.zst"]
+    if shutil.which("pzstd") is not None:
+        subprocess.run(["pzstd", "-q", "-p", "2", str(source), "-o", str(tmp_path / "d.jsonl.zst")],
+                       check=True)
+        written.append("d.jsonl.zst")
+    for name in written:
+        assert read_files([tmp_path / name], "text") == (good, []), name
+    whole = (tmp_path / "b.jsonl.zst").read_bytes()
+    (tmp_path / "e.jsonl.zst").write_bytes(whole[:-4])  # its checksum cut off
+    texts, skipped = read_files([tmp_path / "e.jsonl.zst"], "text")
+    assert texts == good and skipped == [f"{tmp_path / 'e.jsonl.zst'}: unreadable after line 2000 "
+                                         "(EOFError: compressed file ended inside a zstd frame: "
+                                         "cut short)"]
+
+
+def test_a_zst_file_without_zstandard_is_one_error_naming_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    import diff_jax.data
+
+    (tmp_path / "a.jsonl.zst").write_bytes(b"")
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    monkeypatch.delitem(sys.modules, "diff_jax.data.zstd_reader", raising=False)
+    monkeypatch.delattr(diff_jax.data, "zstd_reader", raising=False)
+    with pytest.raises(DataError) as failed:
+        file_documents((str(tmp_path),), "text")
+    assert str(failed.value).startswith(f"data.paths: {tmp_path / 'a.jsonl.zst'} is "
+                                        "Zstandard-compressed, which needs zstandard (pip "
+                                        "install 'diff-jax[zstd]'; ")
+
+
 def test_directories_and_double_star_globs_are_searched_recursively(tmp_path):
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "top.txt").write_text("top")
@@ -807,7 +949,8 @@ def test_stdlib_corpus_leaves_out_tests_installed_packages_and_blank_files(tmp_p
     (lambda tmp: file_documents((), "text"),
      "data.paths: empty; name at least one file, directory or glob"),
     (lambda tmp: (tmp / "x.csv").write_text("a,b") and file_documents((str(tmp),), "text"),
-     "data.paths: directory '{tmp}' holds no .txt .md .py .jsonl (optionally .gz) or .parquet file"),
+     "data.paths: directory '{tmp}' holds no .txt .md .py .jsonl (each optionally .gz or .zst) "
+     "or .parquet file"),
     (lambda tmp: stdlib_documents(), "data.source=stdlib: no .py files under {tmp}"),
 ])
 def test_bad_data_settings_name_the_setting_and_what_was_expected(tmp_path, monkeypatch, call, error):
@@ -1092,8 +1235,8 @@ def test_a_parquet_file_without_pyarrow_is_one_error_naming_the_extra(tmp_path, 
                                         "file, which needs pyarrow (pip install "
                                         "'diff-jax[parquet]'; ")
     (tmp_path / "a.parquet.gz").write_bytes(b"")  # Parquet compresses inside
-    with pytest.raises(DataError, match=r"is not one of \.txt \.md \.py \.jsonl \(optionally "
-                                        r"\.gz\) or \.parquet"):
+    with pytest.raises(DataError, match=r"is not one of \.txt \.md \.py \.jsonl \(each "
+                                        r"optionally \.gz or \.zst\) or \.parquet$"):
         expand_paths((str(tmp_path / "a.parquet.gz"),))
 
 

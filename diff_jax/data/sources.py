@@ -10,22 +10,26 @@ from __future__ import annotations
 import dataclasses
 import glob
 import gzip
+import io
 import json
 import os
 import sysconfig
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 
 class DataError(ValueError):
     """A data source is missing, empty, unreadable or malformed; the message names it."""
 
 
-TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")  # each also gzipped (name.gz)
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")  # each also compressed (name.gz, name.zst)
+COMPRESSIONS = (".gz", ".zst")  # gzip; Zstandard (`zstandard`, the zstd extra: `zstd_reader`)
 PARQUET_SUFFIX = ".parquet"  # records in columns (`pyarrow`, the parquet extra); compressed inside
 PARQUET_BATCH_ROWS = 1024  # rows converted to Python strings at a time
-FILE_KINDS = f"{' '.join(TEXT_SUFFIXES)} (optionally .gz) or {PARQUET_SUFFIX}"
+FILE_KINDS = (f"{' '.join(TEXT_SUFFIXES)} (each optionally {' or '.join(COMPRESSIONS)}) or "
+              f"{PARQUET_SUFFIX}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +128,32 @@ def file_documents(patterns: tuple[str, ...], text_field: str,
 
 
 def _is_text(path: Path) -> bool:
-    name = path.name[:-3] if path.name.endswith(".gz") else path.name
-    return path.is_file() and (name.endswith(TEXT_SUFFIXES) or path.name.endswith(PARQUET_SUFFIX))
+    return path.is_file() and _kind(path) != ""
+
+
+def _kind(path: Path) -> str:
+    """What the data file `path` holds, by its name: one of `TEXT_SUFFIXES` or `PARQUET_SUFFIX`,
+    after any of `COMPRESSIONS` but for Parquet, which compresses inside; "" for no data file."""
+    if path.name.endswith(PARQUET_SUFFIX):
+        return PARQUET_SUFFIX
+    name = next((path.name.removesuffix(c) for c in COMPRESSIONS if path.name.endswith(c)),
+                path.name)
+    return next((suffix for suffix in TEXT_SUFFIXES if name.endswith(suffix)), "")
+
+
+def _open_bytes(path: Path) -> BinaryIO:
+    """The bytes of `path`, decompressed where its name ends in one of `COMPRESSIONS`; a
+    DataError for a .zst file where zstandard is not installed."""
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.name.endswith(".zst"):
+        try:
+            from diff_jax.data import zstd_reader
+        except ImportError as e:
+            raise DataError(f"data.paths: {path} is Zstandard-compressed, which needs zstandard "
+                            f"(pip install 'diff-jax[zstd]'; {e})") from None
+        return zstd_reader.open_zstd(path)
+    return open(path, "rb")
 
 
 def read_files(files: list[Path], text_field: str) -> tuple[list[str], list[str]]:
@@ -140,30 +168,29 @@ def iter_records(files: Iterable[Path], text_field: str, prompt_field: str | Non
     """(prompt, text) of each document of `files`, in order, as they are read: one per plain
     file (its prompt ""), one per JSONL record or Parquet row (`_parquet_records`): its
     `text_field`, and its `prompt_field` (a string, "" allowed) where one is named, else ""
-    (gzip allowed, but for Parquet, which compresses inside). A JSONL file is read and
-    decoded a record at a time, so it takes the memory of its longest record however large it
-    is, and a record that is no UTF-8 is one bad record. Unreadable files and bad records are
-    appended to `skipped` with a reason; a JSONL file that cannot be read past some point (a
-    damaged or truncated .gz) keeps the records before it (`path: unreadable after line N
-    (...)`). Records end at a newline (or CR LF) only: JSON strings may hold U+2028, U+0085 and
-    the other line boundaries of `str.splitlines` unescaped."""
+    (gzip or Zstandard allowed, but for Parquet, which compresses inside: `_kind`). A JSONL file
+    is read and decoded a record at a time, so it takes the memory of its longest record however
+    large it is, and a record that is no UTF-8 is one bad record. Unreadable files and bad
+    records are appended to `skipped` with a reason; a JSONL file that cannot be read past some
+    point (a damaged or truncated .gz or .zst) keeps the records before it (`path: unreadable
+    after line N (...)`). Records end at a newline (or CR LF) only: JSON strings may hold
+    U+2028, U+0085 and the other line boundaries of `str.splitlines` unescaped."""
     for path in files:
-        if path.name.endswith(PARQUET_SUFFIX):
+        kind = _kind(path)
+        if kind == PARQUET_SUFFIX:
             yield from _parquet_records(path, text_field, prompt_field, skipped)
             continue
-        jsonl = path.name.removesuffix(".gz").endswith(".jsonl")
         line = 0
         try:
-            opener = gzip.open if path.name.endswith(".gz") else open
-            if jsonl:
-                with opener(path, "rb") as f:
+            if kind == ".jsonl":
+                with _open_bytes(path) as f:
                     for line, raw in enumerate(f, 1):
                         record = _jsonl_record(raw, path, line, text_field, prompt_field, skipped)
                         if record is not None:
                             yield record
                 continue
             # utf-8-sig: a leading byte-order mark (Windows editors write one) is not text
-            with opener(path, "rt", encoding="utf-8-sig") as f:
+            with io.TextIOWrapper(_open_bytes(path), encoding="utf-8-sig") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError, EOFError, zlib.error) as e:  # zlib: a damaged .gz
             where = f"unreadable after line {line}" if line else "unreadable"

@@ -372,7 +372,8 @@ class DataConfig:
     mixture_tokens: int | None = None  # a mixture's token cap, passed by niah's last document (None: none)
     niah_tokens: int = 2_000_000  # synthetic retrieval tokens generated when niah is the only source
     niah_doc_tokens: int = 512  # longest synthetic retrieval document (lengths in [half, this])
-    # files, dirs, globs (.txt .md .py .jsonl, each optionally .gz or .zst; .parquet); "a,b" ok
+    # files, dirs, globs (.txt .md .py .jsonl, each optionally .gz or .zst; .json.gz and
+    # .json.zst JSON Lines; .parquet); "a,b" ok
     paths: tuple[str, ...] | str = ()
     text_field: str = "text"  # the JSONL field (Parquet column) holding a document's text
     # the JSONL field (Parquet column) holding the prompt a record's text continues (fine-tuning

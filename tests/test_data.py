@@ -782,10 +782,12 @@ def _zstd_frames(*parts: bytes) -> bytes:
 SKIPPABLE_FRAME = b"\x50\x2a\x4d\x18\x04\x00\x00\x00size"  # pzstd writes one before each frame
 
 
-def test_zst_files_give_what_their_plain_and_gz_copies_give(tmp_path, capsys):
-    """A .zst file (read whole across its frames, skippable ones too) gives the documents,
-    prompts and skips its plain and gzipped copies give, in a directory, a glob and
-    `prepare`."""
+def test_zst_and_compressed_json_files_give_what_their_jsonl_and_gz_copies_give(tmp_path,
+                                                                                capsys):
+    """A .zst file (read whole across its frames, skippable ones too) and a compressed .json
+    (JSON Lines, as C4 ships .json.gz and Dolma .json.zst) give the documents, prompts and skips
+    their plain and gzipped copies give, in a directory, a glob and `prepare`; a plain .json
+    beside them (a config) is no data file."""
     pytest.importorskip("zstandard")
     records = [{"prompt": f"q{i}", "answer": f"answer {i} " + "x" * i} for i in range(60)]
     records[7] = {"prompt": "q7"}
@@ -795,7 +797,10 @@ def test_zst_files_give_what_their_plain_and_gz_copies_give(tmp_path, capsys):
     copies = {"plain": {"a.jsonl": lines, "b.txt": text},
               "gz": {"a.jsonl.gz": gzip.compress(lines), "b.txt.gz": gzip.compress(text)},
               "zst": {"a.jsonl.zst": _zstd_frames(lines[:middle]) + SKIPPABLE_FRAME
-                      + _zstd_frames(lines[middle:]), "b.txt.zst": _zstd_frames(text)}}
+                      + _zstd_frames(lines[middle:]), "b.txt.zst": _zstd_frames(text)},
+              "c4": {"a.json.gz": gzip.compress(lines), "b.txt": text,
+                     "config.json": b'{"answer": "a config", "prompt": ""}\n'},
+              "dolma": {"a.json.zst": _zstd_frames(lines), "b.txt.zst": _zstd_frames(text)}}
     for directory, files in copies.items():
         for name, data in files.items():
             (tmp_path / directory).mkdir(exist_ok=True)
@@ -813,14 +818,19 @@ def test_zst_files_give_what_their_plain_and_gz_copies_give(tmp_path, capsys):
     for directory in copies:
         assert read(str(tmp_path / directory)) == expected, directory
     assert read(str(tmp_path / "zst" / "*.zst")) == expected
-    for directory in ("plain", "zst"):
+    for directory in ("plain", "zst", "c4"):
         assert data_main(["prepare", str(tmp_path / directory), str(tmp_path / f"{directory}.tok"),
                           "--text-field", "answer", "--prompt-field", "prompt"]) == 0
     capsys.readouterr()
-    written = {d: _files(tmp_path / f"{d}.tok") for d in ("plain", "zst")}
+    written = {d: _files(tmp_path / f"{d}.tok") for d in ("plain", "zst", "c4")}
     for files in written.values():
         files.pop("meta.json")
-    assert written["zst"] == written["plain"]
+    assert written["zst"] == written["plain"] == written["c4"]
+    with pytest.raises(DataError, match=re.escape(
+            f"data.paths: {tmp_path / 'c4' / 'config.json'} is not one of .txt .md .py .jsonl "
+            "(each optionally .gz or .zst), .json.gz .json.zst (JSON Lines; a plain .json is no "
+            "data file) or .parquet")):
+        expand_paths((str(tmp_path / "c4" / "config.json"),))
 
 
 @pytest.mark.parametrize("damage", ["cut in the first frame's header", "cut in the first frame",
@@ -897,6 +907,27 @@ def test_zst_files_the_zstd_cli_writes_are_read_whole(tmp_path):
                                          "cut short)"]
 
 
+def test_a_file_of_pretty_printed_json_is_one_skip_not_json_lines(tmp_path):
+    """A compressed .json (or a .jsonl) whose first non-blank line is no JSON object, as a JSON
+    array's or pretty-printed JSON's is, is one skipped file, not JSON Lines (before, each of its
+    lines was a skipped record, the first saying only 'Expecting value'); a file whose first
+    record is an object without the text field is JSON Lines, that record skipped."""
+    array = json.dumps([{"text": f"t{i}"} for i in range(100)], indent=2).encode()
+    (tmp_path / "a.json.gz").write_bytes(gzip.compress(array))
+    (tmp_path / "b.jsonl").write_bytes(b"\n" + array)
+    (tmp_path / "c.jsonl").write_text('[{"text": "one line"}]\n{"text": "kept?"}\n')
+    (tmp_path / "d.jsonl").write_text('{"body": "x"}\n{"text": "kept"}\n')
+    docs = file_documents((str(tmp_path),), "text")
+    assert docs.texts == ("kept",)
+    assert docs.skipped == (
+        f"{tmp_path / 'a.json.gz'}: not JSON Lines, a JSON object a line (line 1: not JSON "
+        "(Expecting value))",
+        f"{tmp_path / 'b.jsonl'}: not JSON Lines, a JSON object a line (line 2: not JSON "
+        "(Expecting value))",
+        f"{tmp_path / 'c.jsonl'}: not JSON Lines, a JSON object a line (line 1: no JSON object)",
+        f"{tmp_path / 'd.jsonl'}:1: no string field 'text' (data.text_field)")
+
+
 def test_a_zst_file_without_zstandard_is_one_error_naming_the_extra(tmp_path, monkeypatch):
     import sys
 
@@ -948,9 +979,10 @@ def test_stdlib_corpus_leaves_out_tests_installed_packages_and_blank_files(tmp_p
      "split holds: each batch would repeat rows; lower train.batch_size or train on more data"),
     (lambda tmp: file_documents((), "text"),
      "data.paths: empty; name at least one file, directory or glob"),
-    (lambda tmp: (tmp / "x.csv").write_text("a,b") and file_documents((str(tmp),), "text"),
-     "data.paths: directory '{tmp}' holds no .txt .md .py .jsonl (each optionally .gz or .zst) "
-     "or .parquet file"),
+    (lambda tmp: (tmp / "x.csv").write_text("a,b") and (tmp / "config.json").write_text("{}")
+     and file_documents((str(tmp),), "text"),
+     "data.paths: directory '{tmp}' holds no .txt .md .py .jsonl (each optionally .gz or .zst), "
+     ".json.gz .json.zst (JSON Lines; a plain .json is no data file) or .parquet file"),
     (lambda tmp: stdlib_documents(), "data.source=stdlib: no .py files under {tmp}"),
 ])
 def test_bad_data_settings_name_the_setting_and_what_was_expected(tmp_path, monkeypatch, call, error):
@@ -1236,7 +1268,7 @@ def test_a_parquet_file_without_pyarrow_is_one_error_naming_the_extra(tmp_path, 
                                         "'diff-jax[parquet]'; ")
     (tmp_path / "a.parquet.gz").write_bytes(b"")  # Parquet compresses inside
     with pytest.raises(DataError, match=r"is not one of \.txt \.md \.py \.jsonl \(each "
-                                        r"optionally \.gz or \.zst\) or \.parquet$"):
+                                        r"optionally \.gz or \.zst\), .* or \.parquet$"):
         expand_paths((str(tmp_path / "a.parquet.gz"),))
 
 

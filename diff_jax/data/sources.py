@@ -17,7 +17,7 @@ import sysconfig
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 
 class DataError(ValueError):
@@ -26,10 +26,14 @@ class DataError(ValueError):
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")  # each also compressed (name.gz, name.zst)
 COMPRESSIONS = (".gz", ".zst")  # gzip; Zstandard (`zstandard`, the zstd extra: `zstd_reader`)
+# compressed (C4's .json.gz, Dolma's), a .json holds JSON Lines; a plain .json is no data file:
+# directories of corpora hold configs (.json) beside them
+JSON_LINES_SUFFIX = ".json"
 PARQUET_SUFFIX = ".parquet"  # records in columns (`pyarrow`, the parquet extra); compressed inside
 PARQUET_BATCH_ROWS = 1024  # rows converted to Python strings at a time
-FILE_KINDS = (f"{' '.join(TEXT_SUFFIXES)} (each optionally {' or '.join(COMPRESSIONS)}) or "
-              f"{PARQUET_SUFFIX}")
+FILE_KINDS = (f"{' '.join(TEXT_SUFFIXES)} (each optionally {' or '.join(COMPRESSIONS)}), "
+              f"{' '.join(JSON_LINES_SUFFIX + c for c in COMPRESSIONS)} (JSON Lines; a plain "
+              f"{JSON_LINES_SUFFIX} is no data file) or {PARQUET_SUFFIX}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,12 +136,15 @@ def _is_text(path: Path) -> bool:
 
 
 def _kind(path: Path) -> str:
-    """What the data file `path` holds, by its name: one of `TEXT_SUFFIXES` or `PARQUET_SUFFIX`,
-    after any of `COMPRESSIONS` but for Parquet, which compresses inside; "" for no data file."""
+    """What the data file `path` holds, by its name: one of `TEXT_SUFFIXES` (".jsonl" for a
+    compressed `JSON_LINES_SUFFIX` too) or `PARQUET_SUFFIX`, after any of `COMPRESSIONS` but for
+    Parquet, which compresses inside; "" for no data file."""
     if path.name.endswith(PARQUET_SUFFIX):
         return PARQUET_SUFFIX
     name = next((path.name.removesuffix(c) for c in COMPRESSIONS if path.name.endswith(c)),
                 path.name)
+    if name != path.name and name.endswith(JSON_LINES_SUFFIX):
+        return ".jsonl"
     return next((suffix for suffix in TEXT_SUFFIXES if name.endswith(suffix)), "")
 
 
@@ -173,8 +180,10 @@ def iter_records(files: Iterable[Path], text_field: str, prompt_field: str | Non
     large it is, and a record that is no UTF-8 is one bad record. Unreadable files and bad
     records are appended to `skipped` with a reason; a JSONL file that cannot be read past some
     point (a damaged or truncated .gz or .zst) keeps the records before it (`path: unreadable
-    after line N (...)`). Records end at a newline (or CR LF) only: JSON strings may hold
-    U+2028, U+0085 and the other line boundaries of `str.splitlines` unescaped."""
+    after line N (...)`), and one whose first non-blank line is no JSON object (a JSON array, or
+    pretty-printed JSON) is one skipped file, not JSON Lines, not a bad record a line. Records
+    end at a newline (or CR LF) only: JSON strings may hold U+2028, U+0085 and the other line
+    boundaries of `str.splitlines` unescaped."""
     for path in files:
         kind = _kind(path)
         if kind == PARQUET_SUFFIX:
@@ -184,8 +193,18 @@ def iter_records(files: Iterable[Path], text_field: str, prompt_field: str | Non
         try:
             if kind == ".jsonl":
                 with _open_bytes(path) as f:
+                    first = True  # no non-blank line yet
                     for line, raw in enumerate(f, 1):
-                        record = _jsonl_record(raw, path, line, text_field, prompt_field, skipped)
+                        value = _json_line(raw, line)
+                        if value is None:
+                            continue
+                        if first and not isinstance(value[0], dict):
+                            skipped.append(f"{path}: not JSON Lines, a JSON object a line (line "
+                                           f"{line}: {value[1] or 'no JSON object'})")
+                            break
+                        first = False
+                        record = _jsonl_record(value, f"{path}:{line}", text_field, prompt_field,
+                                               skipped)
                         if record is not None:
                             yield record
                 continue
@@ -199,24 +218,30 @@ def iter_records(files: Iterable[Path], text_field: str, prompt_field: str | Non
         yield "", text
 
 
-def _jsonl_record(line: bytes, path: Path, n: int, field: str, prompt_field: str | None,
-                  skipped: list[str]) -> tuple[str, str] | None:
-    """(prompt, text) of the JSONL record `line` (line `n` of `path`; a first line's byte-order
-    mark, which Windows editors write, is no part of it): its `field`, after its `prompt_field`
-    where one is named (else ""); or None for a blank line or, appended to `skipped`, a bad
-    record."""
-    where = f"{path}:{n}"
+def _json_line(line: bytes, n: int) -> tuple[Any, str] | None:
+    """(value, "") of line `n` of a JSONL file (a first line's byte-order mark, which Windows
+    editors write, is no part of it), or (None, why) where it is no UTF-8 or no JSON; None for
+    a blank line."""
     try:
         text = line.decode("utf-8-sig" if n == 1 else "utf-8")
     except UnicodeDecodeError as e:
-        skipped.append(f"{where}: not UTF-8 ({e.reason} at byte {e.start})")
-        return None
+        return None, f"not UTF-8 ({e.reason} at byte {e.start})"
     if not text.strip():
         return None
     try:
-        record = json.loads(text)
+        return json.loads(text), ""
     except json.JSONDecodeError as e:
-        skipped.append(f"{where}: not JSON ({e.msg})")
+        return None, f"not JSON ({e.msg})"
+
+
+def _jsonl_record(value: tuple[Any, str], where: str, field: str, prompt_field: str | None,
+                  skipped: list[str]) -> tuple[str, str] | None:
+    """(prompt, text) of the JSONL record `value` (`_json_line`'s, of the line `where` names):
+    its `field`, after its `prompt_field` where one is named (else ""); or None, appended to
+    `skipped`, for a bad record."""
+    record, why = value
+    if why:
+        skipped.append(f"{where}: {why}")
         return None
     for name, key in ((field, "data.text_field"), (prompt_field, "data.prompt_field")):
         if name is not None and not (isinstance(record, dict)

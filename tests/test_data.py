@@ -911,21 +911,24 @@ def test_a_file_of_pretty_printed_json_is_one_skip_not_json_lines(tmp_path):
     """A compressed .json (or a .jsonl) whose first non-blank line is no JSON object, as a JSON
     array's or pretty-printed JSON's is, is one skipped file, not JSON Lines (before, each of its
     lines was a skipped record, the first saying only 'Expecting value'); a file whose first
-    record is an object without the text field is JSON Lines, that record skipped."""
+    record is an object without the text field, or damaged JSON, is JSON Lines, that record
+    skipped and the rest kept."""
     array = json.dumps([{"text": f"t{i}"} for i in range(100)], indent=2).encode()
     (tmp_path / "a.json.gz").write_bytes(gzip.compress(array))
     (tmp_path / "b.jsonl").write_bytes(b"\n" + array)
     (tmp_path / "c.jsonl").write_text('[{"text": "one line"}]\n{"text": "kept?"}\n')
     (tmp_path / "d.jsonl").write_text('{"body": "x"}\n{"text": "kept"}\n')
+    (tmp_path / "e.jsonl").write_text('{"text": "cut\n{"text": "kept too"}\n')  # a bad record
     docs = file_documents((str(tmp_path),), "text")
-    assert docs.texts == ("kept",)
+    assert docs.texts == ("kept", "kept too")
     assert docs.skipped == (
         f"{tmp_path / 'a.json.gz'}: not JSON Lines, a JSON object a line (line 1: not JSON "
         "(Expecting value))",
         f"{tmp_path / 'b.jsonl'}: not JSON Lines, a JSON object a line (line 2: not JSON "
         "(Expecting value))",
         f"{tmp_path / 'c.jsonl'}: not JSON Lines, a JSON object a line (line 1: no JSON object)",
-        f"{tmp_path / 'd.jsonl'}:1: no string field 'text' (data.text_field)")
+        f"{tmp_path / 'd.jsonl'}:1: no string field 'text' (data.text_field)",
+        f"{tmp_path / 'e.jsonl'}:1: not JSON (Invalid control character at)")
 
 
 def test_a_zst_file_without_zstandard_is_one_error_naming_the_extra(tmp_path, monkeypatch):

@@ -180,8 +180,8 @@ def iter_records(files: Iterable[Path], text_field: str, prompt_field: str | Non
     large it is, and a record that is no UTF-8 is one bad record. Unreadable files and bad
     records are appended to `skipped` with a reason; a JSONL file that cannot be read past some
     point (a damaged or truncated .gz or .zst) keeps the records before it (`path: unreadable
-    after line N (...)`), and one whose first non-blank line is no JSON object (a JSON array, or
-    pretty-printed JSON) is one skipped file, not JSON Lines, not a bad record a line. Records
+    after line N (...)`), and one whose first non-blank line shows no JSON Lines (a JSON array,
+    or pretty-printed JSON: `_opens_no_json_lines`) is one skipped file, not a bad record a line. Records
     end at a newline (or CR LF) only: JSON strings may hold U+2028, U+0085 and the other line
     boundaries of `str.splitlines` unescaped."""
     for path in files:
@@ -198,7 +198,7 @@ def iter_records(files: Iterable[Path], text_field: str, prompt_field: str | Non
                         value = _json_line(raw, line)
                         if value is None:
                             continue
-                        if first and not isinstance(value[0], dict):
+                        if first and _opens_no_json_lines(value, raw):
                             skipped.append(f"{path}: not JSON Lines, a JSON object a line (line "
                                            f"{line}: {value[1] or 'no JSON object'})")
                             break
@@ -232,6 +232,15 @@ def _json_line(line: bytes, n: int) -> tuple[Any, str] | None:
         return json.loads(text), ""
     except json.JSONDecodeError as e:
         return None, f"not JSON ({e.msg})"
+
+
+def _opens_no_json_lines(value: tuple[Any, str], line: bytes) -> bool:
+    """Whether a JSONL file's first non-blank `line` (its `_json_line` `value`) shows a file of
+    another form: a JSON value that is no object (a one-line array), or the "[" or "{" alone
+    that pretty-printed JSON opens with. A first line that is damaged JSON is one bad record,
+    as any other line is: the records after it are kept."""
+    record, why = value
+    return not why and not isinstance(record, dict) or line.strip() in (b"[", b"{")
 
 
 def _jsonl_record(value: tuple[Any, str], where: str, field: str, prompt_field: str | None,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from diff_jax import export as ex
+from diff_jax.evaluation import EvalError
 from diff_jax.evaluation import run as eval_run
 from diff_jax.export.hf_import import import_hf, main
 from diff_jax.export.safetensors_io import read_safetensors
@@ -223,6 +224,20 @@ def test_an_hf_dir_with_its_tokenizer_gets_commands_that_read_text_with_it(tmp_p
                                   "max_new_tokens=2", f"data.tokenizer={hf.resolve()}",
                                   f"out_dir={tmp_path / 'eval'}"]).read_text())
     assert report["prompt_tokens"] == 3 and all(t < VOCAB for t in report["new_tokens"])
+    # the import records that tokenizer: text read with another one is refused, naming it
+    trained = json.loads((out / "export.json").read_text())["trained_tokenizer"]
+    assert trained["tokenizer"] == str(hf.resolve()) and trained["tokenizer_eot"] == 1
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_text((hf / "tokenizer.json").read_text().replace('"w3"',
+                                                                                     '"w3x"'))
+    (other / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with pytest.raises(EvalError, match=rf"^{out} was trained with the Hugging Face tokenizer "
+                                        rf"{hf.resolve()} \(tokenizer.json SHA-256 "
+                                        rf"{trained['tokenizer_sha256'][:12]}…\) but "
+                                        rf"data.tokenizer={other} is another; set data.tokenizer "
+                                        "to that tokenizer.json$"):
+        eval_run(["task=generate", f"checkpoint={out}", "prompt=hello", f"data.tokenizer={other}"])
 
     build_tokenizer("cl100k_first_1000").save(str(hf / "tokenizer.json"))  # 1,001 ids
     (hf / "tokenizer_config.json").unlink()

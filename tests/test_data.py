@@ -1290,6 +1290,24 @@ def test_prompt_field_settings_are_checked_and_named_where_unread():
     assert DataConfig(source="files", paths=("x",), prompt_field="q").unread() == []
 
 
+def test_a_prompt_field_over_files_without_records_is_refused(tmp_path):
+    """data.prompt_field (or prepare --prompt-field) where data.paths finds only plain text
+    files: one error, since no document would have a prompt and every token would be a target
+    (it trained so without a word); beside one JSONL file, the text files are read as before."""
+    (tmp_path / "a.txt").write_text("plain text")
+    (tmp_path / "b.md").write_text("more text")
+    says = (f"data.prompt_field=q: data.paths ['{tmp_path}'] holds no JSONL or Parquet file, "
+            "whose records have prompts, so every token would be a training target; name record "
+            "files, or leave data.prompt_field out")
+    with pytest.raises(DataError, match=f"^{re.escape(says)}$"):
+        file_documents((str(tmp_path),), "text", "q")
+    with pytest.raises(DataError, match=f"^{re.escape(says)}$"):
+        prepare([str(tmp_path)], tmp_path / "out", prompt_field="q")
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "c.jsonl").write_text('{"q": "ask", "text": "answer"}\n')
+    assert file_documents((str(tmp_path),), "text", "q").prompts == ("", "", "ask")
+
+
 @pytest.mark.parametrize("encode", ["string", "large_string", "string_view", "dictionary"])
 def test_a_parquet_string_column_is_read_however_arrow_encodes_it(tmp_path, encode):
     """A string column reads the same documents whatever its Arrow encoding; dictionary-encoded

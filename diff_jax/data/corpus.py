@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from diff_jax.data.sources import DataError, Documents, expand_paths, iter_records
+from diff_jax.data.sources import (DataError, Documents, check_prompt_files, expand_paths,
+                                   iter_records)
 from diff_jax.data.tokenizer import BASE, encoding, identity, mismatch, text_prefix
 from diff_jax.output_dir import refusal, staged
 
@@ -229,6 +230,7 @@ def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
         chunks: Iterable[list[tuple[str, str]]] = [[("", t) for t in docs.texts]]
     else:
         files = expand_paths(tuple(sources))
+        check_prompt_files(files, prompt_field, sources)
         random.Random(0).shuffle(files)
         chunks = _chunks(iter_records(files, text_field, prompt_field, skipped), chunk_chars)
     with (staged(out) as tmp, open(tmp / "tokens.bin", "wb") as f,  # closed before the rename

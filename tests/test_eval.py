@@ -277,12 +277,14 @@ def test_a_choice_is_split_from_its_context_as_the_harness_splits_it():
     assert pair_tokens(ENC, "3.1", "4159")[1] == ENC.encode_ordinary("4159")
 
 
-def test_a_choice_across_a_token_boundary_reads_as_it_follows_its_context(tmp_path):
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_choice_across_a_token_boundary_reads_as_it_follows_its_context(tmp_path, legacy):
     """Under a SentencePiece-style tokenizer, which begins a text encoded alone with "▁" (a
     space), a choice encoded apart from its context ("ab" + "c": "abc" is "▁a" "bc", "ab" is
     "▁ab") has the ids it has after other text, so that the ids still spell "abc", not "ab c";
-    elsewhere the split is the harness's, after <s>. A context the tokenizer encodes to no id
-    (a BPE without <unk> drops what it has no token for) is end-of-text where there is no
+    elsewhere the split is the harness's, after <s> (the same under Llama 2's own normalizer,
+    `legacy`, which reads " paris" alone as "▁" "▁paris"). A context the tokenizer encodes to
+    no id (a BPE without <unk> drops what it has no token for) is end-of-text where there is no
     beginning-of-text."""
     pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -290,7 +292,7 @@ def test_a_choice_across_a_token_boundary_reads_as_it_follows_its_context(tmp_pa
     from diff_jax.evaluation.choice import pair_tokens
     from training_fixtures import sentencepiece_tokenizer
 
-    path = sentencepiece_tokenizer(tmp_path / "sp")
+    path = sentencepiece_tokenizer(tmp_path / "sp", legacy)
     enc, ids = data.encoding(str(path)), Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id
     head, tail = pair_tokens(enc, "ab", "c")
     assert (head, tail) == ([1, ids("▁ab")], [ids("c")])

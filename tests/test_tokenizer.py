@@ -16,7 +16,9 @@ import regex
 from diff_jax import niah
 from diff_jax.config import ConfigError, load_config
 from diff_jax.data import DataError, Documents, encoding, file_documents, tokenize
-from training_fixtures import word_tokenizer
+from diff_jax.data import tokenizer as tokenizer_module
+from diff_jax.data.tokenizer import BASE, continuations, text_prefix
+from training_fixtures import sentencepiece_tokenizer, word_tokenizer
 
 TEXT = ("Grüße aus Zürich — naïve café, 東京の天気は晴れ。 Привет! 🤗🚀 e\u0301\n\r\n\ttabs  \n\n"
         "1234567 3.14159 0x1F it's we'll THEY'RE <|endoftext|> stays text; trailing   ")
@@ -433,3 +435,110 @@ def test_a_run_records_its_tokenizer_and_eval_export_and_fine_tuning_hold_to_it(
 def record_of(training_data: dict) -> dict:
     """The tokenizer's keys of a checkpoint's training-data record."""
     return {k: v for k, v in training_data.items() if k.startswith("tokenizer")}
+
+
+# (head, text) pairs under cl100k: where the joined text's ids begin with the head's ("joined"),
+# and where a token spans the boundary ("apart": "xy" is one token, so are ":\n\n" and ".141")
+CL100K_PAIRS = {("See the note..", "(a)"): "joined", ("Answer:\n", "yes"): "joined",
+                ("The answer is", " 42"): "joined", ("", "def f():"): "joined",
+                ("x", "y"): "apart", ("Answer:\n", "\nyes"): "apart", ("3.1", "4159"): "apart",
+                ("degrees ", "Celsius"): "apart"}
+# the same under a Llama-2-style tokenizer (`sentencepiece_tokenizer`): "abc" is "▁a" "bc"; the
+# space a head ends with is its own "▁" in the head, "▁paris" in the joined text
+SENTENCEPIECE_PAIRS = {("print(", "x)"): "joined", ("the capital is", " paris"): "joined",
+                       ("", "the city"): "joined", ("the city", ""): "joined",
+                       ("ab", "c"): "apart", ("the city is ", "rome"): "apart"}
+
+
+def test_a_text_s_ids_are_those_it_has_after_its_head_under_cl100k(monkeypatch):
+    """`continuations`: a head's ids are its own encoding; its text's are the joined text's
+    past them where those begin with them — "See the note.." + "(a)" is "..", "(", "a", while
+    "(a)" encoded alone begins with "(a", a token the joined text does not hold — and else
+    the text's as it reads after a newline, which under cl100k is its own encoding (a newline
+    is a piece of its own), so the ids still spell head + text. An empty head: the text's own
+    ids. Batches of `CONTINUATION_BATCH` pairs give the same ids as one batch."""
+    enc = encoding(BASE)
+    heads, tails = continuations(enc, *zip(*CL100K_PAIRS))
+    for ((h, t), how), head, tail in zip(CL100K_PAIRS.items(), heads, tails):
+        whole = enc.encode_ordinary(h + t)  # tiktoken's ids of the joined text
+        assert head == enc.encode_ordinary(h) and enc.decode(head + tail) == h + t
+        assert (head + tail == whole) == (how == "joined") == (whole[:len(head)] == head)
+        if how == "apart":
+            assert tail == enc.encode_ordinary(t)
+    changed = [h + t for (h, t), tail in zip(CL100K_PAIRS, tails) if tail != enc.encode_ordinary(t)]
+    assert changed == ["See the note..(a)"]
+    monkeypatch.setattr(tokenizer_module, "CONTINUATION_BATCH", 3)
+    assert continuations(enc, *zip(*CL100K_PAIRS)) == (heads, tails)
+    with pytest.raises(ValueError, match="2 heads for 1 texts"):
+        continuations(enc, ["a", "b"], ["c"])
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_text_reads_as_it_follows_its_head_under_a_sentencepiece_tokenizer(tmp_path, legacy):
+    """A Llama-2-style tokenizer begins a text encoded alone with "▁", a space: encoded apart,
+    "x)" after "print(" read "print( x)", and under Llama 2's own normalizer (`legacy`) " paris"
+    after "the capital is" read "the capital is  paris". `continuations` gives the ids of the
+    joined text, as `tokenizers` itself encodes it (after <s>), wherever the boundary is clean,
+    and ids that decode to exactly head + text everywhere."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer
+
+    path = sentencepiece_tokenizer(tmp_path / "sp", legacy)
+    enc, reference = encoding(str(path)), Tokenizer.from_file(str(path / "tokenizer.json"))
+    heads, tails = continuations(enc, *zip(*SENTENCEPIECE_PAIRS))
+    for ((h, t), how), head, tail in zip(SENTENCEPIECE_PAIRS.items(), heads, tails):
+        assert enc.decode(head) == h and enc.decode(head + tail) == h + t
+        assert (text_prefix(enc) + head + tail == reference.encode(h + t).ids) == (how == "joined")
+    assert enc.decode(heads[0] + enc.encode_ordinary("x)")) == "print( x)"
+    assert enc.decode(heads[1] + enc.encode_ordinary(" paris")) == (
+        "the capital is  paris" if legacy else "the capital is paris")
+
+
+@pytest.mark.parametrize("style", ["cl100k", "sentencepiece", "sentencepiece-legacy"])
+def test_a_prompt_s_response_is_trained_on_as_it_continues_the_prompt(tmp_path, style):
+    """data.prompt_field: a document is the prefix, the prompt's ids as written (a trailing
+    space stays the prompt's, not moved to the response as `eval.py task=choice` moves it), the
+    response's as it continues the prompt, and end-of-text: where the boundary is clean, the
+    document is the joined text's encoding by the tokenizer itself (tiktoken's; `tokenizers`'
+    with <s>), and everywhere it spells prompt + response. The loss mask counts exactly the
+    response's tokens and end-of-text. A record whose prompt is empty is the document of its
+    text alone, only its prefix masked."""
+    if style == "cl100k":
+        name, pairs = BASE, CL100K_PAIRS
+        enc = encoding(name)
+
+        def reference(text):
+            return enc.encode_ordinary(text)
+    else:
+        pytest.importorskip("tokenizers")
+        from tokenizers import Tokenizer
+
+        name, pairs = str(sentencepiece_tokenizer(tmp_path / "sp", style.endswith("legacy"))), {
+            k: v for k, v in SENTENCEPIECE_PAIRS.items() if k[1]}  # a record's text is no blank
+        enc = encoding(name)
+
+        def reference(text):
+            return Tokenizer.from_file(f"{name}/tokenizer.json").encode(text).ids
+
+    prompts, texts = zip(*pairs)
+    corpus = tokenize(Documents(texts, (), prompts), name)
+    prefix = text_prefix(enc)
+    assert corpus.num_docs == len(pairs)
+    documents = {}
+    for a, b in zip(corpus.doc_starts, corpus.doc_starts[1:]):
+        ids, mask = corpus.tokens[a:b].tolist(), corpus.loss_mask[a:b].tolist()
+        assert ids[:len(prefix)] == prefix and ids[-1] == enc.eot_token
+        documents[enc.decode(ids[len(prefix):-1])] = ids, mask
+    assert set(documents) == {p + t for p, t in pairs} and len(documents) == len(pairs)
+    for (p, t), how in pairs.items():
+        ids, mask = documents[p + t]
+        context = len(prefix) + len(enc.encode_ordinary(p))
+        assert mask == [0] * context + [1] * (len(ids) - context)
+        assert enc.decode(ids[len(prefix):context]) == p
+        if how == "joined":
+            assert ids[:-1] == prefix * (style == "cl100k") + reference(p + t)
+            assert sum(mask) == len(reference(p + t)) - len(reference(p)) + 1
+    alone = [(p, t) for p, t in pairs if not p]
+    assert alone and all(documents[t][0] == tokenize(Documents((t,), ()), name).tokens.tolist()
+                         for _, t in alone)
+

@@ -147,15 +147,17 @@ SENTENCEPIECE_WORDS = ("▁ab", "▁the", "▁capital", "▁of", "▁is", "▁pa
                        "▁city", "▁print")
 
 
-def sentencepiece_tokenizer(directory: Path) -> Path:
+def sentencepiece_tokenizer(directory: Path, legacy: bool = False) -> Path:
     """A Llama-2-style tokenizer.json of 73 ids: a BPE over "▁", a-z and "(),." with merges
     that build `SENTENCEPIECE_WORDS` piece by piece, a Metaspace pre-tokenizer that puts "▁"
     before a text and for each space (so a text encoded alone begins with "▁"), <unk> (id 0),
     <s> (1) and </s> (2), and a template that puts <s> first; with a tokenizer_config.json
-    naming them."""
+    naming them. `legacy`: as Llama 2's own tokenizer.json has it, a normalizer that prepends
+    "▁" to every text and replaces each space with "▁", no pre-tokenizer (a text that begins
+    with a space encoded alone begins "▁▁": " paris" is "▁" "▁paris")."""
     import json
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", "▁",
                                          *"abcdefghijklmnopqrstuvwxyz(),."])}
@@ -167,8 +169,15 @@ def sentencepiece_tokenizer(directory: Path) -> Path:
     vocab["bc"] = len(vocab)
     merges = list(dict.fromkeys(merges))
     tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    if legacy:
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                                     normalizers.Replace(" ", "▁")])
+        tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(),
+                                               decoders.Strip(" ", 1, 0)])
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁",
+                                                           prepend_scheme="first")
+        tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
     tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
                                                              special_tokens=[("<s>", 1)])

@@ -24,7 +24,8 @@ import numpy as np
 
 from diff_jax.data.sources import (DataError, Documents, check_prompt_files, expand_paths,
                                    iter_records)
-from diff_jax.data.tokenizer import BASE, encoding, identity, mismatch, text_prefix
+from diff_jax.data.tokenizer import (BASE, continuations, encoding, identity, mismatch,
+                                     text_prefix)
 from diff_jax.output_dir import refusal, staged
 
 TOKEN_DTYPE = np.dtype("<u4")
@@ -122,24 +123,30 @@ def unigram_loss(train: TokenCorpus, held_out: TokenCorpus) -> float:
 def tokenize(docs: Documents, encoding_name: str, seed: int = 0, threads: int = 4) -> TokenCorpus:
     """Encode every document (+ end-of-text) in a seeded shuffled document order, each after the
     tokenizer's `text_prefix` (a Hugging Face tokenizer's beginning-of-text; none for
-    tiktoken's). With `docs.prompts`, a document is the prefix and its prompt's tokens, then its
-    text's (each encoded on its own), then end-of-text, and the corpus has a loss mask that
-    counts the text's tokens and the end-of-text as targets, not the prefix's and prompt's."""
+    tiktoken's). With `docs.prompts`, a document is the prefix, its prompt's tokens (the prompt
+    encoded as written, as `eval.py task=generate` encodes one), then its text's as they
+    continue the prompt (`continuations`: the joined text's ids past the prompt's, unless a
+    token spans the boundary), then end-of-text, and the corpus has a loss mask that counts the
+    text's tokens and the end-of-text as targets, not the prefix's and prompt's. An empty prompt
+    adds no token: the document is encoded as it is without prompts, its prefix masked."""
     enc = encoding(encoding_name)
     head = text_prefix(enc)
     order = list(range(len(docs.texts)))
     random.Random(seed).shuffle(order)
-    ids = enc.encode_ordinary_batch([docs.texts[i] for i in order], num_threads=threads)
-    prompts = ([list(head) for _ in order] if docs.prompts is None else
-               [head + p for p in enc.encode_ordinary_batch([docs.prompts[i] for i in order],
-                                                            num_threads=threads)])
-    lengths = np.array([len(p) + len(x) + 1 for p, x in zip(prompts, ids)], dtype=np.int64)
+    texts = [docs.texts[i] for i in order]
+    if docs.prompts is None:
+        prompts = [[] for _ in order]
+        ids = enc.encode_ordinary_batch(texts, num_threads=threads)
+    else:
+        prompts, ids = continuations(enc, [docs.prompts[i] for i in order], texts, threads)
+    lengths = np.array([len(head) + len(p) + len(x) + 1 for p, x in zip(prompts, ids)],
+                       dtype=np.int64)
     tokens = np.empty(int(lengths.sum()), dtype=TOKEN_DTYPE)
     mask = None if docs.prompts is None else np.ones(len(tokens), np.uint8)
     doc_starts = np.concatenate([[0], np.cumsum(lengths)])
     for i, (p, x) in enumerate(zip(prompts, ids)):
-        start, middle = doc_starts[i], doc_starts[i] + len(p)
-        tokens[start:middle] = p
+        start, middle = doc_starts[i], doc_starts[i] + len(head) + len(p)
+        tokens[start:middle] = head + p
         tokens[middle: doc_starts[i + 1] - 1] = x
         tokens[doc_starts[i + 1] - 1] = enc.eot_token
         if mask is not None:

@@ -20,7 +20,7 @@ import functools
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,12 @@ HF_FILE = "tokenizer.json"
 # and masks besides the ids; `prepare` of 54 MB of JSONL (12.8M tokens) peaked at 1.65 GB
 # encoding a whole chunk at once, 0.80 GB so (benchmarks/results/prepare_memory_hf_cpu*)
 HF_BATCH_TEXTS = 256
+# (head, text) pairs `continuations` encodes at a time: beside the result, it holds one batch's
+# encodings of head + text, not a whole prepare chunk's (which would double its memory)
+CONTINUATION_BATCH = 256
+# what a text is encoded after where it cannot be cut from its head's (`continuations`): a
+# newline, which tokenizers split from the text after it
+FOLLOWING = "\n"
 # end-of-text tokens a Hugging Face tokenizer may have, looked for where tokenizer_config.json
 # names no eos_token: GPT-2/cl100k's, Llama 3's, SentencePiece models' (Llama 2, Mistral), Gemma's
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
@@ -198,6 +204,40 @@ def mismatch(recorded: Mapping[str, Any], enc: Encoding, what: str, done: str,
     if isinstance(name, str) and is_encoding_name(name) and name != enc.name:
         return f"{what} was {done} with tokenizer {name} but {given}; set {key}{sep}{name}"
     return None
+
+
+def continuations(enc: Encoding, heads: Sequence[str], texts: Sequence[str],
+                  num_threads: int = 8) -> tuple[list[list[int]], list[list[int]]]:
+    """(heads' ids, texts' ids), n of each for n (head, text) pairs: a head's ids are its own
+    encoding (`encode_ordinary`); its text's are those of head + text past them, where the
+    whole's ids begin with them, so that head ids + text ids are the joined text's ids, the ids
+    a model reads the two as. Where they do not (a token spans the boundary: cl100k's "xy" is
+    one token), the text's ids are those it has after other text: of FOLLOWING + text past
+    FOLLOWING's own, where they begin so, else its own encoding; the ids still spell head +
+    text. Encoded apart, a text would not read as it follows its head under a SentencePiece-style
+    tokenizer (Llama 2's Metaspace), which begins a text encoded alone with "▁", a space:
+    "x)" after "print(" would read "print( x)". An empty head has no ids and its text its own
+    encoding. Encoded in batches of `CONTINUATION_BATCH` pairs (`encode_ordinary_batch` with
+    `num_threads`, for tiktoken's encodings)."""
+    if len(heads) != len(texts):
+        raise ValueError(f"continuations: {len(heads)} heads for {len(texts)} texts")
+    anchor = enc.encode_ordinary(FOLLOWING)
+    head_ids: list[list[int]] = []
+    text_ids: list[list[int]] = []
+    for at in range(0, len(texts), CONTINUATION_BATCH):
+        batch = list(zip(heads[at:at + CONTINUATION_BATCH], texts[at:at + CONTINUATION_BATCH]))
+        own = enc.encode_ordinary_batch([h for h, _ in batch], num_threads=num_threads)
+        wholes = enc.encode_ordinary_batch([h + t for h, t in batch], num_threads=num_threads)
+        tails = [w[len(h):] if w[:len(h)] == h else None for h, w in zip(own, wholes)]
+        apart = [i for i, tail in enumerate(tails) if tail is None]
+        after = enc.encode_ordinary_batch([FOLLOWING + batch[i][1] for i in apart],
+                                          num_threads=num_threads) if apart else []
+        for i, ids in zip(apart, after):
+            tails[i] = (ids[len(anchor):] if ids[:len(anchor)] == anchor
+                        else enc.encode_ordinary(batch[i][1]))
+        head_ids += own
+        text_ids += tails
+    return head_ids, text_ids
 
 
 def _settings(config: Path) -> dict:

@@ -7,12 +7,13 @@ tokens), split as the harness splits them (`pair_tokens`): the context's trailin
 the choice, context + choice is encoded whole with `data.tokenizer`, and the choice's tokens are
 those after the context's own encoding (a SentencePiece tokenizer would prefix a choice encoded
 alone with "▁"; a token across the boundary has the choice encoded apart, as it reads after other
-text); the context begins with the tokenizer's beginning-of-text where it has one
-(`text_prefix`), and an empty context is that alone, else end-of-text. The prediction is the
-choice of the highest sum (`accuracy`) and of the highest sum per character of the choice's text
-(`accuracy_norm`, the harness's `acc_norm`). A context longer than fits `length` tokens with its
-choice loses its first tokens (counted in `contexts_cut`). Every (item, choice) pair is one row,
-scored `batch_size` rows at a time in rows of one width, so one program is compiled.
+text: `continuations`, the rule training's prompt/response records follow too); the context
+begins with the tokenizer's beginning-of-text where it has one (`text_prefix`), and an empty
+context is that alone, else end-of-text. The prediction is the choice of the highest sum
+(`accuracy`) and of the highest sum per character of the choice's text (`accuracy_norm`, the
+harness's `acc_norm`). A context longer than fits `length` tokens with its choice loses its first
+tokens (counted in `contexts_cut`). Every (item, choice) pair is one row, scored `batch_size` rows
+at a time in rows of one width, so one program is compiled.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diff_jax.config import ModelConfig
-from diff_jax.data.tokenizer import Encoding, text_prefix
+from diff_jax.data.tokenizer import Encoding, continuations, text_prefix
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.evaluation.report import Report
@@ -35,9 +36,6 @@ from diff_jax.evaluation.scoring import token_nll
 from diff_jax.transformer import DecoderLM
 
 ITEM_FORMAT = '{"context": str, "choices": [str, ...], "label": int}'
-# what a choice encoded apart from its context is encoded after (`_following`): a newline, which
-# tokenizers split from the text after it
-FOLLOWING = "\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,26 +90,15 @@ def read_items(path: Path, loaded: Loaded) -> list[Item]:
 def pair_tokens(enc: Encoding, context: str, choice: str) -> tuple[list[int], list[int]]:
     """(context ids, choice ids) as the LM Eval Harness splits a request: the context's trailing
     whitespace moves to the start of the choice; the choice's ids are those of the whole text
-    past the context's own; the context's ids begin with the tokenizer's `text_prefix`, and a
-    context of no ids (empty, blank, or one the tokenizer drops) is end-of-text where there is no
-    prefix. Where the whole's ids do not begin with the context's ("foo" + "bar" is one token),
-    the choice is encoded apart, as it reads after other text (`_following`), so that the ids
-    scored always spell context + choice (the harness then scores ids past the context's count,
-    which spell another text)."""
+    past the context's own (`continuations`); the context's ids begin with the tokenizer's
+    `text_prefix`, and a context of no ids (empty, blank, or one the tokenizer drops) is
+    end-of-text where there is no prefix. Where the whole's ids do not begin with the context's
+    ("foo" + "bar" is one token), the choice is encoded apart, as it reads after other text, so
+    that the ids scored always spell context + choice (the harness then scores ids past the
+    context's count, which spell another text)."""
     stripped = context.rstrip()
-    choice = context[len(stripped):] + choice
-    head, whole = enc.encode_ordinary(stripped), enc.encode_ordinary(stripped + choice)
-    tail = whole[len(head):] if whole[:len(head)] == head else _following(enc, choice)
+    (head,), (tail,) = continuations(enc, [stripped], [context[len(stripped):] + choice])
     return (text_prefix(enc) + head) or [enc.eot_token], tail
-
-
-def _following(enc: Encoding, text: str) -> list[int]:
-    """The ids of `text` where it follows other text: those of FOLLOWING + text past
-    FOLLOWING's own, where they begin so; else `text`'s alone. A SentencePiece-style tokenizer
-    (Llama 2's) begins a text encoded alone with "▁", a space: "x)" alone after "print(" would
-    read "print( x)"."""
-    anchor, ids = enc.encode_ordinary(FOLLOWING), enc.encode_ordinary(FOLLOWING + text)
-    return ids[len(anchor):] if ids[:len(anchor)] == anchor else enc.encode_ordinary(text)
 
 
 def _item_problem(record: Any) -> str | None:

@@ -10,7 +10,9 @@ a question naming the R queried cities and an answer prompt for one of them:
     The magic number of CITY_r is| NUMBER_r
 
 Every piece is encoded on its own and the token lists are concatenated, so needle spans are exact
-token positions. `needles[0]` is the answer needle: its first token sits at
+token positions; an answer is encoded as it continues its question (`continuations`: the ids
+of question + answer past the question's), the ids a model reading the two as one text is
+trained and scored on. `needles[0]` is the answer needle: its first token sits at
 `round(depth · (C − len))` of the C context tokens; the other needles go to random non-overlapping
 places. Evaluation and training draw from separate seed domains (`eval_rng`, `train_rng`), so a
 training seed never reproduces an evaluation sample.
@@ -20,13 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import typing
 from collections.abc import Sequence
 
 import numpy as np
 
-if typing.TYPE_CHECKING:  # diff_jax.data imports this module
-    from diff_jax.data.tokenizer import Encoding
+from diff_jax.data.tokenizer import Encoding, continuations
 
 CITIES = (
     "Amsterdam", "Athens", "Bangkok", "Barcelona", "Beijing", "Berlin", "Bogota", "Boston",
@@ -121,10 +121,10 @@ def make_sample(
     pieces = [np.asarray(enc.encode_ordinary(needle_text(c, n)), np.int32)
               for c, n in zip(cities, numbers)]
     queried = cities[:num_queries]
-    questions = tuple(np.asarray(enc.encode_ordinary(question_text(queried, c)), np.int32)
-                      for c in queried)
-    answers = tuple(np.asarray(enc.encode_ordinary(" " + n), np.int32)
-                    for n in numbers[:num_queries])
+    asked, answered = continuations(enc, [question_text(queried, c) for c in queried],
+                                    [" " + n for n in numbers[:num_queries]])
+    questions = tuple(np.asarray(q, np.int32) for q in asked)
+    answers = tuple(np.asarray(a, np.int32) for a in answered)
     c = length - max(len(q) + len(a) for q, a in zip(questions, answers))
     needle_tokens = sum(len(p) for p in pieces)
     if c < 2 * needle_tokens:

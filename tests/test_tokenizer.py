@@ -542,3 +542,21 @@ def test_a_prompt_s_response_is_trained_on_as_it_continues_the_prompt(tmp_path, 
     assert alone and all(documents[t][0] == tokenize(Documents((t,), ()), name).tokens.tolist()
                          for _, t in alone)
 
+
+def test_a_niah_answer_is_encoded_as_it_follows_its_question(tmp_path):
+    """Under Llama 2's own tokenizer layout, " NUMBER" encoded alone begins "▁▁"; the answer
+    ids trained on and scored are those of question + answer past the question's, as
+    `tokenizers` encodes the two as one text."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer
+
+    path = sentencepiece_tokenizer(tmp_path / "sp", legacy=True)
+    enc, reference = encoding(str(path)), Tokenizer.from_file(str(path / "tokenizer.json"))
+    sample = niah.make_sample(niah.eval_rng(0), enc, length=4096, num_needles=2, num_queries=2,
+                              depth=0.5)
+    for r, (question, answer) in enumerate(zip(sample.questions, sample.answers)):
+        asked = niah.question_text([n.city for n in sample.needles[:2]], sample.needles[r].city)
+        whole = reference.encode(asked + " " + sample.needles[r].number,
+                                 add_special_tokens=False).ids
+        assert question.tolist() + answer.tolist() == whole
+        assert answer.tolist() != enc.encode_ordinary(" " + sample.needles[r].number)

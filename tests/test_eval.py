@@ -213,7 +213,8 @@ CHOICE_ITEMS = [
 @pytest.mark.parametrize("variant", ["diff", "transformer"])
 def test_choice_sums_each_choice_s_log_probability_given_its_context(runs, tmp_path, variant):
     """task=choice against the model applied directly to each context + choice, cut from the
-    left to `length` (float32 sums of a few log-probabilities: 1e-4): the per-choice sums, the
+    left as the harness cuts to `max_length`=`length` (the model reads `length` tokens of
+    length + 1; float32 sums of a few log-probabilities: 1e-4): the per-choice sums, the
     argmax accuracy, the per-character one and the cut contexts' count; rows in batches of 3
     (the last one padded) give what one row at a time does."""
     loaded = _params(runs[variant])
@@ -239,9 +240,9 @@ def test_choice_sums_each_choice_s_log_probability_given_its_context(runs, tmp_p
             ids = ENC.encode_ordinary(text + choice)[len(context):] if text else \
                 ENC.encode_ordinary(choice)
             assert not text or ENC.encode_ordinary(text + choice)[:len(context)] == context
-            kept = context[-(24 - len(ids)):]
-            cut += len(kept) < len(context)
-            sums.append(float(np.sum(np.asarray(logp(jnp.asarray(kept + ids)))[-len(ids):])))
+            row = (context + ids)[-(24 + 1):]  # lm-eval: [-(max_length + 1):][:-1] read
+            cut += len(row) < len(context + ids)
+            sums.append(float(np.sum(np.asarray(logp(jnp.asarray(row)))[-len(ids):])))
         want.append(sums)
     for got, expected in zip(out["logprobs"], want):
         np.testing.assert_allclose(got, expected, atol=1e-4)
@@ -356,10 +357,13 @@ def test_choice_inputs_that_cannot_be_scored_are_refused(runs, tmp_path):
     with pytest.raises(EvalError, match="task=choice needs input=FILE.jsonl"):
         EvalOptions(task="choice")
     items = tmp_path / "items.jsonl"
-    items.write_text(json.dumps({"context": "a", "choices": [" b" * 30, " c"], "label": 0}))
-    with pytest.raises(EvalError, match="length=16: a choice of 30 tokens leaves no room for its "
+    items.write_text(json.dumps({"context": "a", "choices": [" b" * 17, " c"], "label": 0}))
+    with pytest.raises(EvalError, match="length=16: a choice of 17 tokens leaves no room for its "
                                         "context; raise length"):
         _run(runs["diff"], "task=choice", f"input={items}", "length=16")
+    # 16 tokens: the model reads "a" and 15 of them, predicting all 16
+    items.write_text(json.dumps({"context": "a", "choices": [" b" * 16, " c"], "label": 0}))
+    assert _run(runs["diff"], "task=choice", f"input={items}", "length=16")["contexts_cut"] == 0
     items.write_text("\n\n")
     with pytest.raises(EvalError, match="holds no item"):
         _run(runs["diff"], "task=choice", f"input={items}")

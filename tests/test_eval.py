@@ -571,7 +571,7 @@ def test_quant_reports_each_bit_width_the_counted_nll_with_that_width(runs, monk
 
     options, overrides = parse_args([*args, f"train.run_dir={runs['diff']}"])
     loaded = sharpened(real_load(options, overrides))
-    batches = held_out_batches(held_out_corpus(loaded.config), eval_length(loaded.config, options),
+    batches = held_out_batches(held_out_corpus(loaded), eval_length(loaded.config, options),
                                options.batch_size, options.batches)
     direct = [float(counted_nll(dataclasses.replace(loaded.config.model, attn_logit_bits=b,
                                                     attention_impl="xla"),
@@ -1193,7 +1193,8 @@ def test_bad_inputs_and_lengths_are_one_error_naming_them(runs, tmp_path):
                 cfg, options)
     with pytest.raises(data.DataError, match=r"^data\.validation_fraction is 0 for this run, "
                        r"so no text was held out; pass data\.validation_fraction"):
-        scoring.held_out_corpus(load_config(None, ["data.validation_fraction=0"]))
+        scoring.held_out_corpus(dataclasses.replace(
+            loaded, config=load_config(None, ["data.validation_fraction=0"])))
     few = data.TokenCorpus(np.arange(5, dtype=np.uint32), np.array([0, 5]), 8)
     with pytest.raises(data.DataError, match=r"^the held-out split has 5 tokens, fewer than one "
                                              r"row of length \+ 1 = 9$"):

@@ -404,6 +404,11 @@ def test_a_run_records_its_tokenizer_and_eval_export_and_fine_tuning_hold_to_it(
         f"error: {run}/checkpoints/2 was trained with the Hugging Face tokenizer {tok} "
         f"(tokenizer.json SHA-256 {sha[:12]}…) but data.tokenizer=cl100k_first_256 is another; "
         "set data.tokenizer to that tokenizer.json")
+    held_out = ["task=ppl", f"train.run_dir={run}", "data.validation_fraction=0.5"]
+    assert eval_main([*held_out, f"data.tokenizer={moved}"]) == 0
+    assert eval_main([*held_out, "data.tokenizer=cl100k_first_256"]) == 2  # held-out text too
+    assert capsys.readouterr().err.strip().startswith(
+        f"error: {run}/checkpoints/2 was trained with the Hugging Face tokenizer {tok} ")
 
     exported = export(run, tmp_path / "hf", "hf-diffllama")  # copies the run's tokenizer
     assert json.loads((exported / "export.json").read_text())["trained_tokenizer"] == record_of(

@@ -139,7 +139,7 @@ def outliers(loaded: Loaded, options: EvalOptions) -> Report:
     cfg = loaded.config
     length = eval_length(cfg, options)
     rows = math.ceil(options.tokens / length)
-    batches = held_out_batches(held_out_corpus(cfg), length, min(options.batch_size, rows),
+    batches = held_out_batches(held_out_corpus(loaded), length, min(options.batch_size, rows),
                                math.ceil(rows / min(options.batch_size, rows)))
     logit_values, hidden_values = [], []
     for b in batches:
@@ -167,7 +167,7 @@ def quant(loaded: Loaded, options: EvalOptions) -> Report:
     not 2 per width."""
     cfg = loaded.config
     length = eval_length(cfg, options)
-    batches = held_out_batches(held_out_corpus(cfg), length, options.batch_size, options.batches)
+    batches = held_out_batches(held_out_corpus(loaded), length, options.batch_size, options.batches)
     bits: list[int | None] = [None, *options.bits]
     model_cfg = dataclasses.replace(cfg.model, attn_logit_bits=None, attention_impl="xla")
     losses, accuracies = [], []

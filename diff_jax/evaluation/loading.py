@@ -56,11 +56,18 @@ def text_encoding(loaded: Loaded) -> Encoding:
         raise EvalError(f"data.tokenizer={config.data.tokenizer}: its {enc.n_vocab:,} ids do not "
                         f"fit model.vocab_size ({config.model.vocab_size:,}); pass the tokenizer "
                         "the model was trained with")
+    check_trained_tokenizer(loaded, enc)
+    return enc
+
+
+def check_trained_tokenizer(loaded: Loaded, enc: Encoding) -> None:
+    """`EvalError` where `enc` (data.tokenizer's, which the tasks read text and held-out text
+    with) is not the tokenizer the parameters were trained with, where that is recorded
+    (`Loaded.trained_tokenizer`; `tokenizer.mismatch`)."""
     if loaded.trained_tokenizer is not None:
         problem = mismatch(loaded.trained_tokenizer, enc, loaded.source, "trained")
         if problem is not None:
             raise EvalError(problem)
-    return enc
 
 
 def _use_compile_cache(config: Config) -> None:

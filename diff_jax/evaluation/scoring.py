@@ -14,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from diff_jax.config import Config, ModelConfig
-from diff_jax.data import Batch, DataError, HeldOut, TokenCorpus, held_out, split_corpus
+from diff_jax.data import (Batch, DataError, HeldOut, TokenCorpus, encoding, held_out,
+                           split_corpus)
 from diff_jax.data.tokenizer import text_prefix
 from diff_jax.error_text import first_line
 from diff_jax.evaluation import plots
-from diff_jax.evaluation.loading import Loaded, text_encoding
+from diff_jax.evaluation.loading import Loaded, check_trained_tokenizer, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.evaluation.report import Report
 from diff_jax.output_dir import write_whole
@@ -63,13 +64,17 @@ def eval_length(config: Config, options: EvalOptions) -> int:
     return length
 
 
-def held_out_corpus(config: Config) -> TokenCorpus:
+def held_out_corpus(loaded: Loaded) -> TokenCorpus:
     """The validation split of the run's data (`data.*`), as training held it out; `EvalError`
-    when the data's ids do not fit `model.vocab_size` (as train.py refuses it)."""
+    when `data.tokenizer` is not the one the parameters were trained with
+    (`check_trained_tokenizer`) or the data's ids do not fit `model.vocab_size` (as train.py
+    refuses it)."""
+    config = loaded.config
     if config.data.validation_fraction == 0:
         raise DataError("data.validation_fraction is 0 for this run, so no text was held out; "
                         "pass data.validation_fraction=F (F of the documents, drawn at random) or "
                         "point data.source/data.paths at other text")
+    check_trained_tokenizer(loaded, encoding(config.data.tokenizer))
     _, val = split_corpus(config.data, config.train.seed)
     if val.vocab_size > config.model.vocab_size:
         raise EvalError(f"data.tokenizer={config.data.tokenizer}: the held-out text's "
@@ -130,7 +135,7 @@ def ppl(loaded: Loaded, options: EvalOptions) -> Report:
     whole documents read from their starts (different rows, which the table says)."""
     cfg = loaded.config
     length = eval_length(cfg, options)
-    corpus = held_out_corpus(cfg)
+    corpus = held_out_corpus(loaded)
     rows = held_out_rows(corpus, length, options.batch_size, options.held_out_tokens)
     nll = counted_nll(cfg.model, loaded.params, rows.batches)
     loss = float(nll.mean())

@@ -222,7 +222,8 @@ def resume_notes(saved: dict, config: Config, step: int, data_then: dict | None 
         return []
     notes = []
     read = [f.name for f in dataclasses.fields(config.data)  # what decides the rows' order
-            if f.name not in (*config.data.READING, *config.data.unused())]
+            if f.name not in (*config.data.READING, *config.data.unused())
+            and not (f.name == "tokenizer" and _tokenizer_moved(data_then, data_now))]
     data_order = (_changes(old.train, config.train, "train", ("batch_size", "seq_len", "seed"))
                   + _changes(old.data, config.data, "data", read))
     if data_order:
@@ -231,11 +232,12 @@ def resume_notes(saved: dict, config: Config, step: int, data_then: dict | None 
                      "order, so the rows from here differ from an uninterrupted run's under either "
                      "setting (documents may repeat or be skipped)")
     elif data_then is not None and data_now is not None and _data_differs(data_then, data_now):
+        cause = ("the tokenizer changed" if _tokenizer_changes(data_then, data_now)
+                 else "the sources' contents changed")
         notes.append(f"resumed on other training data than step {step} was saved with, under the "
-                     f"same data settings ({_data_change(data_then, data_now)}): the sources' "
-                     "contents changed, so the saved data position counts rows of the old split "
-                     "and the rows from here differ from an uninterrupted run's (documents may "
-                     "repeat or be skipped)")
+                     f"same data settings ({_data_change(data_then, data_now)}): {cause}, so the "
+                     "saved data position counts rows of the old split and the rows from here "
+                     "differ from an uninterrupted run's (documents may repeat or be skipped)")
     if old.model.scan_layers != config.model.scan_layers:
         now = "stacked for the scan" if config.model.scan_layers else "sliced into one per layer"
         notes.append(f"resumed with model.scan_layers={str(config.model.scan_layers).lower()}, "
@@ -255,24 +257,53 @@ def resume_notes(saved: dict, config: Config, step: int, data_then: dict | None 
 
 def _data_differs(then: Any, now: dict) -> bool:
     """Whether the training-data record `then` (a step's) and `now` differ in what both record
-    (a step saved before the records held the tokenizer's keys compares the corpus's alone)."""
+    (a step saved before the records held the tokenizer's keys compares the corpus's alone), but
+    for the tokenizer's name: the path as given, which the data settings compare, and a
+    tokenizer.json moved is the same tokenizer (`_tokenizer_moved`)."""
     if not isinstance(then, dict):
         return then != now
-    return any(then[k] != now[k] for k in then.keys() & now.keys())
+    return any(then[k] != now[k] for k in then.keys() & now.keys() - {"tokenizer"})
+
+
+def _tokenizer_moved(then: Any, now: dict | None) -> bool:
+    """Whether the training-data records `then` (a step's) and `now` name one Hugging Face
+    tokenizer by two paths: its files moved, the same tokenizer.json, end- and
+    beginning-of-text (`tokenizer.identity`)."""
+    return (isinstance(then, dict) and now is not None
+            and "tokenizer_sha256" in then.keys() & now.keys()
+            and not _tokenizer_changes(then, now))
+
+
+# a Hugging Face tokenizer's keys in a training-data record, as a resume note names their change
+TOKENIZER_KEYS = {"tokenizer_sha256": "tokenizer.json SHA-256", "tokenizer_eot": "end-of-text id",
+                  "tokenizer_prefix": "beginning-of-text ids"}
+
+
+def _tokenizer_changes(then: Any, now: dict) -> list[str]:
+    """`tokenizer.json SHA-256 a… → b…`, `end-of-text id c → d`, `beginning-of-text ids [e] →
+    []` for each Hugging Face tokenizer key (`TOKENIZER_KEYS`) that the training-data records
+    `then` (a step's) and `now` both hold and that differs."""
+    if not isinstance(then, dict):
+        return []
+    changes = []
+    for key, name in TOKENIZER_KEYS.items():
+        if key in then and key in now and then[key] != now[key]:
+            was, is_ = then[key], now[key]
+            if key == "tokenizer_sha256":
+                was, is_ = f"{str(was)[:12]}…", f"{str(is_)[:12]}…"
+            changes.append(f"{name} {was} → {is_}")
+    return changes
 
 
 def _data_change(then: dict, now: dict) -> str:
     """`documents a → b, tokens c → d, SHA-256 e… → f…` of two training-data records (the
-    counts only where they differ; then the tokenizer.json's digest where both record one and
-    it changed); a record of another form is named as it is."""
+    counts only where they differ; then the tokenizer's keys that both record and that changed:
+    `_tokenizer_changes`); a record of another form is named as it is."""
     try:
         parts = [f"{k} {then[k]:,} → {now[k]:,}" for k in ("documents", "tokens")
                  if then[k] != now[k]]
         parts.append(f"SHA-256 {then['sha256'][:12]}… → {now['sha256'][:12]}…")
-        was, is_ = then.get("tokenizer_sha256"), now.get("tokenizer_sha256")
-        if was is not None and is_ is not None and was != is_:
-            parts.append(f"tokenizer.json SHA-256 {was[:12]}… → {is_[:12]}…")
-        return ", ".join(parts)
+        return ", ".join(parts + _tokenizer_changes(then, now))
     except (KeyError, TypeError, ValueError):
         return f"recorded {then!r}"
 

@@ -699,7 +699,24 @@ def test_resume_notes_name_every_data_order_and_schedule_setting_that_changed():
     edited = train_loop.resume_notes(saved, same, 50, {**then, **hf},
                                      {**then, **hf, "tokenizer_sha256": "01" * 32})
     assert len(edited) == 1 and (f"(SHA-256 {'ab' * 6}… → {'ab' * 6}…, tokenizer.json SHA-256 "
-                                 f"{'ef' * 6}… → {'01' * 6}…)") in edited[0]
+                                 f"{'ef' * 6}… → {'01' * 6}…): the tokenizer changed, so ") in edited[0]
+    # a tokenizer_config.json edited beside it: the ids the documents begin with, named as the
+    # tokenizer's change, not the sources'
+    no_bos = train_loop.resume_notes(saved, same, 50, {**then, **hf},
+                                     {**now, **hf, "tokenizer_prefix": []})
+    assert len(no_bos) == 1 and (f"(SHA-256 {'ab' * 6}… → {'cd' * 6}…, beginning-of-text ids "
+                                 "[1] → []): the tokenizer changed, so ") in no_bos[0]
+    # its files moved (data.tokenizer=NEW_PATH, as eval takes them): the same tokenizer and rows
+    at_tok = load_config(None, [*base, "data.tokenizer=tok"]).to_dict()
+    moved = load_config(None, [*base, "data.tokenizer=elsewhere/tok"])
+    assert train_loop.resume_notes(at_tok, moved, 50, {**then, **hf},
+                                   {**then, **hf, "tokenizer": "elsewhere/tok"}) == []
+    other = train_loop.resume_notes(at_tok, moved, 50, {**then, **hf},
+                                    {**now, **hf, "tokenizer": "elsewhere/tok",
+                                     "tokenizer_sha256": "01" * 32})
+    assert len(other) == 1 and other[0].startswith(
+        "resumed with other data settings than step 50 was saved with (data.tokenizer 'tok' → "
+        "'elsewhere/tok'): ")
     split = load_config(None, [*base, "data.split_seed=3"])
     assert [n[:40] for n in train_loop.resume_notes(saved, split, 50, then, now)] == [
         "resumed with other data settings than st"]

@@ -800,8 +800,15 @@ def _read_training_data(mngr: ocp.CheckpointManager, step: int, where: Path,
                         recorded: dict[str, str] | None, hint: str = "") -> Any:
     """The `training_data` item of `step` (at `where`), verified against its checksum in
     `recorded` where the step has one (`verify_json`); None for a step saved before diff-jax
-    recorded it."""
+    recorded it. `DamagedCheckpointError` where the item is gone (deleted, or left out of a
+    copy) but `recorded` holds its checksum: read as such an old step, it would pass without
+    the tokenizer the step was trained with, and any other be taken."""
     if not (where / TRAINING_DATA).is_dir():
+        if recorded is not None and TRAINING_DATA in recorded:
+            raise DamagedCheckpointError(step, f"checkpoint step {step} is damaged: "
+                                               f"{where / TRAINING_DATA} is missing (the step "
+                                               "was saved with it: its checksum is recorded)"
+                                               f"{hint}")
         return None
     value = _restore_items(mngr, step, where, {TRAINING_DATA: ocp.args.JsonRestore()},
                            hint)[TRAINING_DATA]

@@ -736,6 +736,30 @@ def test_a_value_changed_in_the_config_item_is_damage_to_resume_eval_and_export(
     assert (run / "damaged_checkpoints" / "20" / item).is_dir()
 
 
+def test_a_training_data_item_gone_whose_checksum_is_recorded_is_damage(corpus, run20,
+                                                                           tmp_path, capfd):
+    """A step whose training-data record is gone (deleted, or left out of a copy) while its
+    checksums record one was read as a step saved before the record: eval, export and
+    fine-tuning took any tokenizer, and resume compared no training data. It is damage: named
+    by eval and export, skipped and set aside by resume."""
+    run = _copy(run20, tmp_path)
+    step = run / "checkpoints" / "20"
+    shutil.rmtree(step / "training_data")
+    said = (f"checkpoint step 20 is damaged: {step / 'training_data'} is missing (the step was "
+            "saved with it: its checksum is recorded)")
+    capfd.readouterr()
+    assert eval_main(["task=ppl", f"train.run_dir={run}"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [f"error: {said}; other steps: [10] (unverified): evaluate the newest with "
+                   "step=10"], err
+    with pytest.raises(ExportError, match=re.escape(said)):
+        export.load(run)
+    result = train_loop.run(tiny_config(corpus, run, "train.steps=11"))
+    err = capfd.readouterr().err
+    assert result.step == 11 and f"skipped {said}" in err and "resumed from step 10" in err, err
+    assert (run / "damaged_checkpoints" / "20" / "config").is_dir()
+
+
 def test_a_step_whose_record_predates_the_config_checksum_reads_its_config_unverified(
         corpus, run20, tmp_path, capfd):
     """A step saved before the checksums record covered the config and the training-data

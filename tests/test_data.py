@@ -910,7 +910,8 @@ def test_zst_files_the_zstd_cli_writes_are_read_whole(tmp_path):
 def test_a_file_of_pretty_printed_json_is_one_skip_not_json_lines(tmp_path):
     """A compressed .json (or a .jsonl) whose first non-blank line is no JSON object, as a JSON
     array's or pretty-printed JSON's is, is one skipped file, not JSON Lines (before, each of its
-    lines was a skipped record, the first saying only 'Expecting value'); a file whose first
+    lines was a skipped record, the first saying only 'Expecting value'), after a byte-order
+    mark too; a file whose first
     record is an object without the text field, or damaged JSON, is JSON Lines, that record
     skipped and the rest kept."""
     array = json.dumps([{"text": f"t{i}"} for i in range(100)], indent=2).encode()
@@ -919,6 +920,7 @@ def test_a_file_of_pretty_printed_json_is_one_skip_not_json_lines(tmp_path):
     (tmp_path / "c.jsonl").write_text('[{"text": "one line"}]\n{"text": "kept?"}\n')
     (tmp_path / "d.jsonl").write_text('{"body": "x"}\n{"text": "kept"}\n')
     (tmp_path / "e.jsonl").write_text('{"text": "cut\n{"text": "kept too"}\n')  # a bad record
+    (tmp_path / "f.jsonl").write_bytes(b"\xef\xbb\xbf" + array)  # as a Windows editor saves it
     docs = file_documents((str(tmp_path),), "text")
     assert docs.texts == ("kept", "kept too")
     assert docs.skipped == (
@@ -928,7 +930,9 @@ def test_a_file_of_pretty_printed_json_is_one_skip_not_json_lines(tmp_path):
         "(Expecting value))",
         f"{tmp_path / 'c.jsonl'}: not JSON Lines, a JSON object a line (line 1: no JSON object)",
         f"{tmp_path / 'd.jsonl'}:1: no string field 'text' (data.text_field)",
-        f"{tmp_path / 'e.jsonl'}:1: not JSON (Invalid control character at)")
+        f"{tmp_path / 'e.jsonl'}:1: not JSON (Invalid control character at)",
+        f"{tmp_path / 'f.jsonl'}: not JSON Lines, a JSON object a line (line 1: not JSON "
+        "(Expecting value))")
 
 
 def test_a_zst_file_without_zstandard_is_one_error_naming_the_extra(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ text field) is skipped and counted in `Documents.skipped`, never silently droppe
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import glob
 import gzip
@@ -249,10 +250,12 @@ def _json_line(line: bytes, n: int) -> tuple[Any, str] | None:
 def _opens_no_json_lines(value: tuple[Any, str], line: bytes) -> bool:
     """Whether a JSONL file's first non-blank `line` (its `_json_line` `value`) shows a file of
     another form: a JSON value that is no object (a one-line array), or the "[" or "{" alone
-    that pretty-printed JSON opens with. A first line that is damaged JSON is one bad record,
-    as any other line is: the records after it are kept."""
+    that pretty-printed JSON opens with (after the byte-order mark a Windows editor writes). A
+    first line that is damaged JSON is one bad record, as any other line is: the records after
+    it are kept."""
     record, why = value
-    return not why and not isinstance(record, dict) or line.strip() in (b"[", b"{")
+    return (not why and not isinstance(record, dict)
+            or line.removeprefix(codecs.BOM_UTF8).strip() in (b"[", b"{"))
 
 
 def _jsonl_record(value: tuple[Any, str], where: str, field: str, prompt_field: str | None,

@@ -7,9 +7,11 @@ whole once the block has been read. `ZstdDecompressor.decompressobj()` decodes o
 says when it has ended (`eof`) and what followed it (`unused_data`), so this reader decodes a
 frame at a time with one and calls a file that ends inside a frame, or holds no byte (as the
 zstd CLI does), cut short. Skippable frames (pzstd writes one before each frame) are frames of
-no output to it. Damage is an error, but for damaged literal bytes in a frame written without a
-checksum (zstandard's compressor writes none unless asked to; the zstd CLI writes one), which
-decode as other bytes. Importing this module needs zstandard (the zstd extra).
+no output to it. Damage is an error where the decoder meets it, else at the end of a frame whose
+checksum it fails (the frame's output before it is read by then: the zstd CLI writes one frame,
+with a checksum, for a whole file), but for damaged literal bytes in a frame written without a
+checksum (zstandard's compressor writes none unless asked to), which decode as other bytes.
+Importing this module needs zstandard (the zstd extra).
 """
 
 from __future__ import annotations

@@ -404,6 +404,9 @@ def test_a_run_records_its_tokenizer_and_eval_export_and_fine_tuning_hold_to_it(
         f"error: {run}/checkpoints/2 was trained with the Hugging Face tokenizer {tok} "
         f"(tokenizer.json SHA-256 {sha[:12]}…) but data.tokenizer=cl100k_first_256 is another; "
         "set data.tokenizer to that tokenizer.json")
+    assert evaluate(f"data.tokenizer={BASE}") == 2  # cl100k's ids do not fit: it names tok
+    assert capsys.readouterr().err.strip().startswith(
+        f"error: {run}/checkpoints/2 was trained with the Hugging Face tokenizer {tok} ")
     held_out = ["task=ppl", f"train.run_dir={run}", "data.validation_fraction=0.5"]
     assert eval_main([*held_out, f"data.tokenizer={moved}"]) == 0
     assert eval_main([*held_out, "data.tokenizer=cl100k_first_256"]) == 2  # held-out text too
@@ -413,6 +416,9 @@ def test_a_run_records_its_tokenizer_and_eval_export_and_fine_tuning_hold_to_it(
     exported = export(run, tmp_path / "hf", "hf-diffllama")  # copies the run's tokenizer
     assert json.loads((exported / "export.json").read_text())["trained_tokenizer"] == record_of(
         record)
+    with pytest.raises(ExportError, match=rf"^--tokenizer {BASE}: {run}/checkpoints/2 was "
+                                          "trained with the Hugging Face tokenizer "):
+        export(run, tmp_path / "hf-cl100k", "hf-diffllama", tokenizer=BASE)
     params = export(run, tmp_path / "params", "orbax-params")
     assert eval_main(["task=generate", f"checkpoint={params}", "prompt=hello",
                       "max_new_tokens=2", f"data.tokenizer={no_bos}"]) == 2

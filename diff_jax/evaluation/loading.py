@@ -48,15 +48,15 @@ def text_encoding(loaded: Loaded) -> Encoding:
     """The encoding of `data.tokenizer` that the tasks read and write text with; `EvalError`
     when it is not the tokenizer the parameters were trained with: where recorded
     (`Loaded.trained_tokenizer`: another tiktoken encoding, another tokenizer.json or an edited
-    one, another end- or beginning-of-text), or where its ids do not all fit
-    `model.vocab_size`."""
+    one, another end- or beginning-of-text; checked first, since the message names the one to
+    pass), or where its ids do not all fit `model.vocab_size`."""
     config = loaded.config
     enc = encoding(config.data.tokenizer)
+    check_trained_tokenizer(loaded, enc)
     if enc.n_vocab > config.model.vocab_size:
         raise EvalError(f"data.tokenizer={config.data.tokenizer}: its {enc.n_vocab:,} ids do not "
                         f"fit model.vocab_size ({config.model.vocab_size:,}); pass the tokenizer "
                         "the model was trained with")
-    check_trained_tokenizer(loaded, enc)
     return enc
 
 

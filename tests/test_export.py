@@ -722,7 +722,7 @@ def test_an_orbax_export_read_out_of_host_memory_is_no_damage(orbax_export, monk
     (lambda run, tmp: ex.export(run, tmp / "out", dtype="int8"),
      "--dtype 'int8': must be one of ['float32', 'bfloat16']"),
     (lambda run, tmp: ex.export(run, tmp / "out", "hf-diffllama", tokenizer="bogus"),
-     "--tokenizer 'bogus': cannot load tiktoken encoding 'bogus' offline"),
+     "--tokenizer bogus: cannot load tiktoken encoding 'bogus' offline"),
     (lambda run, tmp: ex.export(run, tmp / "out", "safetensors", tokenizer="gpt2"),
      "--tokenizer gpt2: only --format hf-diffllama writes tokenizer files, not safetensors"),
     (lambda run, tmp: ex.load(run / "checkpoints" / "5" / "_CHECKPOINT_METADATA"),

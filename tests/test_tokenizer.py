@@ -215,6 +215,9 @@ def test_a_hugging_face_tokenizer_that_cannot_be_used_is_one_error(hf_dir, tmp_p
     assert error(str(tmp_path / "absent")).startswith(
         f"data.tokenizer={tmp_path / 'absent'}: no such file; name a Hugging Face tokenizer.json")
     assert f"({tmp_path} holds no tokenizer.json)" in error(str(tmp_path))
+    assert error("toks/sp").startswith(  # a run's relative path, read from another directory
+        "data.tokenizer=toks/sp: no such file (a relative path is read from the working "
+        f"directory, {Path.cwd()}); name a Hugging Face tokenizer.json")
     (tmp_path / "tokenizer.json").write_text("{}")
     assert "is no Hugging Face tokenizer (Exception: " in error(str(tmp_path))
     assert "cannot load tiktoken" not in error(str(tmp_path))
@@ -446,6 +449,11 @@ def test_a_run_records_its_tokenizer_and_eval_export_and_fine_tuning_hold_to_it(
                                           "--tokenizer to that tokenizer.json, or --tokenizer "
                                           "none to export without one$"):
         export(run, tmp_path / "hf2", "hf-diffllama")
+    shutil.move(tok, tmp_path / "elsewhere")  # the run's tokenizer gone: named as the run's
+    encoding.cache_clear()
+    with pytest.raises(ExportError, match=rf"^data.tokenizer={tok} \(the run's, the default "
+                                          r"--tokenizer\): no such file; name a Hugging Face"):
+        export(run, tmp_path / "hf3", "hf-diffllama")
 
 
 def record_of(training_data: dict) -> dict:

@@ -78,9 +78,10 @@ class HFEncoding:
         path = Path(name).expanduser()
         file = path / HF_FILE if path.is_dir() else path
         if not file.is_file():
-            raise DataError(f"data.tokenizer={name}: no such file" + (
-                f" ({path} holds no {HF_FILE})" if path.is_dir() else "") + "; name a Hugging "
-                f"Face {HF_FILE} or its directory, {BASE!r} or cl100k_first_N")
+            where = (f" ({path} holds no {HF_FILE})" if path.is_dir() else "" if path.is_absolute()
+                     else f" (a relative path is read from the working directory, {Path.cwd()})")
+            raise DataError(f"data.tokenizer={name}: no such file{where}; name a Hugging Face "
+                            f"{HF_FILE} or its directory, {BASE!r} or cl100k_first_N")
         try:
             from tokenizers import Tokenizer
         except ImportError:

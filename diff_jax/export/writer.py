@@ -105,7 +105,10 @@ def _check_tokenizer(name: str, loaded: Source, where: str) -> None:
     the message."""
     if name == "none":
         return
-    top = max_token_id(name)  # an ExportError naming --tokenizer for one that does not load
+    try:
+        top = max_token_id(name)
+    except ExportError as e:  # it names --tokenizer, which a run's data.tokenizer was not given as
+        raise ExportError(f"{where}: {str(e).split(': ', 1)[-1]}") from e
     if loaded.trained_tokenizer is not None:
         problem = mismatch(loaded.trained_tokenizer, encoding(name), loaded.origin, "trained",
                            key="--tokenizer")

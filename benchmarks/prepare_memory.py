@@ -15,7 +15,9 @@ lines before it the prompt), prepared with `--prompt-field prompt`. JSON + markd
 machine and versions. The committed results: benchmarks/results/prepare_memory_cpu, and
 prepare_memory_cpu_7445d23, this script run on the commit before prepare streamed;
 prepare_memory_hf_cpu and _c5fb641, cl100k as a Hugging Face tokenizer.json, on today's code and
-on the commit before it encoded in batches of `HF_BATCH_TEXTS` texts.
+on the commit before it encoded in batches of `HF_BATCH_TEXTS` texts; prepare_memory_prompts_cpu
+and _e15989f, `--prompts`, with responses encoded as they continue their prompts
+(`tokenizer.continuations`) and on the commit before, which encoded them apart.
 """
 
 from __future__ import annotations

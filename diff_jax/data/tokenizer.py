@@ -42,7 +42,8 @@ HF_BATCH_TEXTS = 256
 # (head, text) pairs `continuations` encodes at a time: beside the result, it holds one batch's
 # encodings of head + text, not a whole prepare chunk's; `prepare --prompt-field` of 13.6 MB of
 # JSONL (3.2M tokens, cl100k) peaked at 0.489 GB encoding a chunk's pairs at once, 0.447 GB so
-# (benchmarks/prepare_memory.py --prompts; 0.425 GB encoding prompt and response apart)
+# (benchmarks/results/prepare_memory_prompts_cpu; 0.425 GB encoding prompt and response apart:
+# _e15989f)
 CONTINUATION_BATCH = 256
 # what a text is encoded after where it cannot be cut from its head's (`continuations`): a
 # newline, which tokenizers split from the text after it

@@ -157,8 +157,9 @@ def tokenize(docs: Documents, encoding_name: str, seed: int = 0, threads: int = 
 def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
     """Memory-map a corpus written by `prepare`. With `tokenizer` (`data.tokenizer`), a corpus
     whose meta.json names a different tiktoken encoding, or records another Hugging Face
-    tokenizer.json (its SHA-256, wherever the file now is) or end-of-text id, is a DataError: its
-    ids would be decoded with the wrong one. (A corpus naming no tokenizer, or an unknown one, loads as it is.)
+    tokenizer.json (its SHA-256, wherever the file now is), end-of-text or beginning-of-text ids
+    (`tokenizer.mismatch`), is a DataError: its ids would be decoded with the wrong one. (A
+    corpus naming no tokenizer, or an unknown one, loads as it is.)
     One prepared with `prompt_field` whose loss_mask.bin is gone (a copy of the three files an
     unmasked corpus has) is a DataError too: before, it loaded unmasked and trained on every
     prompt token without a word."""

@@ -40,6 +40,7 @@ from diff_jax.attention import LAMBDA_VECTORS
 from diff_jax.checkpoint import quiet_abandoned_io
 from diff_jax.command import as_ctrl_c, failed, leave, output_kept
 from diff_jax.config import ConfigError, ModelConfig, override_value
+from diff_jax.data.tokenizer import identity
 from diff_jax.export import hf
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_io import read_safetensors
@@ -281,8 +282,6 @@ def read_hf(hf_dir: str | Path) -> Source:
     except ExportError as e:
         raise ExportError(f"{hf_dir}: {e}") from e
     params = from_state_dict(ours, config, str(hf_dir))
-    from diff_jax.data.tokenizer import identity
-
     enc, _ = own_encoding(hf_dir, config)  # the tokenizer the checkpoint was trained with
     return Source(config, params, str(hf_dir), None,
                   trained_tokenizer=None if enc is None else identity(enc))

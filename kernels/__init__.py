@@ -29,7 +29,7 @@ from .decode import decode_attention
 from .flash import MAX_HEAD_DIM, BlockSizes, flash_attention, supports_head_dim
 from .hopper import target as gpu_target
 from .reference import (attention_mask, attention_reference, check_layout,
-                               diff_attention_reference)
+                               diff_attention_reference, is_array)
 
 __all__ = ["IMPLS", "MAX_HEAD_DIM", "BlockSizes", "decode_attention", "diff_attention",
            "dot_product_attention", "four_call_diff_attention", "gpu_target", "supports_head_dim"]
@@ -38,9 +38,10 @@ IMPLS: tuple[str, ...] = ("xla", "pallas", "cudnn")
 _HALF = (jnp.bfloat16, jnp.float16)
 
 
-def _check(impl: str, q: jax.Array, causal: bool, *, oracle_only: dict[str, Any]) -> None:
-    """One clear error for an unknown impl, a `causal` that is no bool, or an oracle-only
-    option given to a kernel."""
+def _check(impl: str, arrays: dict[str, Any], causal: bool, *, oracle_only: dict[str, Any]) -> None:
+    """One clear error for an unknown impl, a `causal` that is no bool, an oracle-only option
+    given to a kernel, or a floating-point q, k or v (`arrays`) that cuDNN does not take (what
+    is no float array is `check_layout`'s TypeError)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if not isinstance(causal, bool):  # causal="no" was causal
@@ -48,8 +49,13 @@ def _check(impl: str, q: jax.Array, causal: bool, *, oracle_only: dict[str, Any]
     used = [name for name, value in oracle_only.items() if value is not None and value is not False]
     if impl != "xla" and used:
         raise ValueError(f"{', '.join(used)} exist only on the xla path (impl='xla'), not {impl!r}")
-    if impl == "cudnn" and q.dtype not in _HALF:
-        raise ValueError(f"impl='cudnn' needs bfloat16 or float16 inputs, got {q.dtype}")
+    if impl != "cudnn":
+        return
+    floats = {name: x.dtype for name, x in arrays.items()
+              if is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)}
+    if any(dtype not in _HALF for dtype in floats.values()) or len(set(floats.values())) > 1:
+        got = ", ".join(f"{name} {jnp.dtype(dtype).name}" for name, dtype in floats.items())
+        raise ValueError(f"impl='cudnn' needs q, k and v in one of bfloat16 or float16, got {got}")
 
 
 def diff_attention(
@@ -74,7 +80,7 @@ def diff_attention(
     `kv_segment_ids`, `logit_bits` and `return_maps` (then returns (out, maps)) are oracle
     options: impl="xla" only.
     """
-    _check(impl, q, causal, oracle_only={"kv_segment_ids": kv_segment_ids,
+    _check(impl, {"q": q, "k": k, "v": v}, causal, oracle_only={"kv_segment_ids": kv_segment_ids,
                                          "logit_bits": logit_bits, "return_maps": return_maps})
     if lam is None:
         raise ValueError("diff_attention needs lam (λ), a float32 scalar; standard attention is "
@@ -161,7 +167,7 @@ def dot_product_attention(
     impl: "xla" (oracle), "pallas" (the fused flash kernel with one softmax), "cudnn" (GPU,
     bf16/fp16 only). Oracle-only options as in `diff_attention`.
     """
-    _check(impl, q, causal, oracle_only={"kv_segment_ids": kv_segment_ids,
+    _check(impl, {"q": q, "k": k, "v": v}, causal, oracle_only={"kv_segment_ids": kv_segment_ids,
                                          "logit_bits": logit_bits, "return_maps": return_maps})
     if impl == "xla":
         return attention_reference(q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,

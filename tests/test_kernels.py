@@ -443,6 +443,24 @@ def test_inputs_that_are_not_float_arrays_are_one_error_naming_the_argument(impl
         kernels.dot_product_attention(q, k, k, causal=0, impl=impl)
 
 
+def test_cudnn_names_the_input_it_cannot_take_and_leaves_non_float_ones_to_the_layout_check():
+    """impl="cudnn" read q.dtype before the layout check: a q that is no array was an
+    AttributeError, an int32 q a ValueError about half precision (not the TypeError of the
+    other impls), and a float32 k beside a bfloat16 q reached jax's own error about 'value
+    dtype'. Nothing here runs cuDNN: every call is refused first."""
+    bf16 = jnp.bfloat16
+    q, k, v = jnp.zeros((1, 5, 4, 16), bf16), jnp.zeros((1, 5, 2, 16), bf16), jnp.zeros((1, 5, 1, 32), bf16)
+    with pytest.raises(TypeError, match=r"^q must be a floating-point array, got list$"):
+        kernels.diff_attention(q.tolist(), k, v, 0.5, impl="cudnn")
+    with pytest.raises(TypeError, match=r"^q must be a floating-point array, got int32$"):
+        kernels.dot_product_attention(q.astype(jnp.int32), k, k, impl="cudnn")
+    with pytest.raises(ValueError, match=r"^impl='cudnn' needs q, k and v in one of bfloat16 or "
+                                         r"float16, got q bfloat16, k float32, v bfloat16$"):
+        kernels.diff_attention(q, k.astype(jnp.float32), v, 0.5, impl="cudnn")
+    with pytest.raises(ValueError, match=r"got q float16, k bfloat16, v bfloat16$"):
+        kernels.dot_product_attention(q.astype(jnp.float16), k, k, impl="cudnn")
+
+
 def test_four_call_composition_equals_the_oracle():
     """The cuDNN route's layout (4H heads of width d, GQA by head // n_rep), run here with
     jax.nn.dot_product_attention's xla implementation: equal to the oracle, gradients too."""

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
+from jax.sharding import PartitionSpec as P
 
 import numpy_reference as npr
 from diff_jax import kernels
@@ -459,6 +460,31 @@ def test_cudnn_names_the_input_it_cannot_take_and_leaves_non_float_ones_to_the_l
         kernels.diff_attention(q, k.astype(jnp.float32), v, 0.5, impl="cudnn")
     with pytest.raises(ValueError, match=r"got q float16, k bfloat16, v bfloat16$"):
         kernels.dot_product_attention(q.astype(jnp.float16), k, k, impl="cudnn")
+
+
+def test_the_kernel_in_a_shard_map_of_ones_own_equals_the_oracle_with_check_vma_off():
+    """docs/kernels.md's recipe for a caller's own mesh wrapping: batch and whole DIFF heads
+    (with their kv groups) split over the mesh, `check_vma=False`; the output and every
+    gradient, λ's summed over the shards, equal the unsharded oracle's."""
+    mesh = jax.make_mesh((4, 2), ("b", "h"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    q, k, v, do, _ = make_inputs(4, 16, 4, 2, 16, jnp.float32, seed=21, segments=False)
+    heads = P("b", None, "h")
+
+    def fused(q, k, v, lam):
+        return jax.shard_map(functools.partial(kernels.diff_attention, impl="pallas"), mesh=mesh,
+                             in_specs=(heads, heads, heads, P()), out_specs=heads,
+                             check_vma=False)(q, k, v, lam)
+
+    def loss(attend):
+        return lambda q, k, v, lam: jnp.sum(attend(q, k, v, lam) * do)
+
+    oracle = functools.partial(kernels.diff_attention, impl="xla")
+    with jax.set_mesh(mesh):
+        out = jax.jit(fused)(q, k, v, jnp.float32(0.4))
+        grads = jax.jit(jax.grad(loss(fused), argnums=(0, 1, 2, 3)))(q, k, v, jnp.float32(0.4))
+    assert rel(out, oracle(q, k, v, jnp.float32(0.4))) < F32_TOL
+    for g, r in zip(grads, jax.grad(loss(oracle), argnums=(0, 1, 2, 3))(q, k, v, jnp.float32(0.4))):
+        assert rel(g, r) < F32_TOL
 
 
 def test_four_call_composition_equals_the_oracle():

@@ -29,6 +29,7 @@ from diff_jax.command import failed, leave, output_kept
 from diff_jax.config import ConfigError, ModelConfig
 from diff_jax.file_errors import describe
 from diff_jax.output_dir import write_whole
+from diff_jax.sharding import unboxed
 
 
 def reference_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -59,8 +60,9 @@ def from_reference(state_dict: Mapping[str, np.ndarray], config: ModelConfig) ->
 
 
 def to_reference(params: Mapping, config: ModelConfig) -> dict[str, np.ndarray]:
-    """Our attention parameter tree -> reference state_dict (numpy, (out, in) weights)."""
-    out = {}
+    """Our attention parameter tree (boxed or not) -> reference state_dict (numpy, (out, in)
+    weights)."""
+    params, out = unboxed(params), {}
     for key, (path, transpose) in variants.spec(config.variant).reference_layout(config).items():
         node = params
         for p in path:

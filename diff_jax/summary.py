@@ -50,8 +50,9 @@ def abstract_params(config: ModelConfig, sharding: jax.sharding.Sharding | None 
 
 
 def flops_per_token(config: ModelConfig, seq_len: int, params: dict | None = None) -> float:
-    """Training model FLOPs per token at sequence length `seq_len` (see the module docstring)."""
-    params = abstract_params(config) if params is None else params
+    """Training model FLOPs per token at sequence length `seq_len` (see the module docstring),
+    counted on `params` (boxed, as `init` returns them, or not; None: `abstract_params`)."""
+    params = abstract_params(config) if params is None else unboxed(params)
     n_matmul = sum(
         leaf.size for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
         if getattr(path[-1], "key", None) in ("kernel", "lm_head")

@@ -26,7 +26,7 @@ from diff_jax.export.init_from import initial_params
 from diff_jax.export.safetensors_io import read_safetensors, write_safetensors
 from diff_jax.export.sources import Source, abstract_params
 from diff_jax.interop import to_reference
-from diff_jax.transformer import DecoderLM
+from diff_jax.transformer import DecoderLM, unstacked_layers
 
 SMALL = dict(vocab_size=128, embed_dim=64, num_layers=2, max_seq_len=64)
 CONFIGS = {
@@ -129,6 +129,20 @@ def test_state_dict_names_shapes_and_pytorch_layout():
     back = ex.from_state_dict(sd, config, "test")
     jax.tree.map(np.testing.assert_array_equal, back, params)
 
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_state_dict_of_the_boxed_parameters_init_returns_is_that_of_the_unboxed_ones(scan):
+    """`init`'s parameters, boxed with their logical axes (the README's `params`), became
+    0-d object arrays: a state dict no reader takes, made without an error."""
+    config = dataclasses.replace(CONFIGS["diff"], scan_layers=scan)
+    boxed = DecoderLM(config).init(jax.random.PRNGKey(0), TOKENS[:, :1])["params"]
+    sd = ex.to_state_dict(boxed, config)
+    assert {k: v.shape for k, v in sd.items()} == ex.state_dict_shapes(config)
+    jax.tree.map(np.testing.assert_array_equal, sd, ex.to_state_dict(nn.meta.unbox(boxed), config))
+    first = unstacked_layers(boxed, config.num_layers)["layers_0"]["attn"]
+    jax.tree.map(np.testing.assert_array_equal, to_reference(first, config),
+                 to_reference(nn.meta.unbox(first), config))
 
 @pytest.mark.parametrize("variant, attn_names", [
     ("diff_v2", {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "lambda_proj.weight"}),

@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from diff_jax.config import Config, ModelConfig, TrainConfig, load_config
 from diff_jax.summary import flops_per_token, main, summarize
+from diff_jax.transformer import DecoderLM
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMED = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9}
@@ -40,6 +43,18 @@ def test_flops_formula_by_hand():
     attn = 6 * 2 * (t + 1) / 2 * (64 + 64)
     assert flops_per_token(m, t) == pytest.approx(6 * n_matmul + attn)
 
+
+
+def test_flops_count_the_parameters_init_returns_boxed_as_the_abstract_ones():
+    """`params` boxed with their logical axes (`init`'s) were counted as no matmul at all: the
+    kernels sit one level below a box, whose path ends in its `value`, so only the tied
+    embedding's E·V was counted (49,920 against 836,352 FLOPs here)."""
+    for untied in (False, True):
+        m = ModelConfig(vocab_size=64, embed_dim=64, num_layers=2, num_heads=2, max_seq_len=32,
+                        tie_embeddings=not untied)
+        boxed = jax.eval_shape(DecoderLM(m).init, jax.random.key(0),
+                               jnp.zeros((1, 1), jnp.int32))["params"]
+        assert flops_per_token(m, 32, boxed) == flops_per_token(m, 32)
 
 def test_an_untied_head_is_counted_once_in_flops_and_in_the_embedding_parameters():
     """Untied, the LM head is its own (E, V) parameter: the FLOPs count E·V once (as for a tied

@@ -18,6 +18,7 @@ from diff_jax.checkpoint import check_shapes
 from diff_jax.config import ModelConfig
 from diff_jax.export.errors import ExportError
 from diff_jax.interop import from_reference, reference_shapes, to_reference
+from diff_jax.sharding import unboxed
 from diff_jax.transformer import in_layout, unstacked_layers
 
 _FFN = ("w_gate", "w_up", "w_down")
@@ -42,9 +43,9 @@ def state_dict_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def to_state_dict(params: Mapping[str, Any], config: ModelConfig) -> dict[str, np.ndarray]:
-    """Our (unboxed) parameter tree, of either layer layout -> {export name: numpy array in
-    PyTorch layout}."""
-    params = unstacked_layers(dict(params), config.num_layers)
+    """Our parameter tree (boxed, as `init` returns it, or unboxed), of either layer layout ->
+    {export name: numpy array in PyTorch layout}."""
+    params = unstacked_layers(unboxed(dict(params)), config.num_layers)
     out = {"embed.weight": np.asarray(params["embed"])}
     for i in range(config.num_layers):
         layer = params[f"layers_{i}"]

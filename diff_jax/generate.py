@@ -119,13 +119,20 @@ def _decode_step(model: DecoderLM, params, cache, tokens: jax.Array, positions: 
 
 
 @functools.partial(jax.jit, static_argnames=("model", "sampling", "max_new_tokens"))
-def _generate(model: DecoderLM, params, cache, tokens: jax.Array, lengths: jax.Array,
+def _generate(model: DecoderLM, params, tokens: jax.Array, lengths: jax.Array,
               key: jax.Array, eos_id: jax.Array, *, sampling: SamplingConfig,
               max_new_tokens: int) -> jax.Array:
-    """Prefill, then sample inside one `lax.while_loop` until every row has produced `eos_id`
-    or `max_new_tokens` tokens. Returns (B, max_new_tokens) int32, −1 after a row stopped."""
-    logits, cache = _prefill(model, params, cache, tokens, lengths)
+    """Prefill the right-padded prompts (B, W), then sample inside one `lax.while_loop` until
+    every row has produced `eos_id` or `max_new_tokens` tokens. Returns (B, max_new_tokens)
+    int32, −1 after a row stopped.
+
+    The KV cache, W + max_new_tokens positions a row, is made here: passed in, its zeros were
+    an argument buffer beside the loop's own copy, twice the cache at the peak."""
     b = tokens.shape[0]
+    shapes = jax.eval_shape(model.init, jax.random.key(0),
+                            jax.ShapeDtypeStruct((b, tokens.shape[1] + max_new_tokens), jnp.int32))
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+    logits, cache = _prefill(model, params, cache, tokens, lengths)
     first = sample(logits, jax.random.fold_in(key, 0), sampling)
     out = jnp.full((b, max_new_tokens), -1, jnp.int32)
 
@@ -204,9 +211,7 @@ def generate(
             raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size})")
         tokens[i, : len(p)] = p
 
-    cache_shape = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((b, total), jnp.int32))["cache"]
-    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shape)
-    out = np.asarray(_generate(model, params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
+    out = np.asarray(_generate(model, params, jnp.asarray(tokens), jnp.asarray(lengths),
                                jax.random.key(seed), jnp.int32(-1 if eos_id is None else eos_id),
                                sampling=sampling, max_new_tokens=max_new_tokens))
     return [[int(x) for x in row if x >= 0] for row in out]

@@ -12,7 +12,7 @@ from flax import linen as nn
 from diff_jax import variants
 from diff_jax.attention_op import AttentionOp
 from diff_jax.config import ModelConfig
-from diff_jax.generate import SamplingConfig, _decode_step, _prefill, generate, sample
+from diff_jax.generate import SamplingConfig, _decode_step, _generate, _prefill, generate, sample
 from diff_jax.transformer import DecoderLM
 
 V = 61
@@ -471,3 +471,20 @@ def test_a_seed_outside_32_bits_is_refused(seed):
     cfg, params = _setup("transformer")
     with pytest.raises(ValueError, match=r"^seed must be an int in \[0, 2\*\*32\), got "):
         generate(cfg, params, [[3, 4]], max_new_tokens=2, sampling=SamplingConfig(1.0), seed=seed)
+
+
+def test_the_decoding_program_holds_the_kv_cache_once_not_as_an_argument_beside_its_loop_copy():
+    """`generate` used to pass the cache's zeros into the jitted decode, where the while loop
+    holds its own copy: 2.05 times the cache at the peak (arguments + temporaries, XLA's count
+    for this 16.8 MB cache); made inside the program, 1.28 times."""
+    cfg = ModelConfig(vocab_size=V, embed_dim=64, num_layers=2, num_heads=2, max_seq_len=4096)
+    params = nn.meta.unbox(DecoderLM(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))["params"]
+    model, rows, width, new = DecoderLM(cfg, decode=True), 4, 8, 4088
+    cache = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((rows, width + new), jnp.int32))
+    cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache["cache"]))
+    memory = _generate.lower(model, params, jax.ShapeDtypeStruct((rows, width), jnp.int32),
+                             jax.ShapeDtypeStruct((rows,), jnp.int32), jax.random.key(0),
+                             jnp.int32(-1), sampling=SamplingConfig(),
+                             max_new_tokens=new).compile().memory_analysis()
+    assert memory.argument_size_in_bytes < 0.1 * cache_bytes
+    assert memory.argument_size_in_bytes + memory.temp_size_in_bytes < 1.5 * cache_bytes

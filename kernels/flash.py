@@ -272,6 +272,9 @@ def flash_attention(
                          f"num_components={nc}, lam={'None' if lam is None else 'given'}")
     check_layout(q, k, v, num_components=nc, segment_ids=segment_ids, lam=lam)
     d = q.shape[3]
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):  # a dict: .block_q
+        raise TypeError(f"block_sizes must be a kernels.BlockSizes or None, got "
+                        f"{type(block_sizes).__name__}")
     if backend not in (None, "gpu", "mosaic_gpu", "tpu"):
         raise ValueError(f"backend must be None, 'gpu', 'mosaic_gpu' or 'tpu', got {backend!r}")
     if not supports_head_dim(d):

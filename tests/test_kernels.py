@@ -630,6 +630,14 @@ def test_block_sizes_are_positive_and_triton_tiles_round_down_to_powers_of_two()
     assert exp.mlir_module().count(TRITON) == 3
 
 
+def test_block_sizes_that_are_no_block_sizes_are_one_error_naming_them():
+    """A dict of tile sizes failed inside the trace on `'dict' object has no attribute
+    'block_q'`."""
+    q, k, v = jnp.zeros((1, 8, 4, 16)), jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 1, 32))
+    with pytest.raises(TypeError, match=r"^block_sizes must be a kernels.BlockSizes or None, got "
+                                        r"dict$"):
+        kernels.diff_attention(q, k, v, 0.5, impl="pallas", block_sizes={"block_q": 16})
+
 def test_triton_tiles_are_the_largest_power_of_two_within_the_request():
     """A Triton tile is the largest power of two ≤ the requested size (48 → 32: the request bounds
     the shared memory a setting asks for), at most the length rounded up to a power of two and at

@@ -242,6 +242,31 @@ def test_a_hugging_face_tokenizer_that_cannot_be_used_is_one_error(hf_dir, tmp_p
                                   "`tokenizers` package (pip install 'diff-jax[hf]')")
 
 
+def test_a_tokenizer_edited_on_disk_is_read_again_in_the_same_process(tmp_path):
+    """`encoding` keeps a Hugging Face tokenizer while its tokenizer.json and the
+    tokenizer_config.json beside it are as they were (resolved path, size, mtime_ns), and reads
+    it again once either is edited, so that a notebook, or eval after an edit, compares the file
+    as it is now (before, the object read first, and its SHA-256, came back for the name); an
+    edit of the same size is told by its mtime (set here: clocks may give two writes in one tick
+    the same). tiktoken's encodings are built once."""
+    import hashlib
+    import os
+
+    tok = word_tokenizer(tmp_path / "tok", template=True)
+    file = tok / "tokenizer.json"
+    first = encoding(str(tok))
+    assert encoding(str(tok)) is first and first.encode_ordinary("hello") == [3]
+    mtime = file.stat().st_mtime_ns
+    file.write_text(file.read_text().replace('"hello"', '"hullo"'))  # the same size
+    os.utime(file, ns=(mtime, mtime + 1_000_000))
+    edited = encoding(str(tok))
+    assert edited.sha256 == hashlib.sha256(file.read_bytes()).hexdigest() != first.sha256
+    assert edited.encode_ordinary("hullo") == [3] and encoding(str(tok)) is edited
+    (tok / "tokenizer_config.json").write_text('{"eos_token": "<s>", "add_bos_token": false}')
+    assert (encoding(str(tok)).eot_token, encoding(str(tok)).prefix) == (1, ())
+    assert encoding("cl100k_first_300") is encoding("cl100k_first_300")
+
+
 def test_a_corpus_prepared_with_a_hugging_face_tokenizer_is_read_with_that_one(hf_dir, tmp_path):
     """`prepare --tokenizer PATH` records the tokenizer.json's SHA-256: training reads the corpus
     with that file wherever it now is, and refuses a tiktoken encoding or another tokenizer.json
@@ -439,7 +464,7 @@ def test_a_run_records_its_tokenizer_and_eval_export_and_fine_tuning_hold_to_it(
 
     raw = (tok / "tokenizer.json").read_text()  # edited in place: the checkpoint's ids, not its
     (tok / "tokenizer.json").write_text(raw.replace('"hello"', '"hullo"'))
-    encoding.cache_clear()  # this process read the file before; a command reads it anew
+    # this process read the file before the edit: `encoding` reads it again, as a command would
     now = identity(encoding(str(tok)))["tokenizer_sha256"]
     with pytest.raises(ExportError, match=rf"^data.tokenizer={tok} \(the run's, the default "
                                           rf"--tokenizer\): {run}/checkpoints/2 was trained with "
@@ -450,7 +475,6 @@ def test_a_run_records_its_tokenizer_and_eval_export_and_fine_tuning_hold_to_it(
                                           "none to export without one$"):
         export(run, tmp_path / "hf2", "hf-diffllama")
     shutil.move(tok, tmp_path / "elsewhere")  # the run's tokenizer gone: named as the run's
-    encoding.cache_clear()
     with pytest.raises(ExportError, match=rf"^data.tokenizer={tok} \(the run's, the default "
                                           r"--tokenizer\): no such file; name a Hugging Face"):
         export(run, tmp_path / "hf3", "hf-diffllama")

@@ -35,6 +35,7 @@ _FIRST = re.compile(r"cl100k_first_([1-9]\d*)")  # one spelling per N: a corpus 
 
 
 HF_FILE = "tokenizer.json"
+HF_SETTINGS = "tokenizer_config.json"  # beside HF_FILE: its eos_token, bos_token, add_bos_token
 # texts a Hugging Face tokenizer encodes at a time: its Encodings hold token strings, offsets
 # and masks besides the ids; `prepare` of 54 MB of JSONL (12.8M tokens) peaked at 1.65 GB
 # encoding a whole chunk at once, 0.80 GB so (benchmarks/results/prepare_memory_hf_cpu*)
@@ -77,7 +78,7 @@ class HFEncoding:
 
     def __init__(self, name: str):
         path = Path(name).expanduser()
-        file = path / HF_FILE if path.is_dir() else path
+        file = _hf_file(name)
         if not file.is_file():
             where = (f" ({path} holds no {HF_FILE})" if path.is_dir() else "" if path.is_absolute()
                      else f" (a relative path is read from the working directory, {Path.cwd()})")
@@ -98,7 +99,7 @@ class HFEncoding:
         self.name, self.file, self.sha256 = name, file, hashlib.sha256(data).hexdigest()
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         self.n_vocab = max(vocab.values()) + 1
-        settings = _settings(file.parent / "tokenizer_config.json")
+        settings = _settings(file.parent / HF_SETTINGS)
         eos = _token_name(settings.get("eos_token"))
         found = [eos] if eos is not None else [t for t in EOS_CANDIDATES if t in vocab]
         if not found or found[0] not in vocab:
@@ -125,6 +126,13 @@ class HFEncoding:
         if self._tokenizer.id_to_token(int(token)) is None:
             raise KeyError(token)
         return self.decode([token]).encode("utf-8")
+
+
+def _hf_file(name: str) -> Path:
+    """The tokenizer.json that the Hugging Face tokenizer `name` (a file or its directory)
+    names, whether or not it is there."""
+    path = Path(name).expanduser()
+    return path / HF_FILE if path.is_dir() else path
 
 
 def _template_prefix(tokenizer, settings: dict, vocab: dict[str, int]) -> tuple[int, ...]:
@@ -264,12 +272,46 @@ def _token_name(value: object) -> str | None:
 Encoding = tiktoken.Encoding | HFEncoding
 
 
-@functools.cache
+# the Hugging Face tokenizers `encoding` has read, by name: (their files' `_stamp` then, the
+# tokenizer)
+_HF_READ: dict[str, tuple[tuple, HFEncoding]] = {}
+
+
 def encoding(name: str) -> Encoding:
     """The tokenizer `name` (see the module docstring), built without network access: a
-    tiktoken encoding, or a Hugging Face tokenizer (`HFEncoding`) where `name` is a path."""
-    if is_hf_path(name):
-        return HFEncoding(name)
+    tiktoken encoding, built once a process, or a Hugging Face tokenizer (`HFEncoding`) where
+    `name` is a path, kept while its files are as they were (`_stamp`) and read again once
+    edited: kept by name alone, a tokenizer.json edited on disk was read once a process (a
+    notebook's, or eval's after the edit), and a checkpoint's tokenizer compared with the
+    SHA-256 of the file as it was."""
+    if not is_hf_path(name):
+        return _tiktoken_encoding(name)
+    stamp = _stamp(name)
+    held = _HF_READ.get(name)
+    if held is None or held[0] != stamp:
+        held = _HF_READ[name] = (stamp, HFEncoding(name))
+    return held[1]
+
+
+def _stamp(name: str) -> tuple[tuple[str, int, int] | None, ...]:
+    """(resolved path, size, mtime_ns) of the Hugging Face tokenizer `name`'s tokenizer.json
+    and of the tokenizer_config.json beside it (None where it is not there): what `HFEncoding`
+    reads, changed where this changes."""
+    file = _hf_file(name)
+    stamps = []
+    for read in (file, file.parent / HF_SETTINGS):
+        try:
+            stat = read.stat()
+        except OSError:
+            stamps.append(None)
+        else:
+            stamps.append((str(read.resolve()), stat.st_size, stat.st_mtime_ns))
+    return tuple(stamps)
+
+
+@functools.cache
+def _tiktoken_encoding(name: str) -> tiktoken.Encoding:
+    """`encoding` of a name that is no path: a tiktoken encoding or `cl100k_first_N`."""
     first = _FIRST.fullmatch(name)
     if first:
         return _first_ranks(int(first.group(1)))
@@ -285,7 +327,7 @@ def encoding(name: str) -> Encoding:
 
 def _first_ranks(n: int) -> tiktoken.Encoding:
     """cl100k's ranks 0..n−1 plus end-of-text at id n."""
-    base = encoding(BASE)
+    base = _tiktoken_encoding(BASE)
     ranks = base._mergeable_ranks  # tiktoken exposes the ranks only as this attribute
     if not 256 <= n <= len(ranks):
         raise DataError(f"data.tokenizer: cl100k_first_{n}: N must be in [256, {len(ranks)}] "

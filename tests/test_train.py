@@ -839,19 +839,33 @@ def test_init_from_is_checked_before_any_data_is_read(corpus, tmp_path, monkeypa
 def test_validation_without_a_held_out_split_unused_settings_and_skipped_documents_are_said(
         tmp_path, capsys):
     """Before training: validation asked for with nothing held out, a data setting the source
-    does not read, and the documents the corpus skipped as unreadable (counted, the first named)."""
+    does not read, and the documents skipped as unreadable: those of files read now counted, the
+    first named; a prepared corpus's, which prepare listed, counted and referred to its
+    meta.json (each start repeated the first of them, as news)."""
     skipped = ("a.txt: unreadable (UnicodeDecodeError)", "b.jsonl:2: not JSON")
     corpus = tmp_path / "corpus"
     dataclasses.replace(synthetic_corpus(), skipped=skipped).save(corpus, {"tokenizer": "synthetic"})
-    train_loop.run(tiny_config(corpus, tmp_path, "train.steps=4", "train.eval_every=2",
-                               "data.mixture_tokens=1000"))
+    result = train_loop.run(tiny_config(corpus, tmp_path / "run", "train.steps=4",
+                                        "train.eval_every=2", "data.mixture_tokens=1000"))
+    assert result.step == 4 and np.isfinite(result.loss)
     err = capsys.readouterr().err
     assert ("train.eval_every=2: no validation, since data.validation_fraction=0 holds no "
             "documents out") in err
     assert "data.mixture_tokens=1000: not used, since data.mixture is not set\n" in err
-    assert ("data: skipped 2 file(s) or record(s), first: a.txt: unreadable "
-            "(UnicodeDecodeError)\n") in err
-    assert not any("val_loss" in x for x in (tmp_path / "metrics.jsonl").read_text().splitlines())
+    assert not any("val_loss" in x
+                   for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    assert (f"data: 2 file(s) or record(s) were skipped when {corpus} was prepared: see "
+            f"{corpus / 'meta.json'}\n") in err
+    assert "a.txt" not in err
+    (tmp_path / "docs.jsonl").write_text("not json\n" + "".join(
+        json.dumps({"text": f"document {i} of a few words"}) + "\n" for i in range(40)))
+    train_loop.run(tiny_config(corpus, tmp_path / "files", "train.steps=1", "data.source=files",
+                               f"data.paths=[{tmp_path / 'docs.jsonl'}]", "model.vocab_size=257",
+                               "data.tokenizer=cl100k_first_256"))
+    err = capsys.readouterr().err
+    assert (f"data: skipped 1 file(s) or record(s), first: {tmp_path / 'docs.jsonl'}:1: not JSON "
+            in err)
+    assert "prepared" not in err
 
 
 def test_train_py_smoke_falling_loss_and_valid_metrics(tmp_path):

@@ -40,9 +40,11 @@ class TokenCorpus:
     tokens: np.ndarray  # (N,) uint32
     doc_starts: np.ndarray  # (num_docs + 1,) int64, doc_starts[0] = 0, doc_starts[-1] = N
     vocab_size: int  # ids are < vocab_size
-    skipped: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()  # the files and records skipped reading it (none: `load`)
     # (N,) uint8: 1 where predicting the token counts in the training loss; None: every token
     loss_mask: np.ndarray | None = None
+    # what a training run says of how a prepared corpus was made, a line each (`load`)
+    notes: tuple[str, ...] = ()
 
     @property
     def num_docs(self) -> int:
@@ -162,7 +164,9 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
     corpus naming no tokenizer, or an unknown one, loads as it is.)
     One prepared with `prompt_field` whose loss_mask.bin is gone (a copy of the three files an
     unmasked corpus has) is a DataError too: before, it loaded unmasked and trained on every
-    prompt token without a word."""
+    prompt token without a word. Its `notes`: how many files and records `prepare` skipped
+    (which it listed, and meta.json lists), not the list again. Its `skipped` is empty: nothing
+    is skipped reading it."""
     d = Path(corpus_dir)
     try:
         meta = json.loads((d / "meta.json").read_text())
@@ -202,7 +206,16 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
         raise DataError(f"{d}: meta.json says it was prepared with --prompt-field "
                         f"{meta['prompt_field']}, but loss_mask.bin is missing, so its prompts "
                         "would be training targets; it is damaged (prepare it again)")
-    return TokenCorpus(tokens, doc_starts, vocab_size, tuple(meta.get("skipped", ())), mask)
+    return TokenCorpus(tokens, doc_starts, vocab_size, loss_mask=mask, notes=_notes(d, meta))
+
+
+def _notes(d: Path, meta: dict) -> tuple[str, ...]:
+    """`load`'s notes on the corpus `d`, whose meta.json holds `meta`."""
+    notes = []
+    if meta.get("skipped"):
+        notes.append(f"data: {len(meta['skipped'])} file(s) or record(s) were skipped when {d} "
+                     f"was prepared: see {d / 'meta.json'}")
+    return tuple(notes)
 
 
 def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",

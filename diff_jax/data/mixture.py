@@ -72,10 +72,12 @@ def mixed_corpus(cfg: DataConfig, seed: int, finite: dict[str, TokenCorpus]) -> 
     docs = [d for name, c in finite.items() for d in _documents(c, _budget(c, weights[name] * total))]
     vocab = max([c.vocab_size for c in finite.values()] or [0])
     skipped = tuple(s for c in finite.values() for s in c.skipped)
+    notes = tuple(n for c in finite.values() for n in c.notes)
     if "niah" in weights:
         synthetic = niah_corpus(cfg.tokenizer, seed, max(1, int(weights["niah"] * total)),
                                 cfg.niah_doc_tokens)
         docs += _documents(synthetic, len(synthetic.tokens))
         vocab = max(vocab, synthetic.vocab_size)
     order = np.random.default_rng(seed).permutation(len(docs))
-    return dataclasses.replace(_concat([docs[i] for i in order], vocab), skipped=skipped)
+    return dataclasses.replace(_concat([docs[i] for i in order], vocab), skipped=skipped,
+                               notes=notes)

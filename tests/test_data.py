@@ -1192,6 +1192,34 @@ def test_prepare_with_a_prompt_field_writes_the_loss_mask_training_reads(tmp_pat
             "\n" if "stdlib" not in error else " to read prompts from\n")
 
 
+def test_a_corpus_with_prompts_records_how_its_responses_were_encoded(tmp_path):
+    """`prepare --prompt-field` records in meta.json the rule its responses' ids follow
+    (`response_ids`: continuations, the joined text's ids past the prompt's); one prepared
+    before that rule (no record: each response encoded alone) loads with one note naming its
+    directory, its ids as they are; a corpus without prompts records nothing and has no note."""
+    _prompt_records(tmp_path / "qa.jsonl")
+    out = tmp_path / "prompts"
+    meta = prepare([str(tmp_path / "qa.jsonl")], out, "answer", prompt_field="prompt")
+    assert meta["response_ids"] == "continuations"
+    assert json.loads((out / "meta.json").read_text())["response_ids"] == "continuations"
+    skips = (f"data: 3 file(s) or record(s) were skipped when {out} was prepared: see "
+             f"{out / 'meta.json'}")  # _prompt_records' three bad records
+    now = load(out)
+    assert now.notes == (skips,)
+    older = json.loads((out / "meta.json").read_text())
+    del older["response_ids"]
+    (out / "meta.json").write_text(json.dumps(older))
+    before = load(out)
+    assert before.notes == (skips, (
+        f"data: {out} was prepared with --prompt-field before responses were encoded as they "
+        "continue their prompts (its meta.json records no response_ids): each response's ids "
+        "are its own encoding; prepare it again to train on the joined text's ids"))
+    assert before.sha256() == now.sha256()
+    plain = prepare([str(tmp_path / "qa.jsonl")], tmp_path / "plain", "answer")
+    assert "response_ids" not in plain
+    assert not [n for n in load(tmp_path / "plain").notes if "--prompt-field" in n]
+
+
 def _parquet(path, columns: dict, **write):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -841,10 +841,14 @@ def test_validation_without_a_held_out_split_unused_settings_and_skipped_documen
     """Before training: validation asked for with nothing held out, a data setting the source
     does not read, and the documents skipped as unreadable: those of files read now counted, the
     first named; a prepared corpus's, which prepare listed, counted and referred to its
-    meta.json (each start repeated the first of them, as news)."""
+    meta.json (each start repeated the first of them, as news). A corpus prepared with prompts
+    before responses were encoded as they continue them (no `response_ids` in its meta.json)
+    trains, after one line saying so."""
     skipped = ("a.txt: unreadable (UnicodeDecodeError)", "b.jsonl:2: not JSON")
     corpus = tmp_path / "corpus"
-    dataclasses.replace(synthetic_corpus(), skipped=skipped).save(corpus, {"tokenizer": "synthetic"})
+    made = synthetic_corpus()
+    dataclasses.replace(made, skipped=skipped, loss_mask=np.ones(len(made.tokens), np.uint8)).save(
+        corpus, {"tokenizer": "synthetic", "prompt_field": "prompt"})
     result = train_loop.run(tiny_config(corpus, tmp_path / "run", "train.steps=4",
                                         "train.eval_every=2", "data.mixture_tokens=1000"))
     assert result.step == 4 and np.isfinite(result.loss)
@@ -857,6 +861,11 @@ def test_validation_without_a_held_out_split_unused_settings_and_skipped_documen
     assert (f"data: 2 file(s) or record(s) were skipped when {corpus} was prepared: see "
             f"{corpus / 'meta.json'}\n") in err
     assert "a.txt" not in err
+    assert err.count(f"data: {corpus} was prepared with --prompt-field before") == 1
+    assert (f"data: {corpus} was prepared with --prompt-field before responses were encoded as "
+            "they continue their prompts (its meta.json records no response_ids): each "
+            "response's ids are its own encoding; prepare it again to train on the joined "
+            "text's ids\n") in err
     (tmp_path / "docs.jsonl").write_text("not json\n" + "".join(
         json.dumps({"text": f"document {i} of a few words"}) + "\n" for i in range(40)))
     train_loop.run(tiny_config(corpus, tmp_path / "files", "train.steps=1", "data.source=files",

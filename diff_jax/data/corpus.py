@@ -31,6 +31,10 @@ from diff_jax.output_dir import refusal, staged
 TOKEN_DTYPE = np.dtype("<u4")
 # Every file a prepared corpus directory holds (`TokenCorpus.save`, `prepare`).
 CORPUS_FILES = frozenset({"tokens.bin", "doc_starts.npy", "loss_mask.bin", "meta.json"})
+# the rule the ids of a response after its prompt follow (`tokenizer.continuations`: the joined
+# text's ids past the prompt's), which meta.json's `response_ids` records for a corpus prepared
+# with prompts; corpora prepared before have none: each response encoded alone
+RESPONSE_IDS = "continuations"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +169,9 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
     One prepared with `prompt_field` whose loss_mask.bin is gone (a copy of the three files an
     unmasked corpus has) is a DataError too: before, it loaded unmasked and trained on every
     prompt token without a word. Its `notes`: how many files and records `prepare` skipped
-    (which it listed, and meta.json lists), not the list again. Its `skipped` is empty: nothing
-    is skipped reading it."""
+    (which it listed, and meta.json lists), not the list again; and for a corpus with prompts
+    that records no `response_ids`, that its responses were encoded alone (`RESPONSE_IDS`).
+    Its `skipped` is empty: nothing is skipped reading it."""
     d = Path(corpus_dir)
     try:
         meta = json.loads((d / "meta.json").read_text())
@@ -215,6 +220,11 @@ def _notes(d: Path, meta: dict) -> tuple[str, ...]:
     if meta.get("skipped"):
         notes.append(f"data: {len(meta['skipped'])} file(s) or record(s) were skipped when {d} "
                      f"was prepared: see {d / 'meta.json'}")
+    if "prompt_field" in meta and "response_ids" not in meta:
+        notes.append(f"data: {d} was prepared with --prompt-field before responses were encoded "
+                     "as they continue their prompts (its meta.json records no response_ids): "
+                     "each response's ids are its own encoding; prepare it again to train on "
+                     "the joined text's ids")
     return tuple(notes)
 
 
@@ -273,7 +283,8 @@ def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
         np.save(tmp / "doc_starts.npy", doc_starts)
         meta = dict(sources=sources, **identity(enc), num_docs=len(doc_starts) - 1,
                     num_tokens=total, vocab_size=enc.n_vocab, skipped=skipped,
-                    **({} if prompt_field is None else {"prompt_field": prompt_field}))
+                    **({} if prompt_field is None else {"prompt_field": prompt_field,
+                                                        "response_ids": RESPONSE_IDS}))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta
 

@@ -4,6 +4,7 @@ the identity, and what cannot be mapped exactly is refused with the reason."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -16,6 +17,7 @@ import pytest
 from diff_jax import export as ex
 from diff_jax.evaluation import EvalError
 from diff_jax.evaluation import run as eval_run
+from diff_jax.export.__main__ import main as export_main
 from diff_jax.export.hf_import import import_hf, main
 from diff_jax.export.safetensors_io import read_safetensors
 from diff_jax.export.tokenizer import TOKENIZER_FILES
@@ -132,19 +134,68 @@ def test_import_export_import_is_the_identity(name, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, p1, p2)
 
 
-def test_an_import_exports_without_tokenizer_files_unless_one_is_named(tmp_path):
+def test_an_import_exports_without_tokenizer_files_unless_one_is_named(tmp_path, capsys):
     """An import records no data.tokenizer (its vocabulary is its own tokenizer's): its
     hf-diffllama export wrote cl100k's tokenizer files and eos id without a word when the
     vocabulary was large enough (and was refused for cl100k's ids when it was not); now it
-    writes none unless --tokenizer names one."""
+    writes none unless --tokenizer names one, where the import recorded none (its HF_DIR held no
+    tokenizer.json), and says so."""
     save_hf("diffllama-mha", tmp_path / "hf", seed=2)
     first = import_hf(tmp_path / "hf", tmp_path / "first")
+    capsys.readouterr()
     plain = ex.export(first, tmp_path / "plain", "hf-diffllama")
     assert not any((plain / f).exists() for f in TOKENIZER_FILES)
     assert json.loads((plain / "config.json").read_text()).get("eos_token_id") is None
+    assert capsys.readouterr().out == (
+        f"note: no tokenizer files written: {first} records no tokenizer (no run's "
+        "data.tokenizer, none it was trained with); pass --tokenizer with the one it was "
+        "trained with\n")
     with pytest.raises(ex.ExportError, match=rf"^--tokenizer cl100k_first_256: its ids reach 256 "
                                              rf"but model.vocab_size is {VOCAB}; pass --tokenizer"):
         ex.export(first, tmp_path / "named", "hf-diffllama", tokenizer="cl100k_first_256")
+
+
+def test_an_import_exports_the_tokenizer_it_recorded_while_that_file_is_unchanged(tmp_path, capsys):
+    """An import records its HF_DIR's usable tokenizer.json (`trained_tokenizer`); exported again
+    as hf-diffllama without --tokenizer, it wrote no tokenizer (the default was the run's
+    data.tokenizer, which an import has none of). Now the default is that file where it is
+    there and unchanged (`tokenizer.mismatch`): copied, its end-of-text the eos_token_id. Edited
+    since, or gone: no tokenizer files, and one line saying why and what to pass."""
+    from training_fixtures import sentencepiece_tokenizer
+
+    hf = tmp_path / "hf"
+    save_hf("diffllama-mha", hf, seed=2)
+    sentencepiece_tokenizer(hf)  # 73 ids, within the model's VOCAB
+    first = import_hf(hf, tmp_path / "first")
+    capsys.readouterr()
+    out = ex.export(first, tmp_path / "out", "hf-diffllama")
+    assert capsys.readouterr().out == ""
+    for name in TOKENIZER_FILES[:2]:
+        assert (out / name).read_bytes() == (hf / name).read_bytes(), name
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 2
+    trained = json.loads((first / "export.json").read_text())["trained_tokenizer"]
+    assert json.loads((out / "export.json").read_text())["trained_tokenizer"] == trained
+
+    file = hf / "tokenizer.json"
+    file.write_text(file.read_text() + "\n")  # the same tokenizer, another file
+    now = hashlib.sha256(file.read_bytes()).hexdigest()
+    edited = ex.export(first, tmp_path / "edited", "hf-diffllama")
+    assert not any((edited / f).exists() for f in TOKENIZER_FILES)
+    assert capsys.readouterr().out == (
+        "note: no tokenizer files written (by default --tokenizer is the tokenizer the "
+        f"parameters were trained with): {first} was trained with the Hugging Face tokenizer "
+        f"{hf.resolve()} (tokenizer.json SHA-256 {trained['tokenizer_sha256'][:12]}…) but "
+        f"--tokenizer {hf.resolve()} is that file changed since (SHA-256 {now[:12]}… now); set "
+        "--tokenizer to that tokenizer.json\n")
+    file.unlink()
+    assert export_main([str(first), "--format", "hf-diffllama", "--out",
+                        str(tmp_path / "gone")]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "note: no tokenizer files written (by default --tokenizer is the tokenizer the "
+        f"parameters were trained with): {first} was trained with the tokenizer {hf.resolve()}, "
+        f"which cannot be read now (no such file ({hf.resolve()} holds no tokenizer.json)); set "
+        "--tokenizer to that tokenizer.json")
+    assert not any((tmp_path / "gone" / f).exists() for f in TOKENIZER_FILES)
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "diffllama-gqa"])

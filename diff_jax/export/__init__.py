@@ -12,8 +12,8 @@
 - `hf-diffllama`: a `transformers` `DiffLlamaForCausalLM` directory (DIFF V1 only; see
   `diff_jax.export.hf` for the mapping and what is refused), with Hugging Face tokenizer files
   equal to the tiktoken encoding `--tokenizer` (default: the run's `data.tokenizer`, recorded in
-  the exports made from it, else none, as for an import; `none` for none; see
-  `diff_jax.export.tokenizer`).
+  the exports made from it; for an import, the tokenizer.json it recorded where that file is
+  unchanged, else none, with a note; `none` for none; see `diff_jax.export.tokenizer`).
 
 Every format also writes `checksums.json`, the checksum of each stored tensor and of the JSON
 of `config.json` and `export.json` (the training checkpoints' own), which loading verifies

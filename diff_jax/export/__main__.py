@@ -29,8 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer",
                         help="hf-diffllama: the tokenizer to write Hugging Face tokenizer "
                              "files for (a tiktoken encoding, or a tokenizer.json to copy), or "
-                             "none (default: the run's data.tokenizer; none when the source "
-                             "records none, as an import's)")
+                             "none (default: the run's data.tokenizer; for an import, the "
+                             "tokenizer.json it recorded, where that file is unchanged, else "
+                             "none, with a note)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing export at --out; refused while it holds "
                              f"{EVAL_DIR}/ (eval.py results), which is never deleted")

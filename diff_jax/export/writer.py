@@ -30,6 +30,7 @@ from diff_jax.export.safetensors_io import write_safetensors
 from diff_jax.export.sources import (CHECKSUMS_FILE, CONFIG_FILE, EVAL_DIR, EXPORT_MARKER,
                                      PARAMS_DIR, SAFETENSORS_FILE, Source, read_source)
 from diff_jax.export.state_dict import to_state_dict
+from diff_jax.data.sources import DataError
 from diff_jax.data.tokenizer import encoding, mismatch
 from diff_jax.export.tokenizer import TOKENIZER_FILES, max_token_id, write_tokenizer
 from diff_jax.output_dir import refusal, staged
@@ -120,6 +121,33 @@ def _check_tokenizer(name: str, loaded: Source, where: str) -> None:
                           "one")
 
 
+def _default_tokenizer(loaded: Source) -> tuple[str, str, str | None]:
+    """(the tokenizer an hf-diffllama export of `loaded` writes without --tokenizer, how it was
+    chosen for `_check_tokenizer`'s messages, a note saying why it is "none", else None): the
+    run's data.tokenizer (`Source.tokenizer`); for a source that names none (an import), the
+    tokenizer the parameters were trained with (`Source.trained_tokenizer`) where it is there
+    and unchanged (`tokenizer.mismatch`), else "none", the note saying why and what to pass."""
+    if loaded.tokenizer is not None:
+        return (loaded.tokenizer, f"data.tokenizer={loaded.tokenizer} (the run's, the default "
+                "--tokenizer)", None)
+    record = loaded.trained_tokenizer
+    if record is None:
+        return "none", "", (f"note: no tokenizer files written: {loaded.origin} records no "
+                            "tokenizer (no run's data.tokenizer, none it was trained with); pass "
+                            "--tokenizer with the one it was trained with")
+    name = record["tokenizer"]
+    try:
+        problem = mismatch(record, encoding(name), loaded.origin, "trained", key="--tokenizer")
+    except DataError as e:  # gone, or no longer a tokenizer: the message's first part says which
+        why = str(e).split(": ", 1)[-1].split("; ")[0]
+        problem = (f"{loaded.origin} was trained with the tokenizer {name}, which cannot be read "
+                   f"now ({why}); set --tokenizer to that tokenizer.json")
+    if problem is None:
+        return name, f"--tokenizer {name} (the one it was trained with, the default)", None
+    return "none", "", ("note: no tokenizer files written (by default --tokenizer is the "
+                        f"tokenizer the parameters were trained with): {problem}")
+
+
 def _add_tokenizer(out: Path, name: str, config: ModelConfig) -> None:
     """Tokenizer files for `name`, and its end-of-text id as the config's eos_token_id."""
     eos = write_tokenizer(out, name, config.max_seq_len)
@@ -162,8 +190,9 @@ def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors
     (hf-diffllama only): the tokenizer whose Hugging Face tokenizer files are written beside
     the model (`diff_jax.export.tokenizer`: a tiktoken encoding's built, a tokenizer.json
     copied), or "none"; None: the source's
-    `data.tokenizer` (`Source.tokenizer`), else (an import, whose vocabulary is another
-    tokenizer's) "none". Returns `out`.
+    `data.tokenizer` (`Source.tokenizer`), else (an import) the tokenizer it was trained with,
+    where that is there and unchanged, else "none" with a printed note (`_default_tokenizer`).
+    Returns `out`.
     """
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: must be one of {list(FORMATS)}")
@@ -180,12 +209,12 @@ def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors
     source, out = Path(given.origin if given else source), Path(out)
     _check_destination(out, source, overwrite)
     loaded = given or read_source(source)
-    name = tokenizer if tokenizer is not None else loaded.tokenizer or "none"
+    name, note = "none", None
     if fmt == "hf-diffllama":
         hf.check_mappable(loaded.config)
-        from_run = tokenizer is None and loaded.tokenizer is not None
-        _check_tokenizer(name, loaded, f"data.tokenizer={name} (the run's, the default "
-                         "--tokenizer)" if from_run else f"--tokenizer {name}")
+        name, where, note = ((tokenizer, f"--tokenizer {tokenizer}", None)
+                             if tokenizer is not None else _default_tokenizer(loaded))
+        _check_tokenizer(name, loaded, where)
     with staged(out) as tmp:
         stored = _WRITERS[fmt](tmp, loaded, dtype)
         if fmt == "hf-diffllama" and name != "none":
@@ -195,4 +224,6 @@ def export(source: str | Path | Source, out: str | Path, fmt: str = "safetensors
                                 "run": loaded.run, "trained_tokenizer": loaded.trained_tokenizer}
         (tmp / EXPORT_MARKER).write_text(json.dumps(info, indent=2))
         _write_checksums(tmp, stored)
+    if note is not None:
+        print(note)
     return out

@@ -347,11 +347,14 @@ def _run(config: Config) -> RunResult:
                   if t.init_from is not None and not checkpoint.committed_steps(t.run_dir)
                   else None)
     steps = build_steps(config, make_mesh(config.mesh))
+    # the tokenizer as the data is read with it: `encoding` reads a tokenizer.json edited while
+    # a corpus is tokenized again, which the record must not name
+    trained_with = identity(encoding(config.data.tokenizer))
     inputs = data.build(config.data, t.seq_len, t.batch_size, t.eval_tokens if t.eval_every else 0,
                         t.seed, jax.process_index(), jax.process_count())
     _check_vocab_size(config, inputs.corpus.vocab_size)
     # saved with every step, compared on resume; eval and export read text with its tokenizer
-    training_data = {**inputs.corpus.fingerprint(), **identity(encoding(config.data.tokenizer))}
+    training_data = {**inputs.corpus.fingerprint(), **trained_with}
     if t.eval_every and config.data.validation_fraction == 0:
         progress.message(f"train.eval_every={t.eval_every}: no validation, since "
                          "data.validation_fraction=0 holds no documents out")

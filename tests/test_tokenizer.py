@@ -267,6 +267,73 @@ def test_a_tokenizer_edited_on_disk_is_read_again_in_the_same_process(tmp_path):
     assert encoding("cl100k_first_300") is encoding("cl100k_first_300")
 
 
+def test_prepare_encodes_every_chunk_with_the_tokenizer_it_read_first(tmp_path, monkeypatch):
+    """A tokenizer.json edited while `prepare` runs (which `encoding` would read again): every
+    chunk is encoded with the tokenizer read at its start, the one meta.json records, not the
+    chunks after the edit with another."""
+    import hashlib
+    import json
+    import os
+
+    from diff_jax.data import corpus, load, prepare
+
+    tok = word_tokenizer(tmp_path / "tok", template=False)
+    file = tok / "tokenizer.json"
+    sha = hashlib.sha256(file.read_bytes()).hexdigest()
+    (tmp_path / "a.jsonl").write_text((json.dumps({"text": "hello world"}) + "\n") * 3)
+    real = corpus._chunks
+
+    def edit_after_the_first(records, chars):
+        for i, chunk in enumerate(real(records, chars)):
+            yield chunk
+            if i == 0:
+                mtime = file.stat().st_mtime_ns
+                file.write_text(file.read_text().replace('"hello"', '"hullo"'))
+                os.utime(file, ns=(mtime, mtime + 1_000_000))
+
+    monkeypatch.setattr(corpus, "_chunks", edit_after_the_first)
+    meta = prepare([str(tmp_path / "a.jsonl")], tmp_path / "out", encoding_name=str(tok),
+                   chunk_chars=1)
+    assert meta["tokenizer_sha256"] == sha != hashlib.sha256(file.read_bytes()).hexdigest()
+    assert load(tmp_path / "out").tokens.tolist() == [3, 4, 2] * 3  # hello world </s>
+
+
+def test_a_run_records_the_tokenizer_its_corpus_was_read_with(tmp_path, monkeypatch):
+    """A tokenizer.json edited while a run reads its corpus (which `encoding` would read again):
+    the checkpoint records the file the corpus was tokenized with, not the edited one, with
+    which eval and the export would then read text the model never saw as such."""
+    import hashlib
+    import json
+    import os
+
+    from diff_jax import train_loop
+
+    tok = word_tokenizer(tmp_path / "tok", template=False)
+    file = tok / "tokenizer.json"
+    sha = hashlib.sha256(file.read_bytes()).hexdigest()
+    (tmp_path / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": "hello world the answer is hello"}) + "\n" for _ in range(60)))
+    real = train_loop.data.build
+
+    def read_then_edit(*args, **kwargs):
+        built = real(*args, **kwargs)
+        mtime = file.stat().st_mtime_ns
+        file.write_text(file.read_text().replace('"hello"', '"hullo"'))
+        os.utime(file, ns=(mtime, mtime + 1_000_000))
+        return built
+
+    monkeypatch.setattr(train_loop.data, "build", read_then_edit)
+    run = tmp_path / "run"
+    train_loop.run(load_config(None, [
+        "model.vocab_size=16", "model.embed_dim=32", "model.num_layers=1", "model.num_heads=2",
+        "model.max_seq_len=32", "train.seq_len=16", "train.batch_size=8", "train.eval_every=0",
+        "train.steps=1", "checkpoint.every_steps=1", "data.validation_fraction=0",
+        "data.source=files", f"data.paths=[{tmp_path / 'docs.jsonl'}]", f"train.run_dir={run}",
+        f"data.tokenizer={tok}"]))
+    record = json.loads((run / "checkpoints" / "1" / "training_data" / "metadata").read_text())
+    assert record["tokenizer_sha256"] == sha != hashlib.sha256(file.read_bytes()).hexdigest()
+
+
 def test_a_corpus_prepared_with_a_hugging_face_tokenizer_is_read_with_that_one(hf_dir, tmp_path):
     """`prepare --tokenizer PATH` records the tokenizer.json's SHA-256: training reads the corpus
     with that file wherever it now is, and refuses a tiktoken encoding or another tokenizer.json

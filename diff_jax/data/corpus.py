@@ -24,8 +24,8 @@ import numpy as np
 
 from diff_jax.data.sources import (DataError, Documents, check_prompt_files, expand_paths,
                                    iter_records)
-from diff_jax.data.tokenizer import (BASE, continuations, encoding, identity, mismatch,
-                                     text_prefix)
+from diff_jax.data.tokenizer import (BASE, Encoding, continuations, encoding, identity,
+                                     mismatch, text_prefix)
 from diff_jax.output_dir import refusal, staged
 
 TOKEN_DTYPE = np.dtype("<u4")
@@ -135,7 +135,13 @@ def tokenize(docs: Documents, encoding_name: str, seed: int = 0, threads: int = 
     token spans the boundary), then end-of-text, and the corpus has a loss mask that counts the
     text's tokens and the end-of-text as targets, not the prefix's and prompt's. An empty prompt
     adds no token: the document is encoded as it is without prompts, its prefix masked."""
-    enc = encoding(encoding_name)
+    return _tokenize(docs, encoding(encoding_name), seed, threads)
+
+
+def _tokenize(docs: Documents, enc: Encoding, seed: int = 0, threads: int = 4) -> TokenCorpus:
+    """`tokenize` with the tokenizer `enc`, read already: `prepare` encodes each chunk with the
+    one it read at its start, which its meta.json records (`encoding` reads a tokenizer.json
+    edited since again)."""
     head = text_prefix(enc)
     order = list(range(len(docs.texts)))
     random.Random(seed).shuffle(order)
@@ -269,8 +275,8 @@ def prepare(sources: list[str], out_dir: str | Path, text_field: str = "text",
           else contextlib.nullcontext() as masks):
         for records in chunks:
             kept = [(p, t) for p, t in records if t.strip()]
-            part = tokenize(Documents(tuple(t for _, t in kept), (), None if masks is None
-                                      else tuple(p for p, _ in kept)), encoding_name)
+            part = _tokenize(Documents(tuple(t for _, t in kept), (), None if masks is None
+                                       else tuple(p for p, _ in kept)), enc)
             part.tokens.tofile(f)
             if masks is not None:
                 part.loss_mask.tofile(masks)

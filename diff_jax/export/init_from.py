@@ -7,8 +7,8 @@ config's model must be the one the parameters were saved for; fields that change
 parameters compute are compared one by one (compute dtype, attention implementation, remat,
 scan_layers, loss_chunk, max_seq_len and init_std may differ), and `data.tokenizer` must be the
 tokenizer the parameters were trained with, where they record it; both are checked before the
-run reads any data. A run that
-already has checkpoints resumes from them and ignores `train.init_from`.
+run reads any data. A run that already has checkpoints resumes from them and ignores
+`train.init_from`.
 """
 
 from __future__ import annotations

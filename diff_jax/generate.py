@@ -5,7 +5,9 @@ reads its first new token at its own last prompt position), and then every row w
 and reads RoPE at its own position, one token per step, all inside one jitted `lax.while_loop`
 with the cache as explicit loop state. Cache entries past a row's position are never attended to
 (single-token attention reads only the filled part of the cache: `kernels.decode_attention`), so
-padding written during the prefill is overwritten before it becomes visible.
+padding written during the prefill is overwritten before it becomes visible. A batch is padded
+to one of a few widths (`padded_width`), so that prompts of other lengths reuse the
+compiled decoding program of their width instead of compiling their own.
 """
 
 from __future__ import annotations
@@ -56,6 +58,23 @@ def _is_int(x: object) -> bool:
 def _is_number(x: object) -> bool:
     """A real number (Python's or NumPy's), not a string or a bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+MIN_WIDTH = 16  # the narrowest prompt width `generate` compiles for
+
+
+def padded_width(longest: int, room: int) -> int:
+    """The width (B, W) prompts whose longest has `longest` tokens are right-padded to: at least
+    `MIN_WIDTH`, else the next multiple of an eighth of the next power of two (16, 20, 24, 28,
+    32, 40, 48, ..., 256, 320, ...: four widths a doubling, at most 1.25 times the prompt's), at
+    most `room` (max_seq_len − max_new_tokens; `longest` <= `room`). `_generate` compiles once a
+    width, batch size and max_new_tokens: at each prompt's own length, a loop over prompts of 5,
+    6, 7, ... tokens compiled a program for each (seconds each on a CPU); positions past a row's
+    prompt are never read."""
+    if longest <= MIN_WIDTH:
+        return min(MIN_WIDTH, room)
+    step = (1 << (longest - 1).bit_length()) // 8
+    return min(-(-longest // step) * step, room)
 
 
 def _prompt_ids(prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array) -> list[list[int]]:
@@ -204,7 +223,7 @@ def generate(
             f"longest prompt ({lengths.max()} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
             f"exceeds model.max_seq_len ({config.max_seq_len})"
         )
-    b, width = len(prompts), int(lengths.max())
+    b, width = len(prompts), padded_width(int(lengths.max()), config.max_seq_len - max_new_tokens)
     tokens = np.zeros((b, width), np.int32)
     for i, p in enumerate(prompts):
         if min(p) < 0 or max(p) >= config.vocab_size:

@@ -12,7 +12,8 @@ from flax import linen as nn
 from diff_jax import variants
 from diff_jax.attention_op import AttentionOp
 from diff_jax.config import ModelConfig
-from diff_jax.generate import SamplingConfig, _decode_step, _generate, _prefill, generate, sample
+from diff_jax.generate import (SamplingConfig, _decode_step, _generate, _prefill, generate,
+                                padded_width, sample)
 from diff_jax.transformer import DecoderLM
 
 V = 61
@@ -488,3 +489,23 @@ def test_the_decoding_program_holds_the_kv_cache_once_not_as_an_argument_beside_
                              max_new_tokens=new).compile().memory_analysis()
     assert memory.argument_size_in_bytes < 0.1 * cache_bytes
     assert memory.argument_size_in_bytes + memory.temp_size_in_bytes < 1.5 * cache_bytes
+
+
+def test_prompts_of_other_lengths_reuse_the_program_of_their_padded_width():
+    """A batch is padded to one of four widths a doubling (at least 16, at most max_seq_len −
+    max_new_tokens): prompts of 3 to 16 tokens run one compiled program, 17 a second; at the
+    prompts' own width a loop over lengths compiled one each. Every row is still the uncached
+    greedy loop's."""
+    cfg, params = _setup("diff_v2")
+    rng = np.random.default_rng(5)
+    prompts = [[int(x) for x in rng.integers(1, V, n)] for n in (3, 7, 16, 17)]
+    before = _generate._cache_size()
+    got = [generate(cfg, params, [p], max_new_tokens=4)[0] for p in prompts[:3]]
+    assert _generate._cache_size() == before + 1
+    got.append(generate(cfg, params, [prompts[3]], max_new_tokens=4)[0])
+    assert _generate._cache_size() == before + 2
+    assert got == [_uncached_greedy(cfg, params, p, 4) for p in prompts]
+    assert [padded_width(n, 1000) for n in (1, 16, 17, 21, 33, 41, 64, 65, 257, 448, 449)] == [
+        16, 16, 20, 24, 40, 48, 64, 80, 320, 448, 512]
+    assert [padded_width(n, 26) for n in (1, 25, 26)] == [16, 26, 26]  # 28 > 26: capped
+    assert padded_width(3, 12) == 12  # max_seq_len − max_new_tokens below 16

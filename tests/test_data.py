@@ -461,6 +461,19 @@ def test_prepare_errors_name_the_argument_the_user_typed(tmp_path, capsys):
     assert capsys.readouterr().err == f"skipped: {src}:3: no string field 'text' (--text-field)\n"
 
 
+def test_prepare_says_where_the_skips_it_does_not_print_are_listed(tmp_path, capsys):
+    """prepare prints the first 20 skip lines; the rest were in meta.json without a word."""
+    src, out = _jsonl_source(tmp_path), tmp_path / "out"
+    with open(src, "a") as f:
+        f.writelines(json.dumps({"body": i}) + "\n" for i in range(23))
+    assert data_main(["prepare", src, str(out)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(json.loads((out / "meta.json").read_text())["skipped"]) == 23
+    assert err[:20] == [f"skipped: {src}:{n}: no string field 'text' (--text-field)"
+                        for n in range(3, 23)]
+    assert err[20:] == [f"skipped: 3 more, listed with these in {out / 'meta.json'} (\"skipped\")"]
+
+
 def test_a_write_failure_in_the_staged_corpus_names_out_dir(tmp_path, capsys, monkeypatch):
     src, out = _jsonl_source(tmp_path), tmp_path / "tokA"
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from diff_jax.command import as_ctrl_c, failed, leave, output_kept
 from diff_jax.data.corpus import prepare
 from diff_jax.data.sources import DataError
 from diff_jax.data.tokenizer import BASE
 from diff_jax.file_errors import describe
+
+SKIPS_SHOWN = 20  # skip lines printed; meta.json lists every one
 
 # The data.* keys that the data package's messages name, as this command's user types them.
 _TYPED = {"data.paths": "SRC", "data.text_field": "--text-field",
@@ -51,8 +54,11 @@ def main(argv: list[str] | None = None) -> int:
                            overwrite=args.overwrite, prompt_field=args.prompt_field)
             skipped = meta.pop("skipped")
             print(json.dumps(dict(meta, skipped=len(skipped)), indent=1))
-            for line in skipped[:20]:
+            for line in skipped[:SKIPS_SHOWN]:
                 print(f"skipped: {_as_typed(line)}", file=sys.stderr)
+            if len(skipped) > SKIPS_SHOWN:
+                print(f"skipped: {len(skipped) - SKIPS_SHOWN:,} more, listed with these in "
+                      f"{Path(args.out_dir) / 'meta.json'} (\"skipped\")", file=sys.stderr)
     except DataError as e:
         return failed(_as_typed(str(e)))
     except OSError as e:  # OUT_DIR cannot be made or written, or a source cannot be read

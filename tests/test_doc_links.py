@@ -6,6 +6,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+# a repository path written as code in a page's prose: `kernels/flash_mgpu.py`, `configs/`
+CODE_PATH = re.compile(r"`((?:benchmarks|configs|diff_jax|docs|kernels|tests)/[^`\s]*)`")
+
+
+def _pages() -> list[Path]:
+    """The README, the docs pages and reports, and the benchmark reports."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+            *sorted((ROOT / "benchmarks").rglob("*.md"))]
 
 
 def _local_targets(markdown: Path) -> list[str]:
@@ -16,10 +24,8 @@ def _local_targets(markdown: Path) -> list[str]:
 
 
 def test_every_local_link_in_the_readme_and_the_reports_names_a_file_that_exists():
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
-             *sorted((ROOT / "benchmarks").rglob("*.md"))]
     checked, missing = 0, []
-    for page in pages:
+    for page in _pages():
         for target in _local_targets(page):
             checked += 1
             if not (page.parent / target).exists():
@@ -39,10 +45,8 @@ def test_every_link_to_a_section_names_a_heading_of_its_page():
     """A `page.md#section` link (or an in-page `#section`) names a heading that page has: the
     README links its sections to the docs pages, and a heading renamed or moved to another page
     would leave the link pointing at the top of the page."""
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
-             *sorted((ROOT / "benchmarks").rglob("*.md"))]
     checked, missing = 0, []
-    for page in pages:
+    for page in _pages():
         for target in LINK.findall(page.read_text()):
             if target.startswith(("http://", "https://", "mailto:")) or "#" not in target:
                 continue
@@ -55,3 +59,17 @@ def test_every_link_to_a_section_names_a_heading_of_its_page():
                 missing.append(f"{page.relative_to(ROOT)}: {target}")
     assert not missing, missing
     assert checked >= 10  # the README links the docs pages' sections
+
+
+def test_every_repository_path_written_as_code_names_a_file_that_exists():
+    """The pages cite code, configs and results by path as often as by link (`kernels/reference.py`,
+    `benchmarks/results/tpu_fit.json`, `tests/conftest.py`), from the repository root; a file
+    renamed or moved would leave them naming what is gone, which the link tests do not read."""
+    checked, missing = 0, []
+    for page in _pages():
+        for path in CODE_PATH.findall(page.read_text()):
+            checked += 1
+            if not (ROOT / path).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert not missing, missing
+    assert checked >= 20  # the training and kernels pages name their scripts and results

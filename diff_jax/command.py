@@ -42,6 +42,7 @@ the argument, exit status 2).
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import atexit
 import contextlib
@@ -56,6 +57,7 @@ import subprocess
 import sys
 import termios
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -259,6 +261,8 @@ def as_ctrl_c(signals: tuple[int, ...] = STOPS) -> Iterator[None]:
     stdout's last write fails here, not at the interpreter's exit. A BrokenPipeError of another
     pipe (a child's stdin) propagates as it is."""
     previous = {s: signal.signal(s, _ctrl_c) for s in not_ignored(signals)}
+    unraisable = sys.unraisablehook
+    sys.unraisablehook = _raised_again(unraisable)
     try:
         yield
         sys.stdout.flush()
@@ -268,8 +272,38 @@ def as_ctrl_c(signals: tuple[int, ...] = STOPS) -> Iterator[None]:
             raise
         raise KeyboardInterrupt from None
     finally:
+        sys.unraisablehook = unraisable
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _raised_again(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+    """A `sys.unraisablehook` that signals the main thread again with the signal whose
+    `_ctrl_c` KeyboardInterrupt Python dropped, and passes every other unraisable exception to
+    `hook`. A handler runs wherever the interpreter checks for signals, a `gc.callbacks` entry
+    included (jax's `_xla_gc_callback`), and an exception raised there is only printed
+    ("Exception ignored in"): train.py signalled while it built its model trained to the end
+    and exited 0. Signalled again from another thread (`_signal_main_soon`), the handler runs
+    at the main thread's next check after this hook, in the command's code once the collection
+    is over (in a callback again: again)."""
+    def raised_again(unraisable: Any) -> None:
+        tb = unraisable.exc_traceback
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None and tb.tb_frame.f_code is _ctrl_c.__code__:
+            _thread.start_new_thread(_signal_main_soon, (tb.tb_frame.f_locals["signum"],))
+        else:
+            hook(unraisable)
+    return raised_again
+
+
+def _signal_main_soon(signum: int) -> None:
+    """In a thread of its own: `signum` for the main thread's handler, 10 ms on, once the
+    `sys.unraisablehook` that started this thread has returned (`_thread.interrupt_main` there,
+    or a thread whose start it waited for, ran the handler inside the hook, where its
+    KeyboardInterrupt was dropped for good)."""
+    time.sleep(0.01)
+    _thread.interrupt_main(signum)
 
 
 def _readerless(fd: int) -> bool:

@@ -320,3 +320,28 @@ def test_the_last_lines_into_a_pipe_whose_reader_is_gone_are_one_interrupted_lin
                                             + kept.replace("TMP", str(tmp_path)))
     if file:
         assert (tmp_path / file).is_file()
+
+
+def test_a_signal_handled_inside_a_gc_callback_still_stops_the_block():
+    """A SIGTERM (or Ctrl-C) whose handler runs while the interpreter calls a `gc.callbacks`
+    entry (jax registers one, `_xla_gc_callback`) raises its KeyboardInterrupt there, where
+    Python drops it as "Exception ignored": train.py signalled while it built its model trained
+    to the end and exited 0. `as_ctrl_c` raises it again once the collection is over."""
+    import gc
+    import signal
+    import time
+
+    from diff_jax.command import as_ctrl_c
+
+    def signalled_inside(phase, _info):
+        if phase == "start":
+            signal.raise_signal(signal.SIGTERM)  # its handler runs here, inside the callback
+
+    gc.callbacks.append(signalled_inside)
+    try:
+        with pytest.raises(KeyboardInterrupt), as_ctrl_c(signals=(signal.SIGTERM,)):
+            gc.collect()
+            for _ in range(1000):  # the command's code after the collection, where it may raise
+                time.sleep(0.01)
+    finally:
+        gc.callbacks.remove(signalled_inside)

@@ -2,13 +2,17 @@
 another checkout of the project, side by side.
 
     python benchmarks/generate.py [--config configs/tiny.yaml] [--batch 4] [--prompt 64] [--new 128]
-        [--repeats 5] [--baseline-tree DIR --baseline-name NAME] [--out benchmarks/results/generate_cpu]
+        [--repeats 5] [--lengths K] [--baseline-tree DIR --baseline-name NAME]
+        [--out benchmarks/results/generate_cpu]
 
 The model is randomly initialised from the config (no checkpoint needed) and prompted with random
 ids of its vocabulary; no end-of-text stops a row, so every call produces batch × new tokens. Each
 measurement runs in its own subprocess (the current tree, and with `--baseline-tree` a checkout
 such as `git worktree add /tmp/before REV`), alternating between the two so that machine noise
-hits both; a subprocess compiles once, then times `repeats` calls and reports their median.
+hits both; a subprocess compiles once, then times `repeats` calls and reports their median. With
+`--lengths K` > 1 it then times one loop of calls over K prompt lengths (--prompt, --prompt − 1,
+..., each a batch of that length), its compiles included: what a caller looping over prompts of
+other lengths waits.
 Results: JSON + a markdown table with the device and versions.
 """
 
@@ -30,8 +34,9 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(config: str, batch: int, prompt: int, new: int, repeats: int) -> dict:
-    """Median seconds of `repeats` generate calls after one compiling call (this process)."""
+def measure(config: str, batch: int, prompt: int, new: int, repeats: int, lengths: int) -> dict:
+    """Median seconds of `repeats` generate calls after one compiling call, then the seconds of
+    one loop over `lengths` prompt lengths, compiles included (this process)."""
     import time
 
     import jax
@@ -58,7 +63,12 @@ def measure(config: str, batch: int, prompt: int, new: int, repeats: int) -> dic
         generate(cfg, params, prompts, max_new_tokens=new)
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
+    t0 = time.perf_counter()
+    for n in range(prompt - 1, prompt - lengths, -1):  # --prompt itself is compiled above
+        generate(cfg, params, [row[:n] for row in prompts], max_new_tokens=new)
+    loop = time.perf_counter() - t0 + first
     return {"first_call_s": first, "median_s": med, "tokens_per_s": batch * new / med,
+            "loop_s": loop,
             "times_s": times, "jax": jax.__version__, "device": jax.devices()[0].device_kind,
             "package": str(Path(diff_jax.__file__).parents[1])}
 
@@ -66,7 +76,7 @@ def measure(config: str, batch: int, prompt: int, new: int, repeats: int) -> dic
 def _run(tree: Path, args: argparse.Namespace) -> dict:
     """`measure` in a subprocess on `tree`'s package; a failure is its `CalledProcessError`."""
     cmd = [sys.executable, __file__, "--measure", args.config, str(args.batch), str(args.prompt),
-           str(args.new), str(args.repeats)]
+           str(args.new), str(args.repeats), str(args.lengths)]
     env = dict(os.environ, PYTHONPATH=str(tree))
     p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if p.returncode != 0:
@@ -104,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=positive_int, default=128)
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--rounds", type=positive_int, default=2, help="alternating subprocess rounds")
+    p.add_argument("--lengths", type=positive_int, default=1,
+                   help="also time one loop over this many prompt lengths, compiles included")
     p.add_argument("--baseline-tree", type=_checkout, metavar="DIR",
                    help="another checkout measured beside this one (git worktree add DIR REV)")
     p.add_argument("--baseline-name", default="baseline")
@@ -125,6 +137,9 @@ def compare(args: argparse.Namespace, written: Written) -> None:
     from diff_jax.output_dir import write_whole
 
     model = load_config(args.config).model  # before any measurement: a bad config ends at once
+    if args.lengths >= args.prompt:
+        raise ConfigError(f"--lengths {args.lengths}: must be below --prompt ({args.prompt}), "
+                          "every prompt of the loop holding a token")
     if args.prompt + args.new > model.max_seq_len:
         raise ConfigError(f"--prompt {args.prompt} + --new {args.new}: more than the "
                           f"model.max_seq_len ({model.max_seq_len}) of {args.config}")
@@ -139,18 +154,25 @@ def compare(args: argparse.Namespace, written: Written) -> None:
             runs[name].append(_run(tree, args))
     summary = {name: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
                       "first_call_s": statistics.median(r["first_call_s"] for r in rs),
+                      "loop_s": statistics.median(r["loop_s"] for r in rs),
                       "rounds": rs} for name, rs in runs.items()}
     result = {"config": args.config, "batch": args.batch, "prompt": args.prompt, "new": args.new,
-              "repeats": args.repeats, "python": platform.python_version(), "results": summary}
+              "repeats": args.repeats, "lengths": args.lengths, "python": platform.python_version(),
+              "results": summary}
+    loop = args.lengths > 1  # the loop's column, where it ran over other lengths
     lines = [f"# Generation speed: {Path(args.config).name}, batch {args.batch}, prompt "
              f"{args.prompt}, {args.new} new tokens", "",
              f"Device: {runs['current'][0]['device']}; jax {runs['current'][0]['jax']}. Median of "
              f"{args.repeats} calls per subprocess, median over {args.rounds} alternating rounds.", "",
-             "| tree | new tokens/s (median) | per round | first call (compile + run) s |",
-             "|---|---|---|---|"]
+             "| tree | new tokens/s (median) | per round | first call (compile + run) s |"
+             + (f" loop over {args.lengths} prompt lengths s (compiles included; per round) |"
+                if loop else ""),
+             "|---|---|---|---|" + ("---|" if loop else "")]
     for name, s in summary.items():
         per_round = ", ".join(f"{r['tokens_per_s']:.0f}" for r in s["rounds"])
-        lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {per_round} | {s['first_call_s']:.1f} |")
+        loops = ", ".join(f"{r['loop_s']:.1f}" for r in s["rounds"])
+        lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {per_round} | {s['first_call_s']:.1f} |"
+                     + (f" {s['loop_s']:.1f} ({loops}) |" if loop else ""))
     if args.out:
         write_whole(Path(f"{args.out}.json"), json.dumps(result, indent=1))
         write_whole(Path(f"{args.out}.md"), "\n".join(lines) + "\n")

@@ -194,21 +194,23 @@ def test_generation_benchmark_medians_and_each_tree_runs_its_own_package(tmp_pat
     root = Path(__file__).resolve().parents[1]
 
     clock = [0.0]
-    took = iter([50.0, 1.0, 2.0, 9.0])  # the compiling call, then 3 repeats
-    ids = set()
+    took = iter([50.0, 1.0, 2.0, 9.0, 7.0, 8.0])  # the compiling call, 3 repeats, the loop's 2
+    ids, widths = set(), []
 
     def fake_generate(cfg, params, prompts, max_new_tokens):
         clock[0] += next(took)
         ids.update(x for p in prompts for x in p)
+        widths.append({len(p) for p in prompts})
         return [[0] * max_new_tokens for _ in prompts]
 
     config = tmp_path / "small.yaml"
     config.write_text("model: {vocab_size: 64, embed_dim: 32, num_layers: 1, num_heads: 2}\n")
     monkeypatch.setattr(diff_jax.generate, "generate", fake_generate)
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
-    got = bench.measure(str(config), batch=2, prompt=3, new=5, repeats=3)
+    got = bench.measure(str(config), batch=2, prompt=3, new=5, repeats=3, lengths=3)
     monkeypatch.undo()
     assert (got["first_call_s"], got["median_s"], got["tokens_per_s"]) == (50.0, 2.0, 5.0)
+    assert got["loop_s"] == 50.0 + 7.0 + 8.0 and widths == [{3}] * 4 + [{2}, {1}]
     assert 0 <= min(ids) and max(ids) < 64
 
     calls = []
@@ -217,6 +219,7 @@ def test_generation_benchmark_medians_and_each_tree_runs_its_own_package(tmp_pat
     def fake_run(cmd, cwd, env, **kw):
         calls.append((str(cwd), env["PYTHONPATH"]))
         out = {"first_call_s": 1.0, "median_s": 1.0, "tokens_per_s": next(rates[str(cwd)]),
+               "loop_s": 1.0,
                "times_s": [1.0], "jax": "0", "device": "cpu", "package": str(cwd)}
         return subprocess.CompletedProcess(cmd, 0, json.dumps(out) + "\n", "")
 

@@ -490,7 +490,7 @@ class _Loop:
                 self.writer.write({"step": s, "val_loss": val, "val_tokens": tokens,
                                    "val_documents": docs})
                 self.progress.message(f"step {s}: validation loss {val:.4f} ({tokens:,} held-out "
-                                      f"tokens from {docs} documents)")
+                                      f"tokens from {docs:,} document{'s' * (docs != 1)})")
             # the handler's KeyboardInterrupt was swallowed: stop before saving (after a signal
             # every step is a boundary, so the step in flight gets here and is not saved)
             if STOP_AT_ONCE in caught:

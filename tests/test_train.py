@@ -898,6 +898,8 @@ def test_train_py_smoke_falling_loss_and_valid_metrics(tmp_path):
     val = [x for x in lines if "val_loss" in x]
     assert len(val) == 1 and val[0]["step"] == 12 and np.isfinite(val[0]["val_loss"])
     assert val[0]["val_tokens"] == 2048 and val[0]["val_documents"] >= 10  # spread over the split
+    assert (f"step 12: validation loss {val[0]['val_loss']:.4f} (2,048 held-out tokens from "
+            f"{val[0]['val_documents']} documents)") in proc.stderr
     assert (run / "config.yaml").exists() and _ckpt_steps(run) == [12]
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .decode import decode_attention
 from .flash import MAX_HEAD_DIM, BlockSizes, flash_attention, supports_head_dim
@@ -38,24 +39,26 @@ IMPLS: tuple[str, ...] = ("xla", "pallas", "cudnn")
 _HALF = (jnp.bfloat16, jnp.float16)
 
 
-def _check(impl: str, arrays: dict[str, Any], causal: bool, *, oracle_only: dict[str, Any]) -> None:
-    """One clear error for an unknown impl, a `causal` that is no bool, an oracle-only option
-    given to a kernel, or a floating-point q, k or v (`arrays`) that cuDNN does not take (what
-    is no float array is `check_layout`'s TypeError)."""
+def _check(impl: str, arrays: dict[str, Any], causal: bool, *, oracle_only: dict[str, Any]) -> bool:
+    """`causal` as a Python bool (a NumPy bool is one), after one clear error for an unknown impl,
+    a `causal` that is no bool, an oracle-only option given to a kernel, or a floating-point q,
+    k or v (`arrays`) that cuDNN does not take (what is no float array is `check_layout`'s
+    TypeError)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if not isinstance(causal, bool):  # causal="no" was causal
+    if not isinstance(causal, (bool, np.bool_)):  # causal="no" was causal
         raise TypeError(f"causal must be True or False, got {causal!r}")
     used = [name for name, value in oracle_only.items() if value is not None and value is not False]
     if impl != "xla" and used:
         raise ValueError(f"{', '.join(used)} exist only on the xla path (impl='xla'), not {impl!r}")
     if impl != "cudnn":
-        return
+        return bool(causal)
     floats = {name: x.dtype for name, x in arrays.items()
               if is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)}
     if any(dtype not in _HALF for dtype in floats.values()) or len(set(floats.values())) > 1:
         got = ", ".join(f"{name} {jnp.dtype(dtype).name}" for name, dtype in floats.items())
         raise ValueError(f"impl='cudnn' needs q, k and v in one of bfloat16 or float16, got {got}")
+    return bool(causal)
 
 
 def diff_attention(
@@ -80,8 +83,8 @@ def diff_attention(
     `kv_segment_ids`, `logit_bits` and `return_maps` (then returns (out, maps)) are oracle
     options: impl="xla" only.
     """
-    _check(impl, {"q": q, "k": k, "v": v}, causal, oracle_only={"kv_segment_ids": kv_segment_ids,
-                                         "logit_bits": logit_bits, "return_maps": return_maps})
+    causal = _check(impl, {"q": q, "k": k, "v": v}, causal, oracle_only={
+        "kv_segment_ids": kv_segment_ids, "logit_bits": logit_bits, "return_maps": return_maps})
     if lam is None:
         raise ValueError("diff_attention needs lam (λ), a float32 scalar; standard attention is "
                          "dot_product_attention")
@@ -167,8 +170,8 @@ def dot_product_attention(
     impl: "xla" (oracle), "pallas" (the fused flash kernel with one softmax), "cudnn" (GPU,
     bf16/fp16 only). Oracle-only options as in `diff_attention`.
     """
-    _check(impl, {"q": q, "k": k, "v": v}, causal, oracle_only={"kv_segment_ids": kv_segment_ids,
-                                         "logit_bits": logit_bits, "return_maps": return_maps})
+    causal = _check(impl, {"q": q, "k": k, "v": v}, causal, oracle_only={
+        "kv_segment_ids": kv_segment_ids, "logit_bits": logit_bits, "return_maps": return_maps})
     if impl == "xla":
         return attention_reference(q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                                    causal=causal, logit_bits=logit_bits, return_maps=return_maps)

@@ -444,6 +444,22 @@ def test_inputs_that_are_not_float_arrays_are_one_error_naming_the_argument(impl
         kernels.dot_product_attention(q, k, k, causal=0, impl=impl)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_numpy_bools_and_numbers_are_bools_and_numbers(impl):
+    """causal=np.bool_(False) was refused as no bool; it is one, as is np.float64 λ, and a
+    Python int λ is a number: each gives the output of its Python bool or float."""
+    q, k, v = normals(4, (1, 5, 4, 16), (1, 5, 2, 16), (1, 5, 1, 32))
+    for causal in (False, True):
+        want = kernels.diff_attention(q, k, v, 0.5, causal=causal, impl=impl)
+        got = kernels.diff_attention(q, k, v, np.float64(0.5), causal=np.bool_(causal), impl=impl)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(
+            kernels.dot_product_attention(q, k, k, causal=np.bool_(causal), impl=impl),
+            kernels.dot_product_attention(q, k, k, causal=causal, impl=impl))
+    np.testing.assert_array_equal(kernels.diff_attention(q, k, v, 1, impl=impl),
+                                  kernels.diff_attention(q, k, v, 1.0, impl=impl))
+
+
 def test_cudnn_names_the_input_it_cannot_take_and_leaves_non_float_ones_to_the_layout_check():
     """impl="cudnn" read q.dtype before the layout check: a q that is no array was an
     AttributeError, an int32 q a ValueError about half precision (not the TypeError of the

@@ -13,6 +13,8 @@ outputs zeros.
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 
@@ -67,7 +69,8 @@ def check_layout(
     With nc = `num_components` (2: differential, 1: standard): q (B, T, H·nc, d),
     k (B, S, Hkv·nc, d), v (B, S, Hkv, dv) with Hkv dividing H, and dv = 2d if
     `double_width_values` (a DIFF head's value); `segment_ids` (B, T) and `kv_segment_ids` (B, S)
-    (only with `segment_ids`), S == T when only `segment_ids` is given; `lam` a scalar.
+    (only with `segment_ids`), S == T when only `segment_ids` is given; `lam` a real number or
+    a float array of shape () (a TypeError otherwise, a bool included).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         # an int array used to run, its output rounded to ints
@@ -111,8 +114,14 @@ def check_layout(
         if kv_segment_ids.shape != (b, s):
             raise ValueError(f"kv_segment_ids must be (B, S) = {(b, s)}, got "
                              f"{kv_segment_ids.shape}")
-    if lam is not None and jnp.shape(lam) != ():
-        raise ValueError(f"lam must be a scalar, got shape {jnp.shape(lam)}")
+    if lam is not None:
+        # "0.5" ran as 0.5 (jnp.asarray parses it) and True as 1
+        if isinstance(lam, bool) or not (isinstance(lam, numbers.Real) or (
+                is_array(lam) and jnp.issubdtype(lam.dtype, jnp.floating))):
+            raise TypeError(f"lam must be a real number or a float array of shape (), got "
+                            f"{kind_of(lam)}")
+        if jnp.shape(lam) != ():
+            raise ValueError(f"lam must be a scalar, got shape {jnp.shape(lam)}")
 
 
 def _softmax(scores: jax.Array, mask: jax.Array | None) -> jax.Array:

@@ -442,6 +442,16 @@ def test_inputs_that_are_not_float_arrays_are_one_error_naming_the_argument(impl
         kernels.diff_attention(q, k, v, 0.5, causal="no", impl=impl)  # it ran causal
     with pytest.raises(TypeError, match=r"^causal must be True or False, got 0$"):
         kernels.dot_product_attention(q, k, k, causal=0, impl=impl)
+    # λ a string ran (jnp.asarray read "0.5" as 0.5), True as 1 (a `causal` given for lam)
+    not_lam = r"^lam must be a real number or a float array of shape \(\), got "
+    with pytest.raises(TypeError, match=not_lam + "str$"):
+        kernels.diff_attention(q, k, v, "0.5", impl=impl)
+    with pytest.raises(TypeError, match=not_lam + "bool$"):
+        kernels.diff_attention(q, k, v, True, impl=impl)
+    with pytest.raises(TypeError, match=not_lam + "int32$"):
+        kernels.diff_attention(q, k, v, jnp.int32(1), impl=impl)
+    with pytest.raises(TypeError, match=not_lam + "str$"):
+        kernels.decode_attention(q[:, :1], k, v, "0.5", lengths=jnp.ones(1, jnp.int32))
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])

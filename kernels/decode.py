@@ -32,13 +32,15 @@ def decode_attention(
     """softmax(s·q·Kᵀ)·V over cache entries [0, lengths[b]) (λ given: the differential form).
 
     q (B, 1, H·nc, d), k (B, S, Hkv·nc, d), v (B, S, Hkv, dv), lengths (B,) int32 in [0, S]
-    with nc = 2 when `lam` is given, else 1. Returns (B, 1, H, dv) in q's dtype; a row with
-    length 0 (every row of an empty cache, S = 0) outputs zeros. Entries at and past
-    `lengths[b]` never reach row b's output, whatever they hold (NaN or Inf of an uninitialised,
-    donated or reused cache included).
+    with nc = 2 and dv = 2d (a DIFF head's value) when `lam` is given, else nc = 1 and any dv.
+    Returns (B, 1, H, dv) in q's dtype; a row with length 0 (every row of an empty cache,
+    S = 0) outputs zeros. Entries at and past `lengths[b]` never reach row b's output, whatever
+    they hold (NaN or Inf of an uninitialised, donated or reused cache included). Traced
+    lengths cannot be checked: a length past S reads all S entries (as S would), a negative
+    one none (zeros, as 0).
     """
     nc = 1 if lam is None else 2
-    check_layout(q, k, v, num_components=nc, lam=lam)
+    check_layout(q, k, v, num_components=nc, lam=lam, double_width_values=nc == 2)
     b, t, hq, d = q.shape
     s, hkv, dv = k.shape[1], v.shape[2], v.shape[3]
     if t != 1:

@@ -420,6 +420,22 @@ def test_decode_attention_refuses_lengths_of_another_batch_two_queries_and_a_chu
         kernels.decode_attention(jnp.concatenate([q, q], 1), k, v, 0.5, lengths=lengths)
     with pytest.raises(ValueError, match=r"chunk must be positive, got 0$"):
         kernels.decode_attention(q, k, v, 0.5, lengths=lengths, chunk=0)
+    # a differential V of width d ran, its output (B, 1, H, d) of no DIFF head's width
+    with pytest.raises(ValueError, match=r"^v must be \(B, S, Hkv, 2d\) = \(2, 8, 1, 32\), "
+                                         r"got \(2, 8, 1, 16\)$"):
+        kernels.decode_attention(q, k, v[..., :16], 0.5, lengths=lengths)
+    kernels.decode_attention(q[:, :, :2], k[:, :, :1], v[..., :24], None, lengths=lengths)  # any dv
+
+
+def test_decode_attention_lengths_past_the_cache_read_all_of_it_and_negative_ones_none():
+    """Traced lengths cannot be checked: a length past S reads the S entries (as S), a negative
+    one none (zeros, as 0), as the docstring says."""
+    q, k, v = normals(3, (3, 1, 4, 16), (3, 5, 2, 16), (3, 5, 1, 32))
+    run = jax.jit(kernels.decode_attention)
+    got = run(q, k, v, 0.5, lengths=jnp.asarray([9, -3, 2], jnp.int32))
+    want = run(q, k, v, 0.5, lengths=jnp.asarray([5, 0, 2], jnp.int32))
+    np.testing.assert_array_equal(got, want)
+    assert want[0].any() and not want[1].any()
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])

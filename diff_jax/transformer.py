@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from diff_jax import variants
 from diff_jax.attention import LAMBDA_VECTORS, Rope, diff_lambda, lambda_init
 from diff_jax.attention_op import AttentionOp
 from diff_jax.config import ModelConfig, check_section
+from diff_jax.kernels.reference import is_array
 from diff_jax.layers import RMSNorm, SwiGLU, residual_out_std
 from diff_jax.rope import rope_tables
 
@@ -245,6 +247,18 @@ def next_token_nll(x: jax.Array, head: jax.Array, targets: jax.Array, dtype: jnp
     return nll.swapaxes(0, 1).reshape(b, -1)[:, :t]
 
 
+def _array_like(name: str, x: Any) -> Any:
+    """`x` as an array: a jax or NumPy array (a tracer too) and None as they are, another
+    array-like (nested lists of ids) as NumPy; a ragged one is one error naming `name`."""
+    if x is None or is_array(x):
+        return x
+    try:
+        return np.asarray(x)
+    except ValueError:  # NumPy's "inhomogeneous shape"
+        raise ValueError(f"{name} must be array-like with one length per axis, got a ragged "
+                         f"{type(x).__name__}") from None
+
+
 class DecoderLM(nn.Module):
     """tokens (B, T) int32 -> logits (B, T, vocab) float32.
 
@@ -300,7 +314,12 @@ class DecoderLM(nn.Module):
     ) -> jax.Array:
         """tokens (B, T) int32 -> logits (B, T, vocab) float32, or (B, K, vocab) at the positions
         `logits_at` (B, K), or the NLL (B, T) float32 of `targets` (B, T) (see the class
-        docstring)."""
+        docstring). Each argument may be any array-like (nested lists, NumPy) as well as a jax
+        array: `apply(variables, [[1, 2]])` is `apply(variables, jnp.asarray([[1, 2]]))`."""
+        tokens, positions, segment_ids, logits_at, targets = (
+            _array_like(name, x) for name, x in (
+                ("tokens", tokens), ("positions", positions), ("segment_ids", segment_ids),
+                ("logits_at", logits_at), ("targets", targets)))
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):

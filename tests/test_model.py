@@ -191,6 +191,26 @@ def test_tokens_that_are_not_a_batch_of_ids_are_refused(tokens):
         model.apply(variables, tokens)
 
 
+def test_lists_of_ids_and_positions_are_taken_as_arrays():
+    """Token ids, positions, segment ids, `logits_at` and `targets` as nested lists (or NumPy)
+    give what their jnp arrays give; they failed in "'list' object has no attribute 'ndim'". A
+    ragged list is one error naming the argument."""
+    model, variables, tokens = _init(_cfg("diff", num_layers=1))
+    at, targets = jnp.asarray([[0, T - 1], [3, 1]]), jnp.roll(tokens, -1, axis=1)
+    positions, segments = jnp.broadcast_to(jnp.arange(T), (2, T)), jnp.ones((2, T), jnp.int32)
+    for kw in (dict(logits_at=at), dict(targets=targets)):
+        kw.update(positions=positions, segment_ids=segments)
+        want = model.apply(variables, tokens, **kw)
+        as_lists = {name: np.asarray(x).tolist() for name, x in kw.items()}
+        np.testing.assert_array_equal(model.apply(variables, np.asarray(tokens).tolist(), **as_lists),
+                                      want)
+    with pytest.raises(ValueError, match=r"^tokens must be array-like with one length per axis, "
+                                         r"got a ragged list"):
+        model.apply(variables, [[1, 2], [3]])
+    with pytest.raises(ValueError, match=r"^tokens must be \(B, T\) integer ids, got <U1 of shape"):
+        model.apply(variables, [["a"]])
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_logits_at_are_the_full_logits_at_those_positions(tie):
     """`logits_at` (B, K) gives the rows of the full (B, T, V) logits at those positions (float32:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import flax
@@ -40,6 +40,25 @@ from diff_jax.transformer import DecoderLM, layer_lambdas
 # pipeline always gives segment_ids (packed documents); without them each row is one document
 # (causal masking only). loss_mask is 1 for the targets that count in the loss; without it, all do.
 Batch = dict[str, jax.Array]
+BATCH_KEYS = ("tokens", "targets", "positions")
+OPTIONAL_BATCH_KEYS = ("segment_ids", "loss_mask")
+
+
+def check_batch_keys(batch: Batch) -> None:
+    """One error unless `batch` is a dict holding every key of `BATCH_KEYS` and no key outside
+    them and `OPTIONAL_BATCH_KEYS` (a misspelt optional key would be ignored), listing the keys
+    a batch holds. The steps check it as they trace, on the host."""
+    holds = (f"a batch holds {', '.join(BATCH_KEYS)} and optionally "
+             f"{', '.join(OPTIONAL_BATCH_KEYS)}, each (B, T) int32")
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"the batch must be a dict of (B, T) arrays, got {type(batch).__name__}: "
+                        f"{holds}")
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    unknown = sorted(set(batch) - {*BATCH_KEYS, *OPTIONAL_BATCH_KEYS})
+    wrong = ([f"lacks {', '.join(missing)}"] if missing else []) + (
+        [f"has unknown {', '.join(unknown)}"] if unknown else [])
+    if wrong:
+        raise ValueError(f"the batch {' and '.join(wrong)}: {holds}")
 
 
 @flax.struct.dataclass
@@ -112,6 +131,7 @@ def _micro_batches(batch: Batch, k: int) -> Batch:
 def loss_and_grads(params: Any, batch: Batch, model: DecoderLM, grad_accum: int) -> tuple[jax.Array, Any]:
     """(mean loss () float32, its gradients shaped like `params`) over the counted targets of the
     (B, T) batch, in `grad_accum` sequential micro-batches of B / grad_accum rows."""
+    check_batch_keys(batch)
     grad_fn = jax.value_and_grad(loss_fn)
     count = target_count(batch)
     if grad_accum == 1:
@@ -144,6 +164,7 @@ def eval_step(params: Any, batch: Batch, *, model: DecoderLM, micro_batches: int
     """Mean validation loss () float32 over the counted targets of one (B, T) batch, computed in
     `micro_batches` sequential slices of B / micro_batches rows (the training step's
     `grad_accum`, so that evaluating a batch never holds more activations than training on it)."""
+    check_batch_keys(batch)
     count = target_count(batch)
     if micro_batches == 1:
         return loss_fn(params, batch, model, count)
@@ -181,7 +202,7 @@ class Steps:
         """ShapeDtypeStructs (B, T) int32 of a batch as the data pipeline makes it, with the batch
         sharding (for lowering)."""
         return {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
-                for k in ("tokens", "targets", "segment_ids", "positions", "loss_mask")}
+                for k in BATCH_KEYS + OPTIONAL_BATCH_KEYS}
 
 
 def build_steps(config: Config, mesh: Mesh) -> Steps:

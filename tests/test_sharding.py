@@ -176,6 +176,30 @@ def test_the_sections_a_builder_takes_are_named_when_another_object_is_given():
         make_mesh(config)
 
 
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_a_batch_without_a_key_or_with_an_unknown_one_is_one_error_listing_a_batchs_keys(grad_accum):
+    """A batch without "positions" was a bare KeyError('positions') from inside the traced loss;
+    a misspelt "segment_id" was ignored (documents attended to one another). train and eval say
+    which keys are missing or unknown and the keys a batch holds."""
+    built, _ = _built(MeshConfig(data=1, fsdp=1, tensor=1), True, grad_accum)
+    holds = (r": a batch holds tokens, targets, positions and optionally segment_ids, loss_mask, "
+             r"each \(B, T\) int32")
+    batch = _batch()
+    with built.context():
+        state = built.init(jax.random.PRNGKey(0))
+        no_positions = {k: x for k, x in batch.items() if k != "positions"}
+        with pytest.raises(ValueError, match=r"^the batch lacks positions" + holds):
+            built.train(state, no_positions)
+        with pytest.raises(ValueError, match=r"^the batch lacks tokens, positions" + holds):
+            built.eval(state.params, {"targets": batch["targets"]})
+        misspelt = dict(batch, segment_id=batch.pop("segment_ids"))
+        with pytest.raises(ValueError, match=r"^the batch has unknown segment_id" + holds):
+            built.eval(state.params, misspelt)
+        with pytest.raises(TypeError, match=r"^the batch must be a dict of \(B, T\) arrays, "
+                                            r"got tuple"):
+            built.eval(state.params, tuple(batch.values()))
+
+
 def test_sharded_step_equals_one_device_and_params_are_sharded_by_the_rules():
     state1, loss1, grads1, m1 = _sharded(MeshConfig(data=1, fsdp=1, tensor=1), one_device=True)
     state8, loss8, grads8, m8 = _sharded(MeshConfig(data=2, fsdp=2, tensor=2))

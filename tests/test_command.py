@@ -260,7 +260,7 @@ FINISHED = [
      "stopped once the output at --out TMP/out/ptx was written whole; it is kept", "out/ptx.md"),
     ("generate", ["import generate",  # it printed its table before writing it: both were lost
                   "generate._run = lambda tree, args: {'tokens_per_s': 10.0, 'first_call_s': 1.0, "
-                  "'device': 'cpu', 'jax': 'x'}",
+                  "'loop_s': 1.0, 'device': 'cpu', 'jax': 'x'}",
                   "status = generate.main(['--rounds', '1', '--out', 'TMP/out/gen'])"],
      "stopped once the output at --out TMP/out/gen was written whole; it is kept", "out/gen.md"),
     ("fit", ["import pathlib, fit",

@@ -6,8 +6,10 @@ and reads RoPE at its own position, one token per step, all inside one jitted `l
 with the cache as explicit loop state. Cache entries past a row's position are never attended to
 (single-token attention reads only the filled part of the cache: `kernels.decode_attention`), so
 padding written during the prefill is overwritten before it becomes visible. A batch is padded
-to one of a few widths (`padded_width`), so that prompts of other lengths reuse the
-compiled decoding program of their width instead of compiling their own.
+to one of a few widths, its rows to one of a few batch sizes and max_new_tokens to one of a few
+loop lengths (`padded_size`), so that calls of other prompt lengths, batch sizes and
+max_new_tokens reuse the compiled decoding program of their sizes instead of compiling their
+own.
 """
 
 from __future__ import annotations
@@ -60,21 +62,26 @@ def _is_number(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
-MIN_WIDTH = 16  # the narrowest prompt width `generate` compiles for
+MIN_WIDTH = 16  # the narrowest prompt width and new-token count `generate` compiles for
 
 
-def padded_width(longest: int, room: int) -> int:
-    """The width (B, W) prompts whose longest has `longest` tokens are right-padded to: at least
-    `MIN_WIDTH`, else the next multiple of an eighth of the next power of two (16, 20, 24, 28,
-    32, 40, 48, ..., 256, 320, ...: four widths a doubling, at most 1.25 times the prompt's), at
-    most `room` (max_seq_len − max_new_tokens; `longest` <= `room`). `_generate` compiles once a
-    width, batch size and max_new_tokens: at each prompt's own length, a loop over prompts of 5,
-    6, 7, ... tokens compiled a program for each (seconds each on a CPU); positions past a row's
-    prompt are never read."""
-    if longest <= MIN_WIDTH:
-        return min(MIN_WIDTH, room)
-    step = (1 << (longest - 1).bit_length()) // 8
-    return min(-(-longest // step) * step, room)
+def padded_size(n: int, cap: int | None = None, minimum: int = MIN_WIDTH) -> int:
+    """The size a dimension of `n` is padded to for `_generate`'s compiled program: at least
+    `minimum`, else the next multiple of an eighth of the next power of two (with minimum 16: 16,
+    20, 24, 28, 32, 40, 48, ..., 256, 320, ...: four sizes a doubling, at most 1.25 times `n`;
+    with minimum 1, every size up to 8, then 10, 12, 14, 16, 20, ...), at most `cap` (n <= cap;
+    None: no cap).
+
+    `generate` pads the prompts' width (cap: max_seq_len − max_new_tokens), the batch (no cap)
+    and max_new_tokens (cap: max_seq_len − the width) this way, so that calls of other prompt
+    lengths, batch sizes and max_new_tokens reuse one program a size: at their own sizes a loop
+    over prompts of 5, 6, 7, ... tokens compiled a program for each (seconds each on a CPU).
+    Padded positions, rows and steps are never read."""
+    cap = math.inf if cap is None else cap
+    if n <= minimum:
+        return min(minimum, cap)
+    step = max(1, (1 << (n - 1).bit_length()) // 8)
+    return min(-(-n // step) * step, cap)
 
 
 def _prompt_ids(prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array) -> list[list[int]]:
@@ -137,23 +144,24 @@ def _decode_step(model: DecoderLM, params, cache, tokens: jax.Array, positions: 
     return sample(logits, key, sampling), logits, state["cache"]
 
 
-@functools.partial(jax.jit, static_argnames=("model", "sampling", "max_new_tokens"))
-def _generate(model: DecoderLM, params, tokens: jax.Array, lengths: jax.Array,
-              key: jax.Array, eos_id: jax.Array, *, sampling: SamplingConfig,
-              max_new_tokens: int) -> jax.Array:
-    """Prefill the right-padded prompts (B, W), then sample inside one `lax.while_loop` until
-    every row has produced `eos_id` or `max_new_tokens` tokens. Returns (B, max_new_tokens)
-    int32, −1 after a row stopped.
+@functools.partial(jax.jit, static_argnames=("model", "sampling", "new_width"))
+def _generate(model: DecoderLM, params, tokens: jax.Array, lengths: jax.Array, rows: jax.Array,
+              key: jax.Array, eos_id: jax.Array, max_new_tokens: jax.Array, *,
+              sampling: SamplingConfig, new_width: int) -> jax.Array:
+    """Prefill the right-padded prompts (B, W), of which the first `rows` are prompts (the rest
+    padding, done from the start), then sample inside one `lax.while_loop` until every row has
+    produced `eos_id` or `max_new_tokens` (<= new_width) tokens. Returns (B, new_width) int32,
+    −1 after a row stopped and past max_new_tokens.
 
-    The KV cache, W + max_new_tokens positions a row, is made here: passed in, its zeros were
-    an argument buffer beside the loop's own copy, twice the cache at the peak."""
+    The KV cache, W + new_width positions a row, is made here: passed in, its zeros were an
+    argument buffer beside the loop's own copy, twice the cache at the peak."""
     b = tokens.shape[0]
     shapes = jax.eval_shape(model.init, jax.random.key(0),
-                            jax.ShapeDtypeStruct((b, tokens.shape[1] + max_new_tokens), jnp.int32))
+                            jax.ShapeDtypeStruct((b, tokens.shape[1] + new_width), jnp.int32))
     cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
     logits, cache = _prefill(model, params, cache, tokens, lengths)
     first = sample(logits, jax.random.fold_in(key, 0), sampling)
-    out = jnp.full((b, max_new_tokens), -1, jnp.int32)
+    out = jnp.full((b, new_width), -1, jnp.int32)
 
     def running(state) -> jax.Array:
         step, _, _, _, _, done = state
@@ -173,7 +181,7 @@ def _generate(model: DecoderLM, params, tokens: jax.Array, lengths: jax.Array,
         tok, cache = jax.lax.cond(more, decode, lambda c: (tok, c), cache)
         return step + 1, tok, pos + 1, cache, out, done
 
-    state = (jnp.int32(0), first, lengths, cache, out, jnp.zeros((b,), bool))
+    state = (jnp.int32(0), first, lengths, cache, out, jnp.arange(b) >= rows)
     return jax.lax.while_loop(running, body, state)[4]
 
 
@@ -223,14 +231,18 @@ def generate(
             f"longest prompt ({lengths.max()} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
             f"exceeds model.max_seq_len ({config.max_seq_len})"
         )
-    b, width = len(prompts), padded_width(int(lengths.max()), config.max_seq_len - max_new_tokens)
-    tokens = np.zeros((b, width), np.int32)
+    width = padded_size(int(lengths.max()), config.max_seq_len - max_new_tokens)
+    new_width = padded_size(max_new_tokens, config.max_seq_len - width)
+    b = len(prompts)
+    tokens = np.zeros((padded_size(b, minimum=1), width), np.int32)
     for i, p in enumerate(prompts):
         if min(p) < 0 or max(p) >= config.vocab_size:
             raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size})")
         tokens[i, : len(p)] = p
+    lengths = np.pad(lengths, (0, len(tokens) - b), constant_values=1)  # padding rows: 1 token
 
     out = np.asarray(_generate(model, params, jnp.asarray(tokens), jnp.asarray(lengths),
-                               jax.random.key(seed), jnp.int32(-1 if eos_id is None else eos_id),
-                               sampling=sampling, max_new_tokens=max_new_tokens))
-    return [[int(x) for x in row if x >= 0] for row in out]
+                               jnp.int32(b), jax.random.key(seed),
+                               jnp.int32(-1 if eos_id is None else eos_id),
+                               jnp.int32(max_new_tokens), sampling=sampling, new_width=new_width))
+    return [[int(x) for x in row if x >= 0] for row in out[:b]]

@@ -13,7 +13,7 @@ from diff_jax import variants
 from diff_jax.attention_op import AttentionOp
 from diff_jax.config import ModelConfig
 from diff_jax.generate import (SamplingConfig, _decode_step, _generate, _prefill, generate,
-                                padded_width, sample)
+                                padded_size, sample)
 from diff_jax.transformer import DecoderLM
 
 V = 61
@@ -487,9 +487,9 @@ def test_the_decoding_program_holds_the_kv_cache_once_not_as_an_argument_beside_
     cache = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((rows, width + new), jnp.int32))
     cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache["cache"]))
     memory = _generate.lower(model, params, jax.ShapeDtypeStruct((rows, width), jnp.int32),
-                             jax.ShapeDtypeStruct((rows,), jnp.int32), jax.random.key(0),
-                             jnp.int32(-1), sampling=SamplingConfig(),
-                             max_new_tokens=new).compile().memory_analysis()
+                             jax.ShapeDtypeStruct((rows,), jnp.int32), jnp.int32(rows),
+                             jax.random.key(0), jnp.int32(-1), jnp.int32(new),
+                             sampling=SamplingConfig(), new_width=new).compile().memory_analysis()
     assert memory.argument_size_in_bytes < 0.1 * cache_bytes
     assert memory.argument_size_in_bytes + memory.temp_size_in_bytes < 1.5 * cache_bytes
 
@@ -508,7 +508,30 @@ def test_prompts_of_other_lengths_reuse_the_program_of_their_padded_width():
     got.append(generate(cfg, params, [prompts[3]], max_new_tokens=4)[0])
     assert _generate._cache_size() == before + 2
     assert got == [_uncached_greedy(cfg, params, p, 4) for p in prompts]
-    assert [padded_width(n, 1000) for n in (1, 16, 17, 21, 33, 41, 64, 65, 257, 448, 449)] == [
+    assert [padded_size(n, 1000) for n in (1, 16, 17, 21, 33, 41, 64, 65, 257, 448, 449)] == [
         16, 16, 20, 24, 40, 48, 64, 80, 320, 448, 512]
-    assert [padded_width(n, 26) for n in (1, 25, 26)] == [16, 26, 26]  # 28 > 26: capped
-    assert padded_width(3, 12) == 12  # max_seq_len − max_new_tokens below 16
+    assert [padded_size(n, 26) for n in (1, 25, 26)] == [16, 26, 26]  # 28 > 26: capped
+    assert padded_size(3, 12) == 12  # max_seq_len − max_new_tokens below 16
+    assert [padded_size(n, minimum=1) for n in (1, 2, 7, 8, 9, 11, 16, 17, 33, 100)] == [
+        1, 2, 7, 8, 10, 12, 16, 20, 40, 112]
+
+
+def test_other_batch_sizes_and_max_new_tokens_reuse_a_program_and_padding_changes_no_row():
+    """Batches of 9 and 10 prompts run one program (padded to 10 rows), and max_new_tokens 5
+    and 9 one loop (16 steps a row, stopped at each call's own count): at their own sizes each
+    compiled its own. Padding rows start finished, so they neither add tokens nor keep the loop
+    running; a row's sampled tokens do not depend on the rows after it, nor on the padding."""
+    cfg, params = _setup("diff")
+    rng = np.random.default_rng(6)
+    prompts = [[int(x) for x in rng.integers(1, V, n)] for n in rng.integers(2, 9, 10)]
+    hot = SamplingConfig(temperature=1.0)
+    before = _generate._cache_size()
+    nine = generate(cfg, params, prompts[:9], max_new_tokens=5, sampling=hot, seed=3)
+    ten = generate(cfg, params, prompts, max_new_tokens=9, sampling=hot, seed=3)
+    assert _generate._cache_size() == before + 1
+    assert [len(r) for r in nine] == [5] * 9 and [len(r) for r in ten] == [9] * 10
+    assert [r[:5] for r in ten[:9]] == nine
+    alone = generate(cfg, params, prompts[:1], max_new_tokens=9, sampling=hot, seed=3)
+    assert alone == ten[:1]
+    greedy = generate(cfg, params, prompts[:9], max_new_tokens=3)
+    assert greedy == [_uncached_greedy(cfg, params, p, 3) for p in prompts[:9]]

@@ -11,7 +11,9 @@ A Ctrl-C that stops a command at once (`KeyboardInterrupt`) ends it in one `inte
 saying what was kept, and exit status 130 (128 + SIGINT, as a shell reports a process that
 Ctrl-C stopped), not a traceback. `leave` then exits without the interpreter's teardown: after
 a Ctrl-C that cut an XLA compilation short, the teardown crashed (SIGSEGV, or SIGABRT with "pure
-virtual method called") or printed "lost sys.stderr" after that line. What must reach the disk
+virtual method called") or printed "lost sys.stderr" after that line. A third Ctrl-C ends the
+process at once wherever it is (`FORCE_PRESSES`, `as_ctrl_c`), an XLA compile included, where
+no handler runs. What must reach the disk
 has by then: outputs are written whole or not at all (`output_dir`), and checkpoint managers are
 closed on the way out. What must run as the process ends all the same (`before_leaving`: a
 multi-process job's failed process leaves without jax's shutdown barrier, `diff_jax.peers`) runs
@@ -264,9 +266,10 @@ def as_ctrl_c(signals: tuple[int, ...] = STOPS) -> Iterator[None]:
     unraisable = sys.unraisablehook
     sys.unraisablehook = _raised_again(unraisable)
     try:
-        yield
-        sys.stdout.flush()
-        sys.stderr.flush()
+        with _presses_counted():
+            yield
+            sys.stdout.flush()
+            sys.stderr.flush()
     except BrokenPipeError:
         if not let_go() and not _gone:
             raise
@@ -275,6 +278,58 @@ def as_ctrl_c(signals: tuple[int, ...] = STOPS) -> Iterator[None]:
         sys.unraisablehook = unraisable
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+FORCE_PRESSES = 3  # Ctrl-C presses that end a command at once, whatever it is doing
+_FORCED = (f"interrupted: Ctrl-C pressed {FORCE_PRESSES} times: stopped at once, as kill -9 stops "
+           f"it (what was committed is kept; a save in flight is not)\n")
+_resent = [0]  # SIGINTs `_signal_main_soon` sent again: no press of the user's
+
+
+@contextlib.contextmanager
+def _presses_counted() -> Iterator[None]:
+    """For the duration, the `FORCE_PRESSES`th Ctrl-C ends the process at once (`_count_presses`,
+    in a thread of its own), wherever the main thread is. Python runs a signal's handler only
+    where the main thread runs Python, and XLA compiling a step runs none for minutes on a large
+    model: there a Ctrl-C pressed once or twice took effect only once the compilation was over.
+    The signals are counted from `signal.set_wakeup_fd`, which the C-level handler writes to as
+    each arrives. Main thread only, and only where no wakeup fd is set already (an enclosing
+    block's, or an event loop's); otherwise the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    if signal.set_wakeup_fd(write_end, warn_on_full_buffer=False) != -1:
+        signal.set_wakeup_fd(-1)  # put back below: `previous` was not ours to replace
+        os.close(read_end)
+        os.close(write_end)
+        yield
+        return
+    threading.Thread(target=_count_presses, args=(read_end, _resent[0]), daemon=True,
+                     name="ctrl-c-presses").start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(-1)
+        os.close(write_end)  # the counting thread reads the end of the pipe, and closes it
+
+
+def _count_presses(read_end: int, resent_before: int) -> None:
+    """Count the SIGINTs written to `read_end` (less those `_signal_main_soon` sent again); at
+    the `FORCE_PRESSES`th write one `interrupted:` line and exit at once, as a kill -9 would
+    stop the process: the checkpoints and outputs already committed are kept, a save in flight
+    is left uncommitted (nothing reads it). Ends with the pipe (`_presses_counted`)."""
+    presses = 0
+    try:
+        while chunk := os.read(read_end, 64):
+            presses += chunk.count(signal.SIGINT)
+            if presses - (_resent[0] - resent_before) >= FORCE_PRESSES:
+                with contextlib.suppress(OSError):  # straight to the fd: the main thread may
+                    os.write(2, _FORCED.encode())   # hold sys.stderr's lock mid-write
+                os._exit(EXIT_INTERRUPTED)
+    finally:
+        os.close(read_end)
 
 
 def _raised_again(hook: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -303,6 +358,8 @@ def _signal_main_soon(signum: int) -> None:
     or a thread whose start it waited for, ran the handler inside the hook, where its
     KeyboardInterrupt was dropped for good)."""
     time.sleep(0.01)
+    if signum == signal.SIGINT:
+        _resent[0] += 1  # `_count_presses` sees this one too
     _thread.interrupt_main(signum)
 
 

@@ -345,3 +345,48 @@ def test_a_signal_handled_inside_a_gc_callback_still_stops_the_block():
                 time.sleep(0.01)
     finally:
         gc.callbacks.remove(signalled_inside)
+
+
+@pytest.mark.parametrize("presses", [2, 3])
+def test_the_third_ctrl_c_ends_a_command_at_once_even_where_no_python_runs(presses):
+    """Python runs a signal's handler only where the main thread runs Python; XLA compiling a
+    step runs none for minutes, and there a second Ctrl-C took effect only once the compile was
+    over. The third press now ends the process at once, wherever its main thread is: here a
+    C call that holds it for minutes (PBKDF2, the GIL released, as XLA's compiler releases it),
+    under a SIGINT handler that only notes a press, as training's first-press handler does. Two
+    presses leave the command to its own handlers."""
+    import signal
+    import time
+
+    from diff_jax.command import FORCE_PRESSES
+
+    assert FORCE_PRESSES == 3
+    rounds = 10**9 if presses == 3 else 10**4  # about 7 minutes, or at once
+    script = "\n".join([
+        "import hashlib, signal, time",
+        "from diff_jax.command import as_ctrl_c",
+        "seen = []",
+        "with as_ctrl_c(signals=()):",
+        "    signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))",
+        "    print('ready', flush=True)",
+        f"    hashlib.pbkdf2_hmac('sha256', b'key', b'salt', {rounds})",
+        f"    while len(seen) < {presses}:",
+        "        time.sleep(0.01)",
+        "print('presses', len(seen), flush=True)"])
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        for _ in range(presses):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=120)  # a hang guard: PBKDF2 runs for minutes
+    finally:
+        proc.kill()
+    if presses == 3:
+        assert proc.returncode == 130 and out == "", err[-3000:]
+        assert err.splitlines()[-1] == (
+            "interrupted: Ctrl-C pressed 3 times: stopped at once, as kill -9 stops it (what "
+            "was committed is kept; a save in flight is not)")
+    else:
+        assert (proc.returncode, out, err) == (0, "presses 2\n", "")

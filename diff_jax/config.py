@@ -1,7 +1,8 @@
 """Typed, validated configuration: frozen dataclasses loaded from YAML plus dotted overrides.
 
 A YAML file may name another with `base: FILE` (relative to itself); its keys are applied on top.
-A file name that names no file, without a folder, is one of the shipped configs (`SHIPPED_CONFIGS`).
+A file name that names no file, without a folder, is one of the shipped configs (`SHIPPED_CONFIGS`),
+for `--config` and `base:` alike (`config_file`).
 Overrides are `section.key=value` strings whose value is parsed as YAML (`model.dtype=bfloat16`,
 `train.steps=100`, `mesh.rules=[[batch,[data,fsdp]]]`). Unknown keys, wrong types and impossible
 combinations raise `ConfigError` naming the key and the rule.
@@ -810,10 +811,11 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if base is not None:
         if not isinstance(base, str):
             raise ConfigError(f"{path}: base: expected the path of a YAML config file, got {base!r}")
-        if not (path.parent / base).exists():  # named with the file that names it
-            raise ConfigError(f"{path}: base: {base}: config file not found "
-                              f"({(path.parent / base).resolve()}: a path relative to this file)")
-        data = _merge(read_yaml(path.parent / base, seen + (path,)), data)
+        try:  # named from the file that names it, or a shipped config as `--config` names one
+            base_file = config_file(base, folder=path.parent)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: base: {e}") from None
+        data = _merge(read_yaml(base_file, seen + (path,)), data)
     return data
 
 
@@ -867,28 +869,29 @@ def model_config_from_dict(data: dict) -> ModelConfig:
     return _build(ModelConfig, data, "model")
 
 
-def config_file(path: str | Path) -> Path:
-    """The config file `path` names: the file itself, or where no such file exists and `path` is a
-    bare name (`diff-830m.yaml`, `diff-830m`), the shipped config of that name (an installed
-    diff-jax has no configs/ folder beside the caller). ConfigError naming the shipped configs
-    when neither exists, and naming the shipped config to give instead when a path with a folder
-    is missing but ends in a shipped config's name: the docs' `--config configs/diff-830m.yaml`,
-    run where diff-jax is installed, named only the missing file."""
+def config_file(path: str | Path, folder: Path = Path(".")) -> Path:
+    """The config file `path` names (`--config`'s value, or a YAML file's `base:` with `folder`
+    the folder of that file): the file `folder / path` itself, or where no such file exists and
+    `path` is a bare name (`diff-830m.yaml`, `diff-830m`), the shipped config of that name (an
+    installed diff-jax has no configs/ folder beside the caller). ConfigError naming the shipped
+    configs when neither exists, and naming the shipped config to give instead when a path with a
+    folder is missing but ends in a shipped config's name: the docs' `--config
+    configs/diff-830m.yaml`, run where diff-jax is installed, named only the missing file."""
     path = Path(path)
-    if path.exists():
-        return path
+    if (folder / path).exists():
+        return folder / path
     shipped = [name for name in (path.name, f"{path.name}.yaml")
                if (SHIPPED_CONFIGS / name).is_file()][:1]
+    missing = f"config file not found: {(folder / path).resolve()}"
     if path.parent != Path("."):
         if shipped:
-            raise ConfigError(f"config file not found: {path.resolve()} ({shipped[0]}, a shipped "
-                              "config, is named without a folder)")
-        return path  # read_yaml names the missing file
+            raise ConfigError(f"{missing} ({shipped[0]}, a shipped config, is named without a "
+                              "folder)")
+        raise ConfigError(missing)
     if shipped:
         return SHIPPED_CONFIGS / shipped[0]
     names = ", ".join(sorted(p.name for p in SHIPPED_CONFIGS.glob("*.yaml")))
-    raise ConfigError(f"config file not found: {path.resolve()} (nor is {path} a shipped config: "
-                      f"{names})")
+    raise ConfigError(f"{missing} (nor is {path} a shipped config: {names})")
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:

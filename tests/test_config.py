@@ -252,13 +252,40 @@ def test_a_bare_name_is_a_shipped_config_unless_a_file_has_it(tmp_path, monkeypa
     assert "diff-830m.yaml, " in str(e.value) and str(e.value).endswith("transformer-830m.yaml)")
 
 
+def test_a_base_names_a_shipped_config_as_config_does(tmp_path, monkeypatch):
+    """`base: diff-830m.yaml` (or `diff-830m`) in a user's file with no such file beside it is the
+    shipped config, as `--config diff-830m.yaml` is (it was "config file not found"); a file beside
+    it comes first, and a name found in neither place is one line naming the file, `base` and the
+    shipped configs."""
+    monkeypatch.chdir(tmp_path)  # and no file of the name in the working directory either
+    mine = tmp_path / "mine.yaml"
+    for base in ("diff-830m.yaml", "diff-830m"):
+        mine.write_text(f"base: {base}\nmodel:\n  num_layers: 2\n")
+        assert load_config(mine) == load_config(CONFIGS / "diff-830m.yaml", ["model.num_layers=2"])
+    mine.write_text("base: diff-830m.yaml\nmodel:\n  num_layers: 2\n")
+    (tmp_path / "diff-830m.yaml").write_text("base: tiny\ntrain:\n  steps: 3\n")
+    assert load_config(mine) == load_config(CONFIGS / "tiny.yaml",  # the file beside it
+                                            ["model.num_layers=2", "train.steps=3"])
+    mine.write_text("base: diff-83m.yaml\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(mine)
+    assert str(e.value).startswith(f"{mine}: base: config file not found: "
+                                   f"{tmp_path / 'diff-83m.yaml'} (nor is diff-83m.yaml a shipped "
+                                   "config: diff-1.4b.yaml, ")
+    assert "\n" not in str(e.value) and str(e.value).endswith("transformer-830m.yaml)")
+    mine.write_text("base: configs/tiny.yaml\n")  # a folder: only that path, as with --config
+    with pytest.raises(ConfigError, match=rf"^{mine}: base: config file not found: "
+                                          rf"{tmp_path / 'configs' / 'tiny.yaml'} \(tiny\.yaml, a "
+                                          r"shipped config, is named without a folder\)$"):
+        load_config(mine)
+
+
 def test_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")
-    (tmp_path / "child.yaml").write_text("base: nope.yaml\n")  # it named the missing file only
-    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'child.yaml'}: base: nope.yaml: config "
-                                          rf"file not found \({tmp_path / 'nope.yaml'}: a path "
-                                          r"relative to this file\)$"):
+    (tmp_path / "child.yaml").write_text("base: sub/nope.yaml\n")  # it named the missing file only
+    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'child.yaml'}: base: config file not "
+                                          rf"found: {tmp_path / 'sub' / 'nope.yaml'}$"):
         load_config(tmp_path / "child.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [1, 2\n")

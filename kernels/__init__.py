@@ -24,12 +24,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .decode import decode_attention
 from .flash import MAX_HEAD_DIM, BlockSizes, flash_attention, supports_head_dim
 from .hopper import target as gpu_target
-from .reference import (attention_mask, attention_reference, check_layout,
+from .reference import (attention_mask, attention_reference, check_causal, check_layout,
                                diff_attention_reference, is_array)
 
 __all__ = ["IMPLS", "MAX_HEAD_DIM", "BlockSizes", "decode_attention", "diff_attention",
@@ -46,19 +45,18 @@ def _check(impl: str, arrays: dict[str, Any], causal: bool, *, oracle_only: dict
     TypeError)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if not isinstance(causal, (bool, np.bool_)):  # causal="no" was causal
-        raise TypeError(f"causal must be True or False, got {causal!r}")
+    causal = check_causal(causal)  # causal="no" was causal
     used = [name for name, value in oracle_only.items() if value is not None and value is not False]
     if impl != "xla" and used:
         raise ValueError(f"{', '.join(used)} exist only on the xla path (impl='xla'), not {impl!r}")
     if impl != "cudnn":
-        return bool(causal)
+        return causal
     floats = {name: x.dtype for name, x in arrays.items()
               if is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)}
     if any(dtype not in _HALF for dtype in floats.values()) or len(set(floats.values())) > 1:
         got = ", ".join(f"{name} {jnp.dtype(dtype).name}" for name, dtype in floats.items())
         raise ValueError(f"impl='cudnn' needs q, k and v in one of bfloat16 or float16, got {got}")
-    return bool(causal)
+    return causal
 
 
 def diff_attention(

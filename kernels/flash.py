@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import flash_gpu, flash_mgpu, flash_tpu, hopper
-from .reference import check_layout
+from .reference import check_causal, check_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +258,8 @@ def flash_attention(
     """Fused attention with `num_components` softmaxes (2: differential, 1: standard).
 
     q (B, T, H·nc, d), k (B, S, Hkv·nc, d), v (B, S, Hkv, dv) -> (B, T, H, dv), d a multiple of
-    16 in [16, 256], dv a multiple of 16 up to 512. `lam`, a scalar, is required with nc = 2
+    16 in [16, 256], dv a multiple of 16 up to 512. `causal` a bool (a NumPy bool is one; a
+    TypeError otherwise). `lam`, a scalar, is required with nc = 2
     (None with nc = 1) and differentiable. `segment_ids` (B, T) requires S == T.
     `interpret=None` interprets on platforms without a kernel (CPU), True on every platform;
     `backend` forces the "gpu" (Triton), "mosaic_gpu" or "tpu" kernel (see the module docstring
@@ -270,6 +271,7 @@ def flash_attention(
     if (lam is None) != (nc == 1):
         raise ValueError(f"lam (λ) is required with num_components=2 and taken only then; got "
                          f"num_components={nc}, lam={'None' if lam is None else 'given'}")
+    causal = check_causal(causal)
     check_layout(q, k, v, num_components=nc, segment_ids=segment_ids, lam=lam)
     d = q.shape[3]
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):  # a dict: .block_q
@@ -297,5 +299,5 @@ def flash_attention(
     if segment_ids is not None:
         q_seg = kv_seg = segment_ids.astype(jnp.int32)
     lam = jnp.asarray(0.0 if lam is None else lam, jnp.float32)  # nc = 1: unused
-    cfg = _Config(nc, bool(causal), block_sizes, interpret, backend)
+    cfg = _Config(nc, causal, block_sizes, interpret, backend)
     return _flash(cfg, q, k, v, lam, q_seg, kv_seg)

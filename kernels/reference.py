@@ -17,6 +17,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _NEG_INF = -1e30
 
@@ -50,6 +51,14 @@ def is_array(x: object) -> bool:
 def kind_of(x: object) -> str:
     """What an error names `x` by: its dtype if it is an array, else its Python type."""
     return str(x.dtype) if is_array(x) else type(x).__name__
+
+
+def check_causal(causal: object) -> bool:
+    """`causal` as a Python bool (a NumPy bool is one); a TypeError for anything else: `bool()` of
+    the string "False" or of an array ran the call causal, or by the array's value."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    return bool(causal)
 
 
 def check_layout(

@@ -14,6 +14,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import sys
 
 import jax
@@ -484,6 +485,21 @@ def test_numpy_bools_and_numbers_are_bools_and_numbers(impl):
             kernels.dot_product_attention(q, k, k, causal=causal, impl=impl))
     np.testing.assert_array_equal(kernels.diff_attention(q, k, v, 1, impl=impl),
                                   kernels.diff_attention(q, k, v, 1.0, impl=impl))
+
+
+def test_flash_attention_checks_causal_as_the_entry_points_do():
+    """The fused kernel's own entry took `causal` through bool(): the string "False" ran causal and
+    an array ran by its value. Only a bool (a NumPy one too) is taken, as in diff_attention."""
+    q, k, v = normals(4, (1, 5, 4, 16), (1, 5, 2, 16), (1, 5, 1, 32))
+    for causal in ("False", jnp.asarray(False), 0, None):
+        with pytest.raises(TypeError, match=rf"^causal must be True or False, got "
+                                            rf"{re.escape(repr(causal))}$"):
+            flash_attention(q, k, v, 0.5, num_components=2, causal=causal)
+    with pytest.raises(TypeError, match=r"^causal must be True or False, got 'False'$"):
+        flash_attention(q[:, :, :2], k[:, :, :1], v[:, :, :, :16], num_components=1, causal="False")
+    np.testing.assert_array_equal(
+        flash_attention(q, k, v, 0.5, num_components=2, causal=np.bool_(False)),
+        kernels.diff_attention(q, k, v, 0.5, causal=False, impl="pallas"))
 
 
 def test_cudnn_names_the_input_it_cannot_take_and_leaves_non_float_ones_to_the_layout_check():

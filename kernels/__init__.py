@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .decode import decode_attention
 from .flash import MAX_HEAD_DIM, BlockSizes, flash_attention, supports_head_dim
@@ -46,7 +47,8 @@ def _check(impl: str, arrays: dict[str, Any], causal: bool, *, oracle_only: dict
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     causal = check_causal(causal)  # causal="no" was causal
-    used = [name for name, value in oracle_only.items() if value is not None and value is not False]
+    used = [name for name, value in oracle_only.items()  # np.False_ counted as given
+            if value is not None and not (isinstance(value, (bool, np.bool_)) and not value)]
     if impl != "xla" and used:
         raise ValueError(f"{', '.join(used)} exist only on the xla path (impl='xla'), not {impl!r}")
     if impl != "cudnn":

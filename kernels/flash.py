@@ -37,6 +37,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import flash_gpu, flash_mgpu, flash_tpu, hopper
@@ -286,6 +287,8 @@ def flash_attention(
     if dv % 16 or not 16 <= dv <= MAX_VALUE_DIM:
         raise ValueError(f"the pallas kernels need the value width dv to be a multiple of 16 in "
                          f"[16, {MAX_VALUE_DIM}], got dv = {dv}")
+    if isinstance(interpret, np.bool_):  # np.True_ was refused as interpreter settings
+        interpret = bool(interpret)
     if interpret is not None and not isinstance(interpret, bool) and backend is None:
         raise ValueError(f"interpret={interpret!r} holds one kernel's interpreter settings: name "
                          f"that kernel, flash_attention(..., backend='tpu' or 'mosaic_gpu')")

@@ -487,6 +487,22 @@ def test_numpy_bools_and_numbers_are_bools_and_numbers(impl):
                                   kernels.diff_attention(q, k, v, 1.0, impl=impl))
 
 
+def test_a_numpy_false_oracle_option_is_not_given_and_a_numpy_true_interpret_is_true():
+    """return_maps=np.False_ given to impl="pallas" was refused as an xla-only option in use (only
+    Python's False was unset), and interpret=np.True_ as one kernel's interpreter settings."""
+    q, k, v = normals(4, (1, 5, 4, 16), (1, 5, 2, 16), (1, 5, 1, 32))
+    want = kernels.diff_attention(q, k, v, 0.5, impl="pallas")
+    np.testing.assert_array_equal(
+        kernels.diff_attention(q, k, v, 0.5, impl="pallas", return_maps=np.False_), want)
+    np.testing.assert_array_equal(
+        kernels.dot_product_attention(q, k, k, impl="pallas", return_maps=np.bool_(False)),
+        kernels.dot_product_attention(q, k, k, impl="pallas"))
+    with pytest.raises(ValueError, match=r"^return_maps exist only on the xla path"):
+        kernels.diff_attention(q, k, v, 0.5, impl="pallas", return_maps=np.True_)
+    np.testing.assert_array_equal(
+        kernels.diff_attention(q, k, v, 0.5, impl="pallas", interpret=np.True_), want)
+
+
 def test_flash_attention_checks_causal_as_the_entry_points_do():
     """The fused kernel's own entry took `causal` through bool(): the string "False" ran causal and
     an array ran by its value. Only a bool (a NumPy one too) is taken, as in diff_attention."""

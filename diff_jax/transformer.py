@@ -263,7 +263,8 @@ class DecoderLM(nn.Module):
     """tokens (B, T) int32 -> logits (B, T, vocab) float32.
 
     `positions` (B, T) restart per packed segment (default 0..T-1); `segment_ids` (B, T) confine
-    attention to a segment, causally, with 0 marking padding. With `decode=True` every attention
+    attention to a segment, causally, with 0 marking padding. Both are integers (a float or bool
+    array is a ValueError naming it). With `decode=True` every attention
     layer keeps a KV cache in the `cache` collection (see `diff_jax.generate`), one sequence per
     row, as long as the `init` input (B, S): `segment_ids` are then refused. A call with T > 1 is
     the prompt's prefill from position 0 (it attends within its own tokens, not to the cache; a
@@ -326,6 +327,10 @@ class DecoderLM(nn.Module):
             raise ValueError(f"tokens must be (B, T) integer ids, got {tokens.dtype} of shape "
                              f"{tokens.shape}")
         b, t = tokens.shape
+        if positions is not None and not jnp.issubdtype(positions.dtype, jnp.integer):
+            # float positions ran RoPE at fractional angles, bools as 0 and 1
+            raise ValueError(f"positions must be integers (each token's position in its "
+                             f"segment), got {positions.dtype}")
         if logits_at is not None and (
                 logits_at.ndim != 2 or logits_at.shape[0] != b
                 or not jnp.issubdtype(logits_at.dtype, jnp.integer)):

@@ -191,6 +191,23 @@ def test_tokens_that_are_not_a_batch_of_ids_are_refused(tokens):
         model.apply(variables, tokens)
 
 
+def test_positions_and_segment_ids_that_are_not_integers_are_refused():
+    """Float positions ran RoPE at fractional angles (np.arange(T, dtype=float) silently) and bool
+    ones as 0 and 1; float or bool segment ids are refused by the attention's own check. Each is
+    one error naming the argument and its dtype."""
+    model, variables, tokens = _init(_cfg("diff", num_layers=1))
+    for bad in (np.broadcast_to(np.arange(T, dtype=float), (2, T)), np.ones((2, T), bool)):
+        with pytest.raises(ValueError, match=rf"^positions must be integers \(each token's "
+                                             rf"position in its segment\), got {bad.dtype}"):
+            model.apply(variables, tokens, positions=bad)
+        with pytest.raises(ValueError, match=rf"^segment_ids must be integers \(0: padding\), "
+                                             rf"got {bad.dtype}"):
+            model.apply(variables, tokens, segment_ids=bad)
+    np.testing.assert_array_equal(  # integers of any width are positions
+        model.apply(variables, tokens, positions=np.broadcast_to(np.arange(T, dtype=np.uint8), (2, T))),
+        model.apply(variables, tokens))
+
+
 def test_lists_of_ids_and_positions_are_taken_as_arrays():
     """Token ids, positions, segment ids, `logits_at` and `targets` as nested lists (or NumPy)
     give what their jnp arrays give; they failed in "'list' object has no attribute 'ndim'". A

@@ -1233,6 +1233,26 @@ def test_a_corpus_with_prompts_records_how_its_responses_were_encoded(tmp_path):
     assert not [n for n in load(tmp_path / "plain").notes if "--prompt-field" in n]
 
 
+def test_a_corpus_saved_with_notes_loads_with_them_first(tmp_path):
+    """`TokenCorpus.save` records the corpus's notes (those of the corpora it was made from), and
+    `load` gives them before its own; notes that are no list of lines are one error naming the
+    file."""
+    noted = dataclasses.replace(synthetic_corpus(), skipped=("x.txt: unreadable",),
+                                notes=("data: 3 file(s) or record(s) were skipped when P was "
+                                       "prepared: see P/meta.json",))
+    noted.save(tmp_path / "c", {})
+    assert load(tmp_path / "c").notes == (*noted.notes, (
+        f"data: 1 file(s) or record(s) were skipped when {tmp_path / 'c'} was prepared: see "
+        f"{tmp_path / 'c' / 'meta.json'}"))
+    synthetic_corpus().save(tmp_path / "plain", {})
+    assert "notes" not in json.loads((tmp_path / "plain" / "meta.json").read_text())
+    meta = json.loads((tmp_path / "c" / "meta.json").read_text())
+    (tmp_path / "c" / "meta.json").write_text(json.dumps(dict(meta, notes="skipped 3")))
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'c' / 'meta.json'}: notes: expected a list "
+                                        r"of lines, got 'skipped 3'$"):
+        load(tmp_path / "c")
+
+
 def _parquet(path, columns: dict, **write):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -915,6 +915,29 @@ def test_prepared_corpus_is_the_corpus_the_runs_would_load_and_refuses_repeats(t
     assert not presets.corpus_dir(tmp_path, 2).exists()
 
 
+def test_a_corpus_from_a_prepared_corpus_says_what_its_prepare_skipped(tmp_path):
+    """A preset reading a prepared corpus (`data.source=tokens`) wrote `"skipped": []` to its own
+    corpus's meta.json, as though nothing had been skipped, and its runs said nothing: that
+    corpus now records the prepared one's note (how many it skipped, where they are listed), and
+    the runs that read it say it."""
+    from diff_jax import data
+
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"text": f"word {i} " * 200}) + "\n" for i in range(20))
+                   + "{not json\n" + json.dumps({"body": "no text"}) + "\n")
+    prepared = tmp_path / "prepared"
+    data.prepare([str(src)], prepared)
+    micro = presets.PRESETS["micro"]
+    mine = dataclasses.replace(micro, shared=(*micro.shared, "data.mixture=null",
+                                              "data.source=tokens", f"data.paths=[{prepared}]"))
+    meta = json.loads((replicate.prepare_corpus(mine, 0, tmp_path / "out") / "meta.json").read_text())
+    note = (f"data: 2 file(s) or record(s) were skipped when {prepared} was prepared: see "
+            f"{prepared / 'meta.json'}")
+    assert meta["skipped"] == [] and meta["notes"] == [note]
+    run_cfg = mine.config("diff", 0, tmp_path / "out" / "runs" / "diff-scaled-s0")
+    assert data.load_corpus(run_cfg.data, 0).notes == (note,)
+
+
 def _finished_copy(src: Path, preset) -> None:
     """`src` as a GPU session brings a finished replication back: the corpus meta, and each
     model's config, metrics, wall, device record and evaluation JSONs at its final step; no

@@ -105,7 +105,10 @@ class TokenCorpus:
 
     def save(self, out_dir: str | Path, meta: dict) -> None:
         """Write the corpus to `out_dir` (the layout of the module docstring), `meta` merged into
-        meta.json with the counts and the content digest (`sha256`)."""
+        meta.json with the counts, the content digest (`sha256`), what was skipped making it
+        (`skipped`) and, when it has any, its `notes`: a corpus made from a prepared one skipped
+        nothing itself, and its notes say what that one's prepare skipped and where it is
+        listed (before, its `"skipped": []` was all it said)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.tokens.astype(TOKEN_DTYPE).tofile(out / "tokens.bin")
@@ -114,6 +117,8 @@ class TokenCorpus:
             self.loss_mask.astype(np.uint8).tofile(out / "loss_mask.bin")
         info = dict(meta, num_docs=self.num_docs, num_tokens=int(len(self.tokens)),
                     vocab_size=self.vocab_size, skipped=list(self.skipped), sha256=self.sha256())
+        if self.notes:
+            info["notes"] = list(self.notes)
         (out / "meta.json").write_text(json.dumps(info, indent=1))
 
 
@@ -174,9 +179,10 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
     corpus naming no tokenizer, or an unknown one, loads as it is.)
     One prepared with `prompt_field` whose loss_mask.bin is gone (a copy of the three files an
     unmasked corpus has) is a DataError too: before, it loaded unmasked and trained on every
-    prompt token without a word. Its `notes`: how many files and records `prepare` skipped
-    (which it listed, and meta.json lists), not the list again; and for a corpus with prompts
-    that records no `response_ids`, that its responses were encoded alone (`RESPONSE_IDS`).
+    prompt token without a word. Its `notes`: those meta.json records (`save`), how many files
+    and records `prepare` skipped (which it listed, and meta.json lists), not the list again;
+    and for a corpus with prompts that records no `response_ids`, that its responses were
+    encoded alone (`RESPONSE_IDS`).
     Its `skipped` is empty: nothing is skipped reading it."""
     d = Path(corpus_dir)
     try:
@@ -221,8 +227,12 @@ def load(corpus_dir: str | Path, tokenizer: str | None = None) -> TokenCorpus:
 
 
 def _notes(d: Path, meta: dict) -> tuple[str, ...]:
-    """`load`'s notes on the corpus `d`, whose meta.json holds `meta`."""
-    notes = []
+    """`load`'s notes on the corpus `d`, whose meta.json holds `meta`: those it records (of the
+    corpora it was made from, `TokenCorpus.save`), then its own."""
+    notes = meta.get("notes", [])
+    if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
+        raise DataError(f"{d / 'meta.json'}: notes: expected a list of lines, got {notes!r}")
+    notes = list(notes)
     if meta.get("skipped"):
         notes.append(f"data: {len(meta['skipped'])} file(s) or record(s) were skipped when {d} "
                      f"was prepared: see {d / 'meta.json'}")

@@ -300,8 +300,9 @@ def _presses_counted() -> Iterator[None]:
         return
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
-    if signal.set_wakeup_fd(write_end, warn_on_full_buffer=False) != -1:
-        signal.set_wakeup_fd(-1)  # put back below: `previous` was not ours to replace
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    if previous != -1:  # not ours to replace: put back
+        signal.set_wakeup_fd(previous)
         os.close(read_end)
         os.close(write_end)
         yield

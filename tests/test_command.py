@@ -390,3 +390,29 @@ def test_the_third_ctrl_c_ends_a_command_at_once_even_where_no_python_runs(press
             "was committed is kept; a save in flight is not)")
     else:
         assert (proc.returncode, out, err) == (0, "presses 2\n", "")
+
+
+def test_a_wakeup_fd_set_before_a_command_block_is_kept():
+    """Where a wakeup fd is set already (an event loop's, an enclosing block's), `as_ctrl_c`
+    counts no presses and leaves that fd in place: it was replaced by none (-1), which stopped
+    the event loop's signal handling."""
+    import signal
+
+    from diff_jax.command import as_ctrl_c
+
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    try:
+        assert signal.set_wakeup_fd(write_end) == -1
+        with as_ctrl_c(signals=()):
+            assert signal.set_wakeup_fd(write_end) == write_end
+        assert signal.set_wakeup_fd(-1) == write_end
+        with as_ctrl_c(signals=()):  # none set: its own, removed on the way out
+            own = signal.set_wakeup_fd(-1)
+            signal.set_wakeup_fd(own, warn_on_full_buffer=False)
+            assert own not in (-1, write_end)
+        assert signal.set_wakeup_fd(-1) == -1
+    finally:
+        signal.set_wakeup_fd(-1)
+        os.close(read_end)
+        os.close(write_end)

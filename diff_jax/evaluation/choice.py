@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -33,7 +34,7 @@ from diff_jax.data.tokenizer import Encoding, continuations, text_prefix
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.evaluation.report import Report
-from diff_jax.evaluation.scoring import token_nll
+from diff_jax.evaluation.scoring import eval_length, token_nll
 from diff_jax.transformer import DecoderLM
 
 ITEM_FORMAT = '{"context": str, "choices": [str, ...], "label": int}'
@@ -51,21 +52,38 @@ class Item:
 
 
 def read_items(path: Path, loaded: Loaded) -> list[Item]:
-    """The items of the JSONL file `path` (UTF-8, a newline after each), encoded with
-    `data.tokenizer`; an `EvalError` naming the line for one that is not an item (a benchmark
-    scored on part of its items would report another benchmark's accuracy)."""
-    if not path.is_file():
-        raise EvalError(f"input={path}: no such file; expected a .jsonl file of {ITEM_FORMAT}")
+    """The items of the JSONL file `path` (`read_jsonl`), encoded with `data.tokenizer`; an
+    `EvalError` naming the line for one that is not an item (a benchmark scored on part of its
+    items would report another benchmark's accuracy)."""
     enc = text_encoding(loaded)
     items = []
+    for n, record in read_jsonl(path, ITEM_FORMAT, _item_problem):
+        pairs = [pair_tokens(enc, record["context"], c) for c in record["choices"]]
+        if any(not choice for _, choice in pairs):
+            raise EvalError(f"input={path}:{n}: a choice adds no token after its context "
+                            f"(data.tokenizer={enc.name}); expected {ITEM_FORMAT}")
+        items.append(Item(tuple(pairs[0][0]), tuple(tuple(c) for _, c in pairs),
+                          tuple(len(c) for c in record["choices"]), record["label"]))
+    return items
+
+
+def read_jsonl(path: Path, item_format: str,
+               problem: Callable[[Any], str | None]) -> list[tuple[int, Any]]:
+    """(line number, record) of each non-blank line of the JSONL file `path` (UTF-8, a
+    newline after each); an `EvalError` naming `path` when it is missing or holds no record,
+    or naming the line for one that is not UTF-8, not JSON or has a `problem`, each ending in
+    "expected `item_format`"."""
+    if not path.is_file():
+        raise EvalError(f"input={path}: no such file; expected a .jsonl file of {item_format}")
     data = path.read_bytes()
     try:  # utf-8-sig: a leading byte-order mark (Windows editors write one) is not text
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise EvalError(f"input={path}:{line}: not UTF-8 ({e.reason} at byte {e.start}); "
-                        f"expected {ITEM_FORMAT}") from e
-    # items end at a newline (or CR LF) only, as training's JSONL records do: JSON strings may
+                        f"expected {item_format}") from e
+    records = []
+    # records end at a newline (or CR LF) only, as training's JSONL records do: JSON strings may
     # hold U+2028, U+0085 and the other line boundaries of `str.splitlines` unescaped
     for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
@@ -73,19 +91,14 @@ def read_items(path: Path, loaded: Loaded) -> list[Item]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise EvalError(f"input={path}:{n}: not JSON ({e.msg}); expected {ITEM_FORMAT}") from e
-        problem = _item_problem(record)
-        if problem is not None:
-            raise EvalError(f"input={path}:{n}: {problem}; expected {ITEM_FORMAT}")
-        pairs = [pair_tokens(enc, record["context"], c) for c in record["choices"]]
-        if any(not choice for _, choice in pairs):
-            raise EvalError(f"input={path}:{n}: a choice adds no token after its context "
-                            f"(data.tokenizer={enc.name}); expected {ITEM_FORMAT}")
-        items.append(Item(tuple(pairs[0][0]), tuple(tuple(c) for _, c in pairs),
-                          tuple(len(c) for c in record["choices"]), record["label"]))
-    if not items:
-        raise EvalError(f"input={path}: holds no item; expected one {ITEM_FORMAT} a line")
-    return items
+            raise EvalError(f"input={path}:{n}: not JSON ({e.msg}); expected {item_format}") from e
+        why = problem(record)
+        if why is not None:
+            raise EvalError(f"input={path}:{n}: {why}; expected {item_format}")
+        records.append((n, record))
+    if not records:
+        raise EvalError(f"input={path}: holds no item; expected one {item_format} a line")
+    return records
 
 
 def pair_tokens(enc: Encoding, context: str, choice: str) -> tuple[list[int], list[int]]:
@@ -123,10 +136,8 @@ def _item_problem(record: Any) -> str | None:
 def choice_logprobs(model_cfg: ModelConfig, params: Any, items: list[Item], length: int,
                     batch_size: int) -> tuple[list[np.ndarray], int]:
     """(per item, (choices,) float64 sums of log p(choice tokens | context), how many contexts
-    were cut so that the model reads at most `length` tokens of a context and its choice).
-    Rows are right-padded to one width, the longest pair's (at most `length` + 1 tokens, the
-    last of which no position reads): padding comes after every scored token, so the causal
-    model never reads it; missing rows of the last batch repeat row 0."""
+    were cut so that the model reads at most `length` tokens of a context and its choice),
+    scored by `continuation_logprobs` at the longest pair's width (at most `length` + 1)."""
     rows, cut = [], 0
     for item in items:
         for choice in item.choices:
@@ -136,18 +147,8 @@ def choice_logprobs(model_cfg: ModelConfig, params: Any, items: list[Item], leng
             context = item.context[-(length + 1 - len(choice)):]
             cut += len(context) < len(item.context)
             rows.append((context, choice))
-    width = max(len(c) + len(x) for c, x in rows)  # tokens; the model reads width − 1 of them
-    tokens = np.zeros((len(rows), width), np.int32)
-    for r, (context, choice) in enumerate(rows):
-        tokens[r, : len(context) + len(choice)] = context + choice
-    padded = -len(rows) % batch_size
-    tokens = np.concatenate([tokens, np.repeat(tokens[:1], padded, axis=0)])
-    model = DecoderLM(model_cfg)
-    nll = np.concatenate([
-        np.asarray(token_nll(model, params, jnp.asarray(b[:, :-1]), jnp.asarray(b[:, 1:])),
-                   np.float64) for b in np.split(tokens, len(tokens) // batch_size)])
-    sums = np.array([-nll[r, len(c) - 1: len(c) + len(x) - 1].sum()
-                     for r, (c, x) in enumerate(rows)])
+    sums = continuation_logprobs(model_cfg, params, rows, max(len(c) + len(x) for c, x in rows),
+                                 batch_size)
     per_item, start = [], 0
     for item in items:
         per_item.append(sums[start: start + len(item.choices)])
@@ -155,12 +156,37 @@ def choice_logprobs(model_cfg: ModelConfig, params: Any, items: list[Item], leng
     return per_item, cut
 
 
+def continuation_logprobs(model_cfg: ModelConfig, params: Any,
+                          rows: Sequence[tuple[Sequence[int], Sequence[int]]], width: int,
+                          batch_size: int) -> np.ndarray:
+    """(len(rows),) float64: for each (context ids, continuation ids) row, the sum of
+    log p(continuation tokens | context and the continuation's tokens before each), from the
+    model reading the row's first `width` − 1 tokens (`token_nll`). Rows are right-padded to
+    `width` tokens (at least each row's; the last token of a row is read by no position), so
+    padding comes after every scored token and the causal model never reads it; they are
+    scored `batch_size` at a time, the last batch's missing rows repeating row 0, so one
+    program is compiled per width. Each batch is built as it is scored: a task's rows may hold
+    far more tokens than fit the host's memory at once."""
+    model = DecoderLM(model_cfg)
+    sums = np.zeros(len(rows))
+    for start in range(0, len(rows), batch_size):
+        batch = list(rows[start: start + batch_size])
+        batch += [rows[0]] * (batch_size - len(batch))
+        tokens = np.zeros((batch_size, width), np.int32)
+        for r, (context, continuation) in enumerate(batch):
+            tokens[r, : len(context)] = context
+            tokens[r, len(context): len(context) + len(continuation)] = continuation
+        nll = np.asarray(token_nll(model, params, jnp.asarray(tokens[:, :-1]),
+                                   jnp.asarray(tokens[:, 1:])), np.float64)
+        for r, (context, continuation) in enumerate(batch[: len(rows) - start]):
+            sums[start + r] = -nll[r, len(context) - 1: len(context) + len(continuation) - 1].sum()
+    return sums
+
+
 def choice_task(loaded: Loaded, options: EvalOptions) -> Report:
     """Accuracy and length-normalized accuracy over the items of `input`."""
     cfg = loaded.config
-    length = options.length or cfg.model.max_seq_len
-    if length > cfg.model.max_seq_len:
-        raise EvalError(f"length={length} exceeds model.max_seq_len ({cfg.model.max_seq_len})")
+    length = eval_length(cfg, options, cfg.model.max_seq_len)
     items = read_items(Path(options.input), loaded)
     sums, cut = choice_logprobs(cfg.model, loaded.params, items, length, options.batch_size)
     predicted = [int(np.argmax(s)) for s in sums]

@@ -55,10 +55,10 @@ def counted_nll(model_cfg: ModelConfig, params: Any, batches: list[Batch],
                            for b in batches])
 
 
-def eval_length(config: Config, options: EvalOptions) -> int:
-    """The evaluation's row length: `options.length`, else the run's `train.seq_len`;
-    `EvalError` when it exceeds `model.max_seq_len`."""
-    length = options.length or config.train.seq_len
+def eval_length(config: Config, options: EvalOptions, default: int | None = None) -> int:
+    """The evaluation's row length: `options.length`, else `default` (None: the run's
+    `train.seq_len`); `EvalError` when it exceeds `model.max_seq_len`."""
+    length = options.length or default or config.train.seq_len
     if length > config.model.max_seq_len:
         raise EvalError(f"length={length} exceeds model.max_seq_len ({config.model.max_seq_len})")
     return length
@@ -253,9 +253,7 @@ def score(loaded: Loaded, options: EvalOptions) -> Report:
     """Per-token log-probabilities of `input` to `output` (.npy float32, one per predicted token)."""
     cfg = loaded.config
     ids = read_tokens(Path(options.input), loaded)
-    window = options.length or cfg.model.max_seq_len
-    if window > cfg.model.max_seq_len:
-        raise EvalError(f"length={window} exceeds model.max_seq_len ({cfg.model.max_seq_len})")
+    window = eval_length(cfg, options, cfg.model.max_seq_len)
     if window < 2:
         raise EvalError(f"length={window}: score needs windows of at least 2 tokens (a token and "
                         "the one it predicts)")

@@ -3,7 +3,7 @@
 Where diff-jax is installed and from a clone's root alike; a clone's `python eval.py` is the same
 command.
 Tasks: ppl, score (input=FILE), niah, recall, attention, outliers, quant, generate (prompt="..."),
-choice (input=ITEMS.jsonl);
+choice (input=ITEMS.jsonl), icl (input=EXAMPLES.jsonl);
 or checkpoint=PATH (a run, a step directory RUN/checkpoints/N, or a safetensors or orbax-params
 export) instead of train.run_dir, and step=N for another step of a run. Writes RUN/eval/NAME.json
 (a step named by step=N or its directory: RUN/eval/step-N/NAME.json; out_dir=DIR: DIR/NAME.json).

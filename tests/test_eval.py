@@ -8,6 +8,7 @@ import importlib.util
 import json
 import logging
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -367,6 +368,245 @@ def test_choice_inputs_that_cannot_be_scored_are_refused(runs, tmp_path):
     items.write_text("\n\n")
     with pytest.raises(EvalError, match="holds no item"):
         _run(runs["diff"], "task=choice", f"input={items}")
+
+
+ICL_EXAMPLES = [
+    {"text": "The team won the final 3-1.", "label": "sports"},
+    {"text": "Rain all week, then sun.", "label": "weather"},
+    {"text": "A new comet was seen near Mars.", "label": "astro-physics"},
+    {"text": "She ran the marathon in record time.", "label": "sports"},
+    {"text": "Snow is expected on Tuesday.", "label": "weather"},
+    {"text": "The star collapsed into a black hole.", "label": "astro-physics"},
+    {"text": "Their goalkeeper saved two penalties.", "label": "sports"},
+    {"text": "A heat wave hits the coast.", "label": "weather"},
+    {"text": "Neutron stars spin very fast.", "label": "astro-physics"},
+    {"text": "He scored in extra time.", "label": "sports"},
+    {"text": "Fog closed the airport {twice}.", "label": "weather"},  # braces are text
+    {"text": "Galaxies drift apart.", "label": "astro-physics"},
+]
+
+
+def _icl_file(path: Path, examples: list[dict] = ICL_EXAMPLES) -> Path:
+    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    return path
+
+
+def test_icl_prompts_are_the_documented_text_and_each_label_continues_it(tmp_path):
+    """A prompt is each demonstration's "{text}\nLabel: {label}\n\n", then the test item's
+    "{text}\nLabel:"; each label's ids are those of the prompt + " " + label past the prompt's
+    own (cl100k: no beginning-of-text), and every label of the file is one row of each item."""
+    from diff_jax.evaluation.icl import Example, prompt, read_examples, shot_prompts
+
+    demos = [Example(1, "Rain {x}.", "weather"), Example(2, "A goal!", "sports")]
+    assert prompt(demos, Example(3, "Comets.", "astro")) == (
+        "Rain {x}.\nLabel: weather\n\nA goal!\nLabel: sports\n\nComets.\nLabel:")
+    assert prompt([], Example(3, "Comets.", "astro")) == "Comets.\nLabel:"
+    path = _icl_file(tmp_path / "icl.jsonl")
+    examples, labels = read_examples(path)
+    assert labels == ["sports", "weather", "astro-physics"]
+    assert [e.line for e in examples] == list(range(1, 13))
+    options = EvalOptions(task="icl", input=str(path), orders=2)
+    prompts = shot_prompts(ENC, examples, labels, [3, 4], [0, 1], 2, options, path)
+    assert [sorted(d) for d in prompts.demos] == [[3, 4], [3, 4]]
+    width = 0
+    for demos, rows in zip(prompts.demos, prompts.rows):
+        assert len(rows) == 2 * 3
+        for r, (context, tail) in enumerate(rows):
+            test, label = [0, 1][r // 3], labels[r % 3]
+            text = "".join(f"{ICL_EXAMPLES[d]['text']}\nLabel: {ICL_EXAMPLES[d]['label']}\n\n"
+                           for d in demos) + ICL_EXAMPLES[test]["text"] + "\nLabel:"
+            whole = ENC.encode_ordinary(text + " " + label)
+            assert list(context) == ENC.encode_ordinary(text) == whole[:len(context)]
+            assert list(tail) == whole[len(context):] == ENC.encode_ordinary(" " + label)
+            width = max(width, len(whole))
+    assert prompts.width == width
+
+
+def test_icl_deals_balanced_disjoint_examples_and_arranges_each_order():
+    """`deal` is a permutation whose every prefix is balanced over the labels (counts differ by
+    at most one while each label lasts); `arranged` permutes the same demonstrations per order
+    (seeded by the order), and `grouped` keeps each label's demonstrations adjacent, the groups'
+    order varying too."""
+    from diff_jax.evaluation.icl import Example, arranged, deal
+
+    examples = [Example(n, f"t{n}", "abc"[n % 3] if n < 24 else "d") for n in range(27)]
+    dealt = deal(examples, seed=3)
+    assert sorted(dealt) == list(range(27)) and dealt != deal(examples, seed=4)
+    for k in range(1, 25):  # "d" has 3 examples: the others stay even past its third round
+        counts = [sum(examples[i].label == x for i in dealt[:k]) for x in "abc"]
+        assert max(counts) - min(counts) <= 1, (k, counts)
+    demos = dealt[5:17]
+    random = [arranged(demos, examples, "random", 0, o) for o in range(4)]
+    assert all(sorted(r) == sorted(demos) for r in random)
+    assert len({tuple(r) for r in random}) == 4
+    assert random[1] == arranged(demos, examples, "random", 0, 1) != arranged(demos, examples,
+                                                                               "random", 1, 1)
+    grouped = [arranged(demos, examples, "grouped", 0, o) for o in range(4)]
+    for g in grouped:
+        runs = [label for n, label in enumerate(examples[i].label for i in g)
+                if n == 0 or label != examples[g[n - 1]].label]
+        assert sorted(g) == sorted(demos) and len(runs) == len(set(runs)) == 4, runs
+    assert len({tuple(examples[i].label for i in g) for g in grouped}) > 1
+    assert len({tuple(g) for g in grouped}) == 4
+
+
+def test_icl_predicts_the_label_of_the_highest_summed_log_probability(runs, tmp_path):
+    """task=icl against the model applied to each prompt + label written out by hand from the
+    report's demonstration and test lines, its log-softmax taken in float64 NumPy: every
+    order's predictions (the label of the highest sum of its tokens' log-probabilities),
+    accuracies and their mean, std and min; demonstrations and test items disjoint, each shot
+    count's orders the same demonstrations permuted, the smaller count's among the larger's.
+    Rows in batches of 5 (the last one padded)."""
+    path = _icl_file(tmp_path / "icl.jsonl")
+    out = _run(runs["diff"], "task=icl", f"input={path}", "shots=[3,0,1]", "orders=3",
+               "test_items=4", "batch_size=5", "seed=1")
+    assert out["shots"] == [0, 1, 3] and out["labels"] == ["sports", "weather", "astro-physics"]
+    assert out["chance"] == 1 / 3 and out["num_test_items"] == 4 and out["num_examples"] == 12
+    test = out["test_lines"]
+    labels_of_test = [ICL_EXAMPLES[n - 1]["label"] for n in test]
+    assert sorted(labels_of_test.count(x) for x in out["labels"]) == [1, 1, 2]
+    zero, one, three = out["demonstrations"]
+    assert zero == [[], [], []] and not set(test) & set(sum(three, []))
+    assert len({tuple(d) for d in three}) > 1 and len({frozenset(d) for d in three}) == 1
+    assert len({tuple(d) for d in one}) == 1 and set(one[0]) < set(three[0])
+    loaded = _params(runs["diff"])
+    truth = np.array([out["labels"].index(x) for x in labels_of_test])
+    rows = []  # (order, test item, label): (ids, where the label's begin), shots=3 by hand
+    for demos in three:
+        head = "".join(f"{ICL_EXAMPLES[n - 1]['text']}\nLabel: {ICL_EXAMPLES[n - 1]['label']}\n\n"
+                       for n in demos)
+        for n in test:
+            text = head + ICL_EXAMPLES[n - 1]["text"] + "\nLabel:"
+            rows += [(ENC.encode_ordinary(text + " " + label), len(ENC.encode_ordinary(text)))
+                     for label in out["labels"]]
+    width = max(len(ids) for ids, _ in rows)  # right-padded: the causal model reads no padding
+    tokens = np.array([ids + [0] * (width - len(ids)) for ids, _ in rows])
+    logits = np.asarray(DecoderLM(loaded.config.model).apply(
+        {"params": loaded.params}, jnp.asarray(tokens[:, :-1])), np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    sums = np.array([sum(logp[r, t - 1, ids[t]] for t in range(start, len(ids)))
+                     for r, (ids, start) in enumerate(rows)]).reshape(3, 4, 3)
+    top = np.sort(sums, axis=-1)
+    assert (top[..., -1] - top[..., -2]).min() > 1e-3  # no near tie that float32 could flip
+    want = sums.argmax(-1)
+    assert out["predictions"][2] == want.tolist()
+    assert out["accuracy"][2] == np.mean(want == truth, axis=1).tolist()
+    for acc, mean, std, low in zip(*(out[k] for k in ("accuracy", "accuracy_mean", "accuracy_std",
+                                                     "accuracy_min"))):
+        assert (mean, std, low) == (np.mean(acc), np.std(acc), min(acc))
+    assert out["prompt_tokens"][0] < out["prompt_tokens"][2] <= out["length"] + 1 == 129
+
+
+def test_icl_shots_unset_double_while_the_prompts_fit(runs, tmp_path):
+    """Without shots=, the counts are 1, 2, 4, ... while every prompt and label fits length + 1
+    (a note says where and why they stop); arrangement=grouped runs as well."""
+    path = _icl_file(tmp_path / "icl.jsonl")
+    out = _run(runs["diff"], "task=icl", f"input={path}", "orders=2", "test_items=3",
+               "length=48", "arrangement=grouped")
+    assert out["shots"] == [1, 2] and max(out["prompt_tokens"]) <= 49
+    assert out["arrangement"] == "grouped" and len(out["accuracy"][1]) == 2
+    (note,) = out["notes"]
+    tokens = int(re.search(r" is ([\d,]+) tokens", note)[1].replace(",", ""))
+    assert tokens > 49 and note == (
+        f"shots stop at 2: shots=4: the longest prompt with its label is {tokens:,} tokens, of "
+        f"which the model reads {tokens - 1:,}, more than length=48; lower shots or raise length")
+    out = _run(runs["diff"], "task=icl", f"input={path}", "orders=1", "test_items=10")
+    assert out["shots"] == [1, 2] and out["notes"] == [
+        "shots stop at 2: the file's 2 examples past the test items are fewer than 4"]
+
+
+def test_icl_reports_every_order_s_accuracy_and_their_mean_std_and_min(runs, tmp_path,
+                                                                       monkeypatch):
+    """With sums that differ by order (an initialized model's answers hardly do), each order's
+    accuracy is its predictions' share of the test items' labels, and the table and JSON give
+    their mean, (population) standard deviation and minimum per shot count."""
+    from diff_jax.evaluation import icl
+
+    draws = np.random.default_rng(0)
+    monkeypatch.setattr(icl, "continuation_logprobs",
+                        lambda cfg, params, rows, width, batch_size: draws.normal(size=len(rows)))
+    path = _icl_file(tmp_path / "icl.jsonl")
+    report, _ = run_task(*parse_args(["task=icl", f"input={path}", "shots=[2,4]", "orders=4",
+                                      "test_items=6", f"train.run_dir={runs['diff']}"]))
+    out = report.fields
+    truth = np.array([out["labels"].index(ICL_EXAMPLES[n - 1]["label"])
+                      for n in out["test_lines"]])
+    acc = np.mean(np.array(out["predictions"]) == truth, axis=-1)  # (shots, orders)
+    assert out["accuracy"] == acc.tolist() and len({*acc.flatten()}) > 2
+    assert out["accuracy_mean"] == acc.mean(1).tolist()
+    assert out["accuracy_min"] == acc.min(1).tolist()
+    assert out["accuracy_std"] == acc.std(1).tolist() and max(out["accuracy_std"]) > 0
+    assert report.table[1:] == [
+        ("shots (random, 4 orders)", "accuracy mean ± std  min"),
+        *[(f"{k}", f"{m:.4f} ± {s:.4f}  {lo:.4f}") for k, m, s, lo in
+          zip([2, 4], acc.mean(1), acc.std(1), acc.min(1))]]
+    assert report.table[0] == ("examples", "6 test items of 12, 3 labels; chance 0.333")
+
+
+@pytest.mark.parametrize("line,error", [
+    ("[1, 2]", ":2: a JSON list, not an object"),
+    ('{"text": "a"}', ":2: no 'label'"),
+    ('{"text": 1, "label": "x"}', ":2: 'text' is no string"),
+    ('{"text": "a", "label": " "}', ":2: 'label' must be a non-blank string"),
+    ('{"text": "a", "label": 3}', ":2: 'label' must be a non-blank string"),
+    ("{not json", ":2: not JSON"),
+])
+def test_an_icl_file_with_a_bad_example_is_one_error_naming_its_line(tmp_path, line, error):
+    from diff_jax.evaluation.icl import read_examples
+
+    path = tmp_path / "icl.jsonl"
+    path.write_text(json.dumps(ICL_EXAMPLES[0]) + "\n" + line + "\n")
+    with pytest.raises(EvalError) as failed:
+        read_examples(path)
+    assert str(failed.value).startswith(f"input={path}{error}")
+    assert str(failed.value).endswith('; expected {"text": str, "label": str}')
+
+
+def test_icl_inputs_that_cannot_be_scored_are_one_error(runs, tmp_path):
+    """One label, fewer examples than test items + shots, and a shot count whose prompts do
+    not fit length (named with its longest prompt's tokens, before any is scored) are refused
+    in one line each."""
+    path = _icl_file(tmp_path / "icl.jsonl", [{"text": "a", "label": "x"}] * 3)
+    with pytest.raises(EvalError, match=rf"^input={path}: every example has the label 'x'; "
+                                        "expected two labels or more"):
+        _run(runs["diff"], "task=icl", f"input={path}")
+    path = _icl_file(tmp_path / "icl.jsonl")
+    with pytest.raises(EvalError, match=rf"^input={path}: 12 examples, fewer than test_items=4 "
+                                        r"\+ shots=9; lower test_items or shots$"):
+        _run(runs["diff"], "task=icl", f"input={path}", "test_items=4", "shots=[1,9]")
+    with pytest.raises(EvalError, match=rf"^input={path}: 12 examples, fewer than "
+                                        r"test_items=250 \+ shots=1"):
+        _run(runs["diff"], "task=icl", f"input={path}")
+    with pytest.raises(EvalError, match=r"^shots=8: the longest prompt with its label is \d+ "
+                                        r"tokens, of which the model reads \d+, more than "
+                                        r"length=64; lower shots or raise length$"):
+        _run(runs["diff"], "task=icl", f"input={path}", "test_items=4", "shots=[1,8]",
+             "length=64")
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from diff_jax.evaluation.icl import Example, shot_prompts
+
+    dropping = Tokenizer(models.BPE({"</s>": 0, "a": 1}, []))  # drops what it has no token for
+    dropping.pre_tokenizer = pre_tokenizers.Whitespace()
+    dropping.save(str(tmp_path / "drops.json"))
+    examples = [Example(1, "a", "a"), Example(2, "a", "日本")]
+    with pytest.raises(EvalError, match=rf"^input={path}: the label '日本' adds no token after "
+                                        r"'\{text\}\\nLabel:' \(data\.tokenizer="):
+        shot_prompts(data.encoding(str(tmp_path / "drops.json")), examples, ["a", "日本"], [1],
+                     [0], 1, EvalOptions(task="icl", input=str(path)), path)
+    for args, match in ((["input=x.txt"], r'^task=icl needs input=FILE\.jsonl \(one \{"text": '
+                                          r'str, "label": str\} example a line\), got input=x\.txt$'),
+                        ([], r"^task=icl needs input=FILE\.jsonl"),
+                        (["input=x.jsonl", "shots=[-1]"],
+                         r"^shots=\[-1\]: expected distinct counts >= 0$"),
+                        (["input=x.jsonl", "shots=[2,2]"],
+                         r"^shots=\[2, 2\]: expected distinct counts >= 0$"),
+                        (["input=x.jsonl", "arrangement=sorted"],
+                         r"^arrangement=sorted: expected one of random, grouped$")):
+        with pytest.raises(EvalError, match=match):
+            parse_args(["task=icl", *args])
 
 
 def test_evaluation_texts_begin_with_the_tokenizer_s_beginning_of_text(runs, tmp_path):
@@ -1215,7 +1455,7 @@ def test_bad_inputs_and_lengths_are_one_error_naming_them(runs, tmp_path):
 
 
 @pytest.mark.parametrize("key", ["batch_size", "batches", "held_out_tokens", "needles", "queries",
-                                 "samples", "tokens", "max_new_tokens"])
+                                 "samples", "tokens", "max_new_tokens", "orders", "test_items"])
 def test_counts_below_one_are_one_error(key):
     """A zero count is refused naming it (batch_size=0 would score no rows and divide by zero);
     a check that let 0 through passed every test, which only tried negative seeds and lengths."""

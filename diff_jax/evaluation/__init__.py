@@ -1,5 +1,5 @@
 """eval.py's tasks on a checkpoint: ppl, score, niah, attention, outliers, quant, generate, recall,
-choice.
+choice, icl.
 
 `run(argv)` parses `task=NAME [key=value ...] [section.key=value ...]`, loads the checkpoint,
 runs the task, prints a table and writes `<RUN>/eval/<task>.json` (`<RUN>/eval/step-N/` for a step
@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from diff_jax.device_memory import devices_here, fit_or_explain
-from diff_jax.evaluation import analysis, choice, generation, recall, retrieval, scoring
+from diff_jax.evaluation import analysis, choice, generation, icl, recall, retrieval, scoring
 from diff_jax.evaluation.loading import Loaded, load
 from diff_jax.evaluation.options import TASKS, EvalError, EvalOptions, parse_args
 from diff_jax.evaluation.report import Report, format_table, write
@@ -28,6 +28,7 @@ TASK_FUNCTIONS: dict[str, Callable[[Loaded, EvalOptions], Report]] = {
     "generate": generation.run,
     "recall": recall.recall_task,
     "choice": choice.choice_task,
+    "icl": icl.icl_task,
 }
 assert tuple(TASK_FUNCTIONS) == TASKS
 

@@ -11,12 +11,18 @@ from pathlib import Path
 from diff_jax.config import SEED_LIMIT, ConfigError, coerce, is_blank_path, parse_override
 from diff_jax.kernels.reference import MAX_LOGIT_BITS
 
-TASKS = ("ppl", "score", "niah", "attention", "outliers", "quant", "generate", "recall", "choice")
+TASKS = ("ppl", "score", "niah", "attention", "outliers", "quant", "generate", "recall", "choice",
+         "icl")
+JSONL_INPUTS = {  # the tasks whose input is a .jsonl file: what it holds
+    "choice": "one multiple-choice item a line",
+    "icl": 'one {"text": str, "label": str} example a line',
+}
+ARRANGEMENTS = ("random", "grouped")  # icl: demonstrations in random order, or grouped by label
 PATH_OPTIONS: dict[str, str] = {  # the options naming a file or directory: what each expects
     "checkpoint": "a run, a step directory RUN/checkpoints/N or an export (or leave it out and "
                   "give train.run_dir=RUN)",
     "out_dir": "a directory (or leave it out: the checkpoint's eval/)",
-    "input": "a .txt or .npy file (choice: a .jsonl file of items)",
+    "input": "a .txt or .npy file (choice, icl: a .jsonl file of items)",
     "output": "a .npy file (or leave it out: OUT_DIR/score.npy)",
 }
 
@@ -28,6 +34,7 @@ MEMORY_OPTIONS: dict[str, tuple[str, ...]] = {
     "attention": ("lengths",), "outliers": ("batch_size", "length"),
     "quant": ("batch_size", "length", "lengths"), "generate": ("max_new_tokens", "prompt"),
     "recall": ("batch_size", "lengths"), "choice": ("batch_size", "length"),
+    "icl": ("batch_size", "length"),
 }
 assert tuple(MEMORY_OPTIONS) == TASKS
 
@@ -51,7 +58,7 @@ class EvalOptions:
     batches: int = 8
     held_out_tokens: int = 262_144  # ppl: held-out tokens scored (at most the split's)
     # score
-    # score: .txt (encoded with data.tokenizer) or .npy of int ids; choice: .jsonl of items
+    # score: .txt (encoded with data.tokenizer) or .npy of int ids; choice, icl: .jsonl of items
     input: str | None = None
     output: str | None = None  # None: OUT_DIR/score.npy (out_dir or its default)
     # niah / attention (and quant with niah=true); recall: needles = key–value pairs N
@@ -61,12 +68,18 @@ class EvalOptions:
     depths: tuple[int, ...] = (0, 25, 50, 75, 100)  # percent
     lengths: tuple[int, ...] = ()  # () : (train.seq_len,)
     samples: int = 4
-    seed: int = 0  # niah samples, and sampling for generate
+    seed: int = 0  # niah samples, sampling for generate, icl's examples and orders
     # outliers
     tokens: int = 2048
     # quant
     bits: tuple[int, ...] = (16, 8, 6, 4)
     niah: bool = False  # quant: also measure niah accuracy per bit width
+    # icl: demonstration counts (() : 1, 2, 4, ... while the prompts fit), orders of each, how
+    # they are arranged (ARRANGEMENTS), test items
+    shots: tuple[int, ...] = ()
+    orders: int = 5
+    arrangement: str = "random"
+    test_items: int = 250
     # generate
     prompt: str | None = None
     max_new_tokens: int = 64
@@ -81,7 +94,7 @@ class EvalOptions:
             if is_blank_path(getattr(self, name)):
                 raise EvalError(f"{name}={getattr(self, name)}: empty; name {expected}")
         for name in ("batch_size", "batches", "held_out_tokens", "needles", "queries", "samples",
-                     "tokens", "max_new_tokens"):
+                     "tokens", "max_new_tokens", "orders", "test_items"):
             if getattr(self, name) < 1:
                 raise EvalError(f"{name}={getattr(self, name)}: must be positive")
         if not 0 <= self.seed < SEED_LIMIT:  # jax.random.key (generate) keeps 32 bits of a seed
@@ -111,9 +124,15 @@ class EvalOptions:
                                 "scores are written as a NumPy array)")
             if self.input is not None and _same_file(self.output, self.input):
                 raise EvalError(f"output={self.output}: is the input file; name another")
-        if self.task == "choice" and (self.input is None or Path(self.input).suffix != ".jsonl"):
-            raise EvalError(f"task=choice needs input=FILE.jsonl (one multiple-choice item a "
-                            f"line), got input={self.input}")
+        if self.task in JSONL_INPUTS and (self.input is None
+                                          or Path(self.input).suffix != ".jsonl"):
+            raise EvalError(f"task={self.task} needs input=FILE.jsonl ({JSONL_INPUTS[self.task]}), "
+                            f"got input={self.input}")
+        if any(n < 0 for n in self.shots) or len(set(self.shots)) < len(self.shots):
+            raise EvalError(f"shots={list(self.shots)}: expected distinct counts >= 0")
+        if self.arrangement not in ARRANGEMENTS:
+            raise EvalError(f"arrangement={self.arrangement}: expected one of "
+                            f"{', '.join(ARRANGEMENTS)}")
         if self.task == "generate" and not self.prompt:
             raise EvalError('task=generate needs prompt="..."')
 
@@ -127,7 +146,7 @@ class EvalOptions:
             if name == "prompt":
                 shown.append(f"a prompt of {len(value)} characters")
             elif value in (None, ()):
-                default = ("model.max_seq_len" if self.task in ("score", "choice")
+                default = ("model.max_seq_len" if self.task in ("score", "choice", "icl")
                            else "train.seq_len")
                 shown.append(f"{name} unset (the run's {default})")
             else:

@@ -1,0 +1,243 @@
+"""The `icl` task: many-shot in-context classification, the paper's Section 3.5 — accuracy as
+the demonstrations fill the context (Figure 6) and its spread over their orders (Figure 7).
+
+`input=DATA.jsonl` holds one example a line, `{"text": str, "label": str}` (TREC, TREC-fine,
+Banking-77 or Clinic-150 converted to it, say); its labels are the distinct labels of the file.
+A prompt is `shots` demonstrations, each `DEMO_FORMAT`, then a test item's `QUERY_FORMAT`; each
+label is scored as its continuation " LABEL" by the `choice` task's rule (`pair_tokens`,
+`continuation_logprobs`: the sum of log p(label tokens | prompt)), and the prediction is the
+label of the highest sum: constrained to the file's labels, as the paper's protocol (after
+Bertsch et al.) constrains the answer.
+
+Which examples (`deal`): the file's examples are shuffled by `seed` and dealt round-robin over
+the labels (in the order each first appears in the shuffle); the first `test_items` dealt are
+the test items, the rest the demonstrations, and a shot count k shows the first k of them. So
+the two are disjoint, every shot count shows those of the smaller counts and more, and each is
+as balanced over the labels as the file allows: k demonstrations show min(k, labels) labels,
+and on the test items a constant answer scores about the chance the report gives, 1 / labels.
+
+Orders (`arranged`): each of `orders` prompts of a shot count shows its k demonstrations in a
+permutation seeded by (seed, k, order) — `arrangement=random` — or grouped by label, the labels'
+groups and each group's demonstrations in a random order — `arrangement=grouped`, Figure 7's
+harder setting; every order is scored on the same test items. A prompt and a label must fit
+`length` + 1 tokens (the label's last token is read by no position); `shots` unset is 1, 2, 4,
+... while they fit and the demonstrations last (Figure 6's sweep). Each order's items × labels
+rows are scored `batch_size` at a time, right-padded to the longest row of their shot count: one
+program a shot count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from diff_jax.data.tokenizer import Encoding
+from diff_jax.evaluation.choice import continuation_logprobs, pair_tokens, read_jsonl
+from diff_jax.evaluation.loading import Loaded, text_encoding
+from diff_jax.evaluation.options import EvalError, EvalOptions
+from diff_jax.evaluation.report import Report
+from diff_jax.evaluation.scoring import eval_length
+
+EXAMPLE_FORMAT = '{"text": str, "label": str}'
+DEMO_FORMAT = "{text}\nLabel: {label}\n\n"  # one demonstration
+QUERY_FORMAT = "{text}\nLabel:"  # the test item, which each label " {label}" continues
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One line of the input: its line number, text and label."""
+
+    line: int
+    text: str
+    label: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """One shot count's prompts: per order, its demonstrations (indices of the examples, in the
+    prompt's order) and its (prompt ids, label ids) rows, test item-major, labels in the
+    file's order; the longest row's tokens."""
+
+    demos: list[list[int]]
+    rows: list[list[tuple[Sequence[int], Sequence[int]]]]
+    width: int
+
+
+def read_examples(path: Path) -> tuple[list[Example], list[str]]:
+    """(the examples of the JSONL file `path`, its distinct labels in the order they first
+    appear); an `EvalError` naming the line for one that is no example (`read_jsonl`), or
+    the file where it holds fewer than two labels."""
+    examples = [Example(n, r["text"], r["label"])
+                for n, r in read_jsonl(path, EXAMPLE_FORMAT, _example_problem)]
+    labels = list(dict.fromkeys(e.label for e in examples))
+    if len(labels) < 2:
+        raise EvalError(f"input={path}: every example has the label {labels[0]!r}; expected two "
+                        f"labels or more, one {EXAMPLE_FORMAT} a line")
+    return examples, labels
+
+
+def _example_problem(record: Any) -> str | None:
+    """What makes `record` no example, or None."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    missing = [k for k in ("text", "label") if k not in record]
+    if missing:
+        return f"no {missing[0]!r}"
+    if not isinstance(record["text"], str):
+        return "'text' is no string"
+    if not isinstance(record["label"], str) or not record["label"].strip():
+        return "'label' must be a non-blank string"
+    return None
+
+
+def deal(examples: Sequence[Example], seed: int) -> list[int]:
+    """Every index of `examples` once: shuffled by `seed`, then dealt round-robin over the
+    labels (in the order each first appears in the shuffle, each label's in shuffled order), so
+    that every prefix holds each label's examples as evenly as the file allows."""
+    queues: dict[str, list[int]] = {}
+    for i in np.random.default_rng(seed).permutation(len(examples)):
+        queues.setdefault(examples[i].label, []).append(int(i))
+    rounds = max(len(q) for q in queues.values())
+    return [q[r] for r in range(rounds) for q in queues.values() if r < len(q)]
+
+
+def arranged(demos: Sequence[int], examples: Sequence[Example], arrangement: str, seed: int,
+             order: int) -> list[int]:
+    """`demos` (indices of `examples`) as order `order` of their shot count shows them: a
+    permutation seeded by (seed, len(demos), order); `grouped`, then stably sorted by a random
+    rank of their labels, so each label's demonstrations are adjacent."""
+    # the last word is not 0: a seed sequence ending in zeros is the one without them
+    rng = np.random.default_rng([seed, len(demos), order, 1])
+    shown = [demos[i] for i in rng.permutation(len(demos))]
+    if arrangement == "grouped":
+        groups = sorted({examples[i].label for i in shown})
+        rank = dict(zip(groups, rng.permutation(len(groups))))
+        shown.sort(key=lambda i: rank[examples[i].label])
+    return shown
+
+
+def prompt(demos: Sequence[Example], query: Example) -> str:
+    """The text that each label continues: `demos` as `DEMO_FORMAT`, then `query`'s
+    `QUERY_FORMAT`."""
+    return ("".join(DEMO_FORMAT.format(text=d.text, label=d.label) for d in demos)
+            + QUERY_FORMAT.format(text=query.text))
+
+
+def shot_prompts(enc: Encoding, examples: Sequence[Example], labels: Sequence[str],
+                 dealt: Sequence[int], test: Sequence[int], shots: int, options: EvalOptions,
+                 path: Path) -> Prompts:
+    """The `options.orders` prompts of `shots` demonstrations (the first `shots` of `dealt`)
+    for the `test` items, each item's prompt with each label (`pair_tokens`: the prompt's ids
+    are the same for every label); an `EvalError` for a label that adds no token."""
+    demos, rows, width = [], [], 0
+    for order in range(options.orders):
+        shown = arranged(dealt[:shots], examples, options.arrangement, options.seed, order)
+        demos.append(shown)
+        order_rows: list[tuple[Sequence[int], Sequence[int]]] = []
+        for t in test:
+            text = prompt([examples[i] for i in shown], examples[t])
+            pairs = [pair_tokens(enc, text, " " + label) for label in labels]
+            context = np.asarray(pairs[0][0], np.int32)  # one copy for every label's row
+            for label, (_, tail) in zip(labels, pairs):
+                if not tail:
+                    raise EvalError(f"input={path}: the label {label!r} adds no token after "
+                                    f"{QUERY_FORMAT!r} (data.tokenizer={enc.name})")
+                order_rows.append((context, tail))
+                width = max(width, len(context) + len(tail))
+        rows.append(order_rows)
+    return Prompts(demos, rows, width)
+
+
+def fits(prompts: Prompts, length: int) -> bool:
+    """Whether the model reads at most `length` tokens of each prompt and label."""
+    return prompts.width <= length + 1
+
+
+def too_long(shots: int, prompts: Prompts, length: int) -> str:
+    """The error of `shots` demonstrations whose `prompts` do not fit `length`."""
+    return (f"shots={shots}: the longest prompt with its label is {prompts.width:,} tokens, of "
+            f"which the model reads {prompts.width - 1:,}, more than length={length}; lower "
+            "shots or raise length")
+
+
+def doubling_shots(prompts_of: Callable[[int], Prompts], demonstrations: int,
+                   length: int) -> tuple[list[int], str]:
+    """(1, 2, 4, ... while every prompt of that many demonstrations (`prompts_of`) fits
+    `length` and there are that many, a note of where and why the counts stop: Figure 6's sweep
+    when `shots` is unset); an `EvalError` when one demonstration does not fit."""
+    counts, shots = [], 1
+    while shots <= demonstrations:
+        prompts = prompts_of(shots)
+        if not fits(prompts, length):
+            if not counts:
+                raise EvalError(too_long(shots, prompts, length))
+            return counts, f"shots stop at {counts[-1]}: {too_long(shots, prompts, length)}"
+        counts.append(shots)
+        shots *= 2
+    return counts, (f"shots stop at {counts[-1]}: the file's {demonstrations} examples past the "
+                    f"test items are fewer than {shots}")
+
+
+def icl_task(loaded: Loaded, options: EvalOptions) -> Report:
+    """Accuracy per shot count: mean, standard deviation and minimum over `orders` orders of
+    the demonstrations, on the same `test_items` items."""
+    cfg = loaded.config
+    length = eval_length(cfg, options, cfg.model.max_seq_len)
+    path = Path(options.input)
+    examples, labels = read_examples(path)
+    enc = text_encoding(loaded)
+    wanted = max(options.shots, default=1)
+    if options.test_items + wanted > len(examples):
+        raise EvalError(f"input={path}: {len(examples)} examples, fewer than test_items="
+                        f"{options.test_items} + shots={wanted}; lower test_items or shots")
+    dealt = deal(examples, options.seed)
+    test, pool = dealt[: options.test_items], dealt[options.test_items:]
+    notes: list[str] = []
+
+    def prompts_of(shots: int) -> Prompts:
+        return shot_prompts(enc, examples, labels, pool, test, shots, options, path)
+
+    counts = sorted(options.shots)
+    if not counts:
+        counts, note = doubling_shots(prompts_of, len(pool), length)
+        notes.append(note)
+    index = {label: i for i, label in enumerate(labels)}
+    truth = np.array([index[examples[t].label] for t in test])
+    predicted: dict[int, list[np.ndarray]] = {}  # per order, (test items,) label indices
+    shown: dict[int, list[list[int]]] = {}
+    tokens: dict[int, int] = {}
+    for shots in reversed(counts):  # the longest prompts first: one too long stops at once
+        prompts = prompts_of(shots)
+        if not fits(prompts, length):
+            raise EvalError(too_long(shots, prompts, length))
+        predicted[shots] = [
+            continuation_logprobs(cfg.model, loaded.params, rows, prompts.width,
+                                  options.batch_size).reshape(len(test), len(labels)).argmax(1)
+            for rows in prompts.rows]
+        shown[shots], tokens[shots] = prompts.demos, prompts.width
+    accuracy = [[float(np.mean(p == truth)) for p in predicted[k]] for k in counts]
+    mean = [float(np.mean(a)) for a in accuracy]
+    std = [float(np.std(a)) for a in accuracy]
+    low = [min(a) for a in accuracy]
+    chance = 1 / len(labels)
+    return Report(
+        {"input": str(path), "num_examples": len(examples), "labels": labels, "chance": chance,
+         "num_test_items": len(test), "test_lines": [examples[t].line for t in test],
+         "length": length, "arrangement": options.arrangement, "orders": options.orders,
+         "seed": options.seed,
+         "prompt_format": {"demonstration": DEMO_FORMAT, "query": QUERY_FORMAT,
+                           "label": " {label}"},
+         "shots": counts, "prompt_tokens": [tokens[k] for k in counts],
+         "accuracy_mean": mean, "accuracy_std": std, "accuracy_min": low, "accuracy": accuracy,
+         "demonstrations": [[[examples[i].line for i in d] for d in shown[k]] for k in counts],
+         "predictions": [[p.tolist() for p in predicted[k]] for k in counts]},
+        [("examples", f"{len(test)} test items of {len(examples)}, {len(labels)} labels; chance "
+                      f"{chance:.3f}"),
+         (f"shots ({options.arrangement}, {options.orders} orders)", "accuracy mean ± std  min")]
+        + [(f"{k}", f"{m:.4f} ± {s:.4f}  {lo:.4f}")
+           for k, m, s, lo in zip(counts, mean, std, low)],
+        notes=notes)

@@ -127,10 +127,28 @@ def sample(logits: jax.Array, key: jax.Array, sampling: SamplingConfig) -> jax.A
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
-def _prefill(model: DecoderLM, params, cache, tokens: jax.Array, lengths: jax.Array):
-    """Run the right-padded prompts (B, W); returns (logits at each row's last prompt token, cache)."""
+def prefill(model: DecoderLM, params, cache, tokens: jax.Array, lengths: jax.Array):
+    """Run the right-padded prompts (B, W) int32 of `lengths` (B,) tokens into `cache` (made
+    for at least W tokens a row, `empty_cache`); returns (the logits (B, V) float32 at each
+    row's last prompt token, the cache)."""
     logits, state = model.apply({"params": params, "cache": cache}, tokens,
                                 logits_at=(lengths - 1)[:, None], mutable=["cache"])
+    return logits[:, 0], state["cache"]
+
+
+def empty_cache(model: DecoderLM, rows: int, length: int):
+    """The KV cache of `model` (made with decode=True) for `rows` sequences of up to `length`
+    tokens, zeros (what `model.init` makes, without initializing parameters to get it)."""
+    shapes = jax.eval_shape(model.init, jax.random.key(0),
+                            jax.ShapeDtypeStruct((rows, length), jnp.int32))
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+
+
+def decode_logits(model: DecoderLM, params, cache, tokens: jax.Array, positions: jax.Array):
+    """Feed tokens (B,) at positions (B,), each row attending to its cache entries up to its
+    position; returns (their next-token logits (B, V) float32, the cache with them written)."""
+    logits, state = model.apply({"params": params, "cache": cache}, tokens[:, None],
+                                positions=positions[:, None], mutable=["cache"])
     return logits[:, 0], state["cache"]
 
 
@@ -138,10 +156,8 @@ def _prefill(model: DecoderLM, params, cache, tokens: jax.Array, lengths: jax.Ar
 def _decode_step(model: DecoderLM, params, cache, tokens: jax.Array, positions: jax.Array,
                  key: jax.Array, sampling: SamplingConfig):
     """Feed tokens (B,) at positions (B,); returns (next tokens, their logits, cache)."""
-    logits, state = model.apply({"params": params, "cache": cache}, tokens[:, None],
-                                positions=positions[:, None], mutable=["cache"])
-    logits = logits[:, 0]
-    return sample(logits, key, sampling), logits, state["cache"]
+    logits, cache = decode_logits(model, params, cache, tokens, positions)
+    return sample(logits, key, sampling), logits, cache
 
 
 @functools.partial(jax.jit, static_argnames=("model", "sampling", "new_width"))
@@ -156,10 +172,8 @@ def _generate(model: DecoderLM, params, tokens: jax.Array, lengths: jax.Array, r
     The KV cache, W + new_width positions a row, is made here: passed in, its zeros were an
     argument buffer beside the loop's own copy, twice the cache at the peak."""
     b = tokens.shape[0]
-    shapes = jax.eval_shape(model.init, jax.random.key(0),
-                            jax.ShapeDtypeStruct((b, tokens.shape[1] + new_width), jnp.int32))
-    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
-    logits, cache = _prefill(model, params, cache, tokens, lengths)
+    cache = empty_cache(model, b, tokens.shape[1] + new_width)
+    logits, cache = prefill(model, params, cache, tokens, lengths)
     first = sample(logits, jax.random.fold_in(key, 0), sampling)
     out = jnp.full((b, new_width), -1, jnp.int32)
 

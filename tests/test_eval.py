@@ -394,7 +394,7 @@ def _icl_file(path: Path, examples: list[dict] = ICL_EXAMPLES) -> Path:
 def test_icl_prompts_are_the_documented_text_and_each_label_continues_it(tmp_path):
     """A prompt is each demonstration's "{text}\nLabel: {label}\n\n", then the test item's
     "{text}\nLabel:"; each label's ids are those of the prompt + " " + label past the prompt's
-    own (cl100k: no beginning-of-text), and every label of the file is one row of each item."""
+    own (cl100k: no beginning-of-text), and every label of the file continues each item's prompt."""
     from diff_jax.evaluation.icl import Example, prompt, read_examples, shot_prompts
 
     demos = [Example(1, "Rain {x}.", "weather"), Example(2, "A goal!", "sports")]
@@ -408,18 +408,21 @@ def test_icl_prompts_are_the_documented_text_and_each_label_continues_it(tmp_pat
     options = EvalOptions(task="icl", input=str(path), orders=2)
     prompts = shot_prompts(ENC, examples, labels, [3, 4], [0, 1], 2, options, path)
     assert [sorted(d) for d in prompts.demos] == [[3, 4], [3, 4]]
-    width = 0
-    for demos, rows in zip(prompts.demos, prompts.rows):
-        assert len(rows) == 2 * 3
-        for r, (context, tail) in enumerate(rows):
-            test, label = [0, 1][r // 3], labels[r % 3]
+    width = prompt_width = 0
+    for demos, groups in zip(prompts.demos, prompts.groups):
+        assert len(groups) == 2
+        for test, (context, tails) in zip([0, 1], groups):
+            assert len(tails) == 3
             text = "".join(f"{ICL_EXAMPLES[d]['text']}\nLabel: {ICL_EXAMPLES[d]['label']}\n\n"
                            for d in demos) + ICL_EXAMPLES[test]["text"] + "\nLabel:"
-            whole = ENC.encode_ordinary(text + " " + label)
-            assert list(context) == ENC.encode_ordinary(text) == whole[:len(context)]
-            assert list(tail) == whole[len(context):] == ENC.encode_ordinary(" " + label)
-            width = max(width, len(whole))
-    assert prompts.width == width
+            assert list(context) == ENC.encode_ordinary(text)
+            prompt_width = max(prompt_width, len(context))
+            for label, tail in zip(labels, tails):
+                whole = ENC.encode_ordinary(text + " " + label)
+                assert list(context) == whole[:len(context)]
+                assert list(tail) == whole[len(context):] == ENC.encode_ordinary(" " + label)
+                width = max(width, len(whole))
+    assert (prompts.prompt_width, prompts.width) == (prompt_width, width)
 
 
 def test_icl_deals_balanced_disjoint_examples_and_arranges_each_order():
@@ -525,7 +528,8 @@ def test_icl_reports_every_order_s_accuracy_and_their_mean_std_and_min(runs, tmp
 
     draws = np.random.default_rng(0)
     monkeypatch.setattr(icl, "continuation_logprobs",
-                        lambda cfg, params, rows, width, batch_size: draws.normal(size=len(rows)))
+                        lambda cfg, params, groups, batch_size, width: [
+                            draws.normal(size=len(tails)) for _, tails in groups])
     path = _icl_file(tmp_path / "icl.jsonl")
     report, _ = run_task(*parse_args(["task=icl", f"input={path}", "shots=[2,4]", "orders=4",
                                       "test_items=6", f"train.run_dir={runs['diff']}"]))

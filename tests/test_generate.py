@@ -12,8 +12,8 @@ from flax import linen as nn
 from diff_jax import variants
 from diff_jax.attention_op import AttentionOp
 from diff_jax.config import ModelConfig
-from diff_jax.generate import (SamplingConfig, _decode_step, _generate, _prefill, generate,
-                                padded_size, sample)
+from diff_jax.generate import (SamplingConfig, _decode_step, _generate, empty_cache, generate,
+                                padded_size, prefill, sample)
 from diff_jax.transformer import DecoderLM
 
 V = 61
@@ -29,10 +29,8 @@ def _setup(variant: str, **kw):
 
 
 def zero_cache(model: DecoderLM, rows: int, length: int):
-    """The (rows, length) KV cache `model.init` makes (zeros: attention.py's cache variables),
-    without initializing parameters op by op to get it."""
-    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((rows, length), jnp.int32))
-    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes["cache"])
+    """The (rows, length) KV cache `model.init` makes (zeros: attention.py's cache variables)."""
+    return empty_cache(model, rows, length)
 
 
 @pytest.mark.parametrize("variant,extra", [("diff", {}), ("diff", {"gqa_pairing": "naive"}),
@@ -50,7 +48,7 @@ def test_cached_logits_equal_full_forward(variant, extra):
     total = 7 + steps
     cache = zero_cache(model, 2, total)
     prompt = np.where(np.arange(7)[None] < lengths[:, None], seqs[:, :7], 0)
-    last, cache = _prefill(model, params, cache, jnp.asarray(prompt), jnp.asarray(lengths))
+    last, cache = prefill(model, params, cache, jnp.asarray(prompt), jnp.asarray(lengths))
     # Cached vs full-sequence attention differ only in float32 summation order: measured max
     # |diff| 1.5e-7 over all variants (logits |x| <= 0.7, ~2.5 ulp); atol 2e-6 is ~13x that.
     for i in range(2):
@@ -280,7 +278,7 @@ def test_unfilled_cache_entries_holding_nan_do_not_reach_the_logits(capture):
     got = []
     for fill in (0.0, jnp.nan):
         cache = jax.tree.map(lambda s: jnp.full(s.shape, fill, s.dtype), shapes)
-        _, cache = _prefill(model, params, cache, prompt, lengths)
+        _, cache = prefill(model, params, cache, prompt, lengths)
         _, logits, _ = _decode_step(model, params, cache, jnp.asarray([3, 8], jnp.int32), lengths,
                                     jax.random.key(0), SamplingConfig())
         got.append(np.asarray(logits))

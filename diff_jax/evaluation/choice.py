@@ -13,19 +13,23 @@ context is that alone, else end-of-text. The prediction is the choice of the hig
 (`accuracy`) and of the highest sum per character of the choice's text (`accuracy_norm`, the
 harness's `acc_norm`). The model reads at most `length` tokens of a row, as in the other tasks
 and as the harness reads `max_length`: context + choice past `length` + 1 tokens (the last
-choice token is read by no position) loses the context's first tokens (`contexts_cut`). Every (item, choice) pair is one row, scored `batch_size` rows
-at a time in rows of one width, so one program is compiled.
+choice token is read by no position) loses the context's first tokens (`contexts_cut`). An
+item's context is read once, into a KV cache, and each choice is fed after it from there
+(`continuation_logprobs`); items are scored `batch_size` at a time at one width, so one program
+is compiled.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -34,7 +38,8 @@ from diff_jax.data.tokenizer import Encoding, continuations, text_prefix
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.evaluation.report import Report
-from diff_jax.evaluation.scoring import eval_length, token_nll
+from diff_jax.evaluation.scoring import eval_length
+from diff_jax.generate import decode_logits, empty_cache, prefill
 from diff_jax.transformer import DecoderLM
 
 ITEM_FORMAT = '{"context": str, "choices": [str, ...], "label": int}'
@@ -137,49 +142,97 @@ def choice_logprobs(model_cfg: ModelConfig, params: Any, items: list[Item], leng
                     batch_size: int) -> tuple[list[np.ndarray], int]:
     """(per item, (choices,) float64 sums of log p(choice tokens | context), how many contexts
     were cut so that the model reads at most `length` tokens of a context and its choice),
-    scored by `continuation_logprobs` at the longest pair's width (at most `length` + 1)."""
-    rows, cut = [], 0
-    for item in items:
-        for choice in item.choices:
+    scored by `continuation_logprobs`. A context is cut for each choice apart, as the harness
+    cuts each request: the choices whose cut contexts are the same share one reading of it."""
+    groups, owners, cut = [], [], 0
+    for i, item in enumerate(items):
+        shared: dict[tuple[int, ...], int] = {}  # cut context -> its group
+        for j, choice in enumerate(item.choices):
             if len(choice) > length:
                 raise EvalError(f"length={length}: a choice of {len(choice)} tokens leaves no "
                                 "room for its context; raise length")
             context = item.context[-(length + 1 - len(choice)):]
             cut += len(context) < len(item.context)
-            rows.append((context, choice))
-    sums = continuation_logprobs(model_cfg, params, rows, max(len(c) + len(x) for c, x in rows),
-                                 batch_size)
-    per_item, start = [], 0
-    for item in items:
-        per_item.append(sums[start: start + len(item.choices)])
-        start += len(item.choices)
+            if context not in shared:
+                shared[context] = len(groups)
+                groups.append((context, []))
+                owners.append((i, []))
+            groups[shared[context]][1].append(choice)
+            owners[shared[context]][1].append(j)
+    sums = continuation_logprobs(model_cfg, params, groups, batch_size)
+    per_item = [np.zeros(len(item.choices)) for item in items]
+    for (i, choices), group_sums in zip(owners, sums):
+        per_item[i][choices] = group_sums
     return per_item, cut
 
 
+@functools.partial(jax.jit, static_argnames=("model",))
+def _continuation_sums(model: DecoderLM, params: Any, contexts: jax.Array, lengths: jax.Array,
+                       tails: jax.Array, counts: jax.Array) -> jax.Array:
+    """(B, L) float32 sums of log p(continuation tokens | context and the continuation's tokens
+    before each) of the right-padded contexts (B, W) of `lengths` (B,) tokens and their L
+    right-padded continuations `tails` (B, L, M) of `counts` (B, L) tokens (0: none; sum 0).
+    The contexts are read once (`prefill`); each continuation is then fed from its context's
+    end one token a step (`decode_logits`), writing the cache past the context, where the next
+    continuation, starting at the context's end again, never reads it."""
+    rows, _, width = tails.shape
+    cache = empty_cache(model, rows, contexts.shape[1] + width - 1)
+    first, cache = prefill(model, params, cache, contexts, lengths)
+    first = jax.nn.log_softmax(first)
+
+    def picked(logp: jax.Array, tokens: jax.Array) -> jax.Array:
+        return jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+    def one(cache, tokens_and_count):
+        tokens, count = tokens_and_count  # (B, M), (B,)
+
+        def step(carry, s):
+            cache, total = carry
+            logits, cache = decode_logits(model, params, cache, tokens[:, s], lengths + s)
+            logp = picked(jax.nn.log_softmax(logits), tokens[:, s + 1])
+            return (cache, total + jnp.where(s + 1 < count, logp, 0.0)), None
+
+        total = jnp.where(count > 0, picked(first, tokens[:, 0]), 0.0)
+        (cache, total), _ = jax.lax.scan(step, (cache, total), jnp.arange(width - 1))
+        return cache, total
+
+    _, sums = jax.lax.scan(one, cache, (tails.swapaxes(0, 1), counts.T))
+    return sums.T
+
+
 def continuation_logprobs(model_cfg: ModelConfig, params: Any,
-                          rows: Sequence[tuple[Sequence[int], Sequence[int]]], width: int,
-                          batch_size: int) -> np.ndarray:
-    """(len(rows),) float64: for each (context ids, continuation ids) row, the sum of
-    log p(continuation tokens | context and the continuation's tokens before each), from the
-    model reading the row's first `width` − 1 tokens (`token_nll`). Rows are right-padded to
-    `width` tokens (at least each row's; the last token of a row is read by no position), so
-    padding comes after every scored token and the causal model never reads it; they are
-    scored `batch_size` at a time, the last batch's missing rows repeating row 0, so one
-    program is compiled per width. Each batch is built as it is scored: a task's rows may hold
-    far more tokens than fit the host's memory at once."""
-    model = DecoderLM(model_cfg)
-    sums = np.zeros(len(rows))
-    for start in range(0, len(rows), batch_size):
-        batch = list(rows[start: start + batch_size])
-        batch += [rows[0]] * (batch_size - len(batch))
-        tokens = np.zeros((batch_size, width), np.int32)
-        for r, (context, continuation) in enumerate(batch):
-            tokens[r, : len(context)] = context
-            tokens[r, len(context): len(context) + len(continuation)] = continuation
-        nll = np.asarray(token_nll(model, params, jnp.asarray(tokens[:, :-1]),
-                                   jnp.asarray(tokens[:, 1:])), np.float64)
-        for r, (context, continuation) in enumerate(batch[: len(rows) - start]):
-            sums[start + r] = -nll[r, len(context) - 1: len(context) + len(continuation) - 1].sum()
+                          groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
+                          batch_size: int, context_width: int | None = None) -> list[np.ndarray]:
+    """Per (context ids, continuations' ids) group, (len(continuations),) float64: each
+    continuation's sum of log p(its tokens | the context and its tokens before each), the model
+    reading the context and all but the continuation's last token (`_continuation_sums`).
+
+    Each context is read once, into a KV cache, and every continuation of it is fed after it
+    from that cache: a group of L continuations costs one forward over its context and their
+    tokens one at a time, where a row per continuation read the context L times (icl's labels:
+    77 for Banking-77). Groups are scored `batch_size` at a time (the last batch's missing ones
+    repeat group 0), contexts right-padded to `context_width` (None: the longest), continuations
+    to the longest and to the most of a group, so one program is compiled per call."""
+    model = DecoderLM(model_cfg, decode=True)
+    width = context_width or max(len(c) for c, _ in groups)
+    most = max(len(conts) for _, conts in groups)
+    longest = max(len(x) for _, conts in groups for x in conts)
+    sums = []
+    for start in range(0, len(groups), batch_size):
+        batch = list(groups[start: start + batch_size])
+        batch += [groups[0]] * (batch_size - len(batch))
+        contexts = np.zeros((batch_size, width), np.int32)
+        tails = np.zeros((batch_size, most, longest), np.int32)
+        counts = np.zeros((batch_size, most), np.int32)
+        for r, (context, conts) in enumerate(batch):
+            contexts[r, : len(context)] = context
+            for j, x in enumerate(conts):
+                tails[r, j, : len(x)] = x
+                counts[r, j] = len(x)
+        got = np.asarray(_continuation_sums(
+            model, params, jnp.asarray(contexts), jnp.asarray([len(c) for c, _ in batch], jnp.int32),
+            jnp.asarray(tails), jnp.asarray(counts)), np.float64)
+        sums += [got[r, : len(conts)] for r, (_, conts) in enumerate(batch[: len(groups) - start])]
     return sums
 
 

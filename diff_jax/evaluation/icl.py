@@ -22,8 +22,9 @@ groups and each group's demonstrations in a random order — `arrangement=groupe
 harder setting; every order is scored on the same test items. A prompt and a label must fit
 `length` + 1 tokens (the label's last token is read by no position); `shots` unset is 1, 2, 4,
 ... while they fit and the demonstrations last (Figure 6's sweep). Each order's items × labels
-rows are scored `batch_size` at a time, right-padded to the longest row of their shot count: one
-program a shot count.
+prompts are scored `batch_size` at a time (`continuation_logprobs`: each prompt read once, its
+labels fed after it from the KV cache), right-padded to the longest prompt of their shot count:
+one program a shot count.
 """
 
 from __future__ import annotations
@@ -59,11 +60,12 @@ class Example:
 @dataclasses.dataclass(frozen=True)
 class Prompts:
     """One shot count's prompts: per order, its demonstrations (indices of the examples, in the
-    prompt's order) and its (prompt ids, label ids) rows, test item-major, labels in the
-    file's order; the longest row's tokens."""
+    prompt's order) and its groups (prompt ids, every label's ids), one a test item, labels in
+    the file's order; the longest prompt's tokens, and with its longest label's."""
 
     demos: list[list[int]]
-    rows: list[list[tuple[Sequence[int], Sequence[int]]]]
+    groups: list[list[tuple[Sequence[int], list[Sequence[int]]]]]
+    prompt_width: int
     width: int
 
 
@@ -133,23 +135,24 @@ def shot_prompts(enc: Encoding, examples: Sequence[Example], labels: Sequence[st
     """The `options.orders` prompts of `shots` demonstrations (the first `shots` of `dealt`)
     for the `test` items, each item's prompt with each label (`pair_tokens`: the prompt's ids
     are the same for every label); an `EvalError` for a label that adds no token."""
-    demos, rows, width = [], [], 0
+    demos, groups, prompt_width, width = [], [], 0, 0
     for order in range(options.orders):
         shown = arranged(dealt[:shots], examples, options.arrangement, options.seed, order)
         demos.append(shown)
-        order_rows: list[tuple[Sequence[int], Sequence[int]]] = []
+        order_groups: list[tuple[Sequence[int], list[Sequence[int]]]] = []
         for t in test:
             text = prompt([examples[i] for i in shown], examples[t])
             pairs = [pair_tokens(enc, text, " " + label) for label in labels]
-            context = np.asarray(pairs[0][0], np.int32)  # one copy for every label's row
             for label, (_, tail) in zip(labels, pairs):
                 if not tail:
                     raise EvalError(f"input={path}: the label {label!r} adds no token after "
                                     f"{QUERY_FORMAT!r} (data.tokenizer={enc.name})")
-                order_rows.append((context, tail))
-                width = max(width, len(context) + len(tail))
-        rows.append(order_rows)
-    return Prompts(demos, rows, width)
+            context = np.asarray(pairs[0][0], np.int32)  # the same for every label
+            order_groups.append((context, [tail for _, tail in pairs]))
+            prompt_width = max(prompt_width, len(context))
+            width = max(width, len(context) + max(len(tail) for _, tail in pairs))
+        groups.append(order_groups)
+    return Prompts(demos, groups, prompt_width, width)
 
 
 def fits(prompts: Prompts, length: int) -> bool:
@@ -215,9 +218,9 @@ def icl_task(loaded: Loaded, options: EvalOptions) -> Report:
         if not fits(prompts, length):
             raise EvalError(too_long(shots, prompts, length))
         predicted[shots] = [
-            continuation_logprobs(cfg.model, loaded.params, rows, prompts.width,
-                                  options.batch_size).reshape(len(test), len(labels)).argmax(1)
-            for rows in prompts.rows]
+            np.array([sums.argmax() for sums in continuation_logprobs(
+                cfg.model, loaded.params, groups, options.batch_size, prompts.prompt_width)])
+            for groups in prompts.groups]
         shown[shots], tokens[shots] = prompts.demos, prompts.width
     accuracy = [[float(np.mean(p == truth)) for p in predicted[k]] for k in counts]
     mean = [float(np.mean(a)) for a in accuracy]

@@ -50,6 +50,7 @@ ARGUMENTS = [
      "argument --baseline-tree: expected a checkout of diff-jax (a directory holding "
      "diff_jax/__init__.py), got '/'"),
     ("compile_cache", ["--repeats", "0"], "argument --repeats: expected an integer >= 1, got 0"),
+    ("continuations", ["--labels", "0"], "argument --labels: expected an integer >= 1, got 0"),
     ("prepare_memory", ["--sizes", "0"], "argument --sizes: expected an integer >= 1, got 0"),
     ("attention", ["--smoke", "--head-dims", "64,x"],
      "argument --head-dims: expected a comma list of integers >= 1, got '64,x'"),
@@ -115,6 +116,7 @@ def test_a_bad_config_is_one_error_line_naming_it(capsys, tmp_path):
     for; generate.py and compile_cache.py read the config before any measurement (they ran
     their subprocesses, which each failed with a traceback of their own)."""
     import compile_cache
+    import continuations
     import generate
     import train_step
 
@@ -131,6 +133,10 @@ def test_a_bad_config_is_one_error_line_naming_it(capsys, tmp_path):
         f"{ROOT / 'configs/tiny.yaml'}")
     assert _refused(capsys, compile_cache.main, ["--set", "model.bogus=1", *out]).startswith(
         "error: model.bogus: unknown key")
+    assert _refused(capsys, continuations.main, ["--context", "500", "--label-tokens", "14",
+                                                 *out]) == (
+        f"error: --context 500 + --label-tokens 14: more than the model.max_seq_len (512) of "
+        f"{ROOT / 'configs/tiny.yaml'}")
 
 
 # (script, arguments that keep the measurement small, had it run)
@@ -138,6 +144,7 @@ SMALL = [("train_step", ["--steps", "1", "--no-data", "--set", "model.num_layers
          ("generate", ["--batch", "1", "--prompt", "4", "--new", "2", "--repeats", "1",
                        "--rounds", "1"]),
          ("compile_cache", ["--steps", "1", "--repeats", "1"]),
+         ("continuations", ["--context", "4", "--labels", "2", "--groups", "1", "--repeats", "1"]),
          ("prepare_memory", ["--sizes", "1"])]
 
 

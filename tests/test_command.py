@@ -263,6 +263,14 @@ FINISHED = [
                   "'loop_s': 1.0, 'device': 'cpu', 'jax': 'x'}",
                   "status = generate.main(['--rounds', '1', '--out', 'TMP/out/gen'])"],
      "stopped once the output at --out TMP/out/gen was written whole; it is kept", "out/gen.md"),
+    ("continuations", ["import continuations",
+                       "continuations.measure = lambda args: {'config': 'c', 'groups': 1, "
+                       "'context': 4, 'labels': 2, 'label_tokens': 1, 'batch': 1, 'repeats': 1, "
+                       "'device': 'cpu', 'jax': 'x', 'python': '3', 'max_abs_difference': 0.0, "
+                       "'results': {name: {'median_s': 1.0, 'times_s': [1.0], 'first_call_s': 1.0} "
+                       "for name in ('kv_cache', 'row_per_continuation')}}",
+                       "status = continuations.main(['--out', 'TMP/out/cont'])"],
+     "stopped once the output at --out TMP/out/cont was written whole; it is kept", "out/cont.md"),
     ("fit", ["import pathlib, fit",
              "fit.ROOT = pathlib.Path('TMP')",  # its results there, not in the repository's
              "fit.compile_one = lambda config, topology, impl, timeout: {'config': config, "

@@ -430,7 +430,8 @@ def test_prompts_may_be_arrays_and_ids_that_are_not_ints_are_refused():
                              ([3, 4], r"^prompt 0 must be a sequence of token ids, got int$"),
                              (["34"], r"^prompt 0 must be a sequence of token ids, got str$"),
                              (np.array([3, 4]), r"^prompt 0 must be a sequence of token ids"),
-                             (7, r"^prompts must be a sequence of token-id sequences, got int$")]:
+                             (7, r"^prompts must be a sequence of token-id sequences, got int$"),
+                             ("34", r"^prompts must be a sequence of token-id sequences, got str$")]:
         with pytest.raises(ValueError, match=message):
             generate(cfg, params, prompts, max_new_tokens=2)
     with pytest.raises(ValueError, match=r"^max_new_tokens must be an int >= 1, got 3\.0$"):
@@ -533,3 +534,41 @@ def test_other_batch_sizes_and_max_new_tokens_reuse_a_program_and_padding_change
     assert alone == ten[:1]
     greedy = generate(cfg, params, prompts[:9], max_new_tokens=3)
     assert greedy == [_uncached_greedy(cfg, params, p, 3) for p in prompts[:9]]
+
+
+def test_the_edge_ids_and_lengths_of_the_valid_ranges_are_accepted():
+    """Token id 0 in a prompt, eos_id 0 and max_new_tokens 1 lie inside their ranges ([0, V),
+    [0, V), >= 1) and are served, not refused. With every parameter zero every logit ties, so
+    greedy decoding draws token 0 (argmax's first) at every step: eos_id 0 stops each row after
+    its first token."""
+    cfg, params = _setup("transformer")
+    assert generate(cfg, params, [[0, 5, 0]], max_new_tokens=1) == [
+        _uncached_greedy(cfg, params, [0, 5, 0], 1)]
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    assert generate(cfg, zeros, [[3, V - 1], [0]], max_new_tokens=4) == [[0] * 4] * 2
+    assert generate(cfg, zeros, [[3, V - 1], [0]], max_new_tokens=4, eos_id=0) == [[0], [0]]
+
+
+def test_the_padded_prompts_and_steps_never_make_a_cache_longer_than_max_seq_len(monkeypatch):
+    """`generate` pads the prompts' width W and the new tokens' count to sizes of their own, but
+    the KV cache `_generate` makes, W + new_width positions a row, stays within model.max_seq_len
+    (32 here) for every request that fits, while holding the longest prompt and max_new_tokens
+    steps (a spy in place of `_generate`: nothing compiles)."""
+    import diff_jax.generate
+
+    cfg, params = _setup("transformer")
+    seen = []
+
+    def spy(model, params, tokens, lengths, rows, key, eos_id, max_new_tokens, *, sampling,
+            new_width):
+        seen.append((tokens.shape, new_width))
+        return jnp.full((tokens.shape[0], new_width), -1, jnp.int32)
+
+    monkeypatch.setattr(diff_jax.generate, "_generate", spy)
+    for length in range(1, 32):
+        for new in range(1, 33 - length):
+            seen.clear()
+            generate(cfg, params, [[1] * length], max_new_tokens=new)
+            [((_, width), new_width)] = seen
+            assert width >= length and new_width >= new, (length, new, width, new_width)
+            assert width + new_width <= cfg.max_seq_len, (length, new, width, new_width)

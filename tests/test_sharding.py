@@ -278,6 +278,22 @@ def test_loss_is_the_mean_cross_entropy_over_the_masked_targets():
     assert float(loss(params, ones)) == pytest.approx(float(loss(params, unmasked)), rel=1e-7)
 
 
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_a_batch_whose_mask_counts_no_target_has_loss_and_gradients_zero_not_nan(grad_accum):
+    """`target_count` is at least 1: a batch whose loss_mask counts nothing (every target a
+    prompt's, in a corpus prepared with --prompt-field) adds nothing to the update; divided by
+    a count of 0, its loss and gradients were NaN, and one such batch made every parameter NaN."""
+    model = DecoderLM(MODEL)
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.PRNGKey(3),
+                                               jnp.zeros((1, 1), jnp.int32)))["params"]
+    batch = _batch(b=4)
+    batch["loss_mask"] = np.zeros_like(batch["targets"])
+    loss, grads = jax.jit(functools.partial(loss_and_grads, model=model, grad_accum=grad_accum))(
+        params, batch)
+    assert float(loss) == 0.0
+    assert not any(np.any(np.asarray(g)) for g in jax.tree.leaves(grads))  # NaN counts as nonzero
+
+
 def test_weight_decay_mask_exempts_norms_lambdas_and_embeddings():
     model = DecoderLM(MODEL)
     params = nn.meta.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0),

@@ -262,11 +262,14 @@ def test_held_out_on_a_masked_corpus_counts_and_weighs_only_counted_targets():
 
 
 def test_held_out_reads_whole_rows_for_the_tokens_asked_and_counts_a_document_by_any_target():
-    """T = 100 tokens in rows of L = 16 is ceil(100 / 16) = 7 rows (112 targets); a row whose only
+    """T = 100 tokens in rows of L = 16 is ceil(100 / 16) = 7 rows (112 targets), rounded up to
+    whole batches (not down: fewer targets than asked, none below one batch); a row whose only
     target in a document is that document's first token still covers the document."""
     corpus = TokenCorpus(np.arange(40, dtype=np.uint32), np.array([0, 5, 17, 40]), 40)
     spread = _distinct_corpus(num_docs=40, seed=1)
     assert held_out(spread, seq_len=16, global_batch=1, tokens=100).tokens == 112
+    # in batches of 4 the 7 rows are rounded up to whole batches: 2 batches, 8 rows, 128 targets
+    assert held_out(spread, seq_len=16, global_batch=4, tokens=100).tokens == 128
     # row 0 of L = 5 predicts tokens 1..5: 1..4 of document 0, 5 the first of document 1
     first = held_out(corpus, seq_len=5, global_batch=1, tokens=5)
     assert first.batches[0]["targets"].tolist() == [[1, 2, 3, 4, 5]] and first.documents == 2
@@ -311,6 +314,11 @@ def test_a_corpus_whose_ids_offsets_or_counts_are_damaged_is_refused_naming_the_
     swapped = starts.copy()
     swapped[[3, 4]] = swapped[[4, 3]]
     np.save(out / "doc_starts.npy", swapped)
+    with pytest.raises(DataError, match="expected increasing offsets from 0 to the token count"):
+        load(out)
+    repeated = starts.copy()
+    repeated[4] = repeated[3]  # document 3 empty (not even its end-of-text), 4 holds both
+    np.save(out / "doc_starts.npy", repeated)
     with pytest.raises(DataError, match="expected increasing offsets from 0 to the token count"):
         load(out)
     np.save(out / "doc_starts.npy", starts)
@@ -472,6 +480,12 @@ def test_prepare_says_where_the_skips_it_does_not_print_are_listed(tmp_path, cap
     assert err[:20] == [f"skipped: {src}:{n}: no string field 'text' (--text-field)"
                         for n in range(3, 23)]
     assert err[20:] == [f"skipped: 3 more, listed with these in {out / 'meta.json'} (\"skipped\")"]
+    exactly = tmp_path / "exactly"  # 20 skips: all printed, and no "0 more" line
+    shutil.copytree(tmp_path / "src", exactly)
+    lines = (exactly / "a.jsonl").read_text().splitlines(keepends=True)
+    (exactly / "a.jsonl").write_text("".join(lines[:22]))
+    assert data_main(["prepare", str(exactly / "a.jsonl"), str(tmp_path / "out20")]) == 0
+    assert len(capsys.readouterr().err.splitlines()) == 20
 
 
 def test_a_write_failure_in_the_staged_corpus_names_out_dir(tmp_path, capsys, monkeypatch):
@@ -678,6 +692,21 @@ def test_loss_mask_follows_its_tokens_through_split_save_and_load(tmp_path):
     (tmp_path / "c" / "loss_mask.bin").write_bytes(b"\x01" * 7)
     with pytest.raises(DataError, match="loss_mask.bin has 7 entries"):
         load(tmp_path / "c")
+
+
+def test_the_corpus_digest_tells_apart_corpora_that_differ_only_in_their_loss_mask():
+    """`sha256` (what a checkpoint's training-data fingerprint records) is equal for the same
+    documents with the same counted targets, and differs where only the loss mask does (a
+    corpus prepared again with another prompt field), or where one corpus has a mask and the
+    other none: a resume compares it to tell whether the run trains on the same targets."""
+    tokens = np.arange(1, 41, dtype=np.uint32)
+    starts = np.array([0, 20, 40], np.int64)
+    masked = lambda keep: TokenCorpus(tokens, starts, 64, loss_mask=keep.astype(np.uint8))  # noqa: E731
+    evens = masked(tokens % 2 == 0)
+    assert evens.sha256() == masked(tokens % 2 == 0).sha256()
+    digests = {evens.sha256(), masked(tokens % 2 == 1).sha256(), masked(tokens > 0).sha256(),
+               TokenCorpus(tokens, starts, 64).sha256()}
+    assert len(digests) == 4
 
 
 def test_a_mixture_refuses_a_masked_source(tmp_path):

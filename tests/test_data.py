@@ -1005,6 +1005,7 @@ def test_stdlib_corpus_leaves_out_tests_installed_packages_and_blank_files(tmp_p
     """The stdlib source reads the library's own modules: not its test suite (test/, tests/),
     not site-packages, and no blank module; then every pydoc topic."""
     for rel, text in {"kept.py": "kept = 1\n", "pkg/inner.py": "inner = 2\n", "pkg/__init__.py": "",
+                      "pkg/blank.py": "\n  \n",  # whitespace alone is blank too
                       "test/test_x.py": "t = 3\n", "unittest/tests/t.py": "u = 4\n",
                       "site-packages/dep.py": "d = 5\n"}.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -1115,6 +1116,10 @@ def test_a_directory_is_searched_into_symlinked_directories_as_a_glob_is(tmp_pat
     (tmp_path / "real" / "back").symlink_to(tmp_path / "corpus")  # a cycle
     for patterns in (("corpus",), ("real",)):
         assert sorted(file_documents(patterns, "text").texts) == both, patterns
+    # each real directory is walked once: followed round the cycle, both files were found again
+    # a level deeper until the path held too many links to resolve (42 paths here)
+    assert sorted(map(str, sources._text_files_under(tmp_path / "corpus"))) == [
+        str(tmp_path / "corpus" / "own.txt"), str(tmp_path / "corpus" / "wiki" / "wiki.txt")]
 
 
 def test_the_files_order_does_not_depend_on_how_their_paths_are_spelled(tmp_path, monkeypatch):

@@ -64,6 +64,10 @@ def test_first_ranks_are_a_prefix_of_cl100k_and_encode_as_their_bpe(n):
 def test_unknown_or_out_of_range_names_are_clear_errors():
     with pytest.raises(DataError, match="cl100k_first_100: N must be in"):
         encoding("cl100k_first_100")
+    # 256 is the smallest N: the 256 single bytes are ranks 0..255, and without the last one
+    # some texts would hold a byte that is no token (tiktoken panics encoding them)
+    with pytest.raises(DataError, match=r"cl100k_first_255: N must be in \[256, "):
+        encoding("cl100k_first_255")
     with pytest.raises(DataError, match="cl100k_first_N"):
         encoding("cl100k_first")
     # one spelling per tokenizer: corpora and checkpoints compare tokenizers by name
@@ -730,3 +734,25 @@ def test_a_niah_sample_begins_with_the_prefix_and_reads_its_pieces_as_after_othe
     assert [q.tolist() for q in sample.questions] == [
         cl100k.encode_ordinary(niah.question_text([n.city for n in sample.needles[:2]], n.city))
         for n in sample.needles[:2]]
+
+
+def test_a_hugging_face_vocabulary_with_unused_ids_counts_up_to_its_largest(tmp_path):
+    """`n_vocab` is one past the largest id, not the number of tokens: ids a vocabulary leaves
+    unused (one pruned, or special tokens placed at its end) still lie below it, so a model of
+    n_vocab ids embeds every id the tokenizer gives (here 4 tokens, the largest id 9: 10), and
+    an unused id is no token."""
+    import json
+
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "hello": 2, "world": 9},
+                                       unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "tok").mkdir()
+    words.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    enc = encoding(str(tmp_path / "tok"))
+    assert enc.encode_ordinary("hello world") == [2, 9] and enc.n_vocab == 10
+    with pytest.raises(KeyError):
+        enc.decode_single_token_bytes(5)

@@ -893,18 +893,20 @@ class _Steps:
         pass
 
 
-def test_a_step_set_aside_twice_keeps_both_copies_side_by_side(tmp_path):
+def test_a_step_set_aside_again_keeps_every_copy_side_by_side(tmp_path):
     """A step damaged again after an earlier one of the same number was set aside goes to
-    damaged_checkpoints/20.1, beside the first copy (not into it)."""
+    damaged_checkpoints/20.1, beside the first copy (not into it), and a third to 20.2."""
     mngr = _Steps(tmp_path / "checkpoints")
-    for text in ("first", "second"):
+    moved = []
+    for text in ("first", "second", "third"):
         (tmp_path / "checkpoints" / "20").mkdir(parents=True)
         (tmp_path / "checkpoints" / "20" / "bytes").write_text(text)
-        moved = checkpoint._set_aside(mngr, 20)
-    assert moved == tmp_path / "damaged_checkpoints" / "20.1"
-    assert sorted(p.name for p in (tmp_path / "damaged_checkpoints").iterdir()) == ["20", "20.1"]
-    assert (moved / "bytes").read_text() == "second"
-    assert (tmp_path / "damaged_checkpoints" / "20" / "bytes").read_text() == "first"
+        moved.append(checkpoint._set_aside(mngr, 20))
+    damaged = tmp_path / "damaged_checkpoints"
+    assert moved == [damaged / "20", damaged / "20.1", damaged / "20.2"]
+    assert sorted(p.name for p in damaged.iterdir()) == ["20", "20.1", "20.2"]
+    assert [sorted(p.name for p in m.iterdir()) for m in moved] == [["bytes"]] * 3
+    assert [(m / "bytes").read_text() for m in moved] == ["first", "second", "third"]
 
 
 def test_a_discard_record_that_is_not_a_step_is_one_error_naming_it(tmp_path):

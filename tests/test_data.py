@@ -1354,6 +1354,12 @@ def test_parquet_rows_are_records_as_jsonl_lines_are(tmp_path, monkeypatch, caps
     assert docs.skipped[1].endswith(": column 'answer' (data.text_field) holds int64, not "
                                     "strings; its columns: answer")
     assert "ArrowInvalid" in docs.skipped[2] and "OSError" in docs.skipped[3]
+    for n, more in ((8, ""), (9, ", ...")):  # the first 8 columns named, "..." only for more
+        path = _parquet(tmp_path / f"wide{n}.parquet", {f"c{i}": ["x"] for i in range(n)})
+        skipped = []
+        assert list(sources.iter_records([path], "answer", None, skipped)) == []
+        assert skipped == [f"{path}: no column 'answer' (data.text_field); its columns: "
+                           + ", ".join(f"c{i}" for i in range(8)) + more]
 
 
 def test_a_parquet_file_without_pyarrow_is_one_error_naming_the_extra(tmp_path, monkeypatch):

@@ -410,6 +410,18 @@ def test_a_resume_step_that_does_not_verify_discards_no_later_step(corpus, run20
     assert _ckpt_steps(run) == [10, 20] and not (run / checkpoint.DISCARD_FILE).exists()
 
 
+def test_a_resume_step_that_was_never_saved_is_refused_naming_the_steps_there(corpus, run20,
+                                                                              tmp_path):
+    """checkpoint.resume_step names a step that is not in the run (15 of 10 and 20): one
+    CheckpointError listing the complete steps, and nothing is read, deleted or set aside."""
+    run = _copy(run20, tmp_path)
+    with pytest.raises(CheckpointError, match=r"^checkpoint\.resume_step=15: .*checkpoints has no "
+                                              r"such step; complete steps: \[10, 20\]$"):
+        train_loop.run(tiny_config(corpus, run, "train.steps=30", "checkpoint.resume_step=15",
+                                   "checkpoint.discard_later=true"))
+    assert _ckpt_steps(run) == [10, 20] and not (run / "damaged_checkpoints").exists()
+
+
 def _numpy_checksum(x: np.ndarray) -> str:
     """The documented checksum in NumPy: for seeds 0x243F6A88 and 0x85A308D3, the uint32 sum of
     fmix32(word ^ fmix32(row-major position · 0x9E3779B9 + seed)) over the array's words: each

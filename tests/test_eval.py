@@ -261,6 +261,30 @@ def test_choice_sums_each_choice_s_log_probability_given_its_context(runs, tmp_p
                                atol=1e-5)
 
 
+def test_choice_stderr_is_the_harness_s_standard_error_of_the_mean(runs, tmp_path, monkeypatch):
+    """accuracy_stderr and accuracy_norm_stderr are the sample standard deviation of the 0/1
+    outcomes over sqrt(n), the LM Eval Harness's `acc_stderr`: with 2 of 4 items right,
+    sqrt(0.25 / 3), not the population's sqrt(0.25 / 4). The choices' log-probabilities are
+    stubbed so that the outcomes are known: the label's sum is the highest for items 0 and 1
+    and the lowest for items 2 and 3, before and after dividing by the characters."""
+    from diff_jax.evaluation import choice
+
+    def stub(model_cfg, params, items, length, batch_size):
+        sums = [np.zeros(len(item.choices)) for item in items]
+        for n, (s, item) in enumerate(zip(sums, items)):
+            s[item.label] = 1.0 if n < 2 else -1.0
+        return sums, 0
+
+    monkeypatch.setattr(choice, "choice_logprobs", stub)
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps(i) + "\n" for i in CHOICE_ITEMS))
+    out = _run(runs["transformer"], "task=choice", f"input={items}")
+    outcomes = np.array([1, 1, 0, 0])
+    assert out["accuracy"] == out["accuracy_norm"] == outcomes.mean()
+    want = np.std(outcomes, ddof=1) / np.sqrt(len(outcomes))
+    assert out["accuracy_stderr"] == out["accuracy_norm_stderr"] == pytest.approx(want, rel=1e-12)
+
+
 def test_a_choice_is_split_from_its_context_as_the_harness_splits_it():
     """`pair_tokens`: trailing spaces move to the choice and the choice's ids are the whole
     text's past the context's; where a token spans the boundary ("3.1" + "4159"), the two are

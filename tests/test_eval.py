@@ -1432,6 +1432,14 @@ def test_bad_options_are_one_error_naming_the_key(args, match):
         parse_args(args)
 
 
+def test_the_edges_of_the_option_ranges_are_accepted():
+    """The widths 2 and 32 of [2, 32], queries = needles and the depths 0 and 100 are in their
+    ranges: served, not refused as the values past them are (the test above)."""
+    options, _ = parse_args(["task=quant", "bits=[2,32]", "needles=4", "queries=4",
+                             "depths=[0,100]"])
+    assert (options.bits, options.queries, options.depths) == ((2, 32), 4, (0, 100))
+
+
 def test_bad_inputs_and_lengths_are_one_error_naming_them(runs, tmp_path):
     """score's input= (missing, not 1-D integers, another suffix, ids outside the vocabulary) and
     length= (beyond model.max_seq_len), ppl's held-out split (none held out, shorter than a

@@ -881,8 +881,13 @@ def test_check_shapes_refuses_an_entry_the_model_does_not_have():
     with pytest.raises(CheckpointError, match=r"^checkpoint params\['lm_head'\] is not part of the "
                                               r"model the config describes \(1 unexpected in all\)"):
         check_shapes({**expected, "params['lm_head']": (32, 64)}, expected, "checkpoint ")
-    with pytest.raises(CheckpointError, match=r"^checkpoint params\['embed'\] is missing"):
+    with pytest.raises(CheckpointError, match=r"^checkpoint params\['embed'\] is missing \(the "
+                                              r"config gives shape \(64, 32\)\); it was written"):
         check_shapes({"params['lm_head']": (32, 64)}, expected, "checkpoint ")
+    two = {**expected, "params['norm']": (32,)}  # the count of further missing entries follows
+    with pytest.raises(CheckpointError, match=r"^checkpoint params\['embed'\] is missing \(the "
+                                              r"config gives shape \(64, 32\)\) and 1 more; it"):
+        check_shapes({}, two, "checkpoint ")
     with pytest.raises(CheckpointError, match=r"^checkpoint params\['embed'\] has shape \(64, 48\)"):
         check_shapes({"params['embed']": (64, 48)}, expected, "checkpoint ")
     check_shapes(dict(expected), expected, "checkpoint ")

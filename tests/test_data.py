@@ -73,6 +73,18 @@ def test_each_epoch_visits_every_row_once_in_a_seeded_order():
     assert epoch0 != [key(plain[g]) for g in range(n)]
 
 
+def test_two_rows_are_shuffled_and_a_batch_may_hold_every_row_once():
+    """Shuffling starts at 2 rows (1 has one order): over 16 epochs of rows 0 and 1 both
+    orders come; and a global batch of exactly the split's rows is served, each row once a
+    batch (one more row than the split holds is refused: the test of bad data settings)."""
+    corpus = TokenCorpus(np.arange(33, dtype=np.uint32), np.array([0, 33]), 64)  # 2 rows of 16
+    rows = PackedRows(corpus, seq_len=16, seed=0)
+    orders = {tuple(int(rows[2 * e + i]["tokens"][0]) for i in (0, 1)) for e in range(16)}
+    assert orders == {(0, 16), (16, 0)}
+    batch = next(train_iterator(rows, 2, 0, 1))
+    assert sorted(batch["tokens"][:, 0].tolist()) == [0, 16]
+
+
 @pytest.mark.parametrize("n", [65537, 1000])
 def test_the_row_order_is_a_permutation_at_a_row_count_of_2_to_the_16_plus_1(n):
     """grain's index_shuffle over [0, 2^16] is no permutation (its block is one bit short):

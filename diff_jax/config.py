@@ -794,8 +794,6 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"{path}: `base` chain loops back to this file")
-    if path.is_dir():
-        raise ConfigError(f"{path}: is a directory; expected a YAML config file")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
@@ -876,8 +874,15 @@ def config_file(path: str | Path, folder: Path = Path(".")) -> Path:
     installed diff-jax has no configs/ folder beside the caller). ConfigError naming the shipped
     configs when neither exists, and naming the shipped config to give instead when a path with a
     folder is missing but ends in a shipped config's name: the docs' `--config
-    configs/diff-830m.yaml`, run where diff-jax is installed, named only the missing file."""
+    configs/diff-830m.yaml`, run where diff-jax is installed, named only the missing file.
+    ConfigError too for a blank `path` (`Path("")` is `folder` itself: `base: ''` read as "DIR: is
+    a directory", naming neither the file nor its `base`) and for a directory."""
+    if isinstance(path, str) and is_blank_path(path):
+        raise ConfigError("empty; expected a YAML config file or a shipped config's name")
     path = Path(path)
+    if (folder / path).is_dir():
+        raise ConfigError(f"{(folder / path).resolve()}: is a directory; expected a YAML config "
+                          "file")
     if (folder / path).exists():
         return folder / path
     shipped = [name for name in (path.name, f"{path.name}.yaml")

@@ -498,3 +498,22 @@ def test_coerce_refuses_an_annotation_it_does_not_know():
 
     with pytest.raises(ConfigError, match=r"model\.extra: unsupported type <class 'dict'>$"):
         coerce({}, dict, "model.extra")
+
+
+def test_a_blank_or_directory_base_is_one_line_naming_the_file_that_names_it(tmp_path):
+    """`base: ''` was the file's own folder ("DIR: is a directory", naming neither the file nor
+    `base`; `--config ''` named the working directory so), and `base: sub`, a directory, named
+    only the directory; each is one line naming the file and its `base`."""
+    (tmp_path / "sub").mkdir()
+    mine = tmp_path / "mine.yaml"
+    for base, error in (("''", "empty; expected a YAML config file or a shipped config's name"),
+                        ("' '", "empty; expected a YAML config file or a shipped config's name"),
+                        ("sub", f"{tmp_path / 'sub'}: is a directory; expected a YAML config "
+                                "file")):
+        mine.write_text(f"base: {base}\n")
+        with pytest.raises(ConfigError) as e:
+            load_config(mine)
+        assert str(e.value) == f"{mine}: base: {error}"
+    with pytest.raises(ConfigError) as e:
+        load_config("")
+    assert str(e.value) == "empty; expected a YAML config file or a shipped config's name"

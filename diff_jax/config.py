@@ -871,30 +871,31 @@ def config_file(path: str | Path, folder: Path = Path(".")) -> Path:
     """The config file `path` names (`--config`'s value, or a YAML file's `base:` with `folder`
     the folder of that file): the file `folder / path` itself, or where no such file exists and
     `path` is a bare name (`diff-830m.yaml`, `diff-830m`), the shipped config of that name (an
-    installed diff-jax has no configs/ folder beside the caller). ConfigError naming the shipped
-    configs when neither exists, and naming the shipped config to give instead when a path with a
-    folder is missing but ends in a shipped config's name: the docs' `--config
-    configs/diff-830m.yaml`, run where diff-jax is installed, named only the missing file.
-    ConfigError too for a blank `path` (`Path("")` is `folder` itself: `base: ''` read as "DIR: is
-    a directory", naming neither the file nor its `base`) and for a directory."""
+    installed diff-jax has no configs/ folder beside the caller; a directory of that name, a
+    run's, is no file). ConfigError naming the shipped configs when neither exists, and naming
+    the shipped config to give instead when a path with a folder is missing but ends in a
+    shipped config's name: the docs' `--config configs/diff-830m.yaml`, run where diff-jax is
+    installed, named only the missing file. ConfigError too for a blank `path` (`Path("")` is
+    `folder` itself: `base: ''` read as "DIR: is a directory", naming neither the file nor its
+    `base`) and for a directory that is no shipped config's name."""
     if isinstance(path, str) and is_blank_path(path):
         raise ConfigError("empty; expected a YAML config file or a shipped config's name")
     path = Path(path)
-    if (folder / path).is_dir():
-        raise ConfigError(f"{(folder / path).resolve()}: is a directory; expected a YAML config "
-                          "file")
-    if (folder / path).exists():
+    if (folder / path).is_file():
         return folder / path
     shipped = [name for name in (path.name, f"{path.name}.yaml")
                if (SHIPPED_CONFIGS / name).is_file()][:1]
+    if shipped and path.parent == Path("."):
+        return SHIPPED_CONFIGS / shipped[0]
+    if (folder / path).is_dir():
+        raise ConfigError(f"{(folder / path).resolve()}: is a directory; expected a YAML config "
+                          "file")
     missing = f"config file not found: {(folder / path).resolve()}"
     if path.parent != Path("."):
         if shipped:
             raise ConfigError(f"{missing} ({shipped[0]}, a shipped config, is named without a "
                               "folder)")
         raise ConfigError(missing)
-    if shipped:
-        return SHIPPED_CONFIGS / shipped[0]
     names = ", ".join(sorted(p.name for p in SHIPPED_CONFIGS.glob("*.yaml")))
     raise ConfigError(f"{missing} (nor is {path} a shipped config: {names})")
 

@@ -517,3 +517,20 @@ def test_a_blank_or_directory_base_is_one_line_naming_the_file_that_names_it(tmp
     with pytest.raises(ConfigError) as e:
         load_config("")
     assert str(e.value) == "empty; expected a YAML config file or a shipped config's name"
+
+
+def test_a_directory_named_as_a_shipped_config_does_not_hide_it(tmp_path, monkeypatch):
+    """A bare name names a file or else the shipped config: a directory of that name (a run's,
+    an export's) is no file, and `--config tiny` beside a `tiny/` directory, or `base: tiny` in a
+    file beside one, was "tiny: is a directory" where the shipped tiny.yaml was meant."""
+    monkeypatch.chdir(tmp_path)
+    shipped = load_config(CONFIGS / "tiny.yaml")
+    for name in ("tiny", "tiny.yaml"):
+        (tmp_path / name).mkdir()
+        assert load_config(name) == shipped
+        (tmp_path / "mine.yaml").write_text(f"base: {name}\n")
+        assert load_config(tmp_path / "mine.yaml") == shipped
+    (tmp_path / "runs").mkdir()  # no shipped config of the name: still refused, naming it
+    with pytest.raises(ConfigError) as e:
+        load_config("runs")
+    assert str(e.value) == f"{tmp_path / 'runs'}: is a directory; expected a YAML config file"

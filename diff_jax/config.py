@@ -879,7 +879,7 @@ def config_file(path: str | Path, folder: Path = Path(".")) -> Path:
     `folder` itself: `base: ''` read as "DIR: is a directory", naming neither the file nor its
     `base`) and for a directory that is no shipped config's name."""
     if isinstance(path, str) and is_blank_path(path):
-        raise ConfigError("empty; expected a YAML config file or a shipped config's name")
+        raise ConfigError("the config file's name is empty; expected a YAML config file or a shipped config's name")
     path = Path(path)
     if (folder / path).is_file():
         return folder / path

@@ -506,8 +506,8 @@ def test_a_blank_or_directory_base_is_one_line_naming_the_file_that_names_it(tmp
     only the directory; each is one line naming the file and its `base`."""
     (tmp_path / "sub").mkdir()
     mine = tmp_path / "mine.yaml"
-    for base, error in (("''", "empty; expected a YAML config file or a shipped config's name"),
-                        ("' '", "empty; expected a YAML config file or a shipped config's name"),
+    empty = "the config file's name is empty; expected a YAML config file or a shipped config's name"
+    for base, error in (("''", empty), ("' '", empty),
                         ("sub", f"{tmp_path / 'sub'}: is a directory; expected a YAML config "
                                 "file")):
         mine.write_text(f"base: {base}\n")
@@ -516,7 +516,7 @@ def test_a_blank_or_directory_base_is_one_line_naming_the_file_that_names_it(tmp
         assert str(e.value) == f"{mine}: base: {error}"
     with pytest.raises(ConfigError) as e:
         load_config("")
-    assert str(e.value) == "empty; expected a YAML config file or a shipped config's name"
+    assert str(e.value) == empty
 
 
 def test_a_directory_named_as_a_shipped_config_does_not_hide_it(tmp_path, monkeypatch):

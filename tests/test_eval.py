@@ -570,6 +570,9 @@ def test_icl_reports_every_order_s_accuracy_and_their_mean_std_and_min(runs, tmp
         *[(f"{k}", f"{m:.4f} ± {s:.4f}  {lo:.4f}") for k, m, s, lo in
           zip([2, 4], acc.mean(1), acc.std(1), acc.min(1))]]
     assert report.table[0] == ("examples", "6 test items of 12, 3 labels; chance 0.333")
+    one, _ = run_task(*parse_args(["task=icl", f"input={path}", "shots=[2]", "orders=1",
+                                   "test_items=6", f"train.run_dir={runs['diff']}"]))
+    assert one.table[1] == ("shots (random, 1 order)", "accuracy mean ± std  min")
 
 
 @pytest.mark.parametrize("line,error", [

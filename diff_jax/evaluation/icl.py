@@ -240,7 +240,8 @@ def icl_task(loaded: Loaded, options: EvalOptions) -> Report:
          "predictions": [[p.tolist() for p in predicted[k]] for k in counts]},
         [("examples", f"{len(test)} test items of {len(examples)}, {len(labels)} labels; chance "
                       f"{chance:.3f}"),
-         (f"shots ({options.arrangement}, {options.orders} orders)", "accuracy mean ± std  min")]
+         (f"shots ({options.arrangement}, {options.orders} order{'s' * (options.orders != 1)})",
+          "accuracy mean ± std  min")]
         + [(f"{k}", f"{m:.4f} ± {s:.4f}  {lo:.4f}")
            for k, m, s, lo in zip(counts, mean, std, low)],
         notes=notes)

@@ -810,7 +810,7 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         if not isinstance(base, str):
             raise ConfigError(f"{path}: base: expected the path of a YAML config file, got {base!r}")
         try:  # named from the file that names it, or a shipped config as `--config` names one
-            base_file = config_file(base, folder=path.parent)
+            base_file = config_file(base, folder=path.parent, naming=path)
         except ConfigError as e:
             raise ConfigError(f"{path}: base: {e}") from None
         data = _merge(read_yaml(base_file, seen + (path,)), data)
@@ -867,7 +867,7 @@ def model_config_from_dict(data: dict) -> ModelConfig:
     return _build(ModelConfig, data, "model")
 
 
-def config_file(path: str | Path, folder: Path = Path(".")) -> Path:
+def config_file(path: str | Path, folder: Path = Path("."), naming: Path | None = None) -> Path:
     """The config file `path` names (`--config`'s value, or a YAML file's `base:` with `folder`
     the folder of that file): the file `folder / path` itself, or where no such file exists and
     `path` is a bare name (`diff-830m.yaml`, `diff-830m`), the shipped config of that name (an
@@ -877,14 +877,19 @@ def config_file(path: str | Path, folder: Path = Path(".")) -> Path:
     shipped config's name: the docs' `--config configs/diff-830m.yaml`, run where diff-jax is
     installed, named only the missing file. ConfigError too for a blank `path` (`Path("")` is
     `folder` itself: `base: ''` read as "DIR: is a directory", naming neither the file nor its
-    `base`) and for a directory that is no shipped config's name."""
+    `base`) and for a directory that is no shipped config's name. `naming`: the resolved file
+    whose `base:` this is; a bare name that is that file itself is the shipped config of that
+    name, where there is one (a local diff-830m.yaml starting from the shipped one, `base:
+    diff-830m.yaml`, was a `base` chain looping back to itself)."""
     if isinstance(path, str) and is_blank_path(path):
-        raise ConfigError("the config file's name is empty; expected a YAML config file or a shipped config's name")
+        raise ConfigError("the config file's name is empty; expected a YAML config file or a "
+                          "shipped config's name")
     path = Path(path)
-    if (folder / path).is_file():
-        return folder / path
     shipped = [name for name in (path.name, f"{path.name}.yaml")
                if (SHIPPED_CONFIGS / name).is_file()][:1]
+    itself = bool(shipped) and path.parent == Path(".") and (folder / path).resolve() == naming
+    if (folder / path).is_file() and not itself:
+        return folder / path
     if shipped and path.parent == Path("."):
         return SHIPPED_CONFIGS / shipped[0]
     if (folder / path).is_dir():

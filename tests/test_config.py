@@ -534,3 +534,19 @@ def test_a_directory_named_as_a_shipped_config_does_not_hide_it(tmp_path, monkey
     with pytest.raises(ConfigError) as e:
         load_config("runs")
     assert str(e.value) == f"{tmp_path / 'runs'}: is a directory; expected a YAML config file"
+
+
+def test_a_local_file_named_as_a_shipped_config_may_start_from_it(tmp_path):
+    """A diff-830m.yaml of one's own with `base: diff-830m.yaml` (or `base: diff-830m`) starts
+    from the shipped config of that name: it was a `base` chain looping back to itself. A base
+    naming the file itself where no shipped config has that name still loops."""
+    mine = tmp_path / "tiny.yaml"
+    for base in ("tiny.yaml", "tiny"):
+        mine.write_text(f"base: {base}\ntrain:\n  steps: 7\n")
+        got = load_config(mine)
+        shipped = load_config("tiny")
+        assert got.train.steps == 7 and got.model == shipped.model
+    own = tmp_path / "own.yaml"
+    own.write_text("base: own.yaml\n")
+    with pytest.raises(ConfigError, match=r"own\.yaml: `base` chain loops back to this file$"):
+        load_config(own)

@@ -171,7 +171,8 @@ def _continuation_sums(model: DecoderLM, params: Any, contexts: jax.Array, lengt
                        tails: jax.Array, counts: jax.Array) -> jax.Array:
     """(B, L) float32 sums of log p(continuation tokens | context and the continuation's tokens
     before each) of the right-padded contexts (B, W) of `lengths` (B,) tokens and their L
-    right-padded continuations `tails` (B, L, M) of `counts` (B, L) tokens (0: none; sum 0).
+    right-padded continuations `tails` (B, L, M) of `counts` (B, L) tokens (0: a padding slot,
+    whose sum means nothing).
     The contexts are read once (`prefill`); each continuation is then fed from its context's
     end one token a step (`decode_logits`), writing the cache past the context, where the next
     continuation, starting at the context's end again, never reads it."""
@@ -192,7 +193,7 @@ def _continuation_sums(model: DecoderLM, params: Any, contexts: jax.Array, lengt
             logp = picked(jax.nn.log_softmax(logits), tokens[:, s + 1])
             return (cache, total + jnp.where(s + 1 < count, logp, 0.0)), None
 
-        total = jnp.where(count > 0, picked(first, tokens[:, 0]), 0.0)
+        total = picked(first, tokens[:, 0])
         (cache, total), _ = jax.lax.scan(step, (cache, total), jnp.arange(width - 1))
         return cache, total
 

@@ -607,7 +607,9 @@ def test_icl_inputs_that_cannot_be_scored_are_one_error(runs, tmp_path):
                                         r"\+ shots=9; lower test_items or shots$"):
         _run(runs["diff"], "task=icl", f"input={path}", "test_items=4", "shots=[1,9]")
     with pytest.raises(EvalError, match=rf"^input={path}: 12 examples, fewer than "
-                                        r"test_items=250 \+ shots=1"):
+                                        r"test_items=250 \+ 1 demonstration \(shots unset: "
+                                        r"1, 2, 4, \.\.\. as many as there are\); lower "
+                                        r"test_items$"):
         _run(runs["diff"], "task=icl", f"input={path}")
     with pytest.raises(EvalError, match=r"^shots=8: the longest prompt with its label is \d+ "
                                         r"tokens, of which the model reads \d+, more than "

@@ -195,8 +195,11 @@ def icl_task(loaded: Loaded, options: EvalOptions) -> Report:
     enc = text_encoding(loaded)
     wanted = max(options.shots, default=1)
     if options.test_items + wanted > len(examples):
+        asked = (f"shots={wanted}" if options.shots else
+                 "1 demonstration (shots unset: 1, 2, 4, ... as many as there are)")
         raise EvalError(f"input={path}: {len(examples)} examples, fewer than test_items="
-                        f"{options.test_items} + shots={wanted}; lower test_items or shots")
+                        f"{options.test_items} + {asked}; lower test_items"
+                        + (" or shots" if options.shots else ""))
     dealt = deal(examples, options.seed)
     test, pool = dealt[: options.test_items], dealt[options.test_items:]
     notes: list[str] = []

@@ -286,10 +286,15 @@ def test_choice_stderr_is_the_harness_s_standard_error_of_the_mean(runs, tmp_pat
 
 
 def test_a_choice_is_split_from_its_context_as_the_harness_splits_it():
-    """`pair_tokens`: trailing spaces move to the choice and the choice's ids are the whole
+    """`choice_tokens`: trailing spaces move to the choice and the choice's ids are the whole
     text's past the context's; where a token spans the boundary ("3.1" + "4159"), the two are
-    encoded apart, so the ids always decode to context + choice."""
-    from diff_jax.evaluation.choice import pair_tokens
+    encoded apart, so the ids always decode to context + choice; several choices at once (the
+    context encoded once) get what each gets alone."""
+    from diff_jax.evaluation.choice import choice_tokens
+
+    def pair_tokens(enc, context, choice):
+        head, (tail,) = choice_tokens(enc, context, [choice])
+        return head, tail
 
     for context, choice in [("The answer is", " 42"), ("x = [", "1, 2]"), ("3.1", "4159"),
                             ("www.", "google.com"), ("Water boils at 100 degrees ", "Celsius"),
@@ -301,6 +306,9 @@ def test_a_choice_is_split_from_its_context_as_the_harness_splits_it():
                                                        ENC.encode_ordinary(" Celsius"))
     assert ENC.encode_ordinary("3.14159")[:3] != ENC.encode_ordinary("3.1")  # the case above
     assert pair_tokens(ENC, "3.1", "4159")[1] == ENC.encode_ordinary("4159")
+    choices = ["4159", " is pi", "", "4"]
+    assert choice_tokens(ENC, "3.1", choices) == (
+        ENC.encode_ordinary("3.1"), [pair_tokens(ENC, "3.1", c)[1] for c in choices])
 
 
 @pytest.mark.parametrize("legacy", [False, True])
@@ -315,8 +323,12 @@ def test_a_choice_across_a_token_boundary_reads_as_it_follows_its_context(tmp_pa
     pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from diff_jax.evaluation.choice import pair_tokens
+    from diff_jax.evaluation.choice import choice_tokens
     from training_fixtures import sentencepiece_tokenizer
+
+    def pair_tokens(enc, context, choice):
+        head, (tail,) = choice_tokens(enc, context, [choice])
+        return head, tail
 
     path = sentencepiece_tokenizer(tmp_path / "sp", legacy)
     enc, ids = data.encoding(str(path)), Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id

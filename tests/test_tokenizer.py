@@ -427,7 +427,7 @@ def test_a_hugging_face_template_s_beginning_of_text_starts_every_text(tmp_path,
     contexts; transformers' own encoding of the export's copy agrees. Without either: nothing."""
     pytest.importorskip("tokenizers")
     from diff_jax.data.tokenizer import text_prefix
-    from diff_jax.evaluation.choice import pair_tokens
+    from diff_jax.evaluation.choice import choice_tokens
 
     tok = word_tokenizer(tmp_path / "tok", template, config)
     enc = encoding(str(tok))
@@ -438,8 +438,8 @@ def test_a_hugging_face_template_s_beginning_of_text_starts_every_text(tmp_path,
     prompted = tokenize(Documents(("world",), (), ("hello",)), str(tok))
     assert prompted.tokens.tolist() == prefix + [3, 4, 2]
     assert prompted.loss_mask.tolist() == [0] * len(prefix) + [0, 1, 1]
-    assert pair_tokens(enc, "the answer", " is") == (prefix + [5, 6], [7])
-    assert pair_tokens(enc, "", "hello") == (prefix or [2], [3])
+    assert choice_tokens(enc, "the answer", [" is"]) == (prefix + [5, 6], [[7]])
+    assert choice_tokens(enc, "", ["hello"]) == (prefix or [2], [[3]])
     if importlib.util.find_spec("transformers") is None:  # the hf extra's; the rest needs none
         return
     import transformers

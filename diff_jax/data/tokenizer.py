@@ -232,7 +232,8 @@ def continuations(enc: Encoding, heads: Sequence[str], texts: Sequence[str],
     tokenizer (Llama 2's Metaspace), which begins a text encoded alone with "▁", a space:
     "x)" after "print(" would read "print( x)". An empty head has no ids and its text its own
     encoding. Encoded in batches of `CONTINUATION_BATCH` pairs (`encode_ordinary_batch` with
-    `num_threads`, for tiktoken's encodings)."""
+    `num_threads`, for tiktoken's encodings), a head that a batch repeats encoded once (a
+    prompt and each of its labels: eval's `choice_tokens`)."""
     if len(heads) != len(texts):
         raise ValueError(f"continuations: {len(heads)} heads for {len(texts)} texts")
     anchor = enc.encode_ordinary(FOLLOWING)
@@ -240,7 +241,9 @@ def continuations(enc: Encoding, heads: Sequence[str], texts: Sequence[str],
     text_ids: list[list[int]] = []
     for at in range(0, len(texts), CONTINUATION_BATCH):
         batch = list(zip(heads[at:at + CONTINUATION_BATCH], texts[at:at + CONTINUATION_BATCH]))
-        own = enc.encode_ordinary_batch([h for h, _ in batch], num_threads=num_threads)
+        unique = list(dict.fromkeys(h for h, _ in batch))  # a head shared by many texts: once
+        unique_ids = dict(zip(unique, enc.encode_ordinary_batch(unique, num_threads=num_threads)))
+        own = [list(unique_ids[h]) for h, _ in batch]
         wholes = enc.encode_ordinary_batch([h + t for h, t in batch], num_threads=num_threads)
         tails = [w[len(h):] if w[:len(h)] == h else None for h, w in zip(own, wholes)]
         apart = [i for i, tail in enumerate(tails) if tail is None]

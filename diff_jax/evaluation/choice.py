@@ -3,7 +3,7 @@ ARC, BoolQ, HellaSwag, OBQA, PIQA and WinoGrande (the LM Eval Harness's `acc` an
 
 `input=ITEMS.jsonl` holds one item a line: `{"context": str, "choices": [str, ...], "label": int}`
 (the index of the right choice). Each choice is scored as the sum of log p(choice tokens | context
-tokens), split as the harness splits them (`pair_tokens`): the context's trailing spaces move to
+tokens), split as the harness splits them (`choice_tokens`): the context's trailing spaces move to
 the choice, context + choice is encoded whole with `data.tokenizer`, and the choice's tokens are
 those after the context's own encoding (a SentencePiece tokenizer would prefix a choice encoded
 alone with "▁"; a token across the boundary has the choice encoded apart, as it reads after other
@@ -48,7 +48,7 @@ ITEM_FORMAT = '{"context": str, "choices": [str, ...], "label": int}'
 @dataclasses.dataclass(frozen=True)
 class Item:
     """One question: its context's token ids, each choice's ids and characters, the answer
-    (every choice's context ids are the context's own encoding: `pair_tokens`)."""
+    (every choice's context ids are the context's own encoding: `choice_tokens`)."""
 
     context: tuple[int, ...]
     choices: tuple[tuple[int, ...], ...]
@@ -63,11 +63,11 @@ def read_items(path: Path, loaded: Loaded) -> list[Item]:
     enc = text_encoding(loaded)
     items = []
     for n, record in read_jsonl(path, ITEM_FORMAT, _item_problem):
-        pairs = [pair_tokens(enc, record["context"], c) for c in record["choices"]]
-        if any(not choice for _, choice in pairs):
+        context, choices = choice_tokens(enc, record["context"], record["choices"])
+        if not all(choices):
             raise EvalError(f"input={path}:{n}: a choice adds no token after its context "
                             f"(data.tokenizer={enc.name}); expected {ITEM_FORMAT}")
-        items.append(Item(tuple(pairs[0][0]), tuple(tuple(c) for _, c in pairs),
+        items.append(Item(tuple(context), tuple(tuple(c) for c in choices),
                           tuple(len(c) for c in record["choices"]), record["label"]))
     return items
 
@@ -106,18 +106,21 @@ def read_jsonl(path: Path, item_format: str,
     return records
 
 
-def pair_tokens(enc: Encoding, context: str, choice: str) -> tuple[list[int], list[int]]:
-    """(context ids, choice ids) as the LM Eval Harness splits a request: the context's trailing
-    whitespace moves to the start of the choice; the choice's ids are those of the whole text
-    past the context's own (`continuations`); the context's ids begin with the tokenizer's
+def choice_tokens(enc: Encoding, context: str,
+                  choices: Sequence[str]) -> tuple[list[int], list[list[int]]]:
+    """(context ids, each choice's ids) as the LM Eval Harness splits a request: the context's
+    trailing whitespace moves to the start of each choice; a choice's ids are those of the
+    whole text past the context's own (`continuations`, the context encoded once and the
+    choices together, on tokenizer threads); the context's ids begin with the tokenizer's
     `text_prefix`, and a context of no ids (empty, blank, or one the tokenizer drops) is
     end-of-text where there is no prefix. Where the whole's ids do not begin with the context's
     ("foo" + "bar" is one token), the choice is encoded apart, as it reads after other text, so
     that the ids scored always spell context + choice (the harness then scores ids past the
     context's count, which spell another text)."""
     stripped = context.rstrip()
-    (head,), (tail,) = continuations(enc, [stripped], [context[len(stripped):] + choice])
-    return (text_prefix(enc) + head) or [enc.eot_token], tail
+    space = context[len(stripped):]
+    heads, tails = continuations(enc, [stripped] * len(choices), [space + c for c in choices])
+    return (text_prefix(enc) + heads[0]) or [enc.eot_token], tails
 
 
 def _item_problem(record: Any) -> str | None:

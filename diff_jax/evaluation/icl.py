@@ -4,7 +4,7 @@ the demonstrations fill the context (Figure 6) and its spread over their orders 
 `input=DATA.jsonl` holds one example a line, `{"text": str, "label": str}` (TREC, TREC-fine,
 Banking-77 or Clinic-150 converted to it, say); its labels are the distinct labels of the file.
 A prompt is `shots` demonstrations, each `DEMO_FORMAT`, then a test item's `QUERY_FORMAT`; each
-label is scored as its continuation " LABEL" by the `choice` task's rule (`pair_tokens`,
+label is scored as its continuation " LABEL" by the `choice` task's rule (`choice_tokens`,
 `continuation_logprobs`: the sum of log p(label tokens | prompt)), and the prediction is the
 label of the highest sum: constrained to the file's labels, as the paper's protocol (after
 Bertsch et al.) constrains the answer.
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from diff_jax.data.tokenizer import Encoding
-from diff_jax.evaluation.choice import continuation_logprobs, pair_tokens, read_jsonl
+from diff_jax.evaluation.choice import choice_tokens, continuation_logprobs, read_jsonl
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.evaluation.report import Report
@@ -133,7 +133,7 @@ def shot_prompts(enc: Encoding, examples: Sequence[Example], labels: Sequence[st
                  dealt: Sequence[int], test: Sequence[int], shots: int, options: EvalOptions,
                  path: Path) -> Prompts:
     """The `options.orders` prompts of `shots` demonstrations (the first `shots` of `dealt`)
-    for the `test` items, each item's prompt with each label (`pair_tokens`: the prompt's ids
+    for the `test` items, each item's prompt with each label (`choice_tokens`: the prompt's ids
     are the same for every label); an `EvalError` for a label that adds no token."""
     demos, groups, prompt_width, width = [], [], 0, 0
     for order in range(options.orders):
@@ -142,15 +142,15 @@ def shot_prompts(enc: Encoding, examples: Sequence[Example], labels: Sequence[st
         order_groups: list[tuple[Sequence[int], list[Sequence[int]]]] = []
         for t in test:
             text = prompt([examples[i] for i in shown], examples[t])
-            pairs = [pair_tokens(enc, text, " " + label) for label in labels]
-            for label, (_, tail) in zip(labels, pairs):
+            ids, tails = choice_tokens(enc, text, [" " + label for label in labels])
+            for label, tail in zip(labels, tails):
                 if not tail:
                     raise EvalError(f"input={path}: the label {label!r} adds no token after "
                                     f"{QUERY_FORMAT!r} (data.tokenizer={enc.name})")
-            context = np.asarray(pairs[0][0], np.int32)  # the same for every label
-            order_groups.append((context, [tail for _, tail in pairs]))
+            context = np.asarray(ids, np.int32)
+            order_groups.append((context, tails))
             prompt_width = max(prompt_width, len(context))
-            width = max(width, len(context) + max(len(tail) for _, tail in pairs))
+            width = max(width, len(context) + max(len(tail) for tail in tails))
         groups.append(order_groups)
     return Prompts(demos, groups, prompt_width, width)
 

@@ -19,10 +19,10 @@ from flax import linen as nn
 
 from diff_jax.attention_op import AttentionOp, resolve_impl
 from diff_jax.config import Config, ConfigError, MeshConfig, ModelConfig, TrainConfig
+from diff_jax.generate import empty_cache
 from diff_jax.sharding import make_mesh
 from diff_jax.step import build_steps, loss_and_grads
 from diff_jax.transformer import DecoderLM
-from test_generate import zero_cache
 from test_kernels import normals
 
 RULES = MeshConfig().rules
@@ -239,7 +239,7 @@ def test_decode_step_equals_full_forward_with_the_kernel_configured():
     params = nn.meta.unbox(jax.jit(DecoderLM(cfg).init)(jax.random.key(1), tokens))["params"]
     full = jax.jit(DecoderLM(cfg).apply)({"params": params}, tokens)
     model = DecoderLM(cfg, decode=True)
-    cache = zero_cache(model, 1, 16)
+    cache = empty_cache(model, 1, 16)
     apply = jax.jit(lambda cache, t, p: model.apply({"params": params, "cache": cache}, t,
                                                     positions=p, mutable=["cache"]))
     _, state = apply(cache, tokens[:, :8], jnp.arange(8)[None])
@@ -256,7 +256,7 @@ def test_decode_steps_through_the_oracle_equal_the_full_forward():
     params = nn.meta.unbox(jax.jit(DecoderLM(cfg).init)(jax.random.key(1), tokens))["params"]
     full = np.asarray(jax.jit(DecoderLM(cfg).apply)({"params": params}, tokens))
     model = DecoderLM(cfg, decode=True, attention_op=AttentionOp.build(cfg, capture=True))
-    cache = zero_cache(model, 2, 8)
+    cache = empty_cache(model, 2, 8)
     apply = jax.jit(lambda cache, t, p: model.apply({"params": params, "cache": cache}, t,
                                                     positions=p, mutable=["cache"]))
     _, state = apply(cache, tokens[:, :4], jnp.broadcast_to(jnp.arange(4), (2, 4)))

@@ -28,11 +28,6 @@ def _setup(variant: str, **kw):
     return cfg, params
 
 
-def zero_cache(model: DecoderLM, rows: int, length: int):
-    """The (rows, length) KV cache `model.init` makes (zeros: attention.py's cache variables)."""
-    return empty_cache(model, rows, length)
-
-
 @pytest.mark.parametrize("variant,extra", [("diff", {}), ("diff", {"gqa_pairing": "naive"}),
                                            ("diff_v2", {}), ("transformer", {})])
 def test_cached_logits_equal_full_forward(variant, extra):
@@ -46,7 +41,7 @@ def test_cached_logits_equal_full_forward(variant, extra):
 
     model = DecoderLM(cfg, decode=True)
     total = 7 + steps
-    cache = zero_cache(model, 2, total)
+    cache = empty_cache(model, 2, total)
     prompt = np.where(np.arange(7)[None] < lengths[:, None], seqs[:, :7], 0)
     last, cache = prefill(model, params, cache, jnp.asarray(prompt), jnp.asarray(lengths))
     # Cached vs full-sequence attention differ only in float32 summation order: measured max
@@ -259,7 +254,7 @@ def test_calls_that_do_not_fit_the_kv_cache_are_refused(rows, tokens):
     or another batch is one error naming both shapes, not a dynamic_update_slice bounds error."""
     cfg, params = _setup("diff")
     model = DecoderLM(cfg, decode=True)
-    cache = zero_cache(model, 2, 8)
+    cache = empty_cache(model, 2, 8)
     with pytest.raises(ValueError, match=rf"KV cache holds 2 rows of 8 positions .* this call "
                                          rf"has {rows} rows of {tokens} tokens"):
         model.apply({"params": params, "cache": cache}, jnp.ones((rows, tokens), jnp.int32),
@@ -293,7 +288,7 @@ def test_segment_ids_with_a_kv_cache_are_refused_and_its_layers_need_positions()
     model passes 0..T-1 when given none)."""
     cfg, params = _setup("diff")
     model = DecoderLM(cfg, decode=True)
-    cache = zero_cache(model, 2, 8)
+    cache = empty_cache(model, 2, 8)
     for t in (1, 4):
         with pytest.raises(ValueError, match=r"segment_ids must be None with a KV cache"):
             model.apply({"params": params, "cache": cache}, jnp.ones((2, t), jnp.int32),
@@ -323,7 +318,7 @@ def test_a_cache_filled_to_max_seq_len_matches_the_full_forward_and_one_more_is_
     seq = jnp.asarray(rng.integers(1, V, (2, 32)), jnp.int32)
     full = np.asarray(jax.jit(DecoderLM(cfg).apply)({"params": params}, seq))
     model = DecoderLM(cfg, decode=True)
-    cache = zero_cache(model, 2, 32)
+    cache = empty_cache(model, 2, 32)
     step = jax.jit(functools.partial(model.apply, mutable=["cache"]))  # one compile per shape
     logits, state = step({"params": params, "cache": cache}, seq[:, :29])
     got = [np.asarray(logits)]
@@ -344,7 +339,7 @@ def test_a_step_outside_the_cache_gives_nan_logits_for_its_row_only(variant):
     seq = jnp.asarray(np.random.default_rng(3).integers(1, V, (2, 9)), jnp.int32)
     full = np.asarray(jax.jit(DecoderLM(cfg).apply)({"params": params}, seq))
     model = DecoderLM(cfg, decode=True)
-    cache = zero_cache(model, 2, 8)  # S = 8
+    cache = empty_cache(model, 2, 8)  # S = 8
     step = jax.jit(functools.partial(model.apply, mutable=["cache"]))  # one compile per shape
     _, state = step({"params": params, "cache": cache}, seq[:, :7])
     for outside in (8, -1):
@@ -413,7 +408,7 @@ def test_quantized_attention_logits_are_refused_with_a_kv_cache():
         generate(cfg, params, [[3, 4]], max_new_tokens=2)
     model = DecoderLM(cfg, decode=True, attention_op=AttentionOp.build(cfg).quantized(jnp.int32(8)))
     with pytest.raises(ValueError, match=r"attn_logit_bits must be null with a KV cache"):
-        zero_cache(model, 1, 4)
+        empty_cache(model, 1, 4)
 
 
 def test_prompts_may_be_arrays_and_ids_that_are_not_ints_are_refused():

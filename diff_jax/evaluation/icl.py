@@ -21,10 +21,10 @@ permutation seeded by (seed, k, order) — `arrangement=random` — or grouped b
 groups and each group's demonstrations in a random order — `arrangement=grouped`, Figure 7's
 harder setting; every order is scored on the same test items. A prompt and a label must fit
 `length` + 1 tokens (the label's last token is read by no position); `shots` unset is 1, 2, 4,
-... while they fit and the demonstrations last (Figure 6's sweep). Each order's items × labels
-prompts are scored `batch_size` at a time (`continuation_logprobs`: each prompt read once, its
-labels fed after it from the KV cache), right-padded to the longest prompt of their shot count:
-one program a shot count.
+... while they fit and the demonstrations last (Figure 6's sweep). Each order's prompts, one a
+test item, are scored `batch_size` at a time (`continuation_logprobs`: each prompt read once,
+its labels fed after it from the KV cache), right-padded to the longest prompt of their shot
+count: one program a shot count.
 """
 
 from __future__ import annotations

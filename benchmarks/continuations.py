@@ -70,7 +70,8 @@ def measure(args: argparse.Namespace) -> dict:
     groups = [(rng.integers(0, cfg.vocab_size, args.context).tolist(),
                [rng.integers(0, cfg.vocab_size, args.label_tokens).tolist()
                 for _ in range(args.labels)]) for _ in range(args.groups)]
-    routes = {"kv_cache": lambda: continuation_logprobs(cfg, params, groups, args.batch),
+    routes = {"kv_cache": lambda: [logps.sum(1) for logps in
+                                   continuation_logprobs(cfg, params, groups, args.batch)],
               "row_per_continuation": lambda: by_rows(cfg, params, groups, args.batch)}
     first, times, sums = {}, {name: [] for name in routes}, {}
     for name, route in routes.items():

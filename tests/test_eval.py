@@ -489,52 +489,115 @@ def test_icl_deals_balanced_disjoint_examples_and_arranges_each_order():
     assert len({tuple(g) for g in grouped}) == 4
 
 
-def test_icl_predicts_the_label_of_the_highest_summed_log_probability(runs, tmp_path):
-    """task=icl against the model applied to each prompt + label written out by hand from the
-    report's demonstration and test lines, its log-softmax taken in float64 NumPy: every
-    order's predictions (the label of the highest sum of its tokens' log-probabilities),
-    accuracies and their mean, std and min; demonstrations and test items disjoint, each shot
-    count's orders the same demonstrations permuted, the smaller count's among the larger's.
-    Rows in batches of 5 (the last one padded)."""
-    path = _icl_file(tmp_path / "icl.jsonl")
+ICL_SHARED = [  # labels whose cl100k ids share a beginning: " card" begins the others
+    {"text": f"{text} ({n})", "label": label} for n in range(3) for text, label in (
+        ("Where is the card you sent?", "card arrival"),
+        ("I cannot pay more this month.", "card limit reached"),
+        ("My card is broken.", "card"), ("The shop refused my card.", "card declined"))]
+
+
+def test_icl_predicts_by_greedy_decoding_constrained_to_the_labels(runs, tmp_path):
+    """task=icl against constrained greedy decoding written out from the float64 NumPy
+    log-softmax of the model applied to each prompt + label (the prompts written by hand from
+    the report's demonstration and test lines): each step takes, of the tokens that continue a
+    label still possible, the one of the highest log-probability under the full vocabulary's
+    distribution there, until one label is left; " card" (which begins the others) is followed
+    by the "\n\n" that ends a label in a demonstration. (The initialized model answers "card
+    limit reached" throughout, where the highest sum, a sum without that "\n\n" or a reading
+    of each step's log-probabilities shifted by one token answer another label.) Every
+    order's predictions and accuracies, their mean, std and min; demonstrations and test items
+    disjoint, each shot count's orders the same demonstrations permuted, the smaller count's
+    among the larger's. Rows in batches of 5 (the last one padded)."""
+    from diff_jax.evaluation.icl import DEMO_FORMAT
+
+    path = _icl_file(tmp_path / "icl.jsonl", ICL_SHARED)
     out = _run(runs["diff"], "task=icl", f"input={path}", "shots=[3,0,1]", "orders=3",
                "test_items=4", "batch_size=5", "seed=1")
-    assert out["shots"] == [0, 1, 3] and out["labels"] == ["sports", "weather", "astro-physics"]
-    assert out["chance"] == 1 / 3 and out["num_test_items"] == 4 and out["num_examples"] == 12
+    labels = ["card arrival", "card limit reached", "card", "card declined"]
+    assert out["shots"] == [0, 1, 3] and out["labels"] == labels
+    assert out["chance"] == 1 / 4 and out["num_test_items"] == 4 and out["num_examples"] == 12
+    assert out["prompt_format"]["stop"] == "\n\n" and DEMO_FORMAT.endswith("{label}\n\n")
     test = out["test_lines"]
-    labels_of_test = [ICL_EXAMPLES[n - 1]["label"] for n in test]
-    assert sorted(labels_of_test.count(x) for x in out["labels"]) == [1, 1, 2]
+    labels_of_test = [ICL_SHARED[n - 1]["label"] for n in test]
+    assert sorted(labels_of_test) == sorted(labels)
     zero, one, three = out["demonstrations"]
     assert zero == [[], [], []] and not set(test) & set(sum(three, []))
     assert len({tuple(d) for d in three}) > 1 and len({frozenset(d) for d in three}) == 1
     assert len({tuple(d) for d in one}) == 1 and set(one[0]) < set(three[0])
     loaded = _params(runs["diff"])
-    truth = np.array([out["labels"].index(x) for x in labels_of_test])
-    rows = []  # (order, test item, label): (ids, where the label's begin), shots=3 by hand
+    truth = np.array([labels.index(x) for x in labels_of_test])
+    prompts, rows = [], []  # per prompt its ids; per (prompt, label) prompt + label (+ "\n\n")
     for demos in three:
-        head = "".join(f"{ICL_EXAMPLES[n - 1]['text']}\nLabel: {ICL_EXAMPLES[n - 1]['label']}\n\n"
+        head = "".join(f"{ICL_SHARED[n - 1]['text']}\nLabel: {ICL_SHARED[n - 1]['label']}\n\n"
                        for n in demos)
         for n in test:
-            text = head + ICL_EXAMPLES[n - 1]["text"] + "\nLabel:"
-            rows += [(ENC.encode_ordinary(text + " " + label), len(ENC.encode_ordinary(text)))
-                     for label in out["labels"]]
-    width = max(len(ids) for ids, _ in rows)  # right-padded: the causal model reads no padding
-    tokens = np.array([ids + [0] * (width - len(ids)) for ids, _ in rows])
+            text = head + ICL_SHARED[n - 1]["text"] + "\nLabel:"
+            prompts.append(ENC.encode_ordinary(text))
+            rows += [ENC.encode_ordinary(text + " " + label + "\n\n" * (label == "card"))
+                     for label in labels]
+    width = max(map(len, rows))  # right-padded: the causal model reads no padding
+    tokens = np.array([ids + [0] * (width - len(ids)) for ids in rows])
     logits = np.asarray(DecoderLM(loaded.config.model).apply(
         {"params": loaded.params}, jnp.asarray(tokens[:, :-1])), np.float64)
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-    sums = np.array([sum(logp[r, t - 1, ids[t]] for t in range(start, len(ids)))
-                     for r, (ids, start) in enumerate(rows)]).reshape(3, 4, 3)
-    top = np.sort(sums, axis=-1)
-    assert (top[..., -1] - top[..., -2]).min() > 1e-3  # no near tie that float32 could flip
-    want = sums.argmax(-1)
+    want, margins = [], []
+    for p, ids in enumerate(prompts):
+        options = [rows[p * 4 + j][len(ids):] for j in range(4)]
+        assert options[2] == ENC.encode_ordinary(" card\n\n") == [options[0][0], 271]
+        said: list[int] = []
+        while len(alive := [j for j, o in enumerate(options) if o[:len(said)] == said]) > 1:
+            row = p * 4 + alive[0]  # any possible label's row reads the prompt + said
+            dist = logp[row, len(ids) + len(said) - 1]
+            allowed = sorted({options[j][len(said)] for j in alive}, key=lambda t: -dist[t])
+            margins.append(dist[allowed[0]] - dist[allowed[1]] if len(allowed) > 1 else np.inf)
+            said.append(allowed[0])
+        want.append(alive[0])
+    want = np.array(want).reshape(3, 4)
+    assert min(margins) > 1e-3  # no near tie that float32 could flip
     assert out["predictions"][2] == want.tolist()
     assert out["accuracy"][2] == np.mean(want == truth, axis=1).tolist()
     for acc, mean, std, low in zip(*(out[k] for k in ("accuracy", "accuracy_mean", "accuracy_std",
                                                      "accuracy_min"))):
         assert (mean, std, low) == (np.mean(acc), np.std(acc), min(acc))
     assert out["prompt_tokens"][0] < out["prompt_tokens"][2] <= out["length"] + 1 == 129
+
+
+def test_constrained_greedy_walks_the_labels_tokens_not_their_sums():
+    """`constrained_greedy` takes each step's most probable token among the possible labels':
+    here " card" before " top" at the first step, though "top up"'s sum is the highest; a tie
+    goes to the first label; a label that ends (its stop decoded) is the answer. `stopped`
+    appends "\n\n"'s id, as it reads after the label, to exactly the labels that begin others."""
+    from diff_jax.evaluation.choice import choice_tokens
+    from diff_jax.evaluation.icl import constrained_greedy, stopped
+
+    card, arrival, payment, top, up, stop = 3786, 19163, 8323, 1948, 709, 271
+    tails = [[card, arrival], [card, payment], [top, up]]
+    logps = np.array([[-1.0, -0.5], [-1.0, -2.0], [-1.1, -0.01]])
+    assert constrained_greedy(tails, logps) == 0 and logps.sum(1).argmax() == 2
+    logps[1, 1] = -0.4
+    assert constrained_greedy(tails, logps) == 1
+    logps[1, 1] = -0.5
+    assert constrained_greedy(tails, logps) == 0  # a tie: the first label
+    logps[2, 0] = -0.9
+    assert constrained_greedy(tails, logps) == 2
+    assert constrained_greedy([[card], [top]], np.array([[-2.0], [-1.0]])) == 1
+    labels = ["card arrival", "card", "top up", "card."]
+    text = "My card is broken.\nLabel:"
+    _, ids = choice_tokens(ENC, text, [" " + x for x in labels])
+    assert ids[:3] == [[card, arrival], [card], [top, up]]
+    got = stopped(ENC, text, labels, ids)
+    assert got[0] == ids[0] and got[2] == ids[2] and got[3] == ids[3]
+    assert got[1] == [card, stop] == ENC.encode_ordinary(" card\n\n")
+    # " card." + "\n\n" is " card" ".\n\n" in cl100k: the stop reads apart after the label
+    assert ENC.encode_ordinary(" card.\n\n")[-1] != stop
+    labels = ["card", "card. x", "card."]
+    _, ids = choice_tokens(ENC, text, [" " + x for x in labels])
+    assert ids[1][:2] == ids[2] == [card, ENC.encode_ordinary(".")[0]]
+    assert stopped(ENC, text, labels, ids) == [[card, stop], ids[1], [*ids[2], stop]]
+    tails = [[card, stop], [card, arrival, stop], [card]]  # a label that ends is decoded whole
+    assert constrained_greedy(tails, np.array([[-1.0, -3.0, 0], [-1.0, -2.0, 0],
+                                               [-1.0, 0, 0]])) == 2
 
 
 def test_icl_shots_unset_double_while_the_prompts_fit(runs, tmp_path):
@@ -565,7 +628,7 @@ def test_icl_reports_every_order_s_accuracy_and_their_mean_std_and_min(runs, tmp
     draws = np.random.default_rng(0)
     monkeypatch.setattr(icl, "continuation_logprobs",
                         lambda cfg, params, groups, batch_size, width: [
-                            draws.normal(size=len(tails)) for _, tails in groups])
+                            draws.normal(size=(len(tails), 4)) for _, tails in groups])
     path = _icl_file(tmp_path / "icl.jsonl")
     report, _ = run_task(*parse_args(["task=icl", f"input={path}", "shots=[2,4]", "orders=4",
                                       "test_items=6", f"train.run_dir={runs['diff']}"]))

@@ -162,20 +162,20 @@ def choice_logprobs(model_cfg: ModelConfig, params: Any, items: list[Item], leng
                 owners.append((i, []))
             groups[shared[context]][1].append(choice)
             owners[shared[context]][1].append(j)
-    sums = continuation_logprobs(model_cfg, params, groups, batch_size)
+    logps = continuation_logprobs(model_cfg, params, groups, batch_size)
     per_item = [np.zeros(len(item.choices)) for item in items]
-    for (i, choices), group_sums in zip(owners, sums):
-        per_item[i][choices] = group_sums
+    for (i, choices), group_logps in zip(owners, logps):
+        per_item[i][choices] = group_logps.sum(1)
     return per_item, cut
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
-def _continuation_sums(model: DecoderLM, params: Any, contexts: jax.Array, lengths: jax.Array,
-                       tails: jax.Array, counts: jax.Array) -> jax.Array:
-    """(B, L) float32 sums of log p(continuation tokens | context and the continuation's tokens
-    before each) of the right-padded contexts (B, W) of `lengths` (B,) tokens and their L
-    right-padded continuations `tails` (B, L, M) of `counts` (B, L) tokens (0: a padding slot,
-    whose sum means nothing).
+def _continuation_logps(model: DecoderLM, params: Any, contexts: jax.Array, lengths: jax.Array,
+                        tails: jax.Array, counts: jax.Array) -> jax.Array:
+    """(B, L, M) float32 log p(each continuation token | the context and the continuation's
+    tokens before it), 0 past a continuation's count, of the right-padded contexts (B, W) of
+    `lengths` (B,) tokens and their L right-padded continuations `tails` (B, L, M) of `counts`
+    (B, L) tokens (0: a padding slot, whose values mean nothing).
     The contexts are read once (`prefill`); each continuation is then fed from its context's
     end one token a step (`decode_logits`), writing the cache past the context, where the next
     continuation, starting at the context's end again, never reads it."""
@@ -190,26 +190,26 @@ def _continuation_sums(model: DecoderLM, params: Any, contexts: jax.Array, lengt
     def one(cache, tokens_and_count):
         tokens, count = tokens_and_count  # (B, M), (B,)
 
-        def step(carry, s):
-            cache, total = carry
+        def step(cache, s):
             logits, cache = decode_logits(model, params, cache, tokens[:, s], lengths + s)
             logp = picked(jax.nn.log_softmax(logits), tokens[:, s + 1])
-            return (cache, total + jnp.where(s + 1 < count, logp, 0.0)), None
+            return cache, jnp.where(s + 1 < count, logp, 0.0)
 
-        total = picked(first, tokens[:, 0])
-        (cache, total), _ = jax.lax.scan(step, (cache, total), jnp.arange(width - 1))
-        return cache, total
+        cache, rest = jax.lax.scan(step, cache, jnp.arange(width - 1))  # (M - 1, B)
+        return cache, jnp.concatenate([picked(first, tokens[:, 0])[None], rest]).T
 
-    _, sums = jax.lax.scan(one, cache, (tails.swapaxes(0, 1), counts.T))
-    return sums.T
+    _, logps = jax.lax.scan(one, cache, (tails.swapaxes(0, 1), counts.T))  # (L, B, M)
+    return logps.swapaxes(0, 1)
 
 
 def continuation_logprobs(model_cfg: ModelConfig, params: Any,
                           groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
                           batch_size: int, context_width: int | None = None) -> list[np.ndarray]:
-    """Per (context ids, continuations' ids) group, (len(continuations),) float64: each
-    continuation's sum of log p(its tokens | the context and its tokens before each), the model
-    reading the context and all but the continuation's last token (`_continuation_sums`).
+    """Per (context ids, continuations' ids) group, (len(continuations), M) float64: each
+    continuation's log p(each of its tokens | the context and its tokens before it), 0 past its
+    own count (M, the call's longest continuation); the model reads the context and all but
+    the continuation's last token (`_continuation_logps`). A row's sum is the continuation's
+    log-likelihood (`choice`).
 
     Each context is read once, into a KV cache, and every continuation of it is fed after it
     from that cache: a group of L continuations costs one forward over its context and their
@@ -221,7 +221,7 @@ def continuation_logprobs(model_cfg: ModelConfig, params: Any,
     width = context_width or max(len(c) for c, _ in groups)
     most = max(len(conts) for _, conts in groups)
     longest = max(len(x) for _, conts in groups for x in conts)
-    sums = []
+    logps = []
     for start in range(0, len(groups), batch_size):
         batch = list(groups[start: start + batch_size])
         batch += [groups[0]] * (batch_size - len(batch))
@@ -233,11 +233,11 @@ def continuation_logprobs(model_cfg: ModelConfig, params: Any,
             for j, x in enumerate(conts):
                 tails[r, j, : len(x)] = x
                 counts[r, j] = len(x)
-        got = np.asarray(_continuation_sums(
+        got = np.asarray(_continuation_logps(
             model, params, jnp.asarray(contexts), jnp.asarray([len(c) for c, _ in batch], jnp.int32),
             jnp.asarray(tails), jnp.asarray(counts)), np.float64)
-        sums += [got[r, : len(conts)] for r, (_, conts) in enumerate(batch[: len(groups) - start])]
-    return sums
+        logps += [got[r, : len(conts)] for r, (_, conts) in enumerate(batch[: len(groups) - start])]
+    return logps
 
 
 def choice_task(loaded: Loaded, options: EvalOptions) -> Report:

@@ -3,11 +3,16 @@ the demonstrations fill the context (Figure 6) and its spread over their orders 
 
 `input=DATA.jsonl` holds one example a line, `{"text": str, "label": str}` (TREC, TREC-fine,
 Banking-77 or Clinic-150 converted to it, say); its labels are the distinct labels of the file.
-A prompt is `shots` demonstrations, each `DEMO_FORMAT`, then a test item's `QUERY_FORMAT`; each
-label is scored as its continuation " LABEL" by the `choice` task's rule (`choice_tokens`,
-`continuation_logprobs`: the sum of log p(label tokens | prompt)), and the prediction is the
-label of the highest sum: constrained to the file's labels, as the paper's protocol (after
-Bertsch et al.) constrains the answer.
+A prompt is `shots` demonstrations, each `DEMO_FORMAT`, then a test item's `QUERY_FORMAT`, and
+the prediction is what greedy decoding constrained to the labels answers (`constrained_greedy`),
+the protocol the paper follows (Bertsch et al., 2024, after Ratner et al.'s restricted
+decoding): from the prompt, each step takes the most probable of the tokens that continue some
+label still possible, until one label is left. A label's tokens are its continuation " LABEL"
+as the `choice` task splits it (`choice_tokens`); a label whose tokens begin another's is
+followed by `STOP`'s first token, as it reads after the label (what ends a label in a
+demonstration), so that decoding can stop there. Greedy is not the label of the highest summed
+log-probability: with labels "card arrival" and "top up", a prompt that makes " card" likely
+answers a card label even where " top up" has the higher total.
 
 Which examples (`deal`): the file's examples are shuffled by `seed` and dealt round-robin over
 the labels (in the order each first appears in the shuffle); the first `test_items` dealt are
@@ -23,8 +28,9 @@ harder setting; every order is scored on the same test items. A prompt and a lab
 `length` + 1 tokens (the label's last token is read by no position); `shots` unset is 1, 2, 4,
 ... while they fit and the demonstrations last (Figure 6's sweep). Each order's prompts, one a
 test item, are scored `batch_size` at a time (`continuation_logprobs`: each prompt read once,
-its labels fed after it from the KV cache), right-padded to the longest prompt of their shot
-count: one program a shot count.
+every label's tokens fed after it from the KV cache, which gives each step's log-probabilities
+of every label's next token at once), right-padded to the longest prompt of their shot count:
+one program a shot count.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from diff_jax.data.tokenizer import Encoding
+from diff_jax.data.tokenizer import Encoding, continuations
 from diff_jax.evaluation.choice import choice_tokens, continuation_logprobs, read_jsonl
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
@@ -46,6 +52,7 @@ from diff_jax.evaluation.scoring import eval_length
 EXAMPLE_FORMAT = '{"text": str, "label": str}'
 DEMO_FORMAT = "{text}\nLabel: {label}\n\n"  # one demonstration
 QUERY_FORMAT = "{text}\nLabel:"  # the test item, which each label " {label}" continues
+STOP = DEMO_FORMAT.split("{label}")[1]  # what follows a label in a demonstration
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +67,8 @@ class Example:
 @dataclasses.dataclass(frozen=True)
 class Prompts:
     """One shot count's prompts: per order, its demonstrations (indices of the examples, in the
-    prompt's order) and its groups (prompt ids, every label's ids), one a test item, labels in
-    the file's order; the longest prompt's tokens, and with its longest label's."""
+    prompt's order) and its groups (prompt ids, every label's ids, `stopped`), one a test item,
+    labels in the file's order; the longest prompt's tokens, and with its longest label's."""
 
     demos: list[list[int]]
     groups: list[list[tuple[Sequence[int], list[Sequence[int]]]]]
@@ -134,7 +141,7 @@ def shot_prompts(enc: Encoding, examples: Sequence[Example], labels: Sequence[st
                  path: Path) -> Prompts:
     """The `options.orders` prompts of `shots` demonstrations (the first `shots` of `dealt`)
     for the `test` items, each item's prompt with each label (`choice_tokens`: the prompt's ids
-    are the same for every label); an `EvalError` for a label that adds no token."""
+    are the same for every label; `stopped`); an `EvalError` for a label that adds no token."""
     demos, groups, prompt_width, width = [], [], 0, 0
     for order in range(options.orders):
         shown = arranged(dealt[:shots], examples, options.arrangement, options.seed, order)
@@ -148,11 +155,43 @@ def shot_prompts(enc: Encoding, examples: Sequence[Example], labels: Sequence[st
                     raise EvalError(f"input={path}: the label {label!r} adds no token after "
                                     f"{QUERY_FORMAT!r} (data.tokenizer={enc.name})")
             context = np.asarray(ids, np.int32)
+            tails = stopped(enc, text, labels, tails)
             order_groups.append((context, tails))
             prompt_width = max(prompt_width, len(context))
             width = max(width, len(context) + max(len(tail) for tail in tails))
         groups.append(order_groups)
     return Prompts(demos, groups, prompt_width, width)
+
+
+def stopped(enc: Encoding, text: str, labels: Sequence[str],
+            tails: Sequence[Sequence[int]]) -> list[Sequence[int]]:
+    """`tails`, each label's ids after the prompt `text`, with `STOP`'s first id as it reads
+    after that label (`continuations`) appended to each whose ids begin another's: where
+    constrained decoding may end that label rather than go on to the longer one."""
+    ended = [any(len(t) < len(u) and list(u[:len(t)]) == list(t) for u in tails) for t in tails]
+    if not any(ended):
+        return list(tails)
+    prefixed = [text + " " + label for label, end in zip(labels, ended) if end]
+    after = iter(continuations(enc, prefixed, [STOP] * len(prefixed))[1])
+    return [[*t, next(after)[0]] if end else t for t, end in zip(tails, ended)]
+
+
+def constrained_greedy(tails: Sequence[Sequence[int]], logps: np.ndarray) -> int:
+    """The label (index of `tails`, each label's ids) that greedy decoding constrained to the
+    labels answers, given `logps` (labels, M): log p(each label's token | the prompt and the
+    label's tokens before it). Each step takes, of the labels still possible, the token of the
+    highest log-probability (labels that share the tokens so far share the step's distribution;
+    on a tie the first label's), and keeps the labels that have it there, until one is left or
+    one ends (its ids all decoded, `STOP` among them where it begins another label)."""
+    alive, step = list(range(len(tails))), 0
+    while len(alive) > 1:
+        ended = [i for i in alive if len(tails[i]) == step]
+        if ended:
+            return ended[0]
+        best = max(alive, key=lambda i: logps[i, step])
+        alive = [i for i in alive if tails[i][step] == tails[best][step]]
+        step += 1
+    return alive[0]
 
 
 def fits(prompts: Prompts, length: int) -> bool:
@@ -221,8 +260,9 @@ def icl_task(loaded: Loaded, options: EvalOptions) -> Report:
         if not fits(prompts, length):
             raise EvalError(too_long(shots, prompts, length))
         predicted[shots] = [
-            np.array([sums.argmax() for sums in continuation_logprobs(
-                cfg.model, loaded.params, groups, options.batch_size, prompts.prompt_width)])
+            np.array([constrained_greedy(tails, logps) for (_, tails), logps in zip(
+                groups, continuation_logprobs(cfg.model, loaded.params, groups,
+                                              options.batch_size, prompts.prompt_width))])
             for groups in prompts.groups]
         shown[shots], tokens[shots] = prompts.demos, prompts.width
     accuracy = [[float(np.mean(p == truth)) for p in predicted[k]] for k in counts]
@@ -236,7 +276,7 @@ def icl_task(loaded: Loaded, options: EvalOptions) -> Report:
          "length": length, "arrangement": options.arrangement, "orders": options.orders,
          "seed": options.seed,
          "prompt_format": {"demonstration": DEMO_FORMAT, "query": QUERY_FORMAT,
-                           "label": " {label}"},
+                           "label": " {label}", "stop": STOP},
          "shots": counts, "prompt_tokens": [tokens[k] for k in counts],
          "accuracy_mean": mean, "accuracy_std": std, "accuracy_min": low, "accuracy": accuracy,
          "demonstrations": [[[examples[i].line for i in d] for d in shown[k]] for k in counts],

@@ -147,8 +147,8 @@ def _stop_signals(say: Callable[[str], None]) -> Iterator[list[str]]:
             raise KeyboardInterrupt
         caught.append(signal.Signals(signum).name)
         say(f"{caught[0]} received: finishing the step in flight, then saving it and exiting"
-            + (" (Ctrl-C again stops without saving the step in flight; a save already under "
-               "way completes first)" if signum == signal.SIGINT
+            + (" (Ctrl-C again stops without saving the step in flight; a save already handed "
+               "to the checkpoint writer completes first)" if signum == signal.SIGINT
                else ""))
 
     previous = {s: signal.signal(s, handler)

@@ -428,8 +428,8 @@ def test_ctrl_c_twice_stops_at_once_keeping_the_committed_checkpoints(corpus, tm
     assert swallowed == ([15] if how.endswith("swallowed") else [])
     err = capsys.readouterr().err
     assert ("SIGINT received: finishing the step in flight, then saving it and exiting (Ctrl-C "
-            "again stops without saving the step in flight; a save already under way completes "
-            "first)") in err
+            "again stops without saving the step in flight; a save already handed to the "
+            "checkpoint writer completes first)") in err
     assert err.strip().splitlines()[-1] == (
         f"interrupted: stopped at once; the checkpoints already committed in {tmp_path / 'run'}"
         "/checkpoints are kept (re-run to resume from the newest)")

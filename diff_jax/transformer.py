@@ -259,14 +259,23 @@ def _array_like(name: str, x: Any) -> Any:
                          f"{type(x).__name__}") from None
 
 
+def _check_per_token(name: str, x: Any, shape: tuple[int, int], what: str) -> None:
+    """One ValueError naming `name`, the tokens' `shape` (B, T), `what` its entries are, and
+    `x`'s dtype and shape, unless `x` (an array) is None or integers of that shape."""
+    if x is not None and (x.shape != shape or not jnp.issubdtype(x.dtype, jnp.integer)):
+        raise ValueError(f"{name} must be (B, T) = {shape} {what}, got {x.dtype} of shape "
+                         f"{x.shape}")
+
+
 class DecoderLM(nn.Module):
     """tokens (B, T) int32 -> logits (B, T, vocab) float32.
 
     `positions` (B, T) restart per packed segment (default 0..T-1); `segment_ids` (B, T) confine
-    attention to a segment, causally, with 0 marking padding. Both are integers (a float or bool
-    array is a ValueError naming it). With `decode=True` every attention
-    layer keeps a KV cache in the `cache` collection (see `diff_jax.generate`), one sequence per
-    row, as long as the `init` input (B, S): `segment_ids` are then refused. A call with T > 1 is
+    attention to a segment, causally, with 0 marking padding. Both are integers of the tokens'
+    shape (another shape, or a float or bool array, is a ValueError naming it). With
+    `decode=True` every attention layer keeps a KV cache in the `cache` collection (see
+    `diff_jax.generate`), one sequence per row, as long as the `init` input (B, S):
+    `segment_ids` are then refused, whatever they hold. A call with T > 1 is
     the prompt's prefill from position 0 (it attends within its own tokens, not to the cache; a
     prompt fed in chunks is not supported); a call with T = 1 and `positions` p (B, 1) in [0, S)
     writes entry p and attends to entries 0..p (pass them: the default is 0). A position outside
@@ -327,19 +336,18 @@ class DecoderLM(nn.Module):
             raise ValueError(f"tokens must be (B, T) integer ids, got {tokens.dtype} of shape "
                              f"{tokens.shape}")
         b, t = tokens.shape
-        if positions is not None and not jnp.issubdtype(positions.dtype, jnp.integer):
-            # float positions ran RoPE at fractional angles, bools as 0 and 1
-            raise ValueError(f"positions must be integers (each token's position in its "
-                             f"segment), got {positions.dtype}")
+        # float positions ran RoPE at fractional angles, bools as 0 and 1; (T,) or (1, T) ones
+        # broadcast over the rows, others failed inside RoPE
+        _check_per_token("positions", positions, (b, t),
+                         "integers (each token's position in its segment)")
+        if not self.decode:  # with a KV cache any segment_ids are refused (`_kv_cache`)
+            _check_per_token("segment_ids", segment_ids, (b, t), "integers (0: padding)")
         if logits_at is not None and (
                 logits_at.ndim != 2 or logits_at.shape[0] != b
                 or not jnp.issubdtype(logits_at.dtype, jnp.integer)):
             raise ValueError(f"logits_at must be (B, K) = ({b}, K) integer positions, got "
                              f"{logits_at.dtype} of shape {logits_at.shape}")
-        if targets is not None and (targets.shape != (b, t)
-                                    or not jnp.issubdtype(targets.dtype, jnp.integer)):
-            raise ValueError(f"targets must be (B, T) = ({b}, {t}) integer ids, got "
-                             f"{targets.dtype} of shape {targets.shape}")
+        _check_per_token("targets", targets, (b, t), "integer ids")
         if targets is not None and logits_at is not None:
             raise ValueError("pass logits_at or targets, not both")
         embedding = self.param(

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -283,22 +284,39 @@ def test_unfilled_cache_entries_holding_nan_do_not_reach_the_logits(capture):
 
 def test_segment_ids_with_a_kv_cache_are_refused_and_its_layers_need_positions():
     """A decode step ignored them (every entry up to the position was attended), and a prefill
-    honoured them only until the next step; the cache keeps no segments, so both are refused.
+    honoured them only until the next step; the cache keeps no segments, so both are refused,
+    whatever their dtype or shape (that error, not the one for mis-shaped segment ids).
     An attention layer with a cache, called on its own, needs the positions to write at (the
     model passes 0..T-1 when given none)."""
     cfg, params = _setup("diff")
     model = DecoderLM(cfg, decode=True)
     cache = empty_cache(model, 2, 8)
     for t in (1, 4):
-        with pytest.raises(ValueError, match=r"segment_ids must be None with a KV cache"):
-            model.apply({"params": params, "cache": cache}, jnp.ones((2, t), jnp.int32),
-                        positions=jnp.zeros((2, t), jnp.int32),
-                        segment_ids=jnp.ones((2, t), jnp.int32), mutable=["cache"])
+        for segment_ids in (jnp.ones((2, t), jnp.int32), jnp.ones((2, t), jnp.float32),
+                            jnp.ones((2, t + 1), jnp.int32)):
+            with pytest.raises(ValueError, match=r"^segment_ids must be None with a KV cache"):
+                model.apply({"params": params, "cache": cache}, jnp.ones((2, t), jnp.int32),
+                            positions=jnp.zeros((2, t), jnp.int32), segment_ids=segment_ids,
+                            mutable=["cache"])
     layer = variants.spec("diff").module(cfg, 0, decode=True)
     x = jnp.zeros((2, 4, cfg.embed_dim))
     variables = layer.init(jax.random.key(0), x, positions=jnp.zeros((2, 4), jnp.int32))
     with pytest.raises(ValueError, match=r"decoding needs explicit positions \(B, T\)"):
         layer.apply(variables, x, mutable=["cache"])
+
+
+@pytest.mark.parametrize("shape", [(2,), (2, 2), (1, 1)])
+def test_a_decode_step_whose_positions_are_not_one_per_row_is_refused(shape):
+    """A step (T = 1) takes positions (B, 1); (B,) and (B, 2) failed inside RoPE ("RoPE tables
+    ... do not fit x"), (1, 1) in the cache write's vmap. One error naming positions and
+    (B, T) = (2, 1)."""
+    cfg, params = _setup("diff")
+    model = DecoderLM(cfg, decode=True)
+    cache = empty_cache(model, 2, 8)
+    with pytest.raises(ValueError, match=rf"^positions must be \(B, T\) = \(2, 1\) integers "
+                                         rf".*, got int32 of shape {re.escape(str(shape))}"):
+        model.apply({"params": params, "cache": cache}, jnp.ones((2, 1), jnp.int32),
+                    positions=jnp.zeros(shape, jnp.int32), mutable=["cache"])
 
 
 def test_a_cache_filled_to_max_seq_len_matches_the_full_forward_and_one_more_is_refused():

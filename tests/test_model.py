@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import chex
 import jax
@@ -191,21 +192,35 @@ def test_tokens_that_are_not_a_batch_of_ids_are_refused(tokens):
         model.apply(variables, tokens)
 
 
+_PER_TOKEN = {"positions": r"integers \(each token's position in its segment\)",
+              "segment_ids": r"integers \(0: padding\)"}
+
+
 def test_positions_and_segment_ids_that_are_not_integers_are_refused():
     """Float positions ran RoPE at fractional angles (np.arange(T, dtype=float) silently) and bool
-    ones as 0 and 1; float or bool segment ids are refused by the attention's own check. Each is
-    one error naming the argument and its dtype."""
+    ones as 0 and 1; float or bool segment ids were refused only by the attention's own check,
+    inside the first layer. Each is one error naming the argument, its dtype and (B, T)."""
     model, variables, tokens = _init(_cfg("diff", num_layers=1))
     for bad in (np.broadcast_to(np.arange(T, dtype=float), (2, T)), np.ones((2, T), bool)):
-        with pytest.raises(ValueError, match=rf"^positions must be integers \(each token's "
-                                             rf"position in its segment\), got {bad.dtype}"):
-            model.apply(variables, tokens, positions=bad)
-        with pytest.raises(ValueError, match=rf"^segment_ids must be integers \(0: padding\), "
-                                             rf"got {bad.dtype}"):
-            model.apply(variables, tokens, segment_ids=bad)
+        for name, what in _PER_TOKEN.items():
+            with pytest.raises(ValueError, match=rf"^{name} must be \(B, T\) = \(2, {T}\) {what}, "
+                                                 rf"got {bad.dtype} of shape \(2, {T}\)"):
+                model.apply(variables, tokens, **{name: bad})
     np.testing.assert_array_equal(  # integers of any width are positions
         model.apply(variables, tokens, positions=np.broadcast_to(np.arange(T, dtype=np.uint8), (2, T))),
         model.apply(variables, tokens))
+
+
+@pytest.mark.parametrize("name", list(_PER_TOKEN))
+@pytest.mark.parametrize("shape", [(2, T + 1), (2, T - 1), (T,), (2, 1), (1, T), (3, T), ()])
+def test_positions_and_segment_ids_not_of_the_tokens_shape_are_refused(name, shape):
+    """Positions (T,) or (1, T) broadcast silently over the rows; (B, T + 1), (B, 1) or another
+    B failed inside RoPE ("RoPE tables ... do not fit x") or the attention. Each is one error
+    naming the argument, its shape and the tokens' (B, T), before anything is computed."""
+    model, variables, tokens = _init(_cfg("diff", num_layers=1))
+    with pytest.raises(ValueError, match=rf"^{name} must be \(B, T\) = \(2, {T}\) {_PER_TOKEN[name]}, "
+                                         rf"got int32 of shape {re.escape(str(shape))}"):
+        model.apply(variables, tokens, **{name: jnp.zeros(shape, jnp.int32)})
 
 
 def test_lists_of_ids_and_positions_are_taken_as_arrays():

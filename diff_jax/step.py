@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from diff_jax import variants
 from diff_jax.attention_op import AttentionOp
 from diff_jax.config import Config, ModelConfig, OptimConfig
+from diff_jax.kernels.reference import is_array, kind_of
 from diff_jax.optim import make_optimizer, schedule
 from diff_jax.sharding import (batch_sharding, check_batch, check_divisible, check_mesh,
                                tree_shardings, unboxed)
@@ -44,10 +45,13 @@ BATCH_KEYS = ("tokens", "targets", "positions")
 OPTIONAL_BATCH_KEYS = ("segment_ids", "loss_mask")
 
 
-def check_batch_keys(batch: Batch) -> None:
+def check_batch_arrays(batch: Batch) -> None:
     """One error unless `batch` is a dict holding every key of `BATCH_KEYS` and no key outside
     them and `OPTIONAL_BATCH_KEYS` (a misspelt optional key would be ignored), listing the keys
-    a batch holds. The steps check it as they trace, on the host."""
+    a batch holds; then one ValueError naming the first key whose value is not an array of the
+    tokens' shape (B, T), or not integers (all but `loss_mask`, whose weights may be bools or
+    floats), with its dtype and shape. An optional key holding None counts as left out. The
+    steps check it as they trace, on the host."""
     holds = (f"a batch holds {', '.join(BATCH_KEYS)} and optionally "
              f"{', '.join(OPTIONAL_BATCH_KEYS)}, each (B, T) int32")
     if not isinstance(batch, Mapping):
@@ -59,6 +63,25 @@ def check_batch_keys(batch: Batch) -> None:
         [f"has unknown {', '.join(unknown)}"] if unknown else [])
     if wrong:
         raise ValueError(f"the batch {' and '.join(wrong)}: {holds}")
+    tokens = batch["tokens"]
+    if not (is_array(tokens) and len(tokens.shape) == 2
+            and jnp.issubdtype(tokens.dtype, jnp.integer)):
+        raise ValueError(f"the batch's tokens must be (B, T) integer ids, got {_described(tokens)}")
+    shape = tokens.shape
+    for key in (*BATCH_KEYS[1:], *OPTIONAL_BATCH_KEYS):
+        x = batch.get(key)
+        if x is None and key in OPTIONAL_BATCH_KEYS:  # as `loss_fn` reads it: left out
+            continue
+        ids = key != "loss_mask"
+        if not (is_array(x) and x.shape == shape
+                and (not ids or jnp.issubdtype(x.dtype, jnp.integer))):
+            raise ValueError(f"the batch's {key} must be {'integers' if ids else 'an array'} of "
+                             f"the tokens' shape (B, T) = {shape}, got {_described(x)}")
+
+
+def _described(x: Any) -> str:
+    """An error's words for a batch value: "<dtype> of shape <shape>", or its Python type."""
+    return f"{kind_of(x)} of shape {x.shape}" if is_array(x) else kind_of(x)
 
 
 @flax.struct.dataclass
@@ -131,7 +154,7 @@ def _micro_batches(batch: Batch, k: int) -> Batch:
 def loss_and_grads(params: Any, batch: Batch, model: DecoderLM, grad_accum: int) -> tuple[jax.Array, Any]:
     """(mean loss () float32, its gradients shaped like `params`) over the counted targets of the
     (B, T) batch, in `grad_accum` sequential micro-batches of B / grad_accum rows."""
-    check_batch_keys(batch)
+    check_batch_arrays(batch)
     grad_fn = jax.value_and_grad(loss_fn)
     count = target_count(batch)
     if grad_accum == 1:
@@ -164,7 +187,7 @@ def eval_step(params: Any, batch: Batch, *, model: DecoderLM, micro_batches: int
     """Mean validation loss () float32 over the counted targets of one (B, T) batch, computed in
     `micro_batches` sequential slices of B / micro_batches rows (the training step's
     `grad_accum`, so that evaluating a batch never holds more activations than training on it)."""
-    check_batch_keys(batch)
+    check_batch_arrays(batch)
     count = target_count(batch)
     if micro_batches == 1:
         return loss_fn(params, batch, model, count)

@@ -200,6 +200,80 @@ def test_a_batch_without_a_key_or_with_an_unknown_one_is_one_error_listing_a_bat
             built.eval(state.params, tuple(batch.values()))
 
 
+def _with(key, change):
+    """A masked batch (8, 16) with its `key` replaced by `change` of it."""
+    batch = _masked(_batch())
+    return dict(batch, **{key: change(batch[key])})
+
+
+_OF_TOKENS = r"of the tokens' shape \(B, T\) = \(8, 16\), got "
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+@pytest.mark.parametrize("batch, says", [
+    (_with("positions", lambda x: x[:, :-1]),
+     r"^the batch's positions must be integers " + _OF_TOKENS + r"int32 of shape \(8, 15\)"),
+    (_with("targets", lambda x: np.pad(x, ((0, 0), (0, 1)))),
+     r"^the batch's targets must be integers " + _OF_TOKENS + r"int32 of shape \(8, 17\)"),
+    (_with("targets", lambda x: x.astype(np.float32)),
+     r"^the batch's targets must be integers " + _OF_TOKENS + r"float32 of shape \(8, 16\)"),
+    (_with("segment_ids", lambda x: x[:4]),
+     r"^the batch's segment_ids must be integers " + _OF_TOKENS + r"int32 of shape \(4, 16\)"),
+    (_with("loss_mask", lambda x: x[:, :-1]),
+     r"^the batch's loss_mask must be an array " + _OF_TOKENS + r"int32 of shape \(8, 15\)"),
+    (_with("loss_mask", lambda x: x[:, :1]),
+     r"^the batch's loss_mask must be an array " + _OF_TOKENS + r"int32 of shape \(8, 1\)"),
+    (_with("positions", lambda x: None),
+     r"^the batch's positions must be integers " + _OF_TOKENS + r"NoneType"),
+    (_with("tokens", lambda x: x[..., None]),
+     r"^the batch's tokens must be \(B, T\) integer ids, got int32 of shape \(8, 16, 1\)"),
+    (_with("tokens", lambda x: x.astype(np.float32)),
+     r"^the batch's tokens must be \(B, T\) integer ids, got float32 of shape \(8, 16\)")],
+    ids=["positions_short", "targets_long", "targets_float", "segment_ids_rows",
+         "loss_mask_short", "loss_mask_one_column", "positions_none", "tokens_rank3",
+         "tokens_float"])
+def test_a_batch_value_not_of_the_tokens_shape_or_not_integers_is_one_error_naming_its_key(
+        grad_accum, batch, says):
+    """A (B, 1) loss mask broadcast over the positions (the count was its B entries, the sum took
+    every target of the rows they count); one of another T was a bare "mul got incompatible
+    shapes"; positions None ran the default 0..T-1 across packed documents; the model's errors
+    named the micro-batch's rows, not the batch's (B/grad_accum, or a (2, 16) slice of a (4, 16)
+    segment_ids). train and eval name the batch's key, its dtype and shape and the tokens'
+    (B, T), as they trace."""
+    built, _ = _built(MeshConfig(data=1, fsdp=1, tensor=1), True, grad_accum)
+    with built.context():
+        state = built.init(jax.random.PRNGKey(0))
+        with pytest.raises(ValueError, match=says):
+            built.eval(state.params, batch)
+        with pytest.raises(ValueError, match=says):
+            built.train(state, batch)
+
+
+def test_a_loss_mask_of_bools_or_floats_weighs_the_targets_as_ones_and_zeros_do():
+    """The batch check asks integers of the ids only: a bool or float 0/1 loss mask gives the
+    int mask's loss, as before it."""
+    built, _ = _built(MeshConfig(data=1, fsdp=1, tensor=1), True)
+    batch = _masked(_batch())
+    with built.context():
+        params = built.init(jax.random.PRNGKey(0)).params
+        want = float(built.eval(params, batch))
+        for dtype in (bool, np.float32):
+            mask = batch["loss_mask"].astype(dtype)
+            assert float(built.eval(params, dict(batch, loss_mask=mask))) == want, dtype
+
+
+def test_a_rank_1_tokens_given_to_the_loss_is_one_error_naming_the_key():
+    """Called without the steps' batch sharding (which refuses a value of rank < 2 itself,
+    naming its key path batch['tokens']), `loss_and_grads` names tokens and (B, T)."""
+    model = DecoderLM(MODEL)
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.PRNGKey(3),
+                                               jnp.zeros((1, 1), jnp.int32)))["params"]
+    batch = _with("tokens", lambda x: x[0])
+    with pytest.raises(ValueError, match=r"^the batch's tokens must be \(B, T\) integer ids, got "
+                                         r"int32 of shape \(16,\)"):
+        jax.jit(functools.partial(loss_and_grads, model=model, grad_accum=1))(params, batch)
+
+
 def test_sharded_step_equals_one_device_and_params_are_sharded_by_the_rules():
     state1, loss1, grads1, m1 = _sharded(MeshConfig(data=1, fsdp=1, tensor=1), one_device=True)
     state8, loss8, grads8, m8 = _sharded(MeshConfig(data=2, fsdp=2, tensor=2))

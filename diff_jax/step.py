@@ -37,9 +37,10 @@ from diff_jax.sharding import (batch_sharding, check_batch, check_divisible, che
                                tree_shardings, unboxed)
 from diff_jax.transformer import DecoderLM, layer_lambdas
 
-# tokens, targets, positions and (optional) segment_ids and loss_mask: (B, T) int32. The data
-# pipeline always gives segment_ids (packed documents); without them each row is one document
-# (causal masking only). loss_mask is 1 for the targets that count in the loss; without it, all do.
+# tokens, targets, positions and (optional) segment_ids: (B, T) integers; loss_mask (optional):
+# (B, T) weights, 1 for the targets that count in the loss (without it, all do). The data
+# pipeline gives int32 and always segment_ids (packed documents); without them each row is one
+# document (causal masking only).
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("tokens", "targets", "positions")
 OPTIONAL_BATCH_KEYS = ("segment_ids", "loss_mask")
@@ -53,7 +54,7 @@ def check_batch_arrays(batch: Batch) -> None:
     floats), with its dtype and shape. An optional key holding None counts as left out. The
     steps check it as they trace, on the host."""
     holds = (f"a batch holds {', '.join(BATCH_KEYS)} and optionally "
-             f"{', '.join(OPTIONAL_BATCH_KEYS)}, each (B, T) int32")
+             f"{', '.join(OPTIONAL_BATCH_KEYS)}, each (B, T), integers but loss_mask's weights")
     if not isinstance(batch, Mapping):
         raise TypeError(f"the batch must be a dict of (B, T) arrays, got {type(batch).__name__}: "
                         f"{holds}")

@@ -183,7 +183,7 @@ def test_a_batch_without_a_key_or_with_an_unknown_one_is_one_error_listing_a_bat
     which keys are missing or unknown and the keys a batch holds."""
     built, _ = _built(MeshConfig(data=1, fsdp=1, tensor=1), True, grad_accum)
     holds = (r": a batch holds tokens, targets, positions and optionally segment_ids, loss_mask, "
-             r"each \(B, T\) int32")
+             r"each \(B, T\), integers but loss_mask.s weights")
     batch = _batch()
     with built.context():
         state = built.init(jax.random.PRNGKey(0))

@@ -145,7 +145,12 @@ def loss_fn(params: Any, batch: Batch, model: DecoderLM, count: jax.Array | None
 
 def _micro_batches(batch: Batch, k: int) -> Batch:
     """The (B, T) batch as (k, B/k, T) micro-batches: micro-batch i holds rows j·k + i, so every
-    device keeps its own rows."""
+    device keeps its own rows. A ValueError unless k divides B."""
+    rows = batch["tokens"].shape[0]
+    if rows % k:
+        raise ValueError(f"a batch of {rows} rows does not split into {k} micro-batches "
+                         "(train.grad_accum) of equal rows; give a multiple of it")
+
     def split(x: jax.Array) -> jax.Array:
         x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
         return nn.with_logical_constraint(x, (None, "batch", "length"))

@@ -16,7 +16,7 @@ from diff_jax.config import Config, MeshConfig, ModelConfig, OptimConfig, TrainC
 from diff_jax.optim import decay_mask, make_optimizer, schedule
 from diff_jax.sharding import (ShardingError, check_batch, make_mesh, mesh_shape, num_slices,
                                slice_devices)
-from diff_jax.step import build_steps, loss_and_grads, loss_fn, state_shardings
+from diff_jax.step import build_steps, eval_step, loss_and_grads, loss_fn, state_shardings
 from diff_jax.transformer import DecoderLM
 
 MODEL = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=2, max_seq_len=64)
@@ -272,6 +272,24 @@ def test_a_rank_1_tokens_given_to_the_loss_is_one_error_naming_the_key():
     with pytest.raises(ValueError, match=r"^the batch's tokens must be \(B, T\) integer ids, got "
                                          r"int32 of shape \(16,\)"):
         jax.jit(functools.partial(loss_and_grads, model=model, grad_accum=1))(params, batch)
+
+
+@pytest.mark.parametrize("step", ["train", "eval"])
+def test_a_batch_that_grad_accum_does_not_divide_is_one_error(step):
+    """A caller's batch of 6 rows with grad_accum 4 was a bare reshape error from inside the
+    micro-batch split; train and eval name the rows, the micro-batches and train.grad_accum."""
+    model = DecoderLM(MODEL)
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.PRNGKey(3),
+                                               jnp.zeros((1, 1), jnp.int32)))["params"]
+    batch = {k: x[:6] for k, x in _batch().items()}
+    run = (functools.partial(loss_and_grads, model=model, grad_accum=4) if step == "train" else
+           functools.partial(eval_step, model=model, micro_batches=4))
+    with pytest.raises(ValueError, match=r"^a batch of 6 rows does not split into 4 micro-batches "
+                                         r"\(train\.grad_accum\) of equal rows; give a multiple "
+                                         r"of it"):
+        jax.jit(run)(params, batch)
+    good = {k: x[:8] for k, x in _batch().items()}
+    assert np.isfinite(jax.tree.leaves(jax.jit(run)(params, good))[0]).all()
 
 
 def test_sharded_step_equals_one_device_and_params_are_sharded_by_the_rules():

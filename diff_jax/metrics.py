@@ -179,36 +179,58 @@ class MetricsWriter:
 
 
 class Progress:
-    """One status line: step, loss, tokens/s, ETA (redrawn on a terminal, a line per log otherwise).
+    """One status line: done/total units, details, ETA (redrawn on a terminal; a line per call
+    elsewhere, or at most one per `every_s` seconds where that is set). Training's reads step,
+    loss, tokens/s (`update`); eval's long tasks draw theirs (`draw`, `finish`).
 
-    The ETA is extrapolated from the wall-clock time between the first update and the latest, so
-    the first step of an invocation (which includes compiling) never counts; until two updates
+    The ETA is extrapolated from the wall-clock time between the first call and the latest, so
+    the first unit of an invocation (which includes compiling) never counts; until two calls
     have been seen it reads `ETA --`.
     """
 
-    def __init__(self, total: int, enabled: bool, stream: TextIO | None = None) -> None:
+    def __init__(self, total: int, enabled: bool, stream: TextIO | None = None, *,
+                 unit: str = "step", every_s: float = 0.0) -> None:
         # sys.stderr looked up now, not at import: it may have been replaced since (tests, tools)
         self.total, self.enabled, self.stream = total, enabled, stream or sys.stderr
+        self.unit, self.every_s = unit, every_s
         self.tty = enabled and self.stream.isatty()
-        self._first: tuple[int, float] | None = None  # (step, time) of the first update
+        self._first: tuple[int, float] | None = None  # (units done, time) of the first call
+        self._shown: float | None = None  # when the last line was written
 
     def update(self, step: int, loss: float, tokens_per_sec: float) -> None:
-        """Draw the line for `step` (steps may be skipped between calls)."""
+        """Draw training's line for `step` (steps may be skipped between calls)."""
+        self.draw(step, f"loss {loss:.4f}  {tokens_per_sec:,.0f} tok/s")
+
+    def draw(self, done: int, details: str = "") -> None:
+        """Draw the line for `done` of the total units, with `details` after the count. Off a
+        terminal with `every_s` set, a line is written once `every_s` seconds have passed since
+        the first call or the last line, and at the end (`done` = total) only after another:
+        a short task writes none, a long one's log shows it advance and finish."""
         if not self.enabled:
             return
         now = time.perf_counter()
         if self._first is None:
-            self._first = (step, now)
-        first_step, first_time = self._first
+            self._first = (done, now)
+        first_done, first_time = self._first
+        if not self.tty and self.every_s:
+            last = first_time if self._shown is None else self._shown
+            if now - last < self.every_s and not (done >= self.total and self._shown is not None):
+                return
         eta = "--"
-        if step > first_step:
-            per_step = (now - first_time) / (step - first_step)
-            eta = _duration(max(self.total - step, 0) * per_step)
+        if done > first_done:
+            per_unit = (now - first_time) / (done - first_done)
+            eta = _duration(max(self.total - done, 0) * per_unit)
         bar_w = 24
-        done = int(bar_w * step / max(self.total, 1))
-        line = (f"[{'#' * done}{'.' * (bar_w - done)}] step {step}/{self.total}  loss {loss:.4f}  "
-                f"{tokens_per_sec:,.0f} tok/s  ETA {eta}")
+        filled = int(bar_w * done / max(self.total, 1))
+        line = "  ".join([f"[{'#' * filled}{'.' * (bar_w - filled)}] {self.unit} {done}/"
+                          f"{self.total}", *([details] if details else []), f"ETA {eta}"])
+        self._shown = now
         self._write(("\r" + line) if self.tty else line + "\n")
+
+    def finish(self) -> None:
+        """End a terminal's status line, so that what is printed next starts a line of its own."""
+        if self.tty and self._shown is not None:
+            self._write("\n")
 
     def message(self, text: str) -> None:
         """Print `text` on a line of its own (below the status line on a terminal)."""

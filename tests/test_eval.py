@@ -345,6 +345,23 @@ def test_a_choice_across_a_token_boundary_reads_as_it_follows_its_context(tmp_pa
     assert pair_tokens(data.encoding(str(tmp_path / "drops.json")), "日本", " a") == ([0], [1])
 
 
+def test_choice_progress_counts_the_contexts_read(runs, tmp_path, monkeypatch, capsys):
+    """Off a terminal with no interval, a progress line a batch: the contexts read so far (the
+    choices of an item whose cut contexts are equal share one), none where PROGRESS_EVERY_S
+    seconds have not passed (the default: a quick task writes no line)."""
+    from diff_jax.evaluation import choice
+
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps({"context": f"item {n}", "choices": [" a", " b c"],
+                                         "label": 0}) + "\n" for n in range(5)))
+    _run(runs["diff"], "task=choice", f"input={items}", "batch_size=2")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(choice, "PROGRESS_EVERY_S", 0)
+    _run(runs["diff"], "task=choice", f"input={items}", "batch_size=2")
+    assert [re.search(r"\] context (\d/5)  ETA", line)[1]
+            for line in capsys.readouterr().err.splitlines()] == ["2/5", "4/5", "5/5"]
+
+
 def test_choice_items_end_at_a_newline_only(runs, tmp_path):
     """JSON strings may hold U+2028 and U+0085 unescaped (`json.dumps(ensure_ascii=False)`
     writes them so), which `str.splitlines` would break lines at; a byte-order mark and CR LF
@@ -600,12 +617,23 @@ def test_constrained_greedy_walks_the_labels_tokens_not_their_sums():
                                                [-1.0, 0, 0]])) == 2
 
 
-def test_icl_shots_unset_double_while_the_prompts_fit(runs, tmp_path):
+def test_icl_shots_unset_double_while_the_prompts_fit(runs, tmp_path, monkeypatch, capsys):
     """Without shots=, the counts are 1, 2, 4, ... while every prompt and label fits length + 1
-    (a note says where and why they stop); arrangement=grouped runs as well."""
+    (a note says where and why they stop); arrangement=grouped runs as well. Progress (a line a
+    batch here, off a terminal with no interval) counts the prompts scored over every shot count
+    and order, the longest prompts first."""
+    from diff_jax.evaluation import icl
+
+    monkeypatch.setattr(icl, "PROGRESS_EVERY_S", 0)
     path = _icl_file(tmp_path / "icl.jsonl")
     out = _run(runs["diff"], "task=icl", f"input={path}", "orders=2", "test_items=3",
-               "length=48", "arrangement=grouped")
+               "length=48", "arrangement=grouped", "batch_size=2")
+    counts = [re.search(r"\] prompt (\d+)/12  (shots=\d order \d/2)  ETA", line).groups()
+              for line in capsys.readouterr().err.splitlines()]
+    assert counts == [("2", "shots=2 order 1/2"), ("3", "shots=2 order 1/2"),
+                      ("5", "shots=2 order 2/2"), ("6", "shots=2 order 2/2"),
+                      ("8", "shots=1 order 1/2"), ("9", "shots=1 order 1/2"),
+                      ("11", "shots=1 order 2/2"), ("12", "shots=1 order 2/2")]
     assert out["shots"] == [1, 2] and max(out["prompt_tokens"]) <= 49
     assert out["arrangement"] == "grouped" and len(out["accuracy"][1]) == 2
     (note,) = out["notes"]
@@ -627,7 +655,7 @@ def test_icl_reports_every_order_s_accuracy_and_their_mean_std_and_min(runs, tmp
 
     draws = np.random.default_rng(0)
     monkeypatch.setattr(icl, "continuation_logprobs",
-                        lambda cfg, params, groups, batch_size, width: [
+                        lambda cfg, params, groups, batch_size, width, scored: [
                             draws.normal(size=(len(tails), 4)) for _, tails in groups])
     path = _icl_file(tmp_path / "icl.jsonl")
     report, _ = run_task(*parse_args(["task=icl", f"input={path}", "shots=[2,4]", "orders=4",

@@ -96,3 +96,50 @@ def test_a_resume_drops_metrics_lines_that_are_not_utf8_text(tmp_path):
                                                           rows[2], b'{"step": 4, "lo\xe9']))
     assert metrics.drop_rows_after(tmp_path / "metrics.jsonl", 2) == 3
     assert (tmp_path / "metrics.jsonl").read_bytes() == rows[0] + b"\n" + rows[1] + b"\n"
+
+
+class _Terminal:
+    """A stream that says it is a terminal and keeps what is written."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+    def flush(self) -> None:
+        pass
+
+
+def test_progress_off_a_terminal_writes_a_line_per_every_s_and_the_end_only_after_one(monkeypatch):
+    """Off a terminal with every_s = 30: nothing for the first 30 s after the first call, then a
+    line at most every 30 s, and the end's line only where one came before (a short task writes
+    none); on a terminal the line is redrawn at every call and `finish` ends it."""
+    import io
+
+    now = [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+
+    def run(times: list[float], stream) -> None:
+        progress = metrics.Progress(len(times), True, stream, unit="prompt", every_s=30)
+        for done, t in enumerate(times, 1):
+            now[0] = t
+            progress.draw(done, f"shots={done}")
+        progress.finish()
+
+    out = io.StringIO()
+    run([1.0, 20.0, 29.0, 31.0, 45.0, 62.0, 70.0], out)
+    assert out.getvalue().splitlines() == [
+        f"[{'#' * 13}{'.' * 11}] prompt 4/7  shots=4  ETA 0m30s",  # 30 s after the first
+        f"[{'#' * 20}{'.' * 4}] prompt 6/7  shots=6  ETA 0m12s",  # 31 s after that
+        f"[{'#' * 24}] prompt 7/7  shots=7  ETA 0m00s"]  # the end, 8 s later
+    out = io.StringIO()
+    run([1.0, 20.0, 29.0], out)
+    assert out.getvalue() == ""
+    term = _Terminal()
+    run([1.0, 3.0], term)
+    assert term.text == ("\r[############............] prompt 1/2  shots=1  ETA --"
+                         "\r[########################] prompt 2/2  shots=2  ETA 0m00s\n")

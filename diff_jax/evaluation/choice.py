@@ -40,9 +40,12 @@ from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.evaluation.report import Report
 from diff_jax.evaluation.scoring import eval_length
 from diff_jax.generate import decode_logits, empty_cache, prefill
+from diff_jax.metrics import Progress
 from diff_jax.transformer import DecoderLM
 
 ITEM_FORMAT = '{"context": str, "choices": [str, ...], "label": int}'
+# seconds between progress lines off a terminal (a terminal's line is redrawn after each batch)
+PROGRESS_EVERY_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +165,9 @@ def choice_logprobs(model_cfg: ModelConfig, params: Any, items: list[Item], leng
                 owners.append((i, []))
             groups[shared[context]][1].append(choice)
             owners[shared[context]][1].append(j)
-    logps = continuation_logprobs(model_cfg, params, groups, batch_size)
+    progress = Progress(len(groups), True, unit="context", every_s=PROGRESS_EVERY_S)
+    logps = continuation_logprobs(model_cfg, params, groups, batch_size, scored=progress.draw)
+    progress.finish()
     per_item = [np.zeros(len(item.choices)) for item in items]
     for (i, choices), group_logps in zip(owners, logps):
         per_item[i][choices] = group_logps.sum(1)
@@ -204,7 +209,8 @@ def _continuation_logps(model: DecoderLM, params: Any, contexts: jax.Array, leng
 
 def continuation_logprobs(model_cfg: ModelConfig, params: Any,
                           groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
-                          batch_size: int, context_width: int | None = None) -> list[np.ndarray]:
+                          batch_size: int, context_width: int | None = None,
+                          scored: Callable[[int], None] | None = None) -> list[np.ndarray]:
     """Per (context ids, continuations' ids) group, (len(continuations), M) float64: each
     continuation's log p(each of its tokens | the context and its tokens before it), 0 past its
     own count (M, the call's longest continuation); the model reads the context and all but
@@ -216,7 +222,8 @@ def continuation_logprobs(model_cfg: ModelConfig, params: Any,
     tokens one at a time, where a row per continuation read the context L times (icl's labels:
     77 for Banking-77). Groups are scored `batch_size` at a time (the last batch's missing ones
     repeat group 0), contexts right-padded to `context_width` (None: the longest), continuations
-    to the longest and to the most of a group, so one program is compiled per call."""
+    to the longest and to the most of a group, so one program is compiled per call. `scored`,
+    where given, is called after each batch with how many groups are scored so far."""
     model = DecoderLM(model_cfg, decode=True)
     width = context_width or max(len(c) for c, _ in groups)
     most = max(len(conts) for _, conts in groups)
@@ -237,6 +244,8 @@ def continuation_logprobs(model_cfg: ModelConfig, params: Any,
             model, params, jnp.asarray(contexts), jnp.asarray([len(c) for c, _ in batch], jnp.int32),
             jnp.asarray(tails), jnp.asarray(counts)), np.float64)
         logps += [got[r, : len(conts)] for r, (_, conts) in enumerate(batch[: len(groups) - start])]
+        if scored is not None:
+            scored(len(logps))
     return logps
 
 

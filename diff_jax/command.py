@@ -255,21 +255,36 @@ def as_ctrl_c(signals: tuple[int, ...] = STOPS) -> Iterator[None]:
     line, what it had written whole (`output_dir`). Under Python's default SIGTERM and SIGHUP
     actions train.py before training (measured: SIGTERM or SIGHUP 1 s after "run directory:",
     while it built the model: exit -15 or -1, no line, where a Ctrl-C gave the line and 130),
-    `replicate --jobs 1` and `ablate` ended there on the spot. The previous handlers are
-    restored on the way out.
+    `replicate --jobs 1` and `ablate` ended there on the spot. A SIGINT under Python's own
+    handler, which raises KeyboardInterrupt too, is taken in any case (a block given no
+    signals: `concluded`, eval.py), so that one Python drops is raised again (`_raised_again`);
+    one dropped as the block ends is raised as it ends. The previous handlers are restored on
+    the way out.
 
     A write to stdout or stderr whose pipe's reader is gone (BrokenPipeError) is a Ctrl-C too
     (`let_go`); stdout and stderr are flushed before the block ends, so that a block-buffered
     stdout's last write fails here, not at the interpreter's exit. A BrokenPipeError of another
     pipe (a child's stdin) propagates as it is."""
-    previous = {s: signal.signal(s, _ctrl_c) for s in not_ignored(signals)}
+    taken = not_ignored(signals)
+    if (signal.SIGINT not in taken and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+        taken += (signal.SIGINT,)
+    previous = {s: signal.signal(s, _ctrl_c) for s in taken}
     unraisable = sys.unraisablehook
-    sys.unraisablehook = _raised_again(unraisable)
+    dropped = _Dropped()
+    sys.unraisablehook = _raised_again(unraisable, dropped)
     try:
-        with _presses_counted():
-            yield
-            sys.stdout.flush()
-            sys.stderr.flush()
+        try:
+            with _presses_counted():
+                yield
+                sys.stdout.flush()
+                sys.stderr.flush()
+        finally:
+            dropped.over = True
+            with dropped.sending:  # one being sent again now reaches `_ctrl_c` in the block
+                pass
+        if dropped.signals:  # too late to be sent again
+            raise KeyboardInterrupt
     except BrokenPipeError:
         if not let_go() and not _gone:
             raise
@@ -333,35 +348,55 @@ def _count_presses(read_end: int, resent_before: int) -> None:
         os.close(read_end)
 
 
-def _raised_again(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+@dataclasses.dataclass
+class _Dropped:
+    """The signals whose `_ctrl_c` KeyboardInterrupt Python dropped in an `as_ctrl_c` block
+    (`_raised_again`), each until it is sent again (`_signal_main_soon`, holding `sending`);
+    none is sent once the block is `over`: sent after it, the signal met the handler the block
+    had restored, and was lost (SIGTERM's default action) or raised KeyboardInterrupt in the
+    code after the block (Python's SIGINT handler). The block raises it as it ends instead."""
+
+    signals: list[int] = dataclasses.field(default_factory=list)
+    over: bool = False
+    sending: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+def _raised_again(hook: Callable[[Any], None], dropped: _Dropped) -> Callable[[Any], None]:
     """A `sys.unraisablehook` that signals the main thread again with the signal whose
-    `_ctrl_c` KeyboardInterrupt Python dropped, and passes every other unraisable exception to
-    `hook`. A handler runs wherever the interpreter checks for signals, a `gc.callbacks` entry
-    included (jax's `_xla_gc_callback`), and an exception raised there is only printed
-    ("Exception ignored in"): train.py signalled while it built its model trained to the end
-    and exited 0. Signalled again from another thread (`_signal_main_soon`), the handler runs
-    at the main thread's next check after this hook, in the command's code once the collection
-    is over (in a callback again: again)."""
+    `_ctrl_c` KeyboardInterrupt Python dropped (noted in `dropped`), and passes every other
+    unraisable exception to `hook`. A handler runs wherever the interpreter checks for signals,
+    a `gc.callbacks` entry included (jax's `_xla_gc_callback`), and an exception raised there
+    is only printed ("Exception ignored in"): train.py signalled while it built its model
+    trained to the end and exited 0. Signalled again from another thread (`_signal_main_soon`),
+    the handler runs at the main thread's next check after this hook, in the command's code
+    once the collection is over (in a callback again: again)."""
     def raised_again(unraisable: Any) -> None:
         tb = unraisable.exc_traceback
         while tb is not None and tb.tb_next is not None:
             tb = tb.tb_next
         if tb is not None and tb.tb_frame.f_code is _ctrl_c.__code__:
-            _thread.start_new_thread(_signal_main_soon, (tb.tb_frame.f_locals["signum"],))
+            signum = tb.tb_frame.f_locals["signum"]
+            dropped.signals.append(signum)
+            _thread.start_new_thread(_signal_main_soon, (signum, dropped))
         else:
             hook(unraisable)
     return raised_again
 
 
-def _signal_main_soon(signum: int) -> None:
+def _signal_main_soon(signum: int, dropped: _Dropped) -> None:
     """In a thread of its own: `signum` for the main thread's handler, 10 ms on, once the
     `sys.unraisablehook` that started this thread has returned (`_thread.interrupt_main` there,
     or a thread whose start it waited for, ran the handler inside the hook, where its
-    KeyboardInterrupt was dropped for good)."""
+    KeyboardInterrupt was dropped for good); nothing where the block that `dropped` it is over
+    by then (it raised KeyboardInterrupt as it ended)."""
     time.sleep(0.01)
-    if signum == signal.SIGINT:
-        _resent[0] += 1  # `_count_presses` sees this one too
-    _thread.interrupt_main(signum)
+    with dropped.sending:
+        if dropped.over:
+            return
+        dropped.signals.remove(signum)
+        if signum == signal.SIGINT:
+            _resent[0] += 1  # `_count_presses` sees this one too
+        _thread.interrupt_main(signum)
 
 
 def _readerless(fd: int) -> bool:

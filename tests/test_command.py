@@ -330,29 +330,55 @@ def test_the_last_lines_into_a_pipe_whose_reader_is_gone_are_one_interrupted_lin
         assert (tmp_path / file).is_file()
 
 
-def test_a_signal_handled_inside_a_gc_callback_still_stops_the_block():
+# (the signal, the signals `as_ctrl_c` is given, whether the block's code goes on after the
+# collection)
+DROPPED = {"SIGTERM, the code going on": ("SIGTERM", ("SIGTERM",), True),
+           "SIGTERM as the block ends": ("SIGTERM", ("SIGTERM",), False),
+           "Ctrl-C as the block ends": ("SIGINT", ("SIGINT",), False),
+           "Ctrl-C under Python's own handler (signals=())": ("SIGINT", (), True)}
+
+
+@pytest.mark.parametrize("case", list(DROPPED))
+def test_a_signal_handled_inside_a_gc_callback_still_stops_the_block(case):
     """A SIGTERM (or Ctrl-C) whose handler runs while the interpreter calls a `gc.callbacks`
     entry (jax registers one, `_xla_gc_callback`) raises its KeyboardInterrupt there, where
     Python drops it as "Exception ignored": train.py signalled while it built its model trained
-    to the end and exited 0. `as_ctrl_c` raises it again once the collection is over."""
+    to the end and exited 0. `as_ctrl_c` raises it again once the collection is over. Where the
+    block ended first (the collection its last work), the signal was sent again after it: lost
+    (a SIGTERM, its default action back) or a KeyboardInterrupt in the code after the block (a
+    Ctrl-C); now the block ends in it. A Ctrl-C in a block that takes no signals (eval.py's,
+    `concluded`'s) met Python's own handler, whose dropped KeyboardInterrupt was not raised
+    again: the command ran on."""
     import gc
     import signal
     import time
 
     from diff_jax.command import as_ctrl_c
 
+    name, taken, goes_on = DROPPED[case]
+
     def signalled_inside(phase, _info):
         if phase == "start":
-            signal.raise_signal(signal.SIGTERM)  # its handler runs here, inside the callback
+            gc.callbacks.remove(signalled_inside)  # once
+            signal.raise_signal(signal.Signals[name])  # its handler runs here, in the callback
 
     gc.callbacks.append(signalled_inside)
+    stopped = []
     try:
-        with pytest.raises(KeyboardInterrupt), as_ctrl_c(signals=(signal.SIGTERM,)):
-            gc.collect()
-            for _ in range(1000):  # the command's code after the collection, where it may raise
-                time.sleep(0.01)
+        try:
+            with as_ctrl_c(tuple(signal.Signals[s] for s in taken)):
+                gc.collect()
+                for _ in range(1000 if goes_on else 0):  # the code after the collection
+                    time.sleep(0.01)
+        except KeyboardInterrupt:
+            stopped.append("the block")
+        time.sleep(0.1)  # the code after the block
+    except KeyboardInterrupt:  # caught: it would end the whole pytest session
+        stopped.append("the code after it")
     finally:
-        gc.callbacks.remove(signalled_inside)
+        if signalled_inside in gc.callbacks:
+            gc.callbacks.remove(signalled_inside)
+    assert stopped == ["the block"]
 
 
 @pytest.mark.parametrize("presses", [2, 3])

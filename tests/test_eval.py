@@ -481,8 +481,9 @@ def test_icl_prompts_are_the_documented_text_and_each_label_continues_it(tmp_pat
 def test_icl_deals_balanced_disjoint_examples_and_arranges_each_order():
     """`deal` is a permutation whose every prefix is balanced over the labels (counts differ by
     at most one while each label lasts); `arranged` permutes the same demonstrations per order
-    (seeded by the order), and `grouped` keeps each label's demonstrations adjacent, the groups'
-    order varying too."""
+    (seeded by the order), `grouped` keeps each label's demonstrations adjacent, the groups'
+    order varying too, and `alternating` has the labels take turns in an order that varies, each
+    label's demonstrations in the random order's."""
     from diff_jax.evaluation.icl import Example, arranged, deal
 
     examples = [Example(n, f"t{n}", "abc"[n % 3] if n < 24 else "d") for n in range(27)]
@@ -504,6 +505,20 @@ def test_icl_deals_balanced_disjoint_examples_and_arranges_each_order():
         assert sorted(g) == sorted(demos) and len(runs) == len(set(runs)) == 4, runs
     assert len({tuple(examples[i].label for i in g) for g in grouped}) > 1
     assert len({tuple(g) for g in grouped}) == 4
+    uneven = [i for i in range(1, 18) if i % 3] + [24, 0, 3]  # b and c 6 each, d 1, a 2
+    for o in range(4):  # the labels take turns in one rank; a label shown out drops out
+        alternating = arranged(uneven, examples, "alternating", 0, o)
+        labels = [examples[i].label for i in alternating]
+        assert sorted(alternating) == sorted(uneven), alternating
+        rank = labels[:4]
+        assert sorted(rank) == list("abcd") and labels == [
+            x for turn in range(6) for x in rank if turn < labels.count(x)]
+        within = [i for i in alternating if examples[i].label == "b"]  # the permutation's order
+        shuffled = [i for i in arranged(uneven, examples, "random", 0, o)
+                    if examples[i].label == "b"]
+        assert within == shuffled
+    assert len({tuple(examples[i].label for i in arranged(uneven, examples, "alternating", 0, o))
+                for o in range(4)}) > 1
 
 
 ICL_SHARED = [  # labels whose cl100k ids share a beginning: " card" begins the others
@@ -740,7 +755,7 @@ def test_icl_inputs_that_cannot_be_scored_are_one_error(runs, tmp_path):
                         (["input=x.jsonl", "shots=[2,2]"],
                          r"^shots=\[2, 2\]: expected distinct counts >= 0$"),
                         (["input=x.jsonl", "arrangement=sorted"],
-                         r"^arrangement=sorted: expected one of random, grouped$")):
+                         r"^arrangement=sorted: expected one of random, grouped, alternating$")):
         with pytest.raises(EvalError, match=match):
             parse_args(["task=icl", *args])
 

@@ -22,9 +22,11 @@ as balanced over the labels as the file allows: k demonstrations show min(k, lab
 and on the test items a constant answer scores about the chance the report gives, 1 / labels.
 
 Orders (`arranged`): each of `orders` prompts of a shot count shows its k demonstrations in a
-permutation seeded by (seed, k, order) — `arrangement=random` — or grouped by label, the labels'
-groups and each group's demonstrations in a random order — `arrangement=grouped`, Figure 7's
-harder setting; every order is scored on the same test items. A prompt and a label must fit
+permutation seeded by (seed, k, order) — `arrangement=random`, Figure 7 (a) — or with the
+labels taking turns, in a random order of the labels — `alternating`, Figure 7 (b)'s examples
+"arranged alternately by class" — or grouped by label, the groups and each group's
+demonstrations in a random order — `grouped`, Bertsch et al.'s harder sorted setting; every
+order is scored on the same test items. A prompt and a label must fit
 `length` + 1 tokens (the label's last token is read by no position); `shots` unset is 1, 2, 4,
 ... while they fit and the demonstrations last (Figure 6's sweep). Each order's prompts, one a
 test item, are scored `batch_size` at a time (`continuation_logprobs`: each prompt read once,
@@ -119,15 +121,25 @@ def deal(examples: Sequence[Example], seed: int) -> list[int]:
 def arranged(demos: Sequence[int], examples: Sequence[Example], arrangement: str, seed: int,
              order: int) -> list[int]:
     """`demos` (indices of `examples`) as order `order` of their shot count shows them: a
-    permutation seeded by (seed, len(demos), order); `grouped`, then stably sorted by a random
-    rank of their labels, so each label's demonstrations are adjacent."""
+    permutation seeded by (seed, len(demos), order). `grouped`: then stably sorted by a random
+    rank of their labels, so each label's demonstrations are adjacent. `alternating`: the
+    labels, in a random rank, take turns (a label whose demonstrations are all shown drops
+    out), each label's demonstrations in the permutation's order."""
     # the last word is not 0: a seed sequence ending in zeros is the one without them
     rng = np.random.default_rng([seed, len(demos), order, 1])
     shown = [demos[i] for i in rng.permutation(len(demos))]
-    if arrangement == "grouped":
-        groups = sorted({examples[i].label for i in shown})
-        rank = dict(zip(groups, rng.permutation(len(groups))))
-        shown.sort(key=lambda i: rank[examples[i].label])
+    if arrangement != "random":
+        labels = sorted({examples[i].label for i in shown})
+        rank = dict(zip(labels, rng.permutation(len(labels))))
+        if arrangement == "grouped":
+            shown.sort(key=lambda i: rank[examples[i].label])
+        else:  # the turn of a demonstration: how many of its label's come before it
+            seen: dict[str, int] = {}
+            turn = {}
+            for i in shown:
+                turn[i] = seen.get(examples[i].label, 0)
+                seen[examples[i].label] = turn[i] + 1
+            shown.sort(key=lambda i: (turn[i], rank[examples[i].label]))
     return shown
 
 

@@ -17,7 +17,8 @@ JSONL_INPUTS = {  # the tasks whose input is a .jsonl file: what it holds
     "choice": "one multiple-choice item a line",
     "icl": 'one {"text": str, "label": str} example a line',
 }
-ARRANGEMENTS = ("random", "grouped")  # icl: demonstrations in random order, or grouped by label
+# icl: demonstrations in random order, each label's together, or taking turns by label
+ARRANGEMENTS = ("random", "grouped", "alternating")
 PATH_OPTIONS: dict[str, str] = {  # the options naming a file or directory: what each expects
     "checkpoint": "a run, a step directory RUN/checkpoints/N or an export (or leave it out and "
                   "give train.run_dir=RUN)",

@@ -663,9 +663,10 @@ def test_icl_shots_unset_double_while_the_prompts_fit(runs, tmp_path, monkeypatc
 
 def test_icl_reports_every_order_s_accuracy_and_their_mean_std_and_min(runs, tmp_path,
                                                                        monkeypatch):
-    """With sums that differ by order (an initialized model's answers hardly do), each order's
-    accuracy is its predictions' share of the test items' labels, and the table and JSON give
-    their mean, (population) standard deviation and minimum per shot count."""
+    """With log-probabilities that differ by order (an initialized model's answers hardly do),
+    each order's accuracy is its predictions' share of the test items' labels, and the table and
+    JSON give their mean, (population) standard deviation, minimum, maximum and margin (maximum
+    − minimum, Figure 7's) per shot count."""
     from diff_jax.evaluation import icl
 
     draws = np.random.default_rng(0)
@@ -683,14 +684,16 @@ def test_icl_reports_every_order_s_accuracy_and_their_mean_std_and_min(runs, tmp
     assert out["accuracy_mean"] == acc.mean(1).tolist()
     assert out["accuracy_min"] == acc.min(1).tolist()
     assert out["accuracy_std"] == acc.std(1).tolist() and max(out["accuracy_std"]) > 0
+    assert out["accuracy_max"] == acc.max(1).tolist()
+    assert out["accuracy_margin"] == (acc.max(1) - acc.min(1)).tolist()
     assert report.table[1:] == [
-        ("shots (random, 4 orders)", "accuracy mean ± std  min"),
-        *[(f"{k}", f"{m:.4f} ± {s:.4f}  {lo:.4f}") for k, m, s, lo in
-          zip([2, 4], acc.mean(1), acc.std(1), acc.min(1))]]
+        ("shots (random, 4 orders)", "accuracy mean ± std  min  max (margin)"),
+        *[(f"{k}", f"{m:.4f} ± {s:.4f}  {lo:.4f}  {h:.4f} ({h - lo:.4f})") for k, m, s, lo, h in
+          zip([2, 4], acc.mean(1), acc.std(1), acc.min(1), acc.max(1))]]
     assert report.table[0] == ("examples", "6 test items of 12, 3 labels; chance 0.333")
     one, _ = run_task(*parse_args(["task=icl", f"input={path}", "shots=[2]", "orders=1",
                                    "test_items=6", f"train.run_dir={runs['diff']}"]))
-    assert one.table[1] == ("shots (random, 1 order)", "accuracy mean ± std  min")
+    assert one.table[1] == ("shots (random, 1 order)", "accuracy mean ± std  min  max (margin)")
 
 
 @pytest.mark.parametrize("line,error", [

@@ -239,8 +239,9 @@ def doubling_shots(prompts_of: Callable[[int], Prompts], demonstrations: int,
 
 
 def icl_task(loaded: Loaded, options: EvalOptions) -> Report:
-    """Accuracy per shot count: mean, standard deviation and minimum over `orders` orders of
-    the demonstrations, on the same `test_items` items."""
+    """Accuracy per shot count: mean, standard deviation, minimum, maximum and their margin
+    (Figure 7's measure of robustness) over `orders` orders of the demonstrations, on the same
+    `test_items` items."""
     cfg = loaded.config
     length = eval_length(cfg, options, cfg.model.max_seq_len)
     path = Path(options.input)
@@ -291,6 +292,7 @@ def icl_task(loaded: Loaded, options: EvalOptions) -> Report:
     mean = [float(np.mean(a)) for a in accuracy]
     std = [float(np.std(a)) for a in accuracy]
     low = [min(a) for a in accuracy]
+    high = [max(a) for a in accuracy]
     chance = 1 / len(labels)
     return Report(
         {"input": str(path), "num_examples": len(examples), "labels": labels, "chance": chance,
@@ -300,13 +302,14 @@ def icl_task(loaded: Loaded, options: EvalOptions) -> Report:
          "prompt_format": {"demonstration": DEMO_FORMAT, "query": QUERY_FORMAT,
                            "label": " {label}", "stop": STOP},
          "shots": counts, "prompt_tokens": [tokens[k] for k in counts],
-         "accuracy_mean": mean, "accuracy_std": std, "accuracy_min": low, "accuracy": accuracy,
+         "accuracy_mean": mean, "accuracy_std": std, "accuracy_min": low, "accuracy_max": high,
+         "accuracy_margin": [h - lo for h, lo in zip(high, low)], "accuracy": accuracy,
          "demonstrations": [[[examples[i].line for i in d] for d in shown[k]] for k in counts],
          "predictions": [[p.tolist() for p in predicted[k]] for k in counts]},
         [("examples", f"{len(test)} test items of {len(examples)}, {len(labels)} labels; chance "
                       f"{chance:.3f}"),
          (f"shots ({options.arrangement}, {options.orders} order{'s' * (options.orders != 1)})",
-          "accuracy mean ± std  min")]
-        + [(f"{k}", f"{m:.4f} ± {s:.4f}  {lo:.4f}")
-           for k, m, s, lo in zip(counts, mean, std, low)],
+          "accuracy mean ± std  min  max (margin)")]
+        + [(f"{k}", f"{m:.4f} ± {s:.4f}  {lo:.4f}  {h:.4f} ({h - lo:.4f})")
+           for k, m, s, lo, h in zip(counts, mean, std, low, high)],
         notes=notes)

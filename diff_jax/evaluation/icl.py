@@ -169,10 +169,10 @@ def shot_prompts(enc: Encoding, examples: Sequence[Example], labels: Sequence[st
                     raise EvalError(f"input={path}: the label {label!r} adds no token after "
                                     f"{QUERY_FORMAT!r} (data.tokenizer={enc.name})")
             context = np.asarray(ids, np.int32)
-            tails = stopped(enc, text, labels, tails)
-            order_groups.append((context, tails))
+            ended = stopped(enc, text, labels, tails)
+            order_groups.append((context, ended))
             prompt_width = max(prompt_width, len(context))
-            width = max(width, len(context) + max(len(tail) for tail in tails))
+            width = max(width, len(context) + max(len(tail) for tail in ended))
         groups.append(order_groups)
     return Prompts(demos, groups, prompt_width, width)
 

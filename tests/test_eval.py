@@ -172,7 +172,13 @@ def test_a_named_step_writes_beside_the_latest_steps_result(runs, tmp_path):
     assert path == tmp_path / "outliers.json"
 
 
-def test_score_is_the_log_probability_of_each_next_token(runs, tmp_path):
+def test_score_is_the_log_probability_of_each_next_token(runs, tmp_path, monkeypatch, capsys):
+    """Against the model applied to each window; progress (a line a window here, off a
+    terminal with no interval) counts the tokens scored: 31 in the first window of 32, then 16
+    a window (stride 16)."""
+    from diff_jax.evaluation import report
+
+    monkeypatch.setattr(report, "PROGRESS_EVERY_S", 0)
     loaded = _params(runs["diff"])
     ids = np.asarray(ENC.encode_ordinary(" ".join(["def f(x): return x + 1"] * 12)), np.int32)[:100]
     np.save(tmp_path / "ids.npy", ids)
@@ -180,6 +186,9 @@ def test_score_is_the_log_probability_of_each_next_token(runs, tmp_path):
                f"output={tmp_path / 'lp.npy'}")
     lp = np.load(tmp_path / "lp.npy")
     assert out["num_scored"] == len(lp) == 99 and np.all(lp <= 0)
+    assert [re.search(r"\] token (\d+/99)  ETA", line)[1]
+            for line in capsys.readouterr().err.splitlines()] == ["31/99", "47/99", "63/99",
+                                                                  "79/99", "95/99", "99/99"]
 
     @jax.jit
     def direct(window: jax.Array) -> jax.Array:
@@ -349,14 +358,14 @@ def test_choice_progress_counts_the_contexts_read(runs, tmp_path, monkeypatch, c
     """Off a terminal with no interval, a progress line a batch: the contexts read so far (the
     choices of an item whose cut contexts are equal share one), none where PROGRESS_EVERY_S
     seconds have not passed (the default: a quick task writes no line)."""
-    from diff_jax.evaluation import choice
+    from diff_jax.evaluation import report
 
     items = tmp_path / "items.jsonl"
     items.write_text("".join(json.dumps({"context": f"item {n}", "choices": [" a", " b c"],
                                          "label": 0}) + "\n" for n in range(5)))
     _run(runs["diff"], "task=choice", f"input={items}", "batch_size=2")
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(choice, "PROGRESS_EVERY_S", 0)
+    monkeypatch.setattr(report, "PROGRESS_EVERY_S", 0)
     _run(runs["diff"], "task=choice", f"input={items}", "batch_size=2")
     assert [re.search(r"\] context (\d/5)  ETA", line)[1]
             for line in capsys.readouterr().err.splitlines()] == ["2/5", "4/5", "5/5"]
@@ -637,9 +646,9 @@ def test_icl_shots_unset_double_while_the_prompts_fit(runs, tmp_path, monkeypatc
     (a note says where and why they stop); arrangement=grouped runs as well. Progress (a line a
     batch here, off a terminal with no interval) counts the prompts scored over every shot count
     and order, the longest prompts first."""
-    from diff_jax.evaluation import icl
+    from diff_jax.evaluation import report
 
-    monkeypatch.setattr(icl, "PROGRESS_EVERY_S", 0)
+    monkeypatch.setattr(report, "PROGRESS_EVERY_S", 0)
     path = _icl_file(tmp_path / "icl.jsonl")
     out = _run(runs["diff"], "task=icl", f"input={path}", "orders=2", "test_items=3",
                "length=48", "arrangement=grouped", "batch_size=2")

@@ -37,15 +37,12 @@ from diff_jax.config import ModelConfig
 from diff_jax.data.tokenizer import Encoding, continuations, text_prefix
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
-from diff_jax.evaluation.report import Report
+from diff_jax.evaluation.report import Report, progress
 from diff_jax.evaluation.scoring import eval_length
 from diff_jax.generate import decode_logits, empty_cache, prefill
-from diff_jax.metrics import Progress
 from diff_jax.transformer import DecoderLM
 
 ITEM_FORMAT = '{"context": str, "choices": [str, ...], "label": int}'
-# seconds between progress lines off a terminal (a terminal's line is redrawn after each batch)
-PROGRESS_EVERY_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,9 +162,9 @@ def choice_logprobs(model_cfg: ModelConfig, params: Any, items: list[Item], leng
                 owners.append((i, []))
             groups[shared[context]][1].append(choice)
             owners[shared[context]][1].append(j)
-    progress = Progress(len(groups), True, unit="context", every_s=PROGRESS_EVERY_S)
-    logps = continuation_logprobs(model_cfg, params, groups, batch_size, scored=progress.draw)
-    progress.finish()
+    bar = progress(len(groups), "context")
+    logps = continuation_logprobs(model_cfg, params, groups, batch_size, scored=bar.draw)
+    bar.finish()
     per_item = [np.zeros(len(item.choices)) for item in items]
     for (i, choices), group_logps in zip(owners, logps):
         per_item[i][choices] = group_logps.sum(1)

@@ -45,13 +45,11 @@ from typing import Any
 import numpy as np
 
 from diff_jax.data.tokenizer import Encoding, continuations
-from diff_jax.evaluation.choice import (PROGRESS_EVERY_S, choice_tokens, continuation_logprobs,
-                                        read_jsonl)
+from diff_jax.evaluation.choice import choice_tokens, continuation_logprobs, read_jsonl
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
-from diff_jax.evaluation.report import Report
+from diff_jax.evaluation.report import Report, progress
 from diff_jax.evaluation.scoring import eval_length
-from diff_jax.metrics import Progress
 
 EXAMPLE_FORMAT = '{"text": str, "label": str}'
 DEMO_FORMAT = "{text}\nLabel: {label}\n\n"  # one demonstration
@@ -270,8 +268,7 @@ def icl_task(loaded: Loaded, options: EvalOptions) -> Report:
     predicted: dict[int, list[np.ndarray]] = {}  # per order, (test items,) label indices
     shown: dict[int, list[list[int]]] = {}
     tokens: dict[int, int] = {}
-    progress = Progress(len(counts) * options.orders * len(test), True, unit="prompt",
-                        every_s=PROGRESS_EVERY_S)
+    bar = progress(len(counts) * options.orders * len(test), "prompt")
     done = 0
     for shots in reversed(counts):  # the longest prompts first: one too long stops at once
         prompts = prompts_of(shots)
@@ -282,12 +279,12 @@ def icl_task(loaded: Loaded, options: EvalOptions) -> Report:
             where = f"shots={shots} order {order}/{options.orders}"
             logps = continuation_logprobs(
                 cfg.model, loaded.params, groups, options.batch_size, prompts.prompt_width,
-                scored=lambda n: progress.draw(done + n, where))
+                scored=lambda n: bar.draw(done + n, where))
             done += len(groups)
             predicted[shots].append(np.array([constrained_greedy(tails, logp)
                                               for (_, tails), logp in zip(groups, logps)]))
         shown[shots], tokens[shots] = prompts.demos, prompts.width
-    progress.finish()
+    bar.finish()
     accuracy = [[float(np.mean(p == truth)) for p in predicted[k]] for k in counts]
     mean = [float(np.mean(a)) for a in accuracy]
     std = [float(np.std(a)) for a in accuracy]

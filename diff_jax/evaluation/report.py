@@ -1,4 +1,5 @@
-"""What a task hands back: its JSON fields, a short table for the terminal, and the files written."""
+"""What a task hands back: its JSON fields, a short table for the terminal, and the files written;
+and the progress line a long task draws on the way."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from diff_jax.metrics import Progress
 from diff_jax.output_dir import write_whole
+
+# seconds between progress lines off a terminal (a terminal's line is redrawn at every update)
+PROGRESS_EVERY_S = 30.0
 
 
 @dataclasses.dataclass
@@ -34,3 +39,10 @@ def format_table(rows: list[tuple[str, str]]) -> str:
     """(label, value) rows as text lines, labels left-aligned to the widest."""
     width = max((len(k) for k, _ in rows), default=0)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def progress(total: int, unit: str) -> Progress:
+    """A long task's progress line on stderr: `total` `unit`s (`Progress.draw` after each batch,
+    `finish` at the end), redrawn on a terminal and a line every `PROGRESS_EVERY_S` seconds in
+    a log, where a task quicker than that writes none."""
+    return Progress(total, True, unit=unit, every_s=PROGRESS_EVERY_S)

@@ -7,6 +7,7 @@ import functools
 import io
 import math
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -21,7 +22,7 @@ from diff_jax.error_text import first_line
 from diff_jax.evaluation import plots
 from diff_jax.evaluation.loading import Loaded, check_trained_tokenizer, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
-from diff_jax.evaluation.report import Report
+from diff_jax.evaluation.report import Report, progress
 from diff_jax.output_dir import write_whole
 from diff_jax.transformer import DecoderLM
 
@@ -225,11 +226,13 @@ def read_tokens(path: Path, loaded: Loaded) -> np.ndarray:
     return ids.astype(np.int32)
 
 
-def token_logprobs(model_cfg: ModelConfig, params: Any, ids: np.ndarray, window: int) -> np.ndarray:
+def token_logprobs(model_cfg: ModelConfig, params: Any, ids: np.ndarray, window: int,
+                   scored: Callable[[int], None] | None = None) -> np.ndarray:
     """(n − 1,) float32: log p(ids[t+1] | ids[:t+1]) for t = 0..n−2 of ids (n,). Texts longer
     than `window` are read in windows of `window` tokens advancing by window/2: every later token
     keeps ≥ window/2 context. `ValueError` for a window under 2 tokens, which holds no token
-    together with the one it predicts."""
+    together with the one it predicts. `scored`, where given, is called after each window with
+    how many tokens are scored so far."""
     if window < 2:
         raise ValueError(f"window must be >= 2 tokens (a token and the one it predicts), got "
                          f"{window}")
@@ -246,6 +249,8 @@ def token_logprobs(model_cfg: ModelConfig, params: Any, ids: np.ndarray, window:
                                    jnp.asarray(chunk[None, 1:])))[0]
         out[done: end - 1] = -nll[done - start: end - 1 - start]
         done = end - 1
+        if scored is not None:
+            scored(done)
     return out
 
 
@@ -257,7 +262,9 @@ def score(loaded: Loaded, options: EvalOptions) -> Report:
     if window < 2:
         raise EvalError(f"length={window}: score needs windows of at least 2 tokens (a token and "
                         "the one it predicts)")
-    logp = token_logprobs(cfg.model, loaded.params, ids, window)
+    bar = progress(len(ids) - 1, "token")
+    logp = token_logprobs(cfg.model, loaded.params, ids, window, scored=bar.draw)
+    bar.finish()
     output = Path(options.output) if options.output else loaded.out_dir / "score.npy"
     output.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()

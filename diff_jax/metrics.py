@@ -196,6 +196,7 @@ class Progress:
         self.tty = enabled and self.stream.isatty()
         self._first: tuple[int, float] | None = None  # (units done, time) of the first call
         self._shown: float | None = None  # when the last line was written
+        self._drawn = 0  # the length of the line on the terminal
 
     def update(self, step: int, loss: float, tokens_per_sec: float) -> None:
         """Draw training's line for `step` (steps may be skipped between calls)."""
@@ -225,7 +226,11 @@ class Progress:
         line = "  ".join([f"[{'#' * filled}{'.' * (bar_w - filled)}] {self.unit} {done}/"
                           f"{self.total}", *([details] if details else []), f"ETA {eta}"])
         self._shown = now
-        self._write(("\r" + line) if self.tty else line + "\n")
+        if self.tty:  # padded over a longer line before it ("loss 10.0" then "loss 9.99")
+            line, self._drawn = line.ljust(self._drawn), len(line)
+            self._write("\r" + line)
+        else:
+            self._write(line + "\n")
 
     def finish(self) -> None:
         """End a terminal's status line, so that what is printed next starts a line of its own."""

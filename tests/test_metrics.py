@@ -143,3 +143,12 @@ def test_progress_off_a_terminal_writes_a_line_per_every_s_and_the_end_only_afte
     run([1.0, 3.0], term)
     assert term.text == ("\r[############............] prompt 1/2  shots=1  ETA --"
                          "\r[########################] prompt 2/2  shots=2  ETA 0m00s\n")
+    term = _Terminal()  # a shorter line is padded over the longer one before it
+    progress = metrics.Progress(20, True, term)
+    now[0] = 100.0
+    progress.update(1, 10.0, 50_000.0)
+    now[0] = 102.0
+    progress.update(2, 9.5, 5.0)
+    first, second = term.text.split("\r")[1:]
+    assert first == f"[{'#' * 1}{'.' * 23}] step 1/20  loss 10.0000  50,000 tok/s  ETA --"
+    assert second == f"[{'#' * 2}{'.' * 22}] step 2/20  loss 9.5000  5 tok/s  ETA 0m36s   "

@@ -797,9 +797,18 @@ def test_evaluation_texts_begin_with_the_tokenizer_s_beginning_of_text(runs, tmp
     np.testing.assert_allclose(got, [logp[7], logp[4]], atol=1e-5)
 
 
-def test_niah_grid_is_seeded_and_puts_needles_at_the_requested_depths(runs):
+def test_niah_grid_is_seeded_and_puts_needles_at_the_requested_depths(runs, monkeypatch, capsys):
+    """Cells seeded and needles at their depths; progress (a line a cell here, off a terminal
+    with no interval) counts the cells."""
+    from diff_jax.evaluation import report
+
+    monkeypatch.setattr(report, "PROGRESS_EVERY_S", 0)
     args = ("task=niah", "lengths=[64,128]", "samples=2", "needles=2", "queries=2", "seed=5")
     out = _run(runs["diff"], *args)
+    assert [re.search(r"\] cell (\d+/10  depth \d+% length \d+)  ETA", line)[1]
+            for line in capsys.readouterr().err.splitlines()] == [
+        f"{n}/10  depth {d}% length {n_}" for n, (d, n_) in enumerate(
+            ((d, n_) for d in (0, 25, 50, 75, 100) for n_ in (64, 128)), 1)]
     assert np.shape(out["accuracy"]) == (5, 2)
     assert all(0 <= a <= 1 for row in out["accuracy"] for a in row)
     assert math.isclose(out["average"], np.mean(out["accuracy"]))

@@ -211,15 +211,18 @@ def test_attention_shares_read_query_0s_key_rows_over_its_pair_and_the_context(m
         assert spans.tolist() == [pair[0], pair[0] + 3, query, query + 1, query + 3]
 
 
-def test_the_task_reports_each_lengths_means_over_its_samples(tmp_path, monkeypatch):
+def test_the_task_reports_each_lengths_means_over_its_samples(tmp_path, monkeypatch, capsys):
     """recall_task from stubbed scorers: per length, the accuracy is the share of all its queries
     hit and the answer / noise shares the means over its 4 samples of each sample's (answer,
     noise) pair. A mean over each pair instead (sample 0's (answer + noise) / 2 reported as the
     answer share) passed every test: the pipeline only checks answer + noise <= 1. A model of
     exactly the task's 98 ids is scored (refusing it passed every test: theirs have 128), one
-    of 97 refused."""
+    of 97 refused. Progress (a line a length here, no interval) counts the lengths."""
     from diff_jax.config import Config, ModelConfig, TrainConfig
+    from diff_jax.evaluation import report
     from diff_jax.evaluation.loading import Loaded
+
+    monkeypatch.setattr(report, "PROGRESS_EVERY_S", 0)
 
     shares = {48: np.array([[0.1, 0.5], [0.3, 0.7], [0.2, 0.6], [0.4, 0.2]]),
               96: np.array([[0.0, 1.0], [0.0, 0.8], [0.2, 0.6], [0.2, 0.6]])}
@@ -236,6 +239,9 @@ def test_the_task_reports_each_lengths_means_over_its_samples(tmp_path, monkeypa
     assert fields["lengths"] == [48, 96] and fields["accuracy"] == [0.625, 0.0]
     assert fields["answer_share"] == pytest.approx([0.25, 0.1], abs=1e-12)
     assert fields["noise_share"] == pytest.approx([0.5, 0.75], abs=1e-12)
+    assert [line.split("]")[1].split("  ETA")[0] for line in
+            capsys.readouterr().err.splitlines()] == [" length 1/2  length 48",
+                                                      " length 2/2  length 96"]
     small = dataclasses.replace(cfg, model=ModelConfig(vocab_size=recall.VOCAB_SIZE - 1))
     with pytest.raises(EvalError, match=r"model.vocab_size \(97\) is smaller than the task's 98"):
         recall_task.recall_task(Loaded(small, None, "stub", 0, tmp_path), options)

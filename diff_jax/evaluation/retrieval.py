@@ -22,7 +22,7 @@ from diff_jax.data.tokenizer import Encoding
 from diff_jax.evaluation import plots
 from diff_jax.evaluation.loading import Loaded, text_encoding
 from diff_jax.evaluation.options import EvalError, EvalOptions
-from diff_jax.evaluation.report import Report
+from diff_jax.evaluation.report import Report, progress
 from diff_jax.transformer import DecoderLM
 
 
@@ -90,9 +90,10 @@ def accuracy_grid(model_cfg: ModelConfig, params: Any, enc: Encoding,
                   options: EvalOptions, lengths: tuple[int, ...],
                   logit_bits: int | None = None) -> tuple[np.ndarray, list[dict]]:
     """(accuracy (depths, lengths), per-cell records with the answer needles' start positions);
-    `logit_bits` as in `accuracy`."""
+    `logit_bits` as in `accuracy`. A progress line counts the cells."""
     grid = np.zeros((len(options.depths), len(lengths)))
     cells = []
+    bar = progress(grid.size, "cell")
     for i, depth in enumerate(options.depths):
         for j, length in enumerate(lengths):
             samples = cell_samples(enc, options, depth, length)
@@ -101,6 +102,8 @@ def accuracy_grid(model_cfg: ModelConfig, params: Any, enc: Encoding,
             cells.append({"depth": depth, "length": length, "accuracy": grid[i, j],
                           "context_tokens": [len(s.context) for s in samples],
                           "answer_starts": [s.needles[0].start for s in samples]})
+            bar.draw(len(cells), f"depth {depth}% length {length}")
+    bar.finish()
     return grid, cells
 
 

@@ -228,14 +228,17 @@ def leave(status: int) -> NoReturn:
 
 
 def not_ignored(signals: tuple[int, ...]) -> tuple[int, ...]:
-    """`signals` less SIGHUP where this process ignores it: `nohup` starts a command with SIGHUP
-    ignored so that closing the terminal does not stop it, and a handler installed for it (a
-    SIGHUP saves and exits, `train_loop._stop_signals`, `as_ctrl_c`) undid that: under
-    nohup a closed terminal stopped the run at the step in flight. Each place that takes SIGHUP
-    asks here first, so it stays ignored, in the processes a command starts too (an ignored
-    signal stays ignored across exec)."""
-    ignored = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
-    return tuple(s for s in signals if not (s == signal.SIGHUP and ignored))
+    """`signals` less those this process ignores. `nohup` starts a command with SIGHUP ignored
+    so that closing the terminal does not stop it, and a handler installed for it (a SIGHUP
+    saves and exits, `train_loop._stop_signals`, `as_ctrl_c`) undid that: under nohup a closed
+    terminal stopped the run at the step in flight. A shell script's `python train.py &` starts
+    it with SIGINT ignored (no job control: the job shares the script's process group), so that
+    a Ctrl-C meant for the script does not stop it; a handler undid that too. Each place that
+    takes a stop signal asks here first, so an ignored one stays ignored, in the processes a
+    command starts too (an ignored signal stays ignored across exec). Only the `STOPS` are
+    passed over: Python itself starts with SIGPIPE ignored, which `train_loop` takes."""
+    return tuple(s for s in signals
+                 if not (s in STOPS and signal.getsignal(s) == signal.SIG_IGN))
 
 
 def _ctrl_c(signum: int, _frame: Any) -> None:

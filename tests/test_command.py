@@ -381,6 +381,33 @@ def test_a_signal_handled_inside_a_gc_callback_still_stops_the_block(case):
     assert stopped == ["the block"]
 
 
+@pytest.mark.parametrize("name", ["SIGINT", "SIGHUP", "SIGTERM"])
+def test_a_stop_signal_the_process_was_started_ignoring_stays_ignored(name):
+    """A shell script's `python train.py &` starts it with SIGINT ignored (the job shares the
+    script's process group: a Ctrl-C meant for the script reaches it too), as `nohup` starts a
+    command with SIGHUP ignored; `as_ctrl_c` and training's stop handler (both through
+    `not_ignored`) installed their own handler for SIGINT over that, so the Ctrl-C stopped the
+    background run. Now an ignored stop signal stays ignored inside the block, and SIGPIPE,
+    which Python itself starts ignoring, is still taken (training's handler needs it)."""
+    import signal
+    import time
+
+    from diff_jax.command import STOPS, as_ctrl_c, not_ignored
+
+    signum = signal.Signals[name]
+    before = signal.signal(signum, signal.SIG_IGN)
+    try:
+        assert not_ignored((*STOPS, signal.SIGPIPE)) == (
+            *(s for s in STOPS if s != signum), signal.SIGPIPE)
+        with as_ctrl_c():
+            assert signal.getsignal(signum) == signal.SIG_IGN
+            signal.raise_signal(signum)
+            time.sleep(0.05)  # no KeyboardInterrupt
+        assert signal.getsignal(signum) == signal.SIG_IGN
+    finally:
+        signal.signal(signum, before)
+
+
 @pytest.mark.parametrize("presses", [2, 3])
 def test_the_third_ctrl_c_ends_a_command_at_once_even_where_no_python_runs(presses):
     """Python runs a signal's handler only where the main thread runs Python; XLA compiling a

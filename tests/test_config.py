@@ -165,10 +165,96 @@ def test_overrides_parse_yaml_values():
                               r"directory \(or null: a fresh init\)$"),
     (["train.compile_cache_dir=''"], r"train\.compile_cache_dir: '' is empty; name a directory "
                                      r"\(or null: no compilation cache\)$"),
+    # each range rule's first value outside it (`test_each_rule_accepts_the_edge_of_its_range`
+    # has the last one inside)
+    (["model.rope_theta=0"], r"model\.rope_theta: must be positive$"),
+    (["model.norm_eps=0"], r"model\.norm_eps: must be positive$"),
+    (["model.loss_chunk=-1"], r"model\.loss_chunk: must be >= 0"),
+    (["model.num_kv_heads=0"], r"model\.num_kv_heads: must be positive$"),  # not a ZeroDivisionError
+    (["model.embed_dim=72"], r"model\.head_dim: the \(component\) head dim must be an even number "
+                             r".* got 9$"),  # 72 / (2·4): RoPE rotates pairs
+    (["model.variant=transformer", "model.head_dim=7"], r"model\.head_dim: .* even number .* got 7$"),
+    (["model.mlp_dim=0"], r"model\.mlp_dim: must be in \[1, 2147483647\]"),
+    (["model.attn_logit_bits=1"], r"model\.attn_logit_bits: must be in \[2, 32\]"),  # 0 levels
+    (["model.attention_impl=cudnn"], r"model\.attention_impl: cudnn runs bfloat16 only"),
+    (["model.subln_init=0"], r"model\.subln_init: must be a finite number > 0$"),
+    (["mesh.fsdp=0"], r"mesh\.fsdp: must be positive or -1 \(the rest\)$"),
+    (["optim.lr=0"], r"optim\.lr: must be positive$"),
+    (["optim.min_lr=-1e-4"], r"optim\.min_lr: must be in \[0, optim\.lr\]$"),
+    (["optim.decay_steps=1"], r"optim\.decay_steps: must be in \[2, 2147483647\] or null"),
+    (["optim.schedule=constant", "optim.decay_steps=10"],
+     r"optim\.decay_steps: has nothing to decay with optim\.schedule=constant"),
+    (["optim.warmup_steps=30", "optim.decay_steps=271"],  # train.steps=300
+     r"optim\.decay_steps: 271 plus optim\.warmup_steps=30 is more than train\.steps=300"),
+    (["optim.weight_decay=-0.1"], r"optim\.weight_decay: must be >= 0$"),
+    (["optim.clip_norm=-1"], r"optim\.clip_norm: must be >= 0 \(0 disables clipping\)$"),
+    (["data.read_threads=0"], r"data\.read_threads: must be positive$"),
+    (["data.niah_tokens=0"], r"data\.niah_tokens: must be positive$"),
+    (["data.mixture_tokens=0"], r"data\.mixture_tokens: must be positive"),
+    (["data.niah_doc_tokens=383"], r"data\.niah_doc_tokens: must be >= 384"),
+    (["data.prompt_field=''"], r"data\.prompt_field: must be a JSONL field name other than "
+                               r"data\.text_field \('text'\), or null$"),
+    (["data.prompt_field=text"], r"data\.prompt_field: must be a JSONL field name other than"),
+    (["data.mixture=files:1", "data.paths=/x", "data.prompt_field=p"],
+     r"data\.prompt_field: a mixture takes only sources whose every token is a target"),
+    (["data.source=files"], r"data\.paths: data\.source=files needs at least one path$"),
+    (["data.mixture=files:1,stdlib:1"], r"data\.paths: data\.mixture's files needs at least one "
+                                        r"path$"),
+    (["data.mixture=stdlib:0,niah:1"], r"data\.mixture: 'stdlib:0': expected SOURCE:WEIGHT"),
+    (["data.mixture=stdlib:1,stdlib:1"], r"data\.mixture: names a source twice$"),
+    (["data.paths=null"], r"data\.paths: expected a list, got None$"),
+    (["train.eval_batches=0"], r"train\.eval_batches: must be positive$"),
+    (["train.eval_batches=2", "train.eval_tokens=100"],
+     r"train\.eval_batches: set train\.eval_tokens only"),
+    (["train.eval_every=-1"], r"train\.eval_every: must be >= 0 \(0 disables\)$"),
+    (["train.profile_steps=-1"], r"train\.profile_steps: must be >= 0"),
+    (["train.compile_topology=v5p:4x4x4"], r"train\.compile_topology: only used with "
+                                           r"train\.compile_only=true$"),
+    (["checkpoint.every_steps=0"], r"checkpoint\.every_steps: must be positive$"),
+    (["checkpoint.discard_later=true"], r"checkpoint\.discard_later: only used with "
+                                        r"checkpoint\.resume_step$"),
+    (["distributed.coordinator=h:0"], r"distributed\.coordinator: expected HOST:PORT with PORT in "
+                                      r"\[1, 65535\], got 'h:0'$"),
+    (["distributed.coordinator=h:65536"], r"distributed\.coordinator: expected HOST:PORT"),
+    (["distributed.coordinator=h:1", "distributed.num_processes=2", "distributed.process_id=-1"],
+     r"distributed\.process_id: must be >= 0$"),
 ])
 def test_errors_name_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(CONFIGS / "tiny.yaml", overrides)
+
+
+@pytest.mark.parametrize("overrides,key,value", [
+    (["model.attn_logit_bits=2"], "model.attn_logit_bits", 2),
+    (["model.attn_logit_bits=32"], "model.attn_logit_bits", 32),
+    (["model.attn_logit_bits=8", "model.attention_impl=auto"], "model.attention_impl", "auto"),
+    (["model.attention_impl=cudnn", "model.dtype=bfloat16"], "model.attention_impl", "cudnn"),
+    (["model.lambda_init=0"], "model.lambda_init", 0.0),
+    (["optim.min_lr=3e-3"], "optim.min_lr", 3e-3),  # = tiny.yaml's optim.lr: no decay
+    (["optim.decay_steps=2"], "optim.decay_steps", 2),
+    (["optim.warmup_steps=30", "optim.decay_steps=270"], "optim.decay_steps", 270),  # = 300 steps
+    (["optim.b1=0", "optim.b2=0"], "optim.b1", 0.0),
+    (["optim.weight_decay=0"], "optim.weight_decay", 0.0),
+    (["optim.clip_norm=0"], "optim.clip_norm", 0.0),  # 0: no clipping
+    (["data.validation_fraction=0"], "data.validation_fraction", 0.0),
+    (["data.prefetch=0"], "data.prefetch", 0),
+    (["data.source=niah", "data.niah_doc_tokens=384"], "data.niah_doc_tokens", 384),
+    (["data.source=files", "data.paths= a , b ,"], "data.paths", ("a", "b")),  # "a,b" ok
+    (["train.steps=2147483647"], "train.steps", 2147483647),
+    (["train.eval_every=0"], "train.eval_every", 0),  # 0 disables
+    (["train.profile_steps=2", "train.profile_start=300"], "train.profile_start", 300),
+    (["train.compile_only=true", "train.compile_topology=v5p:4x4x4"], "train.compile_topology",
+     "v5p:4x4x4"),
+    (["distributed.coordinator=h:65535"], "distributed.coordinator", "h:65535"),
+    (["distributed.coordinator=h:1", "distributed.num_processes=2", "distributed.process_id=1"],
+     "distributed.process_id", 1),
+    (["train.seq_len=512"], "train.seq_len", 512),  # = model.max_seq_len
+])
+def test_each_rule_accepts_the_edge_of_its_range(overrides, key, value):
+    """The last value inside each range rule loads (`test_errors_name_the_key` has the first
+    one outside): the bounds are the documented ones, not one step tighter."""
+    section, field = key.split(".")
+    assert getattr(getattr(load_config(CONFIGS / "tiny.yaml", overrides), section), field) == value
 
 
 @pytest.mark.parametrize("override,match", [
@@ -219,6 +305,9 @@ def test_data_settings_the_sources_do_not_read_are_said_not_refused():
                  ["data.mixture=files:1,niah:1", "data.paths=/x", "data.text_field=body"]):
         assert load_config(None, read).data.unread() == []
     assert load_config(CONFIGS / "tiny.yaml").data.unread() == []
+    assert load_config(None, ["data.prompt_field=p"]).data.unread() == [
+        "data.prompt_field=p: not used, since no data source is files (.jsonl or .parquet records; "
+        "a prepared corpus holds its loss mask)"]
 
 
 def test_a_bare_name_is_a_shipped_config_unless_a_file_has_it(tmp_path, monkeypatch):
@@ -365,6 +454,85 @@ def test_derived_sizes():
         ("stdlib", 0.25), ("niah", 0.75))
     assert ModelConfig(variant="transformer", embed_dim=3072, num_heads=24).resolved_head_dim == 128
     assert ModelConfig(variant="diff_v2", embed_dim=256, num_heads=4, head_dim=48).resolved_head_dim == 48
+    # rounded up, not to the nearest: 8·64/3 = 170.7 is 1.33 multiples of 128
+    assert ModelConfig(embed_dim=64).resolved_mlp_dim == 256
+    assert ModelConfig(embed_dim=64, mlp_dim=100).resolved_mlp_dim == 100  # a set one as it is
+    # the naive GQA pairing exists only under GQA; without it the two compute alike
+    assert ModelConfig(gqa_pairing="naive", num_kv_heads=2).resolved_gqa_pairing == "naive"
+    assert ModelConfig(gqa_pairing="naive").resolved_gqa_pairing == "flash"
+
+
+def test_difference_names_the_first_key_computed_differently_other_value_first():
+    """`ModelConfig.difference`: None for two configs of one function (an mlp_dim set to its
+    derived default included), else (key, the other's value, this one's) as overrides write them."""
+    base = ModelConfig(embed_dim=64)
+    assert base.difference(ModelConfig(embed_dim=64, mlp_dim=256, dtype="bfloat16")) is None
+    assert base.difference(ModelConfig(embed_dim=64, mlp_dim=128)) == ("model.mlp_dim", "128", "256")
+    held = ModelConfig(embed_dim=64, lambda_init=0.5)
+    assert held.difference(base) == ("model.lambda_init", "null", "0.5")
+    assert ModelConfig(embed_dim=64, tie_embeddings=False).difference(base) == (
+        "model.tie_embeddings", "true", "false")
+
+
+@pytest.mark.parametrize("value", [None, True, False, 3, 0.5, "bfloat16", [1, 2], ("a", None, True),
+                                   [["batch", ["data", "fsdp"]], ["embed", None]]])
+def test_override_value_is_read_back_by_parse_override_as_it_was(value):
+    from diff_jax.config import override_value, parse_override
+
+    keys, parsed = parse_override(f"model.x={override_value(value)}")
+    assert keys == ["model", "x"]
+    expected = list(value) if isinstance(value, tuple) else value
+    assert parsed == expected and type(parsed) is type(expected)
+
+
+def test_an_overrides_key_is_read_without_the_spaces_around_it():
+    assert load_config(None, [" train.steps =7"]).train.steps == 7
+    with pytest.raises(ConfigError, match=r"^override 'tiny\.yaml': expected section\.key=value "
+                                          r"\(a config file is given as --config FILE\)$"):
+        load_config(None, ["tiny.yaml"])
+    with pytest.raises(ConfigError, match=r"^override '=tiny\.yaml': expected section\.key=value$"):
+        load_config(None, ["=tiny.yaml"])  # an `=`: no file name meant
+
+
+def test_coerce_takes_64_bit_integers_and_a_unions_first_error():
+    from diff_jax.config import coerce
+
+    assert coerce(2**63 - 1, int, "k") == 2**63 - 1 and coerce(-2**63, int, "k") == -2**63
+    for beyond in (2**63, -2**63 - 1):
+        with pytest.raises(ConfigError, match=rf"^k: expected an integer of at most 64 bits, got "
+                                              rf"{beyond}$"):
+            coerce(beyond, int, "k")
+    # data.paths: tuple[str, ...] | str, whose first alternative names the item at fault
+    with pytest.raises(ConfigError, match=r"^data\.paths\[1\]: expected a string, got 1$"):
+        DataConfig(source="files", paths=["a", 1])
+
+
+def test_a_model_section_alone_names_its_keys_as_the_whole_config_does():
+    from diff_jax.config import model_config_from_dict
+
+    assert model_config_from_dict({"embed_dim": 64}) == ModelConfig(embed_dim=64)
+    with pytest.raises(ConfigError, match=r"^model\.embed_dim: expected an integer, got 'x'$"):
+        model_config_from_dict({"embed_dim": "x"})
+
+
+def test_a_whole_config_where_a_section_is_taken_is_a_type_error_naming_the_section():
+    from diff_jax.config import check_section
+
+    check_section(ModelConfig(), ModelConfig, "DecoderLM")
+    with pytest.raises(TypeError, match=r"^DecoderLM takes a ModelConfig \(a Config's \.model\), "
+                                        r"got Config$"):
+        check_section(Config(), ModelConfig, "DecoderLM")
+    with pytest.raises(TypeError, match=r"^make_mesh takes a MeshConfig \(a Config's \.mesh\), got "
+                                        r"dict$"):
+        check_section({}, MeshConfig, "make_mesh")
+
+
+def test_dump_config_writes_sections_and_keys_in_declaration_order():
+    import yaml
+
+    dumped = yaml.safe_load(dump_config(load_config(CONFIGS / "tiny.yaml")))
+    assert list(dumped) == [f.name for f in dataclasses.fields(Config)]
+    assert list(dumped["model"]) == [f.name for f in dataclasses.fields(ModelConfig)]
 
 
 def test_a_home_relative_run_dir_is_expanded(monkeypatch, tmp_path):
@@ -550,3 +718,7 @@ def test_a_local_file_named_as_a_shipped_config_may_start_from_it(tmp_path):
     own.write_text("base: own.yaml\n")
     with pytest.raises(ConfigError, match=r"own\.yaml: `base` chain loops back to this file$"):
         load_config(own)
+    # the file named with a folder is that file, shipped name or not: a loop, not "not found"
+    mine.write_text(f"base: ../{tmp_path.name}/tiny.yaml\n")
+    with pytest.raises(ConfigError, match=r"tiny\.yaml: `base` chain loops back to this file$"):
+        load_config(mine)

@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from diff_jax.config import Config, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from diff_jax.optim import decay_mask, make_optimizer, schedule
-from diff_jax.sharding import (ShardingError, check_batch, make_mesh, mesh_shape, num_slices,
-                               slice_devices)
+from diff_jax.sharding import (ShardingError, batch_sharding, check_batch, check_divisible,
+                               check_process_rows, make_mesh, mesh_shape, num_slices, slice_devices)
 from diff_jax.step import build_steps, eval_step, loss_and_grads, loss_fn, state_shardings
 from diff_jax.transformer import DecoderLM
 
@@ -133,6 +133,82 @@ def test_divisibility_is_checked_before_compiling_naming_dimension_and_axis():
     with pytest.raises(ShardingError, match=r"= 4 sequences a micro-batch is not divisible by the "
                                             r"batch mesh axes \('data', 'fsdp'\) \(size 8\)"):
         check_batch(16, 4, mesh, RULES)
+
+
+def test_every_dimension_is_checked_and_a_replicated_one_may_have_any_size():
+    """Not only a leaf's first dimension: (8, 6) with `mlp` on tensor 4 is refused naming
+    dimension 1; a dimension no rule shards (`norm`, `head_dim`) divides nothing, odd or not."""
+    mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=4))
+    box = nn.LogicallyPartitioned
+    check_divisible({"n": box(jax.ShapeDtypeStruct((7, 3), jnp.float32), ("norm", "head_dim"))},
+                    mesh, RULES, "parameter")
+    with pytest.raises(ShardingError, match=r"^parameter \['w'\]: dimension 1 \('mlp', size 6\) is "
+                                            r"not divisible by mesh axes 'tensor' \(size 4\)"):
+        check_divisible({"w": box(jax.ShapeDtypeStruct((8, 6), jnp.float32), ("embed", "mlp"))},
+                        mesh, RULES, "parameter")
+
+
+def test_the_default_rules_shard_parameters_as_documented():
+    """docs/training.md: `embed` on fsdp; `heads`, `kv_heads`, `mlp`, `vocab` on tensor; the
+    stacked `layers` axis of `model.scan_layers` unsplit, each layer sharded as unrolled."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    tx = make_optimizer(OptimConfig(), 10)
+    model = dataclasses.replace(MODEL, num_kv_heads=2)
+    for scan, layer in ((False, "layers_0"), (True, "layers")):
+        _, shardings = state_shardings(DecoderLM(dataclasses.replace(model, scan_layers=scan)), tx,
+                                       mesh, RULES)
+        lead = (None,) if scan else ()  # the layers axis
+        attn, ffn = shardings.params[layer]["attn"], shardings.params[layer]["ffn"]
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            assert attn[proj]["kernel"].spec == P(*lead, "fsdp", "tensor"), proj
+        assert attn["out_proj"]["kernel"].spec == P(*lead, "tensor", "fsdp")
+        assert ffn["w_up"]["kernel"].spec == P(*lead, "fsdp", "tensor")
+        # a vector of each layer (a norm's scale, λ's) whole on every device, stacked or not
+        assert shardings.params[layer]["attn_norm"]["scale"].is_fully_replicated
+        assert attn["lambda_q1"].is_fully_replicated
+        assert shardings.params["embed"].spec == P("tensor", "fsdp")
+
+
+def test_batch_arrays_are_split_by_the_batch_rule_and_whole_along_the_length():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=4, tensor=1))
+    sharding = batch_sharding(mesh, RULES)
+    assert sharding.spec == P(("data", "fsdp"), None)
+    shards = jax.device_put(np.zeros((16, 5), np.int32), sharding).addressable_shards
+    assert {s.data.shape for s in shards} == {(2, 5)}  # 16 rows over 2·4 devices
+    assert batch_sharding(mesh, (("batch", "fsdp"),)).spec == P("fsdp", None)
+    assert batch_sharding(mesh, (("embed", "fsdp"),)).spec == P(None, None)  # no rule: replicated
+
+
+def test_make_mesh_over_given_devices_keeps_them_and_their_order():
+    devices = jax.devices()[4:][::-1]
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2), devices)
+    assert [d.id for d in mesh.devices.flat] == [d.id for d in devices]
+
+
+class _FirstHalfOfTheDevices:
+    """A sharding as process 0 of 2 sees it: its addressable devices are devices 0-3."""
+
+    def __init__(self, sharding):
+        self.sharding = sharding
+
+    def addressable_devices_indices_map(self, shape):
+        return {d: i for d, i in self.sharding.devices_indices_map(shape).items() if d.id < 4}
+
+
+def test_each_process_must_hold_its_own_share_of_the_batch_rows(monkeypatch):
+    """`check_process_rows`: a process's devices hold B/P distinct rows. In one process every
+    batch sharding holds all 16 rows (split or replicated); as process 0 of 2 on devices 0-3,
+    the batch over data × fsdp gives it rows [0, 8), but over fsdp alone the data axis, which
+    spans the processes, leaves it all 16."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=4), jax.devices())
+    for rules in (RULES, (("batch", None),)):
+        check_process_rows(batch_sharding(mesh, rules), 16, 5)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    check_process_rows(_FirstHalfOfTheDevices(batch_sharding(mesh, RULES)), 16, 5)
+    with pytest.raises(ShardingError, match=r"^this process's devices hold 16 of the 16 batch rows, "
+                                            r"not 8: a mesh axis outside the `batch` rule spans "
+                                            r"processes"):
+        check_process_rows(_FirstHalfOfTheDevices(batch_sharding(mesh, (("batch", "fsdp"),))), 16, 5)
 
 
 def test_two_logical_axes_of_one_array_on_one_mesh_axis_are_checked_as_flax_shards_them():

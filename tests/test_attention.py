@@ -265,6 +265,9 @@ def test_quantize_logits_levels():
         quantize_logits(s, None, 1)
     with pytest.raises(ValueError, match=r"logit_bits must be in \[2, 32\], got 129$"):
         quantize_logits(s, None, 129)  # rounded to integers: 2^128 levels overflow float32
+    # a map of zeros (a query of zeros, every logit 0) stays zeros: its absmax scale is 0
+    zeros = np.asarray(quantize_logits(jnp.zeros((1, 2, 3, 4)), None, 4))
+    np.testing.assert_array_equal(zeros, np.zeros((1, 2, 3, 4)))
 
 
 def test_quantize_logits_scales_each_map_whole_and_rounds_to_nearest():

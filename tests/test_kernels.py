@@ -338,6 +338,12 @@ def _bad_layouts():
          r"the query heads \(3\) must be a multiple of the kv heads \(2\): q \(1, 5, 6, 16\)"),
         ("float segment_ids", lambda i: diff(q, k, v, 0.5, segment_ids=seg[:, :5] / 2, impl=i),
          r"segment_ids must be integers \(0: padding\), got float32"),  # 0.5: pallas read 0
+        ("odd k sub-heads", lambda i: diff(q, jnp.zeros((1, 5, 3, 16), bf16), v, 0.5, impl=i),
+         "even q and k head counts"),
+        ("k of another batch", lambda i: diff(q, jnp.zeros((2, 5, 2, 16), bf16), v, 0.5, impl=i),
+         r"k must be \(B, S, kv heads, d\) with q's B = 1 and d = 16, got \(2, 5, 2, 16\)"),
+        ("v of another batch", lambda i: diff(q, k, jnp.zeros((2, 5, 1, 32), bf16), 0.5, impl=i),
+         r"v must be \(B, S, Hkv, dv\) = \(1, 5, 1, dv\) .* got \(2, 5, 1, 32\)"),
         ("segment_ids with more keys", lambda i: diff(q, jnp.zeros((1, 6, 2, 16), bf16),
                                                       jnp.zeros((1, 6, 1, 32), bf16), 0.5,
                                                       segment_ids=seg[:, :5], impl=i),
@@ -354,6 +360,36 @@ def test_bad_layouts_are_one_error_naming_the_argument(impl, case):
     _, call, message = _bad_layouts()[case]
     with pytest.raises(ValueError, match=message):
         call(impl)
+
+
+def test_standard_attention_maps_are_the_scaled_logits_their_softmax_and_the_mask():
+    """return_maps of the standard oracle against float64 NumPy: logits q·k/√d per query head
+    (query head j reads kv head j // 2 here), probabilities 0 where masked and summing to 1
+    elsewhere, and the causal mask itself (B, 1, T, S)."""
+    q, k, v = normals(5, (1, 4, 4, 8), (1, 4, 2, 8), (1, 4, 2, 8))
+    out, maps = kernels.dot_product_attention(q, k, v, impl="xla", return_maps=True)
+    q64, k64 = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    logits = np.einsum("bthd,bshd->bhts", q64, np.repeat(k64, 2, axis=2)) / np.sqrt(8)
+    np.testing.assert_allclose(maps["logits"], logits, rtol=1e-5, atol=1e-6)
+    causal = np.tril(np.ones((4, 4), bool))
+    np.testing.assert_array_equal(maps["mask"], causal[None, None])
+    e = np.where(causal, np.exp(logits - logits.max(-1, keepdims=True)), 0)
+    np.testing.assert_allclose(maps["probs"], e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
+    assert maps["mask"] is not None and out.shape == (1, 4, 4, 8)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "cudnn"])
+def test_oracle_only_options_are_refused_by_every_kernel(impl):
+    """return_maps, logit_bits and kv_segment_ids exist on impl="xla" only: the cuDNN route is
+    refused as the Pallas one is (before anything runs), not run without them."""
+    bf16 = jnp.bfloat16
+    q, k, v = jnp.zeros((1, 5, 4, 16), bf16), jnp.zeros((1, 5, 2, 16), bf16), jnp.zeros((1, 5, 1, 32), bf16)
+    with pytest.raises(ValueError, match=rf"^return_maps exist only on the xla path \(impl='xla'\), "
+                                         rf"not '{impl}'$"):
+        kernels.diff_attention(q, k, v, 0.5, impl=impl, return_maps=True)
+    with pytest.raises(ValueError, match=r"^kv_segment_ids, logit_bits exist only on the xla path"):
+        kernels.dot_product_attention(q, k, k, impl=impl, segment_ids=jnp.ones((1, 5), jnp.int32),
+                                      kv_segment_ids=jnp.ones((1, 5), jnp.int32), logit_bits=8)
 
 
 @pytest.mark.parametrize("impl", ["xla", "cudnn", "pallas"])

@@ -556,6 +556,15 @@ def test_model_config_built_in_python_checks_its_choices(field, value):
         ModelConfig(**{field: value})
 
 
+
+def test_model_config_built_in_python_names_an_unknown_variant_and_the_known_ones():
+    """The variant is looked up before the fields are coerced: a ConfigError, not the registry's
+    KeyError."""
+    with pytest.raises(ConfigError, match=r"^model\.variant: unknown variant 'gpt'; known: diff, "
+                                          r"diff_v2, transformer$"):
+        ModelConfig(variant="gpt")
+
+
 @pytest.mark.parametrize("field,value,says", [
     ("tie_embeddings", "false", "expected true/false, got 'false'"),  # ran as true
     ("learn_lambda", "no", "expected true/false, got 'no'"),  # ran as true

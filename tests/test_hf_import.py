@@ -249,6 +249,21 @@ def test_cli_imports_prints_how_to_fine_tune_and_refuses_overwriting(tmp_path, c
                                        "exists and is not a directory\n")
 
 
+def test_a_tokenizer_whose_ids_fill_the_vocabulary_exactly_is_the_checkpoints_own(tmp_path):
+    """`own_encoding`: a tokenizer.json of 73 ids (0-72) fits a vocab_size of 73; one id fewer
+    in the model and it is refused, naming the file, the largest id and the vocab_size."""
+    from diff_jax.config import ModelConfig
+    from diff_jax.export.hf_import import own_encoding
+    from training_fixtures import sentencepiece_tokenizer
+
+    sentencepiece_tokenizer(tmp_path)
+    enc, unusable = own_encoding(tmp_path, ModelConfig(vocab_size=73, embed_dim=64, num_heads=2))
+    assert enc.n_vocab == 73 and enc.name == str(tmp_path.resolve()) and unusable is None
+    enc, unusable = own_encoding(tmp_path, ModelConfig(vocab_size=72, embed_dim=64, num_heads=2))
+    assert enc is None and unusable == (f"{tmp_path.resolve() / 'tokenizer.json'}: its ids reach "
+                                        "72, past the model's vocab_size 72")
+
+
 def test_an_hf_dir_with_its_tokenizer_gets_commands_that_read_text_with_it(tmp_path, capsys):
     """A tokenizer.json beside the checkpoint whose ids fit the model: the printed commands pass
     `data.tokenizer=HF_DIR` (absolute), and the evaluate command's tokenizer is the one that
@@ -408,6 +423,8 @@ def saved_diffllama(tmp_path_factory) -> Path:
     ({"mlp_bias": True}, "mlp_bias is true"),
     ({"hidden_act": "gelu"}, "hidden_act is 'gelu'"),
     ({"num_attention_heads": 4, "num_key_value_heads": 1}, r"num_key_value_heads \(1\) must both be even"),
+    ({"num_key_value_heads": 6}, r"num_attention_heads \(8\) is not a multiple of "
+                                 r"num_key_value_heads \(6\);"),  # in the file's own terms
     ({"head_dim": 16}, r"head_dim \(16\) · num_attention_heads \(8\) != hidden_size \(64\)"),
     ({"model_type": "mistral"}, "model_type 'mistral' cannot be imported"),
     ({"architectures": ["DiffLlamaForSequenceClassification"]}, "only DiffLlamaForCausalLM"),

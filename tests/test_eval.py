@@ -636,6 +636,13 @@ def test_constrained_greedy_walks_the_labels_tokens_not_their_sums():
     _, ids = choice_tokens(ENC, text, [" " + x for x in labels])
     assert ids[1][:2] == ids[2] == [card, ENC.encode_ordinary(".")[0]]
     assert stopped(ENC, text, labels, ids) == [[card, stop], ids[1], [*ids[2], stop]]
+    # the stop read after the test item's own text is the one read after a whole prompt
+    demos = "".join(f"Some text {n}.\nLabel: {x}\n\n" for n, x in enumerate(labels * 5))
+    for x in ("card", "card.", "card\t", "card ,", "card\n"):
+        whole = ENC.encode_ordinary(demos + text + " " + x + "\n\n")
+        assert stopped(ENC, text, [x, x + "y"], [[card], [card, 88]])[0] == stopped(
+            ENC, demos + text, [x, x + "y"], [[card], [card, 88]])[0]
+        assert stopped(ENC, text, [x, x + "y"], [[card], [card, 88]])[0][1] in whole
     tails = [[card, stop], [card, arrival, stop], [card]]  # a label that ends is decoded whole
     assert constrained_greedy(tails, np.array([[-1.0, -3.0, 0], [-1.0, -2.0, 0],
                                                [-1.0, 0, 0]])) == 2

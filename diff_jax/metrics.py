@@ -181,7 +181,8 @@ class MetricsWriter:
 class Progress:
     """One status line: done/total units, details, ETA (redrawn on a terminal; a line per call
     elsewhere, or at most one per `every_s` seconds where that is set). Training's reads step,
-    loss, tokens/s (`update`); eval's long tasks draw theirs (`draw`, `finish`).
+    loss, tokens/s (`update`); eval's long tasks draw theirs (`draw`, and `finish` as their
+    `with` block ends, however it ends).
 
     The ETA is extrapolated from the wall-clock time between the first call and the latest, so
     the first unit of an invocation (which includes compiling) never counts; until two calls
@@ -236,6 +237,14 @@ class Progress:
         """End a terminal's status line, so that what is printed next starts a line of its own."""
         if self.tty and self._shown is not None:
             self._write("\n")
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """`finish`, on an error or a Ctrl-C too: its `error:` or `interrupted:` line was
+        written onto the end of the status line (`...ETA 1m00sinterrupted: stopped at once`)."""
+        self.finish()
 
     def message(self, text: str) -> None:
         """Print `text` on a line of its own (below the status line on a terminal)."""

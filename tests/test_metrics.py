@@ -152,3 +152,19 @@ def test_progress_off_a_terminal_writes_a_line_per_every_s_and_the_end_only_afte
     first, second = term.text.split("\r")[1:]
     assert first == f"[{'#' * 1}{'.' * 23}] step 1/20  loss 10.0000  50,000 tok/s  ETA --"
     assert second == f"[{'#' * 2}{'.' * 22}] step 2/20  loss 9.5000  5 tok/s  ETA 0m36s   "
+
+
+def test_progress_with_block_ends_the_terminal_line_however_it_ends():
+    """A Ctrl-C (or an error) inside `with Progress(...)` ends the status line first, so the
+    `interrupted:` or `error:` line printed next starts a line of its own; a block that drew
+    nothing writes nothing."""
+    term = _Terminal()
+    with pytest.raises(KeyboardInterrupt):
+        with metrics.Progress(4, True, term, unit="token") as bar:
+            bar.draw(1)
+            raise KeyboardInterrupt
+    assert term.text.startswith("\r[") and term.text.endswith("ETA --\n")
+    term = _Terminal()
+    with metrics.Progress(4, True, term) as bar:
+        pass
+    assert term.text == ""

@@ -162,9 +162,8 @@ def choice_logprobs(model_cfg: ModelConfig, params: Any, items: list[Item], leng
                 owners.append((i, []))
             groups[shared[context]][1].append(choice)
             owners[shared[context]][1].append(j)
-    bar = progress(len(groups), "context")
-    logps = continuation_logprobs(model_cfg, params, groups, batch_size, scored=bar.draw)
-    bar.finish()
+    with progress(len(groups), "context") as bar:
+        logps = continuation_logprobs(model_cfg, params, groups, batch_size, scored=bar.draw)
     per_item = [np.zeros(len(item.choices)) for item in items]
     for (i, choices), group_logps in zip(owners, logps):
         per_item[i][choices] = group_logps.sum(1)

@@ -271,23 +271,22 @@ def icl_task(loaded: Loaded, options: EvalOptions) -> Report:
     predicted: dict[int, list[np.ndarray]] = {}  # per order, (test items,) label indices
     shown: dict[int, list[list[int]]] = {}
     tokens: dict[int, int] = {}
-    bar = progress(len(counts) * options.orders * len(test), "prompt")
-    done = 0
-    for shots in reversed(counts):  # the longest prompts first: one too long stops at once
-        prompts = prompts_of(shots)
-        if not fits(prompts, length):
-            raise EvalError(too_long(shots, prompts, length))
-        predicted[shots] = []
-        for order, groups in enumerate(prompts.groups, 1):
-            where = f"shots={shots} order {order}/{options.orders}"
-            logps = continuation_logprobs(
-                cfg.model, loaded.params, groups, options.batch_size, prompts.prompt_width,
-                scored=lambda n: bar.draw(done + n, where))
-            done += len(groups)
-            predicted[shots].append(np.array([constrained_greedy(tails, logp)
-                                              for (_, tails), logp in zip(groups, logps)]))
-        shown[shots], tokens[shots] = prompts.demos, prompts.width
-    bar.finish()
+    with progress(len(counts) * options.orders * len(test), "prompt") as bar:
+        done = 0
+        for shots in reversed(counts):  # the longest prompts first: one too long stops at once
+            prompts = prompts_of(shots)
+            if not fits(prompts, length):
+                raise EvalError(too_long(shots, prompts, length))
+            predicted[shots] = []
+            for order, groups in enumerate(prompts.groups, 1):
+                where = f"shots={shots} order {order}/{options.orders}"
+                logps = continuation_logprobs(
+                    cfg.model, loaded.params, groups, options.batch_size, prompts.prompt_width,
+                    scored=lambda n: bar.draw(done + n, where))
+                done += len(groups)
+                predicted[shots].append(np.array([constrained_greedy(tails, logp)
+                                                  for (_, tails), logp in zip(groups, logps)]))
+            shown[shots], tokens[shots] = prompts.demos, prompts.width
     accuracy = [[float(np.mean(p == truth)) for p in predicted[k]] for k in counts]
     mean = [float(np.mean(a)) for a in accuracy]
     std = [float(np.std(a)) for a in accuracy]

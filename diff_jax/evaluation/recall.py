@@ -97,15 +97,15 @@ def recall_task(loaded: Loaded, options: EvalOptions) -> Report:
                         f"task's {recall.VOCAB_SIZE} token ids")
     lengths = niah_lengths(cfg, options)
     accuracy, answer, noise = [], [], []
-    bar = progress(len(lengths), "length")
-    for length in lengths:
-        samples = cell_samples(options, length)
-        accuracy.append(float(hits(cfg.model, loaded.params, samples, options.batch_size).mean()))
-        shares = attention_shares(cfg.model, loaded.params, samples).mean(axis=0)
-        answer.append(float(shares[0]))
-        noise.append(float(shares[1]))
-        bar.draw(len(accuracy), f"length {length}")
-    bar.finish()
+    with progress(len(lengths), "length") as bar:
+        for length in lengths:
+            samples = cell_samples(options, length)
+            accuracy.append(float(hits(cfg.model, loaded.params, samples,
+                                       options.batch_size).mean()))
+            shares = attention_shares(cfg.model, loaded.params, samples).mean(axis=0)
+            answer.append(float(shares[0]))
+            noise.append(float(shares[1]))
+            bar.draw(len(accuracy), f"length {length}")
     return Report(
         {"pairs": options.needles, "queries": options.queries, "distractors": options.distractors,
          "samples": options.samples, "seed": options.seed, "lengths": list(lengths),

@@ -42,7 +42,8 @@ def format_table(rows: list[tuple[str, str]]) -> str:
 
 
 def progress(total: int, unit: str) -> Progress:
-    """A long task's progress line on stderr: `total` `unit`s (`Progress.draw` after each batch,
-    `finish` at the end), redrawn on a terminal and a line every `PROGRESS_EVERY_S` seconds in
-    a log, where a task quicker than that writes none."""
+    """A long task's progress line on stderr: `total` `unit`s (`Progress.draw` after each batch;
+    used as `with progress(...) as bar:`, which ends the line however the block ends), redrawn
+    on a terminal and a line every `PROGRESS_EVERY_S` seconds in a log, where a task quicker
+    than that writes none."""
     return Progress(total, True, unit=unit, every_s=PROGRESS_EVERY_S)

@@ -93,17 +93,16 @@ def accuracy_grid(model_cfg: ModelConfig, params: Any, enc: Encoding,
     `logit_bits` as in `accuracy`. A progress line counts the cells."""
     grid = np.zeros((len(options.depths), len(lengths)))
     cells = []
-    bar = progress(grid.size, "cell")
-    for i, depth in enumerate(options.depths):
-        for j, length in enumerate(lengths):
-            samples = cell_samples(enc, options, depth, length)
-            grid[i, j] = accuracy(model_cfg, params, samples, length, options.batch_size,
-                                  logit_bits)
-            cells.append({"depth": depth, "length": length, "accuracy": grid[i, j],
-                          "context_tokens": [len(s.context) for s in samples],
-                          "answer_starts": [s.needles[0].start for s in samples]})
-            bar.draw(len(cells), f"depth {depth}% length {length}")
-    bar.finish()
+    with progress(grid.size, "cell") as bar:
+        for i, depth in enumerate(options.depths):
+            for j, length in enumerate(lengths):
+                samples = cell_samples(enc, options, depth, length)
+                grid[i, j] = accuracy(model_cfg, params, samples, length, options.batch_size,
+                                      logit_bits)
+                cells.append({"depth": depth, "length": length, "accuracy": grid[i, j],
+                              "context_tokens": [len(s.context) for s in samples],
+                              "answer_starts": [s.needles[0].start for s in samples]})
+                bar.draw(len(cells), f"depth {depth}% length {length}")
     return grid, cells
 
 

@@ -262,9 +262,8 @@ def score(loaded: Loaded, options: EvalOptions) -> Report:
     if window < 2:
         raise EvalError(f"length={window}: score needs windows of at least 2 tokens (a token and "
                         "the one it predicts)")
-    bar = progress(len(ids) - 1, "token")
-    logp = token_logprobs(cfg.model, loaded.params, ids, window, scored=bar.draw)
-    bar.finish()
+    with progress(len(ids) - 1, "token") as bar:
+        logp = token_logprobs(cfg.model, loaded.params, ids, window, scored=bar.draw)
     output = Path(options.output) if options.output else loaded.out_dir / "score.npy"
     output.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()

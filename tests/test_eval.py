@@ -718,6 +718,8 @@ def test_icl_reports_every_order_s_accuracy_and_their_mean_std_and_min(runs, tmp
     ('{"text": 1, "label": "x"}', ":2: 'text' is no string"),
     ('{"text": "a", "label": " "}', ":2: 'label' must be a non-blank string"),
     ('{"text": "a", "label": 3}', ":2: 'label' must be a non-blank string"),
+    ('{"text": "a", "label": "a\\n\\nb"}',
+     r":2: 'label' holds '\n\n', which ends a label in a prompt"),
     ("{not json", ":2: not JSON"),
 ])
 def test_an_icl_file_with_a_bad_example_is_one_error_naming_its_line(tmp_path, line, error):

@@ -102,6 +102,8 @@ def _example_problem(record: Any) -> str | None:
         return "'text' is no string"
     if not isinstance(record["label"], str) or not record["label"].strip():
         return "'label' must be a non-blank string"
+    if STOP in record["label"]:  # "a" would end where "a\n\nb" goes on: "a\n\nb" never answered
+        return f"'label' holds {STOP!r}, which ends a label in a prompt"
     return None
 
 

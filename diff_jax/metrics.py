@@ -197,7 +197,7 @@ class Progress:
         self.tty = enabled and self.stream.isatty()
         self._first: tuple[int, float] | None = None  # (units done, time) of the first call
         self._shown: float | None = None  # when the last line was written
-        self._drawn = 0  # the length of the line on the terminal
+        self._drawn = 0  # the length of the status line open on the terminal (0: none)
 
     def update(self, step: int, loss: float, tokens_per_sec: float) -> None:
         """Draw training's line for `step` (steps may be skipped between calls)."""
@@ -235,7 +235,8 @@ class Progress:
 
     def finish(self) -> None:
         """End a terminal's status line, so that what is printed next starts a line of its own."""
-        if self.tty and self._shown is not None:
+        if self.tty and self._drawn:
+            self._drawn = 0
             self._write("\n")
 
     def __enter__(self) -> Progress:
@@ -247,9 +248,11 @@ class Progress:
         self.finish()
 
     def message(self, text: str) -> None:
-        """Print `text` on a line of its own (below the status line on a terminal)."""
+        """Print `text` on a line of its own (below the status line where one is open on a
+        terminal: no blank line before the first, or between two messages)."""
         if self.enabled:
-            self._write(("\n" if self.tty else "") + text + "\n")
+            opened, self._drawn = self._drawn, 0
+            self._write(("\n" if opened else "") + text + "\n")
 
     def _write(self, text: str) -> None:
         """Write `text` to the stream now; where its pipe's reader is gone (`2>&1 | head`) the

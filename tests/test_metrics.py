@@ -168,3 +168,23 @@ def test_progress_with_block_ends_the_terminal_line_however_it_ends():
     with metrics.Progress(4, True, term) as bar:
         pass
     assert term.text == ""
+
+
+def test_progress_message_on_a_terminal_ends_an_open_status_line_and_no_other(monkeypatch):
+    """A message ends the status line drawn before it and starts its own line; one with no
+    status line open (the first, or after another message) adds no blank line, and the line
+    drawn after it is not padded to the old one's width."""
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: 5.0)
+    term = _Terminal()
+    progress = metrics.Progress(4, True, term)
+    progress.message("run directory: R")
+    progress.draw(1, "loss 10.0000  50,000 tok/s")
+    progress.message("SIGINT received: finishing")
+    progress.message("SIGINT received: saved step 1")
+    progress.draw(2)
+    progress.finish()
+    progress.finish()
+    assert term.text == ("run directory: R\n"
+                         "\r[######..................] step 1/4  loss 10.0000  50,000 tok/s  ETA --"
+                         "\nSIGINT received: finishing\nSIGINT received: saved step 1\n"
+                         "\r[############............] step 2/4  ETA 0m00s\n")

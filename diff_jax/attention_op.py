@@ -47,9 +47,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from diff_jax import kernels
 from diff_jax.config import ConfigError, ModelConfig, check_section
-from diff_jax.sharding import axes_size
+from diff_jax.sharding import Rules, axes_size
 
-Rules = tuple[tuple[str, Any], ...]
 Maps = dict[str, Any]
 
 _log = logging.getLogger(__name__)

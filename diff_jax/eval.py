@@ -7,7 +7,8 @@ choice (input=ITEMS.jsonl), icl (input=EXAMPLES.jsonl);
 or checkpoint=PATH (a run, a step directory RUN/checkpoints/N, or a safetensors or orbax-params
 export) instead of train.run_dir, and step=N for another step of a run. Writes RUN/eval/NAME.json
 (a step named by step=N or its directory: RUN/eval/step-N/NAME.json; out_dir=DIR: DIR/NAME.json).
-Every task's keys and defaults: docs/evaluation.md in diff-jax's source, which the package does
+It runs on the first device; mesh.* shards the parameters over this machine's devices
+(mesh.data=1 mesh.fsdp=-1: each parameter split over all of them). Every task's keys and defaults: docs/evaluation.md in diff-jax's source, which the package does
 not install (a key no task takes is refused with the list of those that are). Exit status: 0
 done, 2 bad input (arguments, config, a missing or damaged checkpoint, a file that cannot be read
 or written, a task too big for the devices' memory), 1 a result that is NaN (the JSON is still
@@ -31,6 +32,7 @@ from diff_jax.device_memory import DeviceMemoryError
 from diff_jax.evaluation import EvalError, run
 from diff_jax.evaluation.options import PATH_OPTIONS
 from diff_jax.file_errors import describe
+from diff_jax.sharding import ShardingError
 
 PATH_KEYS = ("train.run_dir", *PATH_OPTIONS)  # the keys naming files
 
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with as_ctrl_c(signals=()):  # a closed stdout (`| head`) is a Ctrl-C; SIGTERM as it was
             path = run(args)
-    except (ConfigError, CheckpointError, DataError, EvalError, DeviceMemoryError) as e:
+    except (ConfigError, CheckpointError, DataError, EvalError, DeviceMemoryError,
+            ShardingError) as e:
         quiet_abandoned_io()  # a damaged checkpoint's reads: this line stays the last
         return failed(str(e))
     except OSError as e:  # an output directory or file that cannot be made or written

@@ -19,6 +19,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from diff_jax.config import MeshConfig, check_section
 
 AXES = ("data", "fsdp", "tensor")
+Rules = tuple[tuple[str, Any], ...]  # a logical-axis rule table: (logical axis, mesh axes)
 
 
 class ShardingError(ValueError):

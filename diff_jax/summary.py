@@ -35,18 +35,23 @@ from diff_jax.sharding import unboxed
 from diff_jax.transformer import DecoderLM
 
 
+def boxed_params(config: ModelConfig) -> dict:
+    """The parameter tree as ShapeDtypeStructs (float32) still boxed with their logical axis
+    names (`nn.LogicallyPartitioned`), for `sharding.tree_shardings`; nothing is allocated.
+    The shapes do not depend on `model.attention_impl`, so the init is traced with the xla op: a
+    config for other devices (cudnn on a CPU machine) counts."""
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    traced = dataclasses.replace(config, attention_impl="xla")
+    return jax.eval_shape(DecoderLM(traced).init, jax.random.key(0), tokens)["params"]
+
+
 def abstract_params(config: ModelConfig, sharding: jax.sharding.Sharding | None = None) -> dict:
     """The parameter tree as ShapeDtypeStructs (float32), each with `sharding` if given.
 
-    Nothing is allocated and the logical-axis boxes are removed without sharding constraints, so
-    this also works inside a mesh context. The shapes do not depend on `model.attention_impl`, so
-    the init is traced with the xla op: a config for other devices (cudnn on a CPU machine) counts.
-    """
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    traced = dataclasses.replace(config, attention_impl="xla")
-    boxed = jax.eval_shape(DecoderLM(traced).init, jax.random.key(0), tokens)["params"]
+    The logical-axis boxes are removed without sharding constraints, so this also works inside
+    a mesh context (`boxed_params`)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                        unboxed(boxed))
+                        unboxed(boxed_params(config)))
 
 
 def flops_per_token(config: ModelConfig, seq_len: int, params: dict | None = None) -> float:

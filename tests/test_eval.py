@@ -1170,6 +1170,137 @@ def test_loading_a_training_checkpoint_reads_it_without_warnings(runs, caplog):
     assert loaded.step == 1 and not [r.getMessage() for r in caplog.records]
 
 
+MESH = ("mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2")  # the 8 devices of the tests
+
+
+def _close(got, want, where: str = "") -> None:
+    """`got` equals `want` (a report's JSON), its floats within 1e-5 relative: the same sums in
+    float32, in another order on a mesh."""
+    if isinstance(want, float):
+        assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-6), (where, got, want)
+    elif isinstance(want, dict):
+        assert set(got) == set(want), where
+        for key in want:
+            if key not in ("files", "checkpoint"):
+                _close(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _close(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, (where, got, want)
+
+
+def test_eval_on_a_mesh_shards_the_parameters_and_computes_what_one_device_does(runs, tmp_path):
+    """mesh.* given to eval (fsdp 4 × tensor 2, here with the layers stacked,
+    model.scan_layers=true, another layout than the run saved): each parameter is split over
+    the devices by the rule table as training splits it (the embedding (vocab, embed) over
+    tensor and fsdp; a device holds under a fifth of the parameters' bytes), and the tasks that
+    read the model each way (ppl: full forward; generate and choice: the KV cache; attention:
+    the maps) report what the default, one device, reports."""
+    from jax.sharding import PartitionSpec as P
+
+    from diff_jax.evaluation import evaluate
+    from diff_jax.evaluation.loading import load
+
+    run = runs["diff"]
+    sharded = load(*parse_args(["task=ppl", f"train.run_dir={run}", "model.scan_layers=true",
+                                *MESH]))
+    assert dict(sharded.mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert (sharded.config.mesh.data, sharded.config.mesh.fsdp) == (1, 4)
+    embed = sharded.params["embed"]
+    assert embed.sharding.spec == P("tensor", "fsdp")
+    assert {s.data.shape for s in embed.addressable_shards} == {(embed.shape[0] // 2, 32 // 4)}
+    assert "layers" in sharded.params  # stacked (the run saved layers_0, layers_1)
+    leaves = jax.tree.leaves(sharded.params)
+    first = jax.devices()[0]
+    held = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == first)
+    assert held < sum(x.nbytes for x in leaves) / 5
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps(i) + "\n" for i in CHOICE_ITEMS))
+    for args in (("task=ppl", "held_out_tokens=256", "batch_size=2"),
+                 ("task=generate", "prompt=def main(", "max_new_tokens=6"),
+                 ("task=choice", f"input={items}", "length=24", "batch_size=3"),
+                 ("task=attention", "samples=1", "needles=2", "depths=[0,100]")):
+        one = _run(run, *args)
+        options, _ = parse_args([*args, f"out_dir={tmp_path / 'sharded'}"])
+        report, path = evaluate(sharded, options)
+        _close(json.loads(path.read_text()), one, args[0])
+
+
+def test_a_task_on_a_mesh_is_traced_inside_it_with_its_rules(runs, tmp_path, monkeypatch):
+    """What the model's logical-axis constraints and the attention op read (a kernel, which
+    XLA cannot partition, runs under shard_map over the context mesh): inside a task the
+    context mesh is the loaded one and the rules are the mesh's; without mesh.* there is none
+    (the first device, as before)."""
+    from flax import linen as nn
+
+    from diff_jax import evaluation
+    from diff_jax.evaluation.report import Report
+
+    seen = []
+
+    def probe(loaded, options):
+        seen.append((dict(jax.sharding.get_abstract_mesh().shape), nn.get_logical_axis_rules()))
+        return Report({}, [])
+
+    monkeypatch.setitem(evaluation.TASK_FUNCTIONS, "ppl", probe)
+    for mesh in (MESH, ()):
+        run_task(*parse_args(["task=ppl", f"train.run_dir={runs['diff']}",
+                              f"out_dir={tmp_path}", *mesh]))
+    assert seen[0][0] == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert dict(seen[0][1])["vocab"] == "tensor" and dict(seen[0][1])["batch"] == ("data", "fsdp")
+    assert seen[1] == ({}, ())
+
+
+def test_eval_of_an_export_on_a_data_parallel_mesh(runs, tmp_path):
+    """A safetensors export read onto a mesh (mesh.data=-1: all 8 devices, each row of a batch
+    on one): each array is placed replicated on every device; ppl with batches of 3 rows, which
+    8 devices do not divide, reports what one device does."""
+    from diff_jax.export import export
+
+    run = runs["transformer"]
+    exp = export(run, tmp_path / "exp", "safetensors")
+    args = ["task=ppl", "held_out_tokens=384", "batch_size=3", f"checkpoint={exp}"]
+    one = json.loads(run_task(*parse_args(args))[1].read_text())
+    from diff_jax.evaluation.loading import load
+
+    loaded = load(*parse_args([*args, "mesh.data=-1"]))
+    assert all(x.sharding.is_fully_replicated and len(x.sharding.device_set) == 8
+               for x in jax.tree.leaves(loaded.params))
+    _, path = run_task(*parse_args([*args, "mesh.data=-1", f"out_dir={tmp_path / 'dp'}"]))
+    _close(json.loads(path.read_text()), one)
+
+
+def test_a_parameter_its_mesh_axes_do_not_divide_is_named_before_anything_is_read():
+    """The restore target on a mesh (`sources.abstract_params`): a dimension its mesh axes do
+    not divide (embed 36 over fsdp 8) is a ShardingError naming the parameter, its dimension
+    and the axes (the tests' runs have dimensions that 8 divides)."""
+    from diff_jax.config import MeshConfig, ModelConfig
+    from diff_jax.export.sources import abstract_params
+    from diff_jax.sharding import ShardingError, make_mesh
+
+    mesh_config = MeshConfig(data=1, fsdp=8)
+    model = ModelConfig(vocab_size=64, embed_dim=36, num_layers=1, num_heads=3, max_seq_len=16)
+    with pytest.raises(ShardingError, match=r"^parameter \['embed'\]: dimension 1 \('embed', "
+                                            r"size 36\) is not divisible by mesh axes 'fsdp' "
+                                            r"\(size 8\); change mesh"):
+        abstract_params(model, make_mesh(mesh_config), mesh_config.rules)
+
+
+@pytest.mark.parametrize("mesh, message", [
+    (("mesh.data=3",), r"error: mesh \{'data': 3, 'fsdp': 1, 'tensor': 1\} needs 3 devices, but 8 "
+                       "are present"),
+    (("mesh.fsdp=-1",), r"error: mesh: at most one axis may be -1"),
+])
+def test_a_mesh_that_does_not_fit_is_one_error_line(runs, tmp_path, capsys, mesh, message):
+    assert eval_main(["task=ppl", f"train.run_dir={runs['diff']}", f"out_dir={tmp_path}",
+                      *mesh]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.match(message, err), err
+    assert not tmp_path.joinpath("ppl.json").exists()
+
+
 def test_export_dir_and_step_dir_load_the_same_model(runs, tmp_path):
     """An export records its run's data section, train.seed and train.seq_len: evaluated with no
     override, it holds out the run's own split. One written before exports recorded them is
@@ -1332,6 +1463,7 @@ def test_a_task_too_big_for_device_memory_is_one_error_line(runs, tmp_path, caps
     """XLA's out-of-memory error inside a task becomes one line naming the task's sizing options
     (exit 2), and no JSON is written."""
     from diff_jax import evaluation
+    from diff_jax.evaluation.loading import eval_devices
     from training_fixtures import xla_out_of_memory
 
     def no_room(loaded, options):
@@ -1343,13 +1475,19 @@ def test_a_task_too_big_for_device_memory_is_one_error_line(runs, tmp_path, caps
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: out of device memory ("), err
     assert err.endswith("): the checkpoint's model with task=ppl, batch_size=64, length unset "
-                        f"(the run's train.seq_len) does not fit on {jax.device_count()} cpu "
-                        "device(s); lower batch_size or length\n"), err
+                        "(the run's train.seq_len) does not fit on 1 of the 8 cpu devices "
+                        "here; lower batch_size or length, or shard the parameters over all 8 "
+                        "with mesh.data=1 mesh.fsdp=-1\n"), err
     assert not (tmp_path / "ppl.json").exists()
     options = EvalOptions(task="niah", lengths=(64, 128))
     assert options.memory_advice("1 gpu device(s)") == (
         "the checkpoint's model with task=niah, batch_size=4, lengths=[64, 128] does not fit on "
         "1 gpu device(s); lower batch_size or lengths")
+    assert eval_devices(["mesh.data=-1", "mesh.fsdp=2"]) == (
+        "8 cpu device(s) (mesh data=4, fsdp=2, tensor=1)",
+        "shard the parameters over more of them (mesh.fsdp × mesh.tensor = 2 of 8)")
+    assert eval_devices(["mesh.data=1", "mesh.fsdp=-1"]) == (
+        "8 cpu device(s) (mesh data=1, fsdp=8, tensor=1)", None)
     options = EvalOptions(task="score", input="in.txt")
     assert options.memory_advice("1 gpu device(s)").endswith(
         "task=score, length unset (the run's model.max_seq_len) does not fit on 1 gpu device(s); "

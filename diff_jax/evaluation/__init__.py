@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from diff_jax.device_memory import devices_here, fit_or_explain
+from diff_jax.device_memory import fit_or_explain
 from diff_jax.evaluation import analysis, choice, generation, icl, recall, retrieval, scoring
-from diff_jax.evaluation.loading import Loaded, load
+from diff_jax.evaluation.loading import Loaded, eval_devices, load
 from diff_jax.evaluation.options import TASKS, EvalError, EvalOptions, parse_args
 from diff_jax.evaluation.report import Report, format_table, write
 from diff_jax.output_dir import made
@@ -44,7 +44,8 @@ def run_task(options: EvalOptions, overrides: Sequence[str]) -> tuple[Report, Pa
 def evaluate(loaded: Loaded, options: EvalOptions) -> tuple[Report, Path]:
     """Run `options.task` on what `load` returned, write its JSON into `loaded.out_dir`; (report,
     JSON path). Several tasks of one checkpoint load it once (a replication's evaluations)."""
-    with made(loaded.out_dir):  # removed again, with its new parents, if the task fails
+    # the output directory is removed again, with its new parents, if the task fails
+    with made(loaded.out_dir), loaded.context():
         report = TASK_FUNCTIONS[options.task](loaded, options)
     header = {"task": options.task, "checkpoint": loaded.source, "step": loaded.step,
               "variant": loaded.config.model.variant}
@@ -55,7 +56,7 @@ def run(argv: Sequence[str]) -> Path:
     """The command line: run the task, print its table, return the JSON path. Raises
     `DeviceMemoryError` where the model or the task's arrays do not fit in device memory."""
     options, overrides = parse_args(argv)
-    with fit_or_explain(options.memory_advice(devices_here())):
+    with fit_or_explain(options.memory_advice(*eval_devices(overrides))):
         report, path = run_task(options, overrides)
     print(format_table([("task", options.task), *report.table, ("json", str(path))]))
     for note in report.notes:

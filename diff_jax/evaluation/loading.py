@@ -3,15 +3,17 @@ exported parameters-only directory, with the command line's config overrides app
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-
+from flax import linen as nn
+from jax.sharding import Mesh
 
 from diff_jax import checkpoint
 from diff_jax.checkpoint import CheckpointError
@@ -21,10 +23,12 @@ from diff_jax.data import encoding
 from diff_jax.data.tokenizer import Encoding, mismatch, recorded_identity
 from diff_jax.evaluation.options import EvalError, EvalOptions
 from diff_jax.export import ExportError
-from diff_jax.export.sources import EVAL_DIR, LOADABLE, abstract_params, locate, read_source
+from diff_jax.export.sources import (EVAL_DIR, LOADABLE, abstract_params, locate, read_source,
+                                     shardings_of)
 from diff_jax.file_errors import describe
 from diff_jax.platforms import use_compile_cache
-from diff_jax.transformer import in_layout
+from diff_jax.sharding import Rules, make_mesh, mesh_shape
+from diff_jax.transformer import in_layout, in_layout_placed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +46,20 @@ class Loaded:
     # the `tokenizer.identity` the parameters were trained with, where recorded (a checkpoint's
     # training data, an export's `trained_tokenizer`), which `text_encoding` holds data.tokenizer to
     trained_tokenizer: dict[str, Any] | None = None
+    # the mesh the parameters are sharded over and the task runs on (`config.mesh`: eval's
+    # mesh.* over this process's devices); None: this process's first device
+    mesh: Mesh | None = None
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """The mesh and `config.mesh.rules` as the context the task's programs are traced and
+        run in (the model's logical-axis constraints and the attention op read them); nothing
+        without a mesh."""
+        if self.mesh is None:
+            yield
+            return
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.config.mesh.rules):
+            yield
 
 
 def text_encoding(loaded: Loaded) -> Encoding:
@@ -93,6 +111,52 @@ def _last_override(overrides: Sequence[str], dotted: str) -> Any:
     return found
 
 
+def eval_mesh(overrides: Sequence[str]) -> tuple[Mesh | None, Rules]:
+    """(mesh, rules) eval runs on: `mesh.*` as given in `overrides` over the defaults
+    (`MeshConfig`: data=-1, fsdp=1, tensor=1, the default rules), the mesh over this process's
+    devices, or None (this process's first device) where `overrides` name no `mesh.*` key. The
+    run's own mesh section is not used: it describes the devices it trained on. `ShardingError`
+    where the sizes do not fit the devices; `ConfigError` for a value that is no mesh setting."""
+    named = [text for text in overrides if parse_override(text)[0][0] == "mesh"]
+    config = from_dict(apply_overrides(Config().to_dict(), named)).mesh
+    return (make_mesh(config) if named else None), config.rules
+
+
+def eval_devices(overrides: Sequence[str]) -> tuple[str, str | None]:
+    """(the devices eval runs on as the memory advice names them, how to spread the task over
+    more of them or None where none are left), for `EvalOptions.memory_advice`."""
+    n, platform = jax.local_device_count(), jax.local_devices()[0].platform
+    named = [text for text in overrides if parse_override(text)[0][0] == "mesh"]
+    if not named:
+        if n == 1:
+            return f"1 {platform} device(s)", None
+        return (f"1 of the {n} {platform} devices here",
+                f"shard the parameters over all {n} with mesh.data=1 mesh.fsdp=-1")
+    mesh = from_dict(apply_overrides(Config().to_dict(), named)).mesh
+    sizes = mesh_shape(mesh, n)
+    split = sizes["fsdp"] * sizes["tensor"]
+    spread = (f"shard the parameters over more of them (mesh.fsdp × mesh.tensor = {split} of "
+              f"{n})") if split < n else None
+    shape = ", ".join(f"{axis}={size}" for axis, size in sizes.items())
+    return f"{n} {platform} device(s) (mesh {shape})", spread
+
+
+def _eval_mesh_section(saved: dict) -> dict:
+    """The saved config `saved` with the defaults for its mesh section, which eval's `mesh.*`
+    overrides apply to (`eval_mesh`)."""
+    return {**saved, "mesh": Config().to_dict()["mesh"]}
+
+
+def _placed(params: Any, config: Config, mesh: Mesh | None) -> Any:
+    """`params` in `config.model`'s layer layout (`in_layout`); with a mesh, each array on its
+    sharding over it, one parameter's stack of layers converted at a time
+    (`in_layout_placed`)."""
+    if mesh is None:
+        return in_layout(params, config.model)
+    target = abstract_params(config.model, mesh, config.mesh.rules)
+    return in_layout_placed(params, config.model, shardings_of(target))
+
+
 def _check_same_model(saved: ModelConfig, config: ModelConfig, what: str) -> None:
     """`EvalError` naming the first field (`ModelConfig.difference`) in which an override makes
     `config` another model than `saved`, the model whose parameters `what` holds. Where the
@@ -126,8 +190,9 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
     if location is None:
         raise CheckpointError(f"{key}={path}: neither a run directory nor an export; "
                               f"expected {LOADABLE}")
+    mesh, rules = eval_mesh(overrides)
     if location.export is not None:
-        return _load_export(path, key, options, overrides)
+        return _load_export(path, key, options, overrides, mesh, rules)
     step = options.step
     if location.step is not None:
         if step is not None and step != location.step:
@@ -139,7 +204,7 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
     config: list[Config] = []
 
     def target(saved: dict) -> Any:
-        config.append(from_dict(apply_overrides(saved, overrides)))
+        config.append(from_dict(apply_overrides(_eval_mesh_section(saved), overrides)))
         try:
             trained = from_dict(saved).model
         except ConfigError:  # a config of an older diff-jax: its shapes are checked after this
@@ -150,7 +215,7 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
         model = config[0].model  # read in the layout it was saved in (model.scan_layers)
         if trained is not None:
             model = dataclasses.replace(model, scan_layers=trained.scan_layers)
-        return abstract_params(model)
+        return abstract_params(model, mesh, rules)
 
     def ask_for(other: int) -> str:  # a step directory's name would contradict step=N
         way = (f"{key}={run_dir / 'checkpoints' / str(other)}" if location.step is not None
@@ -159,20 +224,22 @@ def load(options: EvalOptions, overrides: Sequence[str]) -> Loaded:
 
     named = step is not None  # step=N or a step directory, not whichever step is the latest
     step, _, params, training_data = checkpoint.restore_inference(run_dir, step, target, ask_for)
-    params = in_layout(params, config[0].model)
+    params = _placed(params, config[0], mesh)
     # a named step's results beside, not over, the latest step's (which a rerun would replace)
     default = run_dir / EVAL_DIR / f"step-{step}" if named else run_dir / EVAL_DIR
     out_dir = Path(options.out_dir) if options.out_dir else default
     return Loaded(config[0], params, f"{run_dir}/checkpoints/{step}", step, out_dir,
-                  trained_tokenizer=recorded_identity(training_data))
+                  trained_tokenizer=recorded_identity(training_data), mesh=mesh)
 
 
-def _load_export(path: Path, key: str, options: EvalOptions, overrides: Sequence[str]) -> Loaded:
+def _load_export(path: Path, key: str, options: EvalOptions, overrides: Sequence[str],
+                 mesh: Mesh | None, rules: Rules) -> Loaded:
     """An export directory (`diff_jax.export.sources`), named by the argument `key`: its model
-    config and parameters, its run's data section, train.seed and train.seq_len where recorded
-    (so the held-out split is the run's), the rest the defaults; the overrides on top."""
+    config and parameters (placed on `mesh` by `rules`: `eval_mesh`), its run's data section,
+    train.seed and train.seq_len where recorded (so the held-out split is the run's), the rest
+    the defaults; the overrides on top."""
     try:
-        source = read_source(path)
+        source = read_source(path, mesh, rules)
     except (OSError, ExportError) as e:
         raise CheckpointError(f"{key}={path}: {e}") from e
     if options.step not in (None, source.step):  # an export holds one step's parameters
@@ -193,7 +260,7 @@ def _load_export(path: Path, key: str, options: EvalOptions, overrides: Sequence
     _check_same_model(source.config, config.model, f"{key}={path}")
     _use_compile_cache(config)
     target = abstract_params(config.model)
-    params = in_layout(source.params, config.model)
+    params = _placed(source.params, config, mesh)
     checkpoint.check_shapes(checkpoint.tree_shapes(params), checkpoint.tree_shapes(target),
                             f"{key}={path}: ")
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
@@ -203,4 +270,5 @@ def _load_export(path: Path, key: str, options: EvalOptions, overrides: Sequence
         note = ("the export records no data section of its run (written before exports did, or "
                 "imported): the held-out text is the split that data.* as given here draws, "
                 "not necessarily documents the model never trained on")
-    return Loaded(config, params, str(path), source.step, out_dir, note, source.trained_tokenizer)
+    return Loaded(config, params, str(path), source.step, out_dir, note, source.trained_tokenizer,
+                  mesh)

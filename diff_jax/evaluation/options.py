@@ -137,9 +137,10 @@ class EvalOptions:
         if self.task == "generate" and not self.prompt:
             raise EvalError('task=generate needs prompt="..."')
 
-    def memory_advice(self, devices: str) -> str:
+    def memory_advice(self, devices: str, spread: str | None = None) -> str:
         """What to change when this task does not fit in the memory of `devices` (e.g. "1 gpu
-        device(s)"), for `device_memory.fit_or_explain`."""
+        device(s)"), for `device_memory.fit_or_explain`; `spread`: how to spread it over more
+        devices, where some are left (`loading.eval_devices`)."""
         names = MEMORY_OPTIONS[self.task]
         shown = []
         for name in names:
@@ -154,8 +155,9 @@ class EvalOptions:
                 shown.append(f"{name}={list(value) if isinstance(value, tuple) else value}")
         lowered = " or ".join(name for name in names if name != "prompt")
         shorten = " or shorten the prompt" if "prompt" in names else ""
+        more = f", or {spread}" if spread else ""
         return (f"the checkpoint's model with task={self.task}, {', '.join(shown)} does not fit "
-                f"on {devices}; lower {lowered}{shorten}")
+                f"on {devices}; lower {lowered}{shorten}{more}")
 
 
 def _same_file(a: str, b: str) -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh
 
 from diff_jax import checkpoint, summary
 from diff_jax.checkpoint import CheckpointError, DamagedCheckpointError
@@ -33,6 +34,7 @@ from diff_jax.error_text import first_line
 from diff_jax.export.errors import ExportError
 from diff_jax.export.safetensors_io import read_safetensors
 from diff_jax.export.state_dict import from_state_dict
+from diff_jax.sharding import Rules, check_divisible, tree_shardings, unboxed
 
 EXPORT_MARKER = "export.json"
 CONFIG_FILE = "config.json"
@@ -86,9 +88,22 @@ def model_config_from_json(data: Any, where: str) -> ModelConfig:
         raise ExportError(f"{where}: invalid model config: {e}") from e
 
 
-def abstract_params(config: ModelConfig) -> Any:
-    """Float32 ShapeDtypeStructs on this process's first device for the parameters of `config`."""
-    return summary.abstract_params(config, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+def abstract_params(config: ModelConfig, mesh: Mesh | None = None, rules: Rules = ()) -> Any:
+    """Float32 ShapeDtypeStructs for the parameters of `config`: on this process's first device,
+    or (`mesh` given) sharded over `mesh` by the logical-axis `rules` as training shards them;
+    `ShardingError` naming the parameter and dimension that its mesh axes do not divide."""
+    if mesh is None:
+        first = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        return summary.abstract_params(config, first)
+    boxed = summary.boxed_params(config)
+    check_divisible(boxed, mesh, rules, "parameter")
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        unboxed(boxed), tree_shardings(boxed, mesh, rules))
+
+
+def shardings_of(abstract: Any) -> Any:
+    """The tree of `abstract`'s leaves' shardings (ShapeDtypeStructs with shardings)."""
+    return jax.tree.map(lambda x: x.sharding, abstract)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +134,11 @@ def locate(path: Path) -> Location | None:
     return None
 
 
-def read_source(path: str | Path) -> Source:
-    """Read an export directory, a run directory, its `checkpoints/` directory, or one step in it."""
+def read_source(path: str | Path, mesh: Mesh | None = None, rules: Rules = ()) -> Source:
+    """Read an export directory, a run directory, its `checkpoints/` directory, or one step in it.
+    An export's parameters are placed on this process's first device, or (`mesh` given)
+    sharded over `mesh` by `rules` (`abstract_params`), each array read to its shards and never
+    whole on one device; a run's on the first device."""
     path = Path(path)
     if not path.exists():
         raise ExportError(f"{path}: no such file or directory")
@@ -130,7 +148,7 @@ def read_source(path: str | Path) -> Source:
     if location is None:
         raise ExportError(f"{path}: neither a run directory nor an export; expected {LOADABLE}")
     if location.export is not None:
-        return _read_export(path)
+        return _read_export(path, mesh, rules)
     return _read_train_checkpoint(path, location)
 
 
@@ -145,7 +163,7 @@ def read_json(path: Path, missing: str = "the export is incomplete") -> Any:
         raise ExportError(f"{path}: not valid JSON: {e}") from e
 
 
-def _read_export(path: Path) -> Source:
+def _read_export(path: Path, mesh: Mesh | None, rules: Rules) -> Source:
     info = read_json(path / EXPORT_MARKER)
     fmt = info.get("format") if isinstance(info, dict) else None
     if fmt not in ("safetensors", "orbax-params"):
@@ -165,9 +183,10 @@ def _read_export(path: Path) -> Source:
         tensors, metadata = read_safetensors(file)
         check_config_copies(config, written_config(metadata, file), path / CONFIG_FILE, file)
         verify(tensors, recorded, file)
-        params = jax.tree.map(jnp.asarray, from_state_dict(tensors, config, str(file)))
+        params = jax.device_put(from_state_dict(tensors, config, str(file)),
+                                shardings_of(abstract_params(config, mesh, rules)))
     else:
-        params = _restore_params(path / PARAMS_DIR, config, recorded)
+        params = _restore_params(path / PARAMS_DIR, config, recorded, mesh, rules)
     step, run, tokenizer = info.get("step"), info.get("run"), info.get("tokenizer")
     trained = info.get("trained_tokenizer")
     if trained is not None and recorded_identity(trained) != trained:
@@ -218,10 +237,11 @@ def check_config_copies(config: ModelConfig, written: ModelConfig | None, config
                           "export: put back the export's own files, or export the run again")
 
 
-def _restore_params(path: Path, config: ModelConfig,
-                    recorded: dict[str, str] | None) -> dict[str, Any]:
-    """A params-only orbax PyTree checkpoint -> float32 parameters, checked against `config` and
-    against the checksums `recorded` beside it (verified in the stored dtype, then cast)."""
+def _restore_params(path: Path, config: ModelConfig, recorded: dict[str, str] | None,
+                    mesh: Mesh | None, rules: Rules) -> dict[str, Any]:
+    """A params-only orbax PyTree checkpoint -> float32 parameters placed as `abstract_params`
+    places them, checked against `config` and against the checksums `recorded` beside it
+    (verified in the stored dtype, then cast)."""
     if not path.is_dir():
         raise ExportError(f"{path}: missing; the export is incomplete")
     with ocp.PyTreeCheckpointer() as checkpointer:  # closed on every way out
@@ -232,7 +252,7 @@ def _restore_params(path: Path, config: ModelConfig,
         except (OSError, ValueError, AttributeError, TypeError) as e:
             raise ExportError(f"{path}: not a readable orbax checkpoint: {type(e).__name__}: "
                               f"{e}") from e
-        target = abstract_params(config)
+        target = abstract_params(config, mesh, rules)
         checkpoint.check_shapes(checkpoint.tree_shapes(saved), checkpoint.tree_shapes(target),
                                 f"{path}: ", ExportError)
         keystr = jax.tree_util.keystr

@@ -90,8 +90,16 @@ def _params(run: Path):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_ppl(runs, variant):
+def test_ppl(runs, variant, monkeypatch, capsys):
+    """Fields and their relations; progress (a line a batch here, off a terminal with no
+    interval) counts the held-out rows' 2 batches, then the by-position documents' 4."""
+    from diff_jax.evaluation import report
+
+    monkeypatch.setattr(report, "PROGRESS_EVERY_S", 0)
     out = _run(runs[variant], "task=ppl", "held_out_tokens=256", "batch_size=2")
+    assert [re.search(r"\] batch (\d+/6  [a-z -]+)  ETA", line)[1]
+            for line in capsys.readouterr().err.splitlines()] == [
+        "1/6  held-out rows", "2/6  held-out rows", *(f"{n}/6  by position" for n in range(3, 7))]
     assert out["variant"] == variant and out["step"] == 1
     assert out["num_tokens"] == 2 * 2 * 64 and 1 <= out["num_documents"] <= out["split_documents"]
     assert math.isclose(out["ppl"], math.exp(out["loss"]), rel_tol=1e-9)

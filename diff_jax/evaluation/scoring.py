@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import math
 from pathlib import Path
 from collections.abc import Callable
@@ -49,11 +50,17 @@ def batch_nll(model_cfg: ModelConfig, params: Any, batch: Batch,
 
 
 def counted_nll(model_cfg: ModelConfig, params: Any, batches: list[Batch],
-                logit_bits: int | None = None) -> np.ndarray:
+                logit_bits: int | None = None, read: Callable[[], None] | None = None
+                ) -> np.ndarray:
     """(n,) the NLL of every counted target of `batches` (`loss_mask`: all targets of a corpus
-    without a loss mask), batch by batch in row-major order; `logit_bits` as in `batch_nll`."""
-    return np.concatenate([batch_nll(model_cfg, params, b, logit_bits)[b["loss_mask"] != 0]
-                           for b in batches])
+    without a loss mask), batch by batch in row-major order; `logit_bits` as in `batch_nll`.
+    `read`, where given, is called after each batch."""
+    nll = []
+    for b in batches:
+        nll.append(batch_nll(model_cfg, params, b, logit_bits)[b["loss_mask"] != 0])
+        if read is not None:
+            read()
+    return np.concatenate(nll)
 
 
 def eval_length(config: Config, options: EvalOptions, default: int | None = None) -> int:
@@ -112,23 +119,35 @@ def fewer_rows_note(batches: list[Batch], asked: int, asked_as: str) -> list[str
             f"{asked_as}"]
 
 
-def nll_by_position(model_cfg: ModelConfig, params: Any, corpus: TokenCorpus, length: int,
-                    max_docs: int, batch_size: int) -> tuple[np.ndarray, int]:
-    """((length,) mean NLL at each position 0..length−1, number of documents) over the first
-    `max_docs` documents of at least length + 1 tokens, each read from its start (the paper's
-    Figure 4)."""
+def long_documents(corpus: TokenCorpus, length: int, max_docs: int) -> np.ndarray:
+    """The indices of the first `max_docs` documents of `corpus` of at least length + 1
+    tokens, which `nll_by_position` reads."""
     starts, ends = corpus.doc_starts[:-1], corpus.doc_starts[1:]
-    long_docs = np.flatnonzero(ends - starts >= length + 1)[:max_docs]
+    return np.flatnonzero(ends - starts >= length + 1)[:max_docs]
+
+
+def nll_by_position(model_cfg: ModelConfig, params: Any, corpus: TokenCorpus, length: int,
+                    max_docs: int, batch_size: int, read: Callable[[], None] | None = None
+                    ) -> tuple[np.ndarray, int]:
+    """((length,) mean NLL at each position 0..length−1, number of documents) over the first
+    `max_docs` documents of at least length + 1 tokens (`long_documents`), each read from its
+    start (the paper's Figure 4), in batches of `batch_size` rows (the last one padded);
+    `read`, where given, is called after each batch."""
+    long_docs = long_documents(corpus, length, max_docs)
     if len(long_docs) == 0:
         return np.zeros(0), 0
+    starts = corpus.doc_starts
     rows = np.stack([np.asarray(corpus.tokens[starts[i]: starts[i] + length + 1], np.int32)
                      for i in long_docs])
     model = DecoderLM(model_cfg)
     padded = rows[np.arange(len(rows) + -len(rows) % batch_size) % len(rows)]  # whole batches
-    nll = np.concatenate([np.asarray(token_nll(model, params, jnp.asarray(chunk[:, :-1]),
-                                               jnp.asarray(chunk[:, 1:])))
-                          for chunk in np.split(padded, len(padded) // batch_size)])
-    return nll[: len(rows)].mean(axis=0), len(long_docs)
+    nll = []
+    for chunk in np.split(padded, len(padded) // batch_size):
+        nll.append(np.asarray(token_nll(model, params, jnp.asarray(chunk[:, :-1]),
+                                        jnp.asarray(chunk[:, 1:]))))
+        if read is not None:
+            read()
+    return np.concatenate(nll)[: len(rows)].mean(axis=0), len(long_docs)
 
 
 def ppl(loaded: Loaded, options: EvalOptions) -> Report:
@@ -138,12 +157,19 @@ def ppl(loaded: Loaded, options: EvalOptions) -> Report:
     length = eval_length(cfg, options)
     corpus = held_out_corpus(loaded)
     rows = held_out_rows(corpus, length, options.batch_size, options.held_out_tokens)
-    nll = counted_nll(cfg.model, loaded.params, rows.batches)
-    loss = float(nll.mean())
     masked = corpus.loss_mask is not None
-    by_pos, n_docs = (np.zeros(0), 0) if masked else nll_by_position(
-        cfg.model, loaded.params, corpus, length, options.batch_size * options.batches,
-        options.batch_size)
+    max_docs = options.batch_size * options.batches
+    by_pos_batches = 0 if masked else -(-len(long_documents(corpus, length, max_docs))
+                                        // options.batch_size)
+    total = len(rows.batches) + by_pos_batches
+    with progress(total, "batch") as bar:
+        done = itertools.count(1)
+        nll = counted_nll(cfg.model, loaded.params, rows.batches,
+                          read=lambda: bar.draw(next(done), "held-out rows"))
+        by_pos, n_docs = (np.zeros(0), 0) if masked else nll_by_position(
+            cfg.model, loaded.params, corpus, length, max_docs, options.batch_size,
+            read=lambda: bar.draw(next(done), "by position"))
+    loss = float(nll.mean())
     cumulative = np.cumsum(by_pos) / np.arange(1, len(by_pos) + 1)
     report = Report(
         {"length": length, "num_tokens": int(nll.size), "num_documents": rows.documents,

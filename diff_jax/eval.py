@@ -2,13 +2,14 @@
 
 Where diff-jax is installed and from a clone's root alike; a clone's `python eval.py` is the same
 command.
-Tasks: ppl, score (input=FILE), niah, recall, attention, outliers, quant, generate (prompt="..."),
-choice (input=ITEMS.jsonl), icl (input=EXAMPLES.jsonl);
+Tasks: ppl, score (input=FILE), niah, recall, attention, outliers, quant, generate (prompt="..."
+or input=PROMPTS.jsonl), choice (input=ITEMS.jsonl), icl (input=EXAMPLES.jsonl);
 or checkpoint=PATH (a run, a step directory RUN/checkpoints/N, or a safetensors or orbax-params
 export) instead of train.run_dir, and step=N for another step of a run. Writes RUN/eval/NAME.json
 (a step named by step=N or its directory: RUN/eval/step-N/NAME.json; out_dir=DIR: DIR/NAME.json).
 It runs on the first device; mesh.* shards the parameters over this machine's devices
-(mesh.data=1 mesh.fsdp=-1: each parameter split over all of them). Every task's keys and defaults: docs/evaluation.md in diff-jax's source, which the package does
+(mesh.data=1 mesh.fsdp=-1: each parameter split over all of them).
+Every task's keys and defaults: docs/evaluation.md in diff-jax's source, which the package does
 not install (a key no task takes is refused with the list of those that are). Exit status: 0
 done, 2 bad input (arguments, config, a missing or damaged checkpoint, a file that cannot be read
 or written, a task too big for the devices' memory), 1 a result that is NaN (the JSON is still

@@ -1132,6 +1132,77 @@ def test_sampled_continuations_follow_the_temperature_filters_and_seed(runs):
     assert sampled != engine(SamplingConfig(), 3)
 
 
+def test_a_prompt_file_is_continued_a_batch_at_a_time(runs, tmp_path, monkeypatch, capsys):
+    """input=PROMPTS.jsonl: each prompt greedily continued is the engine's continuation of it
+    alone (5 prompts of other lengths, batches of 2, the last one short); every record names
+    its line; progress counts the prompts."""
+    from diff_jax.evaluation import report
+
+    monkeypatch.setattr(report, "PROGRESS_EVERY_S", 0)
+    texts = ["def main(", "x", "import numpy as np\nimport jax", "class A:", "hello world"]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": t}) + "\n" + ("\n" if i == 1 else "")
+                            for i, t in enumerate(texts)))
+    out = _run(runs["diff"], "task=generate", f"input={path}", "batch_size=2", "max_new_tokens=5")
+    assert out["num_prompts"] == 5 and out["batch_size"] == 2 and out["input"] == str(path)
+    assert [c["line"] for c in out["completions"]] == [1, 2, 4, 5, 6]  # line 3 is blank
+    loaded = _params(runs["diff"])
+    for text, got in zip(texts, out["completions"]):
+        ids = ENC.encode_ordinary(text)
+        new = generate(loaded.config.model, loaded.params, [ids], max_new_tokens=5,
+                       eos_id=ENC.eot_token)[0]
+        assert (got["prompt"], got["prompt_tokens"], got["new_tokens"]) == (text, len(ids), new)
+        assert got["completion"] == ENC.decode(ids + new)[len(text):]
+    assert [re.search(r"\] prompt (\d+/5)  ETA", line)[1]
+            for line in capsys.readouterr().err.splitlines()] == ["2/5", "4/5", "5/5"]
+
+
+def test_a_prompt_file_samples_each_batch_with_its_own_seed(runs, tmp_path):
+    """Sampled (temperature 1): batch k is the engine's sample of its prompts with seed
+    `batch_seed(seed, k)`. The same prompt as the first row of two batches is continued
+    differently; with one seed for every batch it got the same draws, and its continuation
+    was the same."""
+    from diff_jax.evaluation.generation import batch_seed
+    from diff_jax.generate import SamplingConfig
+
+    texts = ["def main(", "x", "def main(", "y"]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    out = _run(runs["transformer"], "task=generate", f"input={path}", "batch_size=2",
+               "max_new_tokens=6", "temperature=1.0", "seed=7")
+    loaded = _params(runs["transformer"])
+    got = [c["new_tokens"] for c in out["completions"]]
+    for k in (0, 1):
+        want = generate(loaded.config.model, loaded.params,
+                        [ENC.encode_ordinary(t) for t in texts[2 * k: 2 * k + 2]],
+                        max_new_tokens=6, sampling=SamplingConfig(1.0), seed=batch_seed(7, k),
+                        eos_id=ENC.eot_token)
+        assert got[2 * k: 2 * k + 2] == want
+    assert got[0] != got[2]
+    assert len({batch_seed(7, k) for k in range(100)} | {batch_seed(8, 0)}) == 101
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"prompt": "a"}\n{"text": "b"}\n', r':2: not an object with a string "prompt"; expected '
+                                         r'\{"prompt": str\}$'),
+    ('{"prompt": ""}\n', r":1: the prompt is empty; expected"),
+    ('{"prompt": "a"}\n{"prompt": "' + "word " * 200 + '"}\n',
+     r":2: the prompt's 201 tokens \+ max_new_tokens=64 exceed model.max_seq_len \(128\); "
+     "shorten it or lower max_new_tokens$"),
+    ("\n", r": holds no item; expected one \{\"prompt\": str\} a line$"),
+])
+def test_a_prompt_file_s_bad_line_is_one_error_naming_it(runs, tmp_path, capsys, content,
+                                                          message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(content)
+    assert eval_main(["task=generate", f"input={path}", f"train.run_dir={runs['diff']}",
+                      f"out_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.match(f"error: input={re.escape(str(path))}{message}",
+                                              err.rstrip("\n")), err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_continuation_stopped_at_end_of_text_leaves_it_out_of_the_text(runs, monkeypatch):
     """The engine's new tokens end with end-of-text (stubbed: " world" then it): the JSON keeps
     every id and says it stopped there, the completion text is " world" without
@@ -1504,6 +1575,10 @@ def test_a_task_too_big_for_device_memory_is_one_error_line(runs, tmp_path, caps
     assert options.memory_advice("1 gpu device(s)").endswith(
         "task=generate, max_new_tokens=64, a prompt of 6 characters does not fit on 1 gpu "
         "device(s); lower max_new_tokens or shorten the prompt")
+    options = EvalOptions(task="generate", input="prompts.jsonl")
+    assert options.memory_advice("1 gpu device(s)").endswith(
+        "task=generate, batch_size=4, max_new_tokens=64 does not fit on 1 gpu device(s); lower "
+        "batch_size or max_new_tokens")
 
 
 def test_a_result_write_cut_short_leaves_the_earlier_result(runs, tmp_path, monkeypatch, capsys):
@@ -1720,8 +1795,14 @@ def test_score_input_that_is_not_an_npy_array_is_one_error(runs, tmp_path, capsy
     (["task=quant", "bits=[]"], r"^bits=\[\]: expected one or more widths in \[2, 32\]$"),
     (["task=quant", "bits=[8,129]"],
      r"^bits=\[8, 129\]: expected one or more widths in \[2, 32\]$"),
-    (["task=generate"], r'^task=generate needs prompt="\.\.\."$'),
-    (["task=generate", "prompt="], r'^task=generate needs prompt="\.\.\."$'),
+    (["task=generate"], r'^task=generate needs prompt="\.\.\." or input=PROMPTS\.jsonl \(one '
+                        r'\{"prompt": str\} a line\), got neither$'),
+    (["task=generate", "prompt=hi", "input=p.jsonl"],
+     r'^task=generate needs prompt="\.\.\." or input=PROMPTS\.jsonl .*, not both$'),
+    (["task=generate", "input=p.txt"], r'^task=generate needs input=FILE\.jsonl \(one '
+                                       r'\{"prompt": str\} a line\), got input=p\.txt$'),
+    (["task=generate", "prompt="], r"^prompt=: empty; task=generate continues a prompt of one "
+                                   "or more characters$"),
     (["task=ppl", "batches"], r"^argument 'batches': expected key=value$"),
     (["task=ppl", "batch_size=four"], r"^batch_size: expected an integer, got 'four'$"),
     (["batch_size=2"], r"^missing task=NAME; tasks: ppl, score, niah"),

@@ -16,6 +16,7 @@ TASKS = ("ppl", "score", "niah", "attention", "outliers", "quant", "generate", "
 JSONL_INPUTS = {  # the tasks whose input is a .jsonl file: what it holds
     "choice": "one multiple-choice item a line",
     "icl": 'one {"text": str, "label": str} example a line',
+    "generate": 'one {"prompt": str} a line',
 }
 # icl: demonstrations in random order, each label's together, or taking turns by label
 ARRANGEMENTS = ("random", "grouped", "alternating")
@@ -23,7 +24,7 @@ PATH_OPTIONS: dict[str, str] = {  # the options naming a file or directory: what
     "checkpoint": "a run, a step directory RUN/checkpoints/N or an export (or leave it out and "
                   "give train.run_dir=RUN)",
     "out_dir": "a directory (or leave it out: the checkpoint's eval/)",
-    "input": "a .txt or .npy file (choice, icl: a .jsonl file of items)",
+    "input": "a .txt or .npy file (choice, icl, generate: a .jsonl file)",
     "output": "a .npy file (or leave it out: OUT_DIR/score.npy)",
 }
 
@@ -33,7 +34,7 @@ PATH_OPTIONS: dict[str, str] = {  # the options naming a file or directory: what
 MEMORY_OPTIONS: dict[str, tuple[str, ...]] = {
     "ppl": ("batch_size", "length"), "score": ("length",), "niah": ("batch_size", "lengths"),
     "attention": ("lengths",), "outliers": ("batch_size", "length"),
-    "quant": ("batch_size", "length", "lengths"), "generate": ("max_new_tokens", "prompt"),
+    "quant": ("batch_size", "length", "lengths"), "generate": ("batch_size", "max_new_tokens", "prompt"),
     "recall": ("batch_size", "lengths"), "choice": ("batch_size", "length"),
     "icl": ("batch_size", "length"),
 }
@@ -125,8 +126,13 @@ class EvalOptions:
                                 "scores are written as a NumPy array)")
             if self.input is not None and _same_file(self.output, self.input):
                 raise EvalError(f"output={self.output}: is the input file; name another")
-        if self.task in JSONL_INPUTS and (self.input is None
-                                          or Path(self.input).suffix != ".jsonl"):
+        if self.task == "generate" and (self.prompt is None) == (self.input is None):
+            raise EvalError('task=generate needs prompt="..." or input=PROMPTS.jsonl (one '
+                            '{"prompt": str} a line), '
+                            + ("not both" if self.input is not None else "got neither"))
+        reads_jsonl = self.task != "generate" or self.input is not None  # else its prompt
+        if self.task in JSONL_INPUTS and reads_jsonl and (self.input is None
+                                                          or Path(self.input).suffix != ".jsonl"):
             raise EvalError(f"task={self.task} needs input=FILE.jsonl ({JSONL_INPUTS[self.task]}), "
                             f"got input={self.input}")
         if any(n < 0 for n in self.shots) or len(set(self.shots)) < len(self.shots):
@@ -134,8 +140,9 @@ class EvalOptions:
         if self.arrangement not in ARRANGEMENTS:
             raise EvalError(f"arrangement={self.arrangement}: expected one of "
                             f"{', '.join(ARRANGEMENTS)}")
-        if self.task == "generate" and not self.prompt:
-            raise EvalError('task=generate needs prompt="..."')
+        if self.task == "generate" and self.prompt == "":
+            raise EvalError('prompt=: empty; task=generate continues a prompt of one or more '
+                            'characters')
 
     def memory_advice(self, devices: str, spread: str | None = None) -> str:
         """What to change when this task does not fit in the memory of `devices` (e.g. "1 gpu
@@ -143,6 +150,8 @@ class EvalOptions:
         devices, where some are left (`loading.eval_devices`)."""
         names = MEMORY_OPTIONS[self.task]
         shown = []
+        if self.task == "generate":  # a prompt, or a file's prompts batch_size at a time
+            names = tuple(n for n in names if n != ("prompt" if self.input else "batch_size"))
         for name in names:
             value = getattr(self, name)
             if name == "prompt":

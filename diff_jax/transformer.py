@@ -187,6 +187,31 @@ def in_layout_placed(tree, config: ModelConfig, shardings):
     return jax.tree.map(convert, tree, shardings, is_leaf=_holds_layers)
 
 
+# the parameters the model reads only after casting them to `model.dtype`: the projections'
+# kernels (nn.Dense's dtype), the embedding (each row looked up is cast) and the LM head
+CAST_AT_USE = ("kernel", "embed", "lm_head")
+
+
+def in_compute_dtype(params, config: ModelConfig):
+    """`params` (unboxed, either layout) for inference: each array of `CAST_AT_USE` stored in
+    `config.dtype`, which the model casts it to before reading it, so that the outputs are the
+    same bit for bit from half the memory under bfloat16; the norm scales and the λ vectors
+    (read in float32) stay as they are. A cast array that is a jax array is deleted once its
+    copy is made, so the devices hold the tree and one array more at the peak. Training keeps
+    float32 parameters: the optimizer updates them."""
+    dtype = jnp.dtype(config.dtype)
+
+    def cast(path, x):
+        if getattr(path[-1], "key", None) not in CAST_AT_USE or x.dtype == dtype:
+            return x
+        y = x.astype(dtype)
+        if isinstance(x, jax.Array):
+            x.delete()
+        return y
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 def _stack(*parts: jax.Array) -> jax.Array:
     return jnp.stack(parts)
 

@@ -1307,6 +1307,38 @@ def test_eval_on_a_mesh_shards_the_parameters_and_computes_what_one_device_does(
         _close(json.loads(path.read_text()), one, args[0])
 
 
+def test_a_bfloat16_model_s_kernels_are_read_in_bfloat16_with_the_same_results(
+        runs, tmp_path, monkeypatch):
+    """model.dtype=bfloat16: the kernels, the embedding and the LM head are loaded in bfloat16
+    (the model casts them so before reading them), the norm scales and λ vectors in float32,
+    and the parameters take under 55% of float32's bytes; ppl, generate, choice and attention
+    report bit for bit what float32 parameters (the cast left out) report."""
+    from diff_jax.evaluation import loading
+    from diff_jax.evaluation.loading import load
+
+    run = runs["diff"]
+    args = ("model.dtype=bfloat16",)
+    loaded = load(*parse_args(["task=ppl", f"train.run_dir={run}", *args]))
+    kinds = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(loaded.params)[0]:
+        kinds.setdefault(str(x.dtype), set()).add(path[-1].key)
+    assert kinds["bfloat16"] == {"kernel", "embed"}
+    assert kinds["float32"] == {"scale", "lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"}
+    f32 = sum(x.size * 4 for x in jax.tree.leaves(loaded.params))
+    assert sum(x.nbytes for x in jax.tree.leaves(loaded.params)) < 0.55 * f32
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps(i) + "\n" for i in CHOICE_ITEMS))
+    tasks = [("task=ppl", "held_out_tokens=256", "batch_size=2"),
+             ("task=generate", "prompt=def main(", "max_new_tokens=6"),
+             ("task=choice", f"input={items}", "length=24", "batch_size=3"),
+             ("task=attention", "samples=1", "needles=2", "depths=[0,100]")]
+    cast = {task[0]: _run(run, *task, *args) for task in tasks}
+    monkeypatch.setattr(loading, "in_compute_dtype", lambda params, config: params)
+    for task in tasks:
+        got = _run(run, *task, *args)
+        assert got == cast[task[0]], task[0]
+
+
 def test_a_task_on_a_mesh_is_traced_inside_it_with_its_rules(runs, tmp_path, monkeypatch):
     """What the model's logical-axis constraints and the attention op read (a kernel, which
     XLA cannot partition, runs under shard_map over the context mesh): inside a task the

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import Mesh
 
@@ -28,7 +27,7 @@ from diff_jax.export.sources import (EVAL_DIR, LOADABLE, abstract_params, locate
 from diff_jax.file_errors import describe
 from diff_jax.platforms import use_compile_cache
 from diff_jax.sharding import Rules, make_mesh, mesh_shape
-from diff_jax.transformer import in_layout, in_layout_placed
+from diff_jax.transformer import in_compute_dtype, in_layout, in_layout_placed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +35,9 @@ class Loaded:
     """What a task evaluates: the config, the parameters, and where they came from and go."""
 
     config: Config  # the saved config with the overrides applied
-    params: Any  # float32 parameters on the default device
+    # the parameters on the first device or `mesh`: float32, the matmul kernels, embedding and
+    # head in model.dtype (`in_compute_dtype`)
+    params: Any
     source: str  # what was loaded (for the report)
     step: int | None  # the training step (an export's where it records it, else None)
     out_dir: Path  # where the task writes its outputs
@@ -148,13 +149,16 @@ def _eval_mesh_section(saved: dict) -> dict:
 
 
 def _placed(params: Any, config: Config, mesh: Mesh | None) -> Any:
-    """`params` in `config.model`'s layer layout (`in_layout`); with a mesh, each array on its
-    sharding over it, one parameter's stack of layers converted at a time
-    (`in_layout_placed`)."""
+    """`params` (float32 jax arrays) as the tasks read them: in `config.model`'s layer layout
+    (`in_layout`; with a mesh, each array on its sharding over it, one parameter's stack of
+    layers converted at a time: `in_layout_placed`), those the model reads in `model.dtype`
+    stored in it (`in_compute_dtype`)."""
     if mesh is None:
-        return in_layout(params, config.model)
-    target = abstract_params(config.model, mesh, config.mesh.rules)
-    return in_layout_placed(params, config.model, shardings_of(target))
+        params = in_layout(params, config.model)
+    else:
+        target = abstract_params(config.model, mesh, config.mesh.rules)
+        params = in_layout_placed(params, config.model, shardings_of(target))
+    return in_compute_dtype(params, config.model)
 
 
 def _check_same_model(saved: ModelConfig, config: ModelConfig, what: str) -> None:
@@ -263,7 +267,6 @@ def _load_export(path: Path, key: str, options: EvalOptions, overrides: Sequence
     params = _placed(source.params, config, mesh)
     checkpoint.check_shapes(checkpoint.tree_shapes(params), checkpoint.tree_shapes(target),
                             f"{key}={path}: ")
-    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     out_dir = Path(options.out_dir) if options.out_dir else path / EVAL_DIR
     note = None
     if "train" not in (source.run or {}):

@@ -1399,6 +1399,30 @@ def test_a_parameter_its_mesh_axes_do_not_divide_is_named_before_anything_is_rea
         abstract_params(model, make_mesh(mesh_config), mesh_config.rules)
 
 
+def test_an_export_its_mesh_axes_do_not_divide_is_refused_before_its_tensors_are_read(
+        text_dir, tmp_path, monkeypatch, capsys):
+    """A safetensors export of a model whose embed (36) fsdp 8 does not divide: eval on that
+    mesh is the one error line naming the parameter, before model.safetensors is read (it was
+    read whole and its checksums summed first: minutes for a 13B model's 52 GB)."""
+    from diff_jax.export import export, sources
+
+    run = tmp_path / "run"
+    _write_init_checkpoint(load_config(None, [*_overrides(text_dir, run, "transformer"),
+                                              "model.embed_dim=36"]))
+    exp = export(run, tmp_path / "exp", "safetensors")
+
+    def not_read(*args, **kwargs):
+        raise AssertionError("model.safetensors was read")
+
+    monkeypatch.setattr(sources, "read_safetensors", not_read)
+    assert eval_main(["task=ppl", f"checkpoint={exp}", "mesh.data=1", "mesh.fsdp=8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "error: parameter ['embed']: dimension 1 ('embed', size 36) is not divisible by mesh "
+        "axes 'fsdp' (size 8)"), err
+    assert not (exp / "eval").exists()
+
+
 @pytest.mark.parametrize("mesh, message", [
     (("mesh.data=3",), r"error: mesh \{'data': 3, 'fsdp': 1, 'tensor': 1\} needs 3 devices, but 8 "
                        "are present"),

@@ -176,6 +176,9 @@ def _read_export(path: Path, mesh: Mesh | None, rules: Rules) -> Source:
     data = read_json(path / CONFIG_FILE)
     verify_json(data, recorded, path / CONFIG_FILE)
     config = model_config_from_json(data, str(path / CONFIG_FILE))
+    # before the tensors are read: a mesh whose axes do not divide a parameter is refused at
+    # once, not after the whole file was read and summed
+    target = abstract_params(config, mesh, rules)
     if fmt == "safetensors":
         file = path / SAFETENSORS_FILE
         if not file.is_file():
@@ -183,10 +186,9 @@ def _read_export(path: Path, mesh: Mesh | None, rules: Rules) -> Source:
         tensors, metadata = read_safetensors(file)
         check_config_copies(config, written_config(metadata, file), path / CONFIG_FILE, file)
         verify(tensors, recorded, file)
-        params = jax.device_put(from_state_dict(tensors, config, str(file)),
-                                shardings_of(abstract_params(config, mesh, rules)))
+        params = jax.device_put(from_state_dict(tensors, config, str(file)), shardings_of(target))
     else:
-        params = _restore_params(path / PARAMS_DIR, config, recorded, mesh, rules)
+        params = _restore_params(path / PARAMS_DIR, target, recorded)
     step, run, tokenizer = info.get("step"), info.get("run"), info.get("tokenizer")
     trained = info.get("trained_tokenizer")
     if trained is not None and recorded_identity(trained) != trained:
@@ -237,11 +239,10 @@ def check_config_copies(config: ModelConfig, written: ModelConfig | None, config
                           "export: put back the export's own files, or export the run again")
 
 
-def _restore_params(path: Path, config: ModelConfig, recorded: dict[str, str] | None,
-                    mesh: Mesh | None, rules: Rules) -> dict[str, Any]:
-    """A params-only orbax PyTree checkpoint -> float32 parameters placed as `abstract_params`
-    places them, checked against `config` and against the checksums `recorded` beside it
-    (verified in the stored dtype, then cast)."""
+def _restore_params(path: Path, target: Any, recorded: dict[str, str] | None) -> dict[str, Any]:
+    """A params-only orbax PyTree checkpoint -> float32 parameters placed as `target` (the
+    model's `abstract_params`) places them, checked against its shapes and against the checksums
+    `recorded` beside it (verified in the stored dtype, then cast)."""
     if not path.is_dir():
         raise ExportError(f"{path}: missing; the export is incomplete")
     with ocp.PyTreeCheckpointer() as checkpointer:  # closed on every way out
@@ -252,7 +253,6 @@ def _restore_params(path: Path, config: ModelConfig, recorded: dict[str, str] | 
         except (OSError, ValueError, AttributeError, TypeError) as e:
             raise ExportError(f"{path}: not a readable orbax checkpoint: {type(e).__name__}: "
                               f"{e}") from e
-        target = abstract_params(config, mesh, rules)
         checkpoint.check_shapes(checkpoint.tree_shapes(saved), checkpoint.tree_shapes(target),
                                 f"{path}: ", ExportError)
         keystr = jax.tree_util.keystr

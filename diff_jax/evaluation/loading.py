@@ -35,8 +35,8 @@ class Loaded:
     """What a task evaluates: the config, the parameters, and where they came from and go."""
 
     config: Config  # the saved config with the overrides applied
-    # the parameters on the first device or `mesh`: float32, the matmul kernels, embedding and
-    # head in model.dtype (`in_compute_dtype`)
+    # the parameters on this process's first device, or sharded over `mesh`: float32, the
+    # matmul kernels, embedding and head in model.dtype (`in_compute_dtype`)
     params: Any
     source: str  # what was loaded (for the report)
     step: int | None  # the training step (an export's where it records it, else None)

@@ -295,7 +295,9 @@ class MeshConfig:
         sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
         for name, size in sizes.items():
             _require(size == -1 or size > 0, f"mesh.{name}", "must be positive or -1 (the rest)")
-        _require(list(sizes.values()).count(-1) <= 1, "mesh", "at most one axis may be -1")
+        _require(list(sizes.values()).count(-1) <= 1, "mesh",
+                 "at most one axis may be -1 (mesh.data is -1 unless given: with mesh.fsdp=-1 or "
+                 "mesh.tensor=-1 give mesh.data=1 or another size)")
         object.__setattr__(self, "rules", tuple((k, _as_axes(v)) for k, v in self.rules))
         logical = [name for name, _ in DEFAULT_RULES]
         names = [name for name, _ in self.rules]

@@ -1426,7 +1426,8 @@ def test_an_export_its_mesh_axes_do_not_divide_is_refused_before_its_tensors_are
 @pytest.mark.parametrize("mesh, message", [
     (("mesh.data=3",), r"error: mesh \{'data': 3, 'fsdp': 1, 'tensor': 1\} needs 3 devices, but 8 "
                        "are present"),
-    (("mesh.fsdp=-1",), r"error: mesh: at most one axis may be -1"),
+    (("mesh.fsdp=-1",), r"error: mesh: at most one axis may be -1 \(mesh.data is -1 unless "
+                        r"given: with mesh.fsdp=-1 or mesh.tensor=-1 give mesh.data=1"),
 ])
 def test_a_mesh_that_does_not_fit_is_one_error_line(runs, tmp_path, capsys, mesh, message):
     assert eval_main(["task=ppl", f"train.run_dir={runs['diff']}", f"out_dir={tmp_path}",

@@ -2436,7 +2436,8 @@ def test_a_rerun_evaluates_only_jobs_of_another_step_and_adds_up_the_wall_time(t
     with pytest.raises(DeviceMemoryError, match=(
             r"^out of device memory \(.*Out of memory allocating \d+ bytes\.\): the checkpoint's "
             r"model with task=quant, batch_size=\d+, length unset \(the run's train.seq_len\), "
-            r"lengths=\[\d+\] does not fit on \d+ cpu device\(s\); lower batch_size or length or "
+            r"lengths=\[\d+\] does not fit on 1 of the 8 cpu devices here; lower batch_size or "
+            r"length or "
             r"lengths \(the preset's "
             rf"evaluation quant of {run}\)$")):
         replicate.train_and_evaluate(micro, "diff", 0, "scaled", tmp_path)

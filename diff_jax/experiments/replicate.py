@@ -65,8 +65,9 @@ from diff_jax.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NON_FINITE,
                               failed, leave, not_ignored, off_the_terminal, positive_int,
                               run_kept)
 from diff_jax.config import MAX_STEPS, Config, ConfigError, dump_config, read_yaml
-from diff_jax.device_memory import devices_here, fit_or_explain
+from diff_jax.device_memory import fit_or_explain
 from diff_jax.evaluation import EvalOptions
+from diff_jax.evaluation.loading import eval_devices
 from diff_jax.experiments import lm_report, recall_report
 from diff_jax.experiments.layout import (device_json, eval_json, field, is_a, read_corpus_meta,
                                          read_devices, read_eval, read_json, read_wall,
@@ -206,7 +207,7 @@ def train_and_evaluate(preset: Preset | RecallPreset, variant: str, seed: int, i
     if result.status == "interrupted":
         raise KeyboardInterrupt(f"{run}: training interrupted at step {result.step}")
     record_device(run)
-    devices = devices_here()
+    devices, _ = eval_devices([])  # the first device: a preset's evaluations take no mesh.*
     step, loaded = -1, None  # the jobs of one checkpoint step follow each other: one load
     for name, options in todo:
         t0 = time.perf_counter()

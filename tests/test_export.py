@@ -219,6 +219,28 @@ def test_an_orbax_params_export_loads_by_a_relative_path(diff_run, tmp_path, mon
     np.testing.assert_array_equal(logits(loaded_config, loaded), logits(config, params))
 
 
+@pytest.mark.parametrize("fmt", [None, "safetensors", "orbax-params"])
+def test_load_onto_a_mesh_shards_each_parameter_as_training_does(diff_run, tmp_path, fmt):
+    """`load(PATH, mesh)` of a run, a safetensors and an orbax-params export: every array is
+    split by the rule table (the embedding (vocab, embed) over tensor and fsdp) and the model
+    applied inside the mesh and its rules computes the logits of the one-device parameters."""
+    from jax.sharding import PartitionSpec as P
+
+    from diff_jax.config import MeshConfig
+    from diff_jax.sharding import make_mesh
+
+    run, config, params = diff_run
+    path = run if fmt is None else ex.export(run, tmp_path / "export", fmt)
+    mesh_config = MeshConfig(data=1, fsdp=4, tensor=2)
+    mesh = make_mesh(mesh_config)
+    loaded_config, loaded = ex.load(path, mesh, mesh_config.rules)
+    assert loaded["embed"].sharding.spec == P("tensor", "fsdp")
+    assert all(x.sharding.mesh == mesh for x in jax.tree.leaves(loaded))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(mesh_config.rules):
+        sharded = logits(loaded_config, loaded)
+    np.testing.assert_allclose(sharded, logits(config, params), rtol=1e-5, atol=1e-6)
+
+
 def test_reading_an_orbax_export_closes_its_checkpointer(diff_run, tmp_path, monkeypatch):
     """Loading an orbax-params export, and refusing a damaged one, closes the checkpointer it
     opened (an open one keeps its threads in a long-lived process: replicate, a server)."""

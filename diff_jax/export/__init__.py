@@ -29,7 +29,7 @@ the run's data section, train.seed and train.seq_len: `eval.py checkpoint=EXPORT
 run's own validation documents).
 `load(PATH)` reads a safetensors or orbax-params export, a run directory (its latest checkpoint),
 its `checkpoints/` directory, or one checkpoint step, and returns (model config, float32
-parameters).
+parameters), on the first device or, `load(PATH, mesh)`, sharded over a mesh.
 """
 
 from __future__ import annotations
@@ -37,17 +37,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from diff_jax.config import ModelConfig
+from jax.sharding import Mesh
+
+from diff_jax.config import DEFAULT_RULES, ModelConfig
 from diff_jax.export.errors import ExportError
 from diff_jax.export.sources import read_source
 from diff_jax.export.state_dict import from_state_dict, state_dict_shapes, to_state_dict
 from diff_jax.export.writer import DTYPES, FORMATS, export
+from diff_jax.sharding import Rules
 
 __all__ = ["DTYPES", "FORMATS", "ExportError", "export", "from_state_dict", "load",
            "state_dict_shapes", "to_state_dict"]
 
 
-def load(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
-    """(model config, float32 parameter tree for `DecoderLM.apply({"params": ...})`) from `path`."""
-    source = read_source(path)
+def load(path: str | Path, mesh: Mesh | None = None,
+         rules: Rules = DEFAULT_RULES) -> tuple[ModelConfig, dict[str, Any]]:
+    """(model config, float32 parameter tree for `DecoderLM.apply({"params": ...})`) from `path`
+    (a run, one of its steps or an export), on this process's first device, or sharded over
+    `mesh` (`diff_jax.sharding.make_mesh`) by the logical-axis `rules` as training shards them
+    (apply the model inside `jax.set_mesh(mesh)` and `flax.linen.logical_axis_rules(rules)`);
+    `ShardingError` naming a parameter whose dimension its mesh axes do not divide."""
+    source = read_source(path, mesh, rules)
     return source.config, source.params

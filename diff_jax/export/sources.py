@@ -136,9 +136,9 @@ def locate(path: Path) -> Location | None:
 
 def read_source(path: str | Path, mesh: Mesh | None = None, rules: Rules = ()) -> Source:
     """Read an export directory, a run directory, its `checkpoints/` directory, or one step in it.
-    An export's parameters are placed on this process's first device, or (`mesh` given)
-    sharded over `mesh` by `rules` (`abstract_params`), each array read to its shards and never
-    whole on one device; a run's on the first device."""
+    The parameters are placed on this process's first device, or (`mesh` given) sharded over
+    `mesh` by `rules` (`abstract_params`), never whole on one device (a safetensors file is
+    read whole into host memory first)."""
     path = Path(path)
     if not path.exists():
         raise ExportError(f"{path}: no such file or directory")
@@ -149,7 +149,7 @@ def read_source(path: str | Path, mesh: Mesh | None = None, rules: Rules = ()) -
         raise ExportError(f"{path}: neither a run directory nor an export; expected {LOADABLE}")
     if location.export is not None:
         return _read_export(path, mesh, rules)
-    return _read_train_checkpoint(path, location)
+    return _read_train_checkpoint(path, location, mesh, rules)
 
 
 def read_json(path: Path, missing: str = "the export is incomplete") -> Any:
@@ -313,15 +313,17 @@ def verify_json(value: Any, recorded: dict[str, str] | None, file: Path) -> None
         raise ExportError(str(e)) from e
 
 
-def _read_train_checkpoint(path: Path, location: Location) -> Source:
-    """The parameters of a run's step (`location`), with the model config saved beside them."""
+def _read_train_checkpoint(path: Path, location: Location, mesh: Mesh | None,
+                           rules: Rules) -> Source:
+    """The parameters of a run's step (`location`), placed as `abstract_params` places them,
+    with the model config saved beside them."""
     run_dir, step = location.run_dir, location.step
     configs: list[ModelConfig] = []
 
     def target(saved: Any) -> Any:
         model = saved.get("model") if isinstance(saved, dict) else None
         configs.append(model_config_from_json(model, f"{run_dir / 'checkpoints'} saved config"))
-        return abstract_params(configs[0])
+        return abstract_params(configs[0], mesh, rules)
 
     try:
         step, saved, params, training_data = checkpoint.restore_inference(

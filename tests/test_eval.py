@@ -411,6 +411,8 @@ def test_choice_items_end_at_a_newline_only(runs, tmp_path):
      ":2: 'label' 2 is not the index of one of its 2 choices"),
     ('{"context": "a", "choices": [" b", " c"], "label": true}', ":2: 'label' True is not"),
     ("{not json", ":2: not JSON"),
+    ('{"context": "a", "choices": [" b", " \\udc00"], "label": 0}',
+     ":2: not Unicode text (a lone surrogate \\udc00, half of a UTF-16 pair)"),
 ])
 def test_a_choice_file_with_a_bad_item_is_one_error_naming_its_line(runs, tmp_path, line, error):
     items = tmp_path / "items.jsonl"
@@ -1186,6 +1188,11 @@ def test_a_prompt_file_samples_each_batch_with_its_own_seed(runs, tmp_path):
     ('{"prompt": "a"}\n{"text": "b"}\n', r':2: not an object with a string "prompt"; expected '
                                          r'\{"prompt": str\}$'),
     ('{"prompt": ""}\n', r":1: the prompt is empty; expected"),
+    # a lone surrogate (JSON's escape of half a UTF-16 pair) is no character: it crashed the
+    # printed table after the JSON was written (exit 1), and a Hugging Face tokenizer's encode
+    ('{"prompt": "a"}\n{"prompt": "b\\ud83d"}\n',
+     r":2: not Unicode text \(a lone surrogate \\ud83d, half of a UTF-16 pair\); expected "
+     r'\{"prompt": str\}$'),
     ('{"prompt": "a"}\n{"prompt": "' + "word " * 200 + '"}\n',
      r":2: the prompt's 201 tokens \+ max_new_tokens=64 exceed model.max_seq_len \(128\); "
      "shorten it or lower max_new_tokens$"),
@@ -1985,6 +1992,18 @@ def test_a_prompt_is_taken_verbatim_not_as_yaml(prompt):
     these keys through YAML passed every test (their prompts were plain text)."""
     options, _ = parse_args(["task=generate", f"prompt={prompt}", f"out_dir={prompt}"])
     assert (options.prompt, options.out_dir) == (prompt, prompt)
+
+
+def test_a_prompt_that_is_no_unicode_text_is_refused():
+    """A byte that is no UTF-8 in the shell's argument (`prompt=$'ab\\xff'`) reaches Python as
+    U+DCFF: tiktoken encoded another text in its place, a Hugging Face tokenizer raised
+    TypeError, and the printed table a UnicodeEncodeError traceback on a UTF-8 terminal, after
+    the JSON was written."""
+    with pytest.raises(EvalError, match=r"^prompt: not Unicode text \(\\udcff: a byte the shell "
+                                        r"passed that is no UTF-8, or half of a UTF-16 pair\); "
+                                        "pass the prompt as UTF-8$"):
+        parse_args(["task=generate", "prompt=ab\udcff"])
+    assert parse_args(["task=generate", "prompt=ab\U0001f389"])[0].prompt == "ab\U0001f389"
 
 
 def test_what_to_evaluate_is_named_once_consistently(runs, tmp_path):

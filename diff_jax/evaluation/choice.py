@@ -36,7 +36,7 @@ import numpy as np
 from diff_jax.config import ModelConfig
 from diff_jax.data.tokenizer import Encoding, continuations, text_prefix
 from diff_jax.evaluation.loading import Loaded, text_encoding
-from diff_jax.evaluation.options import EvalError, EvalOptions
+from diff_jax.evaluation.options import EvalError, EvalOptions, lone_surrogate
 from diff_jax.evaluation.report import Report, progress
 from diff_jax.evaluation.scoring import eval_length
 from diff_jax.generate import decode_logits, empty_cache, prefill
@@ -76,7 +76,8 @@ def read_jsonl(path: Path, item_format: str,
                problem: Callable[[Any], str | None]) -> list[tuple[int, Any]]:
     """(line number, record) of each non-blank line of the JSONL file `path` (UTF-8, a
     newline after each); an `EvalError` naming `path` when it is missing or holds no record,
-    or naming the line for one that is not UTF-8, not JSON or has a `problem`, each ending in
+    or naming the line for one that is not UTF-8, not JSON, holds a string that is no Unicode
+    text (`lone_surrogate`) or has a `problem`, each ending in
     "expected `item_format`"."""
     if not path.is_file():
         raise EvalError(f"input={path}: no such file; expected a .jsonl file of {item_format}")
@@ -97,7 +98,9 @@ def read_jsonl(path: Path, item_format: str,
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise EvalError(f"input={path}:{n}: not JSON ({e.msg}); expected {item_format}") from e
-        why = problem(record)
+        half = lone_surrogate(record)
+        why = (f"not Unicode text (a lone surrogate {half}, half of a UTF-16 pair)" if half
+               else problem(record))
         if why is not None:
             raise EvalError(f"input={path}:{n}: {why}; expected {item_format}")
         records.append((n, record))

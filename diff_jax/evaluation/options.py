@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -143,6 +144,10 @@ class EvalOptions:
         if self.task == "generate" and self.prompt == "":
             raise EvalError('prompt=: empty; task=generate continues a prompt of one or more '
                             'characters')
+        half = None if self.prompt is None else lone_surrogate(self.prompt)
+        if half is not None:
+            raise EvalError(f"prompt: not Unicode text ({half}: a byte the shell passed that is "
+                            "no UTF-8, or half of a UTF-16 pair); pass the prompt as UTF-8")
 
     def memory_advice(self, devices: str, spread: str | None = None) -> str:
         """What to change when this task does not fit in the memory of `devices` (e.g. "1 gpu
@@ -167,6 +172,19 @@ class EvalOptions:
         more = f", or {spread}" if spread else ""
         return (f"the checkpoint's model with task={self.task}, {', '.join(shown)} does not fit "
                 f"on {devices}; lower {lowered}{shorten}{more}")
+
+
+def lone_surrogate(value: typing.Any) -> str | None:
+    """The first lone surrogate in the strings of `value` (a JSON value), escaped ("\\ud83d"),
+    or None: half of a UTF-16 pair (JSON's escape of one alone), or a byte that is no UTF-8 on
+    the command line (Python reads it as one of U+DC80–U+DCFF). No such string is Unicode text:
+    tiktoken encodes another text in its place, a Hugging Face tokenizer raises TypeError, and
+    printing it to a UTF-8 terminal raises UnicodeEncodeError."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return ascii(e.object[e.start])[1:-1]
+    return None
 
 
 def _same_file(a: str, b: str) -> bool:

@@ -1642,7 +1642,7 @@ def test_a_task_too_big_for_device_memory_is_one_error_line(runs, tmp_path, caps
     options = EvalOptions(task="generate", input="prompts.jsonl")
     assert options.memory_advice("1 gpu device(s)").endswith(
         "task=generate, batch_size=4, max_new_tokens=64 does not fit on 1 gpu device(s); lower "
-        "batch_size or max_new_tokens")
+        "batch_size or max_new_tokens or shorten the longest prompts of input=prompts.jsonl")
 
 
 def test_a_result_write_cut_short_leaves_the_earlier_result(runs, tmp_path, monkeypatch, capsys):

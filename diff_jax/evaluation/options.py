@@ -168,7 +168,10 @@ class EvalOptions:
             else:
                 shown.append(f"{name}={list(value) if isinstance(value, tuple) else value}")
         lowered = " or ".join(name for name in names if name != "prompt")
-        shorten = " or shorten the prompt" if "prompt" in names else ""
+        shorten = ""  # generate: the longest prompt sizes the KV cache with max_new_tokens
+        if self.task == "generate":
+            shorten = (" or shorten the prompt" if self.input is None
+                       else f" or shorten the longest prompts of input={self.input}")
         more = f", or {spread}" if spread else ""
         return (f"the checkpoint's model with task={self.task}, {', '.join(shown)} does not fit "
                 f"on {devices}; lower {lowered}{shorten}{more}")

@@ -16,8 +16,8 @@ from jax.sharding import Mesh
 
 from diff_jax import checkpoint
 from diff_jax.checkpoint import CheckpointError
-from diff_jax.config import (Config, ConfigError, ModelConfig, TrainConfig, apply_overrides,
-                             from_dict, is_blank_path, parse_override)
+from diff_jax.config import (Config, ConfigError, MeshConfig, ModelConfig, TrainConfig,
+                             apply_overrides, from_dict, is_blank_path, parse_override)
 from diff_jax.data import encoding
 from diff_jax.data.tokenizer import Encoding, mismatch, recorded_identity
 from diff_jax.evaluation.options import EvalError, EvalOptions
@@ -118,22 +118,26 @@ def eval_mesh(overrides: Sequence[str]) -> tuple[Mesh | None, Rules]:
     devices, or None (this process's first device) where `overrides` name no `mesh.*` key. The
     run's own mesh section is not used: it describes the devices it trained on. `ShardingError`
     where the sizes do not fit the devices; `ConfigError` for a value that is no mesh setting."""
-    named = [text for text in overrides if parse_override(text)[0][0] == "mesh"]
-    config = from_dict(apply_overrides(Config().to_dict(), named)).mesh
+    config, named = _eval_mesh_config(overrides)
     return (make_mesh(config) if named else None), config.rules
+
+
+def _eval_mesh_config(overrides: Sequence[str]) -> tuple[MeshConfig, bool]:
+    """(the `mesh.*` of `overrides` over the defaults, whether they name any)."""
+    named = [text for text in overrides if parse_override(text)[0][0] == "mesh"]
+    return from_dict(apply_overrides(Config().to_dict(), named)).mesh, bool(named)
 
 
 def eval_devices(overrides: Sequence[str]) -> tuple[str, str | None]:
     """(the devices eval runs on as the memory advice names them, how to spread the task over
     more of them or None where none are left), for `EvalOptions.memory_advice`."""
     n, platform = jax.local_device_count(), jax.local_devices()[0].platform
-    named = [text for text in overrides if parse_override(text)[0][0] == "mesh"]
+    mesh, named = _eval_mesh_config(overrides)
     if not named:
         if n == 1:
             return f"1 {platform} device(s)", None
         return (f"1 of the {n} {platform} devices here",
                 f"shard the parameters over all {n} with mesh.data=1 mesh.fsdp=-1")
-    mesh = from_dict(apply_overrides(Config().to_dict(), named)).mesh
     sizes = mesh_shape(mesh, n)
     split = sizes["fsdp"] * sizes["tensor"]
     spread = (f"shard the parameters over more of them (mesh.fsdp × mesh.tensor = {split} of "
